@@ -1,0 +1,271 @@
+//! The control and data messages that cross a link, as rkyv archives.
+//!
+//! Every message is one variant of [`Message`]. The frame header carries the variant's
+//! [`FrameKind`] too, and decoding checks that both agree, so a frame whose header was
+//! tampered with cannot be read as another kind of message.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// The wire protocol version this build speaks. A peer with another version is refused
+/// with an error naming both.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Where a buffer lives, as said on the wire.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum WireMemoryKind {
+    /// Pageable host memory.
+    Host,
+    /// Page-locked host memory.
+    PinnedHost,
+    /// Memory of the GPU with this ordinal on the sending node.
+    Device(u32),
+}
+
+/// Who moves the bytes once the receiver has memory for them.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum WireDirection {
+    /// The receiver grants a region and the sender writes into it.
+    Push,
+    /// The sender exposes its buffer and the receiver reads it.
+    Pull,
+}
+
+/// A node's greeting, the first frame on every link after authentication.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Hello {
+    /// The sending node's configured name.
+    pub node: String,
+    /// The sender's [`PROTOCOL_VERSION`].
+    pub version: u16,
+    /// Identifies the sender's host, to tell same-host peers from remote ones.
+    pub host_id: String,
+    /// Process id of the sender (same-host peers use it in diagnostics).
+    pub pid: u32,
+    /// Transports the sender can serve, by name (`"tcp"`, `"ipc"`, ...).
+    pub transports: Vec<String>,
+    /// The largest frame the sender accepts, in bytes.
+    pub max_frame: u32,
+}
+
+/// The sender proposes a transfer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Offer {
+    /// Transfer id, unique per sending node and link.
+    pub transfer: u64,
+    /// The application's tag, matched by the receiver's `recv`.
+    pub tag: u64,
+    /// Bytes to move.
+    pub len: u64,
+    /// Where the bytes live at the sender.
+    pub source: WireMemoryKind,
+    /// Transport chosen by the sender's route rules.
+    pub transport: String,
+    /// Who moves the bytes.
+    pub direction: WireDirection,
+}
+
+/// The receiver has reserved memory for a transfer; the sender may stream it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Grant {
+    /// The transfer this grant answers.
+    pub transfer: u64,
+    /// Where the data will land at the receiver.
+    pub landing: WireMemoryKind,
+}
+
+/// One chunk of a transfer's payload, read in place on receipt.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct DataChunk {
+    /// The transfer the bytes belong to.
+    pub transfer: u64,
+    /// Byte offset of `bytes` within the transfer.
+    pub offset: u64,
+    /// The payload.
+    pub bytes: Vec<u8>,
+}
+
+/// The receiver holds every byte of a transfer; the sender's lease is released.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Done {
+    /// The completed transfer.
+    pub transfer: u64,
+}
+
+/// Why a transfer was cancelled or refused.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum WireReason {
+    /// The application cancelled it.
+    Cancelled,
+    /// Its deadline passed.
+    DeadlineExceeded,
+    /// The receiver cannot hold it (larger than its whole budget).
+    TooLarge,
+    /// The receiver does not serve the requested transport or direction.
+    Unsupported,
+    /// The node is shutting down.
+    ShuttingDown,
+    /// The message broke the protocol.
+    Protocol,
+}
+
+/// Either side abandons a transfer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Cancel {
+    /// The sender-side transfer id.
+    pub transfer: u64,
+    /// Why.
+    pub reason: WireReason,
+    /// Human-readable detail for logs.
+    pub detail: String,
+}
+
+/// One chunk of a one-sided put into a region the receiving node granted.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct PutChunk {
+    /// Put id, unique per sending node and link.
+    pub put: u64,
+    /// The granted region's id.
+    pub region: u64,
+    /// The region's generation: a stale key is refused.
+    pub generation: u64,
+    /// Byte offset within the region.
+    pub offset: u64,
+    /// True on the put's last chunk; the receiver acknowledges then.
+    pub last: bool,
+    /// The payload.
+    pub bytes: Vec<u8>,
+}
+
+/// Result of a put, sent after its last chunk.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct PutAck {
+    /// The put acknowledged.
+    pub put: u64,
+    /// `None` when every byte landed, else why the put was refused.
+    pub error: Option<String>,
+}
+
+/// Every message of the ferry wire protocol.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum Message {
+    /// First frame after authentication.
+    Hello(Hello),
+    /// A transfer is proposed.
+    Offer(Offer),
+    /// Memory reserved; stream the data.
+    Grant(Grant),
+    /// Payload bytes.
+    Data(DataChunk),
+    /// All bytes arrived.
+    Done(Done),
+    /// A transfer is abandoned.
+    Cancel(Cancel),
+    /// A one-sided put's bytes.
+    Put(PutChunk),
+    /// A one-sided put's result.
+    PutAck(PutAck),
+    /// Liveness probe.
+    Ping(u64),
+    /// Answer to a ping, echoing its nonce.
+    Pong(u64),
+    /// The sender drained its transfers and is closing the link.
+    Goodbye,
+}
+
+/// The kind of a frame, carried in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum FrameKind {
+    /// [`Message::Hello`]
+    Hello = 1,
+    /// [`Message::Offer`]
+    Offer = 2,
+    /// [`Message::Grant`]
+    Grant = 3,
+    /// [`Message::Data`]
+    Data = 4,
+    /// [`Message::Done`]
+    Done = 5,
+    /// [`Message::Cancel`]
+    Cancel = 6,
+    /// [`Message::Put`]
+    Put = 7,
+    /// [`Message::PutAck`]
+    PutAck = 8,
+    /// [`Message::Ping`]
+    Ping = 9,
+    /// [`Message::Pong`]
+    Pong = 10,
+    /// [`Message::Goodbye`]
+    Goodbye = 11,
+}
+
+impl FrameKind {
+    /// The kind with this header value, if any.
+    pub fn from_u16(value: u16) -> Option<Self> {
+        Some(match value {
+            1 => Self::Hello,
+            2 => Self::Offer,
+            3 => Self::Grant,
+            4 => Self::Data,
+            5 => Self::Done,
+            6 => Self::Cancel,
+            7 => Self::Put,
+            8 => Self::PutAck,
+            9 => Self::Ping,
+            10 => Self::Pong,
+            11 => Self::Goodbye,
+            _ => return None,
+        })
+    }
+}
+
+impl Message {
+    /// The frame kind this message travels as.
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Self::Hello(_) => FrameKind::Hello,
+            Self::Offer(_) => FrameKind::Offer,
+            Self::Grant(_) => FrameKind::Grant,
+            Self::Data(_) => FrameKind::Data,
+            Self::Done(_) => FrameKind::Done,
+            Self::Cancel(_) => FrameKind::Cancel,
+            Self::Put(_) => FrameKind::Put,
+            Self::PutAck(_) => FrameKind::PutAck,
+            Self::Ping(_) => FrameKind::Ping,
+            Self::Pong(_) => FrameKind::Pong,
+            Self::Goodbye => FrameKind::Goodbye,
+        }
+    }
+}
+
+impl ArchivedMessage {
+    /// The frame kind of this archived message.
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Self::Hello(_) => FrameKind::Hello,
+            Self::Offer(_) => FrameKind::Offer,
+            Self::Grant(_) => FrameKind::Grant,
+            Self::Data(_) => FrameKind::Data,
+            Self::Done(_) => FrameKind::Done,
+            Self::Cancel(_) => FrameKind::Cancel,
+            Self::Put(_) => FrameKind::Put,
+            Self::PutAck(_) => FrameKind::PutAck,
+            Self::Ping(_) => FrameKind::Ping,
+            Self::Pong(_) => FrameKind::Pong,
+            Self::Goodbye => FrameKind::Goodbye,
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! The wire: rkyv messages and the frames that carry them.
+pub mod message;
+pub use message::*;
