@@ -1,1 +1,79 @@
-//! ferry
+//! ferry moves buffers — GPU memory first, host memory today — between processes on one
+//! host and between hosts, with a deadline on every transfer, backpressure instead of
+//! out-of-memory errors, and a clear answer about which path a transfer took and why.
+//!
+//! This crate is the public API. A node is started from a [`Config`]; it then sends and
+//! receives [`Buffer`]s by peer name and tag. It works from any async runtime: the actors
+//! run on the node's own threads.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use ferry::{Config, MemoryKind, Node};
+//! let config = Config::from_toml_str(r#"
+//!     [node]
+//!     name = "a"
+//!     listen = ["127.0.0.1:7070"]
+//!     [[peers]]
+//!     name = "b"
+//!     address = "127.0.0.1:7071"
+//!     [security]
+//!     secret_file = "/etc/ferry/secret"
+//! "#)?;
+//! let node = Node::start(config).await?;
+//! let mut buffer = node.alloc(MemoryKind::Host, 4096).await?;
+//! buffer.as_mut_slice().expect("not shared yet").fill(7);
+//! let buffer = node.send("b", 1, buffer).await?;      // resolves once b holds every byte
+//! let got = node.recv(Some("b"), Some(2)).await?;      // b's reply under tag 2
+//! assert_eq!(got.peer, "b");
+//! node.shutdown().await;
+//! # drop(buffer); Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+
+pub use ferry_actors::core::budget::BudgetStats;
+pub use ferry_actors::core::route::Explanation;
+pub use ferry_actors::coordinator::Received;
+pub use ferry_actors::node::Node;
+pub use ferry_actors::{Error, SendError};
+pub use ferry_config::{Config, ConfigError, LoadOptions, MemoryClass};
+pub use ferry_transports::memory::{Buffer, MemoryKind};
+pub use ferry_transports::tcp::RegionKey;
+
+/// The small protocol of `ferry serve --role echo`, which demos and tests use to exercise a
+/// node in another process.
+///
+/// An echo node sends every buffer back to its sender under the same tag, except two
+/// control tags: [`echo::TAG_EXPOSE`] (payload: the length as 8 little-endian bytes) makes
+/// it expose a zeroed region of that length and answer with the region's key
+/// ([`echo::encode_key`]); [`echo::TAG_WITHDRAW`] (payload: a key) makes it withdraw that
+/// region and send its contents back under the same tag.
+pub mod echo {
+    use crate::RegionKey;
+
+    /// Ask the echo node to expose a region.
+    pub const TAG_EXPOSE: u64 = u64::MAX - 1;
+    /// Ask the echo node to withdraw a region and return its contents.
+    pub const TAG_WITHDRAW: u64 = u64::MAX - 2;
+
+    /// A region key as 24 bytes.
+    pub fn encode_key(key: RegionKey) -> [u8; 24] {
+        let mut out = [0u8; 24];
+        out[..8].copy_from_slice(&key.region.to_le_bytes());
+        out[8..16].copy_from_slice(&key.generation.to_le_bytes());
+        out[16..].copy_from_slice(&key.len.to_le_bytes());
+        out
+    }
+
+    /// A region key from 24 bytes; `None` if `bytes` is not 24 bytes long.
+    pub fn decode_key(bytes: &[u8]) -> Option<RegionKey> {
+        let word = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
+        };
+        (bytes.len() == 24).then_some(())?;
+        Some(RegionKey {
+            region: word(0)?,
+            generation: word(8)?,
+            len: word(16)?,
+        })
+    }
+}

@@ -1,1 +1,13 @@
-//! placeholder
+//! ferry-actors: the coordinator, the allocator of each memory domain and one transfer actor
+//! per peer, as thin actix shells over the sans-IO [`core`].
+//!
+//! [`node::Node`] starts them on their own thread and is what the public API wraps.
+#![forbid(unsafe_code)]
+pub mod allocator;
+pub mod coordinator;
+pub mod core;
+pub mod error;
+pub mod node;
+pub mod transfer;
+
+pub use error::{Error, SendError};

@@ -1,1 +1,51 @@
-//! placeholder
+//! ferry's configuration: the schema (version 1), layered loading, validation, and the
+//! transport selection rules.
+//!
+//! This crate owns what a configuration *says*; it does not open sockets, allocate memory or
+//! pick transports at run time (it only answers which rule matches, see
+//! [`TransportConfig::first_match`]). Every key is described in `docs/CONFIG.md`.
+//!
+//! ```
+//! use ferry_config::{Config, Locality, MemoryClass};
+//!
+//! let config = Config::from_toml_str(
+//!     r#"
+//!     [node]
+//!     name = "a"
+//!     [security]
+//!     danger_insecure = true
+//!     "#,
+//! )?;
+//! let (index, rule) = config
+//!     .transport
+//!     .first_match(Locality::Remote, MemoryClass::Host, MemoryClass::Host, 4096)
+//!     .expect("the default rule matches everything");
+//! assert_eq!((index, rule.name.as_str()), (0, "host"));
+//! # Ok::<(), ferry_config::ConfigError>(())
+//! ```
+//!
+//! Loading reads, lowest layer first: built-in defaults, `/etc/ferry/ferry.toml`, the user's
+//! `ferry/ferry.toml`, the `--config` file, `FERRY__SECTION__KEY` environment variables, and
+//! command-line overrides ([`load`], [`LoadOptions`]).
+
+#![forbid(unsafe_code)]
+
+mod address;
+mod error;
+mod load;
+mod names;
+mod rule;
+mod schema;
+mod secret;
+mod units;
+mod validate;
+
+pub use address::PeerAddress;
+pub use error::{ConfigError, Origin};
+pub use load::{LoadOptions, load};
+pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
+pub use schema::{
+    Config, DiscoveryConfig, DiscoveryMode, LimitsConfig, LogFormat, MemoryConfig, NodeConfig,
+    PeerConfig, SecurityConfig, TcpTuning, TelemetryConfig, TransportConfig,
+};
+pub use units::{Budget, format_size, parse_size};

@@ -1,0 +1,651 @@
+//! The coordinator actor of a node: knows the peers, dials them lazily, keeps one transfer
+//! actor per peer, chooses each transfer's route, and matches delivered buffers with
+//! `recv` calls.
+//!
+//! One link per peer. When two nodes dial each other at the same moment, both keep the
+//! link dialed by the node whose name sorts first, so they agree without a round trip.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use ferry_config::{Config, Locality, MemoryClass, PeerAddress};
+use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
+use ferry_transports::memory::{Buffer, MemoryKind};
+use ferry_transports::tcp::RegionKey;
+use ferry_transports::transport::{self, Capabilities, Viability, transport_label};
+use ferry_transports::wire::{Hello, WireDirection};
+use tokio::sync::oneshot;
+
+use crate::core::mailroom::Mailroom;
+use crate::core::route::{self, Explanation, RouteQuery};
+use crate::error::{Error, SendError};
+use crate::transfer::{
+    Attach, Delivered, Drain, Lost, Op, SessionEnded, Submit, TransferActor, TransferSetup,
+};
+
+/// Send `buffer` to `peer` under `tag`.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Buffer, SendError>")]
+pub struct SendTo {
+    /// Peer name.
+    pub peer: String,
+    /// Application tag.
+    pub tag: u64,
+    /// The data.
+    pub buffer: Buffer,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// Write `buffer` at `offset` into the region `key` that `peer` exposed.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Buffer, SendError>")]
+pub struct PutTo {
+    /// Peer name.
+    pub peer: String,
+    /// The region.
+    pub key: RegionKey,
+    /// Where in the region.
+    pub offset: u64,
+    /// The data.
+    pub buffer: Buffer,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// A received buffer.
+#[derive(Debug)]
+pub struct Received {
+    /// The data.
+    pub buffer: Buffer,
+    /// Who sent it.
+    pub peer: String,
+    /// Its tag.
+    pub tag: u64,
+}
+
+/// Take the oldest buffer delivered from `from` (or anyone) with `tag` (or any tag).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Received, Error>")]
+pub struct Recv {
+    /// Peer filter.
+    pub from: Option<String>,
+    /// Tag filter.
+    pub tag: Option<u64>,
+}
+
+/// Explain the route a transfer to `peer` would take.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Explanation, Error>")]
+pub struct Explain {
+    /// Peer name.
+    pub peer: String,
+    /// Bytes.
+    pub bytes: u64,
+    /// Memory at this end.
+    pub src: MemoryClass,
+    /// Memory at the peer's end.
+    pub dst: MemoryClass,
+}
+
+/// A link finished its handshake.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct LinkUp {
+    /// The link.
+    pub link: Link,
+    /// The epoch of the session that dialed it, or `None` when it was accepted.
+    pub dialed: Option<u64>,
+}
+
+/// Dialing a peer failed.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct DialFailed {
+    peer: String,
+    epoch: u64,
+    error: String,
+}
+
+/// Refuse new work, let every transfer end, close the links.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+/// Names of the peers with a live session.
+#[derive(Debug, Message)]
+#[rtype(result = "Vec<String>")]
+pub struct ConnectedPeers;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkState {
+    Dialing,
+    Up { dialed_by_me: bool },
+}
+
+struct Session {
+    addr: Addr<TransferActor>,
+    epoch: u64,
+    state: LinkState,
+    hello: Option<Hello>,
+}
+
+type Waiter = oneshot::Sender<Result<Received, Error>>;
+
+/// What the coordinator needs to start.
+pub struct CoordinatorSetup {
+    /// The node's configuration.
+    pub config: Arc<Config>,
+    /// The shared secret.
+    pub secret: Secret,
+    /// Link options (frame cap, handshake timeout, counters).
+    pub link: LinkOptions,
+    /// Template for transfer actors; `deliver` and `ended` are filled in by the coordinator.
+    pub transfer: TransferSetupBase,
+}
+
+/// The parts of [`TransferSetup`] the node provides.
+#[derive(Clone)]
+pub struct TransferSetupBase {
+    /// Session bounds.
+    pub limits: crate::core::session::SessionLimits,
+    /// Bytes per data frame.
+    pub chunk: usize,
+    /// Bad frames tolerated.
+    pub max_bad_frames: u32,
+    /// How long an inbound transfer waits for memory.
+    pub reserve_timeout: Duration,
+    /// Host allocator.
+    pub allocator: Recipient<crate::allocator::Reserve>,
+    /// Exposed regions.
+    pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::tcp::ExposedRegion>>,
+    /// I/O runtime.
+    pub io: tokio::runtime::Handle,
+}
+
+/// The coordinator actor.
+pub struct Coordinator {
+    setup: CoordinatorSetup,
+    host_id: String,
+    catalog: Vec<(Capabilities, Viability)>,
+    sessions: HashMap<String, Session>,
+    next_epoch: u64,
+    mailroom: Mailroom<Buffer, Waiter>,
+    draining: bool,
+}
+
+impl Coordinator {
+    /// A coordinator for the node described by `setup`.
+    pub fn new(setup: CoordinatorSetup) -> Self {
+        let waiters = setup.config.limits.peer_queue;
+        Self {
+            setup,
+            host_id: link::host_id(),
+            catalog: transport::catalog(),
+            sessions: HashMap::new(),
+            next_epoch: 1,
+            mailroom: Mailroom::new(waiters),
+            draining: false,
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.setup.config.node.name
+    }
+
+    fn hello(&self) -> Hello {
+        link::local_hello(
+            self.name().to_string(),
+            transport::viable_names(),
+            self.setup.link.max_frame,
+        )
+    }
+
+    fn peer_address(&self, peer: &str) -> Option<PeerAddress> {
+        self.setup
+            .config
+            .peers
+            .iter()
+            .find(|p| p.name == peer)
+            .map(|p| p.address.clone())
+    }
+
+    /// Where `peer` is: from its hello when connected, else from its configured address.
+    fn locality(&self, peer: &str) -> Locality {
+        if let Some(hello) = self.sessions.get(peer).and_then(|s| s.hello.as_ref()) {
+            return if hello.host_id == self.host_id {
+                Locality::SameHost
+            } else {
+                Locality::Remote
+            };
+        }
+        match self.peer_address(peer) {
+            Some(PeerAddress::Unix(_)) => Locality::SameHost,
+            Some(PeerAddress::Tcp(addr)) => {
+                let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let loopback = host == "localhost"
+                    || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+                if loopback {
+                    Locality::SameHost
+                } else {
+                    Locality::Remote
+                }
+            }
+            None => Locality::Remote,
+        }
+    }
+
+    fn explain(&self, peer: &str, bytes: u64, src: MemoryClass, dst: MemoryClass) -> Explanation {
+        let offers = self
+            .sessions
+            .get(peer)
+            .and_then(|s| s.hello.as_ref())
+            .map(|h| h.transports.as_slice());
+        route::choose(
+            &self.setup.config.transport.rules,
+            &self.catalog,
+            offers,
+            RouteQuery {
+                locality: self.locality(peer),
+                src,
+                dst,
+                bytes,
+            },
+        )
+    }
+
+    fn transfer_setup(&self, ctx: &mut Context<Self>) -> TransferSetup {
+        let base = self.setup.transfer.clone();
+        TransferSetup {
+            limits: base.limits,
+            chunk: base.chunk,
+            max_bad_frames: base.max_bad_frames,
+            reserve_timeout: base.reserve_timeout,
+            allocator: base.allocator,
+            deliver: ctx.address().recipient(),
+            ended: ctx.address().recipient(),
+            exposed: base.exposed,
+            counters: Arc::clone(&self.setup.link.counters),
+            io: base.io,
+        }
+    }
+
+    fn new_session(&mut self, peer: &str, state: LinkState, ctx: &mut Context<Self>) -> u64 {
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        let mailbox = self.setup.config.limits.mailbox;
+        let actor = TransferActor::new(peer.to_string(), epoch, self.transfer_setup(ctx));
+        let addr = TransferActor::create(move |c| {
+            c.set_mailbox_capacity(mailbox);
+            actor
+        });
+        if let Some(old) = self.sessions.insert(
+            peer.to_string(),
+            Session {
+                addr,
+                epoch,
+                state,
+                hello: None,
+            },
+        ) {
+            // The old session's actor fails its ops and stops; its end is ignored.
+            send_lost(&old.addr, "replaced by a newer connection");
+        }
+        epoch
+    }
+
+    /// The session for `peer`, dialing it if there is none.
+    fn session_for(&mut self, peer: &str, ctx: &mut Context<Self>) -> Result<Addr<TransferActor>, Error> {
+        if let Some(s) = self.sessions.get(peer) {
+            return Ok(s.addr.clone());
+        }
+        let Some(address) = self.peer_address(peer) else {
+            return Err(Error::PeerUnreachable {
+                peer: peer.to_string(),
+                detail: "not a configured peer, and not connected".into(),
+            });
+        };
+        let epoch = self.new_session(peer, LinkState::Dialing, ctx);
+        let endpoint = match address {
+            PeerAddress::Tcp(a) => Endpoint::Tcp(a),
+            PeerAddress::Unix(p) => Endpoint::Unix(p),
+        };
+        let secret = self.setup.secret.clone();
+        let opts = self.setup.link.clone();
+        let hello = self.hello();
+        let connect_timeout = self.setup.config.limits.connect_timeout;
+        let me = ctx.address();
+        let peer_name = peer.to_string();
+        self.setup.transfer.io.spawn(async move {
+            let dialing = link::dial(&endpoint, &secret, hello, &opts);
+            let result = match tokio::time::timeout(connect_timeout, dialing).await {
+                Ok(Ok(link)) => Ok(link),
+                Ok(Err(e)) => Err(format!("cannot connect to {endpoint}: {e}")),
+                Err(_) => Err(format!(
+                    "cannot connect to {endpoint}: no answer within {}",
+                    humantime::format_duration(connect_timeout)
+                )),
+            };
+            match result {
+                Ok(link) => {
+                    let _ = me
+                        .send(LinkUp {
+                            link,
+                            dialed: Some(epoch),
+                        })
+                        .await;
+                }
+                Err(error) => {
+                    let _ = me
+                        .send(DialFailed {
+                            peer: peer_name,
+                            epoch,
+                            error,
+                        })
+                        .await;
+                }
+            }
+        });
+        self.sessions
+            .get(peer)
+            .map(|s| s.addr.clone())
+            .ok_or(Error::ShuttingDown)
+    }
+
+    fn submit(
+        &mut self,
+        peer: String,
+        op: Op,
+        buffer: Buffer,
+        deadline: Instant,
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<Buffer, SendError>> {
+        if self.draining {
+            return Box::pin(async move {
+                Err(SendError {
+                    error: Error::ShuttingDown,
+                    buffer: Some(buffer),
+                })
+            });
+        }
+        let addr = match self.session_for(&peer, ctx) {
+            Ok(a) => a,
+            Err(error) => {
+                return Box::pin(async move {
+                    Err(SendError {
+                        error,
+                        buffer: Some(buffer),
+                    })
+                });
+            }
+        };
+        let request = addr.send(Submit {
+            op,
+            buffer,
+            deadline,
+        });
+        Box::pin(async move {
+            request.await.unwrap_or(Err(SendError {
+                error: Error::PeerLost {
+                    peer,
+                    detail: "its transfer actor stopped".into(),
+                },
+                buffer: None,
+            }))
+        })
+    }
+}
+
+fn send_lost(addr: &Addr<TransferActor>, why: &str) {
+    let addr = addr.clone();
+    let why = why.to_string();
+    actix::spawn(async move {
+        let _ = addr.send(Lost(why)).await;
+    });
+}
+
+fn memory_class(kind: MemoryKind) -> MemoryClass {
+    match kind {
+        MemoryKind::Device(_) => MemoryClass::Device,
+        MemoryKind::PinnedHost => MemoryClass::Pinned,
+        _ => MemoryClass::Host,
+    }
+}
+
+impl Actor for Coordinator {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(self.setup.config.limits.mailbox);
+    }
+}
+
+impl Handler<SendTo> for Coordinator {
+    type Result = ResponseFuture<Result<Buffer, SendError>>;
+
+    fn handle(&mut self, msg: SendTo, ctx: &mut Self::Context) -> Self::Result {
+        let src = memory_class(msg.buffer.kind());
+        let explanation = self.explain(&msg.peer, msg.buffer.len() as u64, src, MemoryClass::Host);
+        let Some(route) = explanation.chosen.clone() else {
+            let buffer = msg.buffer;
+            return Box::pin(async move {
+                Err(SendError {
+                    error: Error::NoRoute(explanation.to_string()),
+                    buffer: Some(buffer),
+                })
+            });
+        };
+        let op = Op::Send {
+            tag: msg.tag,
+            transport: transport_label(route.transport).to_string(),
+            direction: match route.direction {
+                ferry_config::Direction::Push => WireDirection::Push,
+                ferry_config::Direction::Pull => WireDirection::Pull,
+            },
+        };
+        self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
+    }
+}
+
+impl Handler<PutTo> for Coordinator {
+    type Result = ResponseFuture<Result<Buffer, SendError>>;
+
+    fn handle(&mut self, msg: PutTo, ctx: &mut Self::Context) -> Self::Result {
+        let end = msg.offset.checked_add(msg.buffer.len() as u64);
+        if end.is_none_or(|e| e > msg.key.len) {
+            let buffer = msg.buffer;
+            let key = msg.key;
+            let offset = msg.offset;
+            return Box::pin(async move {
+                Err(SendError {
+                    error: Error::Usage(format!(
+                        "a put of {} bytes at offset {offset} overruns region {} of {} bytes",
+                        buffer.len(),
+                        key.region,
+                        key.len
+                    )),
+                    buffer: Some(buffer),
+                })
+            });
+        }
+        let op = Op::Put {
+            key: msg.key,
+            offset: msg.offset,
+        };
+        self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
+    }
+}
+
+impl Handler<Recv> for Coordinator {
+    type Result = ResponseFuture<Result<Received, Error>>;
+
+    fn handle(&mut self, msg: Recv, _: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        match self
+            .mailroom
+            .recv(msg.from.as_deref(), msg.tag, tx, |w| !w.is_closed())
+        {
+            Ok(Some((peer, tag, buffer))) => Box::pin(async move { Ok(Received { buffer, peer, tag }) }),
+            Ok(None) => Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) }),
+            Err((too_many, _)) => {
+                Box::pin(async move { Err(Error::QueueFull(too_many.to_string())) })
+            }
+        }
+    }
+}
+
+impl Handler<Delivered> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
+        let mut item = Some(msg.buffer);
+        // A waiter whose caller went away hands the buffer back; try the next one.
+        while let Some(buffer) = item.take() {
+            let Some((waiter, buffer)) =
+                self.mailroom
+                    .deliver(&msg.peer, msg.tag, buffer, |w| !w.is_closed())
+            else {
+                break;
+            };
+            let received = Received {
+                buffer,
+                peer: msg.peer.clone(),
+                tag: msg.tag,
+            };
+            if let Err(Ok(back)) = waiter.send(Ok(received)) {
+                item = Some(back.buffer);
+            }
+        }
+    }
+}
+
+impl Handler<Explain> for Coordinator {
+    type Result = Result<Explanation, Error>;
+
+    fn handle(&mut self, msg: Explain, _: &mut Self::Context) -> Self::Result {
+        Ok(self.explain(&msg.peer, msg.bytes, msg.src, msg.dst))
+    }
+}
+
+impl Handler<LinkUp> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: LinkUp, ctx: &mut Self::Context) {
+        let peer = msg.link.peer_hello.node.clone();
+        let me = self.name().to_string();
+        let refuse = |link: Link, why: &str| {
+            tracing::info!(%peer, why, "closing a redundant link");
+            drop(link);
+        };
+        if peer == me {
+            return refuse(msg.link, "the peer has this node's own name");
+        }
+        if self.draining {
+            return refuse(msg.link, "shutting down");
+        }
+        let existing = self.sessions.get(&peer).map(|s| (s.epoch, s.state));
+        let attach_to = match (msg.dialed, existing) {
+            // Our own dial came back, and the session still waits for it.
+            (Some(epoch), Some((e, LinkState::Dialing))) if epoch == e => Some(e),
+            // Our dial lost to a link the peer dialed meanwhile.
+            (Some(_), _) => None,
+            (None, None) => Some(self.new_session(&peer, LinkState::Dialing, ctx)),
+            // Both dialed at once: the link dialed by the lower name wins.
+            (None, Some((e, LinkState::Dialing))) => (peer < me).then_some(e),
+            (None, Some((_, LinkState::Up { dialed_by_me }))) => {
+                if dialed_by_me && me < peer {
+                    None
+                } else {
+                    // The peer reconnected (it restarted, or lost the old link first).
+                    Some(self.new_session(&peer, LinkState::Dialing, ctx))
+                }
+            }
+        };
+        let Some(epoch) = attach_to else {
+            return refuse(msg.link, "a link to this peer already exists");
+        };
+        if let Some(s) = self.sessions.get_mut(&peer)
+            && s.epoch == epoch
+        {
+            s.state = LinkState::Up {
+                dialed_by_me: msg.dialed.is_some(),
+            };
+            s.hello = Some(msg.link.peer_hello.clone());
+            let addr = s.addr.clone();
+            let attach = addr.send(Attach(msg.link));
+            ctx.spawn(
+                async move {
+                    let _ = attach.await;
+                }
+                .into_actor(self),
+            );
+        }
+    }
+}
+
+impl Handler<DialFailed> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: DialFailed, _: &mut Self::Context) {
+        tracing::warn!(peer = %msg.peer, error = %msg.error, "dial failed");
+        if let Some(s) = self.sessions.get(&msg.peer)
+            && s.epoch == msg.epoch
+            && s.state == LinkState::Dialing
+        {
+            send_lost(&s.addr, &msg.error);
+        }
+    }
+}
+
+impl Handler<SessionEnded> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: SessionEnded, _: &mut Self::Context) {
+        if self
+            .sessions
+            .get(&msg.peer)
+            .is_some_and(|s| s.epoch == msg.epoch)
+        {
+            self.sessions.remove(&msg.peer);
+        }
+    }
+}
+
+impl Handler<ConnectedPeers> for Coordinator {
+    type Result = MessageResult<ConnectedPeers>;
+
+    fn handle(&mut self, _: ConnectedPeers, _: &mut Self::Context) -> Self::Result {
+        MessageResult(
+            self.sessions
+                .iter()
+                .filter(|(_, s)| matches!(s.state, LinkState::Up { .. }))
+                .map(|(p, _)| p.clone())
+                .collect(),
+        )
+    }
+}
+
+impl Handler<Shutdown> for Coordinator {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Shutdown, _: &mut Self::Context) -> Self::Result {
+        self.draining = true;
+        let sessions: Vec<Addr<TransferActor>> =
+            self.sessions.values().map(|s| s.addr.clone()).collect();
+        for buffer in self.mailroom.drain() {
+            drop(buffer);
+        }
+        Box::pin(async move {
+            for addr in &sessions {
+                let _ = addr.send(Drain).await;
+            }
+            for addr in &sessions {
+                let _ = addr.send(Lost("node shutting down".into())).await;
+            }
+        })
+    }
+}

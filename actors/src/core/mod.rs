@@ -1,0 +1,8 @@
+//! The decisions, without I/O: per-peer sessions (transfer phases, ordering, deadlines),
+//! budgets and reservations, route choice and receive matching. Nothing here uses actix,
+//! tokio, sockets or a clock; time is a parameter, so a test drives whole scenarios in
+//! virtual time.
+pub mod budget;
+pub mod mailroom;
+pub mod route;
+pub mod session;

@@ -1,0 +1,173 @@
+//! Route choice: the first rule that matches a transfer names an ordered list of
+//! transports; the first one whose declared capabilities suit the transfer, that is viable
+//! here and that the peer offers, carries it. Every transport passed over keeps its reason,
+//! which `ferry explain` and the log show.
+
+use ferry_config::{Direction, Locality, MemoryClass, Rule, TransportName};
+use ferry_transports::transport::{Capabilities, Unsuitable, Viability, transport_label};
+
+/// What is being routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteQuery {
+    /// Where the peer is.
+    pub locality: Locality,
+    /// Memory at the sending end.
+    pub src: MemoryClass,
+    /// Memory at the receiving end.
+    pub dst: MemoryClass,
+    /// Bytes to move.
+    pub bytes: u64,
+}
+
+/// The chosen path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// Index of the matching rule.
+    pub rule_index: usize,
+    /// Its name.
+    pub rule_name: String,
+    /// The transport.
+    pub transport: TransportName,
+    /// The direction.
+    pub direction: Direction,
+}
+
+/// How a route was chosen, or why none was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explanation {
+    /// The query.
+    pub query: RouteQuery,
+    /// The rule that matched: index and name.
+    pub rule: Option<(usize, String)>,
+    /// Transports of that rule passed over, in order, and why.
+    pub skipped: Vec<(TransportName, Unsuitable)>,
+    /// The choice.
+    pub chosen: Option<Route>,
+}
+
+impl std::fmt::Display for Explanation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.rule {
+            None => write!(f, "no rule matches {:?}", self.query)?,
+            Some((i, name)) => write!(f, "rule #{i} \"{name}\" matched")?,
+        }
+        for (t, why) in &self.skipped {
+            write!(f, "; {} skipped: {why}", transport_label(*t))?;
+        }
+        match &self.chosen {
+            Some(r) => write!(f, "; chose {} ({:?})", transport_label(r.transport), r.direction),
+            None if self.rule.is_some() => write!(f, "; no transport of the rule can carry it"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Chooses a route. `peer_offers` is the list of transports the peer announced, or `None`
+/// when the peer is not connected yet (then only this side's declarations count).
+pub fn choose(
+    rules: &[Rule],
+    catalog: &[(Capabilities, Viability)],
+    peer_offers: Option<&[String]>,
+    query: RouteQuery,
+) -> Explanation {
+    let mut out = Explanation {
+        query,
+        rule: None,
+        skipped: Vec::new(),
+        chosen: None,
+    };
+    let Some((index, rule)) = rules.iter().enumerate().find(|(_, r)| {
+        r.matches(query.locality, query.src, query.dst, query.bytes)
+    }) else {
+        return out;
+    };
+    out.rule = Some((index, rule.name.clone()));
+    for &name in &rule.transports {
+        let verdict = match catalog.iter().find(|(c, _)| c.name == name) {
+            None => Err(Unsuitable::NotViable("unknown to this build".into())),
+            Some((_, Viability::NotViable(why))) => Err(Unsuitable::NotViable(why.clone())),
+            Some((caps, Viability::Viable)) => caps
+                .suits(query.locality, query.src, query.dst, rule.direction)
+                .and_then(|()| match peer_offers {
+                    Some(list) if !list.iter().any(|t| t == transport_label(name)) => {
+                        Err(Unsuitable::PeerLacks)
+                    }
+                    _ => Ok(()),
+                }),
+        };
+        match verdict {
+            Ok(()) => {
+                out.chosen = Some(Route {
+                    rule_index: index,
+                    rule_name: rule.name.clone(),
+                    transport: name,
+                    direction: rule.direction,
+                });
+                break;
+            }
+            Err(why) => out.skipped.push((name, why)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_transports::transport::catalog;
+
+    fn rule(name: &str, transports: Vec<TransportName>, direction: Direction) -> Rule {
+        Rule {
+            name: name.into(),
+            locality: vec![],
+            src: vec![],
+            dst: vec![],
+            min_bytes: 0,
+            max_bytes: None,
+            transports,
+            direction,
+        }
+    }
+
+    const HOST: RouteQuery = RouteQuery {
+        locality: Locality::SameHost,
+        src: MemoryClass::Host,
+        dst: MemoryClass::Host,
+        bytes: 100,
+    };
+
+    #[test]
+    fn skips_unbuilt_and_picks_tcp() {
+        let rules = vec![rule(
+            "all",
+            vec![TransportName::Ipc, TransportName::Tcp],
+            Direction::Push,
+        )];
+        let e = choose(&rules, &catalog(), None, HOST);
+        assert_eq!(e.chosen.as_ref().map(|r| r.transport), Some(TransportName::Tcp));
+        assert_eq!(e.skipped.len(), 1);
+        assert!(e.to_string().contains("ipc skipped"), "{e}");
+    }
+
+    #[test]
+    fn direction_and_peer_offers_exclude() {
+        let rules = vec![rule("pull", vec![TransportName::Tcp], Direction::Pull)];
+        let e = choose(&rules, &catalog(), None, HOST);
+        assert!(e.chosen.is_none());
+        assert_eq!(e.skipped[0].1, Unsuitable::Direction(Direction::Pull));
+        let rules = vec![rule("push", vec![TransportName::Tcp], Direction::Push)];
+        let e = choose(&rules, &catalog(), Some(&["ipc".to_string()]), HOST);
+        assert_eq!(e.skipped[0].1, Unsuitable::PeerLacks);
+    }
+
+    #[test]
+    fn first_matching_rule_wins() {
+        let mut small = rule("small", vec![TransportName::Tcp], Direction::Push);
+        small.max_bytes = Some(10);
+        let big = rule("big", vec![TransportName::Tcp], Direction::Push);
+        let e = choose(&[small, big], &catalog(), None, HOST);
+        assert_eq!(e.rule, Some((1, "big".into())));
+        let e = choose(&[], &catalog(), None, HOST);
+        assert!(e.rule.is_none() && e.chosen.is_none());
+    }
+}

@@ -1,0 +1,669 @@
+//! One peer's operations: the ordered queue of outbound transfers and puts, the inbound
+//! transfers the peer offers us, and every deadline. No I/O: the shell feeds events in
+//! through `handle_*` and carries out what `poll_*` returns.
+//!
+//! Outbound transfer: `Waiting → AwaitGrant → Streaming → AwaitDone → Completed`, or
+//! `Failed`/`Cancelled` from any phase. A put: `Waiting → Streaming → AwaitAck → Completed`.
+//! While a stream runs, a transport still reads the caller's buffer; an op that ends then
+//! passes through `Ending` and reports its outcome only once the stream has stopped, so the
+//! buffer never goes back to its owner while a copy can still touch it.
+//!
+//! Inbound transfer: `Reserving → Receiving → Complete → delivered`, in the peer's offer
+//! order (a later transfer that completes first waits for the earlier ones).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+use ferry_transports::wire::{
+    Cancel, Done, Grant, Message, Offer, WireDirection, WireMemoryKind, WireReason,
+};
+
+/// Identifies an outbound operation (transfer or put) of this node on one link; it is the
+/// id carried on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u64);
+
+/// Identifies an inbound transfer: the id the sending peer gave it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InboundId(pub u64);
+
+/// Why an operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailKind {
+    /// The link to the peer broke, or the peer died.
+    PeerLost(String),
+    /// The deadline passed before the operation ended.
+    DeadlineExceeded,
+    /// The peer refused or abandoned it.
+    Refused {
+        /// The peer's reason.
+        reason: WireReason,
+        /// The peer's detail.
+        detail: String,
+    },
+    /// This node is shutting down.
+    ShuttingDown,
+}
+
+impl std::fmt::Display for FailKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PeerLost(why) => write!(f, "peer lost: {why}"),
+            Self::DeadlineExceeded => f.write_str("deadline exceeded"),
+            Self::Refused { reason, detail } => write!(f, "refused by peer ({reason:?}): {detail}"),
+            Self::ShuttingDown => f.write_str("node shutting down"),
+        }
+    }
+}
+
+/// The one terminal state every operation ends in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every byte arrived and the peer confirmed it.
+    Completed,
+    /// It failed, for this reason.
+    Failed(FailKind),
+    /// The caller cancelled it.
+    Cancelled,
+}
+
+/// A transfer the application asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendRequest {
+    /// Application tag.
+    pub tag: u64,
+    /// Bytes to move.
+    pub len: u64,
+    /// Where they are.
+    pub source: WireMemoryKind,
+    /// Transport chosen by the route.
+    pub transport: String,
+    /// Direction chosen by the route.
+    pub direction: WireDirection,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// A one-sided put the application asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutRequest {
+    /// Bytes to write.
+    pub len: u64,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// What the shell must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionEvent {
+    /// Stream the op's bytes now (a granted transfer, or a put).
+    Stream(OpId),
+    /// Stop the op's running stream at the next chunk; `StreamEnded` still follows.
+    StopStream(OpId),
+    /// The op ended; its buffer can go back to its owner.
+    Finished(OpId, Outcome),
+    /// The peer offers a transfer: reserve `len` bytes for it.
+    Reserve {
+        /// The inbound transfer.
+        id: InboundId,
+        /// Bytes to reserve.
+        len: u64,
+    },
+    /// An inbound transfer is complete and it is its turn: hand it to the application.
+    Deliver {
+        /// The inbound transfer.
+        id: InboundId,
+        /// Its tag.
+        tag: u64,
+    },
+    /// An inbound transfer was abandoned: free whatever was reserved for it.
+    Abandon(InboundId),
+}
+
+/// Why a request was not queued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The per-peer queue is at its configured bound.
+    #[error("the queue to this peer is full ({0} operations)")]
+    QueueFull(usize),
+    /// The link is gone.
+    #[error("peer lost: {0}")]
+    PeerLost(String),
+    /// The node is draining.
+    #[error("node shutting down")]
+    ShuttingDown,
+}
+
+/// A message that breaks the protocol: the peer misbehaved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("protocol violation: {0}")]
+pub struct ProtocolViolation(pub String);
+
+/// Bounds of one session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// Outbound ops waiting or in flight, at most.
+    pub queue: usize,
+    /// Outbound ops past `Waiting` at once (the pipeline depth).
+    pub in_flight: usize,
+    /// Inbound transfers the peer may have open at once.
+    pub inbound: usize,
+}
+
+#[derive(Debug)]
+enum OpKind {
+    Transfer(SendRequest),
+    Put(PutRequest),
+}
+
+impl OpKind {
+    fn deadline(&self) -> Instant {
+        match self {
+            Self::Transfer(r) => r.deadline,
+            Self::Put(r) => r.deadline,
+        }
+    }
+}
+
+/// Phases of an outbound op; each holds only what the phase needs.
+#[derive(Debug)]
+enum Phase {
+    Waiting(OpKind),
+    AwaitGrant(SendRequest),
+    Streaming { op: OpKind, confirmed: bool },
+    AwaitConfirm(OpKind),
+    /// Decided, but the stream still holds the buffer.
+    Ending { outcome: Outcome },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InPhase {
+    Reserving,
+    Receiving,
+    Complete,
+}
+
+#[derive(Debug)]
+struct InboundOp {
+    tag: u64,
+    phase: InPhase,
+}
+
+/// One peer's operations and deadlines. See the module docs for the phases.
+#[derive(Debug)]
+pub struct PeerSession {
+    limits: SessionLimits,
+    next_op: u64,
+    ops: BTreeMap<OpId, Phase>,
+    inbound: BTreeMap<InboundId, InboundOp>,
+    transmit: VecDeque<Message>,
+    events: VecDeque<SessionEvent>,
+    lost: Option<String>,
+    draining: bool,
+}
+
+impl PeerSession {
+    /// An empty session with these bounds.
+    pub fn new(limits: SessionLimits) -> Self {
+        Self {
+            limits,
+            next_op: 1,
+            ops: BTreeMap::new(),
+            inbound: BTreeMap::new(),
+            transmit: VecDeque::new(),
+            events: VecDeque::new(),
+            lost: None,
+            draining: false,
+        }
+    }
+
+    /// Queues a transfer; it is offered in order once a pipeline slot is free.
+    pub fn handle_send(&mut self, now: Instant, req: SendRequest) -> Result<OpId, Refusal> {
+        self.enqueue(now, OpKind::Transfer(req))
+    }
+
+    /// Queues a one-sided put; it streams in order once a pipeline slot is free.
+    pub fn handle_put(&mut self, now: Instant, req: PutRequest) -> Result<OpId, Refusal> {
+        self.enqueue(now, OpKind::Put(req))
+    }
+
+    fn enqueue(&mut self, now: Instant, op: OpKind) -> Result<OpId, Refusal> {
+        if let Some(why) = &self.lost {
+            return Err(Refusal::PeerLost(why.clone()));
+        }
+        if self.draining {
+            return Err(Refusal::ShuttingDown);
+        }
+        if self.ops.len() >= self.limits.queue {
+            return Err(Refusal::QueueFull(self.limits.queue));
+        }
+        let id = OpId(self.next_op);
+        self.next_op += 1;
+        self.ops.insert(id, Phase::Waiting(op));
+        self.handle_timeout(now);
+        self.start_waiting();
+        Ok(id)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ops
+            .values()
+            .filter(|p| !matches!(p, Phase::Waiting(_)))
+            .count()
+    }
+
+    /// Starts waiting ops, in order, while pipeline slots are free.
+    fn start_waiting(&mut self) {
+        let mut free = self.limits.in_flight.saturating_sub(self.in_flight());
+        if free == 0 {
+            return;
+        }
+        let ids: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, p)| matches!(p, Phase::Waiting(_)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if free == 0 {
+                break;
+            }
+            free -= 1;
+            let Some(Phase::Waiting(op)) = self.ops.remove(&id) else {
+                continue;
+            };
+            match op {
+                OpKind::Transfer(req) => {
+                    self.transmit.push_back(Message::Offer(Offer {
+                        transfer: id.0,
+                        tag: req.tag,
+                        len: req.len,
+                        source: req.source,
+                        transport: req.transport.clone(),
+                        direction: req.direction,
+                    }));
+                    self.ops.insert(id, Phase::AwaitGrant(req));
+                }
+                put @ OpKind::Put(_) => {
+                    self.events.push_back(SessionEvent::Stream(id));
+                    self.ops.insert(
+                        id,
+                        Phase::Streaming {
+                            op: put,
+                            confirmed: false,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Ends `id` with `outcome`; through `Ending` if a stream still runs.
+    fn finish(&mut self, id: OpId, outcome: Outcome, tell_peer: Option<WireReason>) {
+        let Some(phase) = self.ops.remove(&id) else {
+            return;
+        };
+        let is_transfer = match &phase {
+            Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
+                matches!(op, OpKind::Transfer(_))
+            }
+            Phase::AwaitGrant(_) => true,
+            Phase::Ending { .. } => {
+                // Already decided: the first outcome stands.
+                self.ops.insert(id, phase);
+                return;
+            }
+        };
+        let offered = !matches!(phase, Phase::Waiting(_));
+        if let (Some(reason), true, true) = (tell_peer, is_transfer, offered) {
+            self.transmit.push_back(Message::Cancel(Cancel {
+                transfer: id.0,
+                reason,
+                detail: String::new(),
+            }));
+        }
+        if let Phase::Streaming { op, .. } = phase {
+            self.events.push_back(SessionEvent::StopStream(id));
+            drop(op);
+            self.ops.insert(id, Phase::Ending { outcome });
+        } else {
+            self.events.push_back(SessionEvent::Finished(id, outcome));
+        }
+        self.start_waiting();
+    }
+
+    /// The application cancels an op. Returns false if it had already ended.
+    pub fn handle_cancel(&mut self, id: OpId) -> bool {
+        let live = matches!(
+            self.ops.get(&id),
+            Some(p) if !matches!(p, Phase::Ending { .. })
+        );
+        if live {
+            self.finish(id, Outcome::Cancelled, Some(WireReason::Cancelled));
+        }
+        live
+    }
+
+    /// The transport finished (or stopped) streaming op `id`'s bytes.
+    pub fn handle_stream_ended(&mut self, id: OpId) {
+        match self.ops.remove(&id) {
+            Some(Phase::Streaming { op, confirmed }) => {
+                if confirmed {
+                    self.events
+                        .push_back(SessionEvent::Finished(id, Outcome::Completed));
+                    self.start_waiting();
+                } else {
+                    self.ops.insert(id, Phase::AwaitConfirm(op));
+                }
+            }
+            Some(Phase::Ending { outcome, .. }) => {
+                self.events.push_back(SessionEvent::Finished(id, outcome));
+                self.start_waiting();
+            }
+            Some(other) => {
+                self.ops.insert(id, other);
+            }
+            None => {}
+        }
+    }
+
+    /// A control message from the peer. Data and put chunks never come here: the
+    /// transport places them and reports [`Self::handle_inbound_complete`].
+    pub fn handle_message(&mut self, msg: Message) -> Result<(), ProtocolViolation> {
+        match msg {
+            Message::Offer(offer) => self.on_offer(offer),
+            Message::Grant(grant) => self.on_grant(&grant),
+            Message::Done(done) => {
+                self.on_confirm(OpId(done.transfer));
+                Ok(())
+            }
+            Message::PutAck(ack) => {
+                let id = OpId(ack.put);
+                match ack.error {
+                    None => self.on_confirm(id),
+                    Some(detail) => self.finish(
+                        id,
+                        Outcome::Failed(FailKind::Refused {
+                            reason: WireReason::Protocol,
+                            detail,
+                        }),
+                        None,
+                    ),
+                }
+                Ok(())
+            }
+            Message::Cancel(cancel) => {
+                self.on_cancel(cancel);
+                Ok(())
+            }
+            Message::Ping(_) | Message::Pong(_) | Message::Goodbye => Ok(()),
+            other => Err(ProtocolViolation(format!(
+                "unexpected {:?} frame on an established link",
+                other.kind()
+            ))),
+        }
+    }
+
+    fn on_offer(&mut self, offer: Offer) -> Result<(), ProtocolViolation> {
+        let id = InboundId(offer.transfer);
+        if self.inbound.contains_key(&id) {
+            return Err(ProtocolViolation(format!(
+                "transfer {} offered twice",
+                offer.transfer
+            )));
+        }
+        let refuse = if self.draining {
+            Some((WireReason::ShuttingDown, "receiver is shutting down".to_string()))
+        } else if self.inbound.len() >= self.limits.inbound {
+            Some((
+                WireReason::Protocol,
+                format!("more than {} transfers open at once", self.limits.inbound),
+            ))
+        } else if offer.transport != "tcp" || offer.direction != WireDirection::Push {
+            Some((
+                WireReason::Unsupported,
+                format!(
+                    "transport {} with direction {:?} is not served here",
+                    offer.transport, offer.direction
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((reason, detail)) = refuse {
+            self.transmit.push_back(Message::Cancel(Cancel {
+                transfer: offer.transfer,
+                reason,
+                detail,
+            }));
+            return Ok(());
+        }
+        self.inbound.insert(
+            id,
+            InboundOp {
+                tag: offer.tag,
+                phase: InPhase::Reserving,
+            },
+        );
+        self.events.push_back(SessionEvent::Reserve { id, len: offer.len });
+        Ok(())
+    }
+
+    fn on_grant(&mut self, grant: &Grant) -> Result<(), ProtocolViolation> {
+        let id = OpId(grant.transfer);
+        match self.ops.remove(&id) {
+            Some(Phase::AwaitGrant(req)) => {
+                self.ops.insert(
+                    id,
+                    Phase::Streaming {
+                        op: OpKind::Transfer(req),
+                        confirmed: false,
+                    },
+                );
+                self.events.push_back(SessionEvent::Stream(id));
+                Ok(())
+            }
+            // A grant that crossed our cancel: nothing to do.
+            Some(ending @ Phase::Ending { .. }) => {
+                self.ops.insert(id, ending);
+                Ok(())
+            }
+            None if id.0 < self.next_op => Ok(()),
+            Some(other) => {
+                self.ops.insert(id, other);
+                Err(ProtocolViolation(format!("grant for transfer {} out of turn", id.0)))
+            }
+            None => Err(ProtocolViolation(format!(
+                "grant for transfer {} that was never offered",
+                id.0
+            ))),
+        }
+    }
+
+    fn on_confirm(&mut self, id: OpId) {
+        match self.ops.remove(&id) {
+            Some(Phase::Streaming { op, .. }) => {
+                self.ops.insert(
+                    id,
+                    Phase::Streaming {
+                        op,
+                        confirmed: true,
+                    },
+                );
+            }
+            Some(Phase::AwaitConfirm(_)) => {
+                self.events
+                    .push_back(SessionEvent::Finished(id, Outcome::Completed));
+                self.start_waiting();
+            }
+            Some(other) => {
+                self.ops.insert(id, other);
+            }
+            None => {}
+        }
+    }
+
+    fn on_cancel(&mut self, cancel: Cancel) {
+        // The id names our transfer if we are its sender, else the peer's.
+        let ours = OpId(cancel.transfer);
+        if self.ops.contains_key(&ours)
+            && !matches!(self.ops.get(&ours), Some(Phase::Waiting(_)))
+        {
+            self.finish(
+                ours,
+                Outcome::Failed(FailKind::Refused {
+                    reason: cancel.reason,
+                    detail: cancel.detail,
+                }),
+                None,
+            );
+        }
+        let theirs = InboundId(cancel.transfer);
+        if self.inbound.remove(&theirs).is_some() {
+            self.events.push_back(SessionEvent::Abandon(theirs));
+            self.deliver_ready();
+        }
+    }
+
+    /// Memory for inbound transfer `id` was reserved. Returns false if the transfer was
+    /// abandoned meanwhile, in which case the shell frees the memory itself.
+    pub fn handle_reserved(&mut self, id: InboundId, landing: WireMemoryKind) -> bool {
+        match self.inbound.get_mut(&id) {
+            Some(op) if op.phase == InPhase::Reserving => {
+                op.phase = InPhase::Receiving;
+                self.transmit.push_back(Message::Grant(Grant {
+                    transfer: id.0,
+                    landing,
+                }));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// No memory could be reserved for inbound transfer `id`; the peer is told why.
+    pub fn handle_reserve_failed(&mut self, id: InboundId, reason: WireReason, detail: String) {
+        if self.inbound.remove(&id).is_some() {
+            self.transmit.push_back(Message::Cancel(Cancel {
+                transfer: id.0,
+                reason,
+                detail,
+            }));
+            self.deliver_ready();
+        }
+    }
+
+    /// Every byte of inbound transfer `id` has been placed. Returns false if it is not
+    /// receiving (abandoned meanwhile, or a peer completing a transfer it never offered).
+    pub fn handle_inbound_complete(&mut self, id: InboundId) -> bool {
+        match self.inbound.get_mut(&id) {
+            Some(op) if op.phase == InPhase::Receiving => {
+                op.phase = InPhase::Complete;
+                self.transmit
+                    .push_back(Message::Done(Done { transfer: id.0 }));
+                self.deliver_ready();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Delivers completed inbound transfers in the peer's offer order.
+    fn deliver_ready(&mut self) {
+        while let Some(entry) = self.inbound.first_entry() {
+            if entry.get().phase != InPhase::Complete {
+                break;
+            }
+            let (id, op) = entry.remove_entry();
+            self.events
+                .push_back(SessionEvent::Deliver { id, tag: op.tag });
+        }
+    }
+
+    /// Expires every op whose deadline is at or before `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let expired: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, p)| match p {
+                Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
+                    op.deadline() <= now
+                }
+                Phase::AwaitGrant(req) => req.deadline <= now,
+                Phase::Ending { .. } => false,
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.finish(
+                id,
+                Outcome::Failed(FailKind::DeadlineExceeded),
+                Some(WireReason::DeadlineExceeded),
+            );
+        }
+    }
+
+    /// The link broke: every op fails once (streams first stop), inbound transfers are
+    /// abandoned, and new requests are refused.
+    pub fn handle_link_lost(&mut self, why: &str) {
+        if self.lost.is_some() {
+            return;
+        }
+        self.lost = Some(why.to_string());
+        self.transmit.clear();
+        let ids: Vec<OpId> = self.ops.keys().copied().collect();
+        for id in ids {
+            self.finish(id, Outcome::Failed(FailKind::PeerLost(why.to_string())), None);
+        }
+        for id in std::mem::take(&mut self.inbound).into_keys() {
+            self.events.push_back(SessionEvent::Abandon(id));
+        }
+    }
+
+    /// Stops taking new work; ops already queued run to their end. Offers that arrive from
+    /// now on are refused with `ShuttingDown`.
+    pub fn handle_drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// True when nothing is queued, in flight or being received.
+    pub fn is_idle(&self) -> bool {
+        self.ops.is_empty() && self.inbound.is_empty()
+    }
+
+    /// True once the link was lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.is_some()
+    }
+
+    /// Number of outbound ops (waiting or in flight).
+    pub fn outbound_len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Next message to send to the peer.
+    pub fn poll_transmit(&mut self) -> Option<Message> {
+        self.transmit.pop_front()
+    }
+
+    /// Next thing the shell must do.
+    pub fn poll_event(&mut self) -> Option<SessionEvent> {
+        self.events.pop_front()
+    }
+
+    /// The earliest deadline of a live op, for the shell's timer.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.ops
+            .values()
+            .filter_map(|p| match p {
+                Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
+                    Some(op.deadline())
+                }
+                Phase::AwaitGrant(req) => Some(req.deadline),
+                Phase::Ending { .. } => None,
+            })
+            .min()
+    }
+}

@@ -1,0 +1,483 @@
+//! Starting and stopping a node: the actor system on its own thread, an I/O runtime for
+//! the links, the listeners, and the API that ordinary async code calls.
+//!
+//! Every method of [`Node`] is a future that works from any async runtime (tokio or not):
+//! it sends a message to an actor through its bounded mailbox and awaits the answer.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use dashmap::DashMap;
+use ferry_config::{Config, MemoryClass};
+use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener, Secret};
+use ferry_transports::memory::{Buffer, MemoryKind};
+use ferry_transports::tcp::{ExposedRegion, RegionKey};
+use tokio::sync::Semaphore;
+
+use crate::allocator::{Allocator, Reserve, Stats};
+use crate::coordinator::{
+    ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv,
+    SendTo, Shutdown, TransferSetupBase,
+};
+use crate::core::budget::BudgetStats;
+use crate::core::route::Explanation;
+use crate::core::session::SessionLimits;
+use crate::error::{Error, SendError};
+
+/// Handshakes running at once, at most; further connections wait in the kernel backlog.
+const MAX_HANDSHAKES: usize = 64;
+
+/// A running ferry node.
+pub struct Node {
+    name: String,
+    config: Arc<Config>,
+    coordinator: Addr<Coordinator>,
+    host: Addr<Allocator>,
+    exposed: Arc<DashMap<u64, ExposedRegion>>,
+    next_region: AtomicU64,
+    counters: Arc<LinkCounters>,
+    tcp_addrs: Vec<String>,
+    unix_path: Option<PathBuf>,
+    system: System,
+    thread: Option<std::thread::JoinHandle<()>>,
+    io: Option<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("name", &self.name)
+            .field("tcp", &self.tcp_addrs)
+            .finish_non_exhaustive()
+    }
+}
+
+fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(8 << 30, |kb| kb * 1024)
+}
+
+impl Node {
+    /// Starts a node: validates `config`, reads the secret, binds the listeners and starts
+    /// the actors.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid configuration or a missing secret (without
+    /// `security.danger_insecure`), [`Error::Start`] when a listener cannot bind.
+    pub async fn start(config: Config) -> Result<Self, Error> {
+        config.validate().map_err(|e| Error::Config(e.to_string()))?;
+        let secret = match config.read_secret().map_err(|e| Error::Config(e.to_string()))? {
+            Some(bytes) => Secret::new(bytes),
+            None => {
+                tracing::warn!(
+                    "SECURITY: security.danger_insecure is set: peers are not authenticated; \
+                     anyone who can reach this node's listeners can send to it"
+                );
+                Secret::insecure()
+            }
+        };
+        let config = Arc::new(config);
+        let io = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ferry-io")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Start(format!("cannot start the I/O runtime: {e}")))?;
+
+        // Bind every listener before anything else runs, so a bad address fails start-up.
+        let mut listeners = Vec::new();
+        for addr in &config.node.listen {
+            let bind = io.spawn({
+                let addr = addr.clone();
+                async move { Listener::bind_tcp(&addr).await }
+            });
+            let listener = bind
+                .await
+                .map_err(|e| Error::Start(e.to_string()))?
+                .map_err(|e| Error::Start(format!("cannot listen on {addr}: {e}")))?;
+            listeners.push(listener);
+        }
+        let mut unix_path = None;
+        if let Some(dir) = &config.node.socket_dir {
+            let path = dir.join(format!("{}.sock", config.node.name));
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::Start(format!("cannot create {}: {e}", dir.display())))?;
+            let bind = io.spawn({
+                let path = path.clone();
+                async move { Listener::bind_unix(&path).await }
+            });
+            let listener = bind
+                .await
+                .map_err(|e| Error::Start(e.to_string()))?
+                .map_err(|e| Error::Start(format!("cannot listen on {}: {e}", path.display())))?;
+            listeners.push(listener);
+            unix_path = Some(path);
+        }
+        let tcp_addrs = listeners
+            .iter()
+            .filter_map(|l| match l.endpoint() {
+                Ok(Endpoint::Tcp(a)) => Some(a),
+                _ => None,
+            })
+            .collect();
+
+        let counters = Arc::new(LinkCounters::new());
+        let link_opts = LinkOptions {
+            max_frame: u32::try_from(config.limits.max_frame).unwrap_or(u32::MAX),
+            handshake_timeout: config.limits.handshake_timeout,
+            counters: Arc::clone(&counters),
+        };
+        let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
+        let host_budget = config.memory.host.resolve(total_memory());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let thread = {
+            let config = Arc::clone(&config);
+            let exposed = Arc::clone(&exposed);
+            let link_opts = link_opts.clone();
+            let io_handle = io.handle().clone();
+            std::thread::Builder::new()
+                .name(format!("ferry-{}", config.node.name))
+                .spawn(move || {
+                    let system = System::new();
+                    let started = system.block_on(async move {
+                        let limits = &config.limits;
+                        let mailbox = limits.mailbox;
+                        let queue = limits.reservation_queue;
+                        let host = Allocator::create(move |ctx| {
+                            ctx.set_mailbox_capacity(mailbox);
+                            Allocator::new(MemoryKind::Host, host_budget, queue)
+                        });
+                        let transfer = TransferSetupBase {
+                            limits: SessionLimits {
+                                queue: limits.peer_queue,
+                                in_flight: config.transport.tcp.pipeline_depth as usize,
+                                inbound: limits.peer_queue,
+                            },
+                            chunk: usize::try_from(config.transport.tcp.chunk_size)
+                                .unwrap_or(1 << 20),
+                            max_bad_frames: limits.max_bad_frames,
+                            reserve_timeout: limits.default_deadline,
+                            allocator: host.clone().recipient(),
+                            exposed,
+                            io: io_handle,
+                        };
+                        let coordinator = Coordinator::new(CoordinatorSetup {
+                            config: Arc::clone(&config),
+                            secret,
+                            link: link_opts,
+                            transfer,
+                        })
+                        .start();
+                        (coordinator, host, System::current())
+                    });
+                    let _ = tx.send(started);
+                    let _ = system.run();
+                })
+                .map_err(|e| Error::Start(format!("cannot start the actor thread: {e}")))?
+        };
+        let (coordinator, host, system) = rx
+            .await
+            .map_err(|_| Error::Start("the actor system did not start".into()))?;
+
+        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        for listener in listeners {
+            io.spawn(accept_loop(
+                listener,
+                coordinator.clone(),
+                Arc::clone(&handshakes),
+                secret_for_accept(&config)?,
+                link_opts.clone(),
+                config.node.name.clone(),
+            ));
+        }
+        tracing::info!(node = %config.node.name, "node started");
+        Ok(Self {
+            name: config.node.name.clone(),
+            config,
+            coordinator,
+            host,
+            exposed,
+            next_region: AtomicU64::new(1),
+            counters,
+            tcp_addrs,
+            unix_path,
+            system,
+            thread: Some(thread),
+            io: Some(io),
+        })
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The configuration the node runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The TCP addresses the node listens on (with the actual port when `:0` was asked).
+    pub fn tcp_addrs(&self) -> &[String] {
+        &self.tcp_addrs
+    }
+
+    /// The Unix socket the node listens on, if any.
+    pub fn unix_path(&self) -> Option<&std::path::Path> {
+        self.unix_path.as_deref()
+    }
+
+    /// Link counters: authentication failures and rejected frames by reason.
+    pub fn link_counters(&self) -> &LinkCounters {
+        &self.counters
+    }
+
+    fn default_deadline(&self) -> Instant {
+        Instant::now() + self.config.limits.default_deadline
+    }
+
+    /// Allocates `len` bytes of `kind` memory under the domain's budget, waiting for
+    /// budget up to the default deadline.
+    ///
+    /// # Errors
+    /// [`Error::NoMemory`] when it does not fit in time; [`Error::Unsupported`] for a kind
+    /// this build cannot allocate.
+    pub async fn alloc(&self, kind: MemoryKind, len: usize) -> Result<Buffer, Error> {
+        if kind != MemoryKind::Host {
+            return Err(Error::Unsupported(format!(
+                "{kind} memory arrives with GPU support; this build allocates host memory"
+            )));
+        }
+        self.host
+            .send(Reserve {
+                len: len as u64,
+                deadline: self.default_deadline(),
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
+    /// Sends `buffer` to `peer` under `tag`, with the default deadline. Resolves to the
+    /// buffer once the peer holds every byte.
+    ///
+    /// # Errors
+    /// A [`SendError`] that gives the buffer back where it can.
+    ///
+    /// # Cancel safety
+    /// Dropping the future does not cancel the transfer: it runs to its end and the buffer
+    /// is then freed.
+    pub async fn send(&self, peer: &str, tag: u64, buffer: Buffer) -> Result<Buffer, SendError> {
+        self.send_by(peer, tag, buffer, self.default_deadline()).await
+    }
+
+    /// [`Self::send`] with an explicit deadline.
+    pub async fn send_by(
+        &self,
+        peer: &str,
+        tag: u64,
+        buffer: Buffer,
+        deadline: Instant,
+    ) -> Result<Buffer, SendError> {
+        let request = self.coordinator.send(SendTo {
+            peer: peer.to_string(),
+            tag,
+            buffer,
+            deadline,
+        });
+        request.await.unwrap_or(Err(SendError {
+            error: Error::ShuttingDown,
+            buffer: None,
+        }))
+    }
+
+    /// Receives the oldest buffer delivered from `from` (a peer name, or `None` for any)
+    /// with `tag` (or `None` for any tag). Waits until one arrives.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a buffer delivered after the future was dropped goes to the next
+    /// matching `recv`.
+    pub async fn recv(&self, from: Option<&str>, tag: Option<u64>) -> Result<Received, Error> {
+        self.coordinator
+            .send(Recv {
+                from: from.map(str::to_string),
+                tag,
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
+    /// Exposes `buffer` for one-sided puts by peers; give the key to the peer, and take the
+    /// buffer back with [`Self::withdraw`].
+    pub fn expose(&self, buffer: Buffer) -> RegionKey {
+        let region = self.next_region.fetch_add(1, Ordering::Relaxed);
+        let key = RegionKey {
+            region,
+            generation: buffer.lease().generation.0,
+            len: buffer.len() as u64,
+        };
+        self.exposed.insert(
+            region,
+            ExposedRegion {
+                buffer,
+                generation: key.generation,
+            },
+        );
+        key
+    }
+
+    /// Withdraws an exposed region and gives its buffer back; later puts to the key fail.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] for a key that is not exposed (or stale).
+    pub fn withdraw(&self, key: RegionKey) -> Result<Buffer, Error> {
+        self.exposed
+            .remove_if(&key.region, |_, r| r.generation == key.generation)
+            .map(|(_, r)| r.buffer)
+            .ok_or_else(|| Error::Usage(format!("region {} is not exposed", key.region)))
+    }
+
+    /// Writes `buffer` at `offset` into the region `key` that `peer` exposed. Resolves to
+    /// the buffer once the peer confirmed every byte landed.
+    pub async fn put(
+        &self,
+        peer: &str,
+        key: RegionKey,
+        offset: u64,
+        buffer: Buffer,
+    ) -> Result<Buffer, SendError> {
+        let request = self.coordinator.send(PutTo {
+            peer: peer.to_string(),
+            key,
+            offset,
+            buffer,
+            deadline: self.default_deadline(),
+        });
+        request.await.unwrap_or(Err(SendError {
+            error: Error::ShuttingDown,
+            buffer: None,
+        }))
+    }
+
+    /// How a transfer of `bytes` from `src` memory here to `dst` memory at `peer` would be
+    /// routed, and why.
+    pub async fn explain(
+        &self,
+        peer: &str,
+        bytes: u64,
+        src: MemoryClass,
+        dst: MemoryClass,
+    ) -> Result<Explanation, Error> {
+        self.coordinator
+            .send(Explain {
+                peer: peer.to_string(),
+                bytes,
+                src,
+                dst,
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
+    /// The host domain's budget counters.
+    pub async fn host_memory(&self) -> Result<BudgetStats, Error> {
+        self.host.send(Stats).await.map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Peers with a live link.
+    pub async fn connected_peers(&self) -> Result<Vec<String>, Error> {
+        self.coordinator
+            .send(ConnectedPeers)
+            .await
+            .map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Stops taking new work, lets transfers in flight end (each within its deadline),
+    /// closes the links and stops the node's threads.
+    pub async fn shutdown(mut self) {
+        let drain = self.coordinator.send(Shutdown);
+        let limit = self.config.limits.default_deadline + Duration::from_secs(1);
+        if tokio::time::timeout(limit, drain).await.is_err() {
+            tracing::warn!("shutdown: transfers did not drain in time");
+        }
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.system.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if let Some(io) = self.io.take() {
+            io.shutdown_background();
+        }
+        if let Some(path) = &self.unix_path {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn secret_for_accept(config: &Config) -> Result<Secret, Error> {
+    Ok(match config.read_secret().map_err(|e| Error::Config(e.to_string()))? {
+        Some(bytes) => Secret::new(bytes),
+        None => Secret::insecure(),
+    })
+}
+
+/// Accepts connections and runs each handshake in its own task, so a slow or hostile
+/// connection never holds up the others.
+async fn accept_loop(
+    listener: Listener,
+    coordinator: Addr<Coordinator>,
+    handshakes: Arc<Semaphore>,
+    secret: Secret,
+    opts: LinkOptions,
+    node: String,
+) {
+    loop {
+        let Ok(permit) = Arc::clone(&handshakes).acquire_owned().await else {
+            return;
+        };
+        let (accepted, from) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(%node, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let coordinator = coordinator.clone();
+        let secret = secret.clone();
+        let opts = opts.clone();
+        let hello = link::local_hello(
+            node.clone(),
+            ferry_transports::transport::viable_names(),
+            opts.max_frame,
+        );
+        tokio::spawn(async move {
+            let result = link::accept_handshake(accepted, &secret, hello, &opts).await;
+            drop(permit);
+            match result {
+                Ok(link) => {
+                    let _ = coordinator.send(LinkUp { link, dialed: None }).await;
+                }
+                Err(e) => tracing::warn!(%from, error = %e, "connection refused"),
+            }
+        });
+    }
+}

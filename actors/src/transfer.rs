@@ -1,0 +1,766 @@
+//! The transfer actor of one peer: a shell over [`PeerSession`].
+//!
+//! It owns the link to the peer. Two tasks on the node's I/O runtime serve the link: the
+//! reader decodes frames, places data and put chunks straight into their receive buffers
+//! (read in place from the validated archive) and forwards control messages to the actor;
+//! the writer sends control frames and streams buffers in chunks from a bounded queue. Bulk
+//! bytes therefore never pass through a mailbox, and the actor never waits on a socket.
+//!
+//! Every queue here is bounded: the actor's mailbox (config `limits.mailbox`), the writer
+//! queue (sized from the session's bounds, so a peer that follows the protocol cannot fill
+//! it; one that floods us loses its link), and the session's own op queue.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use dashmap::DashMap;
+use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter};
+use ferry_transports::memory::{Buffer, SharedBytes};
+use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
+use ferry_transports::wire::{ArchivedMessage, Message, PutAck, WireMemoryKind, WireReason};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::allocator::Reserve;
+use crate::core::session::{
+    InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
+};
+use crate::error::{Error, SendError};
+
+/// A buffer delivered to the application, in the peer's send order.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Delivered {
+    /// The sending peer.
+    pub peer: String,
+    /// The sender's tag.
+    pub tag: u64,
+    /// The data.
+    pub buffer: Buffer,
+}
+
+/// The transfer actor stopped; the coordinator forgets it.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SessionEnded {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch, so a newer session for the same peer is not forgotten.
+    pub epoch: u64,
+}
+
+/// How a transfer actor is set up.
+#[derive(Clone)]
+pub struct TransferSetup {
+    /// Session bounds.
+    pub limits: SessionLimits,
+    /// Bytes per data frame.
+    pub chunk: usize,
+    /// Recoverable bad frames tolerated before the peer is dropped.
+    pub max_bad_frames: u32,
+    /// How long an inbound transfer may wait for memory.
+    pub reserve_timeout: Duration,
+    /// Where inbound transfers get memory.
+    pub allocator: Recipient<Reserve>,
+    /// Where delivered buffers go.
+    pub deliver: Recipient<Delivered>,
+    /// Told when the actor stops.
+    pub ended: Recipient<SessionEnded>,
+    /// Regions exposed for one-sided puts, shared by every peer's reader.
+    pub exposed: Arc<DashMap<u64, ExposedRegion>>,
+    /// The node's link counters.
+    pub counters: Arc<LinkCounters>,
+    /// The node's I/O runtime.
+    pub io: tokio::runtime::Handle,
+}
+
+/// What the application asks of a peer.
+#[derive(Debug)]
+pub enum Op {
+    /// Send a buffer.
+    Send {
+        /// Application tag.
+        tag: u64,
+        /// Transport label from the route.
+        transport: String,
+        /// Direction from the route.
+        direction: ferry_transports::wire::WireDirection,
+    },
+    /// Write a buffer into a region the peer exposed.
+    Put {
+        /// The region.
+        key: RegionKey,
+        /// Where in the region.
+        offset: u64,
+    },
+}
+
+/// Run `op` with `buffer`; resolves when it ended, giving the buffer back.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Buffer, SendError>")]
+pub struct Submit {
+    /// What to do.
+    pub op: Op,
+    /// The data.
+    pub buffer: Buffer,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// Hand the actor its link.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Attach(pub Link);
+
+/// The link could not be set up, or was replaced: fail everything.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Lost(pub String);
+
+/// Stop taking work; resolves once every op has ended, then closes the link.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct FromPeer(Message);
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct InboundDone {
+    id: u64,
+    buffer: Buffer,
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct PutFinished {
+    put: u64,
+    error: Option<String>,
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct StreamEnded(OpId);
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct LinkDown {
+    why: String,
+}
+
+enum Outgoing {
+    Frame(Message),
+    Stream {
+        op: OpId,
+        what: StreamWhat,
+        bytes: SharedBytes,
+        stop: Arc<AtomicBool>,
+    },
+    Close,
+}
+
+#[derive(Clone, Copy)]
+enum StreamWhat {
+    Transfer,
+    Put { key: RegionKey, offset: u64 },
+}
+
+struct OutEntry {
+    buffer: Buffer,
+    what: StreamWhat,
+    reply: oneshot::Sender<Result<Buffer, SendError>>,
+    stop: Arc<AtomicBool>,
+    started: Instant,
+}
+
+/// The transfer actor of one peer.
+pub struct TransferActor {
+    peer: String,
+    epoch: u64,
+    setup: TransferSetup,
+    session: PeerSession,
+    writer: Option<mpsc::Sender<Outgoing>>,
+    regions: Arc<DashMap<u64, InboundRegion>>,
+    outbound: HashMap<OpId, OutEntry>,
+    complete: HashMap<InboundId, Buffer>,
+    drained: Vec<oneshot::Sender<()>>,
+    timer: Option<SpawnHandle>,
+    armed_for: Option<Instant>,
+}
+
+impl TransferActor {
+    /// A session with `peer`, waiting for its link.
+    pub fn new(peer: String, epoch: u64, setup: TransferSetup) -> Self {
+        Self {
+            session: PeerSession::new(setup.limits),
+            peer,
+            epoch,
+            setup,
+            writer: None,
+            regions: Arc::default(),
+            outbound: HashMap::new(),
+            complete: HashMap::new(),
+            drained: Vec::new(),
+            timer: None,
+            armed_for: None,
+        }
+    }
+
+    fn writer_capacity(&self) -> usize {
+        let l = self.setup.limits;
+        4 * (l.in_flight + l.inbound) + 64
+    }
+
+    /// Carries out everything the session asks for.
+    fn drive(&mut self, ctx: &mut Context<Self>) {
+        loop {
+            let mut moved = false;
+            if let Some(writer) = &self.writer {
+                while let Some(msg) = self.session.poll_transmit() {
+                    moved = true;
+                    if writer.try_send(Outgoing::Frame(msg)).is_err() {
+                        self.session
+                            .handle_link_lost("the link's send queue overflowed or closed");
+                        break;
+                    }
+                }
+            }
+            while let Some(ev) = self.session.poll_event() {
+                moved = true;
+                self.on_event(ev, ctx);
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.arm_timer(ctx);
+        if self.session.is_idle() {
+            for tx in self.drained.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+        if self.session.is_lost() && self.session.is_idle() && self.outbound.is_empty() {
+            ctx.stop();
+        }
+    }
+
+    fn on_event(&mut self, ev: SessionEvent, ctx: &mut Context<Self>) {
+        match ev {
+            SessionEvent::Stream(op) => self.start_stream(op),
+            SessionEvent::StopStream(op) => {
+                if let Some(entry) = self.outbound.get(&op) {
+                    entry.stop.store(true, Ordering::Release);
+                }
+            }
+            SessionEvent::Finished(op, outcome) => self.finish(op, outcome),
+            SessionEvent::Reserve { id, len } => self.reserve(id, len, ctx),
+            SessionEvent::Deliver { id, tag } => {
+                if let Some(buffer) = self.complete.remove(&id) {
+                    let delivered = Delivered {
+                        peer: self.peer.clone(),
+                        tag,
+                        buffer,
+                    };
+                    // Wait for the coordinator to take it before handling anything else,
+                    // so deliveries keep their order. The coordinator never waits on us.
+                    let send = self.setup.deliver.send(delivered);
+                    ctx.wait(async move {
+                        let _ = send.await;
+                    }
+                    .into_actor(self));
+                }
+            }
+            SessionEvent::Abandon(id) => {
+                self.regions.remove(&id.0);
+                self.complete.remove(&id);
+            }
+        }
+    }
+
+    fn start_stream(&mut self, op: OpId) {
+        let Some(entry) = self.outbound.get(&op) else {
+            return;
+        };
+        let out = Outgoing::Stream {
+            op,
+            what: entry.what,
+            bytes: entry.buffer.share(),
+            stop: Arc::clone(&entry.stop),
+        };
+        let sent = match &self.writer {
+            Some(w) => w.try_send(out).is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.session
+                .handle_link_lost("the link's send queue overflowed or closed");
+            self.session.handle_stream_ended(op);
+        }
+    }
+
+    fn finish(&mut self, op: OpId, outcome: Outcome) {
+        let Some(entry) = self.outbound.remove(&op) else {
+            return;
+        };
+        let status = match &outcome {
+            Outcome::Completed => "completed",
+            Outcome::Failed(_) => "failed",
+            Outcome::Cancelled => "cancelled",
+        };
+        metrics::counter!("ferry_transfers_total", "status" => status).increment(1);
+        if outcome == Outcome::Completed {
+            metrics::counter!("ferry_transfer_bytes_total", "transport" => "tcp",
+                "direction" => "push", "peer_class" => "any")
+            .increment(entry.buffer.len() as u64);
+            metrics::histogram!("ferry_transfer_duration_seconds")
+                .record(entry.started.elapsed().as_secs_f64());
+        }
+        tracing::debug!(peer = %self.peer, op = op.0, ?outcome, "transfer ended");
+        let result = match outcome {
+            Outcome::Completed => Ok(entry.buffer),
+            Outcome::Cancelled => Err(SendError {
+                error: Error::Cancelled,
+                buffer: Some(entry.buffer),
+            }),
+            Outcome::Failed(kind) => Err(SendError {
+                error: Error::from_fail(&self.peer, kind),
+                buffer: Some(entry.buffer),
+            }),
+        };
+        // A caller that stopped waiting drops the buffer, which releases it.
+        let _ = entry.reply.send(result);
+    }
+
+    fn reserve(&mut self, id: InboundId, len: u64, ctx: &mut Context<Self>) {
+        let request = self.setup.allocator.send(Reserve {
+            len,
+            deadline: Instant::now() + self.setup.reserve_timeout,
+        });
+        ctx.spawn(request.into_actor(self).map(move |res, act, ctx| {
+            match res {
+                Ok(Ok(buffer)) => {
+                    // The region must exist before the grant leaves, since the peer
+                    // streams as soon as it reads the grant.
+                    act.regions.insert(id.0, InboundRegion::new(buffer));
+                    if !act.session.handle_reserved(id, WireMemoryKind::Host) {
+                        act.regions.remove(&id.0);
+                    }
+                }
+                Ok(Err(e)) => {
+                    let reason = match e {
+                        Error::NoMemory { .. } => WireReason::TooLarge,
+                        _ => WireReason::ShuttingDown,
+                    };
+                    act.session.handle_reserve_failed(id, reason, e.to_string());
+                }
+                Err(_) => act.session.handle_reserve_failed(
+                    id,
+                    WireReason::ShuttingDown,
+                    "allocator stopped".into(),
+                ),
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    fn arm_timer(&mut self, ctx: &mut Context<Self>) {
+        let next = self.session.poll_timeout();
+        if next == self.armed_for {
+            return;
+        }
+        if let Some(handle) = self.timer.take() {
+            ctx.cancel_future(handle);
+        }
+        self.armed_for = next;
+        if let Some(at) = next {
+            let after = at.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
+            self.timer = Some(ctx.run_later(after, |act, ctx| {
+                act.timer = None;
+                act.armed_for = None;
+                act.session.handle_timeout(Instant::now());
+                act.drive(ctx);
+            }));
+        }
+    }
+}
+
+impl Actor for TransferActor {
+    type Context = Context<Self>;
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        if let Some(w) = self.writer.take() {
+            let _ = w.try_send(Outgoing::Close);
+        }
+        self.regions.clear();
+        let ended = SessionEnded {
+            peer: self.peer.clone(),
+            epoch: self.epoch,
+        };
+        let recipient = self.setup.ended.clone();
+        actix::spawn(async move {
+            let _ = recipient.send(ended).await;
+        });
+    }
+}
+
+impl Handler<Submit> for TransferActor {
+    type Result = ResponseFuture<Result<Buffer, SendError>>;
+
+    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        let now = Instant::now();
+        let len = msg.buffer.len() as u64;
+        let (queued, what) = match msg.op {
+            Op::Send {
+                tag,
+                transport,
+                direction,
+            } => (
+                self.session.handle_send(
+                    now,
+                    SendRequest {
+                        tag,
+                        len,
+                        source: msg.buffer.kind().to_wire(),
+                        transport,
+                        direction,
+                        deadline: msg.deadline,
+                    },
+                ),
+                StreamWhat::Transfer,
+            ),
+            Op::Put { key, offset } => (
+                self.session.handle_put(
+                    now,
+                    PutRequest {
+                        len,
+                        deadline: msg.deadline,
+                    },
+                ),
+                StreamWhat::Put { key, offset },
+            ),
+        };
+        let id = match queued {
+            Ok(id) => id,
+            Err(refusal) => {
+                let error = match refusal {
+                    crate::core::session::Refusal::QueueFull(_) => {
+                        Error::QueueFull(format!("peer {}: {refusal}", self.peer))
+                    }
+                    crate::core::session::Refusal::ShuttingDown => Error::ShuttingDown,
+                    other => Error::PeerLost {
+                        peer: self.peer.clone(),
+                        detail: other.to_string(),
+                    },
+                };
+                let buffer = Some(msg.buffer);
+                return Box::pin(async move { Err(SendError { error, buffer }) });
+            }
+        };
+        let (reply, rx) = oneshot::channel();
+        self.outbound.insert(
+            id,
+            OutEntry {
+                buffer: msg.buffer,
+                what,
+                reply,
+                stop: Arc::default(),
+                started: now,
+            },
+        );
+        self.drive(ctx);
+        Box::pin(async move {
+            rx.await.unwrap_or(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: None,
+            }))
+        })
+    }
+}
+
+impl Handler<Attach> for TransferActor {
+    type Result = ();
+
+    fn handle(&mut self, Attach(link): Attach, ctx: &mut Self::Context) {
+        let (tx, rx) = mpsc::channel(self.writer_capacity());
+        self.writer = Some(tx);
+        let me = ctx.address();
+        let chunk = self.setup.chunk;
+        self.setup
+            .io
+            .spawn(write_loop(link.writer, rx, me.clone(), chunk));
+        let reader = ReadLoop {
+            me,
+            regions: Arc::clone(&self.regions),
+            exposed: Arc::clone(&self.setup.exposed),
+            counters: Arc::clone(&self.setup.counters),
+            max_bad: self.setup.max_bad_frames,
+            peer: self.peer.clone(),
+        };
+        self.setup.io.spawn(reader.run(link.reader));
+        tracing::info!(peer = %self.peer, "link up");
+        self.drive(ctx);
+    }
+}
+
+impl Handler<Lost> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, Lost(why): Lost, ctx: &mut Self::Context) {
+        self.session.handle_link_lost(&why);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<LinkDown> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: LinkDown, ctx: &mut Self::Context) {
+        if !self.session.is_lost() {
+            tracing::warn!(peer = %self.peer, why = %msg.why, "link down");
+        }
+        self.session.handle_link_lost(&msg.why);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<Drain> for TransferActor {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, _: Drain, ctx: &mut Self::Context) -> Self::Result {
+        self.session.handle_drain();
+        let (tx, rx) = oneshot::channel();
+        self.drained.push(tx);
+        self.drive(ctx);
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<FromPeer> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, FromPeer(msg): FromPeer, ctx: &mut Self::Context) {
+        if let Err(violation) = self.session.handle_message(msg) {
+            tracing::warn!(peer = %self.peer, %violation, "dropping peer");
+            note_protocol_violation();
+            self.session.handle_link_lost(&violation.to_string());
+        }
+        self.drive(ctx);
+    }
+}
+
+impl Handler<InboundDone> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: InboundDone, ctx: &mut Self::Context) {
+        let id = InboundId(msg.id);
+        if self.session.handle_inbound_complete(id) {
+            self.complete.insert(id, msg.buffer);
+        }
+        self.drive(ctx);
+    }
+}
+
+impl Handler<PutFinished> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: PutFinished, ctx: &mut Self::Context) {
+        let ack = Message::PutAck(PutAck {
+            put: msg.put,
+            error: msg.error,
+        });
+        if let Some(w) = &self.writer
+            && w.try_send(Outgoing::Frame(ack)).is_err()
+        {
+            self.session
+                .handle_link_lost("the peer sends puts faster than it reads their acks");
+        }
+        self.drive(ctx);
+    }
+}
+
+impl Handler<StreamEnded> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, StreamEnded(op): StreamEnded, ctx: &mut Self::Context) {
+        self.session.handle_stream_ended(op);
+        self.drive(ctx);
+    }
+}
+
+/// Sends frames and streams buffers until the queue closes or the socket fails. Every
+/// stream it takes ends with a `StreamEnded`, after its view of the buffer was dropped.
+async fn write_loop(
+    mut writer: LinkWriter,
+    mut rx: mpsc::Receiver<Outgoing>,
+    me: Addr<TransferActor>,
+    chunk: usize,
+) {
+    let mut failure: Option<LinkError> = None;
+    while let Some(out) = rx.recv().await {
+        match out {
+            Outgoing::Frame(msg) => {
+                if let Err(e) = writer.send(&msg).await {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            Outgoing::Stream {
+                op,
+                what,
+                bytes,
+                stop,
+            } => {
+                let result = stream(&mut writer, op, what, &bytes, &stop, chunk).await;
+                drop(bytes);
+                let _ = me.send(StreamEnded(op)).await;
+                if let Err(e) = result {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            Outgoing::Close => {
+                let _ = writer.send(&Message::Goodbye).await;
+                let _ = writer.shutdown().await;
+                break;
+            }
+        }
+    }
+    // Streams still queued end now, so their buffers go back to their owners.
+    rx.close();
+    while let Some(out) = rx.recv().await {
+        if let Outgoing::Stream { op, bytes, .. } = out {
+            drop(bytes);
+            let _ = me.send(StreamEnded(op)).await;
+        }
+    }
+    if let Some(e) = failure {
+        let _ = me.send(LinkDown { why: e.to_string() }).await;
+    }
+}
+
+async fn stream(
+    writer: &mut LinkWriter,
+    op: OpId,
+    what: StreamWhat,
+    bytes: &SharedBytes,
+    stop: &AtomicBool,
+    chunk: usize,
+) -> Result<(), LinkError> {
+    let len = bytes.as_slice().len();
+    let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
+    let count = parts.len();
+    for (i, part) in parts.into_iter().enumerate() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let msg = match what {
+            StreamWhat::Transfer => tcp::data_message(op.0, bytes, part.0, part.1),
+            StreamWhat::Put { key, offset } => {
+                tcp::put_message(op.0, key, bytes, offset, part, i + 1 == count)
+            }
+        };
+        writer.send(&msg).await?;
+    }
+    Ok(())
+}
+
+struct ReadLoop {
+    me: Addr<TransferActor>,
+    regions: Arc<DashMap<u64, InboundRegion>>,
+    exposed: Arc<DashMap<u64, ExposedRegion>>,
+    counters: Arc<LinkCounters>,
+    max_bad: u32,
+    peer: String,
+}
+
+impl ReadLoop {
+    /// Reads until the link ends; a peer that breaks the protocol is dropped.
+    async fn run(self, mut reader: LinkReader) {
+        let mut bad = 0u32;
+        let mut put_errors: HashMap<u64, String> = HashMap::new();
+        let why = loop {
+            let frame = match reader.next().await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break "the peer closed the connection".to_string(),
+                Err(LinkError::Frame(e)) if e.is_recoverable() && bad < self.max_bad => {
+                    bad += 1;
+                    tracing::warn!(peer = %self.peer, error = %e, "bad frame rejected");
+                    continue;
+                }
+                Err(e) => break format!("{e}"),
+            };
+            let msg = match frame.message() {
+                Ok(m) => m,
+                Err(e) => {
+                    self.counters.record_rejected(&e);
+                    bad += 1;
+                    if bad > self.max_bad {
+                        break format!("too many bad frames: {e}");
+                    }
+                    continue;
+                }
+            };
+            match msg {
+                ArchivedMessage::Data(chunk) => {
+                    let id = chunk.transfer.to_native();
+                    let placed = match self.regions.get_mut(&id) {
+                        Some(mut region) => region.place(chunk),
+                        // A chunk of a transfer cancelled meanwhile: drop it.
+                        None => continue,
+                    };
+                    match placed {
+                        Ok(true) => {
+                            if let Some((_, region)) = self.regions.remove(&id) {
+                                let done = InboundDone {
+                                    id,
+                                    buffer: region.into_buffer(),
+                                };
+                                if self.me.send(done).await.is_err() {
+                                    break "node stopped".into();
+                                }
+                            }
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            note_protocol_violation();
+                            break format!("protocol violation: {e}");
+                        }
+                    }
+                }
+                ArchivedMessage::Put(chunk) => {
+                    let put = chunk.put.to_native();
+                    let region = chunk.region.to_native();
+                    let placed = match self.exposed.get_mut(&region) {
+                        Some(mut r) => r.place(chunk).map_err(|e| e.to_string()),
+                        None => Err(format!("region {region} is not exposed")),
+                    };
+                    if let Err(e) = placed {
+                        if put_errors.len() >= 1024 && !put_errors.contains_key(&put) {
+                            break "too many failing puts open at once".into();
+                        }
+                        put_errors.entry(put).or_insert(e);
+                    }
+                    if chunk.last {
+                        let error = put_errors.remove(&put);
+                        if self.me.send(PutFinished { put, error }).await.is_err() {
+                            break "node stopped".into();
+                        }
+                    }
+                }
+                _ => {
+                    let owned = match frame.to_owned_message() {
+                        Ok(m) => m,
+                        Err(e) => break format!("undecodable frame: {e}"),
+                    };
+                    if self.me.send(FromPeer(owned)).await.is_err() {
+                        break "node stopped".into();
+                    }
+                }
+            }
+        };
+        let _ = self.me.send(LinkDown { why }).await;
+    }
+}
+
+fn note_protocol_violation() {
+    metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);
+}

@@ -1,0 +1,498 @@
+//! Scenarios on the sans-IO session core: two peers wired in memory, in virtual time.
+//! Per-peer ordering, exactly-once terminal states, deadlines and cancellation in every
+//! phase, and the loss of the link.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use ferry_actors::core::session::{
+    FailKind, InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent,
+    SessionLimits,
+};
+use ferry_transports::wire::{Message, WireDirection, WireMemoryKind, WireReason};
+use proptest::prelude::*;
+
+const LIMITS: SessionLimits = SessionLimits {
+    queue: 64,
+    in_flight: 4,
+    inbound: 64,
+};
+
+/// A pair of sessions and the simulated shells around them.
+struct Pair {
+    now: Instant,
+    a: PeerSession,
+    b: PeerSession,
+    /// Outcomes reported to A's callers, by op.
+    finished: HashMap<OpId, Vec<Outcome>>,
+    /// Tags delivered to B's application, in order.
+    delivered: Vec<u64>,
+    /// Streams A's transport is running.
+    streaming: Vec<OpId>,
+    /// Reservations B's allocator has not answered yet.
+    reserving: Vec<InboundId>,
+    /// B's inbound transfers whose bytes are flowing.
+    receiving: Vec<InboundId>,
+    abandoned: Vec<InboundId>,
+    /// Messages from A that B saw, for assertions.
+    a_sent: Vec<Message>,
+    auto_reserve: bool,
+    auto_stream: bool,
+}
+
+impl Pair {
+    fn new(limits: SessionLimits) -> Self {
+        Self {
+            now: Instant::now(),
+            a: PeerSession::new(limits),
+            b: PeerSession::new(limits),
+            finished: HashMap::new(),
+            delivered: Vec::new(),
+            streaming: Vec::new(),
+            reserving: Vec::new(),
+            receiving: Vec::new(),
+            abandoned: Vec::new(),
+            a_sent: Vec::new(),
+            auto_reserve: true,
+            auto_stream: true,
+        }
+    }
+
+    fn request(&self, tag: u64, ttl: Duration) -> SendRequest {
+        SendRequest {
+            tag,
+            len: 100,
+            source: WireMemoryKind::Host,
+            transport: "tcp".into(),
+            direction: WireDirection::Push,
+            deadline: self.now + ttl,
+        }
+    }
+
+    fn send(&mut self, tag: u64, ttl: Duration) -> OpId {
+        let req = self.request(tag, ttl);
+        let id = self.a.handle_send(self.now, req).expect("queued");
+        self.pump();
+        id
+    }
+
+    /// Runs both sessions and the simulated shells until nothing moves.
+    fn pump(&mut self) {
+        loop {
+            let mut moved = false;
+            while let Some(m) = self.a.poll_transmit() {
+                moved = true;
+                self.a_sent.push(m.clone());
+                self.b.handle_message(m).expect("A follows the protocol");
+            }
+            while let Some(m) = self.b.poll_transmit() {
+                moved = true;
+                self.a.handle_message(m).expect("B follows the protocol");
+            }
+            while let Some(ev) = self.a.poll_event() {
+                moved = true;
+                match ev {
+                    SessionEvent::Stream(id) => self.streaming.push(id),
+                    SessionEvent::StopStream(_) => {}
+                    SessionEvent::Finished(id, outcome) => {
+                        assert!(!self.streaming.contains(&id), "finished while streaming");
+                        self.finished.entry(id).or_default().push(outcome);
+                    }
+                    other => panic!("sender got {other:?}"),
+                }
+            }
+            while let Some(ev) = self.b.poll_event() {
+                moved = true;
+                match ev {
+                    SessionEvent::Reserve { id, .. } => self.reserving.push(id),
+                    SessionEvent::Deliver { tag, .. } => self.delivered.push(tag),
+                    SessionEvent::Abandon(id) => {
+                        self.abandoned.push(id);
+                        self.receiving.retain(|r| *r != id);
+                    }
+                    other => panic!("receiver got {other:?}"),
+                }
+            }
+            if self.auto_reserve {
+                for id in std::mem::take(&mut self.reserving) {
+                    moved = true;
+                    if self.b.handle_reserved(id, WireMemoryKind::Host) {
+                        self.receiving.push(id);
+                    }
+                }
+            }
+            if self.auto_stream {
+                for id in std::mem::take(&mut self.streaming) {
+                    moved = true;
+                    self.finish_stream(id);
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+    }
+
+    /// A's transport wrote every chunk of `id`, and B placed them.
+    fn finish_stream(&mut self, id: OpId) {
+        self.streaming.retain(|s| *s != id);
+        let inbound = InboundId(id.0);
+        if self.receiving.contains(&inbound) {
+            self.receiving.retain(|r| *r != inbound);
+            self.b.handle_inbound_complete(inbound);
+        }
+        self.a.handle_stream_ended(id);
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+        self.a.handle_timeout(self.now);
+        self.b.handle_timeout(self.now);
+        self.pump();
+    }
+
+    fn outcome(&self, id: OpId) -> Option<&Outcome> {
+        let all = self.finished.get(&id)?;
+        assert_eq!(all.len(), 1, "op {id:?} ended {} times", all.len());
+        all.first()
+    }
+
+    fn offers_sent(&self) -> usize {
+        self.a_sent
+            .iter()
+            .filter(|m| matches!(m, Message::Offer(_)))
+            .count()
+    }
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+#[test]
+fn transfers_complete_once_and_arrive_in_order() {
+    let mut p = Pair::new(LIMITS);
+    let ids: Vec<OpId> = (0..20).map(|i| p.send(i, LONG)).collect();
+    for id in &ids {
+        assert_eq!(p.outcome(*id), Some(&Outcome::Completed));
+    }
+    assert_eq!(p.delivered, (0..20).collect::<Vec<_>>());
+    assert!(p.a.is_idle() && p.b.is_idle());
+}
+
+#[test]
+fn later_transfer_completing_first_waits_for_earlier() {
+    let mut p = Pair::new(LIMITS);
+    p.auto_stream = false;
+    let first = p.send(1, LONG);
+    let second = p.send(2, LONG);
+    p.finish_stream(second);
+    p.pump();
+    assert!(p.delivered.is_empty(), "delivered out of order: {:?}", p.delivered);
+    p.finish_stream(first);
+    p.pump();
+    assert_eq!(p.delivered, vec![1, 2]);
+}
+
+#[test]
+fn pipeline_depth_bounds_offers() {
+    let mut p = Pair::new(SessionLimits {
+        in_flight: 2,
+        ..LIMITS
+    });
+    p.auto_stream = false;
+    for i in 0..5 {
+        p.send(i, LONG);
+    }
+    assert_eq!(p.offers_sent(), 2);
+    let first = p.streaming[0];
+    p.finish_stream(first);
+    p.pump();
+    assert_eq!(p.offers_sent(), 3, "a finished op frees exactly one slot");
+}
+
+#[test]
+fn queue_bound_refuses() {
+    let mut p = Pair::new(SessionLimits {
+        queue: 2,
+        in_flight: 1,
+        inbound: 4,
+    });
+    p.auto_reserve = false;
+    p.send(1, LONG);
+    p.send(2, LONG);
+    let req = p.request(3, LONG);
+    assert!(p.a.handle_send(p.now, req).is_err());
+}
+
+/// The phase an op is driven into before it expires or is cancelled.
+#[derive(Debug, Clone, Copy)]
+enum Where {
+    Waiting,
+    AwaitGrant,
+    Streaming,
+    AwaitDone,
+}
+
+const PHASES: [Where; 4] = [
+    Where::Waiting,
+    Where::AwaitGrant,
+    Where::Streaming,
+    Where::AwaitDone,
+];
+
+fn into_phase(p: &mut Pair, at: Where) -> OpId {
+    let ttl = Duration::from_millis(100);
+    match at {
+        Where::Waiting => {
+            p.auto_reserve = false;
+            // Fill the pipeline with transfers that wait for memory.
+            for _ in 0..LIMITS.in_flight {
+                p.send(0, LONG);
+            }
+            p.send(9, ttl)
+        }
+        Where::AwaitGrant => {
+            p.auto_reserve = false;
+            p.send(9, ttl)
+        }
+        Where::Streaming => {
+            p.auto_stream = false;
+            p.send(9, ttl)
+        }
+        Where::AwaitDone => {
+            p.auto_stream = false;
+            let id = p.send(9, ttl);
+            // The stream ended but B has not confirmed: B's completion is held back.
+            p.streaming.retain(|s| *s != id);
+            p.a.handle_stream_ended(id);
+            p.pump();
+            id
+        }
+    }
+}
+
+#[test]
+fn deadline_in_every_phase_ends_once() {
+    for at in PHASES {
+        let mut p = Pair::new(LIMITS);
+        let id = into_phase(&mut p, at);
+        assert!(p.outcome(id).is_none(), "{at:?}: ended early");
+        p.advance(Duration::from_millis(100));
+        if let Where::Streaming = at {
+            assert!(
+                p.outcome(id).is_none(),
+                "reported while the stream holds the buffer"
+            );
+            p.finish_stream(id);
+            p.pump();
+        }
+        assert_eq!(
+            p.outcome(id),
+            Some(&Outcome::Failed(FailKind::DeadlineExceeded)),
+            "{at:?}"
+        );
+        let told_peer = p.a_sent.iter().any(|m| {
+            matches!(m, Message::Cancel(c) if c.transfer == id.0
+                && c.reason == WireReason::DeadlineExceeded)
+        });
+        assert_eq!(told_peer, !matches!(at, Where::Waiting), "{at:?}");
+        assert!(!p.delivered.contains(&9), "{at:?}: expired transfer delivered");
+        p.advance(LONG);
+        assert_eq!(p.finished.get(&id).map(Vec::len), Some(1), "{at:?}");
+    }
+}
+
+#[test]
+fn cancel_in_every_phase_ends_once() {
+    for at in PHASES {
+        let mut p = Pair::new(LIMITS);
+        let id = into_phase(&mut p, at);
+        assert!(p.a.handle_cancel(id), "{at:?}");
+        assert!(!p.a.handle_cancel(id), "{at:?}: cancelled twice");
+        p.pump();
+        if let Where::Streaming = at {
+            p.finish_stream(id);
+            p.pump();
+        }
+        assert_eq!(p.outcome(id), Some(&Outcome::Cancelled), "{at:?}");
+        if !matches!(at, Where::Waiting | Where::AwaitDone) {
+            assert!(
+                p.abandoned.contains(&InboundId(id.0)),
+                "{at:?}: receiver kept an abandoned transfer"
+            );
+        }
+    }
+}
+
+#[test]
+fn receiver_refusal_fails_the_sender() {
+    let mut p = Pair::new(LIMITS);
+    p.auto_reserve = false;
+    let id = p.send(1, LONG);
+    let inbound = p.reserving.pop().expect("reserve asked");
+    p.b.handle_reserve_failed(inbound, WireReason::TooLarge, "budget".into());
+    p.pump();
+    assert!(matches!(
+        p.outcome(id),
+        Some(Outcome::Failed(FailKind::Refused {
+            reason: WireReason::TooLarge,
+            ..
+        }))
+    ));
+}
+
+#[test]
+fn link_loss_fails_everything_once() {
+    let mut p = Pair::new(LIMITS);
+    p.auto_reserve = false;
+    p.auto_stream = false;
+    let waiting_grant = p.send(1, LONG);
+    let reserved = p.reserving.pop().expect("reserve asked");
+    p.b.handle_reserved(reserved, WireMemoryKind::Host);
+    p.pump();
+    let streaming = p.streaming[0];
+    assert_eq!(streaming, waiting_grant);
+    // The second waits for its grant when the link goes.
+    let second = p.send(2, LONG);
+    p.a.handle_link_lost("connection reset");
+    p.b.handle_link_lost("connection reset");
+    p.pump();
+    assert!(
+        p.outcome(streaming).is_none(),
+        "stream still holds the buffer"
+    );
+    assert!(matches!(
+        p.outcome(second),
+        Some(Outcome::Failed(FailKind::PeerLost(_)))
+    ));
+    p.streaming.clear();
+    p.a.handle_stream_ended(streaming);
+    p.pump();
+    assert!(matches!(
+        p.outcome(streaming),
+        Some(Outcome::Failed(FailKind::PeerLost(_)))
+    ));
+    let req = p.request(3, LONG);
+    assert!(p.a.handle_send(p.now, req).is_err());
+    assert!(p.b.is_idle());
+}
+
+#[test]
+fn puts_complete_on_ack() {
+    let mut s = PeerSession::new(LIMITS);
+    let now = Instant::now();
+    let id = s
+        .handle_put(
+            now,
+            PutRequest {
+                len: 10,
+                deadline: now + LONG,
+            },
+        )
+        .expect("queued");
+    assert_eq!(s.poll_event(), Some(SessionEvent::Stream(id)));
+    s.handle_stream_ended(id);
+    assert_eq!(s.poll_event(), None);
+    s.handle_message(Message::PutAck(ferry_transports::wire::PutAck {
+        put: id.0,
+        error: None,
+    }))
+    .expect("valid");
+    assert_eq!(
+        s.poll_event(),
+        Some(SessionEvent::Finished(id, Outcome::Completed))
+    );
+}
+
+#[test]
+fn protocol_violations_are_errors() {
+    let mut s = PeerSession::new(LIMITS);
+    let grant = Message::Grant(ferry_transports::wire::Grant {
+        transfer: 77,
+        landing: WireMemoryKind::Host,
+    });
+    assert!(
+        s.handle_message(grant).is_err(),
+        "grant for a transfer never offered"
+    );
+    let offer = |id| {
+        Message::Offer(ferry_transports::wire::Offer {
+            transfer: id,
+            tag: 0,
+            len: 1,
+            source: WireMemoryKind::Host,
+            transport: "tcp".into(),
+            direction: WireDirection::Push,
+        })
+    };
+    assert!(s.handle_message(offer(1)).is_ok());
+    assert!(s.handle_message(offer(1)).is_err(), "offered twice");
+    let hello = Message::Hello(ferry_transports::wire::Hello {
+        node: "x".into(),
+        version: 1,
+        host_id: String::new(),
+        pid: 0,
+        transports: vec![],
+        max_frame: 0,
+    });
+    assert!(s.handle_message(hello).is_err());
+}
+
+proptest! {
+    /// Whatever happens, in whatever order, every op ends exactly once, and what is
+    /// delivered is in send order.
+    #[test]
+    fn every_op_ends_exactly_once(script in proptest::collection::vec(0u8..7, 1..80)) {
+        let mut p = Pair::new(SessionLimits { queue: 16, in_flight: 3, inbound: 16 });
+        p.auto_reserve = false;
+        p.auto_stream = false;
+        let mut ops = Vec::new();
+        let mut next_tag = 0;
+        for step in script {
+            match step {
+                0 | 1 => {
+                    let req = p.request(next_tag, Duration::from_millis(50));
+                    if let Ok(id) = p.a.handle_send(p.now, req) {
+                        ops.push(id);
+                        next_tag += 1;
+                    }
+                }
+                2 => {
+                    if let Some(id) = p.reserving.pop()
+                        && p.b.handle_reserved(id, WireMemoryKind::Host)
+                    {
+                        p.receiving.push(id);
+                    }
+                }
+                3 => {
+                    if let Some(id) = p.streaming.first().copied() {
+                        p.finish_stream(id);
+                    }
+                }
+                4 => {
+                    if let Some(id) = ops.get(next_tag as usize / 2).copied() {
+                        p.a.handle_cancel(id);
+                    }
+                }
+                5 => p.advance(Duration::from_millis(20)),
+                _ => {
+                    if let Some(id) = p.reserving.pop() {
+                        p.b.handle_reserve_failed(id, WireReason::TooLarge, String::new());
+                    }
+                }
+            }
+            p.pump();
+        }
+        // Let everything run out.
+        p.auto_reserve = true;
+        p.auto_stream = true;
+        p.pump();
+        p.advance(Duration::from_secs(1));
+        for id in &ops {
+            prop_assert_eq!(p.finished.get(id).map(Vec::len), Some(1), "op {:?}", id);
+        }
+        let mut sorted = p.delivered.clone();
+        sorted.sort_unstable();
+        prop_assert_eq!(&sorted, &p.delivered);
+        prop_assert!(p.a.is_idle());
+    }
+}

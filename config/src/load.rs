@@ -1,0 +1,441 @@
+//! Layered loading: defaults < system file < user file < `--config` file < environment <
+//! command line.
+//!
+//! Each layer is first checked alone against the strict schema, so an unknown key, a wrong
+//! type or a bad size is reported against the file or variable that holds it. Then the layers
+//! are merged with the `config` crate (tables merge key by key; an array replaces the whole
+//! array below it), deserialized, and validated; a validation error names the highest layer
+//! that set the faulty key.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use config::{FileFormat, Map, Source, Value, ValueKind};
+
+use crate::error::{ConfigError, Origin};
+use crate::schema::Config;
+use crate::validate::Blame;
+
+/// Default path of the system-wide file.
+const SYSTEM_FILE: &str = "/etc/ferry/ferry.toml";
+/// Prefix of ferry's environment variables; `__` also separates the key's parts.
+const ENV_PREFIX: &str = "FERRY__";
+
+/// What [`load`] reads. `LoadOptions::default()` is what `ferry` does without flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// System-wide file, read if it exists. Default `/etc/ferry/ferry.toml`.
+    pub system_file: Option<PathBuf>,
+    /// Per-user file, read if it exists. Default `ferry/ferry.toml` under the user's
+    /// configuration directory (`$XDG_CONFIG_HOME` or `~/.config` on Linux).
+    pub user_file: Option<PathBuf>,
+    /// The `--config` file: must exist; `.toml`, `.yaml` or `.yml`. Default none.
+    pub file: Option<PathBuf>,
+    /// Read `FERRY__SECTION__KEY` environment variables. Default true.
+    pub env: bool,
+    /// When `Some` (and `env` is true), these variables are read instead of the process
+    /// environment. For tests.
+    pub env_vars: Option<Vec<(String, String)>>,
+    /// Command-line overrides as `("limits.mailbox", "64")`, applied in order, last wins.
+    pub overrides: Vec<(String, String)>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            system_file: Some(PathBuf::from(SYSTEM_FILE)),
+            user_file: dirs::config_dir().map(|dir| dir.join("ferry").join("ferry.toml")),
+            file: None,
+            env: true,
+            env_vars: None,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Built-in defaults and this one file: no system or user file, no environment, no
+    /// overrides. What `ferry config check FILE` and tests use.
+    pub fn only_file(path: impl Into<PathBuf>) -> Self {
+        LoadOptions {
+            system_file: None,
+            user_file: None,
+            file: Some(path.into()),
+            env: false,
+            env_vars: None,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+/// Loads, merges and validates the configuration layers that `opts` names.
+///
+/// Blocks on file I/O. Reads the process environment when `opts.env` is true and
+/// `opts.env_vars` is `None`.
+///
+/// # Errors
+///
+/// - [`ConfigError::Io`] if the `--config` file cannot be read, or an optional file exists
+///   but cannot be read;
+/// - [`ConfigError::Parse`] if a file is not valid TOML or YAML or has another extension;
+/// - [`ConfigError::Invalid`] for an unknown key, a wrong type, a bad value, or a failed
+///   [`Config::validate`] check, naming the key and the file, variable or command line it
+///   came from.
+pub fn load(opts: &LoadOptions) -> Result<Config, ConfigError> {
+    let mut layers = Vec::new();
+    for (path, required) in [
+        (&opts.system_file, false),
+        (&opts.user_file, false),
+        (&opts.file, true),
+    ] {
+        if let Some(path) = path {
+            layers.extend(file_layer(path, required)?);
+        }
+    }
+    if opts.env {
+        let vars = match &opts.env_vars {
+            Some(vars) => vars.clone(),
+            None => process_env()?,
+        };
+        layers.extend(env_layers(vars)?);
+    }
+    for (key, value) in &opts.overrides {
+        layers.push(key_layer(Origin::CommandLine, key, value)?);
+    }
+    merge(&layers)
+}
+
+impl Config {
+    /// Parses and validates a TOML document held in memory (errors name the origin
+    /// `inline configuration`). Does no I/O.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Parse`] for invalid TOML, [`ConfigError::Invalid`] for a schema or
+    /// validation error.
+    pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
+        let config = check_toml(text, &Origin::Inline)?;
+        config.validate_with(&|_| (0, Origin::Inline))?;
+        Ok(config)
+    }
+}
+
+/// One layer, already checked alone against the schema.
+struct Layer {
+    origin: Origin,
+    values: Map<String, Value>,
+    /// The dotted keys this layer sets: tables are expanded, arrays count as one key.
+    keys: Vec<String>,
+}
+
+impl Layer {
+    fn new(origin: Origin, values: Map<String, Value>) -> Layer {
+        let mut keys = Vec::new();
+        collect_keys("", &values, &mut keys);
+        Layer {
+            origin,
+            values,
+            keys,
+        }
+    }
+
+    /// Deserializes this layer alone against the strict schema.
+    fn check_alone(&self) -> Result<(), ConfigError> {
+        let built = build(std::slice::from_ref(self))?;
+        deserialize(built, &|_| (0, self.origin.clone())).map(drop)
+    }
+}
+
+fn collect_keys(prefix: &str, table: &Map<String, Value>, keys: &mut Vec<String>) {
+    for (key, value) in table {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match &value.kind {
+            ValueKind::Table(inner) if !inner.is_empty() => collect_keys(&path, inner, keys),
+            _ => keys.push(path),
+        }
+    }
+}
+
+/// A layer's values as a `config` source.
+#[derive(Debug, Clone)]
+struct LayerSource(Map<String, Value>);
+
+impl Source for LayerSource {
+    fn clone_into_box(&self) -> Box<dyn Source + Send + Sync> {
+        Box::new(self.clone())
+    }
+
+    fn collect(&self) -> Result<Map<String, Value>, config::ConfigError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// Merges layers, lowest first, into one `config::Config`.
+fn build(layers: &[Layer]) -> Result<config::Config, ConfigError> {
+    let mut builder = config::Config::builder();
+    for layer in layers {
+        builder = builder.add_source(LayerSource(layer.values.clone()));
+    }
+    builder.build().map_err(|e| ConfigError::Parse {
+        origin: layers.last().map_or(Origin::Defaults, |l| l.origin.clone()),
+        detail: plain(&e),
+    })
+}
+
+fn merge(layers: &[Layer]) -> Result<Config, ConfigError> {
+    let blame = |key: &str| {
+        layers
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, layer)| layer.keys.iter().any(|set| related(set, key)))
+            .map_or((0, Origin::Defaults), |(i, layer)| {
+                (i + 1, layer.origin.clone())
+            })
+    };
+    let config = deserialize(build(layers)?, &blame)?;
+    config.validate_with(&blame)?;
+    Ok(config)
+}
+
+/// Whether setting key `set` sets (part of) key `key`, or the other way round.
+fn related(set: &str, key: &str) -> bool {
+    let within = |long: &str, short: &str| {
+        long.strip_prefix(short)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+    };
+    within(key, set) || within(set, key)
+}
+
+fn deserialize(built: config::Config, blame: &Blame<'_>) -> Result<Config, ConfigError> {
+    serde_path_to_error::deserialize(built).map_err(|e| {
+        let key = key_name(e.path());
+        ConfigError::Invalid {
+            origin: blame(&key).1,
+            key,
+            detail: plain(e.inner()),
+        }
+    })
+}
+
+fn key_name(path: &serde_path_to_error::Path) -> String {
+    match path.to_string() {
+        root if root == "." => "(top level)".into(),
+        key => key,
+    }
+}
+
+/// A `config` error's message without the key and origin it appends (we print our own).
+fn plain(e: &config::ConfigError) -> String {
+    match e {
+        config::ConfigError::Type {
+            unexpected,
+            expected,
+            ..
+        } => format!("invalid type: {unexpected}, expected {expected}"),
+        config::ConfigError::At { error, .. } => plain(error),
+        other => other.to_string(),
+    }
+}
+
+/// Reads one file as a layer; `Ok(None)` if it is optional and does not exist.
+fn file_layer(path: &Path, required: bool) -> Result<Option<Layer>, ConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if !required && e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let origin = Origin::File(path.to_path_buf());
+    let extension = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let format = match extension.as_deref() {
+        Some("toml") => {
+            // The toml crate alone gives line numbers and exact paths; use it first.
+            check_toml(&text, &origin)?;
+            FileFormat::Toml
+        }
+        Some("yaml" | "yml") => FileFormat::Yaml,
+        _ => {
+            return Err(ConfigError::Parse {
+                origin,
+                detail: "unknown file type; name the file *.toml, *.yaml or *.yml".into(),
+            });
+        }
+    };
+    let values = config::File::from_str(&text, format)
+        .collect()
+        .map_err(|e| ConfigError::Parse {
+            origin: origin.clone(),
+            detail: plain(&e),
+        })?;
+    let layer = Layer::new(origin, values);
+    layer.check_alone()?;
+    Ok(Some(layer))
+}
+
+/// Parses TOML text strictly against the schema (no validation).
+fn check_toml(text: &str, origin: &Origin) -> Result<Config, ConfigError> {
+    if let Err(e) = text.parse::<toml::Table>() {
+        return Err(ConfigError::Parse {
+            origin: origin.clone(),
+            detail: toml_detail(text, &e),
+        });
+    }
+    serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|e| {
+        ConfigError::Invalid {
+            origin: origin.clone(),
+            key: key_name(e.path()),
+            detail: toml_detail(text, e.inner()),
+        }
+    })
+}
+
+/// A TOML error as one line: the message and, when known, the line.
+fn toml_detail(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim().replace('\n', "; ");
+    let line = e
+        .span()
+        .and_then(|span| text.get(..span.start))
+        .map(|before| before.matches('\n').count() + 1);
+    match line {
+        Some(line) => format!("{message} (line {line})"),
+        None => message.to_string(),
+    }
+}
+
+/// The process's `FERRY__*` variables.
+fn process_env() -> Result<Vec<(String, String)>, ConfigError> {
+    let mut vars = Vec::new();
+    for (name, value) in std::env::vars_os() {
+        let name = name.to_string_lossy().into_owned();
+        if !name.starts_with(ENV_PREFIX) {
+            continue;
+        }
+        match value.into_string() {
+            Ok(value) => vars.push((name, value)),
+            Err(_) => {
+                return Err(ConfigError::Invalid {
+                    key: env_key(&name).unwrap_or_else(|_| name.clone()),
+                    origin: Origin::Env(name),
+                    detail: "the value is not UTF-8".into(),
+                });
+            }
+        }
+    }
+    Ok(vars)
+}
+
+/// One layer per `FERRY__*` variable, in name order, so that each error names its variable.
+fn env_layers(mut vars: Vec<(String, String)>) -> Result<Vec<Layer>, ConfigError> {
+    vars.retain(|(name, _)| name.starts_with(ENV_PREFIX));
+    vars.sort();
+    vars.into_iter()
+        .map(|(name, value)| {
+            let key = env_key(&name).map_err(|detail| ConfigError::Invalid {
+                key: name.clone(),
+                origin: Origin::Env(name.clone()),
+                detail,
+            })?;
+            key_layer(Origin::Env(name), &key, &value)
+        })
+        .collect()
+}
+
+/// `FERRY__LIMITS__MAILBOX` → `limits.mailbox`.
+fn env_key(name: &str) -> Result<String, String> {
+    let rest = name.strip_prefix(ENV_PREFIX).unwrap_or(name);
+    let parts: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+    if parts.iter().all(|part| is_key_part(part)) {
+        Ok(parts.join("."))
+    } else {
+        Err("not a ferry setting; write FERRY__SECTION__KEY, as in FERRY__LIMITS__MAILBOX".into())
+    }
+}
+
+fn is_key_part(part: &str) -> bool {
+    !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// A layer that sets one dotted key from a string (environment or command line).
+///
+/// The string is converted to the key's type when deserialized (`"64"` to a number, `"true"`
+/// to a boolean). A value starting with `[` or `{` that parses as a TOML array or inline
+/// table is read as one (`["127.0.0.1:7070", "127.0.0.1:7071"]`).
+fn key_layer(origin: Origin, key: &str, raw: &str) -> Result<Layer, ConfigError> {
+    if !key.split('.').all(is_key_part) {
+        return Err(ConfigError::Invalid {
+            origin,
+            key: key.to_string(),
+            detail: "not a valid key; write section.key, as in limits.mailbox (array indexes are not supported: set the whole array)".into(),
+        });
+    }
+    let mut values = Map::new();
+    values.insert(key.to_string(), override_value(raw));
+    let layer = Layer::new(origin, values);
+    layer.check_alone()?;
+    Ok(layer)
+}
+
+fn override_value(raw: &str) -> Value {
+    if raw.trim_start().starts_with(['[', '{']) {
+        let document = format!("value = {raw}");
+        if let Ok(mut table) = config::File::from_str(&document, FileFormat::Toml).collect() {
+            if let Some(value) = table.remove("value") {
+                return value;
+            }
+        }
+    }
+    Value::from(raw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_names_become_keys() {
+        assert_eq!(
+            env_key("FERRY__LIMITS__MAILBOX").as_deref(),
+            Ok("limits.mailbox")
+        );
+        assert_eq!(
+            env_key("FERRY__TRANSPORT__TCP__CHUNK_SIZE").as_deref(),
+            Ok("transport.tcp.chunk_size")
+        );
+        assert!(env_key("FERRY__LIMITS____MAILBOX").is_err());
+        assert!(env_key("FERRY__").is_err());
+    }
+
+    #[test]
+    fn keys_relate_by_prefix() {
+        assert!(related("transport.rules", "transport.rules[0].max_bytes"));
+        assert!(related("node.listen", "node.listen[1]"));
+        assert!(related("limits.mailbox", "limits"));
+        assert!(!related("limits.mailbox", "limits.mailbox_extra"));
+        assert!(!related("node.name", "peers[0].name"));
+    }
+
+    #[test]
+    fn arrays_parse_from_strings() {
+        assert!(matches!(
+            override_value("[\"a\", \"b\"]").kind,
+            ValueKind::Array(_)
+        ));
+        assert!(matches!(
+            override_value("[::1]:9090").kind,
+            ValueKind::String(_)
+        ));
+        assert!(matches!(override_value("64").kind, ValueKind::String(_)));
+    }
+}

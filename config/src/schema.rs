@@ -1,0 +1,293 @@
+//! The configuration schema, version 1, with its defaults.
+//!
+//! Every struct refuses unknown keys and gives every field a default, so an empty file is a
+//! valid (if insecure-by-omission, see [`SecurityConfig`]) configuration.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::address::PeerAddress;
+use crate::names::config_names;
+use crate::rule::{Locality, MemoryClass, Rule};
+use crate::units::{Budget, duration, size};
+
+/// A whole ferry configuration. `Config::default()` is the built-in defaults layer.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// This node: its name and where it listens.
+    pub node: NodeConfig,
+    /// Peers known in advance (`[[peers]]`).
+    pub peers: Vec<PeerConfig>,
+    /// How peers are found.
+    pub discovery: DiscoveryConfig,
+    /// Memory budgets.
+    pub memory: MemoryConfig,
+    /// Transport tuning and selection rules.
+    pub transport: TransportConfig,
+    /// Bounds on frames, queues and waits.
+    pub limits: LimitsConfig,
+    /// Authentication of control links.
+    pub security: SecurityConfig,
+    /// Logs and metrics.
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[node]`: this node's identity and listeners.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Name peers know this node by; `[A-Za-z0-9._-]`. Default: the host name if it is a valid
+    /// name, else `"ferry"`.
+    pub name: String,
+    /// TCP listeners, `"IP:port"` or `"localhost:port"`; port 0 picks a free port. Default
+    /// `["127.0.0.1:7070"]`.
+    pub listen: Vec<String>,
+    /// Directory of the Unix control socket `{socket_dir}/{name}.sock`; `None` (default): no
+    /// Unix listener.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_dir: Option<PathBuf>,
+    /// Allow listening on `0.0.0.0` or `[::]` (every interface). Default false.
+    pub danger_listen_any: bool,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            name: default_node_name().to_string(),
+            listen: vec!["127.0.0.1:7070".into()],
+            socket_dir: None,
+            danger_listen_any: false,
+        }
+    }
+}
+
+/// The host name if it is a valid node name, else `"ferry"`. Read once per process.
+fn default_node_name() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| {
+        ["/proc/sys/kernel/hostname", "/etc/hostname"]
+            .iter()
+            .filter_map(|path| std::fs::read_to_string(path).ok())
+            .chain(std::env::var("HOSTNAME").ok())
+            .map(|name| name.trim().to_string())
+            .find(|name| crate::validate::is_valid_name(name))
+            .unwrap_or_else(|| "ferry".to_string())
+    })
+}
+
+/// `[[peers]]`: a peer known in advance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// The peer's node name; `[A-Za-z0-9._-]`, unique, not this node's name.
+    pub name: String,
+    /// Where to reach it.
+    pub address: PeerAddress,
+}
+
+/// `[discovery]`: how peers are found.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Discovery mechanism. Default static.
+    pub mode: DiscoveryMode,
+}
+
+/// A way to find peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum DiscoveryMode {
+    /// Only the peers listed in `[[peers]]` (`"static"`).
+    #[default]
+    Static,
+}
+
+/// `[memory]`: memory budgets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// Budget of host memory (pageable and pinned) ferry may hold. Default `"50%"`.
+    pub host: Budget,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        MemoryConfig {
+            host: Budget::Percent(50.0),
+        }
+    }
+}
+
+/// `[transport]`: transport tuning and selection rules.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportConfig {
+    /// Tuning of the TCP transport.
+    pub tcp: TcpTuning,
+    /// Selection rules, first match wins (`[[transport.rules]]`). Default: one rule `"host"`
+    /// that matches everything and uses tcp, push. A file that sets rules replaces the whole
+    /// list.
+    pub rules: Vec<Rule>,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            tcp: TcpTuning::default(),
+            rules: vec![Rule::catch_all()],
+        }
+    }
+}
+
+impl TransportConfig {
+    /// The first rule that matches a transfer, with its index in `rules`, or `None` if no rule
+    /// does. Pure.
+    pub fn first_match(
+        &self,
+        locality: Locality,
+        src: MemoryClass,
+        dst: MemoryClass,
+        bytes: u64,
+    ) -> Option<(usize, &Rule)> {
+        self.rules
+            .iter()
+            .enumerate()
+            .find(|(_, rule)| rule.matches(locality, src, dst, bytes))
+    }
+}
+
+/// `[transport.tcp]`: TCP transport tuning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TcpTuning {
+    /// Payload bytes per data frame. Default `"1 MiB"`; at least 4 KiB, and 64 KiB less than
+    /// `limits.max_frame` at most.
+    #[serde(with = "size")]
+    pub chunk_size: u64,
+    /// Chunks in flight per transfer before waiting for credit. Default 8, at least 1.
+    pub pipeline_depth: u32,
+}
+
+impl Default for TcpTuning {
+    fn default() -> Self {
+        TcpTuning {
+            chunk_size: 1 << 20,
+            pipeline_depth: 8,
+        }
+    }
+}
+
+/// `[limits]`: bounds on frames, queues and waits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Largest frame accepted from a peer, checked before allocating. Default `"4 MiB"`, at
+    /// most 1 GiB.
+    #[serde(with = "size")]
+    pub max_frame: u64,
+    /// Deadline of a transfer that sets none. Default `"30s"`.
+    #[serde(with = "duration")]
+    pub default_deadline: Duration,
+    /// Time a peer has to complete the authenticated handshake. Default `"5s"`.
+    #[serde(with = "duration")]
+    pub handshake_timeout: Duration,
+    /// Time to establish a connection to a peer. Default `"5s"`.
+    #[serde(with = "duration")]
+    pub connect_timeout: Duration,
+    /// Bound of each actor's mailbox. Default 256, at least 1.
+    pub mailbox: usize,
+    /// Bound of the per-peer queue of pending operations. Default 1024, at least 1.
+    pub peer_queue: usize,
+    /// Malformed frames tolerated from a peer before it is dropped. Default 3.
+    pub max_bad_frames: u32,
+    /// Bound of each allocator's queue of waiting reservations. Default 1024, at least 1.
+    pub reservation_queue: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_frame: 4 << 20,
+            default_deadline: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            mailbox: 256,
+            peer_queue: 1024,
+            max_bad_frames: 3,
+            reservation_queue: 1024,
+        }
+    }
+}
+
+/// `[security]`: authentication of control links. Exactly one of the two keys must be set.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// File holding the shared secret (at least 16 bytes; a trailing newline is ignored),
+    /// read by [`Config::read_secret`](crate::Config::read_secret). Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// Run without authentication: anyone who can reach a listener can send and read
+    /// buffers. For test setups only. Default false.
+    pub danger_insecure: bool,
+}
+
+/// `[telemetry]`: logs and metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Log filter, `tracing` env-filter syntax (`"info"`, `"ferry=debug,warn"`). Default
+    /// `"info"`.
+    pub log_level: String,
+    /// Log line format. Default text.
+    pub log_format: LogFormat,
+    /// Address of the Prometheus metrics endpoint (`"IP:port"` or `"localhost:port"`);
+    /// `None` (default): no endpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            log_level: "info".into(),
+            log_format: LogFormat::Text,
+            metrics_listen: None,
+        }
+    }
+}
+
+/// Format of log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum LogFormat {
+    /// Human-readable lines (`"text"`, the default).
+    #[default]
+    Text,
+    /// One JSON object per line (`"json"`).
+    Json,
+}
+
+config_names! {
+    DiscoveryMode { Static => "static" }
+    LogFormat { Text => "text", Json => "json" }
+}
+
+impl Config {
+    /// Writes the configuration as TOML, in the form the loaders read back (sizes as
+    /// `"1 MiB"`, durations as `"30s"`). Used by `ferry config show`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Serialize`](crate::ConfigError::Serialize) if a value cannot be written
+    /// as TOML: a path that is not UTF-8, or a count above `i64::MAX`. Neither can come from a
+    /// file.
+    pub fn to_toml(&self) -> Result<String, crate::ConfigError> {
+        toml::to_string(self).map_err(|e| crate::ConfigError::Serialize {
+            detail: e.to_string(),
+        })
+    }
+}

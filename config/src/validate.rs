@@ -1,0 +1,482 @@
+//! Checks that go beyond types: names, addresses, ranges, and keys that depend on each other.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use crate::address::{ListenAddress, check_peer_host_port, parse_listen};
+use crate::error::{ConfigError, Origin};
+use crate::schema::Config;
+use crate::units::{Budget, format_size};
+
+/// Smallest accepted `transport.tcp.chunk_size`.
+const MIN_CHUNK: u64 = 4 << 10;
+/// Room a frame needs beyond its chunk of payload (header, control fields).
+const FRAME_OVERHEAD: u64 = 64 << 10;
+/// Largest accepted `limits.max_frame`.
+const MAX_FRAME_CAP: u64 = 1 << 30;
+
+/// The message when neither `security.secret_file` nor `security.danger_insecure` is set.
+const NO_SECRET: &str = "security.secret_file is not set; set it, or set security.danger_insecure = true for a test setup";
+
+/// Whether `name` is a valid node, peer or rule name: non-empty, only `[A-Za-z0-9._-]`.
+pub(crate) fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// A failed check, before its origin is known.
+struct Violation {
+    /// The keys involved; the first is the one the check is about.
+    keys: Vec<String>,
+    detail: String,
+}
+
+fn fail(key: impl Into<String>, detail: impl Into<String>) -> Result<(), Violation> {
+    Err(Violation {
+        keys: vec![key.into()],
+        detail: detail.into(),
+    })
+}
+
+/// Finds, for a key, the layer that set it: `(rank, origin)`, higher rank = higher layer.
+pub(crate) type Blame<'a> = dyn Fn(&str) -> (usize, Origin) + 'a;
+
+impl Config {
+    /// Checks everything the types cannot: names, addresses, ranges, rules, security, and
+    /// keys that depend on each other. The loaders call it; call it yourself on a `Config`
+    /// built in code. Pure: reads no file (see [`Config::read_secret`]).
+    ///
+    /// # Errors
+    ///
+    /// The first problem found, as [`ConfigError::Invalid`] naming the key, with origin
+    /// [`Origin::Program`] (the loaders name the file or variable instead).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_with(&|_| (0, Origin::Program))
+    }
+
+    /// [`Config::validate`], asking `blame` which layer set each key.
+    pub(crate) fn validate_with(&self, blame: &Blame<'_>) -> Result<(), ConfigError> {
+        let Err(violation) = self.check() else {
+            return Ok(());
+        };
+        // Name the key set by the highest layer: that is the value the user just wrote.
+        let mut chosen: Option<(usize, Origin, String)> = None;
+        for key in violation.keys {
+            let (rank, origin) = blame(&key);
+            if chosen.as_ref().is_none_or(|(best, _, _)| rank > *best) {
+                chosen = Some((rank, origin, key));
+            }
+        }
+        let (_, origin, key) = chosen.unwrap_or((0, Origin::Defaults, String::new()));
+        Err(ConfigError::Invalid {
+            origin,
+            key,
+            detail: violation.detail,
+        })
+    }
+
+    fn check(&self) -> Result<(), Violation> {
+        self.check_node()?;
+        self.check_peers()?;
+        self.check_memory()?;
+        self.check_transport()?;
+        self.check_limits()?;
+        self.check_security()?;
+        self.check_telemetry()
+    }
+
+    fn check_node(&self) -> Result<(), Violation> {
+        let node = &self.node;
+        if !is_valid_name(&node.name) {
+            return fail("node.name", name_problem(&node.name));
+        }
+        for (i, entry) in node.listen.iter().enumerate() {
+            let key = format!("node.listen[{i}]");
+            match parse_listen(entry) {
+                Err(msg) => return fail(key, format!("invalid listen address {entry:?}: {msg}")),
+                Ok(ListenAddress::Ip(addr))
+                    if addr.ip().is_unspecified() && !node.danger_listen_any =>
+                {
+                    return Err(Violation {
+                        keys: vec![key, "node.danger_listen_any".into()],
+                        detail: format!(
+                            "{entry:?} listens on every interface; name a specific address, or set node.danger_listen_any = true"
+                        ),
+                    });
+                }
+                Ok(_) => {}
+            }
+        }
+        if node
+            .socket_dir
+            .as_ref()
+            .is_some_and(|dir| dir.as_os_str().is_empty())
+        {
+            return fail(
+                "node.socket_dir",
+                "must not be empty; leave it out for no Unix listener",
+            );
+        }
+        Ok(())
+    }
+
+    fn check_peers(&self) -> Result<(), Violation> {
+        let mut seen = HashSet::new();
+        for (i, peer) in self.peers.iter().enumerate() {
+            let key = format!("peers[{i}].name");
+            if !is_valid_name(&peer.name) {
+                return fail(key, name_problem(&peer.name));
+            }
+            if peer.name == self.node.name {
+                return Err(Violation {
+                    keys: vec![key, "node.name".into()],
+                    detail: format!("peer {:?} has the same name as this node", peer.name),
+                });
+            }
+            if !seen.insert(peer.name.as_str()) {
+                return fail(key, format!("peer {:?} is listed twice", peer.name));
+            }
+            let problem = match &peer.address {
+                crate::PeerAddress::Tcp(host_port) => check_peer_host_port(host_port).err(),
+                crate::PeerAddress::Unix(path) if path.as_os_str().is_empty() => {
+                    Some("the unix socket path is empty".into())
+                }
+                crate::PeerAddress::Unix(_) => None,
+            };
+            if let Some(msg) = problem {
+                return fail(
+                    format!("peers[{i}].address"),
+                    format!("invalid peer address {}: {msg}", peer.address),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn check_memory(&self) -> Result<(), Violation> {
+        match self.memory.host {
+            Budget::Bytes(0) => fail(
+                "memory.host",
+                "a budget of 0 bytes leaves nothing to transfer with",
+            ),
+            Budget::Percent(p) if !(p > 0.0 && p <= 100.0) => fail(
+                "memory.host",
+                "a percentage must be above 0 and at most 100",
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_transport(&self) -> Result<(), Violation> {
+        let tcp = &self.transport.tcp;
+        if tcp.chunk_size < MIN_CHUNK {
+            return fail(
+                "transport.tcp.chunk_size",
+                format!(
+                    "{} is below the minimum of 4 KiB",
+                    format_size(tcp.chunk_size)
+                ),
+            );
+        }
+        if tcp.pipeline_depth < 1 {
+            return fail("transport.tcp.pipeline_depth", "must be at least 1");
+        }
+        let rules = &self.transport.rules;
+        if rules.is_empty() {
+            return fail(
+                "transport.rules",
+                "no rules: add at least one, e.g. one without conditions that names [\"tcp\"]",
+            );
+        }
+        let mut names = HashSet::new();
+        for (i, rule) in rules.iter().enumerate() {
+            let key = |field: &str| format!("transport.rules[{i}].{field}");
+            if !is_valid_name(&rule.name) {
+                return fail(key("name"), name_problem(&rule.name));
+            }
+            if !names.insert(rule.name.as_str()) {
+                return fail(
+                    key("name"),
+                    format!("rule {:?} is defined twice", rule.name),
+                );
+            }
+            if rule.transports.is_empty() {
+                return fail(
+                    key("transports"),
+                    format!("rule {:?} names no transport; list at least one", rule.name),
+                );
+            }
+            let mut seen = HashSet::new();
+            if let Some(dup) = rule.transports.iter().find(|t| !seen.insert(**t)) {
+                return fail(
+                    key("transports"),
+                    format!("rule {:?} lists transport {dup} twice", rule.name),
+                );
+            }
+            if let Some(max) = rule.max_bytes {
+                if rule.min_bytes > max {
+                    return Err(Violation {
+                        keys: vec![key("max_bytes"), key("min_bytes")],
+                        detail: format!(
+                            "rule {:?}: min_bytes ({}) is larger than max_bytes ({}), so it never matches",
+                            rule.name,
+                            format_size(rule.min_bytes),
+                            format_size(max)
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_limits(&self) -> Result<(), Violation> {
+        let limits = &self.limits;
+        if limits.max_frame > MAX_FRAME_CAP {
+            return fail(
+                "limits.max_frame",
+                format!(
+                    "{} is above the maximum of 1 GiB",
+                    format_size(limits.max_frame)
+                ),
+            );
+        }
+        let chunk = self.transport.tcp.chunk_size;
+        if chunk.saturating_add(FRAME_OVERHEAD) > limits.max_frame {
+            return Err(Violation {
+                keys: vec!["transport.tcp.chunk_size".into(), "limits.max_frame".into()],
+                detail: format!(
+                    "transport.tcp.chunk_size ({}) plus 64 KiB of framing must fit in limits.max_frame ({}); lower the chunk size or raise limits.max_frame",
+                    format_size(chunk),
+                    format_size(limits.max_frame)
+                ),
+            });
+        }
+        for (key, value) in [
+            ("limits.default_deadline", limits.default_deadline),
+            ("limits.handshake_timeout", limits.handshake_timeout),
+            ("limits.connect_timeout", limits.connect_timeout),
+        ] {
+            if value == Duration::ZERO {
+                return fail(key, "must be longer than 0s");
+            }
+        }
+        for (key, value) in [
+            ("limits.mailbox", limits.mailbox),
+            ("limits.peer_queue", limits.peer_queue),
+            ("limits.reservation_queue", limits.reservation_queue),
+        ] {
+            if value < 1 {
+                return fail(key, "must be at least 1");
+            }
+        }
+        Ok(())
+    }
+
+    fn check_security(&self) -> Result<(), Violation> {
+        let security = &self.security;
+        match (&security.secret_file, security.danger_insecure) {
+            (None, false) => fail("security.secret_file", NO_SECRET),
+            (Some(_), true) => Err(Violation {
+                keys: vec![
+                    "security.danger_insecure".into(),
+                    "security.secret_file".into(),
+                ],
+                detail: "set security.secret_file or security.danger_insecure, not both".into(),
+            }),
+            (Some(path), false) if path.as_os_str().is_empty() => {
+                fail("security.secret_file", "must not be empty")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn check_telemetry(&self) -> Result<(), Violation> {
+        let telemetry = &self.telemetry;
+        if telemetry.log_level.trim().is_empty() {
+            return fail(
+                "telemetry.log_level",
+                "must not be empty; the default is \"info\"",
+            );
+        }
+        if let Some(addr) = &telemetry.metrics_listen {
+            if let Err(msg) = parse_listen(addr) {
+                return fail(
+                    "telemetry.metrics_listen",
+                    format!("invalid listen address {addr:?}: {msg}"),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+fn name_problem(name: &str) -> String {
+    if name.is_empty() {
+        "must not be empty".into()
+    } else {
+        format!("{name:?} may contain only letters, digits, '.', '_' and '-'")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{PeerAddress, PeerConfig, TransportName};
+
+    fn valid() -> Config {
+        let mut config = Config::default();
+        config.node.name = "a".into();
+        config.security.danger_insecure = true;
+        config
+    }
+
+    fn key_of(config: &Config) -> String {
+        match config.validate() {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_need_only_a_security_choice() {
+        assert!(valid().validate().is_ok());
+        let mut config = valid();
+        config.security.danger_insecure = false;
+        let err = config.validate().expect_err("no secret");
+        assert!(err.to_string().contains(NO_SECRET), "{err}");
+        config.security.secret_file = Some("/run/secret".into());
+        assert!(config.validate().is_ok());
+        config.security.danger_insecure = true;
+        assert_eq!(key_of(&config), "security.danger_insecure");
+    }
+
+    #[test]
+    fn each_check_names_its_key() {
+        /// A change that breaks a valid config, and the key the error must name.
+        type Case = (fn(&mut Config), &'static str);
+        let cases: Vec<Case> = vec![
+            (|c| c.node.name = "a b".into(), "node.name"),
+            (
+                |c| c.node.listen = vec!["0.0.0.0:1".into()],
+                "node.listen[0]",
+            ),
+            (
+                |c| c.node.listen = vec!["127.0.0.1:1".into(), "[::]:1".into()],
+                "node.listen[1]",
+            ),
+            (
+                |c| c.node.listen = vec!["example.com:1".into()],
+                "node.listen[0]",
+            ),
+            (|c| c.node.socket_dir = Some("".into()), "node.socket_dir"),
+            (|c| c.memory.host = Budget::Bytes(0), "memory.host"),
+            (
+                |c| c.transport.tcp.chunk_size = 1024,
+                "transport.tcp.chunk_size",
+            ),
+            (
+                |c| c.transport.tcp.chunk_size = 4 << 20,
+                "transport.tcp.chunk_size",
+            ),
+            (
+                |c| c.transport.tcp.pipeline_depth = 0,
+                "transport.tcp.pipeline_depth",
+            ),
+            (|c| c.transport.rules.clear(), "transport.rules"),
+            (
+                |c| c.transport.rules[0].transports.clear(),
+                "transport.rules[0].transports",
+            ),
+            (
+                |c| c.transport.rules[0].transports = vec![TransportName::Tcp, TransportName::Tcp],
+                "transport.rules[0].transports",
+            ),
+            (
+                |c| {
+                    c.transport.rules[0].min_bytes = 2;
+                    c.transport.rules[0].max_bytes = Some(1);
+                },
+                "transport.rules[0].max_bytes",
+            ),
+            (
+                |c| c.transport.rules.push(c.transport.rules[0].clone()),
+                "transport.rules[1].name",
+            ),
+            (|c| c.limits.max_frame = 2 << 30, "limits.max_frame"),
+            (|c| c.limits.mailbox = 0, "limits.mailbox"),
+            (|c| c.limits.peer_queue = 0, "limits.peer_queue"),
+            (
+                |c| c.limits.reservation_queue = 0,
+                "limits.reservation_queue",
+            ),
+            (
+                |c| c.limits.connect_timeout = Duration::ZERO,
+                "limits.connect_timeout",
+            ),
+            (
+                |c| c.telemetry.log_level = String::new(),
+                "telemetry.log_level",
+            ),
+            (
+                |c| c.telemetry.metrics_listen = Some("nowhere".into()),
+                "telemetry.metrics_listen",
+            ),
+            (
+                |c| {
+                    c.peers.push(PeerConfig {
+                        name: "a".into(),
+                        address: PeerAddress::Tcp("h:1".into()),
+                    })
+                },
+                "peers[0].name",
+            ),
+            (
+                |c| {
+                    let peer = PeerConfig {
+                        name: "b".into(),
+                        address: PeerAddress::Tcp("h:1".into()),
+                    };
+                    c.peers = vec![peer.clone(), peer];
+                },
+                "peers[1].name",
+            ),
+            (
+                |c| {
+                    c.peers.push(PeerConfig {
+                        name: "b".into(),
+                        address: PeerAddress::Tcp("h:0".into()),
+                    })
+                },
+                "peers[0].address",
+            ),
+        ];
+        for (mutate, key) in cases {
+            let mut config = valid();
+            mutate(&mut config);
+            assert_eq!(key_of(&config), key);
+        }
+    }
+
+    #[test]
+    fn listen_any_needs_the_danger_flag() {
+        let mut config = valid();
+        config.node.listen = vec!["0.0.0.0:7070".into(), "127.0.0.1:0".into()];
+        config.node.danger_listen_any = true;
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn chunk_and_frame_error_names_both_keys() {
+        let mut config = valid();
+        config.limits.max_frame = 1 << 20;
+        let err = config
+            .validate()
+            .expect_err("chunk does not fit")
+            .to_string();
+        assert!(err.contains("transport.tcp.chunk_size"), "{err}");
+        assert!(err.contains("limits.max_frame"), "{err}");
+    }
+}

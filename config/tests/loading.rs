@@ -1,0 +1,552 @@
+//! Loading files and layers: the examples, every kind of bad file, and layering order.
+//! No test reads /etc or the user's configuration directory.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferry_config::{
+    Budget, Config, ConfigError, Direction, LoadOptions, Locality, MemoryClass, Origin,
+    PeerAddress, TransportName, load,
+};
+use tempfile::TempDir;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// The smallest valid file: the insecure flag, as a top-level dotted key so that any table
+/// can follow.
+const BASE: &str = "security.danger_insecure = true\n";
+
+fn write(dir: &TempDir, name: &str, text: &str) -> PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write to a temporary directory");
+    path
+}
+
+fn load_only(path: &Path) -> Result<Config, ConfigError> {
+    load(&LoadOptions::only_file(path))
+}
+
+/// Loads `BASE` + `extra` as a file and expects an error naming `key` and the file.
+fn expect_bad(extra: &str, key: &str) -> ConfigError {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = write(&dir, "bad.toml", &format!("{BASE}{extra}"));
+    let err = load_only(&path).expect_err(extra);
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("config file {}", path.display())),
+        "error does not name the file: {message}"
+    );
+    assert!(
+        message.contains(&format!("key {key}:")),
+        "error does not name key {key}: {message}"
+    );
+    assert_eq!(err.key(), Some(key), "{message}");
+    err
+}
+
+fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples")
+}
+
+#[test]
+fn every_example_loads_and_validates() -> TestResult {
+    let mut count = 0;
+    for entry in std::fs::read_dir(examples_dir())? {
+        let path = entry?.path();
+        let extension = path.extension().and_then(|e| e.to_str());
+        if matches!(extension, Some("toml" | "yaml" | "yml")) {
+            let config = load_only(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            config.validate()?;
+            // What `ferry config show` prints reads back to the same configuration.
+            assert_eq!(
+                Config::from_toml_str(&config.to_toml()?)?,
+                config,
+                "{}",
+                path.display()
+            );
+            count += 1;
+        }
+    }
+    assert!(count >= 5, "expected at least 5 examples, found {count}");
+    Ok(())
+}
+
+#[test]
+fn full_example_states_the_defaults() -> TestResult {
+    let mut config = load_only(&examples_dir().join("full.toml"))?;
+    // The two keys that full.toml marks as not their default.
+    config.node.name = Config::default().node.name;
+    config.security.secret_file = None;
+    assert_eq!(config, Config::default());
+    Ok(())
+}
+
+#[test]
+fn yaml_example_reads_like_toml() -> TestResult {
+    let config = load_only(&examples_dir().join("pipeline.yaml"))?;
+    assert_eq!(config.node.name, "stage-1");
+    assert_eq!(config.memory.host, Budget::Bytes(64 << 30));
+    assert_eq!(config.transport.tcp.chunk_size, 4 << 20);
+    assert_eq!(config.limits.default_deadline, Duration::from_secs(120));
+    assert_eq!(
+        config.peers[1].address,
+        PeerAddress::Unix("/run/ferry/consumer.sock".into())
+    );
+    let (index, rule) = config
+        .transport
+        .first_match(
+            Locality::Remote,
+            MemoryClass::Device,
+            MemoryClass::Device,
+            8 << 20,
+        )
+        .ok_or("a rule should match")?;
+    assert_eq!((index, rule.name.as_str()), (1, "gpu-remote-large"));
+    assert_eq!(rule.transports[0], TransportName::Ucx);
+    Ok(())
+}
+
+#[test]
+fn two_node_examples_point_at_each_other() -> TestResult {
+    let a = load_only(&examples_dir().join("two-nodes-a.toml"))?;
+    let b = load_only(&examples_dir().join("two-nodes-b.toml"))?;
+    assert_eq!(a.peers[0].name, b.node.name);
+    assert_eq!(b.peers[0].name, a.node.name);
+    assert_eq!(a.security.secret_file, b.security.secret_file);
+    let (_, rule) = a
+        .transport
+        .first_match(
+            Locality::SameHost,
+            MemoryClass::Device,
+            MemoryClass::Device,
+            1,
+        )
+        .ok_or("a rule should match")?;
+    assert_eq!(rule.direction, Direction::Pull);
+    Ok(())
+}
+
+#[test]
+fn an_empty_file_needs_only_a_security_choice() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let err = load_only(&write(&dir, "empty.toml", "")).expect_err("no secret");
+    assert!(
+        err.to_string().contains(
+            "security.secret_file is not set; set it, or set security.danger_insecure = true for a test setup"
+        ),
+        "{err}"
+    );
+    assert_eq!(err.origin(), Some(&Origin::Defaults));
+    let config = load_only(&write(
+        &dir,
+        "ok.toml",
+        "[security]\ndanger_insecure = true\n",
+    ))?;
+    assert_eq!(config.transport.rules.len(), 1);
+    Ok(())
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    let err = expect_bad("bogus = 1\n", "bogus");
+    assert!(err.to_string().contains("unknown field `bogus`"), "{err}");
+    expect_bad("[limits]\nmailboxx = 3\n", "limits.mailboxx");
+    expect_bad(
+        "[transport.tcp]\nchunk = \"1 MiB\"\n",
+        "transport.tcp.chunk",
+    );
+    expect_bad(
+        "[[transport.rules]]\nname = \"r\"\ntransports = [\"tcp\"]\nspeed = 3\n",
+        "transport.rules[0].speed",
+    );
+}
+
+#[test]
+fn wrong_types_are_named() {
+    let err = expect_bad("[limits]\nmailbox = \"many\"\n", "limits.mailbox");
+    assert!(err.to_string().contains("line 3"), "{err}");
+    expect_bad(
+        "[node]\ndanger_listen_any = \"yes\"\n",
+        "node.danger_listen_any",
+    );
+    expect_bad("[node]\nlisten = \"127.0.0.1:1\"\n", "node.listen");
+}
+
+#[test]
+fn bad_sizes_are_named() {
+    let err = expect_bad("[limits]\nmax_frame = \"12 parsecs\"\n", "limits.max_frame");
+    assert!(
+        err.to_string().contains("invalid size \"12 parsecs\""),
+        "{err}"
+    );
+    expect_bad(
+        "[transport.tcp]\nchunk_size = -1\n",
+        "transport.tcp.chunk_size",
+    );
+    expect_bad("[memory]\nhost = \"0%\"\n", "memory.host");
+    expect_bad("[memory]\nhost = \"150%\"\n", "memory.host");
+}
+
+#[test]
+fn bad_durations_are_named() {
+    let err = expect_bad(
+        "[limits]\ndefault_deadline = \"soon\"\n",
+        "limits.default_deadline",
+    );
+    assert!(
+        err.to_string().contains("invalid duration \"soon\""),
+        "{err}"
+    );
+    expect_bad("[limits]\nconnect_timeout = 5\n", "limits.connect_timeout");
+}
+
+#[test]
+fn bad_rules_are_named() {
+    let rule = |body: &str| format!("[[transport.rules]]\nname = \"r\"\n{body}\n");
+    let err = expect_bad(
+        &rule("transports = [\"tcp\", \"carrier-pigeon\"]"),
+        "transport.rules[0].transports[1]",
+    );
+    assert!(err.to_string().contains("carrier-pigeon"), "{err}");
+    let err = expect_bad(
+        &rule("transports = [\"tcp\"]\nmin_bytes = \"2 MiB\"\nmax_bytes = \"1 MiB\""),
+        "transport.rules[0].max_bytes",
+    );
+    assert!(err.to_string().contains("min_bytes"), "{err}");
+    expect_bad(&rule("transports = []"), "transport.rules[0].transports");
+    expect_bad(
+        &rule("transports = [\"ipc\", \"ipc\"]"),
+        "transport.rules[0].transports",
+    );
+    expect_bad(
+        &rule("transports = [\"tcp\"]\nlocality = [\"nearby\"]"),
+        "transport.rules[0].locality[0]",
+    );
+    expect_bad("transport.rules = []\n", "transport.rules");
+}
+
+#[test]
+fn listening_everywhere_needs_the_danger_flag() -> TestResult {
+    let err = expect_bad("[node]\nlisten = [\"0.0.0.0:7070\"]\n", "node.listen[0]");
+    assert!(err.to_string().contains("danger_listen_any"), "{err}");
+    expect_bad("[node]\nlisten = [\"[::]:7070\"]\n", "node.listen[0]");
+    expect_bad(
+        "[node]\nlisten = [\"example.com:7070\"]\n",
+        "node.listen[0]",
+    );
+    let dir = tempfile::tempdir()?;
+    let path = write(
+        &dir,
+        "any.toml",
+        &format!("{BASE}[node]\nlisten = [\"0.0.0.0:7070\"]\ndanger_listen_any = true\n"),
+    );
+    assert_eq!(load_only(&path)?.node.listen, ["0.0.0.0:7070"]);
+    Ok(())
+}
+
+#[test]
+fn keys_that_depend_on_each_other_are_both_named() {
+    let err = expect_bad("[limits]\nmax_frame = \"1 MiB\"\n", "limits.max_frame");
+    assert!(
+        err.to_string().contains("transport.tcp.chunk_size"),
+        "{err}"
+    );
+}
+
+#[test]
+fn budgets_read_percentages_and_sizes() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    for (text, budget) in [
+        ("\"80%\"", Budget::Percent(80.0)),
+        ("\"12.5%\"", Budget::Percent(12.5)),
+        ("\"64 MiB\"", Budget::Bytes(64 << 20)),
+        ("\"1GiB\"", Budget::Bytes(1 << 30)),
+        ("4096", Budget::Bytes(4096)),
+    ] {
+        let path = write(
+            &dir,
+            "budget.toml",
+            &format!("{BASE}[memory]\nhost = {text}\n"),
+        );
+        assert_eq!(load_only(&path)?.memory.host, budget, "{text}");
+    }
+    assert_eq!(Budget::Percent(80.0).resolve(1000), 800);
+    Ok(())
+}
+
+#[test]
+fn syntax_errors_name_the_file_and_line() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(&dir, "broken.toml", "[node]\nname = \"a\"\nlisten = [\n");
+    let err = load_only(&path).expect_err("broken");
+    assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains(&path.display().to_string()),
+        "{err}"
+    );
+    assert!(err.to_string().contains("line"), "{err}");
+    let yaml = write(&dir, "broken.yaml", "node: [\n");
+    let err = load_only(&yaml).expect_err("broken");
+    assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains(&yaml.display().to_string()),
+        "{err}"
+    );
+    let json = write(&dir, "x.json", "{}");
+    assert!(matches!(load_only(&json), Err(ConfigError::Parse { .. })));
+    Ok(())
+}
+
+#[test]
+fn yaml_errors_name_the_key_and_file() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(
+        &dir,
+        "bad.yml",
+        "node:\n  name: a\nsecurity:\n  danger_insecure: true\nlimits:\n  mailboxx: 3\n",
+    );
+    let err = load_only(&path).expect_err("unknown key");
+    assert_eq!(err.key(), Some("limits.mailboxx"));
+    assert_eq!(err.origin(), Some(&Origin::File(path.clone())));
+    let path = write(
+        &dir,
+        "bad2.yml",
+        "security:\n  danger_insecure: true\nlimits:\n  default_deadline: soon\n",
+    );
+    let err = load_only(&path).expect_err("bad duration");
+    assert_eq!(err.key(), Some("limits.default_deadline"));
+    assert!(
+        err.to_string().contains("invalid duration \"soon\""),
+        "{err}"
+    );
+    let path = write(
+        &dir,
+        "bad3.yaml",
+        "transport:\n  rules:\n    - name: r\n      transports: [tcp, carrier-pigeon]\n",
+    );
+    let err = load_only(&path).expect_err("bad transport");
+    assert_eq!(err.key(), Some("transport.rules[0].transports[1]"));
+    assert!(
+        err.to_string().contains("unknown variant `carrier-pigeon`"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn missing_files() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("nope.toml");
+    let err = load_only(&missing).expect_err("--config must exist");
+    assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains(&missing.display().to_string()),
+        "{err}"
+    );
+    // Optional layers that do not exist are skipped.
+    let opts = LoadOptions {
+        system_file: Some(missing.clone()),
+        user_file: Some(dir.path().join("also-nope.toml")),
+        file: Some(write(&dir, "ok.toml", BASE)),
+        env: false,
+        env_vars: None,
+        overrides: Vec::new(),
+    };
+    assert!(load(&opts)?.security.danger_insecure);
+    Ok(())
+}
+
+/// Options with every layer in a temporary directory, each setting `limits.mailbox`.
+fn layered(dir: &TempDir) -> LoadOptions {
+    LoadOptions {
+        system_file: Some(write(
+            dir,
+            "system.toml",
+            &format!(
+                "{BASE}[limits]\nmailbox = 1\npeer_queue = 7\n[node]\nlisten = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n"
+            ),
+        )),
+        user_file: Some(write(dir, "user.toml", "[limits]\nmailbox = 2\n")),
+        file: Some(write(
+            dir,
+            "file.yaml",
+            "limits:\n  mailbox: 3\nnode:\n  listen: [\"127.0.0.1:3\"]\n",
+        )),
+        env: true,
+        env_vars: Some(vec![
+            ("FERRY__LIMITS__MAILBOX".into(), "4".into()),
+            ("PATH".into(), "/bin".into()),
+            ("FERRY_GPU_TESTS".into(), "1".into()),
+        ]),
+        overrides: vec![("limits.mailbox".into(), "5".into())],
+    }
+}
+
+#[test]
+fn layers_apply_in_order() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut opts = layered(&dir);
+    let config = load(&opts)?;
+    assert_eq!(config.limits.mailbox, 5);
+    // Tables merge key by key: the system file's peer_queue survives.
+    assert_eq!(config.limits.peer_queue, 7);
+    // Arrays are replaced whole.
+    assert_eq!(config.node.listen, ["127.0.0.1:3"]);
+    opts.overrides.clear();
+    assert_eq!(load(&opts)?.limits.mailbox, 4);
+    opts.env = false;
+    assert_eq!(load(&opts)?.limits.mailbox, 3);
+    opts.file = None;
+    assert_eq!(load(&opts)?.limits.mailbox, 2);
+    opts.user_file = None;
+    assert_eq!(load(&opts)?.limits.mailbox, 1);
+    // The last override wins.
+    opts.overrides = vec![
+        ("limits.mailbox".into(), "8".into()),
+        ("limits.mailbox".into(), "9".into()),
+    ];
+    assert_eq!(load(&opts)?.limits.mailbox, 9);
+    Ok(())
+}
+
+#[test]
+fn environment_values_take_the_fields_type() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut opts = LoadOptions::only_file(write(&dir, "base.toml", BASE));
+    opts.env = true;
+    opts.env_vars = Some(vec![
+        ("FERRY__NODE__NAME".into(), "from-env".into()),
+        (
+            "FERRY__NODE__LISTEN".into(),
+            "[\"127.0.0.1:1\", \"[::1]:2\"]".into(),
+        ),
+        ("FERRY__NODE__SOCKET_DIR".into(), "/run/x".into()),
+        ("FERRY__TRANSPORT__TCP__CHUNK_SIZE".into(), "512KiB".into()),
+        ("FERRY__LIMITS__CONNECT_TIMEOUT".into(), "250ms".into()),
+        ("FERRY__MEMORY__HOST".into(), "10%".into()),
+        ("FERRY__TELEMETRY__LOG_FORMAT".into(), "json".into()),
+        (
+            "FERRY__TELEMETRY__METRICS_LISTEN".into(),
+            "[::1]:9464".into(),
+        ),
+    ]);
+    let config = load(&opts)?;
+    assert_eq!(config.node.name, "from-env");
+    assert_eq!(config.node.listen, ["127.0.0.1:1", "[::1]:2"]);
+    assert_eq!(config.node.socket_dir, Some("/run/x".into()));
+    assert_eq!(config.transport.tcp.chunk_size, 512 << 10);
+    assert_eq!(config.limits.connect_timeout, Duration::from_millis(250));
+    assert_eq!(config.memory.host, Budget::Percent(10.0));
+    assert_eq!(
+        config.telemetry.metrics_listen.as_deref(),
+        Some("[::1]:9464")
+    );
+    Ok(())
+}
+
+#[test]
+fn environment_errors_name_the_variable() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let base = write(&dir, "base.toml", BASE);
+    for (name, value, key) in [
+        ("FERRY__LIMITS__MAILBOX", "many", "limits.mailbox"),
+        ("FERRY__LIMITS__MAILBOXX", "3", "limits.mailboxx"),
+        (
+            "FERRY__LIMITS__DEFAULT_DEADLINE",
+            "soon",
+            "limits.default_deadline",
+        ),
+        ("FERRY__LIMITS__MAX_FRAME", "12 parsecs", "limits.max_frame"),
+        ("FERRY__LIMITS__MAILBOX", "0", "limits.mailbox"),
+        ("FERRY__NODE__LISTEN", "[\"0.0.0.0:1\"]", "node.listen[0]"),
+        ("FERRY__LIMITS____MAILBOX", "1", "FERRY__LIMITS____MAILBOX"),
+    ] {
+        let mut opts = LoadOptions::only_file(&base);
+        opts.env = true;
+        opts.env_vars = Some(vec![(name.into(), value.into())]);
+        let err = load(&opts).expect_err(name);
+        let message = err.to_string();
+        assert!(
+            message.contains(&format!("environment variable {name}")),
+            "{message}"
+        );
+        assert_eq!(err.key(), Some(key), "{message}");
+    }
+    Ok(())
+}
+
+#[test]
+fn validation_errors_blame_the_layer_that_set_the_key() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let system = write(&dir, "system.toml", "[limits]\nmax_frame = \"1 MiB\"\n");
+    let opts = LoadOptions {
+        system_file: Some(system.clone()),
+        user_file: None,
+        file: Some(write(&dir, "file.toml", BASE)),
+        env: false,
+        env_vars: None,
+        overrides: Vec::new(),
+    };
+    let err = load(&opts).expect_err("chunk does not fit");
+    assert_eq!(err.origin(), Some(&Origin::File(system)));
+    assert_eq!(err.key(), Some("limits.max_frame"));
+
+    let mut opts = LoadOptions::only_file(write(&dir, "base.toml", BASE));
+    opts.overrides = vec![("node.listen".into(), "[\"0.0.0.0:7070\"]".into())];
+    let err = load(&opts).expect_err("listen any");
+    assert_eq!(err.origin(), Some(&Origin::CommandLine));
+    assert!(
+        err.to_string()
+            .starts_with("command line: key node.listen[0]: "),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn command_line_errors_say_so() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut opts = LoadOptions::only_file(write(&dir, "base.toml", BASE));
+    opts.overrides = vec![("limits.default_deadline".into(), "soon".into())];
+    let err = load(&opts).expect_err("bad duration");
+    assert!(
+        err.to_string()
+            .starts_with("command line: key limits.default_deadline: invalid duration \"soon\""),
+        "{err}"
+    );
+    opts.overrides = vec![("transport.rules[0].direction".into(), "pull".into())];
+    assert_eq!(
+        load(&opts).expect_err("index").origin(),
+        Some(&Origin::CommandLine)
+    );
+    opts.overrides = vec![("limits.max_frame".into(), "8 MiB".into())];
+    assert_eq!(load(&opts)?.limits.max_frame, 8 << 20);
+    Ok(())
+}
+
+#[test]
+fn inline_toml() -> TestResult {
+    let config = Config::from_toml_str(&format!("{BASE}[node]\nname = \"a\"\n"))?;
+    assert_eq!(config.node.name, "a");
+    let err = Config::from_toml_str(&format!("{BASE}[limits]\nmailbox = 0\n")).expect_err("0");
+    assert!(
+        err.to_string()
+            .starts_with("inline configuration: key limits.mailbox: "),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn shown_configuration_reads_back() -> TestResult {
+    let mut config = Config::from_toml_str(BASE)?;
+    config.transport.rules[0].max_bytes = Some(3 << 30);
+    config.transport.rules[0].min_bytes = 1_000_001;
+    config.limits.default_deadline = Duration::from_millis(1500);
+    config.memory.host = Budget::Percent(33.3);
+    let text = config.to_toml()?;
+    assert!(text.contains("max_bytes = \"3 GiB\""), "{text}");
+    assert!(text.contains("default_deadline = \"1s 500ms\""), "{text}");
+    assert_eq!(Config::from_toml_str(&text)?, config);
+    Ok(())
+}

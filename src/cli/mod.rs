@@ -1,0 +1,77 @@
+//! Command-line interface: one module per subcommand.
+
+mod config_cmd;
+mod demo;
+mod serve;
+mod telemetry;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use ferry::{Config, LoadOptions};
+
+/// ferry moves buffers between processes and machines.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about)]
+struct Cli {
+    /// Configuration file (TOML or YAML), layered over the system and user files.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Set one configuration key, e.g. `--set limits.mailbox=64` (highest layer).
+    #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a node until SIGTERM or Ctrl-C, then drain and exit.
+    Serve(serve::Args),
+    /// Start local node processes and push buffers of mixed sizes through a pipeline.
+    Demo(demo::Args),
+    /// Check or show the configuration.
+    #[command(subcommand)]
+    Config(config_cmd::Command),
+}
+
+/// Parses `KEY=VALUE` overrides.
+fn parse_overrides(raw: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    raw.iter()
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .with_context(|| format!("--set {kv}: expected KEY=VALUE"))
+        })
+        .collect()
+}
+
+/// Loads the layered configuration for this invocation.
+fn load_config(file: Option<PathBuf>, overrides: &[String], extra: Vec<(String, String)>) -> anyhow::Result<Config> {
+    let mut opts = LoadOptions {
+        file,
+        ..LoadOptions::default()
+    };
+    opts.overrides = extra;
+    opts.overrides.extend(parse_overrides(overrides)?);
+    Ok(ferry_config::load(&opts)?)
+}
+
+/// Runs the command line; the exit code says whether it succeeded.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve::run(cli.config, &cli.overrides, args),
+        Command::Demo(args) => demo::run(args),
+        Command::Config(cmd) => config_cmd::run(cli.config, &cli.overrides, cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferry: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! `ferry serve`: run a node until SIGTERM or Ctrl-C, then drain and exit 0.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use ferry::echo::{self, TAG_EXPOSE, TAG_WITHDRAW};
+use ferry::{MemoryKind, Node, Received};
+use tokio::sync::Semaphore;
+
+/// What a served node does with the buffers it receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Nothing: received buffers wait for an application that never asks (tests use this
+    /// to fill a node's budget).
+    None,
+    /// Send every buffer back to its sender (see `ferry::echo`).
+    Echo,
+    /// Send every buffer on to this peer, same tag.
+    Forward(String),
+    /// Receive and drop.
+    Sink,
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Self::None),
+            "echo" => Ok(Self::Echo),
+            "sink" => Ok(Self::Sink),
+            _ => match s.strip_prefix("forward=") {
+                Some(peer) if !peer.is_empty() => Ok(Self::Forward(peer.to_string())),
+                _ => Err(format!(
+                    "unknown role {s:?}: expected none, echo, sink or forward=PEER"
+                )),
+            },
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Node name (overrides node.name).
+    #[arg(long)]
+    name: Option<String>,
+    /// TCP listen address (overrides node.listen), e.g. 127.0.0.1:0.
+    #[arg(long)]
+    listen: Option<String>,
+    /// What to do with received buffers: none, echo, sink or forward=PEER.
+    #[arg(long, default_value = "none")]
+    role: Role,
+}
+
+/// Buffers a role handles at once.
+const ROLE_CONCURRENCY: usize = 32;
+
+pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
+    let mut extra = Vec::new();
+    if let Some(name) = args.name {
+        extra.push(("node.name".to_string(), name));
+    }
+    if let Some(listen) = args.listen {
+        extra.push(("node.listen".to_string(), format!("[\"{listen}\"]")));
+    }
+    let config = super::load_config(file, overrides, extra)?;
+    super::telemetry::init(&config.telemetry);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    runtime.block_on(serve(config, args.role))
+}
+
+async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
+    let node = Arc::new(Node::start(config).await?);
+    let mut endpoints: Vec<String> = node.tcp_addrs().iter().map(|a| format!("tcp {a}")).collect();
+    if let Some(path) = node.unix_path() {
+        endpoints.push(format!("unix {}", path.display()));
+    }
+    // The ready line: scripts and tests wait for it.
+    println!("ferry serve: node {} ready on {}", node.name(), endpoints.join(", "));
+    let worker = (role != Role::None).then(|| tokio::spawn(run_role(Arc::clone(&node), role)));
+
+    wait_for_stop_signal().await?;
+    tracing::info!("stop requested: draining");
+    if let Some(w) = worker {
+        w.abort();
+        let _ = w.await;
+    }
+    match Arc::try_unwrap(node) {
+        Ok(node) => node.shutdown().await,
+        Err(node) => drop(node),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait_for_stop_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("cannot wait for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+async fn run_role(node: Arc<Node>, role: Role) {
+    let slots = Arc::new(Semaphore::new(ROLE_CONCURRENCY));
+    loop {
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let received = match node.recv(None, None).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::info!(error = %e, "role stops");
+                return;
+            }
+        };
+        let node = Arc::clone(&node);
+        let role = role.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle(&node, &role, received).await {
+                tracing::warn!(error = %e, "role could not handle a buffer");
+            }
+            drop(permit);
+        });
+    }
+}
+
+async fn handle(node: &Node, role: &Role, got: Received) -> anyhow::Result<()> {
+    let Received { buffer, peer, tag } = got;
+    match role {
+        Role::None | Role::Sink => Ok(()),
+        Role::Forward(next) => {
+            node.send(next, tag, buffer).await?;
+            Ok(())
+        }
+        Role::Echo if tag == TAG_EXPOSE => {
+            let len = buffer
+                .as_slice()
+                .try_into()
+                .map(u64::from_le_bytes)
+                .map_err(|_| anyhow::anyhow!("expose request of {} bytes, want 8", buffer.len()))?;
+            let region = node.alloc(MemoryKind::Host, usize::try_from(len)?).await?;
+            let key = node.expose(region);
+            let mut reply = node.alloc(MemoryKind::Host, 24).await?;
+            reply
+                .as_mut_slice()
+                .context("fresh buffer is shared")?
+                .copy_from_slice(&echo::encode_key(key));
+            node.send(&peer, TAG_EXPOSE, reply).await?;
+            Ok(())
+        }
+        Role::Echo if tag == TAG_WITHDRAW => {
+            let key = echo::decode_key(buffer.as_slice())
+                .ok_or_else(|| anyhow::anyhow!("withdraw request is not a 24-byte key"))?;
+            let region = node.withdraw(key)?;
+            node.send(&peer, TAG_WITHDRAW, region).await?;
+            Ok(())
+        }
+        Role::Echo => {
+            node.send(&peer, tag, buffer).await?;
+            Ok(())
+        }
+    }
+}

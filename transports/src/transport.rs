@@ -1,0 +1,141 @@
+//! What a transport declares it can do, so routes are chosen from declarations and never
+//! by trying and getting "not supported".
+
+use ferry_config::{Direction, Locality, MemoryClass, TransportName};
+
+/// A transport's declared abilities.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The transport's name, as rules spell it.
+    pub name: TransportName,
+    /// Memory kinds it can read from and write to, at either end.
+    pub memory: &'static [MemoryClass],
+    /// Where the peer may be.
+    pub localities: &'static [Locality],
+    /// Who may move the bytes.
+    pub directions: &'static [Direction],
+    /// True when it needs file descriptors passed over a Unix socket.
+    pub needs_fd_passing: bool,
+    /// True when it can write into a region the peer granted without a matching receive.
+    pub one_sided_put: bool,
+}
+
+/// Whether a transport can run on this machine, and if not, why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Viability {
+    /// It can run here.
+    Viable,
+    /// It cannot; the reason is shown by `ferry explain` and in the log.
+    NotViable(String),
+}
+
+/// Why a transport was passed over for a transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unsuitable {
+    /// Not usable on this machine.
+    NotViable(String),
+    /// The peer did not announce it in its hello.
+    PeerLacks,
+    /// Cannot reach a peer at this locality.
+    Locality(Locality),
+    /// Cannot touch this kind of memory.
+    Memory(MemoryClass),
+    /// Does not support the rule's direction.
+    Direction(Direction),
+}
+
+impl std::fmt::Display for Unsuitable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotViable(why) => write!(f, "not viable on this machine: {why}"),
+            Self::PeerLacks => f.write_str("the peer does not offer it"),
+            Self::Locality(l) => write!(f, "cannot reach a {l:?} peer"),
+            Self::Memory(m) => write!(f, "cannot move {m:?} memory"),
+            Self::Direction(d) => write!(f, "does not support {d:?}"),
+        }
+    }
+}
+
+impl Capabilities {
+    /// Checks the declaration against one transfer's needs.
+    pub fn suits(
+        &self,
+        locality: Locality,
+        src: MemoryClass,
+        dst: MemoryClass,
+        direction: Direction,
+    ) -> Result<(), Unsuitable> {
+        if !self.localities.contains(&locality) {
+            return Err(Unsuitable::Locality(locality));
+        }
+        for kind in [src, dst] {
+            if !self.memory.contains(&kind) {
+                return Err(Unsuitable::Memory(kind));
+            }
+        }
+        if !self.directions.contains(&direction) {
+            return Err(Unsuitable::Direction(direction));
+        }
+        Ok(())
+    }
+}
+
+/// The transports this build knows, with their declarations and viability here.
+pub fn catalog() -> Vec<(Capabilities, Viability)> {
+    let later = |issue: &str| Viability::NotViable(format!("not built yet ({issue})"));
+    vec![
+        (crate::tcp::capabilities(), Viability::Viable),
+        (
+            Capabilities {
+                name: TransportName::Ipc,
+                memory: &[MemoryClass::Device],
+                localities: &[Locality::SameHost],
+                directions: &[Direction::Pull, Direction::Push],
+                needs_fd_passing: true,
+                one_sided_put: true,
+            },
+            later("the ipc transport arrives with GPU support"),
+        ),
+        (
+            Capabilities {
+                name: TransportName::Staged,
+                memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
+                localities: &[Locality::SameHost, Locality::Remote],
+                directions: &[Direction::Push],
+                needs_fd_passing: false,
+                one_sided_put: false,
+            },
+            later("the staged transport arrives with GPU support"),
+        ),
+        (
+            Capabilities {
+                name: TransportName::Ucx,
+                memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
+                localities: &[Locality::SameHost, Locality::Remote],
+                directions: &[Direction::Push, Direction::Pull],
+                needs_fd_passing: false,
+                one_sided_put: true,
+            },
+            later("the ucx transport arrives in a later release"),
+        ),
+    ]
+}
+
+/// Names of the transports viable here, as announced in a hello.
+pub fn viable_names() -> Vec<String> {
+    catalog()
+        .into_iter()
+        .filter(|(_, v)| *v == Viability::Viable)
+        .map(|(c, _)| transport_label(c.name).to_string())
+        .collect()
+}
+
+/// A transport's name as rules and hellos spell it.
+pub fn transport_label(name: TransportName) -> &'static str {
+    match name {
+        TransportName::Tcp => "tcp",
+        TransportName::Ipc => "ipc",
+        TransportName::Staged => "staged",
+        TransportName::Ucx => "ucx",
+    }
+}
