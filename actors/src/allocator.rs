@@ -174,7 +174,10 @@ impl Handler<Reserve> for Allocator {
         let id = ReservationId(self.next_id);
         self.next_id += 1;
         let now = Instant::now();
-        let result = match self.budget.handle_reserve(now, id, &[msg.len], msg.deadline) {
+        let result = match self
+            .budget
+            .handle_reserve(now, id, &[msg.len], msg.deadline)
+        {
             Ok(Reserved::Now) => Ok(Some(self.grant(msg.len))),
             Ok(Reserved::Queued) => Ok(None),
             Err(e) => Err(Error::NoMemory {

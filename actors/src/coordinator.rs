@@ -227,8 +227,8 @@ impl Coordinator {
             Some(PeerAddress::Tcp(addr)) => {
                 let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
                 let host = host.trim_start_matches('[').trim_end_matches(']');
-                let loopback = host == "localhost"
-                    || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+                let loopback =
+                    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
                 if loopback {
                     Locality::SameHost
                 } else {
@@ -299,7 +299,11 @@ impl Coordinator {
     }
 
     /// The session for `peer`, dialing it if there is none.
-    fn session_for(&mut self, peer: &str, ctx: &mut Context<Self>) -> Result<Addr<TransferActor>, Error> {
+    fn session_for(
+        &mut self,
+        peer: &str,
+        ctx: &mut Context<Self>,
+    ) -> Result<Addr<TransferActor>, Error> {
         if let Some(s) = self.sessions.get(peer) {
             return Ok(s.addr.clone());
         }
@@ -489,7 +493,9 @@ impl Handler<Recv> for Coordinator {
             .mailroom
             .recv(msg.from.as_deref(), msg.tag, tx, |w| !w.is_closed())
         {
-            Ok(Some((peer, tag, buffer))) => Box::pin(async move { Ok(Received { buffer, peer, tag }) }),
+            Ok(Some((peer, tag, buffer))) => {
+                Box::pin(async move { Ok(Received { buffer, peer, tag }) })
+            }
             Ok(None) => Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) }),
             Err((too_many, _)) => {
                 Box::pin(async move { Err(Error::QueueFull(too_many.to_string())) })
@@ -505,9 +511,9 @@ impl Handler<Delivered> for Coordinator {
         let mut item = Some(msg.buffer);
         // A waiter whose caller went away hands the buffer back; try the next one.
         while let Some(buffer) = item.take() {
-            let Some((waiter, buffer)) =
-                self.mailroom
-                    .deliver(&msg.peer, msg.tag, buffer, |w| !w.is_closed())
+            let Some((waiter, buffer)) = self
+                .mailroom
+                .deliver(&msg.peer, msg.tag, buffer, |w| !w.is_closed())
             else {
                 break;
             };

@@ -19,8 +19,8 @@ use tokio::sync::Semaphore;
 
 use crate::allocator::{Allocator, Reserve, Stats};
 use crate::coordinator::{
-    ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv,
-    SendTo, Shutdown, TransferSetupBase,
+    ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv, SendTo,
+    Shutdown, TransferSetupBase,
 };
 use crate::core::budget::BudgetStats;
 use crate::core::route::Explanation;
@@ -75,8 +75,13 @@ impl Node {
     /// [`Error::Config`] for an invalid configuration or a missing secret (without
     /// `security.danger_insecure`), [`Error::Start`] when a listener cannot bind.
     pub async fn start(config: Config) -> Result<Self, Error> {
-        config.validate().map_err(|e| Error::Config(e.to_string()))?;
-        let secret = match config.read_secret().map_err(|e| Error::Config(e.to_string()))? {
+        config
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let secret = match config
+            .read_secret()
+            .map_err(|e| Error::Config(e.to_string()))?
+        {
             Some(bytes) => Secret::new(bytes),
             None => {
                 tracing::warn!(
@@ -277,7 +282,8 @@ impl Node {
     /// Dropping the future does not cancel the transfer: it runs to its end and the buffer
     /// is then freed.
     pub async fn send(&self, peer: &str, tag: u64, buffer: Buffer) -> Result<Buffer, SendError> {
-        self.send_by(peer, tag, buffer, self.default_deadline()).await
+        self.send_by(peer, tag, buffer, self.default_deadline())
+            .await
     }
 
     /// [`Self::send`] with an explicit deadline.
@@ -433,10 +439,15 @@ impl Drop for Node {
 }
 
 fn secret_for_accept(config: &Config) -> Result<Secret, Error> {
-    Ok(match config.read_secret().map_err(|e| Error::Config(e.to_string()))? {
-        Some(bytes) => Secret::new(bytes),
-        None => Secret::insecure(),
-    })
+    Ok(
+        match config
+            .read_secret()
+            .map_err(|e| Error::Config(e.to_string()))?
+        {
+            Some(bytes) => Secret::new(bytes),
+            None => Secret::insecure(),
+        },
+    )
 }
 
 /// Accepts connections and runs each handshake in its own task, so a slow or hostile

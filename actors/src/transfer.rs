@@ -268,10 +268,12 @@ impl TransferActor {
                     // Wait for the coordinator to take it before handling anything else,
                     // so deliveries keep their order. The coordinator never waits on us.
                     let send = self.setup.deliver.send(delivered);
-                    ctx.wait(async move {
-                        let _ = send.await;
-                    }
-                    .into_actor(self));
+                    ctx.wait(
+                        async move {
+                            let _ = send.await;
+                        }
+                        .into_actor(self),
+                    );
                 }
             }
             SessionEvent::Abandon(id) => {

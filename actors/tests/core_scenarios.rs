@@ -186,7 +186,11 @@ fn later_transfer_completing_first_waits_for_earlier() {
     let second = p.send(2, LONG);
     p.finish_stream(second);
     p.pump();
-    assert!(p.delivered.is_empty(), "delivered out of order: {:?}", p.delivered);
+    assert!(
+        p.delivered.is_empty(),
+        "delivered out of order: {:?}",
+        p.delivered
+    );
     p.finish_stream(first);
     p.pump();
     assert_eq!(p.delivered, vec![1, 2]);
@@ -295,7 +299,10 @@ fn deadline_in_every_phase_ends_once() {
                 && c.reason == WireReason::DeadlineExceeded)
         });
         assert_eq!(told_peer, !matches!(at, Where::Waiting), "{at:?}");
-        assert!(!p.delivered.contains(&9), "{at:?}: expired transfer delivered");
+        assert!(
+            !p.delivered.contains(&9),
+            "{at:?}: expired transfer delivered"
+        );
         p.advance(LONG);
         assert_eq!(p.finished.get(&id).map(Vec::len), Some(1), "{at:?}");
     }

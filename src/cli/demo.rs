@@ -244,9 +244,14 @@ async fn run_class(
         tokio::spawn(async move {
             let mut got = HashMap::new();
             for _ in 0..count {
-                match tokio::time::timeout(Duration::from_secs(60), node.recv(Some(&last), None)).await {
+                match tokio::time::timeout(Duration::from_secs(60), node.recv(Some(&last), None))
+                    .await
+                {
                     Ok(Ok(r)) => {
-                        got.insert(r.tag, (r.buffer.len() as u64, crc32c::crc32c(r.buffer.as_slice())));
+                        got.insert(
+                            r.tag,
+                            (r.buffer.len() as u64, crc32c::crc32c(r.buffer.as_slice())),
+                        );
                     }
                     _ => break,
                 }

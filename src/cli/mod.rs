@@ -49,7 +49,11 @@ fn parse_overrides(raw: &[String]) -> anyhow::Result<Vec<(String, String)>> {
 }
 
 /// Loads the layered configuration for this invocation.
-fn load_config(file: Option<PathBuf>, overrides: &[String], extra: Vec<(String, String)>) -> anyhow::Result<Config> {
+fn load_config(
+    file: Option<PathBuf>,
+    overrides: &[String],
+    extra: Vec<(String, String)>,
+) -> anyhow::Result<Config> {
     let mut opts = LoadOptions {
         file,
         ..LoadOptions::default()

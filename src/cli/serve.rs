@@ -76,16 +76,26 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
 }
 
 async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
+    // Install the handlers before announcing readiness, so an early SIGTERM drains too.
+    let stop = StopSignals::install()?;
     let node = Arc::new(Node::start(config).await?);
-    let mut endpoints: Vec<String> = node.tcp_addrs().iter().map(|a| format!("tcp {a}")).collect();
+    let mut endpoints: Vec<String> = node
+        .tcp_addrs()
+        .iter()
+        .map(|a| format!("tcp {a}"))
+        .collect();
     if let Some(path) = node.unix_path() {
         endpoints.push(format!("unix {}", path.display()));
     }
     // The ready line: scripts and tests wait for it.
-    println!("ferry serve: node {} ready on {}", node.name(), endpoints.join(", "));
+    println!(
+        "ferry serve: node {} ready on {}",
+        node.name(),
+        endpoints.join(", ")
+    );
     let worker = (role != Role::None).then(|| tokio::spawn(run_role(Arc::clone(&node), role)));
 
-    wait_for_stop_signal().await?;
+    stop.wait().await?;
     tracing::info!("stop requested: draining");
     if let Some(w) = worker {
         w.abort();
@@ -98,14 +108,28 @@ async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot install the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("cannot wait for Ctrl-C")?,
-        _ = term.recv() => {}
+/// SIGTERM and SIGINT, caught from the moment of installation.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?,
+        })
     }
-    Ok(())
+
+    async fn wait(mut self) -> anyhow::Result<()> {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        Ok(())
+    }
 }
 
 async fn run_role(node: Arc<Node>, role: Role) {

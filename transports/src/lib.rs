@@ -1,3 +1,12 @@
 //! ferry-transports: memory, the wire format, control links and the transports.
+//!
+//! This crate owns bytes and sockets: buffers and their leases ([`memory`]), the frame
+//! format and messages ([`wire`]), authenticated control links ([`link`]) and the
+//! transports that move payloads ([`tcp`]). It makes no decisions about which transfer runs
+//! when; that is `ferry-actors`' job.
 #![forbid(unsafe_code)]
+pub mod link;
+pub mod memory;
+pub mod tcp;
+pub mod transport;
 pub mod wire;

@@ -207,15 +207,30 @@ mod tests {
         let t0 = Instant::now();
         let far = t0 + Duration::from_secs(10);
         let mut b = Budget::new(100, 8);
-        assert_eq!(b.handle_reserve(t0, ReservationId(1), &[30, 30], far), Ok(Reserved::Now));
+        assert_eq!(
+            b.handle_reserve(t0, ReservationId(1), &[30, 30], far),
+            Ok(Reserved::Now)
+        );
         // 50 does not fit beside 60: it waits holding nothing.
-        assert_eq!(b.handle_reserve(t0, ReservationId(2), &[25, 25], far), Ok(Reserved::Queued));
+        assert_eq!(
+            b.handle_reserve(t0, ReservationId(2), &[25, 25], far),
+            Ok(Reserved::Queued)
+        );
         assert_eq!(b.stats().granted, 60);
         // A small one may not overtake the waiting one.
-        assert_eq!(b.handle_reserve(t0, ReservationId(3), &[1], far), Ok(Reserved::Queued));
+        assert_eq!(
+            b.handle_reserve(t0, ReservationId(3), &[1], far),
+            Ok(Reserved::Queued)
+        );
         b.handle_release(60);
-        assert_eq!(b.poll_event(), Some(ReservationEvent::Granted(ReservationId(2))));
-        assert_eq!(b.poll_event(), Some(ReservationEvent::Granted(ReservationId(3))));
+        assert_eq!(
+            b.poll_event(),
+            Some(ReservationEvent::Granted(ReservationId(2)))
+        );
+        assert_eq!(
+            b.poll_event(),
+            Some(ReservationEvent::Granted(ReservationId(3)))
+        );
         assert_eq!(b.stats().granted, 51);
     }
 
@@ -229,14 +244,20 @@ mod tests {
         ));
         b.handle_reserve(t0, ReservationId(2), &[10], t0).ok();
         let d = t0 + Duration::from_millis(5);
-        assert_eq!(b.handle_reserve(t0, ReservationId(3), &[5], d), Ok(Reserved::Queued));
+        assert_eq!(
+            b.handle_reserve(t0, ReservationId(3), &[5], d),
+            Ok(Reserved::Queued)
+        );
         assert_eq!(
             b.handle_reserve(t0, ReservationId(4), &[5], d),
             Err(ReserveError::QueueFull(1))
         );
         assert_eq!(b.poll_timeout(), Some(d));
         b.handle_timeout(d);
-        assert_eq!(b.poll_event(), Some(ReservationEvent::TimedOut(ReservationId(3))));
+        assert_eq!(
+            b.poll_event(),
+            Some(ReservationEvent::TimedOut(ReservationId(3)))
+        );
         assert_eq!(b.stats().granted, 10);
     }
 

@@ -48,10 +48,9 @@ impl<T, W> Mailroom<T, W> {
         is_live: impl Fn(&W) -> bool,
     ) -> Option<(W, T)> {
         self.waiting.retain(|w| is_live(&w.waiter));
-        let pos = self
-            .waiting
-            .iter()
-            .position(|w| w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer));
+        let pos = self.waiting.iter().position(|w| {
+            w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer)
+        });
         match pos.and_then(|p| self.waiting.remove(p)) {
             Some(w) => Some((w.waiter, item)),
             None => {
@@ -113,9 +112,18 @@ mod tests {
         assert!(m.deliver("b", 1, 20, |_| true).is_none());
         assert!(m.deliver("a", 1, 11, |_| true).is_none());
         let got = |r: Result<Option<(String, u64, u32)>, _>| r.ok().flatten();
-        assert_eq!(got(m.recv(Some("b"), Some(1), 0, |_| true)), Some(("b".into(), 1, 20)));
-        assert_eq!(got(m.recv(None, Some(1), 0, |_| true)), Some(("a".into(), 1, 10)));
-        assert_eq!(got(m.recv(Some("a"), None, 0, |_| true)), Some(("a".into(), 1, 11)));
+        assert_eq!(
+            got(m.recv(Some("b"), Some(1), 0, |_| true)),
+            Some(("b".into(), 1, 20))
+        );
+        assert_eq!(
+            got(m.recv(None, Some(1), 0, |_| true)),
+            Some(("a".into(), 1, 10))
+        );
+        assert_eq!(
+            got(m.recv(Some("a"), None, 0, |_| true)),
+            Some(("a".into(), 1, 11))
+        );
         assert_eq!(m.recv(Some("a"), Some(2), 7, |_| true).ok(), Some(None));
         assert_eq!(m.deliver("a", 2, 30, |_| true), Some((7, 30)));
     }

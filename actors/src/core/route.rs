@@ -55,7 +55,12 @@ impl std::fmt::Display for Explanation {
             write!(f, "; {} skipped: {why}", transport_label(*t))?;
         }
         match &self.chosen {
-            Some(r) => write!(f, "; chose {} ({:?})", transport_label(r.transport), r.direction),
+            Some(r) => write!(
+                f,
+                "; chose {} ({:?})",
+                transport_label(r.transport),
+                r.direction
+            ),
             None if self.rule.is_some() => write!(f, "; no transport of the rule can carry it"),
             None => Ok(()),
         }
@@ -76,9 +81,11 @@ pub fn choose(
         skipped: Vec::new(),
         chosen: None,
     };
-    let Some((index, rule)) = rules.iter().enumerate().find(|(_, r)| {
-        r.matches(query.locality, query.src, query.dst, query.bytes)
-    }) else {
+    let Some((index, rule)) = rules
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.matches(query.locality, query.src, query.dst, query.bytes))
+    else {
         return out;
     };
     out.rule = Some((index, rule.name.clone()));
@@ -144,7 +151,10 @@ mod tests {
             Direction::Push,
         )];
         let e = choose(&rules, &catalog(), None, HOST);
-        assert_eq!(e.chosen.as_ref().map(|r| r.transport), Some(TransportName::Tcp));
+        assert_eq!(
+            e.chosen.as_ref().map(|r| r.transport),
+            Some(TransportName::Tcp)
+        );
         assert_eq!(e.skipped.len(), 1);
         assert!(e.to_string().contains("ipc skipped"), "{e}");
     }

@@ -172,10 +172,15 @@ impl OpKind {
 enum Phase {
     Waiting(OpKind),
     AwaitGrant(SendRequest),
-    Streaming { op: OpKind, confirmed: bool },
+    Streaming {
+        op: OpKind,
+        confirmed: bool,
+    },
     AwaitConfirm(OpKind),
     /// Decided, but the stream still holds the buffer.
-    Ending { outcome: Outcome },
+    Ending {
+        outcome: Outcome,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -415,7 +420,10 @@ impl PeerSession {
             )));
         }
         let refuse = if self.draining {
-            Some((WireReason::ShuttingDown, "receiver is shutting down".to_string()))
+            Some((
+                WireReason::ShuttingDown,
+                "receiver is shutting down".to_string(),
+            ))
         } else if self.inbound.len() >= self.limits.inbound {
             Some((
                 WireReason::Protocol,
@@ -447,7 +455,8 @@ impl PeerSession {
                 phase: InPhase::Reserving,
             },
         );
-        self.events.push_back(SessionEvent::Reserve { id, len: offer.len });
+        self.events
+            .push_back(SessionEvent::Reserve { id, len: offer.len });
         Ok(())
     }
 
@@ -473,7 +482,10 @@ impl PeerSession {
             None if id.0 < self.next_op => Ok(()),
             Some(other) => {
                 self.ops.insert(id, other);
-                Err(ProtocolViolation(format!("grant for transfer {} out of turn", id.0)))
+                Err(ProtocolViolation(format!(
+                    "grant for transfer {} out of turn",
+                    id.0
+                )))
             }
             None => Err(ProtocolViolation(format!(
                 "grant for transfer {} that was never offered",
@@ -508,9 +520,7 @@ impl PeerSession {
     fn on_cancel(&mut self, cancel: Cancel) {
         // The id names our transfer if we are its sender, else the peer's.
         let ours = OpId(cancel.transfer);
-        if self.ops.contains_key(&ours)
-            && !matches!(self.ops.get(&ours), Some(Phase::Waiting(_)))
-        {
+        if self.ops.contains_key(&ours) && !matches!(self.ops.get(&ours), Some(Phase::Waiting(_))) {
             self.finish(
                 ours,
                 Outcome::Failed(FailKind::Refused {
@@ -615,7 +625,11 @@ impl PeerSession {
         self.transmit.clear();
         let ids: Vec<OpId> = self.ops.keys().copied().collect();
         for id in ids {
-            self.finish(id, Outcome::Failed(FailKind::PeerLost(why.to_string())), None);
+            self.finish(
+                id,
+                Outcome::Failed(FailKind::PeerLost(why.to_string())),
+                None,
+            );
         }
         for id in std::mem::take(&mut self.inbound).into_keys() {
             self.events.push_back(SessionEvent::Abandon(id));

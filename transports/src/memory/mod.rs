@@ -219,9 +219,16 @@ mod tests {
         let count = Arc::new(Count::default());
         let mut buf = Buffer::new_host(lease(10), count.clone());
         let view = buf.share();
-        assert!(buf.as_mut_slice().is_none(), "shared buffer must not be writable");
+        assert!(
+            buf.as_mut_slice().is_none(),
+            "shared buffer must not be writable"
+        );
         drop(buf);
-        assert_eq!(count.0.load(Ordering::SeqCst), 0, "a view still holds the bytes");
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "a view still holds the bytes"
+        );
         drop(view);
         assert_eq!(count.0.load(Ordering::SeqCst), 10);
     }

@@ -1,0 +1,173 @@
+//! The `ferry` command: config check/show, serve's signals and start-up refusals, demo.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Scratch, Served};
+
+fn ferry() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    cmd.stdin(Stdio::null()).env("RUST_LOG", "warn");
+    cmd
+}
+
+#[test]
+fn config_check_accepts_every_example() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).expect("examples dir") {
+        let path = entry.expect("entry").path();
+        let out = ferry()
+            .current_dir(&dir)
+            .args(["config", "check"])
+            .arg(&path)
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        checked += 1;
+    }
+    assert!(checked >= 3, "only {checked} examples");
+}
+
+#[test]
+fn config_check_names_the_key_and_file() {
+    let scratch = Scratch::new();
+    let cases = [
+        ("unknown.toml", "[limits]\nmailboxx = 3\n", "mailboxx"),
+        (
+            "type.toml",
+            "[limits]\nmailbox = \"many\"\n",
+            "limits.mailbox",
+        ),
+        (
+            "size.toml",
+            "[limits]\nmax_frame = \"12 parsecs\"\n",
+            "limits.max_frame",
+        ),
+        (
+            "duration.toml",
+            "[limits]\ndefault_deadline = \"soon\"\n",
+            "limits.default_deadline",
+        ),
+        (
+            "rule.toml",
+            "[[transport.rules]]\nname = \"r\"\ntransports = [\"carrier-pigeon\"]\ndirection = \"push\"\n",
+            "transport.rules[0].transports",
+        ),
+    ];
+    for (file, text, key) in cases {
+        let path = scratch.write(file, text);
+        let out = ferry()
+            .args(["config", "check"])
+            .arg(&path)
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{file}: {stderr}");
+        assert!(stderr.contains(key), "{file}: no key {key} in {stderr}");
+        assert!(stderr.contains(file), "{file}: file not named in {stderr}");
+    }
+}
+
+#[test]
+fn config_show_prints_the_merged_configuration() {
+    let scratch = Scratch::new();
+    let path = scratch.write("a.toml", &scratch.toml("alpha", &[], ""));
+    let out = ferry()
+        .args(["config", "show", "--config"])
+        .arg(&path)
+        .args(["--set", "limits.mailbox=77"])
+        .env("FERRY__LIMITS__PEER_QUEUE", "55")
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("name = \"alpha\""), "{stdout}");
+    assert!(stdout.contains("mailbox = 77"), "{stdout}");
+    assert!(stdout.contains("peer_queue = 55"), "{stdout}");
+}
+
+#[test]
+fn serve_refuses_to_start_without_a_secret() {
+    let scratch = Scratch::new();
+    let path = scratch.write(
+        "n.toml",
+        "[node]\nname = \"n\"\nlisten = [\"127.0.0.1:0\"]\n",
+    );
+    let out = ferry()
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("secret_file"), "{stderr}");
+    assert!(stderr.contains("danger_insecure"), "{stderr}");
+}
+
+#[test]
+fn serve_refuses_to_listen_on_any_address_without_the_danger_flag() {
+    let scratch = Scratch::new();
+    let text = scratch
+        .toml("n", &[], "")
+        .replace("127.0.0.1:0", "0.0.0.0:0");
+    let path = scratch.write("n.toml", &text);
+    let out = ferry()
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("danger_listen_any"), "{stderr}");
+}
+
+#[test]
+fn serve_drains_and_exits_0_on_sigterm() {
+    let scratch = Scratch::new();
+    let path = scratch.write("s.toml", &scratch.toml("s", &[], ""));
+    let mut served = Served::start(&path, "echo");
+    nix::sys::signal::kill(served.pid(), nix::sys::signal::Signal::SIGTERM).expect("signal");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = served.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn demo_verifies_every_checksum() {
+    let out = ferry()
+        .args(["demo", "--buffers", "40", "--max-size", "2MiB"])
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("checksums verified"), "{stdout}");
+    assert!(
+        stdout.contains("tcp"),
+        "the table names the transport: {stdout}"
+    );
+}

@@ -1,0 +1,151 @@
+//! Helpers for tests that run real `ferry` processes on loopback.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use ferry::{Config, MemoryKind, Node};
+
+/// A scratch directory with a shared secret in it.
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+    pub secret: PathBuf,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("scratch dir");
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "correct horse battery staple 42").expect("secret");
+        Self { dir, secret }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A second secret, for a node that must not get in.
+    pub fn other_secret(&self) -> PathBuf {
+        let path = self.dir.path().join("other-secret");
+        std::fs::write(&path, "an entirely different secret 99").expect("secret");
+        path
+    }
+
+    /// The TOML of a node named `name` listening on an ephemeral loopback port.
+    pub fn toml(&self, name: &str, peers: &[(&str, &str)], extra: &str) -> String {
+        self.toml_with_secret(name, peers, extra, &self.secret)
+    }
+
+    pub fn toml_with_secret(
+        &self,
+        name: &str,
+        peers: &[(&str, &str)],
+        extra: &str,
+        secret: &Path,
+    ) -> String {
+        let mut text = format!(
+            "[node]\nname = \"{name}\"\nlisten = [\"127.0.0.1:0\"]\n\n\
+             [security]\nsecret_file = \"{}\"\n\n{extra}\n",
+            secret.display()
+        );
+        for (peer, address) in peers {
+            text.push_str(&format!(
+                "[[peers]]\nname = \"{peer}\"\naddress = \"{address}\"\n\n"
+            ));
+        }
+        text
+    }
+
+    pub fn config(&self, name: &str, peers: &[(&str, &str)], extra: &str) -> Config {
+        Config::from_toml_str(&self.toml(name, peers, extra)).expect("valid test config")
+    }
+
+    pub fn write(&self, file: &str, text: &str) -> PathBuf {
+        let path = self.dir.path().join(file);
+        std::fs::write(&path, text).expect("write config");
+        path
+    }
+}
+
+/// A `ferry serve` child process, killed when dropped.
+pub struct Served {
+    pub child: Child,
+    /// The TCP address it listens on.
+    pub addr: String,
+}
+
+impl Served {
+    /// Starts `ferry serve --config FILE --role ROLE` and waits (10 s at most) for its ready
+    /// line.
+    pub fn start(config: &Path, role: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(["--role", role])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn ferry serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("ferry serve printed no ready line within 10 s");
+        let addr = line
+            .split("tcp ")
+            .nth(1)
+            .and_then(|rest| rest.split([',', '\n']).next())
+            .unwrap_or_else(|| panic!("no tcp address in ready line {line:?}"))
+            .trim()
+            .to_string();
+        Self { child, addr }
+    }
+
+    pub fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id() as i32)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A buffer of `len` bytes whose contents derive from `seed`.
+pub async fn patterned(node: &Node, len: usize, seed: u64) -> ferry::Buffer {
+    let mut buffer = node.alloc(MemoryKind::Host, len).await.expect("alloc");
+    let bytes = buffer.as_mut_slice().expect("fresh buffer");
+    let mut x = seed | 1;
+    for b in bytes.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    buffer
+}
+
+/// Waits until `check` holds, polling every 10 ms, for `limit` at most.
+pub async fn eventually(limit: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,314 @@
+//! Real `ferry` processes on loopback, host memory: transfers with checksums, one-sided
+//! puts, a peer killed mid-transfer, and hostile input that must not disturb other peers.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Scratch, Served, eventually, patterned};
+use ferry::echo::{TAG_EXPOSE, TAG_WITHDRAW, decode_key, encode_key};
+use ferry::{Error, MemoryKind, Node};
+use futures::StreamExt;
+
+/// A node in this process plus an echo node in a child process.
+async fn with_echo(scratch: &Scratch, extra: &str) -> (Node, Served) {
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], extra));
+    let echo = Served::start(&echo_cfg, "echo");
+    let node = Node::start(scratch.config("test", &[("echo", &echo.addr)], extra))
+        .await
+        .expect("node starts");
+    (node, echo)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_buffers_round_trip_with_checksums() {
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "[transport.tcp]\nchunk_size = \"64 KiB\"").await;
+    let sizes: Vec<usize> = (0..200u64)
+        .map(|i| match i % 5 {
+            0 => 1 + (i as usize % 7),
+            1 => 4096 + i as usize,
+            2 => 65536 * 3 + 17,
+            3 => (1 << 20) + 5,
+            _ => 0,
+        })
+        .collect();
+    let node = &node;
+    let results: Vec<(u64, u32)> = futures::stream::iter(sizes.iter().enumerate())
+        .map(|(i, &len)| async move {
+            let buffer = patterned(node, len, i as u64).await;
+            let crc = crc32c::crc32c(buffer.as_slice());
+            let sent = node.send("echo", i as u64, buffer).await.expect("send");
+            drop(sent);
+            (i as u64, crc)
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for (tag, crc) in results {
+        let got = node.recv(Some("echo"), Some(tag)).await.expect("echo back");
+        assert_eq!(got.peer, "echo");
+        assert_eq!(got.buffer.len(), sizes[tag as usize], "tag {tag}");
+        assert_eq!(crc32c::crc32c(got.buffer.as_slice()), crc, "tag {tag}");
+    }
+    // Every buffer was dropped: the budget is whole again.
+    assert!(
+        eventually(Duration::from_secs(2), async || {
+            node.host_memory().await.is_ok_and(|m| m.granted == 0)
+        })
+        .await,
+        "host memory still granted: {:?}",
+        node.host_memory().await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_tag_arrives_in_send_order() {
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "").await;
+    for i in 0..50u8 {
+        let mut b = node.alloc(MemoryKind::Host, 1).await.expect("alloc");
+        b.as_mut_slice().expect("fresh")[0] = i;
+        node.send("echo", 7, b).await.expect("send");
+    }
+    for i in 0..50u8 {
+        let got = node.recv(Some("echo"), Some(7)).await.expect("recv");
+        assert_eq!(got.buffer.as_slice(), [i]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_into_a_granted_region() {
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "").await;
+    // Ask the echo node to expose 1 MiB, and get its key.
+    let mut ask = node.alloc(MemoryKind::Host, 8).await.expect("alloc");
+    ask.as_mut_slice()
+        .expect("fresh")
+        .copy_from_slice(&(1u64 << 20).to_le_bytes());
+    node.send("echo", TAG_EXPOSE, ask)
+        .await
+        .expect("expose request");
+    let reply = node
+        .recv(Some("echo"), Some(TAG_EXPOSE))
+        .await
+        .expect("key");
+    let key = decode_key(reply.buffer.as_slice()).expect("a key");
+    assert_eq!(key.len, 1 << 20);
+
+    let first = patterned(&node, 300_000, 1).await;
+    let second = patterned(&node, 1000, 2).await;
+    let expect_first = first.as_slice().to_vec();
+    let expect_second = second.as_slice().to_vec();
+    node.put("echo", key, 0, first).await.expect("put at 0");
+    node.put("echo", key, 700_000, second)
+        .await
+        .expect("put at 700000");
+
+    // Past the region's end: refused here, before anything moves.
+    let too_far = patterned(&node, 10, 3).await;
+    let err = node
+        .put("echo", key, (1 << 20) - 5, too_far)
+        .await
+        .expect_err("overrun");
+    assert!(matches!(err.error, Error::Usage(_)), "{err}");
+    assert!(err.buffer.is_some(), "the buffer comes back");
+
+    // Withdraw and check what landed.
+    let mut w = node.alloc(MemoryKind::Host, 24).await.expect("alloc");
+    w.as_mut_slice()
+        .expect("fresh")
+        .copy_from_slice(&encode_key(key));
+    node.send("echo", TAG_WITHDRAW, w)
+        .await
+        .expect("withdraw request");
+    let region = node
+        .recv(Some("echo"), Some(TAG_WITHDRAW))
+        .await
+        .expect("region");
+    let bytes = region.buffer.as_slice();
+    assert_eq!(bytes.len(), 1 << 20);
+    assert_eq!(&bytes[..300_000], &expect_first[..]);
+    assert!(bytes[300_000..700_000].iter().all(|b| *b == 0));
+    assert_eq!(&bytes[700_000..701_000], &expect_second[..]);
+
+    // The key is stale now: the peer refuses the put.
+    let late = patterned(&node, 10, 4).await;
+    let err = node.put("echo", key, 0, late).await.expect_err("stale key");
+    assert!(matches!(err.error, Error::Refused { .. }), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_fails_pending_transfers_within_2s_and_budget_returns() {
+    let scratch = Scratch::new();
+    // The victim never receives, and its budget holds one 64 MiB buffer: the first transfer
+    // lands, the others wait for memory when it dies.
+    let victim_cfg = scratch.write(
+        "victim.toml",
+        &scratch.toml("victim", &[], "[memory]\nhost = \"100 MiB\""),
+    );
+    let mut victim = Served::start(&victim_cfg, "none");
+    let node = Node::start(scratch.config("test", &[("victim", &victim.addr)], ""))
+        .await
+        .expect("node");
+    let baseline = node.host_memory().await.expect("stats").granted;
+
+    let node = &node;
+    let mut sends: futures::stream::FuturesUnordered<_> = (0..4u64)
+        .map(|tag| async move {
+            let buffer = patterned(node, 64 << 20, tag).await;
+            (tag, node.send("victim", tag, buffer).await)
+        })
+        .collect();
+    let (first_tag, first) = sends.next().await.expect("one ends first");
+    assert!(first.is_ok(), "tag {first_tag}: {:?}", first.err());
+    drop(first);
+
+    victim.child.kill().expect("SIGKILL");
+    let killed = Instant::now();
+    let mut failures = 0;
+    while let Some((tag, result)) = sends.next().await {
+        let err = result.expect_err("pending transfer fails");
+        assert!(
+            matches!(err.error, Error::PeerLost { .. }),
+            "tag {tag}: {err}"
+        );
+        assert!(err.buffer.is_some(), "the buffer comes back");
+        failures += 1;
+    }
+    let took = killed.elapsed();
+    assert_eq!(failures, 3);
+    assert!(took < Duration::from_secs(2), "failed after {took:?}");
+    assert!(
+        eventually(Duration::from_secs(1), async || {
+            node.host_memory()
+                .await
+                .is_ok_and(|m| m.granted == baseline)
+        })
+        .await,
+        "budget did not return: {:?}",
+        node.host_memory().await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused() {
+    let scratch = Scratch::new();
+    let other = scratch.other_secret();
+    let outsider_cfg = scratch.write(
+        "outsider.toml",
+        &scratch.toml_with_secret("outsider", &[], "", &other),
+    );
+    let outsider = Served::start(&outsider_cfg, "echo");
+    let node = Node::start(scratch.config("test", &[("outsider", &outsider.addr)], ""))
+        .await
+        .expect("node");
+    let buffer = patterned(&node, 100, 1).await;
+    let err = node.send("outsider", 1, buffer).await.expect_err("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("auth"),
+        "error should name authentication: {text}"
+    );
+    assert_eq!(
+        node.link_counters().frames_ok(),
+        0,
+        "no frame was exchanged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_input_is_rejected_and_counted_while_others_are_served() {
+    use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Secret};
+    use ferry_transports::wire::{self, Message};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "").await;
+    let target = node.tcp_addrs()[0].clone();
+    let secret = Secret::new(std::fs::read(&scratch.secret).expect("secret"));
+    let opts = LinkOptions {
+        max_frame: 4 << 20,
+        handshake_timeout: Duration::from_secs(2),
+        counters: Arc::new(LinkCounters::new()),
+    };
+    let counters = node.link_counters();
+
+    // Traffic with the honest peer keeps flowing throughout.
+    let node = &node;
+    let honest = async {
+        for i in 0..60u64 {
+            let b = patterned(node, 10_000, i).await;
+            let crc = crc32c::crc32c(b.as_slice());
+            node.send("echo", i, b).await.expect("honest send");
+            let got = node.recv(Some("echo"), Some(i)).await.expect("honest recv");
+            assert_eq!(crc32c::crc32c(got.buffer.as_slice()), crc);
+        }
+    };
+
+    let hostile = async {
+        // 1. No handshake at all, just junk: refused at authentication.
+        let mut raw = tokio::net::TcpStream::connect(&target)
+            .await
+            .expect("connect");
+        raw.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        // Read until the node hangs up on us.
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut sink)).await;
+        drop(raw);
+        // 2. The wrong secret.
+        let wrong = Secret::new(b"not the secret at all, no".to_vec());
+        let hello = link::local_hello("intruder", vec!["tcp".into()], 4 << 20);
+        let refused = link::dial(&Endpoint::Tcp(target.clone()), &wrong, hello, &opts).await;
+        assert!(refused.is_err(), "wrong secret accepted");
+
+        // 3. Authenticated peers that then send bad frames.
+        let valid = wire::encode(&Message::Ping(7)).expect("encode");
+        let mut flipped = valid.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x10;
+        let mut oversized = valid.clone();
+        oversized[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let truncated = valid[..valid.len() - 3].to_vec();
+        let garbage = vec![0xA5u8; 64];
+        // A truncated frame is only truncated if the connection ends after it: send it once.
+        let cases = [(garbage, 4), (flipped, 4), (oversized, 4), (truncated, 1)];
+        for (i, (bad, times)) in cases.into_iter().enumerate() {
+            let hello = link::local_hello(format!("rogue{i}"), vec!["tcp".into()], 4 << 20);
+            let mut l = link::dial(&Endpoint::Tcp(target.clone()), &secret, hello, &opts)
+                .await
+                .expect("authenticated dial");
+            for _ in 0..times {
+                if l.writer.danger_send_raw(&bad).await.is_err() {
+                    break;
+                }
+            }
+            let _ = l.writer.shutdown().await;
+        }
+    };
+    tokio::join!(honest, hostile);
+
+    assert!(
+        eventually(Duration::from_secs(2), async || {
+            counters.auth_failures() >= 2
+                && counters.frames_rejected("bad_magic") >= 1
+                && counters.frames_rejected("crc") >= 1
+                && counters.frames_rejected("too_long") >= 1
+                && counters.frames_rejected("truncated") >= 1
+        })
+        .await,
+        "auth failures {}, bad_magic {}, crc {}, too_long {}, truncated {}",
+        counters.auth_failures(),
+        counters.frames_rejected("bad_magic"),
+        counters.frames_rejected("crc"),
+        counters.frames_rejected("too_long"),
+        counters.frames_rejected("truncated"),
+    );
+    // And the node still serves: the honest peer, and a fresh connection.
+    let b = patterned(node, 1 << 20, 99).await;
+    node.send("echo", 99, b).await.expect("still serving");
+    assert!(node.recv(Some("echo"), Some(99)).await.is_ok());
+}

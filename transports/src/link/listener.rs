@@ -1,0 +1,195 @@
+//! Listening sockets and the connections they accept, before authentication.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use super::{BoxRead, BoxWrite, Endpoint};
+
+/// A connected socket of either kind.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Splits into owned, boxed halves (no lock between them).
+    pub(crate) fn into_halves(self) -> (BoxRead, BoxWrite) {
+        match self {
+            Self::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            Self::Unix(s) => {
+                let (r, w) = s.into_split();
+                (Box::new(r), Box::new(w))
+            }
+        }
+    }
+}
+
+/// Describes a Unix-socket peer for logs and errors: its pid when the kernel tells it.
+pub(crate) fn describe_unix_peer(stream: &UnixStream, path: &Path) -> String {
+    match stream.peer_cred().ok().and_then(|c| c.pid()) {
+        Some(pid) => format!("unix:{} (pid {pid})", path.display()),
+        None => format!("unix:{}", path.display()),
+    }
+}
+
+/// A connection accepted by a [`Listener`], not yet authenticated. Hand it to
+/// [`accept_handshake`](super::accept_handshake), ideally in its own task.
+#[derive(Debug)]
+pub struct Accepted {
+    pub(crate) stream: Stream,
+    pub(crate) peer: String,
+}
+
+impl Accepted {
+    /// Who connected, as text for logs and errors (`"tcp:10.0.0.7:51234"`,
+    /// `"unix:/run/ferry.sock (pid 4711)"`). Unauthenticated: do not trust it.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}
+
+#[derive(Debug)]
+enum Inner {
+    Tcp(TcpListener),
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+        /// (device, inode) of the socket file we created, so that dropping the listener
+        /// removes that file and never one that replaced it.
+        file_id: Option<(u64, u64)>,
+    },
+}
+
+/// A bound listening socket, TCP or Unix. Binds only the address it is given.
+///
+/// Dropping a Unix listener removes its socket file (if it is still the one it created).
+#[derive(Debug)]
+pub struct Listener {
+    inner: Inner,
+}
+
+impl Listener {
+    /// Binds a TCP listener on `addr` (`"127.0.0.1:7000"`, `"[::1]:0"` for any free port).
+    ///
+    /// Fails with the socket error (address in use, not available, permission).
+    pub async fn bind_tcp(addr: &str) -> io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        Ok(Self {
+            inner: Inner::Tcp(listener),
+        })
+    }
+
+    /// Binds a Unix-socket listener at `path`.
+    ///
+    /// A socket file already at `path` is removed first if nobody listens on it (left over
+    /// by a process that died). Fails with [`io::ErrorKind::AddrInUse`] if a live listener
+    /// answers there, [`io::ErrorKind::AlreadyExists`] if `path` is something other than a
+    /// socket, or the socket error.
+    pub async fn bind_unix(path: impl AsRef<Path>) -> io::Result<Self> {
+        let path = path.as_ref();
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_socket() => {
+                if UnixStream::connect(path).await.is_ok() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!("{} is in use by a live listener", path.display()),
+                    ));
+                }
+                std::fs::remove_file(path)?;
+            }
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", path.display()),
+                ));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let listener = UnixListener::bind(path)?;
+        let file_id = std::fs::symlink_metadata(path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        Ok(Self {
+            inner: Inner::Unix {
+                listener,
+                path: path.to_owned(),
+                file_id,
+            },
+        })
+    }
+
+    /// Binds whichever kind `endpoint` names.
+    pub async fn bind(endpoint: &Endpoint) -> io::Result<Self> {
+        match endpoint {
+            Endpoint::Tcp(addr) => Self::bind_tcp(addr).await,
+            Endpoint::Unix(path) => Self::bind_unix(path).await,
+        }
+    }
+
+    /// Where peers reach this listener (for TCP, with the port actually bound).
+    pub fn endpoint(&self) -> io::Result<Endpoint> {
+        match &self.inner {
+            Inner::Tcp(l) => Ok(Endpoint::Tcp(l.local_addr()?.to_string())),
+            Inner::Unix { path, .. } => Ok(Endpoint::Unix(path.clone())),
+        }
+    }
+
+    /// Waits for the next connection. Returns it with a description of the peer (the same
+    /// text as [`Accepted::peer`]). Nothing is read from it yet.
+    ///
+    /// Fails with the socket error; errors such as running out of file descriptors are
+    /// transient, and the caller may keep accepting.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a dropped call accepts nothing.
+    pub async fn accept(&self) -> io::Result<(Accepted, String)> {
+        let accepted = match &self.inner {
+            Inner::Tcp(l) => {
+                let (stream, addr) = l.accept().await?;
+                stream.set_nodelay(true)?;
+                Accepted {
+                    stream: Stream::Tcp(stream),
+                    peer: format!("tcp:{addr}"),
+                }
+            }
+            Inner::Unix { listener, path, .. } => {
+                let (stream, _) = listener.accept().await?;
+                let peer = describe_unix_peer(&stream, path);
+                Accepted {
+                    stream: Stream::Unix(stream),
+                    peer,
+                }
+            }
+        };
+        let peer = accepted.peer.clone();
+        Ok((accepted, peer))
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Inner::Unix {
+            path,
+            file_id: Some(id),
+            ..
+        } = &self.inner
+        {
+            let still_ours = std::fs::symlink_metadata(path)
+                .map(|m| (m.dev(), m.ino()) == *id)
+                .unwrap_or(false);
+            if still_ours {
+                // Best effort: a leftover file is removed by the next bind anyway.
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}

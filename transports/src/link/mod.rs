@@ -1,0 +1,568 @@
+//! Control links: authenticated, framed connections between two nodes over TCP or a Unix
+//! domain socket.
+//!
+//! Opening a link, on either side, is: connect or accept, then authenticate (mutual
+//! HMAC challenge over a shared [`Secret`], see [`auth`]), then exchange [`Hello`] frames.
+//! No byte from the peer is decoded as a frame before authentication succeeded, and the
+//! whole opening runs under [`LinkOptions::handshake_timeout`]. The result is a [`Link`]:
+//! the peer's `Hello` and the two halves of the connection, which can be moved to
+//! different tasks.
+//!
+//! A server accepts with [`Listener::accept`] and runs [`accept_handshake`] for each
+//! connection in a task of its own, so a slow or hostile client never holds up the others.
+//!
+//! Every refusal is counted in the node's [`LinkCounters`] and in the `metrics` counters
+//! `ferry_auth_failures_total` and `ferry_frames_rejected_total{reason}`.
+
+pub mod auth;
+mod counters;
+mod listener;
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::wire::{
+    Frame, FrameError, FrameHeader, FrameKind, FrameReader, HEADER_LEN, Hello, Message,
+    PROTOCOL_VERSION, ReadError, parse_header,
+};
+pub use auth::Secret;
+use auth::{Role, authenticate};
+pub use counters::LinkCounters;
+use listener::Stream;
+pub use listener::{Accepted, Listener};
+
+/// Read half of either socket kind.
+pub(crate) type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+/// Write half of either socket kind.
+pub(crate) type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// Buffer size of each half of a link.
+const LINK_BUFFER: usize = 256 * 1024;
+
+/// Where a link's peer listens.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// TCP, as `host:port` (a name is resolved when dialing).
+    Tcp(String),
+    /// A Unix domain socket at this path (same host only).
+    Unix(PathBuf),
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(addr) => write!(f, "tcp:{addr}"),
+            Self::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// Settings for opening and reading links. One per node; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    /// Largest frame payload accepted from a peer, in bytes; also advertised to the peer in
+    /// our `Hello` by [`local_hello`]. Default 16 MiB.
+    pub max_frame: u32,
+    /// Limit for connecting (when dialing), authenticating and exchanging `Hello`, together.
+    /// Default 5 s.
+    pub handshake_timeout: Duration,
+    /// The node's counters, shared by all its links.
+    pub counters: Arc<LinkCounters>,
+}
+
+impl Default for LinkOptions {
+    fn default() -> Self {
+        Self {
+            max_frame: 16 * 1024 * 1024,
+            handshake_timeout: Duration::from_secs(5),
+            counters: Arc::new(LinkCounters::new()),
+        }
+    }
+}
+
+/// Why a link could not be opened or used.
+///
+/// `Clone` (I/O errors are behind an `Arc`) so that one failure can fail every transfer
+/// waiting on the link. [`LinkError::is_peer_fault`] tells a misbehaving peer from a
+/// transport failure.
+#[non_exhaustive]
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LinkError {
+    /// The socket failed (connect refused, reset, ...): a transport failure.
+    #[error("link I/O error: {0}")]
+    Io(Arc<io::Error>),
+    /// The peer did not prove it holds our secret, or is not a ferry peer.
+    #[error("authentication with {peer} failed: {detail}")]
+    AuthFailed {
+        /// Who we were talking to.
+        peer: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// Connecting, authenticating or the `Hello` exchange took longer than
+    /// [`LinkOptions::handshake_timeout`].
+    #[error("handshake with {peer} timed out")]
+    HandshakeTimeout {
+        /// Who we were talking to.
+        peer: String,
+    },
+    /// The peer sent a bad frame (the peer misbehaved, or the bytes were damaged).
+    #[error("peer sent a bad frame: {0}")]
+    Frame(FrameError),
+    /// The peer speaks another protocol version.
+    #[error("protocol version mismatch: we speak {ours}, the peer speaks {theirs}")]
+    VersionMismatch {
+        /// Our [`PROTOCOL_VERSION`].
+        ours: u16,
+        /// The peer's.
+        theirs: u16,
+    },
+    /// The peer closed the connection where a frame was required.
+    #[error("the link was closed by the peer")]
+    Closed,
+    /// The peer sent a valid frame of the wrong kind for this point of the protocol.
+    #[error("expected a {expected:?} frame, the peer sent {got:?}")]
+    UnexpectedMessage {
+        /// What the protocol required.
+        expected: FrameKind,
+        /// What arrived.
+        got: FrameKind,
+    },
+    /// A frame we were asked to send was refused before any byte of it was written: it
+    /// could not be encoded, is malformed, or is larger than the peer accepts
+    /// ([`FrameError::TooLong`]). The caller's error; the link is still usable.
+    #[error("cannot send frame: {0}")]
+    Send(FrameError),
+}
+
+impl LinkError {
+    /// True when the peer is to blame (bad frames, failed authentication, wrong version,
+    /// unexpected messages, a handshake that stalled); false for transport failures, a
+    /// closed link and our own send errors.
+    pub fn is_peer_fault(&self) -> bool {
+        matches!(
+            self,
+            Self::AuthFailed { .. }
+                | Self::HandshakeTimeout { .. }
+                | Self::Frame(_)
+                | Self::VersionMismatch { .. }
+                | Self::UnexpectedMessage { .. }
+        )
+    }
+}
+
+impl From<io::Error> for LinkError {
+    fn from(e: io::Error) -> Self {
+        Self::Io(Arc::new(e))
+    }
+}
+
+impl From<ReadError> for LinkError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Io(e) => Self::Io(e),
+            ReadError::Frame(FrameError::VersionMismatch { ours, theirs }) => {
+                Self::VersionMismatch { ours, theirs }
+            }
+            ReadError::Frame(e) => Self::Frame(e),
+        }
+    }
+}
+
+/// An open, authenticated link.
+#[derive(Debug)]
+pub struct Link {
+    /// The peer's greeting (its name, version, host, transports and frame cap).
+    pub peer_hello: Hello,
+    /// Who the peer is, as text for logs (address and, for Unix sockets, pid).
+    pub peer: String,
+    /// Receives the peer's frames.
+    pub reader: LinkReader,
+    /// Sends frames to the peer.
+    pub writer: LinkWriter,
+}
+
+/// The receiving half of a [`Link`].
+pub struct LinkReader {
+    frames: FrameReader<BufReader<BoxRead>>,
+    counters: Arc<LinkCounters>,
+    peer: String,
+    failed: Option<LinkError>,
+}
+
+impl fmt::Debug for LinkReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkReader")
+            .field("peer", &self.peer)
+            .field("max_frame", &self.frames.max_frame())
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LinkReader {
+    fn new(read: BoxRead, max_frame: u32, counters: Arc<LinkCounters>, peer: String) -> Self {
+        Self {
+            frames: FrameReader::new(BufReader::with_capacity(LINK_BUFFER, read), max_frame),
+            counters,
+            peer,
+            failed: None,
+        }
+    }
+
+    /// Receives the next frame, checked (length cap, CRC, rkyv validation, kind).
+    ///
+    /// Returns `Ok(None)` when the peer closed the connection between frames. Fails with
+    /// [`LinkError::Frame`] when the peer sent a bad frame (counted under its reason) and
+    /// [`LinkError::Io`] when the socket failed. After a CRC, validation or kind error the
+    /// next frame can still be read (the caller decides how many to tolerate); after any
+    /// other error every later call returns the same error.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a partly received frame stays buffered and the next call finishes it.
+    pub async fn next(&mut self) -> Result<Option<Frame>, LinkError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        match self.frames.read().await {
+            Ok(Some(frame)) => {
+                self.counters.record_frame_ok();
+                Ok(Some(frame))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                if let ReadError::Frame(fe) = &e {
+                    self.counters.record_rejected(fe);
+                    tracing::warn!(peer = %self.peer, reason = fe.reason(), "bad frame from peer: {fe}");
+                }
+                let recoverable = matches!(&e, ReadError::Frame(fe) if fe.is_recoverable());
+                let e = LinkError::from(e);
+                if !recoverable {
+                    self.failed = Some(e.clone());
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The sending half of a [`Link`].
+pub struct LinkWriter {
+    inner: BufWriter<BoxWrite>,
+    /// The peer's advertised cap on frame payloads (ours until its `Hello` arrived).
+    peer_max_frame: u32,
+    /// Set while a frame is partly written; if a send is cancelled or fails midway, the
+    /// stream is out of sync and every later send fails.
+    mid_frame: bool,
+    peer: String,
+}
+
+impl fmt::Debug for LinkWriter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LinkWriter")
+            .field("peer", &self.peer)
+            .field("peer_max_frame", &self.peer_max_frame)
+            .field("mid_frame", &self.mid_frame)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LinkWriter {
+    fn new(write: BoxWrite, peer: String) -> Self {
+        Self {
+            inner: BufWriter::with_capacity(LINK_BUFFER, write),
+            peer_max_frame: u32::MAX,
+            mid_frame: false,
+            peer,
+        }
+    }
+
+    /// The largest payload the peer accepts, from its `Hello`.
+    pub fn peer_max_frame(&self) -> u32 {
+        self.peer_max_frame
+    }
+
+    fn check_usable(&self) -> Result<(), LinkError> {
+        if self.mid_frame {
+            return Err(LinkError::Io(Arc::new(io::Error::other(
+                "an earlier send was cancelled or failed mid-frame; the link is unusable",
+            ))));
+        }
+        Ok(())
+    }
+
+    fn check_cap(&self, len: u64) -> Result<(), LinkError> {
+        if len > u64::from(self.peer_max_frame) {
+            return Err(LinkError::Send(FrameError::TooLong {
+                len,
+                cap: u64::from(self.peer_max_frame),
+            }));
+        }
+        Ok(())
+    }
+
+    async fn write_parts(&mut self, parts: &[&[u8]], flush: bool) -> Result<(), LinkError> {
+        self.mid_frame = true;
+        for part in parts {
+            self.inner.write_all(part).await?;
+        }
+        if flush {
+            self.inner.flush().await?;
+        }
+        self.mid_frame = false;
+        Ok(())
+    }
+
+    async fn write_message(&mut self, msg: &Message, flush: bool) -> Result<(), LinkError> {
+        self.check_usable()?;
+        let payload = rkyv::to_bytes::<rkyv::rancor::Error>(msg)
+            .map_err(|e| LinkError::Send(FrameError::Encode(e.to_string())))?;
+        self.check_cap(payload.len() as u64)?;
+        let header = FrameHeader::for_payload(msg.kind(), &payload).map_err(LinkError::Send)?;
+        self.write_parts(&[&header.to_bytes(), &payload], flush)
+            .await
+    }
+
+    /// Sends `msg` as one frame and flushes it to the socket.
+    ///
+    /// Fails with [`LinkError::Send`] (nothing written; the link stays usable) if the message
+    /// cannot be encoded or is larger than the peer's `max_frame`, and with
+    /// [`LinkError::Io`] if the socket fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a send dropped midway may leave part of a frame written; every
+    /// later send then fails with [`LinkError::Io`].
+    pub async fn send(&mut self, msg: &Message) -> Result<(), LinkError> {
+        self.write_message(msg, true).await
+    }
+
+    /// Like [`LinkWriter::send`] but leaves the frame in the write buffer (it goes out when
+    /// the buffer fills or on [`LinkWriter::flush`]): batches many small frames into few
+    /// writes. Same errors and cancel safety as `send`.
+    pub async fn feed(&mut self, msg: &Message) -> Result<(), LinkError> {
+        self.write_message(msg, false).await
+    }
+
+    /// Sends one frame that was encoded beforehand ([`encode`](crate::wire::encode)), and
+    /// flushes. Useful to send one message to many peers while encoding it once.
+    ///
+    /// The header is checked (magic, our version, known kind, length equal to what follows
+    /// and within the peer's cap) but not the CRC or payload. Fails with
+    /// [`LinkError::Send`] if the check fails (nothing written), [`LinkError::Io`] if the
+    /// socket fails. Not cancel-safe, like `send`.
+    pub async fn send_encoded(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        self.check_usable()?;
+        let Some(raw_header) = frame.first_chunk::<HEADER_LEN>() else {
+            return Err(LinkError::Send(FrameError::Truncated {
+                needed: HEADER_LEN,
+                got: frame.len(),
+            }));
+        };
+        let header = parse_header(raw_header, u32::MAX).map_err(LinkError::Send)?;
+        if header.frame_len() != frame.len() {
+            return Err(LinkError::Send(FrameError::Truncated {
+                needed: header.frame_len(),
+                got: frame.len(),
+            }));
+        }
+        self.check_cap(u64::from(header.len))?;
+        self.write_parts(&[frame], true).await
+    }
+
+    /// Writes out whatever [`LinkWriter::feed`] left buffered. Fails with
+    /// [`LinkError::Io`]. Cancel-safe in the sense that a later `flush` finishes the job.
+    pub async fn flush(&mut self) -> Result<(), LinkError> {
+        self.check_usable()?;
+        self.inner.flush().await?;
+        Ok(())
+    }
+
+    /// Flushes, then closes our direction of the connection (the peer's reader sees a clean
+    /// end of stream). Fails with [`LinkError::Io`].
+    pub async fn shutdown(&mut self) -> Result<(), LinkError> {
+        self.inner.shutdown().await?;
+        Ok(())
+    }
+}
+
+/// The `Hello` this process sends: our node name, [`PROTOCOL_VERSION`], [`host_id`], pid,
+/// the transports we serve and our frame cap.
+pub fn local_hello(node: impl Into<String>, transports: Vec<String>, max_frame: u32) -> Hello {
+    Hello {
+        node: node.into(),
+        version: PROTOCOL_VERSION,
+        host_id: host_id(),
+        pid: std::process::id(),
+        transports,
+        max_frame,
+    }
+}
+
+/// Identifies this host, so that peers can tell same-host links from remote ones: the
+/// contents of `/etc/machine-id`, else `/proc/sys/kernel/random/boot_id`, else the host
+/// name, else `"unknown"`. Reads a few small files; never fails.
+pub fn host_id() -> String {
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+    };
+    read("/etc/machine-id")
+        .or_else(|| read("/proc/sys/kernel/random/boot_id"))
+        .or_else(|| read("/proc/sys/kernel/hostname"))
+        .or_else(|| read("/etc/hostname"))
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// Connects to `endpoint`, authenticates with `secret` and exchanges `Hello`s.
+///
+/// `hello` is what we tell the peer (see [`local_hello`]). Returns the open [`Link`].
+/// Connecting and the whole handshake share [`LinkOptions::handshake_timeout`]. Fails with
+/// [`LinkError::Io`] (could not connect, socket failed), [`LinkError::AuthFailed`],
+/// [`LinkError::VersionMismatch`], [`LinkError::HandshakeTimeout`], [`LinkError::Frame`] or
+/// [`LinkError::UnexpectedMessage`] (bad first frame) or [`LinkError::Closed`] (the peer
+/// hung up before its `Hello`). Refusals are counted in `opts.counters`.
+///
+/// Cancel-safe in the sense that dropping it closes the half-open connection.
+pub async fn dial(
+    endpoint: &Endpoint,
+    secret: &Secret,
+    hello: Hello,
+    opts: &LinkOptions,
+) -> Result<Link, LinkError> {
+    let peer = endpoint.to_string();
+    let attempt = async {
+        let stream = match endpoint {
+            Endpoint::Tcp(addr) => {
+                let stream = TcpStream::connect(addr.as_str()).await?;
+                stream.set_nodelay(true)?;
+                Stream::Tcp(stream)
+            }
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).await?),
+        };
+        open(stream, Role::Dialer, &peer, secret, hello, opts).await
+    };
+    finish(
+        tokio::time::timeout(opts.handshake_timeout, attempt).await,
+        &peer,
+        opts,
+    )
+}
+
+/// Authenticates a connection from [`Listener::accept`] and exchanges `Hello`s.
+///
+/// Same results, errors and timeout as [`dial`] (the timeout covering authentication and
+/// the `Hello` exchange). Run each call in its own task so that a slow or hostile client
+/// cannot delay the others. Dropping the future closes the connection.
+pub async fn accept_handshake(
+    accepted: Accepted,
+    secret: &Secret,
+    hello: Hello,
+    opts: &LinkOptions,
+) -> Result<Link, LinkError> {
+    let Accepted { stream, peer } = accepted;
+    let attempt = open(stream, Role::Acceptor, &peer, secret, hello, opts);
+    finish(
+        tokio::time::timeout(opts.handshake_timeout, attempt).await,
+        &peer,
+        opts,
+    )
+}
+
+/// Turns a timed handshake's outcome into the result, counting refusals.
+fn finish(
+    outcome: Result<Result<Link, LinkError>, tokio::time::error::Elapsed>,
+    peer: &str,
+    opts: &LinkOptions,
+) -> Result<Link, LinkError> {
+    let result = outcome.unwrap_or_else(|_| {
+        Err(LinkError::HandshakeTimeout {
+            peer: peer.to_owned(),
+        })
+    });
+    if let Err(e) = &result {
+        if e.is_peer_fault() {
+            opts.counters.record_auth_failure();
+        }
+        tracing::warn!(peer, "link handshake failed: {e}");
+    }
+    result
+}
+
+/// Authenticates, then exchanges `Hello`s, on a connected stream.
+async fn open(
+    stream: Stream,
+    role: Role,
+    peer: &str,
+    secret: &Secret,
+    hello: Hello,
+    opts: &LinkOptions,
+) -> Result<Link, LinkError> {
+    let (read, write) = stream.into_halves();
+    let mut reader = LinkReader::new(read, opts.max_frame, opts.counters.clone(), peer.into());
+    let mut writer = LinkWriter::new(write, peer.into());
+    authenticate(
+        reader.frames_buffer_mut(),
+        &mut writer.inner,
+        role,
+        secret,
+        peer,
+    )
+    .await?;
+
+    writer.send(&Message::Hello(hello)).await?;
+    let frame = reader.next().await?.ok_or(LinkError::Closed)?;
+    if frame.kind() != FrameKind::Hello {
+        return Err(LinkError::UnexpectedMessage {
+            expected: FrameKind::Hello,
+            got: frame.kind(),
+        });
+    }
+    let peer_hello = match frame.to_owned_message().map_err(LinkError::Frame)? {
+        Message::Hello(h) => h,
+        other => {
+            return Err(LinkError::UnexpectedMessage {
+                expected: FrameKind::Hello,
+                got: other.kind(),
+            });
+        }
+    };
+    if peer_hello.version != PROTOCOL_VERSION {
+        return Err(LinkError::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: peer_hello.version,
+        });
+    }
+    writer.peer_max_frame = peer_hello.max_frame;
+    Ok(Link {
+        peer_hello,
+        peer: peer.to_owned(),
+        reader,
+        writer,
+    })
+}
+
+impl LinkReader {
+    /// The buffered socket under the frame reader, for the handshake (which must read raw
+    /// bytes before any frame).
+    fn frames_buffer_mut(&mut self) -> &mut BufReader<BoxRead> {
+        self.frames.get_mut()
+    }
+}
+
+impl LinkWriter {
+    /// Writes `bytes` as they are, with no check at all, and flushes: for tests that play a
+    /// hostile or broken peer. Never use it to send real frames.
+    pub async fn danger_send_raw(&mut self, bytes: &[u8]) -> Result<(), LinkError> {
+        self.write_parts(&[bytes], true).await
+    }
+}
