@@ -312,3 +312,48 @@ async fn hostile_input_is_rejected_and_counted_while_others_are_served() {
     node.send("echo", 99, b).await.expect("still serving");
     assert!(node.recv(Some("echo"), Some(99)).await.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_dialing_each_other_at_once_keep_one_link_and_lose_nothing() {
+    for round in 0..10 {
+        let scratch = Scratch::new();
+        let dir = scratch.path().display().to_string();
+        let sock = |n: &str| format!("unix:{dir}/{n}.sock");
+        let extra = format!("[node]\nsocket_dir = \"{dir}\"");
+        let config = |me: &str, other: &str| {
+            let text = scratch.toml(me, &[(other, &sock(other))], "").replacen(
+                "[node]\n",
+                &format!("{extra}\n"),
+                1,
+            );
+            ferry::Config::from_toml_str(&text).expect("config")
+        };
+        let a = Node::start(config("alpha", "beta")).await.expect("alpha");
+        let b = Node::start(config("beta", "alpha")).await.expect("beta");
+        let send = async |from: &Node, to: &str| {
+            for tag in 0..5 {
+                let buf = patterned(from, 1000, tag).await;
+                from.send(to, tag, buf)
+                    .await
+                    .expect("send during a dial race");
+            }
+        };
+        tokio::join!(send(&a, "beta"), send(&b, "alpha"));
+        for tag in 0..5 {
+            assert!(
+                a.recv(Some("beta"), Some(tag)).await.is_ok(),
+                "round {round}"
+            );
+            assert!(
+                b.recv(Some("alpha"), Some(tag)).await.is_ok(),
+                "round {round}"
+            );
+        }
+        assert_eq!(
+            a.connected_peers().await.expect("peers"),
+            vec!["beta".to_string()]
+        );
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}

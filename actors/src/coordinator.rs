@@ -23,7 +23,8 @@ use crate::core::mailroom::Mailroom;
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::transfer::{
-    Attach, Delivered, Drain, Lost, Op, SessionEnded, Submit, TransferActor, TransferSetup,
+    Attach, Delivered, DialRefused, Drain, Lost, Op, SessionEnded, Submit, TransferActor,
+    TransferSetup,
 };
 
 /// Send `buffer` to `peer` under `tag`.
@@ -268,6 +269,7 @@ impl Coordinator {
             allocator: base.allocator,
             deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),
+            refused: ctx.address().recipient(),
             exposed: base.exposed,
             counters: Arc::clone(&self.setup.link.counters),
             io: base.io,
@@ -543,9 +545,17 @@ impl Handler<LinkUp> for Coordinator {
     fn handle(&mut self, msg: LinkUp, ctx: &mut Self::Context) {
         let peer = msg.link.peer_hello.node.clone();
         let me = self.name().to_string();
-        let refuse = |link: Link, why: &str| {
-            tracing::info!(%peer, why, "closing a redundant link");
-            drop(link);
+        let io = self.setup.transfer.io.clone();
+        let refuse = |mut link: Link, why: &str| {
+            tracing::info!(%peer, why, "refusing a link");
+            // Goodbye as the first frame tells a dialer it was refused, not cut off.
+            io.spawn(async move {
+                let _ = link
+                    .writer
+                    .send(&ferry_transports::wire::Message::Goodbye)
+                    .await;
+                let _ = link.writer.shutdown().await;
+            });
         };
         if peer == me {
             return refuse(msg.link, "the peer has this node's own name");
@@ -562,14 +572,19 @@ impl Handler<LinkUp> for Coordinator {
             (None, None) => Some(self.new_session(&peer, LinkState::Dialing, ctx)),
             // Both dialed at once: the link dialed by the lower name wins.
             (None, Some((e, LinkState::Dialing))) => (peer < me).then_some(e),
-            (None, Some((_, LinkState::Up { dialed_by_me }))) => {
-                if dialed_by_me && me < peer {
-                    None
-                } else {
-                    // The peer reconnected (it restarted, or lost the old link first).
-                    Some(self.new_session(&peer, LinkState::Dialing, ctx))
-                }
-            }
+            // We dialed too and our link is up, but the peer's wins the tie-break: it never
+            // read ours, so the session moves to the peer's link and offers again.
+            (None, Some((e, LinkState::Up { dialed_by_me: true }))) => (peer < me).then_some(e),
+            // The peer reconnected (it restarted, or lost the old link first).
+            (
+                None,
+                Some((
+                    _,
+                    LinkState::Up {
+                        dialed_by_me: false,
+                    },
+                )),
+            ) => Some(self.new_session(&peer, LinkState::Dialing, ctx)),
         };
         let Some(epoch) = attach_to else {
             return refuse(msg.link, "a link to this peer already exists");
@@ -582,7 +597,10 @@ impl Handler<LinkUp> for Coordinator {
             };
             s.hello = Some(msg.link.peer_hello.clone());
             let addr = s.addr.clone();
-            let attach = addr.send(Attach(msg.link));
+            let attach = addr.send(Attach {
+                link: msg.link,
+                dialed: msg.dialed.is_some(),
+            });
             ctx.spawn(
                 async move {
                     let _ = attach.await;
@@ -604,6 +622,34 @@ impl Handler<DialFailed> for Coordinator {
         {
             send_lost(&s.addr, &msg.error);
         }
+    }
+}
+
+impl Handler<DialRefused> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: DialRefused, ctx: &mut Self::Context) {
+        let Some(s) = self.sessions.get_mut(&msg.peer) else {
+            return;
+        };
+        if s.epoch != msg.epoch {
+            return;
+        }
+        // The peer keeps a link of its own to us (the tie-break), which is on its way. If it
+        // does not come, the session's ops fail.
+        s.state = LinkState::Dialing;
+        let wait = self.setup.config.limits.connect_timeout;
+        ctx.run_later(wait, move |act, _| {
+            if let Some(s) = act.sessions.get(&msg.peer)
+                && s.epoch == msg.epoch
+                && s.state == LinkState::Dialing
+            {
+                send_lost(
+                    &s.addr,
+                    "the peer refused our link and did not connect back in time",
+                );
+            }
+        });
     }
 }
 

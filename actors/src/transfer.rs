@@ -68,6 +68,8 @@ pub struct TransferSetup {
     pub deliver: Recipient<Delivered>,
     /// Told when the actor stops.
     pub ended: Recipient<SessionEnded>,
+    /// Told when the peer refuses a link this session dialed.
+    pub refused: Recipient<DialRefused>,
     /// Regions exposed for one-sided puts, shared by every peer's reader.
     pub exposed: Arc<DashMap<u64, ExposedRegion>>,
     /// The node's link counters.
@@ -112,7 +114,23 @@ pub struct Submit {
 /// Hand the actor its link.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Attach(pub Link);
+pub struct Attach {
+    /// The link.
+    pub link: Link,
+    /// True when this node dialed it: then nothing is sent before the peer's `Welcome`.
+    pub dialed: bool,
+}
+
+/// The peer refused the link this session dialed (another link between the two wins, or
+/// the peer is draining). The coordinator waits for the peer's own link.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DialRefused {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch.
+    pub epoch: u64,
+}
 
 /// The link could not be set up, or was replaced: fail everything.
 #[derive(Debug, Message)]
@@ -150,6 +168,8 @@ struct StreamEnded(OpId);
 #[rtype(result = "()")]
 struct LinkDown {
     why: String,
+    /// Which of the session's links went down; a replaced link's end is ignored.
+    link: u64,
 }
 
 enum Outgoing {
@@ -184,6 +204,10 @@ pub struct TransferActor {
     setup: TransferSetup,
     session: PeerSession,
     writer: Option<mpsc::Sender<Outgoing>>,
+    /// Counts the links this session has had; the current one's number.
+    link: u64,
+    /// False on a dialed link until the peer's `Welcome`: nothing is sent before it.
+    welcomed: bool,
     regions: Arc<DashMap<u64, InboundRegion>>,
     outbound: HashMap<OpId, OutEntry>,
     complete: HashMap<InboundId, Buffer>,
@@ -201,6 +225,8 @@ impl TransferActor {
             epoch,
             setup,
             writer: None,
+            link: 0,
+            welcomed: false,
             regions: Arc::default(),
             outbound: HashMap::new(),
             complete: HashMap::new(),
@@ -219,7 +245,7 @@ impl TransferActor {
     fn drive(&mut self, ctx: &mut Context<Self>) {
         loop {
             let mut moved = false;
-            if let Some(writer) = &self.writer {
+            if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
@@ -486,14 +512,26 @@ impl Handler<Submit> for TransferActor {
 impl Handler<Attach> for TransferActor {
     type Result = ();
 
-    fn handle(&mut self, Attach(link): Attach, ctx: &mut Self::Context) {
+    fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
+        if let Some(old) = self.writer.take() {
+            // A link that lost a simultaneous-dial tie-break: the peer never read it.
+            let _ = old.try_send(Outgoing::Close);
+            self.session.handle_relink();
+            tracing::info!(peer = %self.peer, "moved to the peer's link");
+        }
+        self.link += 1;
         let (tx, rx) = mpsc::channel(self.writer_capacity());
+        self.welcomed = !dialed;
+        if !dialed {
+            // We keep the link the peer dialed: say so before anything else.
+            let _ = tx.try_send(Outgoing::Frame(Message::Welcome));
+        }
         self.writer = Some(tx);
         let me = ctx.address();
         let chunk = self.setup.chunk;
         self.setup
             .io
-            .spawn(write_loop(link.writer, rx, me.clone(), chunk));
+            .spawn(write_loop(link.writer, rx, me.clone(), chunk, self.link));
         let reader = ReadLoop {
             me,
             regions: Arc::clone(&self.regions),
@@ -501,6 +539,7 @@ impl Handler<Attach> for TransferActor {
             counters: Arc::clone(&self.setup.counters),
             max_bad: self.setup.max_bad_frames,
             peer: self.peer.clone(),
+            link: self.link,
         };
         self.setup.io.spawn(reader.run(link.reader));
         tracing::info!(peer = %self.peer, "link up");
@@ -519,6 +558,13 @@ impl Handler<Lost> for TransferActor {
 impl Handler<LinkDown> for TransferActor {
     type Result = ();
     fn handle(&mut self, msg: LinkDown, ctx: &mut Self::Context) {
+        if msg.link != self.link {
+            return;
+        }
+        if !self.welcomed && self.writer.is_some() {
+            // The peer closed our dial before welcoming it: nothing was sent on it.
+            return self.dial_refused(ctx);
+        }
         if !self.session.is_lost() {
             tracing::warn!(peer = %self.peer, why = %msg.why, "link down");
         }
@@ -540,9 +586,41 @@ impl Handler<Drain> for TransferActor {
     }
 }
 
+impl TransferActor {
+    /// The dialed link was refused: drop it, keep every op queued, and let the coordinator
+    /// wait for the peer's own link.
+    fn dial_refused(&mut self, ctx: &mut Context<Self>) {
+        if let Some(old) = self.writer.take() {
+            let _ = old.try_send(Outgoing::Close);
+        }
+        self.link += 1;
+        tracing::info!(peer = %self.peer, "peer refused our link; waiting for its own");
+        let refused = DialRefused {
+            peer: self.peer.clone(),
+            epoch: self.epoch,
+        };
+        let recipient = self.setup.refused.clone();
+        ctx.spawn(
+            async move {
+                let _ = recipient.send(refused).await;
+            }
+            .into_actor(self),
+        );
+        self.drive(ctx);
+    }
+}
+
 impl Handler<FromPeer> for TransferActor {
     type Result = ();
     fn handle(&mut self, FromPeer(msg): FromPeer, ctx: &mut Self::Context) {
+        match msg {
+            Message::Welcome if !self.welcomed => {
+                self.welcomed = true;
+                return self.drive(ctx);
+            }
+            Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
+            _ => {}
+        }
         if let Err(violation) = self.session.handle_message(msg) {
             tracing::warn!(peer = %self.peer, %violation, "dropping peer");
             note_protocol_violation();
@@ -595,6 +673,7 @@ async fn write_loop(
     mut rx: mpsc::Receiver<Outgoing>,
     me: Addr<TransferActor>,
     chunk: usize,
+    link: u64,
 ) {
     let mut failure: Option<LinkError> = None;
     while let Some(out) = rx.recv().await {
@@ -635,7 +714,12 @@ async fn write_loop(
         }
     }
     if let Some(e) = failure {
-        let _ = me.send(LinkDown { why: e.to_string() }).await;
+        let _ = me
+            .send(LinkDown {
+                why: e.to_string(),
+                link,
+            })
+            .await;
     }
 }
 
@@ -672,6 +756,7 @@ struct ReadLoop {
     counters: Arc<LinkCounters>,
     max_bad: u32,
     peer: String,
+    link: u64,
 }
 
 impl ReadLoop {
@@ -759,7 +844,8 @@ impl ReadLoop {
                 }
             }
         };
-        let _ = self.me.send(LinkDown { why }).await;
+        let link = self.link;
+        let _ = self.me.send(LinkDown { why, link }).await;
     }
 }
 

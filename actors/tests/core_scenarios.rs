@@ -384,6 +384,30 @@ fn link_loss_fails_everything_once() {
 }
 
 #[test]
+fn relink_offers_ungranted_transfers_again() {
+    let mut p = Pair::new(LIMITS);
+    p.auto_reserve = false;
+    let first = p.send(1, LONG);
+    let second = p.send(2, LONG);
+    // The peer never read the old link: a fresh receiver stands in for it.
+    p.b = PeerSession::new(LIMITS);
+    p.reserving.clear();
+    p.a.handle_relink();
+    p.auto_reserve = true;
+    p.pump();
+    assert_eq!(p.outcome(first), Some(&Outcome::Completed));
+    assert_eq!(p.outcome(second), Some(&Outcome::Completed));
+    assert_eq!(p.delivered, vec![1, 2]);
+}
+
+#[test]
+fn ping_is_answered() {
+    let mut s = PeerSession::new(LIMITS);
+    s.handle_message(Message::Ping(9)).expect("valid");
+    assert_eq!(s.poll_transmit(), Some(Message::Pong(9)));
+}
+
+#[test]
 fn puts_complete_on_ack() {
     let mut s = PeerSession::new(LIMITS);
     let now = Instant::now();

@@ -77,6 +77,7 @@ fn corpus() -> Vec<Message> {
         Message::Ping(u64::MAX),
         Message::Pong(0),
         Message::Goodbye,
+        Message::Welcome,
     ]
 }
 
@@ -427,5 +428,36 @@ async fn frame_reader_skips_a_bad_crc_frame_and_stops_at_bad_magic() {
             reader.read().await,
             Err(ReadError::Frame(FrameError::BadMagic(_)))
         ));
+    }
+}
+
+proptest::proptest! {
+    /// The CRC hides most damage from the validator; re-CRC'd mutations reach rkyv's
+    /// validation and the kind check, which must reject or accept without panicking, and
+    /// whatever they accept must deserialize and re-encode.
+    #[test]
+    fn recrcd_mutations_never_panic(
+        which in 0usize..13,
+        edits in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
+    ) {
+        let msgs = corpus();
+        let msg = &msgs[which % msgs.len()];
+        let bytes = must_encode(msg);
+        let mut payload = bytes[HEADER_LEN..].to_vec();
+        if payload.is_empty() {
+            return Ok(());
+        }
+        for (at, value) in edits {
+            let len = payload.len();
+            payload[at % len] = value;
+        }
+        let forged = reframe(msg.kind() as u16, &payload);
+        if let Ok((frame, _)) = decode(&forged, CAP) {
+            let owned = frame.to_owned_message();
+            proptest::prop_assert!(owned.is_ok(), "{owned:?}");
+            if let Ok(owned) = owned {
+                proptest::prop_assert!(encode(&owned).is_ok());
+            }
+        }
     }
 }

@@ -403,7 +403,11 @@ impl PeerSession {
                 self.on_cancel(cancel);
                 Ok(())
             }
-            Message::Ping(_) | Message::Pong(_) | Message::Goodbye => Ok(()),
+            Message::Ping(nonce) => {
+                self.transmit.push_back(Message::Pong(nonce));
+                Ok(())
+            }
+            Message::Pong(_) | Message::Goodbye => Ok(()),
             other => Err(ProtocolViolation(format!(
                 "unexpected {:?} frame on an established link",
                 other.kind()
@@ -634,6 +638,39 @@ impl PeerSession {
         for id in std::mem::take(&mut self.inbound).into_keys() {
             self.events.push_back(SessionEvent::Abandon(id));
         }
+    }
+
+    /// The link was replaced by another one to the same peer, which never read anything
+    /// from the old one (both nodes dialed at once and the old link lost the tie-break).
+    /// Ops that were offered but not granted are offered again on the new link; an op
+    /// further along, or an inbound transfer, cannot exist on such a link, and if one does
+    /// it fails as if the peer were lost.
+    pub fn handle_relink(&mut self) {
+        self.transmit.clear();
+        let ids: Vec<OpId> = self.ops.keys().copied().collect();
+        for id in ids {
+            match self.ops.remove(&id) {
+                Some(Phase::AwaitGrant(req)) => {
+                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
+                }
+                Some(waiting @ Phase::Waiting(_)) => {
+                    self.ops.insert(id, waiting);
+                }
+                Some(other) => {
+                    self.ops.insert(id, other);
+                    self.finish(
+                        id,
+                        Outcome::Failed(FailKind::PeerLost("the link was replaced".into())),
+                        None,
+                    );
+                }
+                None => {}
+            }
+        }
+        for id in std::mem::take(&mut self.inbound).into_keys() {
+            self.events.push_back(SessionEvent::Abandon(id));
+        }
+        self.start_waiting();
     }
 
     /// Stops taking new work; ops already queued run to their end. Offers that arrive from

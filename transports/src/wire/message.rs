@@ -180,8 +180,11 @@ pub enum Message {
     Ping(u64),
     /// Answer to a ping, echoing its nonce.
     Pong(u64),
-    /// The sender drained its transfers and is closing the link.
+    /// The sender drained its transfers and is closing the link; as the first frame from
+    /// an acceptor, it refuses the link (another link to the same peer wins).
     Goodbye,
+    /// The acceptor keeps this link; the dialer sends nothing before it.
+    Welcome,
 }
 
 /// The kind of a frame, carried in its header.
@@ -210,6 +213,8 @@ pub enum FrameKind {
     Pong = 10,
     /// [`Message::Goodbye`]
     Goodbye = 11,
+    /// [`Message::Welcome`]
+    Welcome = 12,
 }
 
 impl FrameKind {
@@ -227,6 +232,7 @@ impl FrameKind {
             9 => Self::Ping,
             10 => Self::Pong,
             11 => Self::Goodbye,
+            12 => Self::Welcome,
             _ => return None,
         })
     }
@@ -247,6 +253,7 @@ impl Message {
             Self::Ping(_) => FrameKind::Ping,
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
+            Self::Welcome => FrameKind::Welcome,
         }
     }
 }
@@ -266,6 +273,7 @@ impl ArchivedMessage {
             Self::Ping(_) => FrameKind::Ping,
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
+            Self::Welcome => FrameKind::Welcome,
         }
     }
 }
