@@ -66,6 +66,8 @@ async fn many_buffers_round_trip_with_checksums() {
 async fn same_tag_arrives_in_send_order() {
     let scratch = Scratch::new();
     let (node, _echo) = with_echo(&scratch, "").await;
+    node.connect("echo").await.expect("connect");
+    assert!(node.connect("nobody").await.is_err(), "unknown peer");
     for i in 0..50u8 {
         let mut b = node.alloc(MemoryKind::Host, 1).await.expect("alloc");
         b.as_mut_slice().expect("fresh")[0] = i;
@@ -203,6 +205,8 @@ async fn wrong_secret_is_refused() {
     let node = Node::start(scratch.config("test", &[("outsider", &outsider.addr)], ""))
         .await
         .expect("node");
+    let err = node.connect("outsider").await.expect_err("connect refused");
+    assert!(err.to_string().contains("auth"), "{err}");
     let buffer = patterned(&node, 100, 1).await;
     let err = node.send("outsider", 1, buffer).await.expect_err("refused");
     let text = err.to_string();

@@ -23,8 +23,8 @@ use crate::core::mailroom::Mailroom;
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::transfer::{
-    Attach, Delivered, DialRefused, Drain, Lost, Op, SessionEnded, Submit, TransferActor,
-    TransferSetup,
+    Attach, AwaitLink, Delivered, DialRefused, Drain, Lost, Op, SessionEnded, Submit,
+    TransferActor, TransferSetup,
 };
 
 /// Send `buffer` to `peer` under `tag`.
@@ -115,6 +115,14 @@ struct DialFailed {
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub struct Shutdown;
+
+/// Connect to `peer` now (if not connected) and wait until the link is up.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Error>")]
+pub struct Connect {
+    /// Peer name.
+    pub peer: String,
+}
 
 /// Names of the peers with a live session.
 #[derive(Debug, Message)]
@@ -528,6 +536,19 @@ impl Handler<Delivered> for Coordinator {
                 item = Some(back.buffer);
             }
         }
+    }
+}
+
+impl Handler<Connect> for Coordinator {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Connect, ctx: &mut Self::Context) -> Self::Result {
+        let addr = match self.session_for(&msg.peer, ctx) {
+            Ok(a) => a,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let wait = addr.send(AwaitLink);
+        Box::pin(async move { wait.await.unwrap_or(Err(Error::ShuttingDown)) })
     }
 }
 

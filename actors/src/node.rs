@@ -19,8 +19,8 @@ use tokio::sync::Semaphore;
 
 use crate::allocator::{Allocator, Reserve, Stats};
 use crate::coordinator::{
-    ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv, SendTo,
-    Shutdown, TransferSetupBase,
+    Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv,
+    SendTo, Shutdown, TransferSetupBase,
 };
 use crate::core::budget::BudgetStats;
 use crate::core::route::Explanation;
@@ -397,6 +397,20 @@ impl Node {
     /// The host domain's budget counters.
     pub async fn host_memory(&self) -> Result<BudgetStats, Error> {
         self.host.send(Stats).await.map_err(|_| Error::ShuttingDown)
+    }
+
+    /// Connects to `peer` now, if not connected yet, and resolves once the link is up.
+    ///
+    /// # Errors
+    /// [`Error::PeerUnreachable`] with the reason (no such peer, connection refused,
+    /// authentication failed, ...).
+    pub async fn connect(&self, peer: &str) -> Result<(), Error> {
+        self.coordinator
+            .send(Connect {
+                peer: peer.to_string(),
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
     }
 
     /// Peers with a live link.

@@ -137,6 +137,11 @@ pub struct DialRefused {
 #[rtype(result = "()")]
 pub struct Lost(pub String);
 
+/// Resolves once the link is up and welcomed, or with why it could not be set up.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Error>")]
+pub struct AwaitLink;
+
 /// Stop taking work; resolves once every op has ended, then closes the link.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -212,6 +217,7 @@ pub struct TransferActor {
     outbound: HashMap<OpId, OutEntry>,
     complete: HashMap<InboundId, Buffer>,
     drained: Vec<oneshot::Sender<()>>,
+    link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: Option<SpawnHandle>,
     armed_for: Option<Instant>,
 }
@@ -231,6 +237,7 @@ impl TransferActor {
             outbound: HashMap::new(),
             complete: HashMap::new(),
             drained: Vec::new(),
+            link_waiters: Vec::new(),
             timer: None,
             armed_for: None,
         }
@@ -264,6 +271,19 @@ impl TransferActor {
             }
         }
         self.arm_timer(ctx);
+        if self.writer.is_some() && self.welcomed {
+            for tx in self.link_waiters.drain(..) {
+                let _ = tx.send(Ok(()));
+            }
+        }
+        if let Some(why) = self.session.lost_reason() {
+            for tx in self.link_waiters.drain(..) {
+                let _ = tx.send(Err(Error::PeerUnreachable {
+                    peer: self.peer.clone(),
+                    detail: why.to_string(),
+                }));
+            }
+        }
         if self.session.is_idle() {
             for tx in self.drained.drain(..) {
                 let _ = tx.send(());
@@ -570,6 +590,16 @@ impl Handler<LinkDown> for TransferActor {
         }
         self.session.handle_link_lost(&msg.why);
         self.drive(ctx);
+    }
+}
+
+impl Handler<AwaitLink> for TransferActor {
+    type Result = ResponseFuture<Result<(), Error>>;
+    fn handle(&mut self, _: AwaitLink, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.link_waiters.push(tx);
+        self.drive(ctx);
+        Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) })
     }
 }
 

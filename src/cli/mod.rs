@@ -1,7 +1,10 @@
 //! Command-line interface: one module per subcommand.
 
+mod bench;
 mod config_cmd;
 mod demo;
+mod doctor;
+mod explain;
 mod serve;
 mod telemetry;
 
@@ -32,6 +35,12 @@ enum Command {
     Serve(serve::Args),
     /// Start local node processes and push buffers of mixed sizes through a pipeline.
     Demo(demo::Args),
+    /// Measure transfers next to a raw baseline between the same endpoints.
+    Bench(bench::Args),
+    /// Show which route a transfer to a peer would take, and why.
+    Explain(explain::Args),
+    /// Check this machine for what ferry's transports need.
+    Doctor(doctor::Args),
     /// Check or show the configuration.
     #[command(subcommand)]
     Config(config_cmd::Command),
@@ -70,6 +79,9 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve::run(cli.config, &cli.overrides, args),
         Command::Demo(args) => demo::run(args),
         Command::Config(cmd) => config_cmd::run(cli.config, &cli.overrides, cmd),
+        Command::Bench(args) => bench::run(cli.config, &cli.overrides, args),
+        Command::Explain(args) => explain::run(cli.config, &cli.overrides, args),
+        Command::Doctor(args) => doctor::run(cli.config, &cli.overrides, args),
     };
     match result {
         Ok(code) => code,

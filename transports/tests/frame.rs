@@ -100,7 +100,9 @@ fn every_variant_round_trips() {
     let msgs = corpus();
     let mut kinds: Vec<FrameKind> = msgs.iter().map(Message::kind).collect();
     kinds.dedup();
-    let all = (0..=u16::MAX).filter(|k| FrameKind::from_u16(*k).is_some()).count();
+    let all = (0..=u16::MAX)
+        .filter(|k| FrameKind::from_u16(*k).is_some())
+        .count();
     assert_eq!(kinds.len(), all, "the corpus covers every variant");
 
     for msg in msgs {

@@ -689,6 +689,11 @@ impl PeerSession {
         self.lost.is_some()
     }
 
+    /// Why the link was lost, once it was.
+    pub fn lost_reason(&self) -> Option<&str> {
+        self.lost.as_deref()
+    }
+
     /// Number of outbound ops (waiting or in flight).
     pub fn outbound_len(&self) -> usize {
         self.ops.len()
