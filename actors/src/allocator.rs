@@ -64,7 +64,7 @@ impl Allocator {
     /// A domain of `kind` with a budget of `capacity` bytes and room for `queue_cap`
     /// waiting reservations.
     pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize) -> Self {
-        Self {
+        let allocator = Self {
             kind,
             budget: Budget::new(capacity, queue_cap),
             returned: Arc::default(),
@@ -72,7 +72,10 @@ impl Allocator {
             waiting: HashMap::new(),
             timer: None,
             armed_for: None,
-        }
+        };
+        // The gauges exist from the start, before the first grant.
+        allocator.publish_gauges();
+        allocator
     }
 
     fn grant(&mut self, len: u64) -> Buffer {
@@ -109,14 +112,21 @@ impl Allocator {
                 }
             }
         }
-        let stats = self.budget.stats();
-        metrics::gauge!("ferry_memory_granted_bytes", "domain" => self.kind.to_string())
-            .set(stats.granted as f64);
-        metrics::gauge!("ferry_memory_free_bytes", "domain" => self.kind.to_string())
-            .set(stats.capacity.saturating_sub(stats.granted) as f64);
-        metrics::gauge!("ferry_reservations_waiting", "domain" => self.kind.to_string())
-            .set(stats.waiting as f64);
+        self.publish_gauges();
         self.arm_timer(ctx);
+    }
+
+    /// Sets the domain's memory gauges from the budget.
+    fn publish_gauges(&self) {
+        let stats = self.budget.stats();
+        let domain = self.kind.to_string();
+        metrics::gauge!("ferry_memory_budget_bytes", "domain" => domain.clone())
+            .set(stats.capacity as f64);
+        metrics::gauge!("ferry_memory_granted_bytes", "domain" => domain.clone())
+            .set(stats.granted as f64);
+        metrics::gauge!("ferry_memory_free_bytes", "domain" => domain.clone())
+            .set(stats.capacity.saturating_sub(stats.granted) as f64);
+        metrics::gauge!("ferry_reservations_waiting", "domain" => domain).set(stats.waiting as f64);
     }
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
@@ -187,7 +197,10 @@ impl Handler<Reserve> for Allocator {
             }),
         };
         let rx = match result {
-            Ok(Some(buffer)) => return Box::pin(async move { Ok(buffer) }),
+            Ok(Some(buffer)) => {
+                self.publish_gauges();
+                return Box::pin(async move { Ok(buffer) });
+            }
             Err(e) => return Box::pin(async move { Err(e) }),
             Ok(None) => {
                 let (tx, rx) = oneshot::channel();

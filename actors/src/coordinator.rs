@@ -23,7 +23,7 @@ use crate::core::mailroom::Mailroom;
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::transfer::{
-    Attach, AwaitLink, Delivered, DialRefused, Drain, Lost, Op, SessionEnded, Submit,
+    Attach, AwaitLink, Delivered, DialRefused, Drain, Lost, Op, PeerClass, SessionEnded, Submit,
     TransferActor, TransferSetup,
 };
 
@@ -401,6 +401,7 @@ impl Coordinator {
             op,
             buffer,
             deadline,
+            peer_class: PeerClass::of(self.locality(&peer)),
         });
         Box::pin(async move {
             request.await.unwrap_or(Err(SendError {
@@ -411,6 +412,77 @@ impl Coordinator {
                 buffer: None,
             }))
         })
+    }
+}
+
+/// Gives every metric ferry records its help text and unit, and registers at 0 the
+/// counters that may not move for a long time (or at all yet), so dashboards and alerts see
+/// a series from the start. A binary that installs a metrics exporter calls it once, after
+/// installing it; without an exporter it does nothing.
+///
+/// Labels never name a transfer or an address, so the number of series stays small.
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "ferry_transfer_bytes_total",
+        Unit::Bytes,
+        "Bytes of completed outbound transfers and puts, by transport, direction (push, pull, \
+         put) and peer_class (same_host, remote)"
+    );
+    describe_counter!(
+        "ferry_transfers_total",
+        "Outbound transfers and puts that ended, by status (completed, failed, cancelled)"
+    );
+    describe_histogram!(
+        "ferry_transfer_duration_seconds",
+        Unit::Seconds,
+        "Time from submission to completion of completed outbound transfers and puts"
+    );
+    describe_counter!(
+        "ferry_failover_total",
+        "Transfers routed past a transport whose connection setup failed, onto the next one"
+    );
+    describe_counter!(
+        "ferry_spill_bytes_total",
+        Unit::Bytes,
+        "Bytes received into a lower memory tier because the wanted domain was full"
+    );
+    describe_counter!(
+        "ferry_frames_rejected_total",
+        "Frames refused from peers, by reason (crc, too_long, bad_magic, protocol, ...)"
+    );
+    describe_counter!(
+        "ferry_auth_failures_total",
+        "Connections refused at the handshake (wrong secret, bad preamble, version, timeout)"
+    );
+    describe_gauge!(
+        "ferry_memory_budget_bytes",
+        Unit::Bytes,
+        "Budget of a memory domain"
+    );
+    describe_gauge!(
+        "ferry_memory_granted_bytes",
+        Unit::Bytes,
+        "Bytes of a memory domain granted to buffers now"
+    );
+    describe_gauge!(
+        "ferry_memory_free_bytes",
+        Unit::Bytes,
+        "Bytes of a memory domain's budget not granted now"
+    );
+    describe_gauge!(
+        "ferry_reservations_waiting",
+        "Reservations waiting for a memory domain's budget"
+    );
+    for status in ["completed", "failed", "cancelled"] {
+        metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
+    }
+    metrics::counter!("ferry_failover_total").absolute(0);
+    metrics::counter!("ferry_spill_bytes_total").absolute(0);
+    metrics::counter!("ferry_auth_failures_total").absolute(0);
+    let reasons = ferry_transports::wire::FrameError::REASONS;
+    for reason in reasons.into_iter().chain(["protocol"]) {
+        metrics::counter!("ferry_frames_rejected_total", "reason" => reason).absolute(0);
     }
 }
 

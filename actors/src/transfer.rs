@@ -99,6 +99,33 @@ pub enum Op {
     },
 }
 
+/// Where a peer is, as the `peer_class` label of the transfer metrics says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerClass {
+    /// Same host (same process included).
+    SameHost,
+    /// Another host.
+    Remote,
+}
+
+impl PeerClass {
+    /// The class of a peer at `locality`.
+    pub fn of(locality: ferry_config::Locality) -> Self {
+        match locality {
+            ferry_config::Locality::Remote => Self::Remote,
+            _ => Self::SameHost,
+        }
+    }
+
+    /// The metric label: `"same_host"` or `"remote"`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::SameHost => "same_host",
+            Self::Remote => "remote",
+        }
+    }
+}
+
 /// Run `op` with `buffer`; resolves when it ended, giving the buffer back.
 #[derive(Debug, Message)]
 #[rtype(result = "Result<Buffer, SendError>")]
@@ -109,6 +136,8 @@ pub struct Submit {
     pub buffer: Buffer,
     /// When it must have ended.
     pub deadline: Instant,
+    /// Where the peer is (for metrics only).
+    pub peer_class: PeerClass,
 }
 
 /// Hand the actor its link.
@@ -200,6 +229,25 @@ struct OutEntry {
     reply: oneshot::Sender<Result<Buffer, SendError>>,
     stop: Arc<AtomicBool>,
     started: Instant,
+    labels: TransferLabels,
+    /// The op's span: opened at submission, closed (dropped) when the op ends.
+    span: tracing::Span,
+    /// The child span of the phase the op is in: `grant`, `copy` or `ack`.
+    phase: tracing::Span,
+}
+
+/// The labels of `ferry_transfer_bytes_total`; none names a transfer or an address.
+struct TransferLabels {
+    transport: String,
+    direction: &'static str,
+    peer_class: &'static str,
+}
+
+/// The span of an inbound transfer and the child span of its phase: `reserve`, `receive`
+/// or `deliver`.
+struct InboundSpans {
+    span: tracing::Span,
+    phase: tracing::Span,
 }
 
 /// The transfer actor of one peer.
@@ -216,6 +264,9 @@ pub struct TransferActor {
     regions: Arc<DashMap<u64, InboundRegion>>,
     outbound: HashMap<OpId, OutEntry>,
     complete: HashMap<InboundId, Buffer>,
+    /// Spans of the inbound transfers still open (reserving, receiving or waiting for
+    /// their turn to be delivered).
+    inbound_spans: HashMap<InboundId, InboundSpans>,
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: Option<SpawnHandle>,
@@ -236,6 +287,7 @@ impl TransferActor {
             regions: Arc::default(),
             outbound: HashMap::new(),
             complete: HashMap::new(),
+            inbound_spans: HashMap::new(),
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: None,
@@ -303,8 +355,17 @@ impl TransferActor {
                 }
             }
             SessionEvent::Finished(op, outcome) => self.finish(op, outcome),
-            SessionEvent::Reserve { id, len } => self.reserve(id, len, ctx),
+            SessionEvent::Reserve { id, len } => {
+                let span =
+                    tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
+                let phase = tracing::debug_span!(parent: &span, "reserve");
+                self.inbound_spans.insert(id, InboundSpans { span, phase });
+                self.reserve(id, len, ctx);
+            }
             SessionEvent::Deliver { id, tag } => {
+                if let Some(spans) = self.inbound_spans.remove(&id) {
+                    tracing::debug!(parent: &spans.span, tag, "delivered");
+                }
                 if let Some(buffer) = self.complete.remove(&id) {
                     let delivered = Delivered {
                         peer: self.peer.clone(),
@@ -323,6 +384,9 @@ impl TransferActor {
                 }
             }
             SessionEvent::Abandon(id) => {
+                if let Some(spans) = self.inbound_spans.remove(&id) {
+                    tracing::debug!(parent: &spans.span, "abandoned");
+                }
                 self.regions.remove(&id.0);
                 self.complete.remove(&id);
             }
@@ -330,9 +394,11 @@ impl TransferActor {
     }
 
     fn start_stream(&mut self, op: OpId) {
-        let Some(entry) = self.outbound.get(&op) else {
+        let Some(entry) = self.outbound.get_mut(&op) else {
             return;
         };
+        // Granted (or a put, which needs no grant): the bytes start to move.
+        entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
         let out = Outgoing::Stream {
             op,
             what: entry.what,
@@ -361,13 +427,18 @@ impl TransferActor {
         };
         metrics::counter!("ferry_transfers_total", "status" => status).increment(1);
         if outcome == Outcome::Completed {
-            metrics::counter!("ferry_transfer_bytes_total", "transport" => "tcp",
-                "direction" => "push", "peer_class" => "any")
+            let TransferLabels {
+                transport,
+                direction,
+                peer_class,
+            } = &entry.labels;
+            metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.clone(),
+                "direction" => *direction, "peer_class" => *peer_class)
             .increment(entry.buffer.len() as u64);
             metrics::histogram!("ferry_transfer_duration_seconds")
                 .record(entry.started.elapsed().as_secs_f64());
         }
-        tracing::debug!(peer = %self.peer, op = op.0, ?outcome, "transfer ended");
+        tracing::debug!(parent: &entry.span, ?outcome, "transfer ended");
         let result = match outcome {
             Outcome::Completed => Ok(entry.buffer),
             Outcome::Cancelled => Err(SendError {
@@ -394,22 +465,32 @@ impl TransferActor {
                     // The region must exist before the grant leaves, since the peer
                     // streams as soon as it reads the grant.
                     act.regions.insert(id.0, InboundRegion::new(buffer));
-                    if !act.session.handle_reserved(id, WireMemoryKind::Host) {
+                    if act.session.handle_reserved(id, WireMemoryKind::Host) {
+                        if let Some(spans) = act.inbound_spans.get_mut(&id) {
+                            spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
+                        }
+                    } else {
                         act.regions.remove(&id.0);
                     }
                 }
                 Ok(Err(e)) => {
+                    if let Some(spans) = act.inbound_spans.remove(&id) {
+                        tracing::debug!(parent: &spans.span, error = %e, "no memory");
+                    }
                     let reason = match e {
                         Error::NoMemory { .. } => WireReason::TooLarge,
                         _ => WireReason::ShuttingDown,
                     };
                     act.session.handle_reserve_failed(id, reason, e.to_string());
                 }
-                Err(_) => act.session.handle_reserve_failed(
-                    id,
-                    WireReason::ShuttingDown,
-                    "allocator stopped".into(),
-                ),
+                Err(_) => {
+                    act.inbound_spans.remove(&id);
+                    act.session.handle_reserve_failed(
+                        id,
+                        WireReason::ShuttingDown,
+                        "allocator stopped".into(),
+                    );
+                }
             }
             act.drive(ctx);
         }));
@@ -461,13 +542,22 @@ impl Handler<Submit> for TransferActor {
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
         let now = Instant::now();
         let len = msg.buffer.len() as u64;
-        let (queued, what) = match msg.op {
+        let peer_class = msg.peer_class.label();
+        let (queued, what, labels) = match msg.op {
             Op::Send {
                 tag,
                 transport,
                 direction,
-            } => (
-                self.session.handle_send(
+            } => {
+                let labels = TransferLabels {
+                    transport: transport.clone(),
+                    direction: match direction {
+                        ferry_transports::wire::WireDirection::Push => "push",
+                        ferry_transports::wire::WireDirection::Pull => "pull",
+                    },
+                    peer_class,
+                };
+                let queued = self.session.handle_send(
                     now,
                     SendRequest {
                         tag,
@@ -477,19 +567,25 @@ impl Handler<Submit> for TransferActor {
                         direction,
                         deadline: msg.deadline,
                     },
-                ),
-                StreamWhat::Transfer,
-            ),
-            Op::Put { key, offset } => (
-                self.session.handle_put(
+                );
+                (queued, StreamWhat::Transfer, labels)
+            }
+            Op::Put { key, offset } => {
+                let queued = self.session.handle_put(
                     now,
                     PutRequest {
                         len,
                         deadline: msg.deadline,
                     },
-                ),
-                StreamWhat::Put { key, offset },
-            ),
+                );
+                // A put always travels over the tcp link today.
+                let labels = TransferLabels {
+                    transport: "tcp".into(),
+                    direction: "put",
+                    peer_class,
+                };
+                (queued, StreamWhat::Put { key, offset }, labels)
+            }
         };
         let id = match queued {
             Ok(id) => id,
@@ -509,6 +605,19 @@ impl Handler<Submit> for TransferActor {
             }
         };
         let (reply, rx) = oneshot::channel();
+        let span = tracing::debug_span!(
+            "transfer",
+            id = id.0,
+            peer = %self.peer,
+            transport = %labels.transport,
+            direction = labels.direction,
+            bytes = len,
+        );
+        // A put needs no grant; it waits for its turn, then streams.
+        let phase = match what {
+            StreamWhat::Transfer => tracing::debug_span!(parent: &span, "grant"),
+            StreamWhat::Put { .. } => tracing::debug_span!(parent: &span, "queued"),
+        };
         self.outbound.insert(
             id,
             OutEntry {
@@ -517,6 +626,9 @@ impl Handler<Submit> for TransferActor {
                 reply,
                 stop: Arc::default(),
                 started: now,
+                labels,
+                span,
+                phase,
             },
         );
         self.drive(ctx);
@@ -665,6 +777,9 @@ impl Handler<InboundDone> for TransferActor {
     fn handle(&mut self, msg: InboundDone, ctx: &mut Self::Context) {
         let id = InboundId(msg.id);
         if self.session.handle_inbound_complete(id) {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+            }
             self.complete.insert(id, msg.buffer);
         }
         self.drive(ctx);
@@ -691,6 +806,10 @@ impl Handler<PutFinished> for TransferActor {
 impl Handler<StreamEnded> for TransferActor {
     type Result = ();
     fn handle(&mut self, StreamEnded(op): StreamEnded, ctx: &mut Self::Context) {
+        if let Some(entry) = self.outbound.get_mut(&op) {
+            // Every byte is on the wire: wait for the peer's Done (or PutAck).
+            entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
+        }
         self.session.handle_stream_ended(op);
         self.drive(ctx);
     }

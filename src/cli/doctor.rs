@@ -1,14 +1,845 @@
-//! `ferry doctor` (being built).
+//! `ferry doctor`: checks this machine for what ferry's transports need, and says what to do
+//! about each problem. The exit status is 1 when a problem blocks a transport that the
+//! configuration relies on.
+//!
+//! Sans-IO: [`Facts::gather`] reads the machine, [`diagnose`] turns facts and a
+//! configuration into findings without touching anything, so tests feed it made-up facts.
 
+mod facts;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+use ferry_config::{Config, Locality, MemoryClass, Rule, TransportName};
+use ferry_transports::cuda::{CudaDriver, CudaProbe};
+use ferry_transports::transport::{Capabilities, Viability};
+use serde::Serialize;
 
-pub fn run(
-    _config: Option<std::path::PathBuf>,
-    _overrides: &[String],
-    _args: Args,
-) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("ferry doctor is not built yet")
+pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print the findings as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Nothing to do.
+    Ok,
+    /// Works, but slower or narrower than it could; the remedy says how to do better.
+    Warn,
+    /// Does not work; the remedy says how to fix it.
+    Problem,
+    /// Not checked (nothing to check, or the check is not built yet); the text says which.
+    Skipped,
+}
+
+impl Status {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Warn => "warn",
+            Self::Problem => "problem",
+            Self::Skipped => "skipped",
+        }
+    }
+}
+
+/// One line of the doctor's report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    /// What was checked ("cuda", "/dev/shm", "rule #0 host", ...).
+    pub check: String,
+    /// How it came out.
+    pub status: Status,
+    /// What was found.
+    pub found: String,
+    /// What to do about it, when anything.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remedy: Option<String>,
+    /// True when this blocks a transport the configuration relies on (exit status 1).
+    pub blocks: bool,
+}
+
+impl Finding {
+    fn new(check: impl Into<String>, status: Status, found: impl Into<String>) -> Self {
+        Self {
+            check: check.into(),
+            status,
+            found: found.into(),
+            remedy: None,
+            blocks: false,
+        }
+    }
+
+    fn remedy(mut self, remedy: impl Into<String>) -> Self {
+        self.remedy = Some(remedy.into());
+        self
+    }
+}
+
+pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
+    // A configuration that only lacks a secret still says which transports it relies on:
+    // check the machine for it and report the secret as a warning (`ferry config check`
+    // is the place for the rest).
+    let (config, config_error) = match super::load_config(file.clone(), overrides, Vec::new()) {
+        Ok(config) => (config, None),
+        Err(first) => {
+            let insecure = vec![("security.danger_insecure".to_string(), "true".to_string())];
+            match super::load_config(file, overrides, insecure) {
+                Ok(config) => (config, Some(format!("{first:#}"))),
+                Err(_) => return Err(first),
+            }
+        }
+    };
+    super::telemetry::init(&config.telemetry);
+    let facts = Facts::gather();
+    let mut findings = diagnose(&facts, &config);
+    if let Some(error) = config_error {
+        findings.push(
+            Finding::new("config", Status::Warn, error)
+                .remedy("a node will not start with this configuration; see `ferry config check`"),
+        );
+    }
+    let blocked = findings.iter().any(|f| f.blocks);
+    let text = if args.json {
+        #[derive(Serialize)]
+        struct Report<'a> {
+            blocked: bool,
+            findings: &'a [Finding],
+        }
+        let report = Report {
+            blocked,
+            findings: &findings,
+        };
+        serde_json::to_string_pretty(&report)? + "\n"
+    } else {
+        render(&findings)
+    };
+    // A closed pipe (`ferry doctor | head`) is not an error worth a panic.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+    Ok(if blocked {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The human report: a summary, then one aligned line per finding, its remedy indented
+/// beneath it.
+pub fn render(findings: &[Finding]) -> String {
+    let count = |s: Status| findings.iter().filter(|f| f.status == s).count();
+    let blocking = findings.iter().filter(|f| f.blocks).count();
+    let mut out = format!(
+        "ferry doctor: {} checks: {} ok, {} warnings, {} problems ({} blocking), {} skipped\n\n",
+        findings.len(),
+        count(Status::Ok),
+        count(Status::Warn),
+        count(Status::Problem),
+        blocking,
+        count(Status::Skipped),
+    );
+    let width = findings.iter().map(|f| f.check.len()).max().unwrap_or(0);
+    for f in findings {
+        out.push_str(&format!(
+            "  {:<8} {:<width$}  {}\n",
+            f.status.label(),
+            f.check,
+            f.found
+        ));
+        if let Some(remedy) = &f.remedy {
+            out.push_str(&format!("  {:<8} {:<width$}  -> {remedy}\n", "", ""));
+        }
+    }
+    out
+}
+
+/// Diagnoses the machine described by `facts` for `config`. Pure.
+pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
+    let named = named_transports(config);
+    let mut out = cuda_findings(&facts.cuda, &named);
+    out.push(shm_finding(&facts.shm));
+    out.push(memlock_finding(&facts.memlock));
+    out.push(ucx_finding(&facts.ucx, named.contains(&TransportName::Ucx)));
+    out.extend(config_findings(config, &facts.transports));
+    out
+}
+
+/// The transports the rules name, in first-mention order.
+fn named_transports(config: &Config) -> Vec<TransportName> {
+    let mut named = Vec::new();
+    for t in config.transport.rules.iter().flat_map(|r| &r.transports) {
+        if !named.contains(t) {
+            named.push(*t);
+        }
+    }
+    named
+}
+
+const CUDA: &str = "cuda";
+
+fn cuda_findings(probe: &CudaProbe, named: &[TransportName]) -> Vec<Finding> {
+    let gpu_named = named
+        .iter()
+        .any(|t| matches!(t, TransportName::Ipc | TransportName::Staged));
+    match probe {
+        CudaProbe::NoDriver => {
+            let status = if gpu_named {
+                Status::Warn
+            } else {
+                Status::Skipped
+            };
+            vec![
+                Finding::new(CUDA, status, "no CUDA driver: GPU transports disabled").remedy(
+                    "to move GPU memory, install the NVIDIA driver (CUDA 12 or later), or run \
+                     the container with the NVIDIA runtime (--gpus all) so libcuda.so.1 is \
+                     mounted",
+                ),
+            ]
+        }
+        CudaProbe::Failed {
+            cuda_version,
+            error,
+        } => {
+            let version = cuda_version
+                .map(|v| format!(" (CUDA {})", version_text(v)))
+                .unwrap_or_default();
+            vec![
+                Finding::new(
+                    CUDA,
+                    Status::Problem,
+                    format!("the CUDA driver{version} loads but does not work: {error}"),
+                )
+                .remedy(
+                    "check nvidia-smi; in a container, that /dev/nvidia* are mounted; after a \
+                     driver upgrade, reboot so the kernel module matches the library",
+                ),
+            ]
+        }
+        CudaProbe::Ready(driver) => ready_findings(driver),
+    }
+}
+
+fn version_text(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+fn ready_findings(driver: &CudaDriver) -> Vec<Finding> {
+    let module = driver
+        .kernel_module
+        .as_ref()
+        .map(|m| format!("driver {m}, "))
+        .unwrap_or_default();
+    let n = driver.devices.len();
+    let mut out = Vec::new();
+    let summary = format!(
+        "{module}CUDA {}, {n} device{}",
+        driver.cuda_version_text(),
+        if n == 1 { "" } else { "s" }
+    );
+    out.push(if driver.cuda_version < 12000 {
+        Finding::new(CUDA, Status::Warn, format!("{summary}: older than CUDA 12"))
+            .remedy("update the NVIDIA driver to one that supports CUDA 12 or later")
+    } else if n == 0 {
+        Finding::new(CUDA, Status::Warn, format!("{summary}: no GPU visible")).remedy(
+            "check CUDA_VISIBLE_DEVICES, and in a container that GPUs are requested \
+             (--gpus all, or an nvidia.com/gpu resource)",
+        )
+    } else {
+        Finding::new(CUDA, Status::Ok, summary)
+    });
+    for d in &driver.devices {
+        out.push(Finding::new(
+            format!("gpu {}", d.ordinal),
+            Status::Ok,
+            format!(
+                "{}, {}, pci {}, {}",
+                d.name,
+                d.uuid,
+                d.pci_bus_id,
+                human_size(d.total_memory)
+            ),
+        ));
+    }
+    if n == 0 {
+        return out;
+    }
+    out.push(peer_access_finding(driver));
+    out.push(pool_finding(driver));
+    out.push(rdma_finding(driver));
+    out
+}
+
+fn peer_access_finding(driver: &CudaDriver) -> Finding {
+    const CHECK: &str = "peer access";
+    let n = driver.devices.len();
+    if n < 2 {
+        return Finding::new(CHECK, Status::Skipped, "needs 2 GPUs");
+    }
+    let missing: Vec<String> = driver
+        .peer_access
+        .iter()
+        .enumerate()
+        .flat_map(|(i, row)| {
+            row.iter()
+                .enumerate()
+                .filter(move |&(j, &ok)| i != j && !ok)
+                .map(move |(j, _)| format!("GPU{i}->GPU{j}"))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Finding::new(
+            CHECK,
+            Status::Ok,
+            format!("every pair of the {n} GPUs can map each other's memory"),
+        );
+    }
+    Finding::new(
+        CHECK,
+        Status::Warn,
+        format!(
+            "no peer access for {}: copies between them go through host memory (~55 GB/s \
+             pinned) instead of the copy engine (~396 GB/s between H200s)",
+            missing.join(", ")
+        ),
+    )
+    .remedy(
+        "check `nvidia-smi topo -m` (NV# or PIX links allow peer access, SYS may not); \
+         disable PCIe ACS or set the IOMMU to passthrough; make sure both GPUs are visible \
+         to this process",
+    )
+}
+
+fn pool_finding(driver: &CudaDriver) -> Finding {
+    const CHECK: &str = "pool export";
+    let lacking: Vec<String> = driver
+        .devices
+        .iter()
+        .filter(|d| !(d.memory_pools && d.pool_posix_fd && d.posix_fd_handles && d.vmm))
+        .map(|d| format!("GPU{}", d.ordinal))
+        .collect();
+    if lacking.is_empty() {
+        return Finding::new(
+            CHECK,
+            Status::Skipped,
+            "every GPU declares VMM and memory pools exportable as POSIX fds; the \
+             two-process export/import test arrives with the ipc transport",
+        );
+    }
+    Finding::new(
+        CHECK,
+        Status::Warn,
+        format!(
+            "{} cannot export memory pools as POSIX file descriptors (VMM, memory pools or \
+             fd handles missing): same-host ipc cannot use them",
+            lacking.join(", ")
+        ),
+    )
+    .remedy(
+        "update the NVIDIA driver; under vGPU or MIG, pool export may be unavailable: use \
+         staged for these GPUs",
+    )
+}
+
+fn rdma_finding(driver: &CudaDriver) -> Finding {
+    const CHECK: &str = "gpudirect rdma";
+    let lacking: Vec<String> = driver
+        .devices
+        .iter()
+        .filter(|d| !d.gpudirect_rdma)
+        .map(|d| format!("GPU{}", d.ordinal))
+        .collect();
+    if lacking.is_empty() {
+        let vmm = driver.devices.iter().all(|d| d.gpudirect_rdma_with_vmm);
+        let flush = driver
+            .devices
+            .iter()
+            .all(|d| d.rdma_flush_writes_options != 0);
+        return Finding::new(
+            CHECK,
+            Status::Ok,
+            format!(
+                "supported by every GPU (with VMM: {}, write flush: {}); a NIC and \
+                 nvidia-peermem or dma-buf are still needed to use it",
+                yes_no(vmm),
+                yes_no(flush)
+            ),
+        );
+    }
+    Finding::new(
+        CHECK,
+        Status::Warn,
+        format!(
+            "not supported by {}: ucx moves their memory through host buffers",
+            lacking.join(", ")
+        ),
+    )
+    .remedy("GPUDirect RDMA needs a data-center GPU, an RDMA NIC on the same PCIe root, and nvidia-peermem loaded (modprobe nvidia_peermem) or dma-buf support")
+}
+
+/// A size rounded for reading: `24.0 GiB`, `8 MiB`.
+fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if value.fract() == 0.0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+fn shm_finding(shm: &Result<u64, String>) -> Finding {
+    const CHECK: &str = "/dev/shm";
+    match shm {
+        Err(e) => Finding::new(CHECK, Status::Warn, format!("cannot read its size: {e}"))
+            .remedy("mount a tmpfs at /dev/shm: the staged transport and NCCL-style tools need it"),
+        Ok(size) if *size < SHM_MIN => Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "{} (below {}): staged transfers and NCCL-style tools run out of shared memory",
+                human_size(*size),
+                human_size(SHM_MIN)
+            ),
+        )
+        .remedy(
+            "containers default to 64 MiB: pass --shm-size=8g to docker, or mount an \
+             emptyDir with medium: Memory at /dev/shm in Kubernetes",
+        ),
+        Ok(size) => Finding::new(CHECK, Status::Ok, human_size(*size)),
+    }
+}
+
+fn memlock_finding(memlock: &Result<Memlock, String>) -> Finding {
+    const CHECK: &str = "memlock";
+    let limit = |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), human_size);
+    match memlock {
+        Err(e) => Finding::new(
+            CHECK,
+            Status::Warn,
+            format!("cannot read RLIMIT_MEMLOCK: {e}"),
+        ),
+        Ok(Memlock { soft: None, .. }) => {
+            Finding::new(CHECK, Status::Ok, "RLIMIT_MEMLOCK unlimited")
+        }
+        Ok(Memlock {
+            soft: Some(soft),
+            hard,
+        }) if *soft < MEMLOCK_MIN => Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "RLIMIT_MEMLOCK is {} (hard limit {}): pinning host memory for staging and \
+                 RDMA registration fails beyond it",
+                human_size(*soft),
+                limit(*hard)
+            ),
+        )
+        .remedy(
+            "run `ulimit -l unlimited` before ferry (raise the hard limit in \
+             /etc/security/limits.conf or with LimitMEMLOCK=infinity for systemd); in docker \
+             pass --ulimit memlock=-1:-1",
+        ),
+        Ok(Memlock { soft, .. }) => Finding::new(
+            CHECK,
+            Status::Ok,
+            format!("RLIMIT_MEMLOCK {}", limit(*soft)),
+        ),
+    }
+}
+
+fn ucx_finding(ucx: &Ucx, ucx_named: bool) -> Finding {
+    const CHECK: &str = "ucx";
+    let Some(library) = &ucx.library else {
+        let status = if ucx_named {
+            Status::Warn
+        } else {
+            Status::Skipped
+        };
+        return Finding::new(
+            CHECK,
+            status,
+            "UCX not found (no libucp.so.0): the ucx transport cannot run here",
+        )
+        .remedy(
+            "install UCX (apt install libucx0, or HPC-X / MLNX_OFED) and make libucp.so.0 \
+             findable through ldconfig or LD_LIBRARY_PATH",
+        );
+    };
+    let transports = match &ucx.transports {
+        None => "transports unknown (ucx_info is not on PATH)".to_string(),
+        Some(list) if list.is_empty() => "ucx_info -d lists no transports".to_string(),
+        Some(list) => {
+            let cuda = list
+                .iter()
+                .any(|t| t.starts_with("cuda") || t == "gdr_copy");
+            format!(
+                "transports: {}{}",
+                list.join(", "),
+                if cuda { "" } else { " (no CUDA transports)" }
+            )
+        }
+    };
+    Finding::new(
+        CHECK,
+        Status::Ok,
+        format!("{} found; {transports}", library.display()),
+    )
+}
+
+/// One finding per rule: which of its transports can carry something here, and why the
+/// others cannot.
+fn config_findings(config: &Config, catalog: &[(Capabilities, Viability)]) -> Vec<Finding> {
+    config
+        .transport
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(i, rule)| rule_finding(i, rule, catalog))
+        .collect()
+}
+
+fn rule_finding(index: usize, rule: &Rule, catalog: &[(Capabilities, Viability)]) -> Finding {
+    let check = format!("rule #{index} {}", rule.name);
+    let verdicts: Vec<(TransportName, Result<(), String>)> = rule
+        .transports
+        .iter()
+        .map(|&t| (t, transport_fits_rule(t, rule, catalog)))
+        .collect();
+    let reasons = |list: &[(TransportName, Result<(), String>)]| {
+        list.iter()
+            .filter_map(|(t, v)| v.as_ref().err().map(|why| format!("{t} ({why})")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    match verdicts.iter().position(|(_, v)| v.is_ok()) {
+        None => Finding {
+            check,
+            status: Status::Problem,
+            found: format!(
+                "no transport of this rule can run here: {}",
+                reasons(&verdicts)
+            ),
+            remedy: Some(
+                "add a transport viable here to the rule's list (tcp carries host memory \
+                 between processes and hosts), or fix what keeps the listed ones from running"
+                    .into(),
+            ),
+            blocks: true,
+        },
+        Some(0) => Finding::new(check, Status::Ok, format!("uses {}", verdicts[0].0)),
+        Some(k) => Finding::new(
+            check,
+            Status::Warn,
+            format!(
+                "falls back to {}: {}",
+                verdicts[k].0,
+                reasons(&verdicts[..k])
+            ),
+        )
+        .remedy(
+            "expected while those transports are not built; otherwise fix what the reasons name",
+        ),
+    }
+}
+
+/// Whether transport `t` is viable here and its declaration can carry at least part of
+/// what `rule` matches, in the rule's direction.
+fn transport_fits_rule(
+    t: TransportName,
+    rule: &Rule,
+    catalog: &[(Capabilities, Viability)],
+) -> Result<(), String> {
+    let (caps, viability) = catalog
+        .iter()
+        .find(|(c, _)| c.name == t)
+        .ok_or_else(|| "unknown to this build".to_string())?;
+    if let Viability::NotViable(why) = viability {
+        return Err(why.clone());
+    }
+    if !caps.directions.contains(&rule.direction) {
+        return Err(format!("does not support {}", rule.direction));
+    }
+    let localities: &[Locality] = if rule.locality.is_empty() {
+        &[Locality::SameProcess, Locality::SameHost, Locality::Remote]
+    } else {
+        &rule.locality
+    };
+    if let Some(l) = localities.iter().find(|l| !caps.localities.contains(l))
+        && !localities.iter().any(|l| caps.localities.contains(l))
+    {
+        return Err(format!("cannot reach a {l} peer"));
+    }
+    for (end, list) in [("source", &rule.src), ("destination", &rule.dst)] {
+        let kinds: &[MemoryClass] = if list.is_empty() {
+            &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device]
+        } else {
+            list
+        };
+        if !kinds.iter().any(|k| caps.memory.contains(k)) {
+            let names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+            return Err(format!("cannot move {} {end} memory", names.join("/")));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_transports::cuda::CudaDevice;
+    use ferry_transports::transport::catalog;
+
+    fn healthy() -> Facts {
+        Facts {
+            cuda: CudaProbe::NoDriver,
+            shm: Ok(8 << 30),
+            memlock: Ok(Memlock {
+                soft: None,
+                hard: None,
+            }),
+            ucx: Ucx::default(),
+            transports: catalog(),
+        }
+    }
+
+    fn config(rules: &str) -> Config {
+        Config::from_toml_str(&format!(
+            "[node]\nname = \"a\"\n[security]\ndanger_insecure = true\n{rules}"
+        ))
+        .expect("test config")
+    }
+
+    fn find<'a>(findings: &'a [Finding], check: &str) -> &'a Finding {
+        findings
+            .iter()
+            .find(|f| f.check == check)
+            .unwrap_or_else(|| panic!("no {check} finding in {findings:#?}"))
+    }
+
+    fn gpu(ordinal: i32) -> CudaDevice {
+        CudaDevice {
+            ordinal,
+            name: "NVIDIA H200".into(),
+            uuid: format!("GPU-0000000{ordinal}-0000-0000-0000-000000000000"),
+            pci_bus_id: format!("0000:1{ordinal}:00.0"),
+            total_memory: 141 << 30,
+            vmm: true,
+            posix_fd_handles: true,
+            memory_pools: true,
+            pool_posix_fd: true,
+            gpudirect_rdma: true,
+            gpudirect_rdma_with_vmm: true,
+            rdma_flush_writes_options: 1,
+        }
+    }
+
+    #[test]
+    fn healthy_machine_default_config_blocks_nothing() {
+        let findings = diagnose(&healthy(), &config(""));
+        assert!(findings.iter().all(|f| !f.blocks), "{findings:#?}");
+        assert_eq!(find(&findings, "rule #0 host").status, Status::Ok);
+        assert_eq!(find(&findings, "/dev/shm").status, Status::Ok);
+        assert_eq!(find(&findings, "memlock").status, Status::Ok);
+    }
+
+    #[test]
+    fn cuda_absent_is_one_clear_line() {
+        let findings = diagnose(&healthy(), &config(""));
+        let cuda: Vec<_> = findings.iter().filter(|f| f.check == CUDA).collect();
+        assert_eq!(cuda.len(), 1);
+        assert_eq!(cuda[0].found, "no CUDA driver: GPU transports disabled");
+        assert_eq!(cuda[0].status, Status::Skipped);
+        assert!(!findings.iter().any(|f| f.check.starts_with("gpu")));
+    }
+
+    #[test]
+    fn small_shm_warns_with_the_container_remedy() {
+        let facts = Facts {
+            shm: Ok(64 << 20),
+            ..healthy()
+        };
+        let f = diagnose(&facts, &config(""));
+        let shm = find(&f, "/dev/shm");
+        assert_eq!(shm.status, Status::Warn);
+        assert!(shm.found.contains("64 MiB"), "{}", shm.found);
+        assert!(
+            shm.remedy
+                .as_deref()
+                .is_some_and(|r| r.contains("--shm-size"))
+        );
+        assert!(!shm.blocks);
+    }
+
+    #[test]
+    fn low_memlock_warns() {
+        let facts = Facts {
+            memlock: Ok(Memlock {
+                soft: Some(8 << 20),
+                hard: Some(8 << 20),
+            }),
+            ..healthy()
+        };
+        let f = diagnose(&facts, &config(""));
+        let m = find(&f, "memlock");
+        assert_eq!(m.status, Status::Warn);
+        assert!(m.found.contains("8 MiB"), "{}", m.found);
+        assert!(
+            m.remedy
+                .as_deref()
+                .is_some_and(|r| r.contains("ulimit -l unlimited"))
+        );
+        let ok = Facts {
+            memlock: Ok(Memlock {
+                soft: Some(1 << 30),
+                hard: None,
+            }),
+            ..healthy()
+        };
+        assert_eq!(
+            find(&diagnose(&ok, &config("")), "memlock").status,
+            Status::Ok
+        );
+    }
+
+    #[test]
+    fn ucx_absent_is_skipped_unless_a_rule_names_it() {
+        let f = diagnose(&healthy(), &config(""));
+        let u = find(&f, "ucx");
+        assert_eq!(u.status, Status::Skipped);
+        assert!(u.found.contains("UCX not found"));
+        let named =
+            config("[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n");
+        let f = diagnose(&healthy(), &named);
+        assert_eq!(find(&f, "ucx").status, Status::Warn);
+        assert!(!f.iter().any(|f| f.blocks), "tcp still carries it");
+        let present = Facts {
+            ucx: Ucx {
+                library: Some("/usr/lib/libucp.so.0".into()),
+                transports: Some(vec!["self".into(), "tcp".into()]),
+            },
+            ..healthy()
+        };
+        let u = diagnose(&present, &config(""));
+        let u = find(&u, "ucx");
+        assert_eq!(u.status, Status::Ok);
+        assert!(u.found.contains("no CUDA transports"), "{}", u.found);
+    }
+
+    #[test]
+    fn a_rule_that_excludes_everything_blocks() {
+        let only_ipc = config("[[transport.rules]]\nname = \"gpu\"\ntransports = [\"ipc\"]\n");
+        let f = diagnose(&healthy(), &only_ipc);
+        let r = find(&f, "rule #0 gpu");
+        assert_eq!(r.status, Status::Problem);
+        assert!(r.blocks);
+        assert!(r.found.contains("ipc (not built yet"), "{}", r.found);
+
+        let pull = config(
+            "[[transport.rules]]\nname = \"pull\"\ntransports = [\"tcp\"]\ndirection = \"pull\"\n",
+        );
+        let r = diagnose(&healthy(), &pull);
+        let r = find(&r, "rule #0 pull");
+        assert!(r.blocks);
+        assert!(r.found.contains("does not support pull"), "{}", r.found);
+
+        let device = config(
+            "[[transport.rules]]\nname = \"dev\"\nsrc = [\"device\"]\ntransports = [\"tcp\"]\n",
+        );
+        let r = diagnose(&healthy(), &device);
+        assert!(
+            find(&r, "rule #0 dev")
+                .found
+                .contains("cannot move device source memory")
+        );
+    }
+
+    #[test]
+    fn fallback_warns_without_blocking() {
+        let c = config("[[transport.rules]]\nname = \"x\"\ntransports = [\"ipc\", \"tcp\"]\n");
+        let f = diagnose(&healthy(), &c);
+        let r = find(&f, "rule #0 x");
+        assert_eq!(r.status, Status::Warn);
+        assert!(r.found.starts_with("falls back to tcp"), "{}", r.found);
+        assert!(!r.blocks);
+        // ipc named but no driver: the cuda line warns instead of being skipped.
+        assert_eq!(find(&f, CUDA).status, Status::Warn);
+    }
+
+    #[test]
+    fn two_gpus_without_peer_access_warn() {
+        let facts = Facts {
+            cuda: CudaProbe::Ready(CudaDriver {
+                cuda_version: 13000,
+                kernel_module: Some("580.65.06".into()),
+                devices: vec![gpu(0), gpu(1)],
+                peer_access: vec![vec![false, false], vec![false, false]],
+            }),
+            ..healthy()
+        };
+        let f = diagnose(&facts, &config(""));
+        let cuda = find(&f, CUDA);
+        assert_eq!(cuda.status, Status::Ok);
+        assert!(cuda.found.contains("CUDA 13.0") && cuda.found.contains("2 devices"));
+        assert!(find(&f, "gpu 1").found.contains("0000:11:00.0"));
+        let p = find(&f, "peer access");
+        assert_eq!(p.status, Status::Warn);
+        assert!(p.found.contains("GPU0->GPU1") && p.found.contains("GPU1->GPU0"));
+        assert!(!p.blocks);
+        assert_eq!(find(&f, "pool export").status, Status::Skipped);
+        assert_eq!(find(&f, "gpudirect rdma").status, Status::Ok);
+    }
+
+    #[test]
+    fn one_gpu_skips_peer_access_and_broken_driver_is_a_problem() {
+        let one = Facts {
+            cuda: CudaProbe::Ready(CudaDriver {
+                cuda_version: 12080,
+                kernel_module: None,
+                devices: vec![CudaDevice {
+                    gpudirect_rdma: false,
+                    pool_posix_fd: false,
+                    ..gpu(0)
+                }],
+                peer_access: vec![vec![false]],
+            }),
+            ..healthy()
+        };
+        let f = diagnose(&one, &config(""));
+        assert_eq!(find(&f, "peer access").found, "needs 2 GPUs");
+        assert_eq!(find(&f, "pool export").status, Status::Warn);
+        assert_eq!(find(&f, "gpudirect rdma").status, Status::Warn);
+        let broken = Facts {
+            cuda: CudaProbe::Failed {
+                cuda_version: Some(13000),
+                error: "cuInit failed: CUDA_ERROR_NOT_INITIALIZED".into(),
+            },
+            ..healthy()
+        };
+        let f = diagnose(&broken, &config(""));
+        assert_eq!(find(&f, CUDA).status, Status::Problem);
+    }
+
+    #[test]
+    fn render_aligns_one_finding_per_line() {
+        let text = render(&diagnose(&healthy(), &config("")));
+        assert!(text.contains("  skipped  cuda "), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("  ok       /dev/shm")),
+            "{text}"
+        );
+    }
 }

@@ -1,14 +1,685 @@
-//! `ferry explain` (being built).
+//! `ferry explain`: which route a transfer to a peer would take, and why.
+//!
+//! It starts a node from the configuration (listening on an ephemeral loopback port, with no
+//! Unix socket, so it never collides with a running `ferry serve` of the same file), dials
+//! the peer to learn what it offers (unless `--no-connect`), and asks the node to explain
+//! the route. Around that answer it says why earlier rules did not match, why each transport
+//! was passed over, and whether the chosen path is far slower than the hardware allows.
+//! Everything but the node and the CUDA probe is pure and tested below.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use ferry::{Explanation, Node};
+use ferry_actors::core::route::RouteQuery;
+use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
+use ferry_transports::cuda::{self, CudaProbe};
+use ferry_transports::transport::{self, Capabilities, Unsuitable, Viability};
+use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The peer, by its configured name.
+    #[arg(long)]
+    peer: String,
+    /// Bytes to move: 4096, 64K, 1M, 2G (K, M, G are powers of 1024), or 64MiB, 1GB.
+    #[arg(long, value_parser = parse_bytes)]
+    bytes: u64,
+    /// Memory at this (the sending) end: host, pinned or device.
+    #[arg(long, value_parser = parse_memory)]
+    memory: MemoryClass,
+    /// Memory at the receiving end; default: the same as --memory.
+    #[arg(long = "dst-memory", value_parser = parse_memory)]
+    dst_memory: Option<MemoryClass>,
+    /// Buffer layout (only contiguous buffers exist today).
+    #[arg(long, value_enum, default_value_t = Layout::Contiguous)]
+    layout: Layout,
+    /// Dial the peer to learn what it offers and whether setup works (the default).
+    #[arg(long, overrides_with = "no_connect")]
+    connect: bool,
+    /// Do not dial: explain from this side's configuration and declarations only.
+    #[arg(long = "no-connect", overrides_with = "connect")]
+    no_connect: bool,
+    /// Print the explanation as JSON.
+    #[arg(long)]
+    json: bool,
+}
 
-pub fn run(
-    _config: Option<std::path::PathBuf>,
-    _overrides: &[String],
-    _args: Args,
-) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("ferry explain is not built yet")
+/// A buffer layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Layout {
+    /// One run of bytes.
+    Contiguous,
+}
+
+/// A size for `--bytes`: what [`parse_size`] reads, plus a bare `K`, `M`, `G` or `T`
+/// suffix, read as powers of 1024 (as nccl-tests and ucx_perftest do).
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let expanded = match t.chars().last() {
+        Some(c)
+            if matches!(c.to_ascii_uppercase(), 'K' | 'M' | 'G' | 'T')
+                && t[..t.len() - 1].ends_with(|d: char| d.is_ascii_digit()) =>
+        {
+            format!("{}{}iB", &t[..t.len() - 1], c.to_ascii_uppercase())
+        }
+        _ => t.to_string(),
+    };
+    parse_size(&expanded)
+}
+
+fn parse_memory(text: &str) -> Result<MemoryClass, String> {
+    text.parse()
+}
+
+pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
+    let mut config = super::load_config(file, overrides, Vec::new())?;
+    super::telemetry::init(&config.telemetry);
+    // Never collide with a `ferry serve` started from the same file.
+    config.node.listen = vec!["127.0.0.1:0".into()];
+    config.node.socket_dir = None;
+    let rules = config.transport.rules.clone();
+    let src = args.memory;
+    let dst = args.dst_memory.unwrap_or(src);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let connect = !args.no_connect;
+    let (setup, explanation) =
+        runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
+    let device = src == MemoryClass::Device || dst == MemoryClass::Device;
+    let gpu = device.then(|| gpu_note(&cuda::probe(), &transport::catalog()));
+    let report = Report::new(&args, &rules, &explanation, setup, gpu);
+    let text = if args.json {
+        serde_json::to_string_pretty(&report)? + "\n"
+    } else {
+        report.render()
+    };
+    // A closed pipe (`ferry explain ... | head`) is not an error worth a panic.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+    Ok(if report.chosen.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Starts the node, dials if asked, asks for the explanation, and stops the node.
+async fn ask_node(
+    config: ferry::Config,
+    peer: &str,
+    bytes: u64,
+    src: MemoryClass,
+    dst: MemoryClass,
+    connect: bool,
+) -> anyhow::Result<(Setup, Explanation)> {
+    let limit =
+        config.limits.connect_timeout + config.limits.handshake_timeout + Duration::from_secs(2);
+    let node = Node::start(config)
+        .await
+        .context("cannot start a node to explain from")?;
+    let setup = if connect {
+        match tokio::time::timeout(limit, node.connect(peer)).await {
+            Ok(Ok(())) => Setup::Connected,
+            Ok(Err(e)) => Setup::Failed(e.to_string()),
+            Err(_) => Setup::Failed(format!(
+                "peer {peer}: no link within {}",
+                humantime::format_duration(limit)
+            )),
+        }
+    } else {
+        Setup::NotTried
+    };
+    let explanation = node.explain(peer, bytes, src, dst).await;
+    node.shutdown().await;
+    Ok((setup, explanation?))
+}
+
+/// Whether the link to the peer came up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Setup {
+    /// `--no-connect`.
+    NotTried,
+    /// The link is up; the peer's offers were taken into account.
+    Connected,
+    /// Dialing failed, with the error.
+    Failed(String),
+}
+
+/// Why a rule before the matching one did not match. Pure.
+pub fn rule_mismatch(rule: &Rule, query: &RouteQuery) -> Vec<String> {
+    fn list<T: std::fmt::Display>(items: &[T]) -> String {
+        items
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("|")
+    }
+    let mut why = Vec::new();
+    if !rule.locality.is_empty() && !rule.locality.contains(&query.locality) {
+        why.push(format!(
+            "locality {} not in {}",
+            query.locality,
+            list(&rule.locality)
+        ));
+    }
+    if !rule.src.is_empty() && !rule.src.contains(&query.src) {
+        why.push(format!(
+            "source memory {} not in {}",
+            query.src,
+            list(&rule.src)
+        ));
+    }
+    if !rule.dst.is_empty() && !rule.dst.contains(&query.dst) {
+        why.push(format!(
+            "destination memory {} not in {}",
+            query.dst,
+            list(&rule.dst)
+        ));
+    }
+    if query.bytes < rule.min_bytes {
+        why.push(format!(
+            "size {} below min_bytes {}",
+            format_size(query.bytes),
+            format_size(rule.min_bytes)
+        ));
+    }
+    if let Some(max) = rule.max_bytes
+        && query.bytes > max
+    {
+        why.push(format!(
+            "size {} above max_bytes {}",
+            format_size(query.bytes),
+            format_size(max)
+        ));
+    }
+    why
+}
+
+/// A rule that did not match, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RuleMiss {
+    /// Index in `transport.rules`.
+    pub index: usize,
+    /// Its name.
+    pub name: String,
+    /// Each condition that failed.
+    pub reasons: Vec<String>,
+}
+
+/// Walks the rules in order up to the first that matches (or all of them) and says why
+/// each one before it did not. Pure.
+pub fn rule_misses(rules: &[Rule], query: &RouteQuery) -> Vec<RuleMiss> {
+    rules
+        .iter()
+        .enumerate()
+        .map(|(index, rule)| (index, rule, rule_mismatch(rule, query)))
+        .take_while(|(_, _, reasons)| !reasons.is_empty())
+        .map(|(index, rule, reasons)| RuleMiss {
+            index,
+            name: rule.name.clone(),
+            reasons,
+        })
+        .collect()
+}
+
+/// A transport passed over.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skip {
+    /// The transport.
+    pub transport: String,
+    /// `not-built`, `not-viable`, `peer-lacks` or `capabilities`.
+    pub kind: &'static str,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// Classifies and words why a transport was passed over. Pure.
+pub fn skip(transport: TransportName, why: &Unsuitable) -> Skip {
+    let (kind, reason) = match why {
+        Unsuitable::NotViable(text) if text.starts_with("not built yet") => {
+            ("not-built", text.clone())
+        }
+        Unsuitable::NotViable(text) => {
+            ("not-viable", format!("not viable on this machine: {text}"))
+        }
+        Unsuitable::PeerLacks => ("peer-lacks", "the peer does not offer it".to_string()),
+        Unsuitable::Locality(l) => (
+            "capabilities",
+            format!("excluded by its declared capabilities: cannot reach a {l} peer"),
+        ),
+        Unsuitable::Memory(m) => (
+            "capabilities",
+            format!("excluded by its declared capabilities: cannot move {m} memory"),
+        ),
+        Unsuitable::Direction(d) => (
+            "capabilities",
+            format!("excluded by its declared capabilities: does not support {d}"),
+        ),
+    };
+    Skip {
+        transport: transport.to_string(),
+        kind,
+        reason,
+    }
+}
+
+/// Copy engine between two H200 GPUs, large transfers (BASELINES.md).
+const COPY_ENGINE_GBPS: u32 = 396;
+/// Pinned host <-> device, each way, 16 MiB and up (BASELINES.md).
+const PINNED_GBPS: u32 = 55;
+
+/// Warnings when the route is expected to run far below what the hardware between the two
+/// ends allows. Pure.
+pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<String> {
+    let q = &explanation.query;
+    let device = q.src == MemoryClass::Device || q.dst == MemoryClass::Device;
+    if !device {
+        return Vec::new();
+    }
+    let same_host = matches!(q.locality, Locality::SameHost | Locality::SameProcess);
+    let rule = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i));
+    let chosen = explanation.chosen.as_ref().map(|r| r.transport);
+    let mut out = Vec::new();
+    let ipc_status = || match explanation
+        .skipped
+        .iter()
+        .find(|(t, _)| *t == TransportName::Ipc)
+    {
+        Some((t, why)) => format!("ipc was passed over: {}", skip(*t, why).reason),
+        None => "the rule does not list ipc".to_string(),
+    };
+    match chosen {
+        Some(TransportName::Staged) if same_host => out.push(format!(
+            "device memory on one host goes through staged (device -> pinned host -> device), \
+             bounded by pinned host<->device copies (~{PINNED_GBPS} GB/s each way); ipc would use \
+             the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs, about 7x more); {}",
+            ipc_status()
+        )),
+        Some(TransportName::Staged) => out.push(format!(
+            "device memory to another host goes through staged: two pinned host<->device copies \
+             (~{PINNED_GBPS} GB/s each) around the network; ucx with GPUDirect RDMA would let \
+             the NIC read and write GPU memory directly"
+        )),
+        Some(TransportName::Tcp) => out.push(format!(
+            "device memory goes over tcp: it is copied to host memory first (~{PINNED_GBPS} GB/s \
+             pinned) and then through the socket stack, far below the copy engine \
+             (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs)"
+        )),
+        _ => {}
+    }
+    if let Some(rule) = rule {
+        let tcp_first = rule
+            .transports
+            .iter()
+            .position(|t| *t == TransportName::Tcp);
+        let gpu_first = rule.transports.iter().position(|t| {
+            matches!(
+                t,
+                TransportName::Ipc | TransportName::Staged | TransportName::Ucx
+            )
+        });
+        let tcp_before_gpu = match (tcp_first, gpu_first) {
+            (Some(t), Some(g)) => t < g,
+            (Some(_), None) => true,
+            _ => false,
+        };
+        if tcp_before_gpu && chosen != Some(TransportName::Tcp) {
+            let better = if same_host {
+                "ipc (or staged)"
+            } else {
+                "ucx or staged"
+            };
+            out.push(format!(
+                "rule \"{}\" sends device memory through tcp, which moves host memory only: \
+                 device buffers would cross host memory (~{PINNED_GBPS} GB/s pinned) and the \
+                 socket stack instead of the copy engine (~{COPY_ENGINE_GBPS} GB/s between \
+                 H200 GPUs); list {better} before tcp",
+                rule.name
+            ));
+        }
+    }
+    out
+}
+
+/// What to say about GPU transports when device memory is involved. Pure.
+pub fn gpu_note(probe: &CudaProbe, catalog: &[(Capabilities, Viability)]) -> String {
+    let unbuilt: Vec<&str> = catalog
+        .iter()
+        .filter(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v != Viability::Viable)
+        .map(|(c, _)| c.name.as_str())
+        .collect();
+    let any_viable = catalog
+        .iter()
+        .any(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v == Viability::Viable);
+    let driver = match probe {
+        CudaProbe::NoDriver => Some("no CUDA driver on this machine".to_string()),
+        CudaProbe::Failed { error, .. } => Some(format!("the CUDA driver does not work ({error})")),
+        CudaProbe::Ready(d) if d.devices.is_empty() => Some("no GPU is visible".to_string()),
+        CudaProbe::Ready(_) => None,
+    };
+    match (driver, any_viable) {
+        (Some(why), _) if unbuilt.is_empty() => {
+            format!("GPU transports are not available: {why}")
+        }
+        (Some(why), _) => format!(
+            "GPU transports are not available: {why} (and {} not viable in this build)",
+            unbuilt.join(", ")
+        ),
+        (None, false) => format!(
+            "GPU transports are not available: {} not viable in this build",
+            unbuilt.join(", ")
+        ),
+        (None, true) => "GPU transports are available".to_string(),
+    }
+}
+
+/// What `ferry explain` prints, as text or JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    peer: String,
+    bytes: u64,
+    src: String,
+    dst: String,
+    layout: Layout,
+    locality: String,
+    setup: SetupReport,
+    earlier_rules: Vec<RuleMiss>,
+    rule: Option<RuleRef>,
+    skipped: Vec<Skip>,
+    chosen: Option<Chosen>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu: Option<String>,
+    warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct SetupReport {
+    attempted: bool,
+    connected: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct RuleRef {
+    index: usize,
+    name: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Chosen {
+    transport: String,
+    direction: String,
+}
+
+impl Report {
+    fn new(
+        args: &Args,
+        rules: &[Rule],
+        e: &Explanation,
+        setup: Setup,
+        gpu: Option<String>,
+    ) -> Self {
+        let setup = match setup {
+            Setup::NotTried => SetupReport {
+                attempted: false,
+                connected: false,
+                error: None,
+            },
+            Setup::Connected => SetupReport {
+                attempted: true,
+                connected: true,
+                error: None,
+            },
+            Setup::Failed(error) => SetupReport {
+                attempted: true,
+                connected: false,
+                error: Some(error),
+            },
+        };
+        Self {
+            peer: args.peer.clone(),
+            bytes: e.query.bytes,
+            src: e.query.src.to_string(),
+            dst: e.query.dst.to_string(),
+            layout: args.layout,
+            locality: e.query.locality.to_string(),
+            setup,
+            earlier_rules: rule_misses(rules, &e.query),
+            rule: e.rule.as_ref().map(|(index, name)| RuleRef {
+                index: *index,
+                name: name.clone(),
+            }),
+            skipped: e.skipped.iter().map(|(t, why)| skip(*t, why)).collect(),
+            chosen: e.chosen.as_ref().map(|r| Chosen {
+                transport: r.transport.to_string(),
+                direction: r.direction.to_string(),
+            }),
+            gpu,
+            warnings: performance_warnings(e, rules),
+        }
+    }
+
+    /// The human form: a header, then one labelled, aligned line per fact.
+    fn render(&self) -> String {
+        let mut lines: Vec<(String, String)> = Vec::new();
+        let mut line = |label: &str, text: String| lines.push((label.to_string(), text));
+        match (&self.setup.attempted, &self.setup.error) {
+            (false, _) => line(
+                "link",
+                "not tried (--no-connect): from this side's declarations only".into(),
+            ),
+            (true, None) => line("link", format!("connected to {}", self.peer)),
+            (true, Some(error)) => line(
+                "link",
+                format!(
+                    "setup failed: {error}; the route below is from this side's declarations only"
+                ),
+            ),
+        }
+        for miss in &self.earlier_rules {
+            line(
+                &format!("rule #{}", miss.index),
+                format!(
+                    "\"{}\" did not match: {}",
+                    miss.name,
+                    miss.reasons.join("; ")
+                ),
+            );
+        }
+        match &self.rule {
+            Some(r) => line(
+                &format!("rule #{}", r.index),
+                format!("\"{}\" matched", r.name),
+            ),
+            None => line("rule", "no rule matches this transfer".into()),
+        }
+        for s in &self.skipped {
+            line("skipped", format!("{}: {}", s.transport, s.reason));
+        }
+        match &self.chosen {
+            Some(c) => line("chosen", format!("{}, {}", c.transport, c.direction)),
+            None if self.rule.is_some() => line(
+                "chosen",
+                "none: no transport of the rule can carry it".into(),
+            ),
+            None => line("chosen", "none: add a rule that matches it".into()),
+        }
+        if let Some(gpu) = &self.gpu {
+            line("gpu", gpu.clone());
+        }
+        for w in &self.warnings {
+            line("warning", w.clone());
+        }
+        let width = lines.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+        let mut out = format!(
+            "ferry explain: {} {} -> {} to peer {} ({}), {}\n",
+            format_size(self.bytes),
+            self.src,
+            self.dst,
+            self.peer,
+            self.locality,
+            "contiguous"
+        );
+        for (label, text) in lines {
+            out.push_str(&format!("  {label:<width$}  {text}\n"));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_actors::core::route::choose;
+    use ferry_config::Direction;
+    use ferry_transports::transport::catalog;
+
+    fn rule(name: &str, transports: Vec<TransportName>) -> Rule {
+        Rule {
+            name: name.into(),
+            transports,
+            ..Rule::catch_all()
+        }
+    }
+
+    fn query(src: MemoryClass, dst: MemoryClass, locality: Locality) -> RouteQuery {
+        RouteQuery {
+            locality,
+            src,
+            dst,
+            bytes: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn sizes_take_bare_binary_suffixes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64K"), Ok(64 << 10));
+        assert_eq!(parse_bytes("1m"), Ok(1 << 20));
+        assert_eq!(parse_bytes("2G"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1MB"), Ok(1_000_000));
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert!(parse_bytes("K").is_err());
+        assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn earlier_rules_say_which_condition_failed() {
+        let mut small = rule("small", vec![TransportName::Tcp]);
+        small.max_bytes = Some(64 << 10);
+        let mut remote = rule("remote", vec![TransportName::Tcp]);
+        remote.locality = vec![Locality::Remote];
+        remote.src = vec![MemoryClass::Device];
+        let mut big = rule("big", vec![TransportName::Tcp]);
+        big.min_bytes = 1 << 30;
+        let rules = vec![small, remote, big, rule("host", vec![TransportName::Tcp])];
+        let q = query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost);
+        let misses = rule_misses(&rules, &q);
+        assert_eq!(misses.len(), 3);
+        assert_eq!(misses[0].reasons, ["size 1 MiB above max_bytes 64 KiB"]);
+        assert_eq!(
+            misses[1].reasons,
+            [
+                "locality same-host not in remote",
+                "source memory host not in device"
+            ]
+        );
+        assert_eq!(misses[2].reasons, ["size 1 MiB below min_bytes 1 GiB"]);
+        // No rule matches: every rule is a miss.
+        assert_eq!(rule_misses(&rules[..3], &q).len(), 3);
+    }
+
+    #[test]
+    fn skip_reasons_are_classified() {
+        let e = choose(
+            &[rule("x", vec![TransportName::Ipc, TransportName::Tcp])],
+            &catalog(),
+            Some(&["ipc".to_string()]),
+            query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
+        );
+        let kinds: Vec<_> = e.skipped.iter().map(|(t, w)| skip(*t, w).kind).collect();
+        assert_eq!(kinds, ["not-built", "peer-lacks"]);
+        let d = skip(TransportName::Tcp, &Unsuitable::Direction(Direction::Pull));
+        assert_eq!(d.kind, "capabilities");
+        assert!(d.reason.contains("does not support pull"), "{}", d.reason);
+        let v = skip(TransportName::Ipc, &Unsuitable::NotViable("no GPU".into()));
+        assert_eq!(v.reason, "not viable on this machine: no GPU");
+    }
+
+    #[test]
+    fn device_memory_through_tcp_warns_with_figures() {
+        let rules = vec![rule("host", vec![TransportName::Tcp])];
+        let e = choose(
+            &rules,
+            &catalog(),
+            None,
+            query(MemoryClass::Device, MemoryClass::Device, Locality::SameHost),
+        );
+        assert!(e.chosen.is_none());
+        let w = performance_warnings(&e, &rules);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("396 GB/s") && w[0].contains("55 GB/s"),
+            "{}",
+            w[0]
+        );
+        assert!(w[0].contains("list ipc (or staged) before tcp"), "{}", w[0]);
+        // Host memory over tcp is what tcp is for.
+        let e = choose(
+            &rules,
+            &catalog(),
+            None,
+            query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
+        );
+        assert!(performance_warnings(&e, &rules).is_empty());
+    }
+
+    #[test]
+    fn staged_on_one_host_warns_that_ipc_would_be_faster() {
+        let viable = |mut c: Vec<(Capabilities, Viability)>| {
+            for (_, v) in &mut c {
+                *v = Viability::Viable;
+            }
+            c
+        };
+        let mut catalog = viable(catalog());
+        // ipc present but not viable here; staged works.
+        if let Some((_, v)) = catalog
+            .iter_mut()
+            .find(|(c, _)| c.name == TransportName::Ipc)
+        {
+            *v = Viability::NotViable("no peer access between the GPUs".into());
+        }
+        let rules = vec![rule("gpu", vec![TransportName::Ipc, TransportName::Staged])];
+        let e = choose(
+            &rules,
+            &catalog,
+            None,
+            query(MemoryClass::Device, MemoryClass::Device, Locality::SameHost),
+        );
+        assert_eq!(
+            e.chosen.as_ref().map(|r| r.transport),
+            Some(TransportName::Staged)
+        );
+        let w = performance_warnings(&e, &rules);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("ipc was passed over: not viable on this machine: no peer access"));
+    }
+
+    #[test]
+    fn gpu_note_names_the_missing_driver_and_the_unbuilt_transports() {
+        let note = gpu_note(&CudaProbe::NoDriver, &catalog());
+        assert!(
+            note.starts_with("GPU transports are not available: no CUDA driver"),
+            "{note}"
+        );
+        assert!(note.contains("ipc, staged, ucx"), "{note}");
+    }
 }

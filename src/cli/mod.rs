@@ -5,6 +5,7 @@ mod config_cmd;
 mod demo;
 mod doctor;
 mod explain;
+mod metrics_http;
 mod serve;
 mod telemetry;
 
@@ -36,7 +37,7 @@ enum Command {
     /// Start local node processes and push buffers of mixed sizes through a pipeline.
     Demo(demo::Args),
     /// Measure transfers next to a raw baseline between the same endpoints.
-    Bench(bench::Args),
+    Bench(Box<bench::Args>),
     /// Show which route a transfer to a peer would take, and why.
     Explain(explain::Args),
     /// Check this machine for what ferry's transports need.
@@ -79,7 +80,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve::run(cli.config, &cli.overrides, args),
         Command::Demo(args) => demo::run(args),
         Command::Config(cmd) => config_cmd::run(cli.config, &cli.overrides, cmd),
-        Command::Bench(args) => bench::run(cli.config, &cli.overrides, args),
+        Command::Bench(args) => bench::run(cli.config, &cli.overrides, *args),
         Command::Explain(args) => explain::run(cli.config, &cli.overrides, args),
         Command::Doctor(args) => doctor::run(cli.config, &cli.overrides, args),
     };

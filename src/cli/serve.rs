@@ -78,6 +78,11 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
 async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     // Install the handlers before announcing readiness, so an early SIGTERM drains too.
     let stop = StopSignals::install()?;
+    // The recorder goes in before the node starts, so nothing it records is lost.
+    let metrics = match &config.telemetry.metrics_listen {
+        Some(listen) => Some(super::metrics_http::start(listen).await?),
+        None => None,
+    };
     let node = Arc::new(Node::start(config).await?);
     let mut endpoints: Vec<String> = node
         .tcp_addrs()
@@ -86,6 +91,9 @@ async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
         .collect();
     if let Some(path) = node.unix_path() {
         endpoints.push(format!("unix {}", path.display()));
+    }
+    if let Some(addr) = metrics {
+        endpoints.push(format!("metrics http://{addr}/metrics"));
     }
     // The ready line: scripts and tests wait for it.
     println!(

@@ -4,7 +4,11 @@
 //! format and messages ([`wire`]), authenticated control links ([`link`]) and the
 //! transports that move payloads ([`tcp`]). It makes no decisions about which transfer runs
 //! when; that is `ferry-actors`' job.
-#![forbid(unsafe_code)]
+//!
+//! Only [`cuda`] may use `unsafe` (it opts in with `#[allow(unsafe_code)]`); everything else
+//! is denied it.
+#![deny(unsafe_code)]
+pub mod cuda;
 pub mod link;
 pub mod memory;
 pub mod tcp;

@@ -1,0 +1,247 @@
+//! What `ferry bench` prints and writes: a table, JSON, CSV and a plot.
+
+use std::io::IsTerminal;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+/// What was measured, and how.
+#[derive(Debug, Serialize)]
+pub struct Header {
+    pub transport: String,
+    pub memory: String,
+    pub link: String,
+    pub bidir: bool,
+    pub iters: u64,
+    pub warmup: u64,
+    pub route: String,
+    pub baseline: String,
+}
+
+/// One size.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// Bytes per transfer.
+    pub bytes: u64,
+    /// Timed transfers.
+    pub iterations: u64,
+    /// Transfers in flight at once.
+    pub window: u64,
+    /// ferry's bandwidth, GB/s (10^9 B/s).
+    pub ferry_gbps: f64,
+    /// The baseline's, GB/s.
+    pub baseline_gbps: Option<f64>,
+    /// ferry / baseline.
+    pub ratio: Option<f64>,
+    /// Time from send to completion, microseconds.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// 99.9th percentile.
+    pub p999_us: f64,
+    /// Transfers that arrived wrong or not at all.
+    pub wrong: u64,
+    /// Whether transfers were verified.
+    pub checked: bool,
+}
+
+pub fn print_header(h: &Header) {
+    println!(
+        "# ferry bench: transport {}, {} memory, link over {}{}",
+        h.transport,
+        h.memory,
+        h.link,
+        if h.bidir {
+            ", both directions at once"
+        } else {
+            ""
+        }
+    );
+    println!("# route: {}", h.route);
+    println!("# baseline: {}", h.baseline);
+    println!(
+        "# {} timed transfers per size after {} warm-up; GB/s = 10^9 bytes/s; latency = send() to completion",
+        h.iters, h.warmup
+    );
+    println!(
+        "{:>12} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
+        "bytes",
+        "window",
+        "ferry GB/s",
+        "base GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "#wrong"
+    );
+}
+
+pub fn print_row(r: &Record) {
+    let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
+    println!(
+        "{:>12} {:>7} {:>10.3} {:>10} {:>7} {:>10.1} {:>10.1} {:>10.1} {:>7}",
+        r.bytes,
+        r.window,
+        r.ferry_gbps,
+        opt(r.baseline_gbps, 3),
+        opt(r.ratio, 2),
+        r.p50_us,
+        r.p99_us,
+        r.p999_us,
+        if r.checked {
+            r.wrong.to_string()
+        } else {
+            "-".into()
+        },
+    );
+}
+
+/// A progress bar on stderr when stdout is a terminal; hidden otherwise.
+pub fn progress(len: u64) -> ProgressBar {
+    if !std::io::stdout().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} sizes, now {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// An nvbandwidth-style matrix: GB/s from each row's node to each column's.
+pub fn print_matrix(names: &[String], cells: &[Vec<Option<f64>>], size: u64) {
+    println!("\n# GB/s from row to column at {} bytes", size);
+    print!("{:>14}", "");
+    for n in names {
+        print!(" {n:>14}");
+    }
+    println!();
+    for (n, row) in names.iter().zip(cells) {
+        print!("{n:>14}");
+        for c in row {
+            match c {
+                Some(v) => print!(" {v:>14.3}"),
+                None => print!(" {:>14}", "-"),
+            }
+        }
+        println!();
+    }
+}
+
+#[derive(Serialize)]
+struct Document<'a> {
+    tool: &'static str,
+    version: &'static str,
+    date: String,
+    host: String,
+    header: &'a Header,
+    records: &'a [Record],
+}
+
+pub fn write_json(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<()> {
+    let doc = Document {
+        tool: "ferry bench",
+        version: env!("CARGO_PKG_VERSION"),
+        date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+        header,
+        records,
+    };
+    let text = serde_json::to_string_pretty(&doc)?;
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
+    let mut out = String::from(
+        "bytes,iterations,window,ferry_gbps,baseline_gbps,ratio,p50_us,p99_us,p999_us,wrong\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.6}"));
+    for r in records {
+        out.push_str(&format!(
+            "{},{},{},{:.6},{},{},{},{},{},{}\n",
+            r.bytes,
+            r.iterations,
+            r.window,
+            r.ferry_gbps,
+            opt(r.baseline_gbps),
+            opt(r.ratio),
+            r.p50_us,
+            r.p99_us,
+            r.p999_us,
+            r.wrong
+        ));
+    }
+    std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Bandwidth against size, ferry and the baseline on one chart, as SVG.
+pub fn plot(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
+        bail!(
+            "--plot {}: only .svg is supported (render it to PNG with any SVG tool)",
+            path.display()
+        );
+    }
+    if records.is_empty() {
+        bail!("nothing to plot");
+    }
+    let lo = records.iter().map(|r| r.bytes).min().unwrap_or(1).max(1) as f64;
+    let hi = records.iter().map(|r| r.bytes).max().unwrap_or(1).max(2) as f64;
+    let top = records
+        .iter()
+        .flat_map(|r| [Some(r.ferry_gbps), r.baseline_gbps])
+        .flatten()
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let title = format!(
+        "ferry bench: {} transport, {} memory",
+        header.transport, header.memory
+    );
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d((lo..hi).log_scale(), 0.0..top)?;
+    chart
+        .configure_mesh()
+        .x_desc("bytes per transfer")
+        .y_desc("GB/s (10^9 B/s)")
+        .x_label_formatter(&|v| ferry_config::format_size(*v as u64))
+        .draw()?;
+    let ferry: Vec<(f64, f64)> = records
+        .iter()
+        .map(|r| (r.bytes as f64, r.ferry_gbps))
+        .collect();
+    chart
+        .draw_series(LineSeries::new(ferry.clone(), BLUE.stroke_width(2)))?
+        .label("ferry")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
+    chart.draw_series(ferry.iter().map(|p| Circle::new(*p, 3, BLUE.filled())))?;
+    let base: Vec<(f64, f64)> = records
+        .iter()
+        .filter_map(|r| r.baseline_gbps.map(|b| (r.bytes as f64, b)))
+        .collect();
+    if !base.is_empty() {
+        chart
+            .draw_series(LineSeries::new(base, RED.stroke_width(2)))?
+            .label(header.baseline.as_str())
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

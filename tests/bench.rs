@@ -1,0 +1,81 @@
+//! `ferry bench` on host memory: a short sweep with --check, --json, --csv and --plot.
+
+use std::process::{Command, Stdio};
+
+#[test]
+fn host_sweep_reports_every_size_next_to_its_baseline() {
+    let dir = tempfile::tempdir().expect("dir");
+    let json = dir.path().join("bench.json");
+    let csv = dir.path().join("bench.csv");
+    let svg = dir.path().join("bench.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench", "-b", "8", "-e", "1M", "-f", "16", "-n", "5", "-w", "1",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--csv")
+        .arg(&csv)
+        .arg("--plot")
+        .arg(&svg)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("#wrong"), "{stdout}");
+
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
+            .expect("valid json");
+    let records = doc["records"].as_array().expect("records");
+    let sizes: Vec<u64> = records.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+    assert_eq!(sizes, vec![8, 128, 2048, 32768, 524288]);
+    for r in records {
+        let ferry = r["ferry_gbps"].as_f64().expect("ferry figure");
+        let base = r["baseline_gbps"].as_f64().expect("baseline figure");
+        let ratio = r["ratio"].as_f64().expect("ratio");
+        assert!(ferry > 0.0 && base > 0.0, "{r}");
+        assert!((ratio - ferry / base).abs() < 1e-9, "{r}");
+        assert_eq!(r["wrong"].as_u64(), Some(0), "{r}");
+        assert_eq!(r["checked"].as_bool(), Some(true), "{r}");
+        assert!(r["p50_us"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+    }
+    assert!(
+        doc["header"]["route"]
+            .as_str()
+            .is_some_and(|s| s.contains("tcp"))
+    );
+
+    let csv = std::fs::read_to_string(&csv).expect("csv written");
+    assert_eq!(csv.lines().count(), 1 + sizes.len(), "{csv}");
+    let svg = std::fs::read_to_string(&svg).expect("plot written");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("ferry"),
+        "not an svg plot"
+    );
+}
+
+#[test]
+fn bench_refuses_what_is_not_built_with_a_reason() {
+    for (args, needle) in [
+        (vec!["--memory", "device"], "device memory"),
+        (vec!["--transport", "ipc"], "only tcp"),
+        (vec!["-b", "1M", "-e", "8"], "larger than"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .arg("bench")
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

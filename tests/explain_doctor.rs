@@ -1,0 +1,233 @@
+//! `ferry explain` and `ferry doctor` end to end, on a machine without a GPU (CI). The pure
+//! diagnoses have unit tests next to their code (src/cli/explain.rs, src/cli/doctor.rs).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{Scratch, Served};
+
+fn ferry(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run ferry")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Everything the process said, for assertion messages.
+fn said(out: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A served echo peer `b` and a config for `a` that knows it, with `rules` appended.
+fn pair(scratch: &Scratch, rules: &str) -> (Served, std::path::PathBuf) {
+    let b = scratch.write("b.toml", &scratch.toml("b", &[], ""));
+    let served = Served::start(&b, "echo");
+    let a = scratch.write("a.toml", &scratch.toml("a", &[("b", &served.addr)], rules));
+    (served, a)
+}
+
+fn explain(config: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["explain", "--config"];
+    let config = config.to_str().expect("utf-8 temp path");
+    args.push(config);
+    args.extend_from_slice(&["--peer", "b"]);
+    args.extend_from_slice(extra);
+    ferry(&args)
+}
+
+#[test]
+fn explain_reachable_peer_default_rules_chooses_tcp() {
+    let scratch = Scratch::new();
+    let (_b, a) = pair(&scratch, "");
+    let out = explain(&a, &["--bytes", "1M", "--memory", "host"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    assert!(text.contains("connected to b"), "{text}");
+    assert!(
+        text.contains("rule #0") && text.contains("\"host\" matched"),
+        "{text}"
+    );
+    assert!(
+        text.contains("chosen") && text.contains("tcp, push"),
+        "{text}"
+    );
+    assert!(text.contains("same-host"), "{text}");
+}
+
+#[test]
+fn explain_says_why_ipc_is_skipped() {
+    let scratch = Scratch::new();
+    let rules = "[[transport.rules]]\nname = \"small\"\nmax_bytes = \"4KiB\"\ntransports = [\"tcp\"]\n\n\
+                 [[transport.rules]]\nname = \"all\"\ntransports = [\"ipc\", \"tcp\"]\n";
+    let (_b, a) = pair(&scratch, rules);
+    let out = explain(&a, &["--bytes", "64K", "--memory", "host"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    assert!(
+        text.contains("\"small\" did not match: size 64 KiB above max_bytes 4 KiB"),
+        "{text}"
+    );
+    assert!(text.contains("\"all\" matched"), "{text}");
+    assert!(text.contains("ipc: not built yet"), "{text}");
+    assert!(text.contains("tcp, push"), "{text}");
+}
+
+#[test]
+fn explain_a_rule_that_excludes_everything_exits_1() {
+    let scratch = Scratch::new();
+    let rules = "[[transport.rules]]\nname = \"pull\"\ndirection = \"pull\"\ntransports = [\"ipc\", \"tcp\"]\n";
+    let (_b, a) = pair(&scratch, rules);
+    let out = explain(&a, &["--bytes", "4096", "--memory", "host"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    assert!(text.contains("ipc: not built yet"), "{text}");
+    assert!(
+        text.contains("tcp: excluded by its declared capabilities: does not support pull"),
+        "{text}"
+    );
+    assert!(
+        text.contains("no transport of the rule can carry it"),
+        "{text}"
+    );
+}
+
+#[test]
+fn explain_unreachable_peer_reports_setup_failed() {
+    let scratch = Scratch::new();
+    // A port nothing listens on: bind one, learn it, close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let a = scratch.write(
+        "a.toml",
+        &scratch.toml("a", &[("b", &format!("127.0.0.1:{port}"))], ""),
+    );
+    let out = explain(&a, &["--bytes", "1M", "--memory", "host"]);
+    let text = stdout(&out);
+    assert!(text.contains("setup failed:"), "{}", said(&out));
+    // The route is still explained from this side's declarations.
+    assert!(text.contains("tcp, push"), "{text}");
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+}
+
+#[test]
+fn explain_device_memory_says_gpu_transports_are_unavailable() {
+    let scratch = Scratch::new();
+    let a = scratch.write("a.toml", &scratch.toml("a", &[("b", "127.0.0.1:1")], ""));
+    let out = explain(&a, &["--bytes", "1G", "--memory", "device", "--no-connect"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    assert!(text.contains("GPU transports are not available"), "{text}");
+    assert!(
+        text.contains("tcp: excluded by its declared capabilities: cannot move device memory"),
+        "{text}"
+    );
+    assert!(
+        text.contains("warning") && text.contains("396 GB/s"),
+        "{text}"
+    );
+}
+
+#[test]
+fn explain_json_parses() {
+    let scratch = Scratch::new();
+    let (_b, a) = pair(&scratch, "");
+    let out = explain(
+        &a,
+        &[
+            "--bytes",
+            "4096",
+            "--memory",
+            "host",
+            "--dst-memory",
+            "host",
+            "--json",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("explain --json is JSON");
+    assert_eq!(v["chosen"]["transport"], "tcp");
+    assert_eq!(v["rule"]["name"], "host");
+    assert_eq!(v["dst"], "host");
+    assert_eq!(v["setup"]["connected"], true);
+}
+
+fn doctor(config: Option<&Path>, extra: &[&str]) -> Output {
+    let mut args: Vec<&str> = vec!["doctor"];
+    if let Some(c) = config {
+        args.extend_from_slice(&["--config", c.to_str().expect("utf-8 temp path")]);
+    }
+    args.extend_from_slice(extra);
+    ferry(&args)
+}
+
+/// Whether this machine has a CUDA driver (then the "no CUDA driver" line cannot appear).
+fn has_cuda() -> bool {
+    [
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/usr/lib64/libcuda.so.1",
+        "/usr/lib/libcuda.so.1",
+    ]
+    .iter()
+    .any(|p| Path::new(p).exists())
+}
+
+#[test]
+fn doctor_default_config_passes_and_says_no_cuda() {
+    let scratch = Scratch::new();
+    let a = scratch.write("a.toml", &scratch.toml("a", &[], ""));
+    let out = doctor(Some(&a), &[]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    assert!(
+        text.contains("rule #0 host") && text.contains("uses tcp"),
+        "{text}"
+    );
+    assert!(
+        text.contains("/dev/shm") && text.contains("memlock") && text.contains("ucx"),
+        "{text}"
+    );
+    if !has_cuda() {
+        assert!(
+            text.contains("no CUDA driver: GPU transports disabled"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn doctor_exits_1_when_the_only_rule_names_ipc() {
+    let scratch = Scratch::new();
+    let rules = "[[transport.rules]]\nname = \"gpu\"\ntransports = [\"ipc\"]\n";
+    let a = scratch.write("a.toml", &scratch.toml("a", &[], rules));
+    let out = doctor(Some(&a), &[]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    assert!(
+        text.contains("problem") && text.contains("rule #0 gpu"),
+        "{text}"
+    );
+    let out = doctor(Some(&a), &["--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json is JSON");
+    assert_eq!(v["blocked"], true);
+    let findings = v["findings"].as_array().expect("findings");
+    assert!(
+        findings.iter().any(|f| f["check"] == "rule #0 gpu"
+            && f["status"] == "problem"
+            && f["blocks"] == true)
+    );
+}
