@@ -242,15 +242,31 @@ fn code(e: &DriverError) -> String {
 
 fn kernel_module() -> Option<String> {
     let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
-    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..."
+    module_version(&text)
+}
+
+/// The version in the kernel module's banner, whichever wording the module uses:
+/// "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..." or
+/// "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build ...".
+fn module_version(text: &str) -> Option<String> {
     let line = text.lines().next()?;
-    let after = line.split("Kernel Module").nth(1)?;
-    after.split_whitespace().next().map(str::to_string)
+    line.split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn module_version_is_found_in_either_banner() {
+        let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)  Sun Jul 27 2025\nGCC version: gcc 12";
+        let closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024";
+        assert_eq!(module_version(open).as_deref(), Some("580.65.06"));
+        assert_eq!(module_version(closed).as_deref(), Some("535.183.01"));
+        assert_eq!(module_version("garbage"), None);
+    }
 
     #[test]
     fn versions_read_as_major_minor() {
