@@ -79,3 +79,24 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn png_plot() {
+    let dir = tempfile::tempdir().expect("dir");
+    let png = dir.path().join("bench.png");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench", "-b", "64", "-e", "4K", "-f", "8", "-n", "3", "-w", "0", "--plot",
+        ])
+        .arg(&png)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&png).expect("png written");
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+}

@@ -2,7 +2,8 @@
 //!
 //! It owns the link to the peer. Two tasks on the node's I/O runtime serve the link: the
 //! reader decodes frames, places data and put chunks straight into their receive buffers
-//! (read in place from the validated archive) and forwards control messages to the actor;
+//! (each chunk's payload frame is read straight into its buffer) and forwards control
+//! messages to the actor;
 //! the writer sends control frames and streams buffers in chunks from a bounded queue. Bulk
 //! bytes therefore never pass through a mailbox, and the actor never waits on a socket.
 //!
@@ -828,7 +829,13 @@ async fn write_loop(
     while let Some(out) = rx.recv().await {
         match out {
             Outgoing::Frame(msg) => {
-                if let Err(e) = writer.send(&msg).await {
+                // Frames queued together go out in one write, once the queue is empty.
+                let sent = if rx.is_empty() {
+                    writer.send(&msg).await
+                } else {
+                    writer.feed(&msg).await
+                };
+                if let Err(e) = sent {
                     failure = Some(e);
                     break;
                 }
@@ -887,15 +894,17 @@ async fn stream(
         if stop.load(Ordering::Acquire) {
             break;
         }
-        let msg = match what {
-            StreamWhat::Transfer => tcp::data_message(op.0, bytes, part.0, part.1),
+        let header = match what {
+            StreamWhat::Transfer => tcp::data_header(op.0, part),
             StreamWhat::Put { key, offset } => {
-                tcp::put_message(op.0, key, bytes, offset, part, i + 1 == count)
+                tcp::put_header(op.0, key, offset, part, i + 1 == count)
             }
         };
-        writer.send(&msg).await?;
+        // The bytes go from the caller's buffer to the socket as they are.
+        let payload = &bytes.as_slice()[part.0..part.0 + part.1];
+        writer.feed_chunk(&header, payload).await?;
     }
-    Ok(())
+    writer.flush().await
 }
 
 struct ReadLoop {
@@ -913,6 +922,7 @@ impl ReadLoop {
     async fn run(self, mut reader: LinkReader) {
         let mut bad = 0u32;
         let mut put_errors: HashMap<u64, String> = HashMap::new();
+        let mut put_bytes: Vec<u8> = Vec::new();
         let why = loop {
             let frame = match reader.next().await {
                 Ok(Some(frame)) => frame,
@@ -937,43 +947,79 @@ impl ReadLoop {
             };
             match msg {
                 ArchivedMessage::Data(chunk) => {
-                    let id = chunk.transfer.to_native();
-                    let placed = match self.regions.get_mut(&id) {
-                        Some(mut region) => region.place(chunk),
-                        // A chunk of a transfer cancelled meanwhile: drop it.
-                        None => continue,
-                    };
-                    match placed {
-                        Ok(true) => {
-                            if let Some((_, region)) = self.regions.remove(&id) {
-                                let done = InboundDone {
-                                    id,
-                                    buffer: region.into_buffer(),
-                                };
-                                if self.me.send(done).await.is_err() {
-                                    break "node stopped".into();
-                                }
-                            }
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
+                    let chunk = ferry_transports::wire::DataChunk::from(chunk);
+                    let id = chunk.transfer;
+                    // The buffer is lent out of the map while its bytes arrive, so the map
+                    // is never locked across a socket read.
+                    let lent = self.regions.get_mut(&id).map(|mut r| r.lend(&chunk));
+                    let mut landing = match lent {
+                        Some(Ok(landing)) => landing,
+                        Some(Err(e)) => {
                             note_protocol_violation();
                             break format!("protocol violation: {e}");
                         }
+                        // A chunk of a transfer cancelled meanwhile: read past its bytes.
+                        None => match reader.discard_payload(chunk.len).await {
+                            Ok(()) => continue,
+                            Err(e) => match tolerate_damage(e, &mut bad, self.max_bad) {
+                                Ok(()) => continue,
+                                Err(why) => break why,
+                            },
+                        },
+                    };
+                    if let Err(e) = reader.read_payload_into(landing.destination()).await {
+                        // Damaged bytes may now be in the buffer: the transfer must not be
+                        // delivered. Dropping the link fails it at both ends and frees the
+                        // buffer (the peer sees it lost; nothing is retried here).
+                        break format!("chunk of transfer {id} not received: {e}");
+                    }
+                    // `None`: abandoned while its bytes arrived; dropping the landing there
+                    // freed its memory.
+                    let complete = self.regions.get_mut(&id).map(|mut r| r.restore(landing));
+                    if complete == Some(true)
+                        && let Some(buffer) =
+                            self.regions.remove(&id).and_then(|(_, r)| r.into_buffer())
+                        && self.me.send(InboundDone { id, buffer }).await.is_err()
+                    {
+                        break "node stopped".into();
                     }
                 }
                 ArchivedMessage::Put(chunk) => {
-                    let put = chunk.put.to_native();
-                    let region = chunk.region.to_native();
-                    let placed = match self.exposed.get_mut(&region) {
-                        Some(mut r) => r.place(chunk).map_err(|e| e.to_string()),
-                        None => Err(format!("region {region} is not exposed")),
-                    };
-                    if let Err(e) = placed {
-                        if put_errors.len() >= 1024 && !put_errors.contains_key(&put) {
-                            break "too many failing puts open at once".into();
+                    let chunk = ferry_transports::wire::PutChunk::from(chunk);
+                    let put = chunk.put;
+                    let len = chunk.len as usize;
+                    // Where the bytes go is checked before they are read; a refused put's
+                    // bytes are read past. Accepted ones land in `put_bytes` first: the
+                    // exposed map is shared with every peer and with `withdraw`, so it is
+                    // not locked across a socket read, and damaged bytes never reach it.
+                    let checked = exposed_destination(&self.exposed, &chunk, |_| ());
+                    let received = match checked {
+                        Ok(()) => {
+                            if put_bytes.len() < len {
+                                put_bytes.resize(len, 0);
+                            }
+                            reader.read_payload_into(&mut put_bytes[..len]).await
                         }
-                        put_errors.entry(put).or_insert(e);
+                        Err(e) => {
+                            if let Err(why) = note_put_error(&mut put_errors, put, e) {
+                                break why;
+                            }
+                            reader.discard_payload(chunk.len).await
+                        }
+                    };
+                    let placed = match received {
+                        Ok(()) => exposed_destination(&self.exposed, &chunk, |dst| {
+                            dst.copy_from_slice(&put_bytes[..len])
+                        }),
+                        Err(e) => match tolerate_damage(e, &mut bad, self.max_bad) {
+                            Ok(()) => Err("a chunk was damaged in transit".into()),
+                            Err(why) => break why,
+                        },
+                    };
+                    if let Err(e) = placed
+                        && let Err(why) = note_put_error(&mut put_errors, put, e)
+                    {
+                        break why;
                     }
                     if chunk.last {
                         let error = put_errors.remove(&put);
@@ -1000,4 +1046,51 @@ impl ReadLoop {
 
 fn note_protocol_violation() {
     metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);
+}
+
+/// A payload that could not be read: a CRC mismatch leaves the link in step and is
+/// tolerated up to `max_bad` times (counting it in `bad`); anything else ends the link, with
+/// the returned reason.
+fn tolerate_damage(e: LinkError, bad: &mut u32, max_bad: u32) -> Result<(), String> {
+    match e {
+        LinkError::Frame(e @ ferry_transports::wire::FrameError::CrcMismatch { .. })
+            if *bad < max_bad =>
+        {
+            *bad += 1;
+            tracing::warn!(error = %e, "damaged payload rejected");
+            Ok(())
+        }
+        e => Err(format!("{e}")),
+    }
+}
+
+/// Runs `place` on where `chunk`'s bytes go in its exposed region, or says why they cannot
+/// go there (not exposed, stale generation, out of bounds). Holds the region's map entry
+/// only for the call.
+fn exposed_destination(
+    exposed: &DashMap<u64, ExposedRegion>,
+    chunk: &ferry_transports::wire::PutChunk,
+    place: impl FnOnce(&mut [u8]),
+) -> Result<(), String> {
+    let Some(mut region) = exposed.get_mut(&chunk.region) else {
+        return Err(format!("region {} is not exposed", chunk.region));
+    };
+    region
+        .destination(chunk)
+        .map(place)
+        .map_err(|e| e.to_string())
+}
+
+/// Remembers the first error of `put`, reported in its ack; fails (ending the link) when
+/// too many puts are failing at once.
+fn note_put_error(
+    put_errors: &mut HashMap<u64, String>,
+    put: u64,
+    error: String,
+) -> Result<(), String> {
+    if put_errors.len() >= 1024 && !put_errors.contains_key(&put) {
+        return Err("too many failing puts open at once".into());
+    }
+    put_errors.entry(put).or_insert(error);
+    Ok(())
 }

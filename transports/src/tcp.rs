@@ -1,16 +1,22 @@
 //! The tcp transport: host buffers streamed over a control link in chunks.
 //!
 //! The receiver reserves memory first (the offer/grant exchange), then the sender streams the
-//! buffer as [`DataChunk`] frames of `chunk_size` bytes; the receiver copies each chunk in
-//! place from the validated archive into the reserved buffer ([`InboundRegion`]). A one-sided
-//! put streams [`PutChunk`] frames into a region the receiver exposed. Chunks travel on the
-//! same ordered link as control frames, so a transfer's bytes all precede its completion.
+//! buffer in chunks of `chunk_size` bytes: each a small [`DataChunk`] frame naming the
+//! transfer, offset and length, followed by the bytes themselves as one raw `Payload` frame,
+//! written from the sender's buffer as they are. The receiver checks the chunk against the
+//! reserved buffer ([`InboundRegion::lend`]) and reads the payload straight into its place
+//! ([`Landing::destination`]). A one-sided put streams [`PutChunk`] frames, each followed by
+//! its payload, into a region the receiver exposed ([`ExposedRegion::destination`]). Chunks
+//! travel on the same ordered link as control frames, so a transfer's bytes all precede its
+//! completion.
+
+use std::ops::Range;
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
-use crate::memory::{Buffer, SharedBytes};
+use crate::memory::Buffer;
 use crate::transport::Capabilities;
-use crate::wire::{ArchivedDataChunk, ArchivedPutChunk, DataChunk, Message, PutChunk};
+use crate::wire::{DataChunk, Message, PutChunk};
 
 /// What the tcp transport can do.
 pub fn capabilities() -> Capabilities {
@@ -35,20 +41,26 @@ pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> 
     })
 }
 
-/// The data frame for one chunk of an outbound transfer.
-pub fn data_message(transfer: u64, bytes: &SharedBytes, offset: usize, len: usize) -> Message {
+/// The header frame of one chunk `(offset, len)` of an outbound transfer; its bytes follow
+/// as a payload frame (`LinkWriter::feed_chunk`).
+///
+/// `len` must fit a frame (it is at most the configured chunk size); a larger one is
+/// clamped, and the writer then refuses the chunk because the lengths differ.
+pub fn data_header(transfer: u64, chunk: (usize, usize)) -> Message {
+    let (offset, len) = chunk;
     Message::Data(DataChunk {
         transfer,
         offset: offset as u64,
-        bytes: bytes.as_slice()[offset..offset + len].to_vec(),
+        len: u32::try_from(len).unwrap_or(u32::MAX),
     })
 }
 
-/// The put frame for one chunk of a one-sided put.
-pub fn put_message(
+/// The header frame of one chunk `(offset, len)` of a one-sided put, `offset` counted from
+/// the start of the put's buffer; its bytes follow as a payload frame. Same `len` rule as
+/// [`data_header`].
+pub fn put_header(
     put: u64,
     key: RegionKey,
-    bytes: &SharedBytes,
     region_offset: u64,
     chunk: (usize, usize),
     last: bool,
@@ -59,8 +71,8 @@ pub fn put_message(
         region: key.region,
         generation: key.generation,
         offset: region_offset + offset as u64,
+        len: u32::try_from(len).unwrap_or(u32::MAX),
         last,
-        bytes: bytes.as_slice()[offset..offset + len].to_vec(),
     })
 }
 
@@ -100,12 +112,22 @@ pub enum PlaceError {
         /// The region's current generation.
         current: u64,
     },
+    /// The buffer is lent out for another chunk, or a view of it is still alive.
+    #[error("the receive buffer is busy with another chunk")]
+    Busy,
 }
 
 /// A receive buffer being filled by data chunks.
+///
+/// The reader fills it one chunk at a time without holding the map it lives in locked
+/// across a socket read: [`InboundRegion::lend`] checks the chunk and lends the buffer out
+/// as a [`Landing`], the payload is read into [`Landing::destination`], and
+/// [`InboundRegion::restore`] takes the buffer back. If the region was dropped meanwhile (the
+/// transfer was abandoned), dropping the landing releases the memory instead.
 #[derive(Debug)]
 pub struct InboundRegion {
-    buffer: Buffer,
+    /// `None` while lent out as a [`Landing`].
+    buffer: Option<Buffer>,
     received: u64,
 }
 
@@ -113,22 +135,61 @@ impl InboundRegion {
     /// Starts filling `buffer`.
     pub fn new(buffer: Buffer) -> Self {
         Self {
-            buffer,
+            buffer: Some(buffer),
             received: 0,
         }
     }
 
-    /// Copies one validated chunk in place; returns true when every byte has arrived.
-    pub fn place(&mut self, chunk: &ArchivedDataChunk) -> Result<bool, PlaceError> {
-        let offset = chunk.offset.to_native();
-        copy_into(&mut self.buffer, offset, chunk.bytes.as_slice())?;
-        self.received += chunk.bytes.len() as u64;
-        Ok(self.received >= self.buffer.len() as u64)
+    /// Checks that `chunk` lies within the buffer and lends the buffer out for its bytes to
+    /// be written; give it back with [`InboundRegion::restore`].
+    ///
+    /// Fails with [`PlaceError::OutOfBounds`] when the chunk overruns the buffer (the peer
+    /// misbehaved) and [`PlaceError::Busy`] when the buffer is already lent out or not
+    /// writable.
+    pub fn lend(&mut self, chunk: &DataChunk) -> Result<Landing, PlaceError> {
+        let Some(buffer) = self.buffer.as_mut() else {
+            return Err(PlaceError::Busy);
+        };
+        let range = checked_range(buffer, chunk.offset, u64::from(chunk.len))?;
+        if buffer.as_mut_slice().is_none() {
+            return Err(PlaceError::Busy);
+        }
+        let buffer = self.buffer.take().ok_or(PlaceError::Busy)?;
+        Ok(Landing { buffer, range })
     }
 
-    /// The buffer, once filled (or abandoned).
-    pub fn into_buffer(self) -> Buffer {
+    /// Takes back the buffer lent for one chunk whose bytes all arrived; returns true when
+    /// every byte of the transfer has.
+    pub fn restore(&mut self, landing: Landing) -> bool {
+        self.received += landing.range.len() as u64;
+        let capacity = landing.buffer.len() as u64;
+        self.buffer = Some(landing.buffer);
+        self.received >= capacity
+    }
+
+    /// The buffer, once filled (or abandoned); `None` while it is lent out.
+    pub fn into_buffer(self) -> Option<Buffer> {
         self.buffer
+    }
+}
+
+/// A receive buffer lent out of its [`InboundRegion`] for one chunk's bytes to be written.
+/// Dropping it releases the buffer's memory.
+#[derive(Debug)]
+pub struct Landing {
+    buffer: Buffer,
+    range: Range<usize>,
+}
+
+impl Landing {
+    /// The chunk's place in the buffer: exactly the chunk's length, at its offset.
+    pub fn destination(&mut self) -> &mut [u8] {
+        // `lend` checked the range against the buffer and that the buffer is writable, and
+        // the landing owns the buffer, so no view of it can have appeared since.
+        match self.buffer.as_mut_slice() {
+            Some(bytes) => &mut bytes[self.range.clone()],
+            None => &mut [],
+        }
     }
 }
 
@@ -142,27 +203,34 @@ pub struct ExposedRegion {
 }
 
 impl ExposedRegion {
-    /// Copies one validated put chunk in place.
-    pub fn place(&mut self, chunk: &ArchivedPutChunk) -> Result<(), PlaceError> {
-        let generation = chunk.generation.to_native();
-        if generation != self.generation {
+    /// Where the bytes of `chunk` go in the region, after checking the chunk's generation
+    /// and that it lies within the region.
+    ///
+    /// Fails with [`PlaceError::StaleGeneration`] or [`PlaceError::OutOfBounds`] (also
+    /// when the buffer is not writable).
+    pub fn destination(&mut self, chunk: &PutChunk) -> Result<&mut [u8], PlaceError> {
+        if chunk.generation != self.generation {
             return Err(PlaceError::StaleGeneration {
-                region: chunk.region.to_native(),
-                got: generation,
+                region: chunk.region,
+                got: chunk.generation,
                 current: self.generation,
             });
         }
-        copy_into(
-            &mut self.buffer,
-            chunk.offset.to_native(),
-            chunk.bytes.as_slice(),
-        )
+        let len = u64::from(chunk.len);
+        let range = checked_range(&self.buffer, chunk.offset, len)?;
+        let capacity = self.buffer.len() as u64;
+        let bytes = self.buffer.as_mut_slice().ok_or(PlaceError::OutOfBounds {
+            offset: chunk.offset,
+            len,
+            capacity,
+        })?;
+        Ok(&mut bytes[range])
     }
 }
 
-fn copy_into(buffer: &mut Buffer, offset: u64, bytes: &[u8]) -> Result<(), PlaceError> {
+/// `len` bytes at `offset`, as a range of `buffer`, if they lie within it.
+fn checked_range(buffer: &Buffer, offset: u64, len: u64) -> Result<Range<usize>, PlaceError> {
     let capacity = buffer.len() as u64;
-    let len = bytes.len() as u64;
     let oob = PlaceError::OutOfBounds {
         offset,
         len,
@@ -172,15 +240,110 @@ fn copy_into(buffer: &mut Buffer, offset: u64, bytes: &[u8]) -> Result<(), Place
     if end > capacity {
         return Err(oob);
     }
-    let dst = buffer.as_mut_slice().ok_or(oob)?;
-    // Both bounds were checked against the buffer's length above.
-    dst[offset as usize..end as usize].copy_from_slice(bytes);
-    Ok(())
+    // Both ends are at most the buffer's length, which is a usize.
+    Ok(offset as usize..end as usize)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::chunks;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+    use crate::memory::{BufferId, Generation, Lease, MemoryKind, Releaser};
+
+    #[derive(Default)]
+    struct Released(AtomicU64);
+    impl Releaser for Released {
+        fn release(&self, lease: &Lease) {
+            self.0.fetch_add(lease.len, Ordering::SeqCst);
+        }
+    }
+
+    fn buffer(len: u64, released: &Arc<Released>) -> Buffer {
+        let lease = Lease {
+            kind: MemoryKind::Host,
+            id: BufferId(1),
+            generation: Generation(4),
+            len,
+        };
+        Buffer::new_host(lease, released.clone())
+    }
+
+    fn data(offset: u64, len: u32) -> DataChunk {
+        DataChunk {
+            transfer: 1,
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn chunks_land_where_they_say_and_complete_the_region() {
+        let released = Arc::default();
+        let mut region = InboundRegion::new(buffer(10, &released));
+        for (offset, bytes) in [(6, &b"6789"[..]), (0, &b"012345"[..])] {
+            let chunk = data(offset, bytes.len() as u32);
+            let mut landing = match region.lend(&chunk) {
+                Ok(l) => l,
+                Err(e) => panic!("{e}"),
+            };
+            assert_eq!(region.lend(&chunk).err(), Some(PlaceError::Busy));
+            landing.destination().copy_from_slice(bytes);
+            assert_eq!(region.restore(landing), offset == 0);
+        }
+        let filled = region.into_buffer().map(|b| b.as_slice().to_vec());
+        assert_eq!(filled.as_deref(), Some(&b"0123456789"[..]));
+    }
+
+    #[test]
+    fn a_chunk_past_the_end_is_refused_and_a_dropped_landing_frees_memory() {
+        let released = Arc::new(Released::default());
+        let mut region = InboundRegion::new(buffer(10, &released));
+        for chunk in [data(8, 3), data(u64::MAX, 2), data(11, 0)] {
+            assert!(matches!(
+                region.lend(&chunk),
+                Err(PlaceError::OutOfBounds { .. })
+            ));
+        }
+        let landing = region.lend(&data(10, 0));
+        assert!(landing.is_ok());
+        // The region was abandoned while the landing was out: dropping both frees it.
+        drop(region);
+        assert_eq!(released.0.load(Ordering::SeqCst), 0);
+        drop(landing);
+        assert_eq!(released.0.load(Ordering::SeqCst), 10);
+    }
+
+    #[test]
+    fn a_put_checks_generation_and_bounds() {
+        let released = Arc::default();
+        let mut region = ExposedRegion {
+            buffer: buffer(10, &released),
+            generation: 4,
+        };
+        let put = |generation, offset, len| PutChunk {
+            put: 1,
+            region: 2,
+            generation,
+            offset,
+            len,
+            last: false,
+        };
+        assert!(matches!(
+            region.destination(&put(3, 0, 1)),
+            Err(PlaceError::StaleGeneration { got: 3, .. })
+        ));
+        assert!(matches!(
+            region.destination(&put(4, 9, 2)),
+            Err(PlaceError::OutOfBounds { .. })
+        ));
+        match region.destination(&put(4, 7, 3)) {
+            Ok(dst) => dst.copy_from_slice(b"abc"),
+            Err(e) => panic!("{e}"),
+        }
+        assert_eq!(&region.buffer.as_slice()[7..], b"abc");
+    }
 
     #[test]
     fn chunks_cover_exactly() {

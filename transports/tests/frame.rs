@@ -7,9 +7,10 @@ use std::pin::{Pin, pin};
 use std::task::{Context, Poll, Waker};
 
 use ferry_transports::wire::{
-    Cancel, DataChunk, Done, FrameError, FrameHeader, FrameKind, FrameReader, Grant, HEADER_LEN,
-    Hello, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError, WireDirection,
-    WireMemoryKind, WireReason, decode, encode, encode_into, parse_header, read_frame,
+    Cancel, DataChunk, Done, Frame, FrameError, FrameHeader, FrameKind, FrameReader, Grant,
+    HEADER_LEN, Hello, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError,
+    WireDirection, WireMemoryKind, WireReason, decode, encode, encode_payload, parse_header,
+    read_frame,
 };
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
@@ -26,9 +27,59 @@ fn hello() -> Hello {
     }
 }
 
-/// One message of every variant, plus a few sizes of the variable-length ones.
-fn corpus() -> Vec<Message> {
-    vec![
+/// One frame of the corpus: a message, or the raw bytes of a chunk.
+#[derive(Debug, Clone, PartialEq)]
+enum Item {
+    Msg(Message),
+    Payload(Vec<u8>),
+}
+
+impl Item {
+    fn kind(&self) -> FrameKind {
+        match self {
+            Self::Msg(msg) => msg.kind(),
+            Self::Payload(_) => FrameKind::Payload,
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let encoded = match self {
+            Self::Msg(msg) => encode(msg),
+            Self::Payload(bytes) => encode_payload(bytes),
+        };
+        match encoded {
+            Ok(bytes) => bytes,
+            Err(e) => panic!("encoding {self:?}: {e}"),
+        }
+    }
+
+    /// Panics unless `frame` carries exactly this item.
+    fn check(&self, frame: &Frame) {
+        assert_eq!(frame.kind(), self.kind());
+        match self {
+            Self::Msg(msg) => {
+                assert_eq!(frame.message().map(|m| m.kind()), Ok(msg.kind()));
+                assert_eq!(frame.to_owned_message().as_ref(), Ok(msg));
+            }
+            Self::Payload(bytes) => {
+                assert_eq!(frame.payload(), &bytes[..]);
+                assert!(
+                    matches!(frame.message(), Err(FrameError::Invalid(_))),
+                    "a payload frame carries no message"
+                );
+            }
+        }
+    }
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+/// One message of every variant, plus a few sizes of the variable-length ones, and payload
+/// frames of a few sizes (empty included).
+fn corpus() -> Vec<Item> {
+    let msgs = vec![
         Message::Hello(hello()),
         Message::Offer(Offer {
             transfer: 1,
@@ -45,12 +96,12 @@ fn corpus() -> Vec<Message> {
         Message::Data(DataChunk {
             transfer: 2,
             offset: 0,
-            bytes: Vec::new(),
+            len: 0,
         }),
         Message::Data(DataChunk {
             transfer: 2,
             offset: 4096,
-            bytes: (0..4096u32).map(|i| (i * 31 % 251) as u8).collect(),
+            len: 4096,
         }),
         Message::Done(Done { transfer: 2 }),
         Message::Cancel(Cancel {
@@ -63,8 +114,8 @@ fn corpus() -> Vec<Message> {
             region: 10,
             generation: 11,
             offset: 12,
+            len: 300,
             last: true,
-            bytes: vec![0xab; 300],
         }),
         Message::PutAck(PutAck {
             put: 9,
@@ -78,7 +129,14 @@ fn corpus() -> Vec<Message> {
         Message::Pong(0),
         Message::Goodbye,
         Message::Welcome,
-    ]
+    ];
+    let mut items: Vec<Item> = msgs.into_iter().map(Item::Msg).collect();
+    items.extend(
+        [Vec::new(), pattern(4096), vec![0xab; 300]]
+            .into_iter()
+            .map(Item::Payload),
+    );
+    items
 }
 
 fn must_encode(msg: &Message) -> Vec<u8> {
@@ -97,43 +155,38 @@ fn header_of(bytes: &[u8]) -> [u8; HEADER_LEN] {
 
 #[test]
 fn every_variant_round_trips() {
-    let msgs = corpus();
-    let mut kinds: Vec<FrameKind> = msgs.iter().map(Message::kind).collect();
+    let items = corpus();
+    let mut kinds: Vec<FrameKind> = items.iter().map(Item::kind).collect();
     kinds.dedup();
     let all = (0..=u16::MAX)
         .filter(|k| FrameKind::from_u16(*k).is_some())
         .count();
-    assert_eq!(kinds.len(), all, "the corpus covers every variant");
+    assert_eq!(kinds.len(), all, "the corpus covers every kind");
 
-    for msg in msgs {
-        let bytes = must_encode(&msg);
+    for item in items {
+        let bytes = item.encode();
         let (frame, used) = match decode(&bytes, CAP) {
             Ok(v) => v,
-            Err(e) => panic!("decoding {msg:?}: {e}"),
+            Err(e) => panic!("decoding {item:?}: {e}"),
         };
         assert_eq!(used, bytes.len());
-        assert_eq!(frame.kind(), msg.kind());
         assert_eq!(frame.header().len as usize, bytes.len() - HEADER_LEN);
         assert_eq!(frame.header().version, PROTOCOL_VERSION);
-        assert_eq!(frame.message().map(|m| m.kind()), Ok(msg.kind()));
-        assert_eq!(frame.to_owned_message(), Ok(msg));
+        item.check(&frame);
     }
 }
 
 #[test]
 fn frames_decode_back_to_back() {
-    let msgs = corpus();
-    let mut stream = Vec::new();
-    for msg in &msgs {
-        assert_eq!(encode_into(msg, &mut stream), Ok(()));
-    }
+    let items = corpus();
+    let stream: Vec<u8> = items.iter().flat_map(Item::encode).collect();
     let mut rest = &stream[..];
-    for msg in &msgs {
+    for item in &items {
         let (frame, used) = match decode(rest, CAP) {
             Ok(v) => v,
             Err(e) => panic!("{e}"),
         };
-        assert_eq!(frame.to_owned_message().as_ref(), Ok(msg));
+        item.check(&frame);
         rest = &rest[used..];
     }
     assert!(rest.is_empty());
@@ -141,16 +194,17 @@ fn frames_decode_back_to_back() {
 
 #[test]
 fn every_single_bit_flip_is_rejected() {
-    for msg in corpus() {
-        let good = must_encode(&msg);
+    for item in corpus() {
+        let good = item.encode();
         let mut bytes = good.clone();
         for byte in 0..bytes.len() {
             for bit in 0..8 {
                 bytes[byte] ^= 1 << bit;
                 if let Ok((frame, _)) = decode(&bytes, CAP) {
                     panic!(
-                        "flip of bit {bit} of byte {byte} of {:?} accepted as {:?}",
-                        msg.kind(),
+                        "flip of bit {bit} of byte {byte} of {:?} accepted as {:?} {:?}",
+                        item.kind(),
+                        frame.kind(),
                         frame.to_owned_message()
                     );
                 }
@@ -163,8 +217,8 @@ fn every_single_bit_flip_is_rejected() {
 
 #[test]
 fn every_truncation_is_rejected() {
-    for msg in corpus() {
-        let bytes = must_encode(&msg);
+    for item in corpus() {
+        let bytes = item.encode();
         for cut in 0..bytes.len() {
             let expected = if cut < HEADER_LEN {
                 FrameError::Truncated {
@@ -178,8 +232,8 @@ fn every_truncation_is_rejected() {
                 }
             };
             match decode(&bytes[..cut], CAP) {
-                Err(e) => assert_eq!(e, expected, "cut at {cut} of {:?}", msg.kind()),
-                Ok(_) => panic!("prefix of {cut} bytes of {:?} accepted", msg.kind()),
+                Err(e) => assert_eq!(e, expected, "cut at {cut} of {:?}", item.kind()),
+                Ok(_) => panic!("prefix of {cut} bytes of {:?} accepted", item.kind()),
             }
         }
     }
@@ -257,11 +311,11 @@ async fn read_frame_refuses_absurd_length_after_reading_only_the_header() {
 
 #[tokio::test]
 async fn read_frame_reads_exactly_one_frame() {
-    for msg in corpus() {
-        let bytes = must_encode(&msg);
+    for item in corpus() {
+        let bytes = item.encode();
         let mut reader = OnlyThese { bytes, at: 0 };
         match read_frame(&mut reader, CAP).await {
-            Ok(Some(frame)) => assert_eq!(frame.to_owned_message(), Ok(msg)),
+            Ok(Some(frame)) => item.check(&frame),
             other => panic!("expected a frame, got {other:?}"),
         }
     }
@@ -381,11 +435,8 @@ fn poll_once<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
 
 #[tokio::test]
 async fn frame_reader_is_cancel_safe() {
-    let msgs = corpus();
-    let mut stream = Vec::new();
-    for msg in &msgs {
-        assert_eq!(encode_into(msg, &mut stream), Ok(()));
-    }
+    let items = corpus();
+    let stream: Vec<u8> = items.iter().flat_map(Item::encode).collect();
     let (mut tx, rx) = tokio::io::duplex(64 * 1024);
     let mut reader = FrameReader::new(rx, CAP);
     let mut got = Vec::new();
@@ -396,7 +447,7 @@ async fn frame_reader_is_cancel_safe() {
         loop {
             let fut = pin!(reader.read());
             match poll_once(fut) {
-                Poll::Ready(Ok(Some(frame))) => got.push(frame.to_owned_message()),
+                Poll::Ready(Ok(Some(frame))) => got.push(frame),
                 Poll::Ready(other) => panic!("unexpected {other:?}"),
                 Poll::Pending => break,
             }
@@ -404,8 +455,10 @@ async fn frame_reader_is_cancel_safe() {
     }
     drop(tx);
     assert!(matches!(reader.read().await, Ok(None)));
-    let expected: Vec<_> = msgs.into_iter().map(Ok).collect();
-    assert_eq!(got, expected);
+    assert_eq!(got.len(), items.len());
+    for (frame, item) in got.iter().zip(&items) {
+        item.check(frame);
+    }
 }
 
 #[tokio::test]
@@ -440,12 +493,12 @@ proptest::proptest! {
     /// whatever they accept must deserialize and re-encode.
     #[test]
     fn recrcd_mutations_never_panic(
-        which in 0usize..13,
+        which in 0usize..17,
         edits in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
     ) {
-        let msgs = corpus();
-        let msg = &msgs[which % msgs.len()];
-        let bytes = must_encode(msg);
+        let items = corpus();
+        let item = &items[which % items.len()];
+        let bytes = item.encode();
         let mut payload = bytes[HEADER_LEN..].to_vec();
         if payload.is_empty() {
             return Ok(());
@@ -454,8 +507,12 @@ proptest::proptest! {
             let len = payload.len();
             payload[at % len] = value;
         }
-        let forged = reframe(msg.kind() as u16, &payload);
-        if let Ok((frame, _)) = decode(&forged, CAP) {
+        let forged = reframe(item.kind() as u16, &payload);
+        if item.kind() == FrameKind::Payload {
+            // Raw bytes: whatever their CRC vouches for is accepted, as it is.
+            let decoded = decode(&forged, CAP);
+            proptest::prop_assert!(matches!(&decoded, Ok((f, _)) if f.payload() == &payload[..]));
+        } else if let Ok((frame, _)) = decode(&forged, CAP) {
             let owned = frame.to_owned_message();
             proptest::prop_assert!(owned.is_ok(), "{owned:?}");
             if let Ok(owned) = owned {
@@ -463,4 +520,170 @@ proptest::proptest! {
             }
         }
     }
+}
+
+/// A `Data` header announcing `bytes`, then `bytes` as a payload frame.
+fn chunk_frames(bytes: &[u8]) -> Vec<u8> {
+    let header = Message::Data(DataChunk {
+        transfer: 5,
+        offset: 0,
+        len: bytes.len() as u32,
+    });
+    let mut out = must_encode(&header);
+    out.extend(encode_payload(bytes).unwrap_or_default());
+    out
+}
+
+#[tokio::test]
+async fn a_payload_is_read_into_the_callers_memory_and_the_stream_goes_on() {
+    for len in [0, 1, 4096, 300_000] {
+        let bytes = pattern(len);
+        let mut stream = chunk_frames(&bytes);
+        stream.extend(must_encode(&Message::Ping(8)));
+        let mut reader = FrameReader::new(&stream[..], CAP);
+        match reader.read().await {
+            Ok(Some(frame)) => assert_eq!(frame.kind(), FrameKind::Data),
+            other => panic!("{other:?}"),
+        }
+        let mut dst = vec![0u8; len];
+        assert!(reader.read_payload_into(&mut dst).await.is_ok());
+        assert_eq!(dst, bytes);
+        match reader.read().await {
+            Ok(Some(frame)) => assert_eq!(frame.to_owned_message(), Ok(Message::Ping(8))),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(reader.read().await, Ok(None)));
+    }
+}
+
+#[tokio::test]
+async fn a_discarded_payload_is_read_past_in_pieces() {
+    // Larger than the discard buffer, so it takes several reads.
+    let bytes = pattern(300_000);
+    let mut stream = encode_payload(&bytes).unwrap_or_default();
+    stream.extend(must_encode(&Message::Ping(9)));
+    let mut reader = FrameReader::new(&stream[..], CAP);
+    assert!(reader.discard_payload(bytes.len()).await.is_ok());
+    match reader.read().await {
+        Ok(Some(frame)) => assert_eq!(frame.to_owned_message(), Ok(Message::Ping(9))),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_payload_header_is_refused_before_a_payload_byte_is_read() {
+    let payload_header = |len: u32, kind: FrameKind| {
+        let mut header = header_of(&encode_payload(&[]).unwrap_or_default());
+        header[6..8].copy_from_slice(&(kind as u16).to_le_bytes());
+        header[8..12].copy_from_slice(&len.to_le_bytes());
+        header
+    };
+    let cases = [
+        (
+            payload_header(100, FrameKind::Ping),
+            100,
+            FrameError::KindMismatch {
+                header: FrameKind::Ping as u16,
+                payload: FrameKind::Payload as u16,
+            },
+        ),
+        (
+            payload_header(CAP + 1, FrameKind::Payload),
+            CAP as usize + 1,
+            FrameError::TooLong {
+                len: u64::from(CAP) + 1,
+                cap: u64::from(CAP),
+            },
+        ),
+        (
+            payload_header(100, FrameKind::Payload),
+            99,
+            FrameError::Invalid(String::new()),
+        ),
+        (*b"XXXXXXXXXXXXXXXX", 100, FrameError::BadMagic(*b"XXXX")),
+    ];
+    for (header, want, expected) in cases {
+        // Only the header is there: reading one payload byte would panic.
+        let mut reader = FrameReader::new(
+            OnlyThese {
+                bytes: header.to_vec(),
+                at: 0,
+            },
+            CAP,
+        );
+        let mut dst = vec![0u8; want];
+        let err = match reader.read_payload_into(&mut dst).await {
+            Err(ReadError::Frame(e)) => e,
+            other => panic!("expected {expected:?}, got {other:?}"),
+        };
+        match (&err, &expected) {
+            (FrameError::Invalid(_), FrameError::Invalid(_)) => {}
+            _ => assert_eq!(err, expected),
+        }
+        // The payload was not consumed: the stream is out of sync for good.
+        assert!(reader.read().await.is_err());
+        assert!(reader.discard_payload(want).await.is_err());
+    }
+}
+
+#[tokio::test]
+async fn a_damaged_payload_is_a_crc_mismatch_and_the_stream_stays_in_step() {
+    let bytes = pattern(5000);
+    let mut stream = encode_payload(&bytes).unwrap_or_default();
+    stream[HEADER_LEN + 1234] ^= 0x01;
+    stream.extend(encode_payload(&bytes).unwrap_or_default());
+    stream.extend(encode_payload(&bytes).unwrap_or_default());
+    let last = stream.len() - 1;
+    stream[last] ^= 0x80;
+    stream.extend(must_encode(&Message::Ping(1)));
+    let mut reader = FrameReader::new(&stream[..], CAP);
+    let mut dst = vec![0u8; bytes.len()];
+    assert!(matches!(
+        reader.read_payload_into(&mut dst).await,
+        Err(ReadError::Frame(FrameError::CrcMismatch { .. }))
+    ));
+    assert!(reader.read_payload_into(&mut dst).await.is_ok());
+    assert_eq!(dst, bytes);
+    assert!(matches!(
+        reader.discard_payload(bytes.len()).await,
+        Err(ReadError::Frame(FrameError::CrcMismatch { .. }))
+    ));
+    match reader.read().await {
+        Ok(Some(frame)) => assert_eq!(frame.to_owned_message(), Ok(Message::Ping(1))),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_truncated_payload_is_truncated() {
+    let bytes = pattern(1000);
+    let frame = encode_payload(&bytes).unwrap_or_default();
+    for cut in [0, 5, HEADER_LEN, HEADER_LEN + 999] {
+        let mut reader = FrameReader::new(&frame[..cut], CAP);
+        let mut dst = vec![0u8; bytes.len()];
+        assert!(
+            matches!(
+                reader.read_payload_into(&mut dst).await,
+                Err(ReadError::Frame(FrameError::Truncated { .. }))
+            ),
+            "cut at {cut}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_payload_read_dropped_midway_fails_every_later_read() {
+    let bytes = pattern(1000);
+    let frame = encode_payload(&bytes).unwrap_or_default();
+    let (mut tx, rx) = tokio::io::duplex(64 * 1024);
+    assert!(tx.write_all(&frame[..500]).await.is_ok());
+    let mut reader = FrameReader::new(rx, CAP);
+    let mut dst = vec![0u8; bytes.len()];
+    {
+        let fut = pin!(reader.read_payload_into(&mut dst));
+        assert!(poll_once(fut).is_pending());
+    }
+    assert!(tx.write_all(&frame[500..]).await.is_ok());
+    assert!(matches!(reader.read().await, Err(ReadError::Io(_))));
+    assert!(reader.read_payload_into(&mut dst).await.is_err());
 }

@@ -9,8 +9,8 @@ use ferry_transports::link::{
     host_id, local_hello,
 };
 use ferry_transports::wire::{
-    DataChunk, FrameError, FrameHeader, FrameKind, HEADER_LEN, Message, PROTOCOL_VERSION, encode,
-    read_frame,
+    DataChunk, FrameError, FrameHeader, FrameKind, HEADER_LEN, Message, PROTOCOL_VERSION, PutChunk,
+    encode, encode_payload, read_frame,
 };
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -75,14 +75,24 @@ async fn joined(task: JoinHandle<Result<Link, LinkError>>) -> Result<Link, LinkE
 }
 
 async fn connected_pair(endpoint: Endpoint, listener: Listener) -> (Link, Link) {
+    let (client, server, _) = connected_pair_counted(endpoint, listener).await;
+    (client, server)
+}
+
+/// Like [`connected_pair`], also returning the server's counters.
+async fn connected_pair_counted(
+    endpoint: Endpoint,
+    listener: Listener,
+) -> (Link, Link, Arc<LinkCounters>) {
     let server_opts = options(PATIENT);
+    let counters = server_opts.counters.clone();
     let server = serve_one(listener, secret(), server_opts);
     let client_opts = options(PATIENT);
     let hello = local_hello("client", vec!["tcp".into(), "ipc".into()], CAP);
     let client = dial(&endpoint, &secret(), hello, &client_opts).await;
     let server = joined(server).await;
     match (client, server) {
-        (Ok(c), Ok(s)) => (c, s),
+        (Ok(c), Ok(s)) => (c, s, counters),
         (c, s) => panic!("handshake failed: client {c:?}, server {s:?}"),
     }
 }
@@ -551,16 +561,17 @@ async fn thousand_frames_arrive_in_order_both_ways() {
 
     let sender = tokio::spawn(async move {
         for i in 0..1000u64 {
+            let bytes = vec![(i % 251) as u8; (i as usize * 37) % 3000];
             let msg = Message::Data(DataChunk {
                 transfer: 1,
                 offset: i * 100,
-                bytes: vec![(i % 251) as u8; (i as usize * 37) % 3000],
+                len: bytes.len() as u32,
             });
-            // Alternate flushing sends and buffered feeds.
-            let sent = if i % 2 == 0 {
-                client_writer.send(&msg).await
-            } else {
-                client_writer.feed(&msg).await
+            // Alternate chunks, flushing sends and buffered feeds.
+            let sent = match i % 3 {
+                0 => client_writer.send(&msg).await,
+                1 => client_writer.feed(&msg).await,
+                _ => client_writer.feed_chunk(&msg, &bytes).await,
             };
             assert!(sent.is_ok(), "{sent:?}");
         }
@@ -573,13 +584,19 @@ async fn thousand_frames_arrive_in_order_both_ways() {
             Ok(Some(f)) => f,
             other => panic!("frame {i}: {other:?}"),
         };
-        match frame.message() {
+        let len = match frame.message() {
             Ok(ferry_transports::wire::ArchivedMessage::Data(chunk)) => {
                 assert_eq!(chunk.offset, i * 100);
-                assert_eq!(chunk.bytes.len(), (i as usize * 37) % 3000);
-                assert!(chunk.bytes.iter().all(|b| *b == (i % 251) as u8));
+                assert_eq!(chunk.len, ((i * 37) % 3000) as u32);
+                chunk.len.to_native() as usize
             }
             other => panic!("frame {i}: {other:?}"),
+        };
+        if i % 3 == 2 {
+            let mut bytes = vec![0xffu8; len];
+            let read = server_reader.read_payload_into(&mut bytes).await;
+            assert!(read.is_ok(), "payload {i}: {read:?}");
+            assert!(bytes.iter().all(|b| *b == (i % 251) as u8));
         }
         // Echo the offset back.
         assert!(server_writer.feed(&Message::Pong(i)).await.is_ok());
@@ -608,16 +625,17 @@ async fn thousand_frames_arrive_in_order_both_ways() {
 async fn sending_more_than_the_peer_accepts_is_refused_locally() {
     let (listener, endpoint) = tcp_listener().await;
     let (mut client, mut server) = connected_pair(endpoint, listener).await;
+    let bytes = vec![0; CAP as usize + 1];
     let big = Message::Data(DataChunk {
         transfer: 1,
         offset: 0,
-        bytes: vec![0; CAP as usize + 1],
+        len: bytes.len() as u32,
     });
-    match client.writer.send(&big).await {
+    match client.writer.feed_chunk(&big, &bytes).await {
         Err(e @ LinkError::Send(FrameError::TooLong { .. })) => assert!(!e.is_peer_fault()),
         other => panic!("expected Send(TooLong), got {other:?}"),
     }
-    let Ok(encoded) = encode(&big) else {
+    let Ok(encoded) = encode_payload(&bytes) else {
         panic!("encode")
     };
     assert!(matches!(
@@ -674,4 +692,106 @@ async fn a_stalled_handshake_does_not_block_others() {
     for h in handshakes {
         h.abort();
     }
+}
+
+#[tokio::test]
+async fn a_chunk_whose_header_does_not_announce_it_is_refused_locally() {
+    let (listener, endpoint) = tcp_listener().await;
+    let (mut client, mut server) = connected_pair(endpoint, listener).await;
+    let header = Message::Put(PutChunk {
+        put: 1,
+        region: 2,
+        generation: 3,
+        offset: 0,
+        len: 10,
+        last: true,
+    });
+    for (msg, bytes) in [
+        (&header, &[0u8; 9][..]),
+        (&Message::Ping(1), &[0u8; 10][..]),
+    ] {
+        assert!(matches!(
+            client.writer.feed_chunk(msg, bytes).await,
+            Err(LinkError::Send(FrameError::Encode(_)))
+        ));
+    }
+    // Nothing was written: the next chunk arrives intact.
+    assert!(
+        client
+            .writer
+            .feed_chunk(&header, b"0123456789")
+            .await
+            .is_ok()
+    );
+    assert!(client.writer.flush().await.is_ok());
+    match server.reader.next().await {
+        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(header)),
+        other => panic!("{other:?}"),
+    }
+    let mut dst = [0u8; 10];
+    assert!(server.reader.read_payload_into(&mut dst).await.is_ok());
+    assert_eq!(&dst, b"0123456789");
+}
+
+#[tokio::test]
+async fn a_damaged_payload_is_counted_and_the_link_stays_in_step() {
+    let bytes = vec![7u8; 3000];
+    let header = frame_bytes(&Message::Data(DataChunk {
+        transfer: 1,
+        offset: 0,
+        len: 3000,
+    }));
+    let Ok(mut payload) = encode_payload(&bytes) else {
+        panic!("encode")
+    };
+    payload[HEADER_LEN + 100] ^= 0x20;
+    let mut stream = header.clone();
+    stream.extend(&payload);
+    stream.extend(&header);
+    stream.extend(encode_payload(&bytes).unwrap_or_default());
+    stream.extend(frame_bytes(&Message::Ping(4)));
+
+    let (listener, endpoint) = tcp_listener().await;
+    let (mut client, mut server, counters) = connected_pair_counted(endpoint, listener).await;
+    assert!(client.writer.danger_send_raw(&stream).await.is_ok());
+    let mut dst = vec![0u8; 3000];
+    for damaged in [true, false] {
+        assert!(matches!(server.reader.next().await, Ok(Some(f)) if f.kind() == FrameKind::Data));
+        let read = server.reader.read_payload_into(&mut dst).await;
+        if damaged {
+            assert!(
+                matches!(read, Err(LinkError::Frame(FrameError::CrcMismatch { .. }))),
+                "{read:?}"
+            );
+        } else {
+            assert!(read.is_ok(), "{read:?}");
+            assert_eq!(dst, bytes);
+        }
+    }
+    match server.reader.next().await {
+        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(Message::Ping(4))),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(counters.frames_rejected("crc"), 1);
+    // The Hello, two headers, one good payload, the ping.
+    assert_eq!(counters.frames_ok(), 5);
+}
+
+#[tokio::test]
+async fn a_payload_of_the_wrong_length_breaks_the_link() {
+    let (listener, endpoint) = tcp_listener().await;
+    let (mut client, mut server) = connected_pair(endpoint, listener).await;
+    let Ok(payload) = encode_payload(&[1u8; 20]) else {
+        panic!("encode")
+    };
+    assert!(client.writer.danger_send_raw(&payload).await.is_ok());
+    assert!(client.writer.send(&Message::Ping(1)).await.is_ok());
+    let mut dst = [0u8; 21];
+    assert!(matches!(
+        server.reader.read_payload_into(&mut dst).await,
+        Err(LinkError::Frame(FrameError::Invalid(_)))
+    ));
+    // Out of sync for good: the ping behind it is never read.
+    assert!(server.reader.next().await.is_err());
+    assert!(server.reader.discard_payload(20).await.is_err());
 }

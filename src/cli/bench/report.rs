@@ -179,15 +179,62 @@ pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// Bandwidth against size, ferry and the baseline on one chart, as SVG.
+/// Fonts tried, in order, for the plot's text (plotters lays text out with it).
+const FONTS: [&str; 3] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+];
+
+/// Bandwidth against size, ferry and the baseline on one chart, as SVG or PNG (by the
+/// file's extension).
 pub fn plot(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<()> {
     use plotters::prelude::*;
-    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
-        bail!(
-            "--plot {}: only .svg is supported (render it to PNG with any SVG tool)",
+    let svg = match path.extension().and_then(|e| e.to_str()) {
+        Some("svg") => true,
+        Some("png") => false,
+        _ => bail!(
+            "--plot {}: the file must end in .svg or .png",
             path.display()
-        );
+        ),
+    };
+    let font = FONTS
+        .iter()
+        .find_map(|f| std::fs::read(f).ok())
+        .with_context(|| {
+            format!(
+                "a plot needs a TrueType font for its text and none of {FONTS:?} exists; \
+             install fonts-dejavu-core, or use --json and plot elsewhere"
+            )
+        })?;
+    // plotters keeps a reference to the font for the rest of the process.
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| anyhow::anyhow!("the font is not a usable TrueType font"))?;
+    if svg {
+        draw(
+            SVGBackend::new(path, (900, 540)).into_drawing_area(),
+            header,
+            records,
+        )
+    } else {
+        draw(
+            BitMapBackend::new(path, (900, 540)).into_drawing_area(),
+            header,
+            records,
+        )
     }
+}
+
+fn draw<B: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<B, plotters::coord::Shift>,
+    header: &Header,
+    records: &[Record],
+) -> anyhow::Result<()>
+where
+    B::ErrorType: 'static,
+{
+    use plotters::prelude::*;
     if records.is_empty() {
         bail!("nothing to plot");
     }
@@ -200,7 +247,6 @@ pub fn plot(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<
         .fold(0.0f64, f64::max)
         .max(1e-3)
         * 1.1;
-    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
     root.fill(&WHITE)?;
     let title = format!(
         "ferry bench: {} transport, {} memory",

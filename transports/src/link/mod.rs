@@ -251,6 +251,64 @@ impl LinkReader {
             }
         }
     }
+
+    /// Reads the [`FrameKind::Payload`] frame that must follow a `Data` or `Put` frame
+    /// announcing a chunk of `dst.len()` bytes, straight into `dst` (the chunk's place in
+    /// its destination buffer).
+    ///
+    /// The payload's header is checked (magic, version, kind, length equal to `dst.len()`
+    /// and within our `max_frame`) before a byte of it is read; the CRC once every byte is
+    /// in `dst`. Fails with [`LinkError::Frame`] (counted under its reason): on
+    /// [`FrameError::CrcMismatch`] `dst` holds damaged bytes that must not be used, but the
+    /// link is still in step and the next frame can be read; after any other error,
+    /// including a wrong kind or length, the link is out of sync and every later call
+    /// returns the same error. [`LinkError::Io`] when the socket failed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: dropped midway, it leaves the link out of sync, and every later
+    /// read fails.
+    pub async fn read_payload_into(&mut self, dst: &mut [u8]) -> Result<(), LinkError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let result = self.frames.read_payload_into(dst).await;
+        self.payload_read(result)
+    }
+
+    /// Reads the [`FrameKind::Payload`] frame of `len` bytes that must follow a `Data` or
+    /// `Put` frame, and throws the bytes away (a small buffer, a piece at a time): for a
+    /// chunk of a transfer cancelled meanwhile or of a refused put, so that the link stays
+    /// in step. Same checks, errors, counting and cancel safety as
+    /// [`LinkReader::read_payload_into`].
+    pub async fn discard_payload(&mut self, len: u32) -> Result<(), LinkError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let result = self.frames.discard_payload(len as usize).await;
+        self.payload_read(result)
+    }
+
+    /// Counts a payload read's outcome; only a CRC mismatch leaves the link usable.
+    fn payload_read(&mut self, result: Result<(), ReadError>) -> Result<(), LinkError> {
+        let e = match result {
+            Ok(()) => {
+                self.counters.record_frame_ok();
+                return Ok(());
+            }
+            Err(e) => e,
+        };
+        if let ReadError::Frame(fe) = &e {
+            self.counters.record_rejected(fe);
+            tracing::warn!(peer = %self.peer, reason = fe.reason(), "bad payload frame from peer: {fe}");
+        }
+        let in_step = matches!(&e, ReadError::Frame(FrameError::CrcMismatch { .. }));
+        let e = LinkError::from(e);
+        if !in_step {
+            self.failed = Some(e.clone());
+        }
+        Err(e)
+    }
 }
 
 /// The sending half of a [`Link`].
@@ -349,6 +407,55 @@ impl LinkWriter {
     /// writes. Same errors and cancel safety as `send`.
     pub async fn feed(&mut self, msg: &Message) -> Result<(), LinkError> {
         self.write_message(msg, false).await
+    }
+
+    /// Buffers a chunk: `header` (a [`Message::Data`] or [`Message::Put`] whose `len` is
+    /// `bytes.len()`) as one frame, then `bytes` as the [`FrameKind::Payload`] frame that
+    /// follows it. The bytes are written from the caller's slice as they are (the CRC is
+    /// computed over them in place), never copied into an archive. Like
+    /// [`LinkWriter::feed`], nothing is flushed; large payloads go to the socket directly
+    /// once the write buffer cannot hold them.
+    ///
+    /// Fails with [`LinkError::Send`] (nothing written; the link stays usable) if `header`
+    /// is not a `Data` or `Put` message, its `len` differs from `bytes.len()`, it cannot be
+    /// encoded, or either frame is larger than the peer's `max_frame`; with
+    /// [`LinkError::Io`] if the socket fails. Not cancel-safe, like `send`.
+    pub async fn feed_chunk(&mut self, header: &Message, bytes: &[u8]) -> Result<(), LinkError> {
+        self.check_usable()?;
+        let announced = match header {
+            Message::Data(chunk) => chunk.len,
+            Message::Put(chunk) => chunk.len,
+            other => {
+                return Err(LinkError::Send(FrameError::Encode(format!(
+                    "a {:?} frame announces no payload",
+                    other.kind()
+                ))));
+            }
+        };
+        if announced as usize != bytes.len() {
+            return Err(LinkError::Send(FrameError::Encode(format!(
+                "the header announces {announced} bytes, the chunk has {}",
+                bytes.len()
+            ))));
+        }
+        self.check_cap(bytes.len() as u64)?;
+        let archived = rkyv::to_bytes::<rkyv::rancor::Error>(header)
+            .map_err(|e| LinkError::Send(FrameError::Encode(e.to_string())))?;
+        self.check_cap(archived.len() as u64)?;
+        let message_header =
+            FrameHeader::for_payload(header.kind(), &archived).map_err(LinkError::Send)?;
+        let payload_header =
+            FrameHeader::for_payload(FrameKind::Payload, bytes).map_err(LinkError::Send)?;
+        self.write_parts(
+            &[
+                &message_header.to_bytes(),
+                &archived,
+                &payload_header.to_bytes(),
+                bytes,
+            ],
+            false,
+        )
+        .await
     }
 
     /// Sends one frame that was encoded beforehand ([`encode`](crate::wire::encode)), and

@@ -1,4 +1,5 @@
-//! Frames: the 16-byte header that carries one rkyv-archived [`Message`] over a byte stream.
+//! Frames: the 16-byte header that carries one rkyv-archived [`Message`], or one chunk of
+//! raw bytes, over a byte stream.
 //!
 //! ```text
 //! offset  size  field
@@ -7,7 +8,7 @@
 //!      6     2  kind    u16 LE  (FrameKind)
 //!      8     4  length  u32 LE  (payload bytes that follow the header)
 //!     12     4  crc32c  u32 LE  over header bytes 0..12, then the payload
-//!     16   len  payload (rkyv archive of a Message)
+//!     16   len  payload (rkyv archive of a Message; raw bytes for FrameKind::Payload)
 //! ```
 //!
 //! Bytes from a peer are hostile until checked, in this order: magic, version, kind, length
@@ -15,6 +16,13 @@
 //! whole payload is there, the CRC (before the payload is looked at), then rkyv's validating
 //! access, then that the archived message is of the kind the header names. Every failure is
 //! a [`FrameError`]; nothing here panics on peer input.
+//!
+//! A [`FrameKind::Payload`] frame carries the bytes of the `Data` or `Put` chunk announced
+//! by the frame before it. It has no archive: [`FrameReader::read_payload_into`] reads it
+//! straight into the caller's memory once its header passed the checks above and its kind
+//! and length are the ones announced, then checks the CRC. Read with [`FrameReader::read`]
+//! or [`decode`] instead (a payload nobody announced), it is checked by its CRC only, and
+//! [`Frame::message`] refuses it.
 
 use std::io;
 use std::sync::Arc;
@@ -37,6 +45,9 @@ const CRC_COVERED: usize = 12;
 /// The first payload buffer a reader allocates; it grows (doubling) as bytes actually arrive,
 /// so a peer cannot make us allocate a whole `max_frame` by sending one header.
 const INITIAL_READ_CHUNK: usize = 64 * 1024;
+
+/// Size of the buffer a discarded payload is read through, a piece at a time.
+const DISCARD_CHUNK: usize = 64 * 1024;
 
 /// Why a frame was refused (or, for [`FrameError::Encode`], could not be built).
 ///
@@ -141,6 +152,10 @@ impl FrameError {
     ///
     /// A CRC error caused by a damaged length field is reported as recoverable too; the
     /// next read then fails on the magic and the stream is given up.
+    ///
+    /// This describes whole frames read with [`FrameReader::read`]. A raw payload read with
+    /// [`FrameReader::read_payload_into`] is refused on its header before its bytes are
+    /// consumed, so there only a CRC mismatch leaves the stream in step.
     pub fn is_recoverable(&self) -> bool {
         matches!(
             self,
@@ -256,7 +271,8 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// Checks a complete payload: CRC, then rkyv validation, then kind agreement.
+    /// Checks a complete payload: CRC, then (unless it is raw bytes) rkyv validation, then
+    /// kind agreement.
     fn from_checked_header(
         header: FrameHeader,
         raw_header: &[u8; HEADER_LEN],
@@ -264,8 +280,16 @@ impl Frame {
     ) -> Result<Self, FrameError> {
         check_crc(&header, raw_header, &payload)?;
         let frame = Self { header, payload };
-        frame.message()?;
+        frame.validate()?;
         Ok(frame)
+    }
+
+    /// Runs the checks past the CRC: none for raw bytes, [`Frame::message`] for the rest.
+    fn validate(&self) -> Result<(), FrameError> {
+        if self.header.kind != FrameKind::Payload {
+            self.message()?;
+        }
+        Ok(())
     }
 
     /// The frame's header.
@@ -278,7 +302,8 @@ impl Frame {
         self.header.kind
     }
 
-    /// The raw payload bytes (an rkyv archive, 16-byte aligned).
+    /// The raw payload bytes (an rkyv archive, 16-byte aligned; the chunk's bytes for a
+    /// [`FrameKind::Payload`] frame).
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
@@ -288,8 +313,14 @@ impl Frame {
     /// Runs rkyv's validating access each call (the crate forbids `unsafe`, so the
     /// unchecked access is not available); a frame made by this module always passes, but
     /// the result is still a `Result`. Fails with [`FrameError::Invalid`] or
-    /// [`FrameError::KindMismatch`].
+    /// [`FrameError::KindMismatch`]; always with `Invalid` for a [`FrameKind::Payload`]
+    /// frame, which carries raw bytes and no message.
     pub fn message(&self) -> Result<&ArchivedMessage, FrameError> {
+        if self.header.kind == FrameKind::Payload {
+            return Err(FrameError::Invalid(
+                "a payload frame that no Data or Put frame announced".into(),
+            ));
+        }
         let archived = rkyv::access::<ArchivedMessage, rancor::Error>(&self.payload)
             .map_err(|e| FrameError::Invalid(e.to_string()))?;
         let payload_kind = archived.kind();
@@ -354,12 +385,34 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) -> Result<(), FrameError> {
     Ok(())
 }
 
+/// Encodes `bytes` as one complete [`FrameKind::Payload`] frame.
+///
+/// Fails with [`FrameError::Encode`] if `bytes` exceeds `u32::MAX` bytes. Links do not
+/// copy payloads this way (`LinkWriter::feed_chunk` writes them from the caller's slice);
+/// this is for tests and tools.
+pub fn encode_payload(bytes: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let mut out = Vec::new();
+    encode_payload_into(bytes, &mut out)?;
+    Ok(out)
+}
+
+/// Appends one complete [`FrameKind::Payload`] frame carrying `bytes` to `out`. On error
+/// `out` is left as it was.
+pub fn encode_payload_into(bytes: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    let header = FrameHeader::for_payload(FrameKind::Payload, bytes)?;
+    out.reserve(HEADER_LEN + bytes.len());
+    out.extend_from_slice(&header.to_bytes());
+    out.extend_from_slice(bytes);
+    Ok(())
+}
+
 /// Decodes the first frame of a complete buffer.
 ///
 /// Returns the frame and how many bytes it took; bytes after it are left alone. Checks in
 /// this order: header ([`parse_header`]), enough bytes ([`FrameError::Truncated`], with
 /// `needed` the whole frame's length once the header is known), CRC, validating access,
-/// kind agreement. The payload is copied into an aligned buffer only after the CRC passed.
+/// kind agreement (the last two not for a [`FrameKind::Payload`] frame, whose bytes are
+/// raw). The payload is copied into an aligned buffer only after the CRC passed.
 pub fn decode(bytes: &[u8], max_frame: u32) -> Result<(Frame, usize), FrameError> {
     let Some(raw_header) = bytes.first_chunk::<HEADER_LEN>() else {
         return Err(FrameError::Truncated {
@@ -382,7 +435,7 @@ pub fn decode(bytes: &[u8], max_frame: u32) -> Result<(Frame, usize), FrameError
         header,
         payload: aligned,
     };
-    frame.message()?;
+    frame.validate()?;
     Ok((frame, total))
 }
 
@@ -419,6 +472,11 @@ pub struct FrameReader<R> {
     header: Option<FrameHeader>,
     payload: AlignedVec,
     payload_filled: usize,
+    /// Set while a raw payload is being read; still set on entry if that read was dropped
+    /// midway, which leaves the stream out of sync.
+    mid_payload: bool,
+    /// Where discarded payloads are read, allocated on first use.
+    scratch: Vec<u8>,
     failed: Option<ReadError>,
 }
 
@@ -433,6 +491,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             header: None,
             payload: AlignedVec::new(),
             payload_filled: 0,
+            mid_payload: false,
+            scratch: Vec::new(),
             failed: None,
         }
     }
@@ -454,9 +514,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Cancel-safe: if the future is dropped before it completes, the bytes read so far are
     /// kept and the next call continues the same frame.
     pub async fn read(&mut self) -> Result<Option<Frame>, ReadError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
+        self.check_in_step()?;
         match self.read_inner().await {
             Err(e) => {
                 let recoverable = matches!(&e, ReadError::Frame(f) if f.is_recoverable());
@@ -467,6 +525,152 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
             ok => ok,
         }
+    }
+
+    /// Fails with the error that ended the stream, if one did, or because a payload read
+    /// was dropped midway (which ends it now).
+    fn check_in_step(&mut self) -> Result<(), ReadError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if self.mid_payload {
+            let e = ReadError::from(io::Error::other(
+                "a payload read was dropped midway; the stream is out of sync",
+            ));
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Reads the next frame, which must be a [`FrameKind::Payload`] frame of exactly
+    /// `dst.len()` bytes, straight into `dst`: the chunk that a `Data` or `Put` frame just
+    /// announced, read into its destination with no copy in between.
+    ///
+    /// The header is checked before a payload byte is read: magic, version, length against
+    /// the cap, kind ([`FrameError::KindMismatch`] naming the header's kind and `Payload`),
+    /// length equal to `dst.len()` ([`FrameError::Invalid`]). The CRC is computed as the
+    /// bytes arrive and checked once all are in `dst`.
+    ///
+    /// Returns `Ok(())` once `dst` holds the whole payload and the CRC matched. On
+    /// [`FrameError::CrcMismatch`] `dst` holds bytes that are not what the peer sent (the
+    /// caller must not use them), and the stream is at the next frame, so reading may go
+    /// on. Every other error (a refused header, an end of stream inside the frame, I/O)
+    /// leaves the stream out of sync, and every later call returns it again. Call it only
+    /// between frames: after a partly read frame (a cancelled [`FrameReader::read`]) it
+    /// fails like that too.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: the bytes already read are gone if the future is dropped, and every
+    /// later call then fails.
+    pub async fn read_payload_into(&mut self, dst: &mut [u8]) -> Result<(), ReadError> {
+        let len = dst.len();
+        self.read_payload(len, Some(dst)).await
+    }
+
+    /// Reads the next frame, which must be a [`FrameKind::Payload`] frame of exactly `len`
+    /// bytes, and throws its bytes away: for a chunk whose destination is gone (a cancelled
+    /// transfer) or was refused, so that the stream stays in step. The bytes go through a
+    /// small buffer in pieces, whatever `len` is. Same checks, errors and cancel safety as
+    /// [`FrameReader::read_payload_into`]; a CRC mismatch is still reported.
+    pub async fn discard_payload(&mut self, len: usize) -> Result<(), ReadError> {
+        self.read_payload(len, None).await
+    }
+
+    async fn read_payload(&mut self, len: usize, dst: Option<&mut [u8]>) -> Result<(), ReadError> {
+        self.check_in_step()?;
+        if self.header.is_some() || self.header_filled != 0 {
+            let e = ReadError::from(io::Error::other(
+                "a payload read started inside a partly read frame",
+            ));
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        self.mid_payload = true;
+        let result = self.read_payload_inner(len, dst).await;
+        self.mid_payload = false;
+        if let Err(e) = &result
+            && !matches!(e, ReadError::Frame(FrameError::CrcMismatch { .. }))
+        {
+            self.failed = Some(e.clone());
+        }
+        result
+    }
+
+    async fn read_payload_inner(
+        &mut self,
+        len: usize,
+        dst: Option<&mut [u8]>,
+    ) -> Result<(), ReadError> {
+        let mut raw = [0u8; HEADER_LEN];
+        let mut filled = 0;
+        while filled < HEADER_LEN {
+            let n = self.inner.read(&mut raw[filled..]).await?;
+            if n == 0 {
+                return Err(FrameError::Truncated {
+                    needed: HEADER_LEN,
+                    got: filled,
+                }
+                .into());
+            }
+            filled += n;
+        }
+        let header = parse_header(&raw, self.max_frame)?;
+        if header.kind != FrameKind::Payload {
+            return Err(FrameError::KindMismatch {
+                header: header.kind as u16,
+                payload: FrameKind::Payload as u16,
+            }
+            .into());
+        }
+        if header.len as usize != len {
+            return Err(FrameError::Invalid(format!(
+                "payload frame of {} bytes where a chunk of {len} was announced",
+                header.len
+            ))
+            .into());
+        }
+        let truncated = |done: usize| FrameError::Truncated {
+            needed: header.frame_len(),
+            got: HEADER_LEN + done,
+        };
+        let mut crc = crc32c::crc32c(&raw[..CRC_COVERED]);
+        let mut done = 0;
+        match dst {
+            Some(dst) => {
+                while done < len {
+                    let n = self.inner.read(&mut dst[done..]).await?;
+                    if n == 0 {
+                        return Err(truncated(done).into());
+                    }
+                    crc = crc32c::crc32c_append(crc, &dst[done..done + n]);
+                    done += n;
+                }
+            }
+            None => {
+                if self.scratch.is_empty() {
+                    self.scratch = vec![0; DISCARD_CHUNK];
+                }
+                while done < len {
+                    let want = (len - done).min(self.scratch.len());
+                    let n = self.inner.read(&mut self.scratch[..want]).await?;
+                    if n == 0 {
+                        return Err(truncated(done).into());
+                    }
+                    crc = crc32c::crc32c_append(crc, &self.scratch[..n]);
+                    done += n;
+                }
+            }
+        }
+        if crc != header.crc {
+            return Err(FrameError::CrcMismatch {
+                expected: header.crc,
+                actual: crc,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     async fn read_inner(&mut self) -> Result<Option<Frame>, ReadError> {

@@ -3,6 +3,10 @@
 //! Every message is one variant of [`Message`]. The frame header carries the variant's
 //! [`FrameKind`] too, and decoding checks that both agree, so a frame whose header was
 //! tampered with cannot be read as another kind of message.
+//!
+//! Bulk bytes are not messages: a [`Message::Data`] or [`Message::Put`] frame only describes
+//! a chunk, and the chunk's bytes follow it as one raw [`FrameKind::Payload`] frame, so
+//! neither side copies them through an archive.
 
 use rkyv::{Archive, Deserialize, Serialize};
 
@@ -78,16 +82,18 @@ pub struct Grant {
     pub landing: WireMemoryKind,
 }
 
-/// One chunk of a transfer's payload, read in place on receipt.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+/// Describes one chunk of a transfer's payload. The bytes themselves follow on the link as
+/// the next frame, a [`FrameKind::Payload`] frame of exactly `len` bytes, which the receiver
+/// reads straight into the reserved buffer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct DataChunk {
     /// The transfer the bytes belong to.
     pub transfer: u64,
-    /// Byte offset of `bytes` within the transfer.
+    /// Byte offset of the chunk within the transfer.
     pub offset: u64,
-    /// The payload.
-    pub bytes: Vec<u8>,
+    /// Length of the chunk: the payload length of the `Payload` frame that follows.
+    pub len: u32,
 }
 
 /// The receiver holds every byte of a transfer; the sender's lease is released.
@@ -128,8 +134,10 @@ pub struct Cancel {
     pub detail: String,
 }
 
-/// One chunk of a one-sided put into a region the receiving node granted.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+/// Describes one chunk of a one-sided put into a region the receiving node exposed. The
+/// bytes follow on the link as the next frame, a [`FrameKind::Payload`] frame of exactly
+/// `len` bytes.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct PutChunk {
     /// Put id, unique per sending node and link.
@@ -140,10 +148,10 @@ pub struct PutChunk {
     pub generation: u64,
     /// Byte offset within the region.
     pub offset: u64,
+    /// Length of the chunk: the payload length of the `Payload` frame that follows.
+    pub len: u32,
     /// True on the put's last chunk; the receiver acknowledges then.
     pub last: bool,
-    /// The payload.
-    pub bytes: Vec<u8>,
 }
 
 /// Result of a put, sent after its last chunk.
@@ -166,13 +174,13 @@ pub enum Message {
     Offer(Offer),
     /// Memory reserved; stream the data.
     Grant(Grant),
-    /// Payload bytes.
+    /// A chunk of a transfer; its bytes follow as a `Payload` frame.
     Data(DataChunk),
     /// All bytes arrived.
     Done(Done),
     /// A transfer is abandoned.
     Cancel(Cancel),
-    /// A one-sided put's bytes.
+    /// A chunk of a one-sided put; its bytes follow as a `Payload` frame.
     Put(PutChunk),
     /// A one-sided put's result.
     PutAck(PutAck),
@@ -215,6 +223,10 @@ pub enum FrameKind {
     Goodbye = 11,
     /// [`Message::Welcome`]
     Welcome = 12,
+    /// Raw bytes, not a [`Message`]: the chunk announced by the [`Message::Data`] or
+    /// [`Message::Put`] frame just before it, exactly as long as that header says. Nothing
+    /// in it is interpreted; the frame CRC is its only check.
+    Payload = 13,
 }
 
 impl FrameKind {
@@ -233,6 +245,7 @@ impl FrameKind {
             10 => Self::Pong,
             11 => Self::Goodbye,
             12 => Self::Welcome,
+            13 => Self::Payload,
             _ => return None,
         })
     }
@@ -274,6 +287,29 @@ impl ArchivedMessage {
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
+        }
+    }
+}
+
+impl From<&ArchivedDataChunk> for DataChunk {
+    fn from(chunk: &ArchivedDataChunk) -> Self {
+        Self {
+            transfer: chunk.transfer.to_native(),
+            offset: chunk.offset.to_native(),
+            len: chunk.len.to_native(),
+        }
+    }
+}
+
+impl From<&ArchivedPutChunk> for PutChunk {
+    fn from(chunk: &ArchivedPutChunk) -> Self {
+        Self {
+            put: chunk.put.to_native(),
+            region: chunk.region.to_native(),
+            generation: chunk.generation.to_native(),
+            offset: chunk.offset.to_native(),
+            len: chunk.len.to_native(),
+            last: chunk.last,
         }
     }
 }
