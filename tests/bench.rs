@@ -100,3 +100,24 @@ fn png_plot() {
     let bytes = std::fs::read(&png).expect("png written");
     assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
 }
+
+#[test]
+fn both_directions_and_the_pair_matrix() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "bench", "-b", "1K", "-e", "64K", "-f", "64", "-n", "4", "-w", "1",
+        ])
+        .args(["--bidir", "--pairs", "all"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("both directions"), "{stdout}");
+    assert!(stdout.contains("GB/s from row to column"), "{stdout}");
+    assert!(stdout.contains("bench-peer"), "{stdout}");
+}

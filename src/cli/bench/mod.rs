@@ -305,7 +305,9 @@ async fn orchestrate(
 
     if args.pairs.as_deref() == Some("all") {
         let size = args.max;
-        let forward = records.last().map_or(0.0, |r| r.ferry_gbps);
+        // With --bidir the record holds both directions together: show one direction's share.
+        let share = if args.bidir { 0.5 } else { 1.0 };
+        let forward = records.last().map_or(0.0, |r| r.ferry_gbps * share);
         let back = measure_return(&node, &target.name, size, args.iters, args.window).await?;
         report::print_matrix(
             &[node.name().to_string(), target.name.clone()],
