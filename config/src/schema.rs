@@ -106,18 +106,35 @@ pub enum DiscoveryMode {
     Static,
 }
 
-/// `[memory]`: memory budgets.
+/// `[memory]`: memory budgets, where received buffers land, and where they spill.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemoryConfig {
-    /// Budget of host memory (pageable and pinned) ferry may hold. Default `"50%"`.
+    /// Budget of pageable host memory ferry may hold. Default `"50%"`.
     pub host: Budget,
+    /// Budget of pinned (page-locked) host memory. Default `"25%"`. Without a CUDA driver,
+    /// pinned memory is ordinary host memory counted under this budget.
+    pub pinned: Budget,
+    /// The tier received buffers land in first: `"host"` or `"pinned"` (`"device"` arrives
+    /// with GPU support). Default `"host"`.
+    pub receive_into: MemoryClass,
+    /// The tiers a receive spills to, in order, when `receive_into` cannot grant in time:
+    /// e.g. `["host"]` after `receive_into = "pinned"`. Default `[]`: no spill.
+    pub spill: Vec<MemoryClass>,
+    /// How long memory exported to a peer stays quarantined after that peer died without
+    /// releasing it, before it is free again. Default `"10s"`.
+    #[serde(with = "duration")]
+    pub export_lease_timeout: Duration,
 }
 
 impl Default for MemoryConfig {
     fn default() -> Self {
         MemoryConfig {
             host: Budget::Percent(50.0),
+            pinned: Budget::Percent(25.0),
+            receive_into: MemoryClass::Host,
+            spill: Vec::new(),
+            export_lease_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::address::{ListenAddress, check_peer_host_port, parse_listen};
 use crate::error::{ConfigError, Origin};
+use crate::rule::MemoryClass;
 use crate::schema::Config;
 use crate::units::{Budget, format_size};
 
@@ -156,17 +157,40 @@ impl Config {
     }
 
     fn check_memory(&self) -> Result<(), Violation> {
-        match self.memory.host {
-            Budget::Bytes(0) => fail(
-                "memory.host",
-                "a budget of 0 bytes leaves nothing to transfer with",
-            ),
-            Budget::Percent(p) if !(p > 0.0 && p <= 100.0) => fail(
-                "memory.host",
-                "a percentage must be above 0 and at most 100",
-            ),
-            _ => Ok(()),
+        let memory = &self.memory;
+        for (key, budget) in [("memory.host", memory.host), ("memory.pinned", memory.pinned)] {
+            match budget {
+                Budget::Bytes(0) => {
+                    return fail(key, "a budget of 0 bytes leaves nothing to transfer with");
+                }
+                Budget::Percent(p) if !(p > 0.0 && p <= 100.0) => {
+                    return fail(key, "a percentage must be above 0 and at most 100");
+                }
+                _ => {}
+            }
         }
+        if memory.receive_into == MemoryClass::Device {
+            return fail(
+                "memory.receive_into",
+                "device memory arrives with GPU support; use \"host\" or \"pinned\"",
+            );
+        }
+        for (i, tier) in memory.spill.iter().enumerate() {
+            let key = format!("memory.spill[{i}]");
+            if *tier == MemoryClass::Device {
+                return fail(key, "only host tiers (\"pinned\", \"host\") can take a spill");
+            }
+            if *tier == memory.receive_into || memory.spill[..i].contains(tier) {
+                return fail(
+                    key,
+                    format!("{tier} appears twice among memory.receive_into and memory.spill"),
+                );
+            }
+        }
+        if memory.export_lease_timeout.is_zero() {
+            return fail("memory.export_lease_timeout", "must be longer than zero");
+        }
+        Ok(())
     }
 
     fn check_transport(&self) -> Result<(), Violation> {
