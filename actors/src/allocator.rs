@@ -1,19 +1,27 @@
-//! The allocator actor of one memory domain: a shell over [`Budget`].
+//! The allocator actor of one memory domain: a shell over [`Budget`] and [`Exports`].
 //!
 //! Buffers are released from whatever thread drops them, without a message per buffer:
 //! the release adds to an atomic counter and wakes a small task that tells the actor how
 //! many bytes came back. Nothing queues, so nothing can overflow.
+//!
+//! A receive that may spill asks its tiers in order to grant *now*; if none can, it waits
+//! at every tier at once with one shared [`Claim`]: the first tier able to grant takes the
+//! claim and delivers, the others give their grant back. A waiting reservation holds
+//! nothing, and all the parts of one reservation come from one tier or none.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use ferry_transports::memory::{Buffer, BufferId, Generation, Lease, MemoryKind, Releaser};
+use ferry_transports::memory::{
+    Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser, SharedBytes,
+};
 use tokio::sync::{Notify, oneshot};
 
 use crate::core::budget::{Budget, BudgetStats, ReservationEvent, ReservationId, Reserved};
+use crate::core::exports::{ExportId, ExportStats, Exports};
 use crate::error::Error;
 
 /// Counts bytes given back by dropped buffers until the actor collects them.
@@ -30,20 +38,117 @@ impl Releaser for ReturnedBytes {
     }
 }
 
-/// Ask for one buffer of `len` bytes, waiting at most until `deadline`.
+/// One requester's claim on a reservation it placed at several tiers: exactly one tier
+/// delivers; the requester gives up by closing it.
+#[derive(Debug)]
+pub struct Claim {
+    taken: AtomicBool,
+    tx: Mutex<Option<oneshot::Sender<Vec<Buffer>>>>,
+}
+
+impl Claim {
+    /// A claim and the receiver its buffers arrive on.
+    pub fn new() -> (Arc<Self>, oneshot::Receiver<Vec<Buffer>>) {
+        let (tx, rx) = oneshot::channel();
+        let claim = Arc::new(Self {
+            taken: AtomicBool::new(false),
+            tx: Mutex::new(Some(tx)),
+        });
+        (claim, rx)
+    }
+
+    /// Delivers `buffers` unless another tier did, or the requester gave up; then they come
+    /// back (and are freed by the caller dropping them).
+    fn deliver(&self, buffers: Vec<Buffer>) -> Option<Vec<Buffer>> {
+        if self.taken.swap(true, Ordering::AcqRel) {
+            return Some(buffers);
+        }
+        let tx = self.tx.lock().ok().and_then(|mut t| t.take());
+        match tx {
+            Some(tx) => tx.send(buffers).err(),
+            None => Some(buffers),
+        }
+    }
+
+    /// The requester stopped waiting.
+    pub fn close(&self) {
+        self.taken.store(true, Ordering::Release);
+    }
+
+    fn is_taken(&self) -> bool {
+        self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// How a reservation waits.
+#[derive(Debug, Clone)]
+pub enum Wait {
+    /// Grant now or answer `Ok(None)`; never queue.
+    No,
+    /// Queue until the deadline; the buffers go to the claim.
+    Claim(Arc<Claim>),
+}
+
+/// Ask for buffers of these sizes, all or none, from this domain.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Buffer, Error>")]
+#[rtype(result = "Result<Option<Vec<Buffer>>, Error>")]
 pub struct Reserve {
-    /// Bytes.
-    pub len: u64,
-    /// When to give up.
+    /// Bytes of each part.
+    pub parts: Vec<u64>,
+    /// When to give up waiting.
     pub deadline: Instant,
+    /// Whether to wait.
+    pub wait: Wait,
+}
+
+/// A domain's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DomainStats {
+    /// The budget and what is granted (exported and quarantined memory count as granted).
+    pub budget: BudgetStats,
+    /// Exported to peers, and quarantined after a peer died.
+    pub exports: ExportStats,
+}
+
+impl DomainStats {
+    /// Bytes free to grant.
+    pub fn free(&self) -> u64 {
+        self.budget.capacity.saturating_sub(self.budget.granted)
+    }
 }
 
 /// Ask for the domain's counters.
 #[derive(Debug, Message)]
-#[rtype(result = "BudgetStats")]
+#[rtype(result = "DomainStats")]
 pub struct Stats;
+
+/// A peer now holds `view`'s memory; it is not freed before the peer releases it (or dies
+/// and its lease times out).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Export {
+    /// The export's id, chosen by the caller.
+    pub id: ExportId,
+    /// The peer.
+    pub peer: String,
+    /// Keeps the bytes alive.
+    pub view: SharedBytes,
+}
+
+/// The peer released an export.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct ExportReleased(pub ExportId);
+
+/// A peer died: what it held is quarantined for the lease timeout.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct PeerGone(pub String);
+
+/// Tells the domain the node-wide home its buffers promote through.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetHome(pub Arc<dyn MemoryHome>);
 
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -53,84 +158,120 @@ struct Returned(u64);
 pub struct Allocator {
     kind: MemoryKind,
     budget: Budget,
+    exports: Exports<SharedBytes>,
     returned: Arc<ReturnedBytes>,
+    home: Option<Arc<dyn MemoryHome>>,
     next_id: u64,
-    waiting: HashMap<ReservationId, (u64, oneshot::Sender<Result<Buffer, Error>>)>,
+    waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
     timer: Option<SpawnHandle>,
     armed_for: Option<Instant>,
 }
 
 impl Allocator {
-    /// A domain of `kind` with a budget of `capacity` bytes and room for `queue_cap`
-    /// waiting reservations.
-    pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize) -> Self {
-        let allocator = Self {
+    /// A domain of `kind` with a budget of `capacity` bytes, room for `queue_cap` waiting
+    /// reservations, and exports quarantined for `lease_timeout` after their peer died.
+    pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize, lease_timeout: Duration) -> Self {
+        Self {
             kind,
             budget: Budget::new(capacity, queue_cap),
+            exports: Exports::new(lease_timeout),
             returned: Arc::default(),
+            home: None,
             next_id: 1,
             waiting: HashMap::new(),
             timer: None,
             armed_for: None,
-        };
-        // The gauges exist from the start, before the first grant.
-        allocator.publish_gauges();
-        allocator
+        }
     }
 
-    fn grant(&mut self, len: u64) -> Buffer {
-        let id = self.next_id;
-        self.next_id += 1;
-        let lease = Lease {
-            kind: self.kind,
-            id: BufferId(id),
-            generation: Generation(id),
-            len,
-        };
-        let releaser: Arc<dyn Releaser> = self.returned.clone();
-        Buffer::new_host(lease, releaser)
+    fn grant(&mut self, parts: &[u64]) -> Vec<Buffer> {
+        parts
+            .iter()
+            .map(|&len| {
+                let id = self.next_id;
+                self.next_id += 1;
+                let lease = Lease {
+                    kind: self.kind,
+                    id: BufferId(id),
+                    generation: Generation(id),
+                    len,
+                };
+                let releaser: Arc<dyn Releaser> = self.returned.clone();
+                Buffer::with_home(lease, releaser, self.home.clone())
+            })
+            .collect()
+    }
+
+    /// Hands `parts` (already counted as granted) to `claim`, or takes them back.
+    fn deliver(&mut self, parts: &[u64], claim: &Claim) {
+        if claim.is_taken() {
+            self.budget.handle_release(parts.iter().sum());
+            return;
+        }
+        let buffers = self.grant(parts);
+        // Buffers that come back are dropped here, which releases them.
+        drop(claim.deliver(buffers));
     }
 
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        // Requesters served by another tier, or gone: their places in the queue go.
+        let stale: Vec<ReservationId> = self
+            .waiting
+            .iter()
+            .filter(|(_, (_, c))| c.is_taken())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.waiting.remove(&id);
+            self.budget.handle_withdraw(id);
+        }
         while let Some(ev) = self.budget.poll_event() {
             match ev {
                 ReservationEvent::Granted(id) => {
-                    if let Some((len, tx)) = self.waiting.remove(&id) {
-                        let buffer = self.grant(len);
-                        // A requester that went away drops the buffer, which releases it.
-                        let _ = tx.send(Ok(buffer));
+                    if let Some((parts, claim)) = self.waiting.remove(&id) {
+                        self.deliver(&parts, &claim);
                     }
                 }
                 ReservationEvent::TimedOut(id) => {
-                    if let Some((len, tx)) = self.waiting.remove(&id) {
-                        let _ = tx.send(Err(Error::NoMemory {
-                            kind: self.kind,
-                            len,
-                            detail: "deadline passed while waiting for budget".into(),
-                        }));
-                    }
+                    // The requester times out on its own; dropping the claim is enough.
+                    self.waiting.remove(&id);
                 }
             }
+        }
+        while let Some(view) = self.exports.poll_freed() {
+            drop(view);
         }
         self.publish_gauges();
         self.arm_timer(ctx);
     }
 
-    /// Sets the domain's memory gauges from the budget.
+    fn stats(&self) -> DomainStats {
+        DomainStats {
+            budget: self.budget.stats(),
+            exports: self.exports.stats(),
+        }
+    }
+
+    /// Sets the domain's memory gauges.
     fn publish_gauges(&self) {
-        let stats = self.budget.stats();
+        let stats = self.stats();
         let domain = self.kind.to_string();
-        metrics::gauge!("ferry_memory_budget_bytes", "domain" => domain.clone())
-            .set(stats.capacity as f64);
-        metrics::gauge!("ferry_memory_granted_bytes", "domain" => domain.clone())
-            .set(stats.granted as f64);
-        metrics::gauge!("ferry_memory_free_bytes", "domain" => domain.clone())
-            .set(stats.capacity.saturating_sub(stats.granted) as f64);
-        metrics::gauge!("ferry_reservations_waiting", "domain" => domain).set(stats.waiting as f64);
+        let set = |name: &'static str, value: u64| {
+            metrics::gauge!(name, "domain" => domain.clone()).set(value as f64);
+        };
+        set("ferry_memory_budget_bytes", stats.budget.capacity);
+        set("ferry_memory_granted_bytes", stats.budget.granted);
+        set("ferry_memory_free_bytes", stats.free());
+        set("ferry_memory_exported_bytes", stats.exports.exported);
+        set("ferry_memory_quarantined_bytes", stats.exports.quarantined);
+        set("ferry_reservations_waiting", stats.budget.waiting as u64);
     }
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let next = self.budget.poll_timeout();
+        let next = match (self.budget.poll_timeout(), self.exports.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if next == self.armed_for {
             return;
         }
@@ -143,9 +284,18 @@ impl Allocator {
             self.timer = Some(ctx.run_later(after, |act, ctx| {
                 act.timer = None;
                 act.armed_for = None;
-                act.budget.handle_timeout(Instant::now());
+                let now = Instant::now();
+                act.budget.handle_timeout(now);
+                act.exports.handle_timeout(now);
                 act.drive(ctx);
             }));
+        }
+    }
+
+    fn collect_returned(&mut self) {
+        let bytes = self.returned.bytes.swap(0, Ordering::AcqRel);
+        if bytes > 0 {
+            self.budget.handle_release(bytes);
         }
     }
 }
@@ -154,6 +304,7 @@ impl Actor for Allocator {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        self.publish_gauges();
         let returned = Arc::clone(&self.returned);
         let me = ctx.address();
         // Collects returned bytes; ends when the actor stops.
@@ -178,38 +329,43 @@ impl Handler<Returned> for Allocator {
 }
 
 impl Handler<Reserve> for Allocator {
-    type Result = ResponseFuture<Result<Buffer, Error>>;
+    type Result = Result<Option<Vec<Buffer>>, Error>;
 
     fn handle(&mut self, msg: Reserve, ctx: &mut Self::Context) -> Self::Result {
-        let id = ReservationId(self.next_id);
-        self.next_id += 1;
-        let now = Instant::now();
-        let result = match self
-            .budget
-            .handle_reserve(now, id, &[msg.len], msg.deadline)
-        {
-            Ok(Reserved::Now) => Ok(Some(self.grant(msg.len))),
-            Ok(Reserved::Queued) => Ok(None),
-            Err(e) => Err(Error::NoMemory {
-                kind: self.kind,
-                len: msg.len,
-                detail: e.to_string(),
-            }),
+        self.collect_returned();
+        let total: u64 = msg.parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
+        let refused = |e: crate::core::budget::ReserveError| Error::NoMemory {
+            kind: self.kind,
+            len: total,
+            detail: e.to_string(),
         };
-        let rx = match result {
-            Ok(Some(buffer)) => {
-                self.publish_gauges();
-                return Box::pin(async move { Ok(buffer) });
-            }
-            Err(e) => return Box::pin(async move { Err(e) }),
-            Ok(None) => {
-                let (tx, rx) = oneshot::channel();
-                self.waiting.insert(id, (msg.len, tx));
-                self.drive(ctx);
-                rx
+        let result = match msg.wait {
+            Wait::No => match self.budget.handle_try_reserve(&msg.parts) {
+                Ok(true) => Ok(Some(self.grant(&msg.parts))),
+                Ok(false) => Ok(None),
+                Err(e) => Err(refused(e)),
+            },
+            Wait::Claim(claim) => {
+                let id = ReservationId(self.next_id);
+                self.next_id += 1;
+                match self
+                    .budget
+                    .handle_reserve(Instant::now(), id, &msg.parts, msg.deadline)
+                {
+                    Ok(Reserved::Now) => {
+                        self.deliver(&msg.parts, &claim);
+                        Ok(None)
+                    }
+                    Ok(Reserved::Queued) => {
+                        self.waiting.insert(id, (msg.parts, claim));
+                        Ok(None)
+                    }
+                    Err(e) => Err(refused(e)),
+                }
             }
         };
-        Box::pin(async move { rx.await.map_err(|_| Error::ShuttingDown)? })
+        self.drive(ctx);
+        result
     }
 }
 
@@ -218,11 +374,111 @@ impl Handler<Stats> for Allocator {
     fn handle(&mut self, _: Stats, ctx: &mut Self::Context) -> Self::Result {
         // Count bytes returned but not yet collected, so a caller that just dropped a
         // buffer sees it back.
-        let pending = self.returned.bytes.swap(0, Ordering::AcqRel);
-        if pending > 0 {
-            self.budget.handle_release(pending);
-            self.drive(ctx);
+        self.collect_returned();
+        self.drive(ctx);
+        MessageResult(self.stats())
+    }
+}
+
+impl Handler<Export> for Allocator {
+    type Result = ();
+    fn handle(&mut self, msg: Export, ctx: &mut Self::Context) {
+        let bytes = msg.view.as_slice().len() as u64;
+        self.exports
+            .handle_export(msg.id, &msg.peer, bytes, msg.view);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<ExportReleased> for Allocator {
+    type Result = ();
+    fn handle(&mut self, msg: ExportReleased, ctx: &mut Self::Context) {
+        self.exports.handle_release(msg.0);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<PeerGone> for Allocator {
+    type Result = ();
+    fn handle(&mut self, msg: PeerGone, ctx: &mut Self::Context) {
+        self.exports.handle_peer_lost(&msg.0, Instant::now());
+        self.drive(ctx);
+    }
+}
+
+impl Handler<SetHome> for Allocator {
+    type Result = ();
+    fn handle(&mut self, msg: SetHome, _: &mut Self::Context) {
+        self.home = Some(msg.0);
+    }
+}
+
+/// One tier a reservation may land in.
+#[derive(Clone)]
+pub struct Tier {
+    /// Its memory kind.
+    pub kind: MemoryKind,
+    /// Its allocator.
+    pub allocator: Recipient<Reserve>,
+}
+
+/// Reserves every part in the first tier that can grant them all now, in order; if none
+/// can, waits at every tier until one can or `deadline` passes. All parts land in one
+/// tier. Returns the buffers (their [`Buffer::kind`] says which tier).
+///
+/// # Errors
+/// [`Error::NoMemory`] when no tier could grant in time, or every tier is smaller than the
+/// request; [`Error::ShuttingDown`] when the allocators stopped.
+pub async fn reserve_in_tiers(
+    tiers: &[Tier],
+    parts: &[u64],
+    deadline: Instant,
+) -> Result<Vec<Buffer>, Error> {
+    let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
+    let mut last_refusal = None;
+    let mut able = Vec::new();
+    for tier in tiers {
+        let asked = tier.allocator.send(Reserve {
+            parts: parts.to_vec(),
+            deadline,
+            wait: Wait::No,
+        });
+        match asked.await.map_err(|_| Error::ShuttingDown)? {
+            Ok(Some(buffers)) => return Ok(buffers),
+            Ok(None) => able.push(tier),
+            Err(e) => last_refusal = Some(e),
         }
-        MessageResult(self.budget.stats())
+    }
+    if able.is_empty() {
+        return Err(last_refusal.unwrap_or(Error::NoMemory {
+            kind: MemoryKind::Host,
+            len: total,
+            detail: "no memory tier configured".into(),
+        }));
+    }
+    let (claim, rx) = Claim::new();
+    for tier in &able {
+        let asked = tier.allocator.send(Reserve {
+            parts: parts.to_vec(),
+            deadline,
+            wait: Wait::Claim(Arc::clone(&claim)),
+        });
+        // A tier that refuses (queue full) just does not take part.
+        let _ = asked.await;
+    }
+    let waited = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), rx).await;
+    claim.close();
+    match waited {
+        Ok(Ok(buffers)) => Ok(buffers),
+        Ok(Err(_)) => Err(Error::NoMemory {
+            kind: able[0].kind,
+            len: total,
+            detail: "every tier's queue was full".into(),
+        }),
+        Err(_) => Err(Error::NoMemory {
+            kind: able[0].kind,
+            len: total,
+            detail: "deadline passed while waiting for budget".into(),
+        }),
     }
 }

@@ -167,8 +167,10 @@ pub struct TransferSetupBase {
     pub max_bad_frames: u32,
     /// How long an inbound transfer waits for memory.
     pub reserve_timeout: Duration,
-    /// Host allocator.
-    pub allocator: Recipient<crate::allocator::Reserve>,
+    /// Where received buffers land, then where they spill, in order.
+    pub tiers: Vec<crate::allocator::Tier>,
+    /// Told when a peer is gone, so what it held is quarantined.
+    pub peer_gone: Vec<Recipient<crate::allocator::PeerGone>>,
     /// Exposed regions.
     pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::tcp::ExposedRegion>>,
     /// I/O runtime.
@@ -274,7 +276,8 @@ impl Coordinator {
             chunk: base.chunk,
             max_bad_frames: base.max_bad_frames,
             reserve_timeout: base.reserve_timeout,
-            allocator: base.allocator,
+            tiers: base.tiers,
+            peer_gone: base.peer_gone,
             deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),
             refused: ctx.address().recipient(),

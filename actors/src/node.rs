@@ -13,11 +13,11 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use ferry_config::{Config, MemoryClass};
 use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener, Secret};
-use ferry_transports::memory::{Buffer, MemoryKind};
+use ferry_transports::memory::{Buffer, MemoryHome, MemoryKind};
 use ferry_transports::tcp::{ExposedRegion, RegionKey};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::allocator::{Allocator, Reserve, Stats};
+use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
 use crate::coordinator::{
     Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv,
     SendTo, Shutdown, TransferSetupBase,
@@ -36,6 +36,9 @@ pub struct Node {
     config: Arc<Config>,
     coordinator: Addr<Coordinator>,
     host: Addr<Allocator>,
+    pinned: Addr<Allocator>,
+    /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
+    credit: DashMap<String, Arc<Semaphore>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     next_region: AtomicU64,
     counters: Arc<LinkCounters>,
@@ -144,6 +147,7 @@ impl Node {
         };
         let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
         let host_budget = config.memory.host.resolve(total_memory());
+        let pinned_budget = config.memory.pinned.resolve(total_memory());
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = {
             let config = Arc::clone(&config);
@@ -158,10 +162,33 @@ impl Node {
                         let limits = &config.limits;
                         let mailbox = limits.mailbox;
                         let queue = limits.reservation_queue;
-                        let host = Allocator::create(move |ctx| {
-                            ctx.set_mailbox_capacity(mailbox);
-                            Allocator::new(MemoryKind::Host, host_budget, queue)
+                        let lease = config.memory.export_lease_timeout;
+                        let domain = |kind, budget| {
+                            Allocator::create(move |ctx| {
+                                ctx.set_mailbox_capacity(mailbox);
+                                Allocator::new(kind, budget, queue, lease)
+                            })
+                        };
+                        let host = domain(MemoryKind::Host, host_budget);
+                        let pinned = domain(MemoryKind::PinnedHost, pinned_budget);
+                        let home = Arc::new(NodeMemory {
+                            tiers: vec![
+                                tier(MemoryKind::Host, &host),
+                                tier(MemoryKind::PinnedHost, &pinned),
+                            ],
                         });
+                        for a in [&host, &pinned] {
+                            let _ = a.send(SetHome(home.clone())).await;
+                        }
+                        // The receive tiers: where receives land, then where they spill.
+                        let receive_tiers = std::iter::once(config.memory.receive_into)
+                            .chain(config.memory.spill.iter().copied())
+                            .filter_map(|class| match class {
+                                MemoryClass::Host => Some(tier(MemoryKind::Host, &host)),
+                                MemoryClass::Pinned => Some(tier(MemoryKind::PinnedHost, &pinned)),
+                                _ => None,
+                            })
+                            .collect();
                         let transfer = TransferSetupBase {
                             limits: SessionLimits {
                                 queue: limits.peer_queue,
@@ -172,7 +199,8 @@ impl Node {
                                 .unwrap_or(1 << 20),
                             max_bad_frames: limits.max_bad_frames,
                             reserve_timeout: limits.default_deadline,
-                            allocator: host.clone().recipient(),
+                            tiers: receive_tiers,
+                            peer_gone: vec![host.clone().recipient(), pinned.clone().recipient()],
                             exposed,
                             io: io_handle,
                         };
@@ -183,14 +211,14 @@ impl Node {
                             transfer,
                         })
                         .start();
-                        (coordinator, host, System::current())
+                        (coordinator, host, pinned, System::current())
                     });
                     let _ = tx.send(started);
                     let _ = system.run();
                 })
                 .map_err(|e| Error::Start(format!("cannot start the actor thread: {e}")))?
         };
-        let (coordinator, host, system) = rx
+        let (coordinator, host, pinned, system) = rx
             .await
             .map_err(|_| Error::Start("the actor system did not start".into()))?;
 
@@ -211,6 +239,8 @@ impl Node {
             config,
             coordinator,
             host,
+            pinned,
+            credit: DashMap::new(),
             exposed,
             next_region: AtomicU64::new(1),
             counters,
@@ -251,6 +281,16 @@ impl Node {
         Instant::now() + self.config.limits.default_deadline
     }
 
+    fn domain(&self, kind: MemoryKind) -> Result<&Addr<Allocator>, Error> {
+        match kind {
+            MemoryKind::Host => Ok(&self.host),
+            MemoryKind::PinnedHost => Ok(&self.pinned),
+            other => Err(Error::Unsupported(format!(
+                "{other} memory arrives with GPU support; this build has host and pinned memory"
+            ))),
+        }
+    }
+
     /// Allocates `len` bytes of `kind` memory under the domain's budget, waiting for
     /// budget up to the default deadline.
     ///
@@ -258,18 +298,30 @@ impl Node {
     /// [`Error::NoMemory`] when it does not fit in time; [`Error::Unsupported`] for a kind
     /// this build cannot allocate.
     pub async fn alloc(&self, kind: MemoryKind, len: usize) -> Result<Buffer, Error> {
-        if kind != MemoryKind::Host {
-            return Err(Error::Unsupported(format!(
-                "{kind} memory arrives with GPU support; this build allocates host memory"
-            )));
-        }
-        self.host
-            .send(Reserve {
-                len: len as u64,
-                deadline: self.default_deadline(),
-            })
+        let mut parts = self.alloc_parts(kind, &[len as u64]).await?;
+        parts.pop().ok_or(Error::ShuttingDown)
+    }
+
+    /// Allocates every part at once or none, in `kind` memory, waiting for budget up to the
+    /// default deadline. A waiting request holds nothing, so callers that each need several
+    /// parts never hold some while waiting for the rest.
+    ///
+    /// # Errors
+    /// As [`Self::alloc`].
+    pub async fn alloc_parts(&self, kind: MemoryKind, parts: &[u64]) -> Result<Vec<Buffer>, Error> {
+        let tier = Tier {
+            kind,
+            allocator: self.domain(kind)?.clone().recipient(),
+        };
+        reserve_in_tiers(&[tier], parts, self.default_deadline()).await
+    }
+
+    /// A memory domain's counters: budget, granted, exported, quarantined, waiting.
+    pub async fn memory(&self, kind: MemoryKind) -> Result<DomainStats, Error> {
+        self.domain(kind)?
+            .send(Stats)
             .await
-            .map_err(|_| Error::ShuttingDown)?
+            .map_err(|_| Error::ShuttingDown)
     }
 
     /// Sends `buffer` to `peer` under `tag`, with the default deadline. Resolves to the
@@ -287,6 +339,9 @@ impl Node {
     }
 
     /// [`Self::send`] with an explicit deadline.
+    ///
+    /// When `limits.peer_queue` transfers to `peer` are already outstanding, this waits for
+    /// one of them to end (backpressure), until `deadline`.
     pub async fn send_by(
         &self,
         peer: &str,
@@ -294,6 +349,15 @@ impl Node {
         buffer: Buffer,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
+        let _permit = match self.credit(peer, deadline).await {
+            Ok(p) => p,
+            Err(error) => {
+                return Err(SendError {
+                    error,
+                    buffer: Some(buffer),
+                });
+            }
+        };
         let request = self.coordinator.send(SendTo {
             peer: peer.to_string(),
             tag,
@@ -304,6 +368,21 @@ impl Node {
             error: Error::ShuttingDown,
             buffer: None,
         }))
+    }
+
+    /// Waits until `peer` may take one more transfer or put, until `deadline`.
+    async fn credit(&self, peer: &str, deadline: Instant) -> Result<OwnedSemaphorePermit, Error> {
+        let permits = self
+            .credit
+            .entry(peer.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(self.config.limits.peer_queue)))
+            .clone();
+        let wait = permits.acquire_owned();
+        match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await {
+            Ok(Ok(permit)) => Ok(permit),
+            Ok(Err(_)) => Err(Error::ShuttingDown),
+            Err(_) => Err(Error::DeadlineExceeded),
+        }
     }
 
     /// Receives the oldest buffer delivered from `from` (a peer name, or `None` for any)
@@ -361,12 +440,22 @@ impl Node {
         offset: u64,
         buffer: Buffer,
     ) -> Result<Buffer, SendError> {
+        let deadline = self.default_deadline();
+        let _permit = match self.credit(peer, deadline).await {
+            Ok(p) => p,
+            Err(error) => {
+                return Err(SendError {
+                    error,
+                    buffer: Some(buffer),
+                });
+            }
+        };
         let request = self.coordinator.send(PutTo {
             peer: peer.to_string(),
             key,
             offset,
             buffer,
-            deadline: self.default_deadline(),
+            deadline,
         });
         request.await.unwrap_or(Err(SendError {
             error: Error::ShuttingDown,
@@ -396,7 +485,7 @@ impl Node {
 
     /// The host domain's budget counters.
     pub async fn host_memory(&self) -> Result<BudgetStats, Error> {
-        self.host.send(Stats).await.map_err(|_| Error::ShuttingDown)
+        Ok(self.memory(MemoryKind::Host).await?.budget)
     }
 
     /// Connects to `peer` now, if not connected yet, and resolves once the link is up.
@@ -504,5 +593,37 @@ async fn accept_loop(
                 Err(e) => tracing::warn!(%from, error = %e, "connection refused"),
             }
         });
+    }
+}
+
+fn tier(kind: MemoryKind, allocator: &Addr<Allocator>) -> Tier {
+    Tier {
+        kind,
+        allocator: allocator.clone().recipient(),
+    }
+}
+
+/// The node's memory, for [`Buffer::promote`]: a reservation in one tier, no spill.
+struct NodeMemory {
+    tiers: Vec<Tier>,
+}
+
+impl MemoryHome for NodeMemory {
+    fn reserve(
+        &self,
+        kind: MemoryKind,
+        len: u64,
+        deadline: Instant,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Buffer, String>> + Send>> {
+        let tier = self.tiers.iter().find(|t| t.kind == kind).cloned();
+        Box::pin(async move {
+            let Some(tier) = tier else {
+                return Err(format!("no {kind} memory domain on this node"));
+            };
+            let mut got = reserve_in_tiers(&[tier], &[len], deadline)
+                .await
+                .map_err(|e| e.to_string())?;
+            got.pop().ok_or_else(|| "nothing granted".to_string())
+        })
     }
 }

@@ -21,10 +21,10 @@ use dashmap::DashMap;
 use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter};
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
-use ferry_transports::wire::{ArchivedMessage, Message, PutAck, WireMemoryKind, WireReason};
+use ferry_transports::wire::{ArchivedMessage, Message, PutAck, WireReason};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::Reserve;
+use crate::allocator::{PeerGone, Tier, reserve_in_tiers};
 use crate::core::session::{
     InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
 };
@@ -63,8 +63,10 @@ pub struct TransferSetup {
     pub max_bad_frames: u32,
     /// How long an inbound transfer may wait for memory.
     pub reserve_timeout: Duration,
-    /// Where inbound transfers get memory.
-    pub allocator: Recipient<Reserve>,
+    /// Where inbound transfers land, then where they spill, in order.
+    pub tiers: Vec<Tier>,
+    /// Told when the peer is gone, so what it held is quarantined.
+    pub peer_gone: Vec<Recipient<PeerGone>>,
     /// Where delivered buffers go.
     pub deliver: Recipient<Delivered>,
     /// Told when the actor stops.
@@ -456,17 +458,24 @@ impl TransferActor {
     }
 
     fn reserve(&mut self, id: InboundId, len: u64, ctx: &mut Context<Self>) {
-        let request = self.setup.allocator.send(Reserve {
-            len,
-            deadline: Instant::now() + self.setup.reserve_timeout,
-        });
+        let tiers = self.setup.tiers.clone();
+        let deadline = Instant::now() + self.setup.reserve_timeout;
+        let request = async move {
+            let mut got = reserve_in_tiers(&tiers, &[len], deadline).await?;
+            got.pop().ok_or(Error::ShuttingDown)
+        };
         ctx.spawn(request.into_actor(self).map(move |res, act, ctx| {
             match res {
-                Ok(Ok(buffer)) => {
+                Ok(buffer) => {
+                    let landing = buffer.kind();
+                    if act.setup.tiers.first().is_some_and(|t| t.kind != landing) {
+                        metrics::counter!("ferry_spill_bytes_total").increment(len);
+                        tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
+                    }
                     // The region must exist before the grant leaves, since the peer
                     // streams as soon as it reads the grant.
                     act.regions.insert(id.0, InboundRegion::new(buffer));
-                    if act.session.handle_reserved(id, WireMemoryKind::Host) {
+                    if act.session.handle_reserved(id, landing.to_wire()) {
                         if let Some(spans) = act.inbound_spans.get_mut(&id) {
                             spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
                         }
@@ -474,23 +483,18 @@ impl TransferActor {
                         act.regions.remove(&id.0);
                     }
                 }
-                Ok(Err(e)) => {
+                Err(e) => {
                     if let Some(spans) = act.inbound_spans.remove(&id) {
                         tracing::debug!(parent: &spans.span, error = %e, "no memory");
                     }
-                    let reason = match e {
+                    let reason = match &e {
+                        Error::NoMemory { detail, .. } if detail.contains("deadline") => {
+                            WireReason::DeadlineExceeded
+                        }
                         Error::NoMemory { .. } => WireReason::TooLarge,
                         _ => WireReason::ShuttingDown,
                     };
                     act.session.handle_reserve_failed(id, reason, e.to_string());
-                }
-                Err(_) => {
-                    act.inbound_spans.remove(&id);
-                    act.session.handle_reserve_failed(
-                        id,
-                        WireReason::ShuttingDown,
-                        "allocator stopped".into(),
-                    );
                 }
             }
             act.drive(ctx);
@@ -522,6 +526,13 @@ impl Actor for TransferActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        // Whatever the peer held of our memory is quarantined for the lease timeout.
+        for recipient in self.setup.peer_gone.clone() {
+            let peer = PeerGone(self.peer.clone());
+            actix::spawn(async move {
+                let _ = recipient.send(peer).await;
+            });
+        }
         if let Some(w) = self.writer.take() {
             let _ = w.try_send(Outgoing::Close);
         }

@@ -158,7 +158,10 @@ impl Config {
 
     fn check_memory(&self) -> Result<(), Violation> {
         let memory = &self.memory;
-        for (key, budget) in [("memory.host", memory.host), ("memory.pinned", memory.pinned)] {
+        for (key, budget) in [
+            ("memory.host", memory.host),
+            ("memory.pinned", memory.pinned),
+        ] {
             match budget {
                 Budget::Bytes(0) => {
                     return fail(key, "a budget of 0 bytes leaves nothing to transfer with");
@@ -178,7 +181,10 @@ impl Config {
         for (i, tier) in memory.spill.iter().enumerate() {
             let key = format!("memory.spill[{i}]");
             if *tier == MemoryClass::Device {
-                return fail(key, "only host tiers (\"pinned\", \"host\") can take a spill");
+                return fail(
+                    key,
+                    "only host tiers (\"pinned\", \"host\") can take a spill",
+                );
             }
             if *tier == memory.receive_into || memory.spill[..i].contains(tier) {
                 return fail(

@@ -146,6 +146,27 @@ impl Budget {
         removed
     }
 
+    /// Grants every part at once if that is possible now, without queueing: used to try a
+    /// tier before spilling to the next. Honors arrival order: nothing is granted while
+    /// others wait.
+    pub fn handle_try_reserve(&mut self, parts: &[u64]) -> Result<bool, ReserveError> {
+        let total = parts
+            .iter()
+            .try_fold(0u64, |acc, p| acc.checked_add(*p))
+            .unwrap_or(u64::MAX);
+        if total > self.capacity {
+            return Err(ReserveError::TooLarge {
+                total,
+                capacity: self.capacity,
+            });
+        }
+        if self.queue.is_empty() && self.granted + total <= self.capacity {
+            self.granted += total;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Expires waiting reservations whose deadline is at or before `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         let mut expired = false;

@@ -7,7 +7,10 @@
 //! be written or given back until that view is dropped.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::wire::WireMemoryKind;
 
@@ -83,10 +86,36 @@ pub trait Releaser: Send + Sync + 'static {
     fn release(&self, lease: &Lease);
 }
 
+/// Where a buffer can get memory in another tier: the node that granted it. Lets
+/// [`Buffer::promote`] work without a handle to the node.
+pub trait MemoryHome: Send + Sync + 'static {
+    /// A buffer of `len` bytes of `kind` memory, waiting for budget until `deadline`
+    /// (no spill: it lands in `kind` or fails).
+    fn reserve(
+        &self,
+        kind: MemoryKind,
+        len: u64,
+        deadline: Instant,
+    ) -> Pin<Box<dyn Future<Output = Result<Buffer, String>> + Send>>;
+}
+
+/// A promotion that did not happen; the buffer is given back untouched.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot promote the buffer to {kind} memory: {reason}")]
+pub struct PromoteError {
+    /// The buffer, where it was.
+    pub buffer: Buffer,
+    /// The tier asked for.
+    pub kind: MemoryKind,
+    /// Why.
+    pub reason: String,
+}
+
 struct Storage {
     lease: Lease,
     bytes: Box<[u8]>,
     releaser: Arc<dyn Releaser>,
+    home: Option<Arc<dyn MemoryHome>>,
 }
 
 impl Drop for Storage {
@@ -117,13 +146,61 @@ impl Buffer {
     /// Never for lengths that fit the address space; the allocation itself aborts on
     /// exhaustion like any Rust allocation, which is why budgets are checked first.
     pub fn new_host(lease: Lease, releaser: Arc<dyn Releaser>) -> Self {
+        Self::with_home(lease, releaser, None)
+    }
+
+    /// Like [`Self::new_host`], for a buffer that can be promoted through `home`.
+    pub fn with_home(
+        lease: Lease,
+        releaser: Arc<dyn Releaser>,
+        home: Option<Arc<dyn MemoryHome>>,
+    ) -> Self {
         let len = usize::try_from(lease.len).unwrap_or(usize::MAX);
         Self {
             storage: Arc::new(Storage {
                 lease,
                 bytes: vec![0u8; len].into_boxed_slice(),
                 releaser,
+                home,
             }),
+        }
+    }
+
+    /// Moves the bytes into `kind` memory (typically back from a tier it spilled to),
+    /// waiting for that tier's budget until `deadline`. The copy is byte-exact and the old
+    /// memory is released. A buffer already in `kind` comes back as it is.
+    ///
+    /// # Errors
+    /// [`PromoteError`], with the buffer untouched, when the tier cannot grant in time, or
+    /// the buffer did not come from a node (or is still shared with a transport).
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops the buffer (its memory is released).
+    pub async fn promote(
+        self,
+        kind: MemoryKind,
+        deadline: Instant,
+    ) -> Result<Buffer, PromoteError> {
+        if self.kind() == kind {
+            return Ok(self);
+        }
+        let fail = |buffer: Buffer, reason: String| PromoteError {
+            buffer,
+            kind,
+            reason,
+        };
+        let Some(home) = self.storage.home.clone() else {
+            return Err(fail(self, "the buffer did not come from a node".into()));
+        };
+        match home.reserve(kind, self.len() as u64, deadline).await {
+            Ok(mut target) => match target.as_mut_slice() {
+                Some(dst) => {
+                    dst.copy_from_slice(self.as_slice());
+                    Ok(target)
+                }
+                None => Err(fail(self, "the new buffer is shared".into())),
+            },
+            Err(reason) => Err(fail(self, reason)),
         }
     }
 
