@@ -30,9 +30,9 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub use ferry_actors::coordinator::Received;
 pub use ferry_actors::core::budget::BudgetStats;
 pub use ferry_actors::core::route::Explanation;
+pub use ferry_actors::inbox::Received;
 pub use ferry_actors::node::Node;
 pub use ferry_actors::{Error, SendError};
 pub use ferry_config::{Config, ConfigError, LoadOptions, MemoryClass};

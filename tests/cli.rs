@@ -171,3 +171,40 @@ fn demo_verifies_every_checksum() {
         "the table names the transport: {stdout}"
     );
 }
+
+/// The number just before `word` in `text`, e.g. 3 in "3 spilled".
+fn count_before(text: &str, word: &str) -> Option<u64> {
+    let at = text.find(word)?;
+    text[..at].split_whitespace().last()?.parse().ok()
+}
+
+#[test]
+fn demo_under_pressure_spills_promotes_and_verifies() {
+    let started = Instant::now();
+    let out = ferry()
+        // A slow reader (5 MB/s), so that a backlog builds up even in a debug build on a
+        // busy machine.
+        .args(["demo", "--pressure", "--buffers", "60", "--drain-rate", "5"])
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("pressure:") && l.contains("received"))
+        .unwrap_or_else(|| panic!("no pressure summary: {stdout}"));
+    let spilled = count_before(line, " spilled to host").expect("spilled count");
+    let promoted = count_before(line, " promoted back").expect("promoted count");
+    assert!(spilled > 0, "nothing spilled: {line}");
+    assert!(promoted > 0, "nothing promoted: {line}");
+    assert!(stdout.contains("checksums verified"), "{stdout}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+}

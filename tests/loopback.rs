@@ -361,3 +361,35 @@ async fn nodes_dialing_each_other_at_once_keep_one_link_and_lose_nothing() {
         b.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_is_cancel_safe() {
+    // Receives given up on all the time, while buffers keep arriving: none may be lost.
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "").await;
+    let node = &node;
+    let sends = async {
+        for tag in 0..60u64 {
+            let b = patterned(node, 4096, tag).await;
+            node.send("echo", tag, b).await.expect("send");
+        }
+    };
+    let receives = async {
+        let mut got = std::collections::BTreeSet::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < 60 && Instant::now() < deadline {
+            let wait = Duration::from_micros(50 + (got.len() as u64 % 7) * 100);
+            if let Ok(r) = tokio::time::timeout(wait, node.recv(Some("echo"), None)).await {
+                got.insert(r.expect("recv").tag);
+            }
+        }
+        got
+    };
+    let ((), got) = tokio::join!(sends, receives);
+    assert_eq!(
+        got.len(),
+        60,
+        "lost buffers: {:?}",
+        (0..60).filter(|t| !got.contains(t)).collect::<Vec<_>>()
+    );
+}

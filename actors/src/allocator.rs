@@ -222,8 +222,11 @@ impl Allocator {
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
-            self.waiting.remove(&id);
-            self.budget.handle_withdraw(id);
+            // One the budget granted already has its event pending: the event loop below
+            // gives that grant back. Only one still queued is withdrawn here.
+            if self.budget.handle_withdraw(id) {
+                self.waiting.remove(&id);
+            }
         }
         while let Some(ev) = self.budget.poll_event() {
             match ev {

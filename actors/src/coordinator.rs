@@ -17,11 +17,10 @@ use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::tcp::RegionKey;
 use ferry_transports::transport::{self, Capabilities, Viability, transport_label};
 use ferry_transports::wire::{Hello, WireDirection};
-use tokio::sync::oneshot;
 
-use crate::core::mailroom::Mailroom;
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
+use crate::inbox::Inbox;
 use crate::transfer::{
     Attach, AwaitLink, Delivered, DialRefused, Drain, Lost, Op, PeerClass, SessionEnded, Submit,
     TransferActor, TransferSetup,
@@ -55,27 +54,6 @@ pub struct PutTo {
     pub buffer: Buffer,
     /// When it must have ended.
     pub deadline: Instant,
-}
-
-/// A received buffer.
-#[derive(Debug)]
-pub struct Received {
-    /// The data.
-    pub buffer: Buffer,
-    /// Who sent it.
-    pub peer: String,
-    /// Its tag.
-    pub tag: u64,
-}
-
-/// Take the oldest buffer delivered from `from` (or anyone) with `tag` (or any tag).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Received, Error>")]
-pub struct Recv {
-    /// Peer filter.
-    pub from: Option<String>,
-    /// Tag filter.
-    pub tag: Option<u64>,
 }
 
 /// Explain the route a transfer to `peer` would take.
@@ -142,8 +120,6 @@ struct Session {
     hello: Option<Hello>,
 }
 
-type Waiter = oneshot::Sender<Result<Received, Error>>;
-
 /// What the coordinator needs to start.
 pub struct CoordinatorSetup {
     /// The node's configuration.
@@ -154,6 +130,8 @@ pub struct CoordinatorSetup {
     pub link: LinkOptions,
     /// Template for transfer actors; `deliver` and `ended` are filled in by the coordinator.
     pub transfer: TransferSetupBase,
+    /// Where delivered buffers wait for `recv`.
+    pub inbox: Arc<Inbox>,
 }
 
 /// The parts of [`TransferSetup`] the node provides.
@@ -184,21 +162,20 @@ pub struct Coordinator {
     catalog: Vec<(Capabilities, Viability)>,
     sessions: HashMap<String, Session>,
     next_epoch: u64,
-    mailroom: Mailroom<Buffer, Waiter>,
+    inbox: Arc<Inbox>,
     draining: bool,
 }
 
 impl Coordinator {
     /// A coordinator for the node described by `setup`.
     pub fn new(setup: CoordinatorSetup) -> Self {
-        let waiters = setup.config.limits.peer_queue;
         Self {
+            inbox: Arc::clone(&setup.inbox),
             setup,
             host_id: link::host_id(),
             catalog: transport::catalog(),
             sessions: HashMap::new(),
             next_epoch: 1,
-            mailroom: Mailroom::new(waiters),
             draining: false,
         }
     }
@@ -477,11 +454,27 @@ pub fn describe_metrics() {
         "ferry_reservations_waiting",
         "Reservations waiting for a memory domain's budget"
     );
+    describe_gauge!(
+        "ferry_memory_exported_bytes",
+        Unit::Bytes,
+        "Bytes of a memory domain held by live peers"
+    );
+    describe_gauge!(
+        "ferry_memory_quarantined_bytes",
+        Unit::Bytes,
+        "Bytes of a memory domain held by dead peers until their lease times out"
+    );
+    describe_counter!(
+        "ferry_promoted_bytes_total",
+        Unit::Bytes,
+        "Bytes moved back to a faster memory tier"
+    );
     for status in ["completed", "failed", "cancelled"] {
         metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
     }
     metrics::counter!("ferry_failover_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
+    metrics::counter!("ferry_promoted_bytes_total").absolute(0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
     let reasons = ferry_transports::wire::FrameError::REASONS;
     for reason in reasons.into_iter().chain(["protocol"]) {
@@ -569,48 +562,11 @@ impl Handler<PutTo> for Coordinator {
     }
 }
 
-impl Handler<Recv> for Coordinator {
-    type Result = ResponseFuture<Result<Received, Error>>;
-
-    fn handle(&mut self, msg: Recv, _: &mut Self::Context) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        match self
-            .mailroom
-            .recv(msg.from.as_deref(), msg.tag, tx, |w| !w.is_closed())
-        {
-            Ok(Some((peer, tag, buffer))) => {
-                Box::pin(async move { Ok(Received { buffer, peer, tag }) })
-            }
-            Ok(None) => Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) }),
-            Err((too_many, _)) => {
-                Box::pin(async move { Err(Error::QueueFull(too_many.to_string())) })
-            }
-        }
-    }
-}
-
 impl Handler<Delivered> for Coordinator {
     type Result = ();
 
     fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
-        let mut item = Some(msg.buffer);
-        // A waiter whose caller went away hands the buffer back; try the next one.
-        while let Some(buffer) = item.take() {
-            let Some((waiter, buffer)) = self
-                .mailroom
-                .deliver(&msg.peer, msg.tag, buffer, |w| !w.is_closed())
-            else {
-                break;
-            };
-            let received = Received {
-                buffer,
-                peer: msg.peer.clone(),
-                tag: msg.tag,
-            };
-            if let Err(Ok(back)) = waiter.send(Ok(received)) {
-                item = Some(back.buffer);
-            }
-        }
+        self.inbox.deliver(&msg.peer, msg.tag, msg.buffer);
     }
 }
 
@@ -784,9 +740,7 @@ impl Handler<Shutdown> for Coordinator {
         self.draining = true;
         let sessions: Vec<Addr<TransferActor>> =
             self.sessions.values().map(|s| s.addr.clone()).collect();
-        for buffer in self.mailroom.drain() {
-            drop(buffer);
-        }
+        self.inbox.stop();
         Box::pin(async move {
             for addr in &sessions {
                 let _ = addr.send(Drain).await;

@@ -19,13 +19,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
 use crate::coordinator::{
-    Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, Received, Recv,
-    SendTo, Shutdown, TransferSetupBase,
+    Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, SendTo,
+    Shutdown, TransferSetupBase,
 };
 use crate::core::budget::BudgetStats;
 use crate::core::route::Explanation;
 use crate::core::session::SessionLimits;
 use crate::error::{Error, SendError};
+use crate::inbox::{Inbox, Received};
 
 /// Handshakes running at once, at most; further connections wait in the kernel backlog.
 const MAX_HANDSHAKES: usize = 64;
@@ -35,6 +36,7 @@ pub struct Node {
     name: String,
     config: Arc<Config>,
     coordinator: Addr<Coordinator>,
+    inbox: Arc<Inbox>,
     host: Addr<Allocator>,
     pinned: Addr<Allocator>,
     /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
@@ -146,12 +148,14 @@ impl Node {
             counters: Arc::clone(&counters),
         };
         let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
+        let inbox = Arc::new(Inbox::new(config.limits.peer_queue));
         let host_budget = config.memory.host.resolve(total_memory());
         let pinned_budget = config.memory.pinned.resolve(total_memory());
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = {
             let config = Arc::clone(&config);
             let exposed = Arc::clone(&exposed);
+            let inbox = Arc::clone(&inbox);
             let link_opts = link_opts.clone();
             let io_handle = io.handle().clone();
             std::thread::Builder::new()
@@ -209,6 +213,7 @@ impl Node {
                             secret,
                             link: link_opts,
                             transfer,
+                            inbox,
                         })
                         .start();
                         (coordinator, host, pinned, System::current())
@@ -238,6 +243,7 @@ impl Node {
             name: config.node.name.clone(),
             config,
             coordinator,
+            inbox,
             host,
             pinned,
             credit: DashMap::new(),
@@ -392,13 +398,7 @@ impl Node {
     /// Cancel safe: a buffer delivered after the future was dropped goes to the next
     /// matching `recv`.
     pub async fn recv(&self, from: Option<&str>, tag: Option<u64>) -> Result<Received, Error> {
-        self.coordinator
-            .send(Recv {
-                from: from.map(str::to_string),
-                tag,
-            })
-            .await
-            .map_err(|_| Error::ShuttingDown)?
+        self.inbox.recv(from, tag).await
     }
 
     /// Exposes `buffer` for one-sided puts by peers; give the key to the peer, and take the

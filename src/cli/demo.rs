@@ -1,6 +1,13 @@
 //! `ferry demo`: starts node processes and pushes a few hundred buffers of mixed sizes
 //! through a pipeline, `source → stage-1 → … → stage-N → source`, verifying every buffer's
 //! checksum where it ends. Exits 0 only if every checksum matched.
+//!
+//! `--pressure` gives the source, which receives every buffer at the end of the pipeline, a
+//! pinned budget far smaller than the data in flight, spilling to a host budget that is
+//! limited too, and makes it read slower than the pipeline delivers (`--drain-rate`): the
+//! backlog fills pinned memory, some receives spill to host, some wait. Each spilled buffer is promoted back
+//! to pinned before its checksum is verified. Exits 0 only if every checksum matched and at
+//! least one receive spilled and one was promoted.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -12,22 +19,47 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use ferry::{Config, MemoryClass, MemoryKind, Node};
 use futures::StreamExt;
+use tokio::task::JoinSet;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Buffers to push through the pipeline.
     #[arg(long, default_value_t = 300)]
     buffers: usize,
-    /// Largest buffer (the smallest is 1 byte), e.g. 64MiB.
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
-    max_size: u64,
+    /// Largest buffer (the smallest is 1 byte), e.g. 64MiB. Default 64MiB, or 8MiB with
+    /// --pressure.
+    #[arg(long, value_parser = parse_size)]
+    max_size: Option<u64>,
     /// Forwarding stages, each its own process.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=8))]
     stages: u16,
-    /// Transfers in flight from the source at once.
-    #[arg(long, default_value_t = 8)]
-    window: usize,
+    /// Transfers in flight from the source at once. Default 8, or 32 with --pressure.
+    #[arg(long)]
+    window: Option<usize>,
+    /// Give the source (the receiver at the end of the pipeline) a 16 MiB pinned budget,
+    /// spilling to 96 MiB of host memory, and a slow reader, so that far more data is in
+    /// flight than fits; promote spilled buffers back to pinned and count spills,
+    /// promotions and waits.
+    #[arg(long)]
+    pressure: bool,
+    /// With --pressure: how fast the source reads what it receives, in MB/s. Slower than
+    /// the pipeline delivers, so a backlog builds up and fills pinned memory.
+    #[arg(long, default_value_t = 20.0, requires = "pressure", value_parser = parse_rate)]
+    drain_rate: f64,
 }
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a rate in MB/s above 0")),
+    }
+}
+
+/// The source's memory under `--pressure`: receives land in pinned memory, spill to host.
+const PRESSURE_PINNED: u64 = 16 << 20;
+const PRESSURE_HOST: u64 = 96 << 20;
+/// How long a spilled buffer may wait for pinned budget to be promoted.
+const PROMOTE_DEADLINE: Duration = Duration::from_secs(10);
 
 fn parse_size(s: &str) -> Result<u64, String> {
     ferry_config::parse_size(s).map_err(|e| e.to_string())
@@ -64,17 +96,17 @@ impl Rng {
     }
 }
 
-/// The buffers of one class: (tag, size).
-fn plan(args: &Args) -> Vec<(&'static str, Vec<(u64, u64)>)> {
+/// The buffers of each class: (tag, size).
+fn plan(buffers: usize, max_size: u64) -> Vec<(&'static str, Vec<(u64, u64)>)> {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut tag = 0;
     let mut out = Vec::new();
     for (i, (name, lo, hi, share)) in CLASSES.iter().enumerate() {
-        if *lo > args.max_size {
+        if *lo > max_size {
             continue;
         }
-        let hi = (*hi).min(args.max_size);
-        let count = (args.buffers * share).div_ceil(100).max(1);
+        let hi = (*hi).min(max_size);
+        let count = (buffers * share).div_ceil(100).max(1);
         let mut sizes = Vec::new();
         for k in 0..count {
             // Each class includes its bounds; the whole run includes 1 B and max_size.
@@ -103,12 +135,19 @@ impl Drop for Stage {
     }
 }
 
-fn write_config(dir: &Path, name: &str, next: &str, secret: &Path) -> anyhow::Result<PathBuf> {
+/// Writes a node's configuration; `extra` is appended as it is (more tables).
+fn write_config(
+    dir: &Path,
+    name: &str,
+    next: &str,
+    secret: &Path,
+    extra: &str,
+) -> anyhow::Result<PathBuf> {
     let path = dir.join(format!("{name}.toml"));
     let text = format!(
         "[node]\nname = \"{name}\"\nlisten = [\"127.0.0.1:0\"]\nsocket_dir = \"{dir}\"\n\n\
          [[peers]]\nname = \"{next}\"\naddress = \"unix:{dir}/{next}.sock\"\n\n\
-         [security]\nsecret_file = \"{secret}\"\n",
+         [security]\nsecret_file = \"{secret}\"\n{extra}",
         dir = dir.display(),
         secret = secret.display(),
     );
@@ -152,7 +191,33 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     runtime.block_on(demo(args))
 }
 
+/// What the source's receiver saw under `--pressure`.
+#[derive(Debug, Default, Clone, Copy)]
+struct PressureCounts {
+    /// Buffers received.
+    received: usize,
+    /// Received buffers that landed in host memory (the spill tier), not pinned.
+    spilled: usize,
+    /// Spilled buffers moved back into pinned memory.
+    promoted: usize,
+    /// Spilled buffers that could not be promoted before their deadline (still verified).
+    promote_failed: usize,
+}
+
+impl PressureCounts {
+    fn add(&mut self, other: Self) {
+        self.received += other.received;
+        self.spilled += other.spilled;
+        self.promoted += other.promoted;
+        self.promote_failed += other.promote_failed;
+    }
+}
+
 async fn demo(args: Args) -> anyhow::Result<ExitCode> {
+    let max_size = args
+        .max_size
+        .unwrap_or(if args.pressure { 8 << 20 } else { 64 << 20 });
+    let window = args.window.unwrap_or(if args.pressure { 32 } else { 8 });
     let dir = tempfile::Builder::new()
         .prefix("ferry-demo-")
         .tempdir()
@@ -165,33 +230,62 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
         .context("cannot write the demo secret")?;
 
     let names: Vec<String> = (1..=args.stages).map(|i| format!("stage-{i}")).collect();
-    let source_config = write_config(dir.path(), "source", &names[0], &secret)?;
+    // Under pressure the source, which receives every buffer at the end of the pipeline,
+    // receives into a small pinned budget and spills to a limited host budget (which also
+    // holds the buffers it sends).
+    let source_memory = if args.pressure {
+        format!(
+            "\n[memory]\nreceive_into = \"pinned\"\npinned = \"{PRESSURE_PINNED}\"\n\
+             host = \"{PRESSURE_HOST}\"\nspill = [\"host\"]\n"
+        )
+    } else {
+        String::new()
+    };
+    let source_config = write_config(dir.path(), "source", &names[0], &secret, &source_memory)?;
     let config: Config = ferry_config::load(&ferry::LoadOptions::only_file(&source_config))?;
     let node = Arc::new(Node::start(config).await?);
 
     let mut stages = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let next = names.get(i + 1).map_or("source", String::as_str);
-        let path = write_config(dir.path(), name, next, &secret)?;
+        let path = write_config(dir.path(), name, next, &secret, "")?;
         stages.push(start_stage(&path, name, next)?);
     }
     let last = names.last().context("no stages")?.clone();
     println!(
         "ferry demo: {} buffers, 1 B to {}, through source -> {} -> source ({} processes)",
         args.buffers,
-        ferry_config::format_size(args.max_size),
+        ferry_config::format_size(max_size),
         names.join(" -> "),
         names.len() + 1,
     );
-    println!("no GPU support in this build: buffers live in host memory\n");
+    println!("no GPU support in this build: buffers live in host memory");
+    if args.pressure {
+        println!(
+            "pressure: the source receives into {} of pinned memory and spills to {} of host \
+             memory (which also holds what it sends), and reads what it receives at most \
+             {:.0} MB/s; up to {window} sends of up to {} in flight",
+            ferry_config::format_size(PRESSURE_PINNED),
+            ferry_config::format_size(PRESSURE_HOST),
+            args.drain_rate,
+            ferry_config::format_size(max_size),
+        );
+    }
+    println!();
     println!(
         "{:<16} {:>6} {:>11} {:>10}  {:<10} why",
         "size class", "count", "bytes", "MB/s", "transport"
     );
 
+    // Under pressure the source reads what it receives at most this fast (bytes/s), slower
+    // than the pipeline delivers. Buffers not read yet hold their memory, so the backlog
+    // fills pinned memory, then spills to host, then waits. Without a slow reader a pipeline
+    // delivers at the pace of its slowest hop and the receiver keeps up, whatever the window.
+    let pressure_drain = args.pressure.then_some(args.drain_rate * 1e6);
     let mut failures = 0usize;
     let mut total = 0usize;
-    for (class, sizes) in plan(&args) {
+    let mut pressure = PressureCounts::default();
+    for (class, sizes) in plan(args.buffers, max_size) {
         let bytes: u64 = sizes.iter().map(|(_, s)| s).sum();
         let largest = sizes.iter().map(|(_, s)| *s).max().unwrap_or(1);
         let explanation = node
@@ -202,10 +296,12 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
             .as_ref()
             .map_or("none".to_string(), |r| r.transport.to_string());
         let started = Instant::now();
-        let (wrong, count) = run_class(&node, &names[0], &last, &sizes, args.window).await?;
+        let (wrong, count, seen) =
+            run_class(&node, &names[0], &last, &sizes, window, pressure_drain).await?;
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         failures += wrong;
         total += count;
+        pressure.add(seen);
         println!(
             "{class:<16} {count:>6} {:>11} {:>10.1}  {transport:<10} {explanation}",
             ferry_config::format_size(bytes),
@@ -213,6 +309,34 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     println!();
+    let mut pressure_ok = true;
+    if args.pressure {
+        // The largest number of reservations queued at once in each of the source's
+        // domains, over the whole run: receives waiting for either tier, promotions waiting
+        // for pinned, and the source's own allocations waiting for host.
+        let pinned = node.memory(MemoryKind::PinnedHost).await?.budget;
+        let host = node.memory(MemoryKind::Host).await?.budget;
+        let checked = if failures == 0 {
+            "every checksum verified"
+        } else {
+            "some checksums did not match"
+        };
+        println!(
+            "pressure: {} received, {} spilled to host, {} promoted back to pinned \
+             ({} promotions failed), reservations waited: up to {} at once for pinned, \
+             up to {} for host; {checked}",
+            pressure.received,
+            pressure.spilled,
+            pressure.promoted,
+            pressure.promote_failed,
+            pinned.peak_waiting,
+            host.peak_waiting,
+        );
+        if pressure.spilled == 0 || pressure.promoted == 0 {
+            println!("pressure: expected at least one spill and one promotion");
+            pressure_ok = false;
+        }
+    }
     for stage in &mut stages {
         stop(stage);
     }
@@ -221,42 +345,99 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
     }
     if failures == 0 {
         println!("all {total} checksums verified");
-        Ok(ExitCode::SUCCESS)
     } else {
         println!("{failures} of {total} buffers arrived wrong or not at all");
+    }
+    if failures == 0 && pressure_ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
         Ok(ExitCode::FAILURE)
     }
 }
 
-/// Sends one class through the pipeline and checks what comes back. Returns (wrong, count).
+/// A received buffer, checked: (tag, length, checksum), and with `promote_to`, where it
+/// landed and whether its promotion succeeded.
+type Checked = (u64, u64, u32, bool, Option<bool>);
+
+/// Promotes `buffer` to `promote_to` if it landed elsewhere (spilled), then checksums it,
+/// after the promotion, so the copy is checked byte for byte.
+async fn check(tag: u64, buffer: ferry::Buffer, promote_to: Option<MemoryKind>) -> Checked {
+    let (buffer, spilled, promoted) = match promote_to {
+        Some(want) if buffer.kind() != want => {
+            let deadline = Instant::now() + PROMOTE_DEADLINE;
+            match buffer.promote(want, deadline).await {
+                Ok(b) if b.kind() == want => (b, true, Some(true)),
+                Ok(b) => (b, true, Some(false)),
+                Err(e) => {
+                    eprintln!("promotion of buffer {tag} failed: {}", e.reason);
+                    (e.buffer, true, Some(false))
+                }
+            }
+        }
+        _ => (buffer, false, None),
+    };
+    let crc = crc32c::crc32c(buffer.as_slice());
+    (tag, buffer.len() as u64, crc, spilled, promoted)
+}
+
+/// Sends one class through the pipeline and checks what comes back. Under pressure
+/// (`drain`: bytes/s) the receiver reads at most that fast, and promotes a buffer that
+/// spilled to host back to pinned before checking it. Returns (wrong, count, what the
+/// receiver saw).
 async fn run_class(
     node: &Arc<Node>,
     first: &str,
     last: &str,
     sizes: &[(u64, u64)],
     window: usize,
-) -> anyhow::Result<(usize, usize)> {
+    drain: Option<f64>,
+) -> anyhow::Result<(usize, usize, PressureCounts)> {
+    let promote_to = drain.map(|_| MemoryKind::PinnedHost);
     let mut expected = HashMap::new();
     let receiver = {
         let node = Arc::clone(node);
         let last = last.to_string();
         let count = sizes.len();
         tokio::spawn(async move {
-            let mut got = HashMap::new();
+            // Each buffer is checked in its own task: a spilled buffer waiting for pinned
+            // budget must not keep the buffers behind it (which may hold that budget) from
+            // being received and freed.
+            let mut checks = JoinSet::new();
+            let mut next_read = tokio::time::Instant::now();
             for _ in 0..count {
+                // A slow reader under pressure: the next read waits for this one's bytes
+                // to have been consumed at the drain rate (no credit builds up while idle).
+                tokio::time::sleep_until(next_read).await;
                 match tokio::time::timeout(Duration::from_secs(60), node.recv(Some(&last), None))
                     .await
                 {
                     Ok(Ok(r)) => {
-                        got.insert(
-                            r.tag,
-                            (r.buffer.len() as u64, crc32c::crc32c(r.buffer.as_slice())),
-                        );
+                        if let Some(rate) = drain {
+                            let busy = r.buffer.len() as f64 / rate;
+                            next_read = tokio::time::Instant::now().max(next_read)
+                                + Duration::from_secs_f64(busy);
+                        }
+                        checks.spawn(check(r.tag, r.buffer, promote_to));
                     }
                     _ => break,
                 }
             }
-            got
+            let mut got = HashMap::new();
+            let mut seen = PressureCounts::default();
+            while let Some(done) = checks.join_next().await {
+                let Ok((tag, len, crc, spilled, promoted)) = done else {
+                    continue;
+                };
+                got.insert(tag, (len, crc));
+                seen.received += 1;
+                seen.spilled += usize::from(spilled);
+                match promoted {
+                    Some(true) => seen.promoted += 1,
+                    Some(false) => seen.promote_failed += 1,
+                    None => {}
+                }
+            }
+            (got, seen)
         })
     };
     let mut sends = futures::stream::iter(sizes.iter().copied())
@@ -285,12 +466,12 @@ async fn run_class(
             }
         }
     }
-    let got = receiver.await.context("receiver task failed")?;
+    let (got, seen) = receiver.await.context("receiver task failed")?;
     let wrong = expected
         .iter()
         .filter(|(tag, want)| got.get(tag) != Some(want))
         .count();
-    Ok((wrong + send_errors, sizes.len()))
+    Ok((wrong + send_errors, sizes.len(), seen))
 }
 
 /// Asks a stage to drain and exit; kills it if it does not within a few seconds.

@@ -89,14 +89,41 @@ impl<T, W> Mailroom<T, W> {
         Ok(None)
     }
 
+    /// Gives back an item a receiver took but could not use (its caller went away): it goes
+    /// to the next live matching waiter, else to the front of the ready items, ahead of
+    /// anything delivered after it.
+    pub fn requeue(
+        &mut self,
+        peer: &str,
+        tag: u64,
+        item: T,
+        is_live: impl Fn(&W) -> bool,
+    ) -> Option<(W, T)> {
+        self.waiting.retain(|w| is_live(&w.waiter));
+        let pos = self.waiting.iter().position(|w| {
+            w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer)
+        });
+        match pos.and_then(|p| self.waiting.remove(p)) {
+            Some(w) => Some((w.waiter, item)),
+            None => {
+                self.ready.push_front((peer.to_string(), tag, item));
+                None
+            }
+        }
+    }
+
+    /// Removes every waiter, returning them (to tell them the node stops).
+    pub fn drain_waiters(&mut self) -> Vec<W> {
+        self.waiting.drain(..).map(|w| w.waiter).collect()
+    }
+
     /// Items delivered and not yet received.
     pub fn ready_len(&self) -> usize {
         self.ready.len()
     }
 
-    /// Drops everything, returning the undelivered items.
+    /// Removes every undelivered item, returning them.
     pub fn drain(&mut self) -> Vec<T> {
-        self.waiting.clear();
         self.ready.drain(..).map(|(_, _, t)| t).collect()
     }
 }
@@ -126,6 +153,17 @@ mod tests {
         );
         assert_eq!(m.recv(Some("a"), Some(2), 7, |_| true).ok(), Some(None));
         assert_eq!(m.deliver("a", 2, 30, |_| true), Some((7, 30)));
+    }
+
+    #[test]
+    fn requeued_item_goes_first() {
+        let mut m: Mailroom<u32, u8> = Mailroom::new(4);
+        assert!(m.deliver("a", 1, 10, |_| true).is_none());
+        assert!(m.requeue("a", 1, 9, |_| true).is_none());
+        let got = m.recv(None, None, 0, |_| true).ok().flatten();
+        assert_eq!(got, Some(("a".into(), 1, 9)));
+        assert_eq!(m.recv(None, Some(2), 5, |_| true).ok(), Some(None));
+        assert_eq!(m.requeue("a", 2, 8, |_| true), Some((5, 8)));
     }
 
     #[test]

@@ -196,6 +196,7 @@ impl Buffer {
             Ok(mut target) => match target.as_mut_slice() {
                 Some(dst) => {
                     dst.copy_from_slice(self.as_slice());
+                    metrics::counter!("ferry_promoted_bytes_total").increment(dst.len() as u64);
                     Ok(target)
                 }
                 None => Err(fail(self, "the new buffer is shared".into())),

@@ -1,0 +1,175 @@
+//! Where delivered buffers wait for `recv`: a [`Mailroom`] shared, behind one lock, by the
+//! coordinator (which delivers) and the node's API (which receives), so a `recv` needs no
+//! actor hop and is cancel safe.
+//!
+//! A waiting `recv` owns a slot. Delivery puts a buffer into the first live matching slot
+//! and wakes it; a `recv` whose future is dropped closes its slot under the lock and gives
+//! back a buffer that had already landed in it, to the next matching receiver. No buffer is
+//! lost to a caller that went away.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ferry_transports::memory::Buffer;
+use tokio::sync::Notify;
+
+use crate::core::mailroom::Mailroom;
+use crate::error::Error;
+
+/// A received buffer.
+#[derive(Debug)]
+pub struct Received {
+    /// The data.
+    pub buffer: Buffer,
+    /// Who sent it.
+    pub peer: String,
+    /// Its tag.
+    pub tag: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    item: Mutex<Option<Received>>,
+    wake: Notify,
+    closed: AtomicBool,
+}
+
+impl Slot {
+    fn put(&self, item: Received) {
+        if let Ok(mut s) = self.item.lock() {
+            *s = Some(item);
+        }
+        self.wake.notify_one();
+    }
+
+    fn take(&self) -> Option<Received> {
+        self.item.lock().ok().and_then(|mut s| s.take())
+    }
+
+    fn is_live(slot: &Arc<Slot>) -> bool {
+        !slot.closed.load(Ordering::Acquire)
+    }
+}
+
+/// Delivered buffers and the `recv` calls waiting for them.
+#[derive(Debug)]
+pub struct Inbox {
+    room: Mutex<Mailroom<Buffer, Arc<Slot>>>,
+    stopped: AtomicBool,
+}
+
+impl Inbox {
+    /// An inbox that parks at most `waiters_cap` receives.
+    pub fn new(waiters_cap: usize) -> Self {
+        Self {
+            room: Mutex::new(Mailroom::new(waiters_cap)),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    fn room(&self) -> Result<MutexGuard<'_, Mailroom<Buffer, Arc<Slot>>>, Error> {
+        // A panic while holding the lock leaves the mailroom consistent (every operation
+        // is a single push or remove), so a poisoned lock is still usable.
+        Ok(self.room.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A buffer from `peer` under `tag` arrived, in the peer's order.
+    pub fn deliver(&self, peer: &str, tag: u64, buffer: Buffer) {
+        let Ok(mut room) = self.room() else { return };
+        if let Some((slot, buffer)) = room.deliver(peer, tag, buffer, Slot::is_live) {
+            slot.put(Received {
+                buffer,
+                peer: peer.to_string(),
+                tag,
+            });
+        }
+    }
+
+    /// The oldest buffer from `from` (or anyone) under `tag` (or any tag), waiting for one.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a buffer that reached this call after its future was dropped goes to
+    /// the next matching `recv`, ahead of later arrivals.
+    pub async fn recv(&self, from: Option<&str>, tag: Option<u64>) -> Result<Received, Error> {
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(Error::ShuttingDown);
+        }
+        let slot = Arc::new(Slot::default());
+        match self
+            .room()?
+            .recv(from, tag, Arc::clone(&slot), Slot::is_live)
+        {
+            Ok(Some((peer, tag, buffer))) => return Ok(Received { buffer, peer, tag }),
+            Ok(None) => {}
+            Err((too_many, _)) => return Err(Error::QueueFull(too_many.to_string())),
+        }
+        let mut guard = Parked {
+            inbox: self,
+            slot,
+            armed: true,
+        };
+        loop {
+            if let Some(item) = guard.slot.take() {
+                guard.disarm();
+                return Ok(item);
+            }
+            if self.stopped.load(Ordering::Acquire) {
+                return Err(Error::ShuttingDown);
+            }
+            guard.slot.wake.notified().await;
+        }
+    }
+
+    /// Stops: waiting receives end with `ShuttingDown`; undelivered buffers are freed.
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        let Ok(mut room) = self.room() else { return };
+        drop(room.drain());
+        for slot in room.drain_waiters() {
+            slot.wake.notify_one();
+        }
+    }
+
+    /// Buffers delivered and not yet received.
+    pub fn ready_len(&self) -> usize {
+        self.room().map_or(0, |r| r.ready_len())
+    }
+}
+
+/// A parked receive; dropping it before it got its buffer closes the slot and gives back
+/// whatever landed in it.
+struct Parked<'a> {
+    inbox: &'a Inbox,
+    slot: Arc<Slot>,
+    armed: bool,
+}
+
+impl Parked<'_> {
+    /// The receive got its buffer: nothing to give back.
+    fn disarm(&mut self) {
+        self.slot.closed.store(true, Ordering::Release);
+        self.armed = false;
+    }
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(mut room) = self.inbox.room() else {
+            return;
+        };
+        self.slot.closed.store(true, Ordering::Release);
+        if let Some(item) = self.slot.take()
+            && let Some((next, buffer)) =
+                room.requeue(&item.peer, item.tag, item.buffer, Slot::is_live)
+        {
+            next.put(Received {
+                buffer,
+                peer: item.peer,
+                tag: item.tag,
+            });
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! A peer that dies while holding exported memory: the real allocator actor keeps that
+//! memory out of use until the peer's lease times out, and never frees it while the peer
+//! could still be copying.
+
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use ferry_actors::allocator::{
+    Allocator, Export, ExportReleased, PeerGone, Stats, Tier, reserve_in_tiers,
+};
+use ferry_actors::core::exports::ExportId;
+use ferry_transports::memory::MemoryKind;
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn dead_peers_exports_stay_quarantined_for_the_lease() {
+    System::new().block_on(async {
+        let lease = Duration::from_millis(300);
+        let domain = Allocator::new(MemoryKind::PinnedHost, 8 * MIB, 16, lease).start();
+        let tier = Tier {
+            kind: MemoryKind::PinnedHost,
+            allocator: domain.clone().recipient(),
+        };
+        let deadline = || Instant::now() + Duration::from_secs(5);
+        let stats = async || domain.send(Stats).await.expect("stats");
+
+        // Two buffers exported to two peers; their owners drop them at once.
+        let mut bufs =
+            reserve_in_tiers(std::slice::from_ref(&tier), &[4 * MIB, 2 * MIB], deadline())
+                .await
+                .expect("reserve");
+        let b = bufs.pop().expect("two");
+        let a = bufs.pop().expect("two");
+        domain
+            .send(Export {
+                id: ExportId(1),
+                peer: "dies".into(),
+                view: a.share(),
+            })
+            .await
+            .expect("export");
+        domain
+            .send(Export {
+                id: ExportId(2),
+                peer: "lives".into(),
+                view: b.share(),
+            })
+            .await
+            .expect("export");
+        drop((a, b));
+        let s = stats().await;
+        assert_eq!(s.exports.exported, 6 * MIB);
+        assert_eq!(s.budget.granted, 6 * MIB, "exported memory is not free");
+
+        // One peer releases: its memory is free. The other dies: quarantined.
+        domain
+            .send(ExportReleased(ExportId(2)))
+            .await
+            .expect("release");
+        let died = Instant::now();
+        domain.send(PeerGone("dies".into())).await.expect("gone");
+        let s = stats().await;
+        assert_eq!(s.exports.quarantined, 4 * MIB);
+        assert_eq!(s.budget.granted, 4 * MIB);
+        // A late release from the dead peer does not shorten the quarantine.
+        domain
+            .send(ExportReleased(ExportId(1)))
+            .await
+            .expect("late release");
+
+        // A reservation that needs the quarantined memory waits until the lease is out.
+        let got = reserve_in_tiers(&[tier], &[8 * MIB], deadline())
+            .await
+            .expect("after the lease");
+        let waited = died.elapsed();
+        assert!(
+            waited >= lease,
+            "memory reused after {waited:?}, before the {lease:?} lease"
+        );
+        assert!(
+            waited < lease + Duration::from_secs(1),
+            "freed late: {waited:?}"
+        );
+        assert_eq!(got.len(), 1);
+        let s = stats().await;
+        assert_eq!(s.exports.quarantined, 0);
+        assert_eq!(s.budget.granted, 8 * MIB);
+    });
+}

@@ -1,0 +1,294 @@
+//! Memory under pressure: all-or-nothing reservations, spill, promotion, backpressure and
+//! recovery, between real processes on loopback (host-backed tiers with small budgets stand
+//! in for the GPU tier: `pinned` is the fast tier, `host` the one it spills to).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Scratch, Served, patterned};
+use ferry::{Error, MemoryKind, Node};
+use futures::StreamExt;
+
+const MIB: u64 = 1 << 20;
+
+fn tiers(pinned: &str, host: &str, queue: usize) -> String {
+    format!(
+        "[memory]\npinned = \"{pinned}\"\nhost = \"{host}\"\nreceive_into = \"pinned\"\n\
+         spill = [\"host\"]\n\n[limits]\nreservation_queue = {queue}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receivers_needing_several_parts_all_finish() {
+    // Each of 24 receivers needs three 8 MiB parts; the budget holds two receivers' worth.
+    // Holding some parts while waiting for the rest would live-lock; all-or-nothing cannot.
+    let scratch = Scratch::new();
+    let node = Arc::new(
+        Node::start(scratch.config("r", &[], &tiers("48 MiB", "1 GiB", 64)))
+            .await
+            .expect("node"),
+    );
+    let done = futures::stream::iter(0..24)
+        .map(|i| {
+            let node = Arc::clone(&node);
+            async move {
+                let parts = node
+                    .alloc_parts(MemoryKind::PinnedHost, &[8 * MIB; 3])
+                    .await
+                    .unwrap_or_else(|e| panic!("receiver {i}: {e}"));
+                assert_eq!(parts.len(), 3);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                drop(parts);
+            }
+        })
+        .buffer_unordered(24)
+        .count()
+        .await;
+    assert_eq!(done, 24);
+    let m = node.memory(MemoryKind::PinnedHost).await.expect("stats");
+    assert!(
+        m.budget.peak_waiting > 0,
+        "nobody ever had to wait: the test proves nothing"
+    );
+    assert!(m.budget.peak_waiting <= 64);
+}
+
+/// Samples the receiver's domains while `running`, asserting the bounds at every sample.
+async fn watch(
+    node: Arc<Node>,
+    running: Arc<AtomicBool>,
+    queue_cap: usize,
+    samples: Arc<AtomicU64>,
+) {
+    while running.load(Ordering::Acquire) {
+        for kind in [MemoryKind::PinnedHost, MemoryKind::Host] {
+            if let Ok(m) = node.memory(kind).await {
+                assert!(m.budget.granted <= m.budget.capacity, "{kind}: {m:?}");
+                assert!(m.budget.waiting <= queue_cap, "{kind}: {m:?}");
+            }
+        }
+        samples.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
+    let scratch = Scratch::new();
+    let queue_cap = 32;
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], ""));
+    let echo = Served::start(&echo_cfg, "echo");
+    let node = Arc::new(
+        Node::start(scratch.config(
+            "r",
+            &[("echo", &echo.addr)],
+            &tiers("8 MiB", "24 MiB", queue_cap),
+        ))
+        .await
+        .expect("node"),
+    );
+    let running = Arc::new(AtomicBool::new(true));
+    let samples = Arc::new(AtomicU64::new(0));
+    let watcher = tokio::spawn(watch(
+        Arc::clone(&node),
+        Arc::clone(&running),
+        queue_cap,
+        Arc::clone(&samples),
+    ));
+
+    // Offer 2 MiB buffers 16 at a time; drain one every 40 ms: well under what arrives.
+    let count = 40u64;
+    let sender = {
+        let node = Arc::clone(&node);
+        tokio::spawn(async move {
+            let mut crcs = Vec::new();
+            let mut sends = futures::stream::iter(0..count)
+                .map(|tag| {
+                    let node = Arc::clone(&node);
+                    async move {
+                        let b = patterned(&node, 2 * MIB as usize, tag).await;
+                        let crc = crc32c::crc32c(b.as_slice());
+                        node.send("echo", tag, b).await.map(|_| (tag, crc))
+                    }
+                })
+                .buffer_unordered(16);
+            while let Some(r) = sends.next().await {
+                crcs.push(r.expect("no error reaches a sender under pressure"));
+            }
+            crcs
+        })
+    };
+    let mut spilled = 0;
+    let mut got = Vec::new();
+    for _ in 0..count {
+        let r = node.recv(Some("echo"), None).await.expect("recv");
+        if r.buffer.kind() == MemoryKind::Host {
+            spilled += 1;
+        }
+        got.push((r.tag, crc32c::crc32c(r.buffer.as_slice())));
+        drop(r);
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    let mut sent = sender.await.expect("sender");
+    running.store(false, Ordering::Release);
+    watcher.await.expect("bounds held at every sample");
+    sent.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, sent, "every byte arrives intact");
+    assert!(spilled > 0, "spill never engaged");
+    assert!(samples.load(Ordering::Relaxed) > 10, "too few samples");
+}
+
+/// Asks the bench peer `s` to send `count` buffers of `len` bytes, `window` at a time.
+async fn ask_to_send(node: &Node, len: u64, count: u64, window: u64) {
+    let mut ask = node.alloc(MemoryKind::Host, 24).await.expect("alloc");
+    let words: Vec<u8> = [len, count, window]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    ask.as_mut_slice().expect("fresh").copy_from_slice(&words);
+    let send_request = u64::MAX - 11;
+    node.send("s", send_request, ask).await.expect("request");
+}
+
+/// Receives from `s` until nothing more arrives within `quiet`; returns how many.
+async fn drain(node: &Node, quiet: Duration) -> usize {
+    let mut n = 0;
+    while let Ok(r) = tokio::time::timeout(quiet, node.recv(Some("s"), None)).await {
+        r.expect("recv");
+        n += 1;
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_tiers_make_senders_wait_and_recover_within_a_second() {
+    let scratch = Scratch::new();
+    let peer_cfg = scratch.write("s.toml", &scratch.toml("s", &[], ""));
+    // A bench peer sends buffers back on request: it is the sender here.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "--serve-peer"])
+        .arg(&peer_cfg)
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("bench peer");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+        &mut line,
+    )
+    .expect("ready line");
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("tcp="))
+        .expect("tcp address")
+        .to_string();
+    let queue_cap = 16;
+    let extra = tiers("8 MiB", "8 MiB", queue_cap) + "default_deadline = \"2s\"\n";
+    let node = Arc::new(
+        Node::start(scratch.config("r", &[("s", &addr)], &extra))
+            .await
+            .expect("node"),
+    );
+    let running = Arc::new(AtomicBool::new(true));
+    let samples = Arc::new(AtomicU64::new(0));
+    let watcher = tokio::spawn(watch(
+        Arc::clone(&node),
+        Arc::clone(&running),
+        queue_cap,
+        Arc::clone(&samples),
+    ));
+
+    // 24 × 1 MiB: half again what both tiers hold together. Nobody reads yet.
+    ask_to_send(&node, MIB, 24, 8).await;
+    let full = common::eventually(Duration::from_secs(5), async || {
+        let p = node
+            .memory(MemoryKind::PinnedHost)
+            .await
+            .map(|m| m.free())
+            .unwrap_or(1);
+        let h = node
+            .memory(MemoryKind::Host)
+            .await
+            .map(|m| m.free())
+            .unwrap_or(1);
+        p < MIB && h < MIB
+    })
+    .await;
+    assert!(full, "the tiers never filled");
+    // Exhausted: an allocation waits, then fails at its deadline with a typed error.
+    let started = Instant::now();
+    let err = node.alloc(MemoryKind::PinnedHost, MIB as usize).await;
+    assert!(matches!(err, Err(Error::NoMemory { .. })), "{err:?}");
+    assert!(started.elapsed() >= Duration::from_secs(1), "did not wait");
+    // The receives that waited as long timed out the same way at the sender; what landed
+    // is all there, within both budgets.
+    let landed = drain(&node, Duration::from_millis(300)).await;
+    assert!((14..=24).contains(&landed), "{landed} landed");
+
+    // The load dropped: a fresh request is served in full within a second.
+    let asked = Instant::now();
+    ask_to_send(&node, MIB, 8, 8).await;
+    let mut got = 0;
+    while got < 8 {
+        tokio::time::timeout(Duration::from_secs(1), node.recv(Some("s"), None))
+            .await
+            .unwrap_or_else(|_| panic!("not recovered within a second: {got} of 8 arrived"))
+            .expect("recv");
+        got += 1;
+    }
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        asked.elapsed()
+    );
+    running.store(false, Ordering::Release);
+    watcher.await.expect("bounds held at every sample");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spilled_buffer_promotes_back_byte_exact() {
+    let scratch = Scratch::new();
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], ""));
+    let echo = Served::start(&echo_cfg, "echo");
+    let node =
+        Node::start(scratch.config("r", &[("echo", &echo.addr)], &tiers("4 MiB", "64 MiB", 16)))
+            .await
+            .expect("node");
+    // Fill the pinned tier so the echo lands in host memory.
+    let hog = node
+        .alloc(MemoryKind::PinnedHost, 4 * MIB as usize)
+        .await
+        .expect("hog");
+    let b = patterned(&node, 3 * MIB as usize, 7).await;
+    let want = b.as_slice().to_vec();
+    node.send("echo", 1, b).await.expect("send");
+    let got = node.recv(Some("echo"), Some(1)).await.expect("recv");
+    assert_eq!(got.buffer.kind(), MemoryKind::Host, "should have spilled");
+    // Pinned is full: promotion waits, then fails at its deadline, giving the buffer back.
+    let soon = Instant::now() + Duration::from_millis(200);
+    let err = got
+        .buffer
+        .promote(MemoryKind::PinnedHost, soon)
+        .await
+        .expect_err("no room");
+    let back = err.buffer;
+    assert_eq!(back.as_slice(), &want[..]);
+    drop(hog);
+    let promoted = back
+        .promote(
+            MemoryKind::PinnedHost,
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await
+        .expect("room now");
+    assert_eq!(promoted.kind(), MemoryKind::PinnedHost);
+    assert_eq!(promoted.as_slice(), &want[..], "promotion is byte-exact");
+}
