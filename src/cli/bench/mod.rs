@@ -83,6 +83,9 @@ pub struct Args {
     /// Plot bandwidth against size, ferry and baseline (.svg).
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
+    /// Measure nothing: read a document written by --json and write --plot/--csv from it.
+    #[arg(long, value_name = "FILE")]
+    from_json: Option<PathBuf>,
     /// Run as the far end of a bench, with this node configuration.
     #[arg(long, value_name = "CONFIG", hide = true)]
     serve_peer: Option<PathBuf>,
@@ -140,6 +143,18 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
         .context("cannot start the runtime")?;
     if let Some(peer_config) = &args.serve_peer {
         runtime.block_on(peer::serve(peer_config))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(json) = &args.from_json {
+        let (header, records) = report::read_json(json)?;
+        report::print_header(&header);
+        records.iter().for_each(report::print_row);
+        if let Some(path) = &args.csv {
+            report::write_csv(path, &records)?;
+        }
+        if let Some(path) = &args.plot {
+            report::plot(path, &header, &records)?;
+        }
         return Ok(ExitCode::SUCCESS);
     }
     if args.memory != "host" {

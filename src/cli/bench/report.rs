@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 /// What was measured, and how.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, serde::Deserialize)]
 pub struct Header {
     pub transport: String,
     pub memory: String,
@@ -21,7 +21,7 @@ pub struct Header {
 }
 
 /// One size.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Record {
     /// Bytes per transfer.
     pub bytes: u64,
@@ -179,12 +179,54 @@ pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// Fonts tried, in order, for the plot's text (plotters lays text out with it).
+/// Fonts tried first for the plot's text (plotters lays text out with it); after them, any
+/// TrueType font under the usual font directories.
 const FONTS: [&str; 3] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
 ];
+const FONT_DIRS: [&str; 2] = ["/usr/share/fonts", "/usr/local/share/fonts"];
+
+fn find_font() -> Option<Vec<u8>> {
+    if let Some(font) = FONTS.iter().find_map(|f| std::fs::read(f).ok()) {
+        return Some(font);
+    }
+    let mut dirs: Vec<std::path::PathBuf> = FONT_DIRS.iter().map(Into::into).collect();
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("ttf"))
+            {
+                if let Ok(font) = std::fs::read(&path) {
+                    return Some(font);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Reads a document written by `--json`, to plot it again elsewhere.
+pub fn read_json(path: &Path) -> anyhow::Result<(Header, Vec<Record>)> {
+    #[derive(serde::Deserialize)]
+    struct Doc {
+        header: Header,
+        records: Vec<Record>,
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let doc: Doc = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a ferry bench document", path.display()))?;
+    Ok((doc.header, doc.records))
+}
 
 /// Bandwidth against size, ferry and the baseline on one chart, as SVG or PNG (by the
 /// file's extension).
@@ -198,15 +240,12 @@ pub fn plot(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<
             path.display()
         ),
     };
-    let font = FONTS
-        .iter()
-        .find_map(|f| std::fs::read(f).ok())
-        .with_context(|| {
-            format!(
-                "a plot needs a TrueType font for its text and none of {FONTS:?} exists; \
-             install fonts-dejavu-core, or use --json and plot elsewhere"
-            )
-        })?;
+    let font = find_font().with_context(|| {
+        "a plot needs a TrueType font for its text and none is installed (looked under \
+         /usr/share/fonts); install fonts-dejavu-core, or write --json here and plot it \
+         elsewhere with `ferry bench --from-json FILE --plot PLOT`"
+            .to_string()
+    })?;
     // plotters keeps a reference to the font for the rest of the process.
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
