@@ -23,6 +23,7 @@ use tokio::sync::{Notify, oneshot};
 use crate::core::budget::{Budget, BudgetStats, ReservationEvent, ReservationId, Reserved};
 use crate::core::exports::{ExportId, ExportStats, Exports};
 use crate::error::Error;
+use crate::timer::DeadlineTimer;
 
 /// Counts bytes given back by dropped buffers until the actor collects them.
 #[derive(Debug, Default)]
@@ -163,8 +164,7 @@ pub struct Allocator {
     home: Option<Arc<dyn MemoryHome>>,
     next_id: u64,
     waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
-    timer: Option<SpawnHandle>,
-    armed_for: Option<Instant>,
+    timer: DeadlineTimer,
 }
 
 impl Allocator {
@@ -179,8 +179,7 @@ impl Allocator {
             home: None,
             next_id: 1,
             waiting: HashMap::new(),
-            timer: None,
-            armed_for: None,
+            timer: DeadlineTimer::default(),
         }
     }
 
@@ -275,24 +274,16 @@ impl Allocator {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        if next == self.armed_for {
-            return;
-        }
-        if let Some(handle) = self.timer.take() {
-            ctx.cancel_future(handle);
-        }
-        self.armed_for = next;
-        if let Some(at) = next {
-            let after = at.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
-            self.timer = Some(ctx.run_later(after, |act, ctx| {
-                act.timer = None;
-                act.armed_for = None;
-                let now = Instant::now();
+        self.timer.arm(
+            ctx,
+            next,
+            |a| &mut a.timer,
+            |act, now, ctx| {
                 act.budget.handle_timeout(now);
                 act.exports.handle_timeout(now);
                 act.drive(ctx);
-            }));
-        }
+            },
+        );
     }
 
     fn collect_returned(&mut self) {

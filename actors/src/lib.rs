@@ -9,6 +9,7 @@ pub mod core;
 pub mod error;
 pub mod inbox;
 pub mod node;
+pub mod timer;
 pub mod transfer;
 
 pub use error::{Error, SendError};

@@ -355,6 +355,28 @@ impl Node {
         buffer: Buffer,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
+        let message = |buffer| SendTo {
+            peer: peer.to_string(),
+            tag,
+            buffer,
+            deadline,
+        };
+        self.with_credit(peer, deadline, buffer, message).await
+    }
+
+    /// Waits for credit to `peer` until `deadline`, then hands the coordinator the message
+    /// `message` makes of the buffer; the credit is held until the op ended.
+    async fn with_credit<M>(
+        &self,
+        peer: &str,
+        deadline: Instant,
+        buffer: Buffer,
+        message: impl FnOnce(Buffer) -> M,
+    ) -> Result<Buffer, SendError>
+    where
+        M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
+        Coordinator: Handler<M>,
+    {
         let _permit = match self.credit(peer, deadline).await {
             Ok(p) => p,
             Err(error) => {
@@ -364,12 +386,7 @@ impl Node {
                 });
             }
         };
-        let request = self.coordinator.send(SendTo {
-            peer: peer.to_string(),
-            tag,
-            buffer,
-            deadline,
-        });
+        let request = self.coordinator.send(message(buffer));
         request.await.unwrap_or(Err(SendError {
             error: Error::ShuttingDown,
             buffer: None,
@@ -441,26 +458,14 @@ impl Node {
         buffer: Buffer,
     ) -> Result<Buffer, SendError> {
         let deadline = self.default_deadline();
-        let _permit = match self.credit(peer, deadline).await {
-            Ok(p) => p,
-            Err(error) => {
-                return Err(SendError {
-                    error,
-                    buffer: Some(buffer),
-                });
-            }
-        };
-        let request = self.coordinator.send(PutTo {
+        let message = |buffer| PutTo {
             peer: peer.to_string(),
             key,
             offset,
             buffer,
             deadline,
-        });
-        request.await.unwrap_or(Err(SendError {
-            error: Error::ShuttingDown,
-            buffer: None,
-        }))
+        };
+        self.with_credit(peer, deadline, buffer, message).await
     }
 
     /// How a transfer of `bytes` from `src` memory here to `dst` memory at `peer` would be

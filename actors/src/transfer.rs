@@ -29,6 +29,7 @@ use crate::core::session::{
     InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
 };
 use crate::error::{Error, SendError};
+use crate::timer::DeadlineTimer;
 
 /// A buffer delivered to the application, in the peer's send order.
 #[derive(Debug, Message)]
@@ -272,8 +273,7 @@ pub struct TransferActor {
     inbound_spans: HashMap<InboundId, InboundSpans>,
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
-    timer: Option<SpawnHandle>,
-    armed_for: Option<Instant>,
+    timer: DeadlineTimer,
 }
 
 impl TransferActor {
@@ -293,8 +293,7 @@ impl TransferActor {
             inbound_spans: HashMap::new(),
             drained: Vec::new(),
             link_waiters: Vec::new(),
-            timer: None,
-            armed_for: None,
+            timer: DeadlineTimer::default(),
         }
     }
 
@@ -503,22 +502,15 @@ impl TransferActor {
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
         let next = self.session.poll_timeout();
-        if next == self.armed_for {
-            return;
-        }
-        if let Some(handle) = self.timer.take() {
-            ctx.cancel_future(handle);
-        }
-        self.armed_for = next;
-        if let Some(at) = next {
-            let after = at.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
-            self.timer = Some(ctx.run_later(after, |act, ctx| {
-                act.timer = None;
-                act.armed_for = None;
-                act.session.handle_timeout(Instant::now());
+        self.timer.arm(
+            ctx,
+            next,
+            |a| &mut a.timer,
+            |act, now, ctx| {
+                act.session.handle_timeout(now);
                 act.drive(ctx);
-            }));
-        }
+            },
+        );
     }
 }
 

@@ -101,16 +101,7 @@ impl Budget {
         parts: &[u64],
         deadline: Instant,
     ) -> Result<Reserved, ReserveError> {
-        let total = parts
-            .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(*p))
-            .unwrap_or(u64::MAX);
-        if total > self.capacity {
-            return Err(ReserveError::TooLarge {
-                total,
-                capacity: self.capacity,
-            });
-        }
+        let total = self.fitting_total(parts)?;
         self.handle_timeout(now);
         if self.queue.is_empty() && self.granted + total <= self.capacity {
             self.granted += total;
@@ -126,6 +117,21 @@ impl Budget {
         });
         self.peak_waiting = self.peak_waiting.max(self.queue.len());
         Ok(Reserved::Queued)
+    }
+
+    /// The parts' total, or `TooLarge` when it exceeds the whole budget (it could never fit).
+    fn fitting_total(&self, parts: &[u64]) -> Result<u64, ReserveError> {
+        let total = parts
+            .iter()
+            .try_fold(0u64, |acc, p| acc.checked_add(*p))
+            .unwrap_or(u64::MAX);
+        if total > self.capacity {
+            return Err(ReserveError::TooLarge {
+                total,
+                capacity: self.capacity,
+            });
+        }
+        Ok(total)
     }
 
     /// Gives `bytes` back and grants whatever now fits, in order.
@@ -150,16 +156,7 @@ impl Budget {
     /// tier before spilling to the next. Honors arrival order: nothing is granted while
     /// others wait.
     pub fn handle_try_reserve(&mut self, parts: &[u64]) -> Result<bool, ReserveError> {
-        let total = parts
-            .iter()
-            .try_fold(0u64, |acc, p| acc.checked_add(*p))
-            .unwrap_or(u64::MAX);
-        if total > self.capacity {
-            return Err(ReserveError::TooLarge {
-                total,
-                capacity: self.capacity,
-            });
-        }
+        let total = self.fitting_total(parts)?;
         if self.queue.is_empty() && self.granted + total <= self.capacity {
             self.granted += total;
             return Ok(true);

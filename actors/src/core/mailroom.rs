@@ -47,17 +47,23 @@ impl<T, W> Mailroom<T, W> {
         item: T,
         is_live: impl Fn(&W) -> bool,
     ) -> Option<(W, T)> {
-        self.waiting.retain(|w| is_live(&w.waiter));
-        let pos = self.waiting.iter().position(|w| {
-            w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer)
-        });
-        match pos.and_then(|p| self.waiting.remove(p)) {
-            Some(w) => Some((w.waiter, item)),
+        match self.take_waiter(peer, tag, is_live) {
+            Some(w) => Some((w, item)),
             None => {
                 self.ready.push_back((peer.to_string(), tag, item));
                 None
             }
         }
+    }
+
+    /// Removes and returns the oldest live waiter that accepts (`peer`, `tag`), dropping
+    /// dead waiters on the way.
+    fn take_waiter(&mut self, peer: &str, tag: u64, is_live: impl Fn(&W) -> bool) -> Option<W> {
+        self.waiting.retain(|w| is_live(&w.waiter));
+        let pos = self.waiting.iter().position(|w| {
+            w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer)
+        })?;
+        self.waiting.remove(pos).map(|w| w.waiter)
     }
 
     /// A `recv` from `from` (or any peer) for `tag` (or any tag): the oldest matching
@@ -99,12 +105,8 @@ impl<T, W> Mailroom<T, W> {
         item: T,
         is_live: impl Fn(&W) -> bool,
     ) -> Option<(W, T)> {
-        self.waiting.retain(|w| is_live(&w.waiter));
-        let pos = self.waiting.iter().position(|w| {
-            w.tag.is_none_or(|t| t == tag) && w.from.as_deref().is_none_or(|f| f == peer)
-        });
-        match pos.and_then(|p| self.waiting.remove(p)) {
-            Some(w) => Some((w.waiter, item)),
+        match self.take_waiter(peer, tag, is_live) {
+            Some(w) => Some((w, item)),
             None => {
                 self.ready.push_front((peer.to_string(), tag, item));
                 None
