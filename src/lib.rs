@@ -39,6 +39,9 @@ pub use ferry_config::{Config, ConfigError, LoadOptions, MemoryClass};
 pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::tcp::RegionKey;
 
+#[doc(hidden)]
+pub mod testing;
+
 /// The small protocol of `ferry serve --role echo`, which demos and tests use to exercise a
 /// node in another process.
 ///

@@ -261,6 +261,7 @@ pub fn skip(transport: TransportName, why: &Unsuitable) -> Skip {
             "capabilities",
             format!("excluded by its declared capabilities: does not support {d}"),
         ),
+        Unsuitable::SetupFailed(why) => ("setup-failed", format!("setup failed: {why}")),
     };
     Skip {
         transport: transport.to_string(),

@@ -42,6 +42,9 @@ pub enum Unsuitable {
     Memory(MemoryClass),
     /// Does not support the rule's direction.
     Direction(Direction),
+    /// Its setup with this peer failed (after its retries); the reason, as the setup
+    /// machine states it.
+    SetupFailed(String),
 }
 
 impl std::fmt::Display for Unsuitable {
@@ -52,6 +55,7 @@ impl std::fmt::Display for Unsuitable {
             Self::Locality(l) => write!(f, "cannot reach a {l:?} peer"),
             Self::Memory(m) => write!(f, "cannot move {m:?} memory"),
             Self::Direction(d) => write!(f, "does not support {d:?}"),
+            Self::SetupFailed(why) => write!(f, "setup with the peer failed: {why}"),
         }
     }
 }

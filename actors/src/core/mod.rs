@@ -4,6 +4,8 @@
 //! virtual time.
 pub mod budget;
 pub mod exports;
+pub mod handle_cache;
+pub mod ipc_setup;
 pub mod mailroom;
 pub mod route;
 pub mod session;

@@ -6,6 +6,8 @@
 use ferry_config::{Direction, Locality, MemoryClass, Rule, TransportName};
 use ferry_transports::transport::{Capabilities, Unsuitable, Viability, transport_label};
 
+use crate::core::ipc_setup::SetupOutcome;
+
 /// What is being routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteQuery {
@@ -68,11 +70,26 @@ impl std::fmt::Display for Explanation {
 }
 
 /// Chooses a route. `peer_offers` is the list of transports the peer announced, or `None`
-/// when the peer is not connected yet (then only this side's declarations count).
+/// when the peer is not connected yet (then only this side's declarations count). No
+/// transport's setup with the peer counts as failed; see [`choose_with_setup`].
 pub fn choose(
     rules: &[Rule],
     catalog: &[(Capabilities, Viability)],
     peer_offers: Option<&[String]>,
+    query: RouteQuery,
+) -> Explanation {
+    choose_with_setup(rules, catalog, peer_offers, &|_| None, query)
+}
+
+/// Chooses a route like [`choose`], also passing over every transport whose lazy setup with
+/// this peer ended in Bad (`setup(transport)`; `None` when it has not run or not ended, and
+/// then the transport may be chosen: the transfer waits for setup, and falls back if it
+/// fails). A transport passed over this way is skipped with [`Unsuitable::SetupFailed`].
+pub fn choose_with_setup(
+    rules: &[Rule],
+    catalog: &[(Capabilities, Viability)],
+    peer_offers: Option<&[String]>,
+    setup: &dyn Fn(TransportName) -> Option<SetupOutcome>,
     query: RouteQuery,
 ) -> Explanation {
     let mut out = Explanation {
@@ -100,6 +117,10 @@ pub fn choose(
                         Err(Unsuitable::PeerLacks)
                     }
                     _ => Ok(()),
+                })
+                .and_then(|()| match setup(name) {
+                    Some(SetupOutcome::Bad(why)) => Err(Unsuitable::SetupFailed(why.to_string())),
+                    Some(SetupOutcome::Ok) | None => Ok(()),
                 }),
         };
         match verdict {
@@ -168,6 +189,54 @@ mod tests {
         let rules = vec![rule("push", vec![TransportName::Tcp], Direction::Push)];
         let e = choose(&rules, &catalog(), Some(&["ipc".to_string()]), HOST);
         assert_eq!(e.skipped[0].1, Unsuitable::PeerLacks);
+    }
+
+    #[test]
+    fn failed_setup_falls_back_to_the_next_transport() {
+        use crate::core::ipc_setup::SetupFailure;
+        // A test catalog: ipc viable and, for this test, able to move host memory, so that
+        // ipc and tcp both suit the transfer and only the setup tells them apart.
+        let mut catalog = catalog();
+        for (caps, v) in &mut catalog {
+            if caps.name == TransportName::Ipc {
+                *v = Viability::Viable;
+                caps.memory = &[MemoryClass::Host, MemoryClass::Device];
+            }
+        }
+        let rules = vec![rule(
+            "same-host",
+            vec![TransportName::Ipc, TransportName::Tcp],
+            Direction::Push,
+        )];
+        // Setup not run yet (the transfer will wait for it), or Ok: ipc is chosen.
+        for outcome in [None, Some(SetupOutcome::Ok)] {
+            let e = choose_with_setup(&rules, &catalog, None, &|_| outcome.clone(), HOST);
+            assert_eq!(e.chosen.map(|r| r.transport), Some(TransportName::Ipc));
+        }
+        // Setup Bad: skipped with the reason, tcp chosen.
+        let bad = SetupFailure::NoPeerAccess { src: 0, dst: 1 };
+        let setup =
+            |t: TransportName| (t == TransportName::Ipc).then(|| SetupOutcome::Bad(bad.clone()));
+        let e = choose_with_setup(&rules, &catalog, None, &setup, HOST);
+        assert_eq!(
+            e.chosen.as_ref().map(|r| r.transport),
+            Some(TransportName::Tcp)
+        );
+        assert_eq!(
+            e.skipped,
+            [(TransportName::Ipc, Unsuitable::SetupFailed(bad.to_string()))]
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(
+                "ipc skipped: setup with the peer failed: no peer access from device 0 to device 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("chose tcp"), "{text}");
+        // The plain `choose` knows no setup: ipc again.
+        let e = choose(&rules, &catalog, None, HOST);
+        assert_eq!(e.chosen.map(|r| r.transport), Some(TransportName::Ipc));
     }
 
     #[test]

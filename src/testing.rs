@@ -1,0 +1,91 @@
+//! Gating of GPU tests. CI has no GPU, so a GPU test skips itself unless
+//! `FERRY_GPU_TESTS=1`; when that is set, a machine without a working driver or without
+//! enough GPUs makes the test fail instead of pass, so a GPU run can never go green by
+//! accident.
+//!
+//! ```no_run
+//! #[test]
+//! fn copies_between_two_gpus() {
+//!     let Some(gpu) = ferry::testing::gpu_test_with("copies_between_two_gpus", 2) else {
+//!         return;
+//!     };
+//!     assert!(gpu.driver.devices.len() >= 2);
+//! }
+//! ```
+
+use ferry_transports::cuda::{CudaDriver, CudaProbe, probe};
+
+/// The environment variable that turns GPU tests on.
+pub const GPU_TESTS_ENV: &str = "FERRY_GPU_TESTS";
+
+/// A GPU test that may run: the driver and the devices it found.
+#[derive(Debug, Clone)]
+pub struct GpuTest {
+    /// The working driver, with at least the devices the test asked for.
+    pub driver: CudaDriver,
+}
+
+/// [`gpu_test_with`] for a test that needs one GPU.
+pub fn gpu_test(name: &str) -> Option<GpuTest> {
+    gpu_test_with(name, 1)
+}
+
+/// Decides whether the GPU test `name`, which needs `devices` GPUs, runs.
+///
+/// Without `FERRY_GPU_TESTS=1`: prints `skipped: <name> needs a GPU; set FERRY_GPU_TESTS=1 on
+/// a GPU machine` and returns `None` (the test returns and passes).
+///
+/// # Panics
+///
+/// With `FERRY_GPU_TESTS=1`, when the CUDA driver is missing or broken or sees fewer than
+/// `devices` GPUs: the message says which.
+pub fn gpu_test_with(name: &str, devices: usize) -> Option<GpuTest> {
+    if std::env::var(GPU_TESTS_ENV).as_deref() != Ok("1") {
+        println!("skipped: {name} needs a GPU; set {GPU_TESTS_ENV}=1 on a GPU machine");
+        return None;
+    }
+    match require(&probe(), devices) {
+        Ok(driver) => Some(GpuTest { driver }),
+        Err(why) => panic!("{name}: {GPU_TESTS_ENV}=1 but {why}"),
+    }
+}
+
+/// The driver when it has at least `devices` GPUs, else why not.
+fn require(found: &CudaProbe, devices: usize) -> Result<CudaDriver, String> {
+    match found {
+        CudaProbe::NoDriver => Err(
+            "no CUDA driver on this machine (libcuda.so.1 does not load): \
+             GPU tests cannot run here"
+                .into(),
+        ),
+        CudaProbe::Failed { error, .. } => Err(format!("the CUDA driver does not work: {error}")),
+        CudaProbe::Ready(d) if d.devices.len() < devices => Err(format!(
+            "the test needs {devices} GPU(s) and the driver sees {}",
+            d.devices.len()
+        )),
+        CudaProbe::Ready(d) => Ok(d.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_few_devices_or_no_driver_is_refused() {
+        let none = CudaDriver {
+            cuda_version: 13000,
+            kernel_module: None,
+            devices: Vec::new(),
+            peer_access: Vec::new(),
+        };
+        let e = require(&CudaProbe::Ready(none.clone()), 1).err();
+        assert_eq!(
+            e.as_deref(),
+            Some("the test needs 1 GPU(s) and the driver sees 0")
+        );
+        assert_eq!(require(&CudaProbe::Ready(none.clone()), 0), Ok(none));
+        let e = require(&CudaProbe::NoDriver, 1).err().unwrap_or_default();
+        assert!(e.contains("no CUDA driver"), "{e}");
+    }
+}
