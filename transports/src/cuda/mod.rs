@@ -1,15 +1,48 @@
-//! The CUDA layer: today only [`probe`], which says whether this machine has a working
-//! CUDA driver and what its GPUs can do. Devices, streams, exportable pools and IPC arrive
-//! with the ipc transport.
+//! The CUDA layer: a safe layer over cudarc's driver bindings.
+//!
+//! - [`probe`]: whether this machine has a working driver and what its GPUs can do;
+//! - [`Device`]: a GPU by ordinal or UUID, holding its primary context; [`peer_access`],
+//!   [`enable_peer_access`];
+//! - [`Stream`], [`Event`]: RAII, created and destroyed in their device's context;
+//! - [`ExportablePool`] → [`DeviceBuffer`]; its fd → [`ImportedPool`] in another process,
+//!   a buffer's 64-byte export → [`ImportedBuffer`] there;
+//! - copies ([`copy_async`], [`copy_from_host`], [`copy_to_host`], pinned
+//!   [`PinnedBuffer`] copies) and [`pattern`] helpers for checksummed tests.
+//!
+//! It owns driver handles and their lifetimes; it does not decide budgets, leases or routes
+//! (the allocator and transfer actors do), and it does not move file descriptors between
+//! processes (the link does).
 //!
 //! The driver is loaded at run time (cudarc's dynamic loading), so the build needs no CUDA.
-//! cudarc panics when the library is missing on its first call, so every entry point here
-//! checks that the library loads before calling into cudarc.
+//! cudarc panics when the library (or one of its symbols) is missing on its first call, so
+//! every entry point here checks that the library loads before calling into cudarc
+//! ([`probe`] directly, everything else through [`Device::open`] / [`Device::count`], which
+//! every other object is made from). Without a driver they return
+//! [`CudaError::NoDriver`] ("no CUDA driver: GPU transports disabled").
+//!
+//! The three FFI steps: `cudarc::driver::sys` (raw), `raw` (one thin function per call,
+//! returning `Result<_, CudaError>`), and the RAII types here.
 //!
 //! This is one of the few modules allowed to use `unsafe` (FFI into the driver); each block
 //! says why it is sound.
 #![allow(unsafe_code)]
 
+mod copy;
+mod device;
+mod error;
+pub mod pattern;
+mod pool;
 mod probe;
+mod raw;
+mod stream;
 
+pub use copy::{
+    DeviceMemory, PinnedBuffer, copy_async, copy_from_host, copy_from_pinned_async, copy_to_host,
+    copy_to_pinned_async, fill_async,
+};
+pub use device::{Device, enable_peer_access, peer_access};
+pub use error::CudaError;
+pub use pool::{DeviceBuffer, ExportablePool, ImportedBuffer, ImportedPool, POINTER_EXPORT_LEN};
 pub use probe::{CudaDevice, CudaDriver, CudaProbe, probe};
+pub use raw::driver;
+pub use stream::{Event, Stream};

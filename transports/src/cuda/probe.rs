@@ -205,7 +205,7 @@ fn can_access_peer(a: sys::CUdevice, b: sys::CUdevice) -> Result<bool, DriverErr
     Ok(yes != 0)
 }
 
-fn pci_bus_id(dev: sys::CUdevice) -> Result<String, DriverError> {
+pub(super) fn pci_bus_id(dev: sys::CUdevice) -> Result<String, DriverError> {
     // "dddd:bb:dd.f" is 13 bytes with its NUL; the driver documents 13 as enough.
     let mut buf = [0 as c_char; 32];
     // SAFETY: `dev` came from cuDeviceGet after cuInit; the driver writes at most `len`
@@ -218,7 +218,7 @@ fn pci_bus_id(dev: sys::CUdevice) -> Result<String, DriverError> {
 }
 
 /// The driver's UUID bytes as nvidia-smi prints them.
-fn uuid_text(uuid: &sys::CUuuid) -> String {
+pub(super) fn uuid_text(uuid: &sys::CUuuid) -> String {
     let hex: Vec<String> = uuid
         .bytes
         .iter()

@@ -1,0 +1,383 @@
+//! Copies between device memory, host slices and pinned host memory, and the bookkeeping
+//! that keeps memory allocated until the copies that use it have finished.
+
+use std::sync::Mutex;
+
+use super::device::Device;
+use super::error::CudaError;
+use super::raw;
+use super::stream::{Event, Stream};
+
+pub(super) mod sealed {
+    /// Only this layer's buffer types are device memory: their address and length are
+    /// trusted by the copies, so no one else may implement the trait.
+    pub trait Sealed {
+        fn region(&self) -> (cudarc::driver::sys::CUdeviceptr, usize);
+        fn note_use(&self, stream: &super::Stream) -> Result<(), super::CudaError>;
+    }
+}
+
+/// Device memory this layer owns or imported: [`DeviceBuffer`](super::DeviceBuffer) and
+/// [`ImportedBuffer`](super::ImportedBuffer). Sealed.
+///
+/// Every copy through this layer is recorded against the buffers it touches, so freeing a
+/// buffer (dropping it) is ordered after every copy queued on it, whatever the stream.
+pub trait DeviceMemory: sealed::Sealed {
+    /// The device the memory resides on.
+    fn device(&self) -> &Device;
+
+    /// The device address (unified addressing: unique across the devices of a process).
+    /// For logs and identity checks only; an address alone never identifies a buffer.
+    fn device_ptr(&self) -> u64 {
+        self.region().0
+    }
+
+    /// Length in bytes.
+    fn len(&self) -> usize {
+        self.region().1
+    }
+
+    /// True for zero bytes (never, for buffers of this layer).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Which streams used a region, and an event on each that captures its latest use.
+#[derive(Default)]
+pub(super) struct Uses {
+    uses: Mutex<Vec<(Stream, Event)>>,
+}
+
+impl Uses {
+    /// Records that work touching the region was just queued on `stream`.
+    pub(super) fn note(&self, stream: &Stream) -> Result<(), CudaError> {
+        let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, event)) = uses.iter().find(|(s, _)| s.same_as(stream)) {
+            // Re-recording captures everything queued on the stream so far, earlier uses
+            // included.
+            return event.record(stream);
+        }
+        let event = Event::new(stream.device())?;
+        event.record(stream)?;
+        uses.push((stream.clone(), event));
+        Ok(())
+    }
+
+    /// Makes `stream` wait for every recorded use (host does not block).
+    pub(super) fn order_before(&self, stream: &Stream) -> Result<(), CudaError> {
+        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        for (s, event) in uses.iter() {
+            if !s.same_as(stream) {
+                stream.wait(event)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until every recorded use has completed.
+    pub(super) fn wait_all(&self) -> Result<(), CudaError> {
+        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, event) in uses.iter() {
+            event.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
+fn range(what: &str, offset: usize, len: usize, size: usize) -> Result<(), CudaError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(CudaError::Misuse(format!(
+            "{what} range {offset}+{len} is outside its {size} bytes"
+        ))),
+    }
+}
+
+/// Queues a copy of `len` bytes from `src[src_offset..]` to `dst[dst_offset..]` on `stream`
+/// (`cuMemcpyAsync`). Works across devices (unified addressing): with peer access the copy
+/// engine moves the bytes directly over NVLink/PCIe. Pool memory of another device needs
+/// [`ExportablePool::grant_access`](super::ExportablePool::grant_access) /
+/// [`ImportedPool::grant_access`](super::ImportedPool::grant_access) for the stream's device.
+///
+/// Returns once queued; completion is learnt from the stream or an [`Event`]. Both buffers
+/// stay allocated until the copy completes even if dropped earlier.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
+pub fn copy_async(
+    dst: &mut impl DeviceMemory,
+    dst_offset: usize,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    let (sptr, slen) = src.region();
+    range("destination", dst_offset, len, dlen)?;
+    range("source", src_offset, len, slen)?;
+    if len == 0 {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: both ranges lie inside live allocations (checked above; the buffers' `Uses`
+    // keep them allocated until the events recorded below have passed), and `stream` is
+    // alive for the call.
+    unsafe {
+        raw::memcpy_async(
+            dptr + dst_offset as u64,
+            sptr + src_offset as u64,
+            len,
+            stream.handle(),
+        )
+    }?;
+    dst.note_use(stream)?;
+    src.note_use(stream)
+}
+
+/// Copies `src` into `dst[offset..]` and blocks until the copy has completed (the host slice
+/// may be pageable, so the copy is not left running past the borrow).
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside the buffer; a driver error otherwise.
+pub fn copy_from_host(
+    dst: &mut impl DeviceMemory,
+    offset: usize,
+    src: &[u8],
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    range("destination", offset, src.len(), dlen)?;
+    if src.is_empty() {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: the device range is inside a live allocation (checked above); `src` is borrowed
+    // until the stream is synchronised below, so it outlives the copy.
+    unsafe {
+        raw::memcpy_htod_async(
+            dptr + offset as u64,
+            src.as_ptr(),
+            src.len(),
+            stream.handle(),
+        )
+    }?;
+    dst.note_use(stream)?;
+    stream.synchronize()
+}
+
+/// Copies `src[offset..offset + dst.len()]` into `dst` and blocks until it has completed.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside the buffer; a driver error otherwise.
+pub fn copy_to_host(
+    dst: &mut [u8],
+    src: &impl DeviceMemory,
+    offset: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (sptr, slen) = src.region();
+    range("source", offset, dst.len(), slen)?;
+    if dst.is_empty() {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: the device range is inside a live allocation (checked above); `dst` is borrowed
+    // mutably until the stream is synchronised below, so nothing else touches it meanwhile.
+    unsafe {
+        raw::memcpy_dtoh_async(
+            dst.as_mut_ptr(),
+            sptr + offset as u64,
+            dst.len(),
+            stream.handle(),
+        )
+    }?;
+    src.note_use(stream)?;
+    stream.synchronize()
+}
+
+/// Fills `dst[offset..offset + len]` with `value` (`cuMemsetD8Async`); returns once queued.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside the buffer; a driver error otherwise.
+pub fn fill_async(
+    dst: &mut impl DeviceMemory,
+    offset: usize,
+    len: usize,
+    value: u8,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    range("destination", offset, len, dlen)?;
+    if len == 0 {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: the range is inside a live allocation, kept until the recorded use passes.
+    unsafe { raw::memset_d8_async(dptr + offset as u64, value, len, stream.handle()) }?;
+    dst.note_use(stream)
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`, portable to every context): the spill tier,
+/// and the fast path for host↔device copies (~55 GB/s on the H200 machines).
+///
+/// Dropping it blocks until the copies queued on it have completed, then frees it
+/// (`cuMemFreeHost`).
+pub struct PinnedBuffer {
+    device: Device,
+    ptr: *mut u8,
+    len: usize,
+    uses: Uses,
+}
+
+// SAFETY: the buffer owns its allocation (like a Box<[u8]>); the raw pointer is reached only
+// through &self/&mut self methods that follow Rust's borrowing rules.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: shared access only reads the memory (after waiting for device writes).
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes of pinned host memory, zeroed. `device` supplies the context for
+    /// the allocation (the memory is usable from every device).
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for zero bytes; a driver error (e.g. out of memory) otherwise.
+    pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer, CudaError> {
+        if len == 0 {
+            return Err(CudaError::Misuse("a pinned buffer of zero bytes".into()));
+        }
+        device.bind()?;
+        // SAFETY: a context is current (bound above).
+        let ptr = unsafe { raw::mem_host_alloc(len) }?;
+        // SAFETY: the driver returned `len` writable bytes at `ptr`, used by nothing else yet.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedBuffer {
+            device: device.clone(),
+            ptr,
+            len,
+            uses: Uses::default(),
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a pinned buffer has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, after waiting for the copies queued on this buffer (blocks).
+    ///
+    /// # Errors
+    /// A driver error from a queued copy.
+    pub fn host(&mut self) -> Result<&[u8], CudaError> {
+        self.uses.wait_all()?;
+        // SAFETY: `len` initialised bytes owned by self; no copy is in flight (waited above)
+        // and none can start while the returned borrow of `self` lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+
+    /// The bytes, writable, after waiting for the copies queued on this buffer (blocks).
+    ///
+    /// # Errors
+    /// A driver error from a queued copy.
+    pub fn host_mut(&mut self) -> Result<&mut [u8], CudaError> {
+        self.uses.wait_all()?;
+        // SAFETY: as in `host`, and the borrow is exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let done = self.uses.wait_all().and_then(|()| {
+            self.device.bind()?;
+            // SAFETY: allocated by cuMemHostAlloc, freed once, and every copy using it has
+            // completed (waited above).
+            unsafe { raw::mem_free_host(self.ptr) }
+        });
+        if let Err(e) = done {
+            // Freeing memory a copy may still write is worse than leaking it.
+            tracing::warn!(error = %e, len = self.len, "freeing pinned host memory failed; leaked");
+        }
+    }
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Queues a copy of `len` bytes from pinned `src[src_offset..]` to `dst[dst_offset..]`.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
+pub fn copy_from_pinned_async(
+    dst: &mut impl DeviceMemory,
+    dst_offset: usize,
+    src: &PinnedBuffer,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    range("destination", dst_offset, len, dlen)?;
+    range("source", src_offset, len, src.len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: both ranges are inside live allocations (checked above) that stay allocated
+    // until the copy passes (recorded below; both types wait for their uses before freeing).
+    // Host writes to `src` need `&mut`, which waits for this use first.
+    unsafe {
+        raw::memcpy_htod_async(
+            dptr + dst_offset as u64,
+            src.ptr.add(src_offset),
+            len,
+            stream.handle(),
+        )
+    }?;
+    dst.note_use(stream)?;
+    src.uses.note(stream)
+}
+
+/// Queues a copy of `len` bytes from `src[src_offset..]` to pinned `dst[dst_offset..]`.
+/// Read the result with [`PinnedBuffer::host`], which waits for it.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
+pub fn copy_to_pinned_async(
+    dst: &mut PinnedBuffer,
+    dst_offset: usize,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (sptr, slen) = src.region();
+    range("destination", dst_offset, len, dst.len)?;
+    range("source", src_offset, len, slen)?;
+    if len == 0 {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: as in `copy_from_pinned_async`; host reads of `dst` wait for this use first.
+    unsafe {
+        raw::memcpy_dtoh_async(
+            dst.ptr.add(dst_offset),
+            sptr + src_offset as u64,
+            len,
+            stream.handle(),
+        )
+    }?;
+    src.note_use(stream)?;
+    dst.uses.note(stream)
+}

@@ -1,0 +1,386 @@
+//! Exportable memory pools: allocation, export to another process, and import there.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::copy::{DeviceMemory, Uses, sealed};
+use super::device::Device;
+use super::error::CudaError;
+use super::raw;
+use super::stream::{Stream, StreamInner};
+
+/// The size of a pointer export (`CUmemPoolPtrExportData`).
+pub const POINTER_EXPORT_LEN: usize = 64;
+
+/// A stream-ordered memory pool on one device whose memory other processes can import
+/// (`cuMemPoolCreate` with POSIX-fd handles, located on the device).
+///
+/// Its release threshold is set to "never": memory freed back to the pool stays reserved in
+/// it, so a later allocation costs no call into the OS and exports stay cheap. Cheap to
+/// clone (clones share the pool); buffers keep the pool alive.
+#[derive(Clone)]
+pub struct ExportablePool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    device: Device,
+    handle: sys::CUmemoryPool,
+}
+
+// SAFETY: a CUmemoryPool is a driver handle usable from any thread; the driver's pool calls
+// are thread-safe.
+unsafe impl Send for PoolInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for PoolInner {}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let done = self.device.bind().and_then(|()| {
+            // SAFETY: created by cuMemPoolCreate/ImportFromShareableHandle; the last
+            // reference (every buffer holds one), so no allocation of this process is live.
+            unsafe { raw::mem_pool_destroy(self.handle) }
+        });
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "destroying a CUDA memory pool failed");
+        }
+    }
+}
+
+impl ExportablePool {
+    /// Creates an exportable pool on `device`.
+    ///
+    /// # Errors
+    /// A driver error, e.g. `CUDA_ERROR_NOT_SUPPORTED` where the device cannot export pools
+    /// as POSIX file descriptors (see the probe's `pool_posix_fd`).
+    pub fn new(device: &Device) -> Result<ExportablePool, CudaError> {
+        device.bind()?;
+        // SAFETY: the device's context is current (bound above).
+        let handle = unsafe { raw::mem_pool_create_exportable(device.ordinal_c()) }?;
+        let pool = ExportablePool {
+            inner: Arc::new(PoolInner {
+                device: device.clone(),
+                handle,
+            }),
+        };
+        // SAFETY: the pool was just created and is owned by `pool`.
+        unsafe { raw::mem_pool_set_release_threshold(handle, u64::MAX) }?;
+        Ok(pool)
+    }
+
+    /// The device the pool's memory resides on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Allocates `len` bytes in stream order on `stream` (`cuMemAllocFromPoolAsync`): the
+    /// memory is usable by work queued on `stream` after this call, and by other streams
+    /// once they wait for it (an [`Event`](super::Event)). Contents are unspecified.
+    ///
+    /// The buffer is freed when dropped, with `cuMemFreeAsync` on this same stream, after
+    /// waiting (on the GPU, not the host) for every copy through this layer that used it on
+    /// other streams. Stream-ordered freeing is what the pool is built for: it never blocks
+    /// the dropping thread, and the pool can hand the memory to the next allocation on the
+    /// stream at once.
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for zero bytes or a stream of another device; a driver error
+    /// (e.g. `CUDA_ERROR_OUT_OF_MEMORY`) otherwise.
+    pub fn alloc(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer, CudaError> {
+        if len == 0 {
+            return Err(CudaError::Misuse("a device buffer of zero bytes".into()));
+        }
+        if !stream.device().same_as(&self.inner.device) {
+            return Err(CudaError::Misuse(format!(
+                "allocating from a pool of GPU {} on a stream of GPU {}",
+                self.inner.device.ordinal(),
+                stream.device().ordinal()
+            )));
+        }
+        stream.bind()?;
+        // SAFETY: pool and stream are alive for the call; the buffer below keeps both.
+        let ptr =
+            unsafe { raw::mem_alloc_from_pool_async(self.inner.handle, len, stream.handle()) }?;
+        Ok(DeviceBuffer {
+            pool: Arc::clone(&self.inner),
+            home: stream.shared(),
+            ptr,
+            len,
+            uses: Uses::default(),
+        })
+    }
+
+    /// Lets `device` read and write this pool's allocations (`cuMemPoolSetAccess`); pool
+    /// memory does not follow `cuCtxEnablePeerAccess`. The pool's own device always has
+    /// access, so asking for it is a no-op.
+    ///
+    /// # Errors
+    /// A driver error, e.g. when the two devices have no peer access.
+    pub fn grant_access(&self, device: &Device) -> Result<(), CudaError> {
+        if device.same_as(&self.inner.device) {
+            return Ok(());
+        }
+        self.inner.device.bind()?;
+        // SAFETY: the pool is alive for as long as `self`.
+        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }
+    }
+
+    /// A new file descriptor for the pool (`cuMemPoolExportToShareableHandle`), to pass to a
+    /// same-host peer over a Unix socket (SCM_RIGHTS). Each call makes a new descriptor.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn export_fd(&self) -> Result<OwnedFd, CudaError> {
+        self.inner.device.bind()?;
+        // SAFETY: the pool is alive and was created with POSIX-fd handles.
+        let fd = unsafe { raw::mem_pool_export_fd(self.inner.handle) }?;
+        if fd < 0 {
+            return Err(CudaError::Misuse(format!(
+                "the driver exported the pool as the invalid descriptor {fd}"
+            )));
+        }
+        // SAFETY: the driver just opened this descriptor for the caller, who owns it; nothing
+        // else in the process knows its number.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Imports a peer's pool from the descriptor it exported
+    /// (`cuMemPoolImportFromShareableHandle`); the memory resides on `device` (the device of
+    /// this process that is the exporter's GPU: match them by UUID). Costs about a
+    /// millisecond: do it once per peer and device. The descriptor is closed afterwards (the
+    /// driver keeps its own reference).
+    ///
+    /// # Errors
+    /// A driver error, e.g. for a descriptor that is not a pool.
+    pub fn import_fd(device: &Device, fd: OwnedFd) -> Result<ImportedPool, CudaError> {
+        device.bind()?;
+        // SAFETY: `fd` is open for the duration of the call (owned here, closed on drop).
+        let handle = unsafe { raw::mem_pool_import_fd(fd.as_raw_fd()) }?;
+        drop(fd);
+        Ok(ImportedPool {
+            inner: Arc::new(PoolInner {
+                device: device.clone(),
+                handle,
+            }),
+        })
+    }
+}
+
+impl std::fmt::Debug for ExportablePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportablePool")
+            .field("device", &self.inner.device.ordinal())
+            .finish()
+    }
+}
+
+/// Memory allocated from an [`ExportablePool`]; freed (stream-ordered) when dropped.
+pub struct DeviceBuffer {
+    pool: Arc<PoolInner>,
+    home: Arc<StreamInner>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    uses: Uses,
+}
+
+// SAFETY: owns its allocation like a Box; the device address is only passed to the driver.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: shared access only queues reads (copies from it), which the driver makes safe.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// The 64 bytes that let a process which imported this buffer's pool import the buffer
+    /// (`cuMemPoolExportPointer`). Not a handle: it grants nothing without the pool's fd.
+    ///
+    /// The importer must not read the memory before the allocation (and whatever wrote the
+    /// data) has completed here: synchronise the stream or an event before sending it. The
+    /// importer must free its import before this buffer is dropped (the transfer protocol's
+    /// `Done` message).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn export_pointer(&self) -> Result<[u8; POINTER_EXPORT_LEN], CudaError> {
+        self.pool.device.bind()?;
+        // SAFETY: a live allocation of an exportable pool, kept alive by `self`.
+        unsafe { raw::mem_pool_export_pointer(self.ptr) }
+    }
+
+    /// The stream the buffer was allocated on, on which it will be freed.
+    pub fn stream(&self) -> Stream {
+        Stream::from_shared(Arc::clone(&self.home))
+    }
+}
+
+impl sealed::Sealed for DeviceBuffer {
+    fn region(&self) -> (sys::CUdeviceptr, usize) {
+        (self.ptr, self.len)
+    }
+    fn note_use(&self, stream: &Stream) -> Result<(), CudaError> {
+        // Work on the home stream is ordered before the free already.
+        if stream.same_as(&Stream::from_shared(Arc::clone(&self.home))) {
+            return Ok(());
+        }
+        self.uses.note(stream)
+    }
+}
+
+impl DeviceMemory for DeviceBuffer {
+    fn device(&self) -> &Device {
+        &self.pool.device
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let home = Stream::from_shared(Arc::clone(&self.home));
+        let done = self.uses.order_before(&home).and_then(|()| {
+            home.bind()?;
+            // SAFETY: allocated from a pool on this stream's device, freed once; every copy of
+            // this layer that used it is ordered before this point on `home` (above).
+            unsafe { raw::mem_free_async(self.ptr, home.handle()) }
+        });
+        if let Err(e) = done {
+            tracing::warn!(error = %e, len = self.len, "freeing a pool buffer failed; leaked");
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("device", &self.pool.device.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A peer's pool, imported from its file descriptor. Allocating from it is impossible (the
+/// driver forbids it); it only imports the peer's buffers. Cheap to clone.
+#[derive(Clone)]
+pub struct ImportedPool {
+    inner: Arc<PoolInner>,
+}
+
+impl ImportedPool {
+    /// The device of this process the pool's memory resides on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Imports one of the peer's buffers from its 64-byte export (`cuMemPoolImportPointer`;
+    /// ~2 µs after the first one, measured on the H200). `len` is the length the peer
+    /// claims; it is checked against the allocation's real size (`cuMemGetAddressRange`),
+    /// so a lying peer gets an error instead of a device fault.
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] when `len` is zero or exceeds the allocation; a driver error for
+    /// bytes that name no live allocation of this pool.
+    pub fn import_pointer(
+        &self,
+        export: &[u8; POINTER_EXPORT_LEN],
+        len: usize,
+    ) -> Result<ImportedBuffer, CudaError> {
+        if len == 0 {
+            return Err(CudaError::Misuse("importing a buffer of zero bytes".into()));
+        }
+        self.inner.device.bind()?;
+        // SAFETY: the imported pool is alive for as long as `self`.
+        let ptr = unsafe { raw::mem_pool_import_pointer(self.inner.handle, export) }?;
+        let buffer = ImportedBuffer {
+            pool: Arc::clone(&self.inner),
+            ptr,
+            len,
+            uses: Uses::default(),
+        };
+        // SAFETY: the device's context is current (bound above).
+        let (base, size) = unsafe { raw::mem_get_address_range(ptr) }?;
+        let end = (ptr - base).checked_add(len as u64);
+        if end.is_none_or(|end| end > size as u64) {
+            return Err(CudaError::Misuse(format!(
+                "the peer claims {len} bytes in an allocation of {size}"
+            )));
+        }
+        Ok(buffer)
+    }
+
+    /// Lets `device` read and write the imported buffers (`cuMemPoolSetAccess`): needed to
+    /// copy with a stream of another device than the pool's. An imported pool does not
+    /// inherit the exporter's access settings. Asking for the pool's own device is a no-op.
+    ///
+    /// # Errors
+    /// A driver error, e.g. when the two devices have no peer access.
+    pub fn grant_access(&self, device: &Device) -> Result<(), CudaError> {
+        if device.same_as(&self.inner.device) {
+            return Ok(());
+        }
+        self.inner.device.bind()?;
+        // SAFETY: the pool is alive for as long as `self`.
+        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }
+    }
+}
+
+impl std::fmt::Debug for ImportedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedPool")
+            .field("device", &self.inner.device.ordinal())
+            .finish()
+    }
+}
+
+/// A peer's buffer imported into this process. Dropping it blocks until the copies of this
+/// layer that used it have completed, then frees the import with `cuMemFree` (synchronous):
+/// the driver requires every importer to have freed its import, completely, before the
+/// exporter frees the allocation, so when the drop returns the peer may be told (`Done`).
+pub struct ImportedBuffer {
+    pool: Arc<PoolInner>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    uses: Uses,
+}
+
+// SAFETY: owns its import like a Box; the device address is only passed to the driver.
+unsafe impl Send for ImportedBuffer {}
+// SAFETY: shared access only queues reads, which the driver makes safe.
+unsafe impl Sync for ImportedBuffer {}
+
+impl sealed::Sealed for ImportedBuffer {
+    fn region(&self) -> (sys::CUdeviceptr, usize) {
+        (self.ptr, self.len)
+    }
+    fn note_use(&self, stream: &Stream) -> Result<(), CudaError> {
+        self.uses.note(stream)
+    }
+}
+
+impl DeviceMemory for ImportedBuffer {
+    fn device(&self) -> &Device {
+        &self.pool.device
+    }
+}
+
+impl Drop for ImportedBuffer {
+    fn drop(&mut self) {
+        let done = self.uses.wait_all().and_then(|()| {
+            self.pool.device.bind()?;
+            // SAFETY: imported by cuMemPoolImportPointer, freed once, and every copy of this
+            // layer that used it has completed (waited above).
+            unsafe { raw::mem_free(self.ptr) }
+        });
+        if let Err(e) = done {
+            tracing::warn!(error = %e, len = self.len, "freeing an imported buffer failed");
+        }
+    }
+}
+
+impl std::fmt::Debug for ImportedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedBuffer")
+            .field("device", &self.pool.device.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}

@@ -1,0 +1,413 @@
+//! GPU tests of the CUDA layer. Each one skips itself (and says so) unless
+//! `FERRY_GPU_TESTS=1`; with it set, a machine without a usable GPU fails them.
+//!
+//! Run on the lent H200 machines (../shared/GPU.md); the cross-process and peer tests want
+//! two GPUs (nvidia-h200-x2).
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
+use ferry_transports::cuda::{
+    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, copy_async,
+    copy_from_host, copy_from_pinned_async, copy_to_host, copy_to_pinned_async, enable_peer_access,
+    fill_async, peer_access,
+};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+
+/// The child role of the cross-process test, and where the child connects.
+const CHILD_ROLE: &str = "FERRY_CUDA_TEST_CHILD";
+const CHILD_SOCKET: &str = "FERRY_CUDA_TEST_SOCKET";
+/// Buffers whose pointer imports are timed.
+const TIMED_BUFFERS: usize = 1000;
+
+/// The GPUs, when GPU tests are asked for; `None` (after saying so) when they are not.
+/// Panics when they are asked for and there is no usable GPU: such a run must not pass.
+fn gpus() -> Option<Vec<Device>> {
+    if std::env::var("FERRY_GPU_TESTS").as_deref() != Ok("1") {
+        println!("skipped: needs a GPU (set FERRY_GPU_TESTS=1 on a GPU machine)");
+        return None;
+    }
+    let devices = Device::all().unwrap_or_else(|e| {
+        panic!("FERRY_GPU_TESTS=1 but the CUDA layer cannot open the GPUs: {e}")
+    });
+    assert!(
+        !devices.is_empty(),
+        "FERRY_GPU_TESTS=1 but the driver sees no GPU"
+    );
+    Some(devices)
+}
+
+#[test]
+fn error_message_without_driver_is_clear() {
+    assert_eq!(
+        CudaError::NoDriver.to_string(),
+        "no CUDA driver: GPU transports disabled"
+    );
+    // Runs everywhere: on a machine without libcuda, opening a device must say so, never
+    // panic.
+    if let Err(CudaError::NoDriver) = ferry_transports::cuda::driver() {
+        assert!(matches!(Device::open(0), Err(CudaError::NoDriver)));
+        assert!(matches!(Device::count(), Err(CudaError::NoDriver)));
+    }
+}
+
+#[test]
+fn pool_alloc_free_and_host_round_trip() {
+    let Some(gpus) = gpus() else { return };
+    let dev = &gpus[0];
+    println!(
+        "GPU 0: {} uuid {} pci {}",
+        dev.name(),
+        dev.uuid(),
+        dev.pci_bus_id()
+    );
+    let pool = ExportablePool::new(dev).expect("exportable pool");
+    let stream = Stream::new(dev).expect("stream");
+
+    for len in [1usize, 3, 4096, (1 << 20) + 7, 64 << 20] {
+        let mut buf = pool.alloc(len, &stream).expect("alloc");
+        assert_eq!(buf.len(), len);
+        let sent = pattern(len as u64, len);
+        copy_from_host(&mut buf, 0, &sent, &stream).expect("H2D");
+        let mut back = vec![0u8; len];
+        copy_to_host(&mut back, &buf, 0, &stream).expect("D2H");
+        assert!(back == sent, "round trip of {len} bytes differs");
+    }
+
+    // Odd offsets and a range past the end.
+    let mut buf = pool.alloc(10_001, &stream).expect("alloc");
+    fill_async(&mut buf, 0, 10_001, 0xAB, &stream).expect("memset");
+    copy_from_host(&mut buf, 3, &[1, 2, 3], &stream).expect("H2D at an offset");
+    let mut back = vec![0u8; 7];
+    copy_to_host(&mut back, &buf, 1, &stream).expect("D2H at an offset");
+    assert_eq!(back, [0xAB, 0xAB, 1, 2, 3, 0xAB, 0xAB]);
+    assert!(matches!(
+        copy_from_host(&mut buf, 10_000, &[1, 2], &stream),
+        Err(CudaError::Misuse(_))
+    ));
+
+    // Pinned host memory both ways, and an event for completion.
+    let len = 8 << 20;
+    let mut pinned_in = PinnedBuffer::new(dev, len).expect("pinned");
+    pinned_in
+        .host_mut()
+        .expect("pinned bytes")
+        .copy_from_slice(&pattern(99, len));
+    let mut dbuf = pool.alloc(len, &stream).expect("alloc");
+    copy_from_pinned_async(&mut dbuf, 0, &pinned_in, 0, len, &stream).expect("pinned H2D");
+    let mut pinned_out = PinnedBuffer::new(dev, len).expect("pinned");
+    copy_to_pinned_async(&mut pinned_out, 0, &dbuf, 0, len, &stream).expect("pinned D2H");
+    let done = Event::new(dev).expect("event");
+    done.record(&stream).expect("record");
+    done.synchronize().expect("event synchronize");
+    assert!(done.query().expect("query"), "a synchronised event is done");
+    assert!(pinned_out.host().expect("pinned bytes") == pattern(99, len));
+
+    // Many buffers allocated and freed: the pool keeps the memory and reuses it.
+    for round in 0..3 {
+        let bufs: Vec<_> = (0..1000)
+            .map(|_| pool.alloc(64 << 10, &stream).expect("alloc"))
+            .collect();
+        drop(bufs);
+        stream.synchronize().expect("synchronize");
+        println!("round {round}: 1000 x 64 KiB allocated and freed");
+    }
+
+    let mut buf = pool.alloc(12_345, &stream).expect("alloc");
+    let sum = fill_pattern(&mut buf, 5, &stream).expect("fill");
+    assert_eq!(device_checksum(&buf, &stream).expect("checksum"), sum);
+}
+
+#[test]
+fn peer_copy_gpu0_to_gpu1() {
+    let Some(gpus) = gpus() else { return };
+    if gpus.len() < 2 {
+        println!("skipped: peer copy needs 2 GPUs, this machine has 1");
+        return;
+    }
+    let (d0, d1) = (&gpus[0], &gpus[1]);
+    assert!(
+        peer_access(d0, d1).expect("peer query"),
+        "GPU 0 cannot map GPU 1"
+    );
+    assert!(
+        peer_access(d1, d0).expect("peer query"),
+        "GPU 1 cannot map GPU 0"
+    );
+    enable_peer_access(d0, d1).expect("enable 0->1");
+    enable_peer_access(d1, d0).expect("enable 1->0");
+    enable_peer_access(d1, d0).expect("enabling twice is fine");
+
+    let (p0, p1) = (
+        ExportablePool::new(d0).expect("pool 0"),
+        ExportablePool::new(d1).expect("pool 1"),
+    );
+    p0.grant_access(d1).expect("GPU 1 may access pool 0");
+    p1.grant_access(d0).expect("GPU 0 may access pool 1");
+    let (s0, s1) = (
+        Stream::new(d0).expect("stream 0"),
+        Stream::new(d1).expect("stream 1"),
+    );
+
+    for (len, src_off, dst_off) in [
+        (1usize, 0usize, 0usize),
+        (4097, 3, 5),
+        ((16 << 20) + 5, 1, 7),
+    ] {
+        let mut src = p0.alloc(len + src_off, &s0).expect("alloc on 0");
+        let sent = pattern(len as u64 + 1, len);
+        copy_from_host(&mut src, src_off, &sent, &s0).expect("H2D");
+        let mut dst = p1.alloc(len + dst_off, &s1).expect("alloc on 1");
+        copy_async(&mut dst, dst_off, &src, src_off, len, &s1).expect("peer copy");
+        let mut back = vec![0u8; len];
+        copy_to_host(&mut back, &dst, dst_off, &s1).expect("D2H");
+        assert!(back == sent, "peer copy of {len} bytes differs");
+        // `src` is freed on s0 after the copy on s1 (the buffer waits for it).
+    }
+
+    // Rough figure for the log (the bench measures properly).
+    let len = 256 << 20;
+    let src = p0.alloc(len, &s0).expect("alloc");
+    let mut dst = p1.alloc(len, &s1).expect("alloc");
+    s0.synchronize().expect("sync");
+    copy_async(&mut dst, 0, &src, 0, len, &s1).expect("warm-up copy");
+    s1.synchronize().expect("sync");
+    let t = Instant::now();
+    for _ in 0..10 {
+        copy_async(&mut dst, 0, &src, 0, len, &s1).expect("copy");
+    }
+    s1.synchronize().expect("sync");
+    let gbs = 10.0 * len as f64 / t.elapsed().as_secs_f64() / 1e9;
+    println!("peer copy GPU0->GPU1, 256 MiB x10: {gbs:.0} GB/s");
+}
+
+// ---- pool export and import between two processes ------------------------------------------
+
+#[test]
+fn pool_export_import_between_processes() {
+    if std::env::var(CHILD_ROLE).as_deref() == Ok("importer") {
+        return importer();
+    }
+    let Some(gpus) = gpus() else { return };
+    let dev = &gpus[0];
+    let pool = ExportablePool::new(dev).expect("exportable pool");
+    let stream = Stream::new(dev).expect("stream");
+
+    // One odd-sized buffer checked byte for byte, then the timed ones.
+    let mut main = pool.alloc((3 << 20) + 3, &stream).expect("alloc");
+    let main_sum = fill_pattern(&mut main, 42, &stream).expect("fill");
+    let mut timed = Vec::with_capacity(TIMED_BUFFERS);
+    let mut timed_sums = Vec::with_capacity(TIMED_BUFFERS * 4);
+    for i in 0..TIMED_BUFFERS {
+        let mut b = pool.alloc(4096 + i, &stream).expect("alloc");
+        timed_sums.extend_from_slice(
+            &fill_pattern(&mut b, i as u64, &stream)
+                .expect("fill")
+                .to_le_bytes(),
+        );
+        timed.push(b);
+    }
+    // fill_pattern synchronised the stream: every allocation and write has completed, as the
+    // importer requires before it touches the memory.
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cuda-test.sock");
+    let listener = UnixListener::bind(&path).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "pool_export_import_between_processes",
+            "--nocapture",
+        ])
+        .env(CHILD_ROLE, "importer")
+        .env(CHILD_SOCKET, &path)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn the importer");
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut sock = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(status) = child.try_wait().expect("child status") {
+                    panic!("the importer exited before connecting: {status}");
+                }
+                assert!(Instant::now() < deadline, "the importer never connected");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    sock.set_nonblocking(false).expect("blocking");
+    sock.set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("timeout");
+
+    let fd = pool.export_fd().expect("export the pool");
+    send_fd(&sock, &fd);
+    drop(fd);
+    let mut msg = Vec::new();
+    put_export(&mut msg, &main);
+    for b in &timed {
+        put_export(&mut msg, b);
+    }
+    sock.write_all(&msg).expect("send exports");
+
+    let mut reply = [0u8; 12];
+    sock.read_exact(&mut reply)
+        .expect("the importer's checksums");
+    let word = |i: usize| u32::from_le_bytes(reply[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    assert_eq!(word(0), main_sum, "the importer read other bytes");
+    assert_eq!(word(1), checksum(&timed_sums), "the timed buffers differ");
+    if gpus.len() >= 2 {
+        assert_eq!(
+            word(2),
+            main_sum,
+            "the copy to the importer's GPU 1 differs"
+        );
+    }
+    let status = child.wait().expect("wait for the importer");
+    assert!(status.success(), "the importer failed: {status}");
+    // The importer freed its imports before replying; only now may the exporter free.
+    drop(timed);
+    drop(main);
+    stream.synchronize().expect("synchronize");
+}
+
+fn put_export(msg: &mut Vec<u8>, b: &impl ExportPointer) {
+    msg.extend_from_slice(&b.export());
+    msg.extend_from_slice(&(b.len() as u64).to_le_bytes());
+}
+
+trait ExportPointer: DeviceMemory {
+    fn export(&self) -> [u8; 64];
+}
+
+impl ExportPointer for ferry_transports::cuda::DeviceBuffer {
+    fn export(&self) -> [u8; 64] {
+        self.export_pointer().expect("export a pointer")
+    }
+}
+
+fn send_fd(sock: &UnixStream, fd: &OwnedFd) {
+    let fds = [fd.as_raw_fd()];
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let iov = [IoSlice::new(b"P")];
+    sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None).expect("sendmsg");
+}
+
+fn recv_fd(sock: &UnixStream) -> OwnedFd {
+    let mut byte = [0u8; 1];
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::empty(),
+    )
+    .expect("recvmsg");
+    let mut received = None;
+    for c in msg.cmsgs().expect("control messages") {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            for fd in fds {
+                // SAFETY: SCM_RIGHTS just installed this descriptor in our table; nothing else
+                // in the process knows it, so the OwnedFd is its only owner.
+                let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                received.get_or_insert(owned);
+            }
+        }
+    }
+    received.expect("the exporter sent no descriptor")
+}
+
+/// The child: imports the pool and the buffers, times the imports, checksums, replies.
+fn importer() {
+    let path = std::env::var(CHILD_SOCKET).expect("socket path");
+    let mut sock = UnixStream::connect(&path).expect("connect to the exporter");
+    sock.set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("timeout");
+    let gpus = Device::all().expect("the importer opens the GPUs");
+    let dev = &gpus[0];
+    let stream = Stream::new(dev).expect("stream");
+
+    let fd = recv_fd(&sock);
+    let t = Instant::now();
+    let pool = ExportablePool::import_fd(dev, fd).expect("import the pool");
+    let pool_import = t.elapsed();
+
+    let mut exports = vec![0u8; (1 + TIMED_BUFFERS) * 72];
+    sock.read_exact(&mut exports).expect("the exports");
+    let entry = |i: usize| {
+        let e = &exports[i * 72..(i + 1) * 72];
+        let export: [u8; 64] = e[..64].try_into().expect("64 bytes");
+        let len = u64::from_le_bytes(e[64..].try_into().expect("8 bytes")) as usize;
+        (export, len)
+    };
+
+    let (export, len) = entry(0);
+    let t = Instant::now();
+    let main = pool
+        .import_pointer(&export, len)
+        .expect("import the first pointer");
+    let first_pointer = t.elapsed();
+
+    let mut timed = Vec::with_capacity(TIMED_BUFFERS);
+    let mut times = Vec::with_capacity(TIMED_BUFFERS);
+    for i in 1..=TIMED_BUFFERS {
+        let (export, len) = entry(i);
+        let t = Instant::now();
+        let b = pool.import_pointer(&export, len).expect("import a pointer");
+        times.push(t.elapsed());
+        timed.push(b);
+    }
+    times.sort();
+    let mean = times.iter().sum::<Duration>() / times.len() as u32;
+    let pct = |p: usize| times[(times.len() * p / 100).min(times.len() - 1)];
+    println!(
+        "pool import {:.3} ms; first pointer {:.3} ms (first transfer total {:.3} ms; target <= 20 ms)",
+        pool_import.as_secs_f64() * 1e3,
+        first_pointer.as_secs_f64() * 1e3,
+        (pool_import + first_pointer).as_secs_f64() * 1e3
+    );
+    println!(
+        "later pointer imports over {TIMED_BUFFERS}: mean {:.2} us, p50 {:.2} us, p99 {:.2} us, max {:.2} us (target <= 20 us)",
+        mean.as_secs_f64() * 1e6,
+        pct(50).as_secs_f64() * 1e6,
+        pct(99).as_secs_f64() * 1e6,
+        times[times.len() - 1].as_secs_f64() * 1e6
+    );
+
+    let main_sum = device_checksum(&main, &stream).expect("checksum the first buffer");
+    let mut sums = Vec::with_capacity(TIMED_BUFFERS * 4);
+    for b in &timed {
+        sums.extend_from_slice(&device_checksum(b, &stream).expect("checksum").to_le_bytes());
+    }
+    // With two GPUs, also the transport's real path: copy into this process's GPU 1.
+    let peer_sum = if gpus.len() >= 2 {
+        let d1 = &gpus[1];
+        pool.grant_access(d1)
+            .expect("GPU 1 may access the imported pool");
+        let s1 = Stream::new(d1).expect("stream 1");
+        let own = ExportablePool::new(d1).expect("pool on GPU 1");
+        let mut dst = own.alloc(main.len(), &s1).expect("alloc on GPU 1");
+        copy_async(&mut dst, 0, &main, 0, main.len(), &s1).expect("copy GPU0 -> GPU1");
+        device_checksum(&dst, &s1).expect("checksum on GPU 1")
+    } else {
+        0
+    };
+    // Free every import (synchronously) before telling the exporter.
+    drop(timed);
+    drop(main);
+    let mut reply = Vec::with_capacity(12);
+    reply.extend_from_slice(&main_sum.to_le_bytes());
+    reply.extend_from_slice(&checksum(&sums).to_le_bytes());
+    reply.extend_from_slice(&peer_sum.to_le_bytes());
+    sock.write_all(&reply).expect("reply");
+}
