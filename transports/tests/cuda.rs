@@ -4,8 +4,8 @@
 //! Run on the lent H200 machines (../shared/GPU.md); the cross-process and peer tests want
 //! two GPUs (nvidia-h200-x2).
 
-use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use ferry_transports::cuda::{
     copy_from_host, copy_from_pinned_async, copy_to_host, copy_to_pinned_async, enable_peer_access,
     fill_async, peer_access,
 };
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use ferry_transports::link::fdpass;
 
 /// The child role of the cross-process test, and where the child connects.
 const CHILD_ROLE: &str = "FERRY_CUDA_TEST_CHILD";
@@ -296,35 +296,14 @@ impl ExportPointer for ferry_transports::cuda::DeviceBuffer {
 }
 
 fn send_fd(sock: &UnixStream, fd: &OwnedFd) {
-    let fds = [fd.as_raw_fd()];
-    let cmsg = [ControlMessage::ScmRights(&fds)];
-    let iov = [IoSlice::new(b"P")];
-    sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None).expect("sendmsg");
+    fdpass::send_fd(sock, fd.as_fd(), b"P").expect("send the pool's descriptor");
 }
 
 fn recv_fd(sock: &UnixStream) -> OwnedFd {
     let mut byte = [0u8; 1];
-    let mut iov = [IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
-    let msg = recvmsg::<()>(
-        sock.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::empty(),
-    )
-    .expect("recvmsg");
-    let mut received = None;
-    for c in msg.cmsgs().expect("control messages") {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            for fd in fds {
-                // SAFETY: SCM_RIGHTS just installed this descriptor in our table; nothing else
-                // in the process knows it, so the OwnedFd is its only owner.
-                let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-                received.get_or_insert(owned);
-            }
-        }
-    }
-    received.expect("the exporter sent no descriptor")
+    fdpass::recv_fd(sock, &mut byte)
+        .expect("the pool's descriptor")
+        .0
 }
 
 /// The child: imports the pool and the buffers, times the imports, checksums, replies.

@@ -16,6 +16,7 @@
 
 pub mod auth;
 mod counters;
+pub mod fdpass;
 mod listener;
 
 use std::fmt;
