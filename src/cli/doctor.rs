@@ -6,7 +6,6 @@
 //! configuration into findings without touching anything, so tests feed it made-up facts.
 
 mod facts;
-mod pool;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,16 +15,13 @@ use ferry_transports::cuda::{CudaDriver, CudaProbe};
 use ferry_transports::transport::{Capabilities, Viability};
 use serde::Serialize;
 
-pub use facts::{Facts, MEMLOCK_MIN, Memlock, PoolTrial, SHM_MIN, Ucx};
+pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Print the findings as JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Run as the importing side of the pool trial (started by `ferry doctor` itself).
-    #[arg(long, value_name = "SOCKET", hide = true)]
-    pool_child: Option<PathBuf>,
 }
 
 /// How a check came out.
@@ -87,9 +83,6 @@ impl Finding {
 }
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
-    if let Some(socket) = &args.pool_child {
-        return Ok(pool::importer(socket));
-    }
     // A configuration that only lacks a secret still says which transports it relies on:
     // check the machine for it and report the secret as a warning (`ferry config check`
     // is the place for the rest).
@@ -168,7 +161,7 @@ pub fn render(findings: &[Finding]) -> String {
 /// Diagnoses the machine described by `facts` for `config`. Pure.
 pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     let named = named_transports(config);
-    let mut out = cuda_findings(&facts.cuda, &facts.pool_trial, &named);
+    let mut out = cuda_findings(&facts.cuda, &named);
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
     out.push(ucx_finding(&facts.ucx, named.contains(&TransportName::Ucx)));
@@ -189,7 +182,7 @@ fn named_transports(config: &Config) -> Vec<TransportName> {
 
 const CUDA: &str = "cuda";
 
-fn cuda_findings(probe: &CudaProbe, trial: &PoolTrial, named: &[TransportName]) -> Vec<Finding> {
+fn cuda_findings(probe: &CudaProbe, named: &[TransportName]) -> Vec<Finding> {
     let gpu_named = named
         .iter()
         .any(|t| matches!(t, TransportName::Ipc | TransportName::Staged));
@@ -227,7 +220,7 @@ fn cuda_findings(probe: &CudaProbe, trial: &PoolTrial, named: &[TransportName]) 
                 ),
             ]
         }
-        CudaProbe::Ready(driver) => ready_findings(driver, trial),
+        CudaProbe::Ready(driver) => ready_findings(driver),
     }
 }
 
@@ -235,7 +228,7 @@ fn version_text(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
-fn ready_findings(driver: &CudaDriver, trial: &PoolTrial) -> Vec<Finding> {
+fn ready_findings(driver: &CudaDriver) -> Vec<Finding> {
     let module = driver
         .kernel_module
         .as_ref()
@@ -276,7 +269,7 @@ fn ready_findings(driver: &CudaDriver, trial: &PoolTrial) -> Vec<Finding> {
         return out;
     }
     out.push(peer_access_finding(driver));
-    out.push(pool_finding(driver, trial));
+    out.push(pool_finding(driver));
     out.push(rdma_finding(driver));
     out
 }
@@ -321,37 +314,8 @@ fn peer_access_finding(driver: &CudaDriver) -> Finding {
     )
 }
 
-fn pool_finding(driver: &CudaDriver, trial: &PoolTrial) -> Finding {
+fn pool_finding(driver: &CudaDriver) -> Finding {
     const CHECK: &str = "pool export";
-    match trial {
-        PoolTrial::Works {
-            pool_import_ms,
-            first_pointer_ms,
-        } => {
-            return Finding::new(
-                CHECK,
-                Status::Ok,
-                format!(
-                    "a second process imported GPU 0's pool ({pool_import_ms:.2} ms) and a \
-                     buffer from it ({first_pointer_ms:.2} ms) and read the right bytes"
-                ),
-            );
-        }
-        PoolTrial::Failed(why) => {
-            return Finding::new(
-                CHECK,
-                Status::Problem,
-                format!("passing GPU 0's memory pool to a second process failed: {why}"),
-            )
-            .remedy(
-                "same-host ipc cannot share this GPU's memory: check that both processes see \
-                 the same GPUs (CUDA_VISIBLE_DEVICES), that containers share the IPC namespace \
-                 (--ipc=host) and are not in different cgroups' device lists; until then the \
-                 staged transport carries device memory",
-            );
-        }
-        PoolTrial::NotRun => {}
-    }
     let lacking: Vec<String> = driver
         .devices
         .iter()
@@ -363,7 +327,7 @@ fn pool_finding(driver: &CudaDriver, trial: &PoolTrial) -> Finding {
             CHECK,
             Status::Skipped,
             "every GPU declares VMM and memory pools exportable as POSIX fds; the \
-             two-process trial did not run",
+             two-process export/import test arrives with the ipc transport",
         );
     }
     Finding::new(
@@ -649,7 +613,6 @@ mod tests {
             }),
             ucx: Ucx::default(),
             transports: catalog(),
-            pool_trial: PoolTrial::NotRun,
         }
     }
 
@@ -814,41 +777,6 @@ mod tests {
         assert!(!r.blocks);
         // ipc named but no driver: the cuda line warns instead of being skipped.
         assert_eq!(find(&f, CUDA).status, Status::Warn);
-    }
-
-    #[test]
-    fn the_pool_trial_decides_the_pool_finding() {
-        let with = |trial| Facts {
-            cuda: CudaProbe::Ready(CudaDriver {
-                cuda_version: 13000,
-                kernel_module: None,
-                devices: vec![gpu(0)],
-                peer_access: vec![vec![false]],
-            }),
-            pool_trial: trial,
-            ..healthy()
-        };
-        let works = PoolTrial::Works {
-            pool_import_ms: 0.15,
-            first_pointer_ms: 0.12,
-        };
-        let f = diagnose(&with(works), &config(""));
-        assert_eq!(find(&f, "pool export").status, Status::Ok);
-        assert!(find(&f, "pool export").found.contains("0.15 ms"));
-        let f = diagnose(
-            &with(PoolTrial::Failed("import the pool: denied".into())),
-            &config(""),
-        );
-        let pool = find(&f, "pool export");
-        assert_eq!(pool.status, Status::Problem);
-        assert!(pool.found.contains("denied"), "{}", pool.found);
-        assert!(
-            pool.remedy
-                .as_deref()
-                .is_some_and(|r| r.contains("--ipc=host"))
-        );
-        let f = diagnose(&with(PoolTrial::NotRun), &config(""));
-        assert_eq!(find(&f, "pool export").status, Status::Skipped);
     }
 
     #[test]

@@ -27,24 +27,6 @@ pub struct Facts {
     pub ucx: Ucx,
     /// The transports of this build with their declarations and viability here.
     pub transports: Vec<(Capabilities, Viability)>,
-    /// The two-process pool export/import trial.
-    pub pool_trial: PoolTrial,
-}
-
-/// How the two-process pool export/import trial went.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PoolTrial {
-    /// Not run: no GPU, or GPU 0 declares no exportable pools.
-    NotRun,
-    /// A second process imported the pool and a pointer and read the right bytes.
-    Works {
-        /// Importing the pool, milliseconds.
-        pool_import_ms: f64,
-        /// Importing the first pointer from it, milliseconds.
-        first_pointer_ms: f64,
-    },
-    /// It failed, at this step.
-    Failed(String),
 }
 
 /// RLIMIT_MEMLOCK in bytes; `None` is unlimited.
@@ -68,21 +50,8 @@ pub struct Ucx {
 impl Facts {
     /// Reads the facts from this machine. Does not fail: what cannot be read is recorded.
     pub fn gather() -> Self {
-        let cuda = cuda::probe();
-        let pool_trial = match &cuda {
-            CudaProbe::Ready(driver)
-                if driver
-                    .devices
-                    .first()
-                    .is_some_and(|d| d.memory_pools && d.pool_posix_fd && d.posix_fd_handles) =>
-            {
-                super::pool::trial()
-            }
-            _ => PoolTrial::NotRun,
-        };
         Self {
-            cuda,
-            pool_trial,
+            cuda: cuda::probe(),
             shm: shm_size(Path::new("/dev/shm")),
             memlock: memlock(),
             ucx: ucx(),
