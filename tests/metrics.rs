@@ -4,10 +4,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Scratch, Served, eventually, patterned};
@@ -47,37 +47,15 @@ fn sample(body: &str, series: &str) -> Option<f64> {
 /// `metrics_listen`; returns it with the metrics address from its ready line
 /// (`..., metrics http://ADDR/metrics`).
 fn serve_with_metrics(config: &Path, role: &str) -> (Served, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["serve", "--config"])
-        .arg(config)
-        .args(["--role", role])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn ferry serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default();
-    let field = |prefix: &str, end: &[char]| {
-        line.split(prefix)
-            .nth(1)
-            .and_then(|rest| rest.split(end).next())
-            .map(|s| s.trim().to_string())
-    };
-    let (Some(addr), Some(metrics)) = (
-        field("tcp ", &[',', '\n']),
-        field("metrics http://", &['/']),
-    ) else {
-        let _ = child.kill();
-        panic!("no tcp and metrics address in ready line {line:?}");
-    };
-    (Served { child, addr }, metrics)
+    let served = Served::start(config, role);
+    let metrics = served
+        .ready
+        .split("metrics http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| panic!("no metrics address in ready line {:?}", served.ready));
+    (served, metrics)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

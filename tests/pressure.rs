@@ -56,22 +56,45 @@ async fn receivers_needing_several_parts_all_finish() {
     assert!(m.budget.peak_waiting <= 64);
 }
 
-/// Samples the receiver's domains while `running`, asserting the bounds at every sample.
-async fn watch(
-    node: Arc<Node>,
+/// Samples a receiver's domains in the background, asserting the bounds at every sample.
+struct Watch {
     running: Arc<AtomicBool>,
-    queue_cap: usize,
     samples: Arc<AtomicU64>,
-) {
-    while running.load(Ordering::Acquire) {
-        for kind in [MemoryKind::PinnedHost, MemoryKind::Host] {
-            if let Ok(m) = node.memory(kind).await {
-                assert!(m.budget.granted <= m.budget.capacity, "{kind}: {m:?}");
-                assert!(m.budget.waiting <= queue_cap, "{kind}: {m:?}");
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watch {
+    fn start(node: &Arc<Node>, queue_cap: usize) -> Self {
+        let running = Arc::new(AtomicBool::new(true));
+        let samples = Arc::new(AtomicU64::new(0));
+        let task = tokio::spawn({
+            let (node, running, samples) =
+                (Arc::clone(node), Arc::clone(&running), Arc::clone(&samples));
+            async move {
+                while running.load(Ordering::Acquire) {
+                    for kind in [MemoryKind::PinnedHost, MemoryKind::Host] {
+                        if let Ok(m) = node.memory(kind).await {
+                            assert!(m.budget.granted <= m.budget.capacity, "{kind}: {m:?}");
+                            assert!(m.budget.waiting <= queue_cap, "{kind}: {m:?}");
+                        }
+                    }
+                    samples.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
             }
+        });
+        Self {
+            running,
+            samples,
+            task,
         }
-        samples.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    /// Stops sampling; panics if a bound was broken. Returns how many samples were taken.
+    async fn stop(self) -> u64 {
+        self.running.store(false, Ordering::Release);
+        self.task.await.expect("bounds held at every sample");
+        self.samples.load(Ordering::Relaxed)
     }
 }
 
@@ -90,14 +113,7 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
         .await
         .expect("node"),
     );
-    let running = Arc::new(AtomicBool::new(true));
-    let samples = Arc::new(AtomicU64::new(0));
-    let watcher = tokio::spawn(watch(
-        Arc::clone(&node),
-        Arc::clone(&running),
-        queue_cap,
-        Arc::clone(&samples),
-    ));
+    let watch = Watch::start(&node, queue_cap);
 
     // Offer 2 MiB buffers 16 at a time; drain one every 40 ms: well under what arrives.
     let count = 40u64;
@@ -133,13 +149,12 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
     let mut sent = sender.await.expect("sender");
-    running.store(false, Ordering::Release);
-    watcher.await.expect("bounds held at every sample");
+    let samples = watch.stop().await;
     sent.sort_unstable();
     got.sort_unstable();
     assert_eq!(got, sent, "every byte arrives intact");
     assert!(spilled > 0, "spill never engaged");
-    assert!(samples.load(Ordering::Relaxed) > 10, "too few samples");
+    assert!(samples > 10, "too few samples");
 }
 
 /// Asks the bench peer `s` to send `count` buffers of `len` bytes, `window` at a time.
@@ -195,14 +210,7 @@ async fn exhausted_tiers_make_senders_wait_and_recover_within_a_second() {
             .await
             .expect("node"),
     );
-    let running = Arc::new(AtomicBool::new(true));
-    let samples = Arc::new(AtomicU64::new(0));
-    let watcher = tokio::spawn(watch(
-        Arc::clone(&node),
-        Arc::clone(&running),
-        queue_cap,
-        Arc::clone(&samples),
-    ));
+    let watch = Watch::start(&node, queue_cap);
 
     // 24 × 1 MiB: half again what both tiers hold together. Nobody reads yet.
     ask_to_send(&node, MIB, 24, 8).await;
@@ -247,8 +255,7 @@ async fn exhausted_tiers_make_senders_wait_and_recover_within_a_second() {
         "took {:?}",
         asked.elapsed()
     );
-    running.store(false, Ordering::Release);
-    watcher.await.expect("bounds held at every sample");
+    watch.stop().await;
     let _ = child.kill();
     let _ = child.wait();
 }

@@ -15,7 +15,7 @@ use ferry_config::{Config, Locality, MemoryClass, PeerAddress};
 use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::tcp::RegionKey;
-use ferry_transports::transport::{self, Capabilities, Viability, transport_label};
+use ferry_transports::transport::{self, Capabilities, Viability};
 use ferry_transports::wire::{Hello, WireDirection};
 
 use crate::core::route::{self, Explanation, RouteQuery};
@@ -523,7 +523,7 @@ impl Handler<SendTo> for Coordinator {
         };
         let op = Op::Send {
             tag: msg.tag,
-            transport: transport_label(route.transport).to_string(),
+            transport: route.transport.as_str().to_string(),
             direction: match route.direction {
                 ferry_config::Direction::Push => WireDirection::Push,
                 ferry_config::Direction::Pull => WireDirection::Pull,

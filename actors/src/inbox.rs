@@ -129,11 +129,6 @@ impl Inbox {
             slot.wake.notify_one();
         }
     }
-
-    /// Buffers delivered and not yet received.
-    pub fn ready_len(&self) -> usize {
-        self.room().map_or(0, |r| r.ready_len())
-    }
 }
 
 /// A parked receive; dropping it before it got its buffer closes the slot and gives back

@@ -151,6 +151,7 @@ impl Node {
         let inbox = Arc::new(Inbox::new(config.limits.peer_queue));
         let host_budget = config.memory.host.resolve(total_memory());
         let pinned_budget = config.memory.pinned.resolve(total_memory());
+        let coordinator_secret = secret.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = {
             let config = Arc::clone(&config);
@@ -210,7 +211,7 @@ impl Node {
                         };
                         let coordinator = Coordinator::new(CoordinatorSetup {
                             config: Arc::clone(&config),
-                            secret,
+                            secret: coordinator_secret,
                             link: link_opts,
                             transfer,
                             inbox,
@@ -233,7 +234,7 @@ impl Node {
                 listener,
                 coordinator.clone(),
                 Arc::clone(&handshakes),
-                secret_for_accept(&config)?,
+                secret.clone(),
                 link_opts.clone(),
                 config.node.name.clone(),
             ));
@@ -544,18 +545,6 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn secret_for_accept(config: &Config) -> Result<Secret, Error> {
-    Ok(
-        match config
-            .read_secret()
-            .map_err(|e| Error::Config(e.to_string()))?
-        {
-            Some(bytes) => Secret::new(bytes),
-            None => Secret::insecure(),
-        },
-    )
 }
 
 /// Accepts connections and runs each handshake in its own task, so a slow or hostile

@@ -75,6 +75,8 @@ pub struct Served {
     pub child: Child,
     /// The TCP address it listens on.
     pub addr: String,
+    /// Its ready line, as printed.
+    pub ready: String,
 }
 
 impl Served {
@@ -107,7 +109,11 @@ impl Served {
             .unwrap_or_else(|| panic!("no tcp address in ready line {line:?}"))
             .trim()
             .to_string();
-        Self { child, addr }
+        Self {
+            child,
+            addr,
+            ready: line,
+        }
     }
 
     pub fn pid(&self) -> nix::unistd::Pid {

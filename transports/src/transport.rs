@@ -130,16 +130,6 @@ pub fn viable_names() -> Vec<String> {
     catalog()
         .into_iter()
         .filter(|(_, v)| *v == Viability::Viable)
-        .map(|(c, _)| transport_label(c.name).to_string())
+        .map(|(c, _)| c.name.as_str().to_string())
         .collect()
-}
-
-/// A transport's name as rules and hellos spell it.
-pub fn transport_label(name: TransportName) -> &'static str {
-    match name {
-        TransportName::Tcp => "tcp",
-        TransportName::Ipc => "ipc",
-        TransportName::Staged => "staged",
-        TransportName::Ucx => "ucx",
-    }
 }

@@ -119,11 +119,6 @@ impl<T, W> Mailroom<T, W> {
         self.waiting.drain(..).map(|w| w.waiter).collect()
     }
 
-    /// Items delivered and not yet received.
-    pub fn ready_len(&self) -> usize {
-        self.ready.len()
-    }
-
     /// Removes every undelivered item, returning them.
     pub fn drain(&mut self) -> Vec<T> {
         self.ready.drain(..).map(|(_, _, t)| t).collect()

@@ -4,7 +4,7 @@
 //! which `ferry explain` and the log show.
 
 use ferry_config::{Direction, Locality, MemoryClass, Rule, TransportName};
-use ferry_transports::transport::{Capabilities, Unsuitable, Viability, transport_label};
+use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
 
 use crate::core::ipc_setup::SetupOutcome;
 
@@ -54,15 +54,10 @@ impl std::fmt::Display for Explanation {
             Some((i, name)) => write!(f, "rule #{i} \"{name}\" matched")?,
         }
         for (t, why) in &self.skipped {
-            write!(f, "; {} skipped: {why}", transport_label(*t))?;
+            write!(f, "; {} skipped: {why}", t.as_str())?;
         }
         match &self.chosen {
-            Some(r) => write!(
-                f,
-                "; chose {} ({:?})",
-                transport_label(r.transport),
-                r.direction
-            ),
+            Some(r) => write!(f, "; chose {} ({:?})", r.transport.as_str(), r.direction),
             None if self.rule.is_some() => write!(f, "; no transport of the rule can carry it"),
             None => Ok(()),
         }
@@ -113,7 +108,7 @@ pub fn choose_with_setup(
             Some((caps, Viability::Viable)) => caps
                 .suits(query.locality, query.src, query.dst, rule.direction)
                 .and_then(|()| match peer_offers {
-                    Some(list) if !list.iter().any(|t| t == transport_label(name)) => {
+                    Some(list) if !list.iter().any(|t| t == name.as_str()) => {
                         Err(Unsuitable::PeerLacks)
                     }
                     _ => Ok(()),

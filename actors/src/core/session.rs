@@ -694,11 +694,6 @@ impl PeerSession {
         self.lost.as_deref()
     }
 
-    /// Number of outbound ops (waiting or in flight).
-    pub fn outbound_len(&self) -> usize {
-        self.ops.len()
-    }
-
     /// Next message to send to the peer.
     pub fn poll_transmit(&mut self) -> Option<Message> {
         self.transmit.pop_front()
