@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use ferry_transports::cuda::{ExportablePool, Stream};
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser, SharedBytes,
 };
@@ -155,9 +156,20 @@ pub struct SetHome(pub Arc<dyn MemoryHome>);
 #[rtype(result = "()")]
 struct Returned(u64);
 
+/// Where a GPU domain's memory comes from: its device's exportable pool, allocated in
+/// stream order on the domain's own stream.
+#[derive(Debug, Clone)]
+pub struct DevicePool {
+    /// The pool (exportable: same-host peers import it once, then each buffer cheaply).
+    pub pool: ExportablePool,
+    /// The stream allocations are made (and freed) on.
+    pub stream: Stream,
+}
+
 /// The allocator actor of one domain.
 pub struct Allocator {
     kind: MemoryKind,
+    device: Option<DevicePool>,
     budget: Budget,
     exports: Exports<SharedBytes>,
     returned: Arc<ReturnedBytes>,
@@ -173,6 +185,7 @@ impl Allocator {
     pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize, lease_timeout: Duration) -> Self {
         Self {
             kind,
+            device: None,
             budget: Budget::new(capacity, queue_cap),
             exports: Exports::new(lease_timeout),
             returned: Arc::default(),
@@ -183,22 +196,69 @@ impl Allocator {
         }
     }
 
-    fn grant(&mut self, parts: &[u64]) -> Vec<Buffer> {
-        parts
-            .iter()
-            .map(|&len| {
-                let id = self.next_id;
-                self.next_id += 1;
-                let lease = Lease {
-                    kind: self.kind,
-                    id: BufferId(id),
-                    generation: Generation(id),
-                    len,
-                };
-                let releaser: Arc<dyn Releaser> = self.returned.clone();
-                Buffer::with_home(lease, releaser, self.home.clone())
-            })
-            .collect()
+    /// A GPU domain: memory comes from `device`'s pool, under the same budget rules.
+    pub fn with_device(mut self, device: DevicePool) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Makes buffers for `parts`, already counted as granted. A device allocation can still
+    /// fail (another process filled the GPU): then every part is given back and the error
+    /// says why.
+    fn grant(&mut self, parts: &[u64]) -> Result<Vec<Buffer>, Error> {
+        let mut buffers = Vec::with_capacity(parts.len());
+        for (i, &len) in parts.iter().enumerate() {
+            let id = self.next_id;
+            self.next_id += 1;
+            let lease = Lease {
+                kind: self.kind,
+                id: BufferId(id),
+                generation: Generation(id),
+                len,
+            };
+            let releaser: Arc<dyn Releaser> = self.returned.clone();
+            let Some(device) = &self.device else {
+                buffers.push(Buffer::with_home(lease, releaser, self.home.clone()));
+                continue;
+            };
+            // A zero-length device buffer takes no device memory: host bytes stand in.
+            if len == 0 {
+                buffers.push(Buffer::with_home(lease, releaser, self.home.clone()));
+                continue;
+            }
+            let allocated = usize::try_from(len)
+                .map_err(|_| format!("{len} bytes do not fit the address space"))
+                .and_then(|n| {
+                    let memory = device
+                        .pool
+                        .alloc(n, &device.stream)
+                        .map_err(|e| e.to_string())?;
+                    // Usable from every stream (and exportable) once the allocation is done.
+                    device.stream.synchronize().map_err(|e| e.to_string())?;
+                    Ok(memory)
+                });
+            match allocated {
+                Ok(memory) => buffers.push(Buffer::new_device(
+                    lease,
+                    memory,
+                    releaser,
+                    self.home.clone(),
+                )),
+                Err(detail) => {
+                    // The buffers made so far give their bytes back as they drop; the
+                    // parts never made are given back here.
+                    let never: u64 = parts[i..].iter().sum();
+                    self.budget.handle_release(never);
+                    metrics::counter!("ferry_device_alloc_failures_total").increment(1);
+                    return Err(Error::NoMemory {
+                        kind: self.kind,
+                        len,
+                        detail: format!("the GPU refused the allocation: {detail}"),
+                    });
+                }
+            }
+        }
+        Ok(buffers)
     }
 
     /// Hands `parts` (already counted as granted) to `claim`, or takes them back.
@@ -207,9 +267,13 @@ impl Allocator {
             self.budget.handle_release(parts.iter().sum());
             return;
         }
-        let buffers = self.grant(parts);
-        // Buffers that come back are dropped here, which releases them.
-        drop(claim.deliver(buffers));
+        match self.grant(parts) {
+            // Buffers that come back are dropped here, which releases them.
+            Ok(buffers) => drop(claim.deliver(buffers)),
+            Err(e) => {
+                tracing::warn!(domain = %self.kind, error = %e, "a waiting reservation failed")
+            }
+        }
     }
 
     fn drive(&mut self, ctx: &mut Context<Self>) {
@@ -335,7 +399,7 @@ impl Handler<Reserve> for Allocator {
         };
         let result = match msg.wait {
             Wait::No => match self.budget.handle_try_reserve(&msg.parts) {
-                Ok(true) => Ok(Some(self.grant(&msg.parts))),
+                Ok(true) => self.grant(&msg.parts).map(Some),
                 Ok(false) => Ok(None),
                 Err(e) => Err(refused(e)),
             },
@@ -377,7 +441,7 @@ impl Handler<Stats> for Allocator {
 impl Handler<Export> for Allocator {
     type Result = ();
     fn handle(&mut self, msg: Export, ctx: &mut Self::Context) {
-        let bytes = msg.view.as_slice().len() as u64;
+        let bytes = msg.view.len() as u64;
         self.exports
             .handle_export(msg.id, &msg.peer, bytes, msg.view);
         self.drive(ctx);

@@ -147,6 +147,10 @@ pub struct TransferSetupBase {
     pub reserve_timeout: Duration,
     /// Where received buffers land, then where they spill, in order.
     pub tiers: Vec<crate::allocator::Tier>,
+    /// The same without device tiers, for transfers over a link.
+    pub host_tiers: Vec<crate::allocator::Tier>,
+    /// The node's GPUs.
+    pub gpus: crate::gpu::SharedGpus,
     /// Told when a peer is gone, so what it held is quarantined.
     pub peer_gone: Vec<Recipient<crate::allocator::PeerGone>>,
     /// Exposed regions.
@@ -246,6 +250,37 @@ impl Coordinator {
         )
     }
 
+    /// Like [`Self::explain`] for a host destination, as if `failed`'s setup with the peer
+    /// had failed: the transport a transfer falls back to.
+    fn explain_without(
+        &self,
+        peer: &str,
+        bytes: u64,
+        src: MemoryClass,
+        failed: ferry_config::TransportName,
+    ) -> Explanation {
+        let offers = self
+            .sessions
+            .get(peer)
+            .and_then(|s| s.hello.as_ref())
+            .map(|h| h.transports.as_slice());
+        let bad = crate::core::ipc_setup::SetupOutcome::Bad(
+            crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
+        );
+        route::choose_with_setup(
+            &self.setup.config.transport.rules,
+            &self.catalog,
+            offers,
+            &|t| (t == failed).then(|| bad.clone()),
+            RouteQuery {
+                locality: self.locality(peer),
+                src,
+                dst: MemoryClass::Host,
+                bytes,
+            },
+        )
+    }
+
     fn transfer_setup(&self, ctx: &mut Context<Self>) -> TransferSetup {
         let base = self.setup.transfer.clone();
         TransferSetup {
@@ -254,6 +289,9 @@ impl Coordinator {
             max_bad_frames: base.max_bad_frames,
             reserve_timeout: base.reserve_timeout,
             tiers: base.tiers,
+            host_tiers: base.host_tiers,
+            gpus: base.gpus,
+            secret: self.setup.secret.clone(),
             peer_gone: base.peer_gone,
             deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),
@@ -521,13 +559,23 @@ impl Handler<SendTo> for Coordinator {
                 })
             });
         };
+        let wire = |d: ferry_config::Direction| match d {
+            ferry_config::Direction::Push => WireDirection::Push,
+            ferry_config::Direction::Pull => WireDirection::Pull,
+        };
+        // If the chosen transport's setup with the peer fails, the next of the rule.
+        let fallback = (route.transport == ferry_config::TransportName::Ipc)
+            .then(|| {
+                self.explain_without(&msg.peer, msg.buffer.len() as u64, src, route.transport)
+                    .chosen
+            })
+            .flatten()
+            .map(|r| (r.transport.as_str().to_string(), wire(r.direction)));
         let op = Op::Send {
             tag: msg.tag,
             transport: route.transport.as_str().to_string(),
-            direction: match route.direction {
-                ferry_config::Direction::Push => WireDirection::Push,
-                ferry_config::Direction::Pull => WireDirection::Pull,
-            },
+            direction: wire(route.direction),
+            fallback,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }

@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod coordinator;
 pub mod core;
 pub mod error;
+pub mod gpu;
 pub mod inbox;
 pub mod node;
 pub mod timer;

@@ -39,6 +39,7 @@ pub struct Node {
     inbox: Arc<Inbox>,
     host: Addr<Allocator>,
     pinned: Addr<Allocator>,
+    gpus: crate::gpu::SharedGpus,
     /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
     credit: DashMap<String, Arc<Semaphore>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
@@ -58,6 +59,81 @@ impl std::fmt::Debug for Node {
             .field("tcp", &self.tcp_addrs)
             .finish_non_exhaustive()
     }
+}
+
+/// A GPU this node will use: the device, its pool and streams, and its budget.
+struct OpenedGpu {
+    ordinal: u32,
+    device: ferry_transports::cuda::Device,
+    pool: ferry_transports::cuda::ExportablePool,
+    alloc_stream: ferry_transports::cuda::Stream,
+    copy_stream: ferry_transports::cuda::Stream,
+    budget: u64,
+}
+
+/// Opens the GPUs `config.gpu.devices` names (every visible one when omitted), each with an
+/// exportable pool. Without a CUDA driver: none, unless the configuration names some.
+fn open_gpus(
+    config: &Config,
+) -> Result<(Vec<OpenedGpu>, Vec<ferry_transports::cuda::Device>), Error> {
+    use ferry_transports::cuda::{CudaProbe, Device, probe};
+    let named = config.gpu.devices.clone();
+    let driver = match probe() {
+        CudaProbe::Ready(driver) => driver,
+        other => {
+            let why = match other {
+                CudaProbe::NoDriver => "no CUDA driver: GPU transports disabled".to_string(),
+                CudaProbe::Failed { error, .. } => {
+                    format!("the CUDA driver does not work: {error}")
+                }
+                CudaProbe::Ready(_) => String::new(),
+            };
+            return match named {
+                Some(list) if !list.is_empty() => Err(Error::Config(format!(
+                    "gpu.devices names GPUs {list:?}, but {why}"
+                ))),
+                _ => {
+                    tracing::info!("{why}; host memory only");
+                    Ok((Vec::new(), Vec::new()))
+                }
+            };
+        }
+    };
+    let visible = Device::all().map_err(|e| Error::Start(format!("opening the GPUs: {e}")))?;
+    let wanted: Vec<u32> = named.unwrap_or_else(|| (0..visible.len() as u32).collect());
+    let mut out = Vec::new();
+    for ordinal in wanted {
+        let Some(device) = visible.get(ordinal as usize).cloned() else {
+            return Err(Error::Config(format!(
+                "gpu.devices names GPU {ordinal}, but this process sees {} GPU(s)",
+                visible.len()
+            )));
+        };
+        let total = driver
+            .devices
+            .get(ordinal as usize)
+            .map_or(0, |d| d.total_memory);
+        let (pool, alloc_stream, copy_stream) = crate::gpu::open_pool(&device).map_err(|e| {
+            Error::Start(format!(
+                "GPU {ordinal}: cannot create an exportable memory pool: {e}"
+            ))
+        })?;
+        // Every GPU we use may read this pool (a transfer between two GPUs of the node).
+        for other in &visible {
+            if ferry_transports::cuda::peer_access(other, &device).unwrap_or(false) {
+                let _ = pool.grant_access(other);
+            }
+        }
+        out.push(OpenedGpu {
+            ordinal,
+            device,
+            pool,
+            alloc_stream,
+            copy_stream,
+            budget: config.memory.device.resolve(total),
+        });
+    }
+    Ok((out, visible))
 }
 
 fn total_memory() -> u64 {
@@ -149,9 +225,11 @@ impl Node {
         };
         let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
         let inbox = Arc::new(Inbox::new(config.limits.peer_queue));
+        let (opened_gpus, visible_gpus) = open_gpus(&config)?;
         let host_budget = config.memory.host.resolve(total_memory());
         let pinned_budget = config.memory.pinned.resolve(total_memory());
         let coordinator_secret = secret.clone();
+        let gpu_pools: ferry_transports::ipc::PoolDirectory = Arc::default();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = {
             let config = Arc::clone(&config);
@@ -159,6 +237,7 @@ impl Node {
             let inbox = Arc::clone(&inbox);
             let link_opts = link_opts.clone();
             let io_handle = io.handle().clone();
+            let gpu_pools = Arc::clone(&gpu_pools);
             std::thread::Builder::new()
                 .name(format!("ferry-{}", config.node.name))
                 .spawn(move || {
@@ -176,24 +255,73 @@ impl Node {
                         };
                         let host = domain(MemoryKind::Host, host_budget);
                         let pinned = domain(MemoryKind::PinnedHost, pinned_budget);
-                        let home = Arc::new(NodeMemory {
-                            tiers: vec![
-                                tier(MemoryKind::Host, &host),
-                                tier(MemoryKind::PinnedHost, &pinned),
-                            ],
-                        });
-                        for a in [&host, &pinned] {
+                        let gpus = crate::gpu::Gpus {
+                            gpus: opened_gpus
+                                .into_iter()
+                                .map(|g| {
+                                    let kind = MemoryKind::Device(g.ordinal);
+                                    let pool = crate::allocator::DevicePool {
+                                        pool: g.pool.clone(),
+                                        stream: g.alloc_stream,
+                                    };
+                                    let budget = g.budget;
+                                    let allocator = Allocator::create(move |ctx| {
+                                        ctx.set_mailbox_capacity(mailbox);
+                                        Allocator::new(kind, budget, queue, lease).with_device(pool)
+                                    });
+                                    gpu_pools.insert(g.device.uuid().to_string(), g.pool);
+                                    let gpu = crate::gpu::Gpu {
+                                        device: g.device,
+                                        allocator,
+                                        copy_stream: g.copy_stream,
+                                    };
+                                    (g.ordinal, gpu)
+                                })
+                                .collect(),
+                            visible: visible_gpus,
+                            pools: Arc::clone(&gpu_pools),
+                        };
+                        let gpus = Arc::new(gpus);
+                        let mut all_tiers = vec![
+                            tier(MemoryKind::Host, &host),
+                            tier(MemoryKind::PinnedHost, &pinned),
+                        ];
+                        for (n, gpu) in &gpus.gpus {
+                            all_tiers.push(tier(MemoryKind::Device(*n), &gpu.allocator));
+                        }
+                        let home = Arc::new(NodeMemory { tiers: all_tiers });
+                        for a in [&host, &pinned]
+                            .into_iter()
+                            .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
+                        {
                             let _ = a.send(SetHome(home.clone())).await;
                         }
                         // The receive tiers: where receives land, then where they spill.
-                        let receive_tiers = std::iter::once(config.memory.receive_into)
+                        let receive_tiers: Vec<Tier> = std::iter::once(config.memory.receive_into)
                             .chain(config.memory.spill.iter().copied())
-                            .filter_map(|class| match class {
-                                MemoryClass::Host => Some(tier(MemoryKind::Host, &host)),
-                                MemoryClass::Pinned => Some(tier(MemoryKind::PinnedHost, &pinned)),
-                                _ => None,
+                            .map(|class| match class {
+                                MemoryClass::Host => tier(MemoryKind::Host, &host),
+                                MemoryClass::Pinned => tier(MemoryKind::PinnedHost, &pinned),
+                                MemoryClass::Device => match gpus.gpus.first() {
+                                    Some((n, g)) => tier(MemoryKind::Device(*n), &g.allocator),
+                                    None => {
+                                        tracing::warn!(
+                                            "memory.receive_into is \"device\" but this node \
+                                             has no GPU: receiving into host memory"
+                                        );
+                                        tier(MemoryKind::Host, &host)
+                                    }
+                                },
                             })
                             .collect();
+                        let mut host_tiers: Vec<Tier> = receive_tiers
+                            .iter()
+                            .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
+                            .cloned()
+                            .collect();
+                        if host_tiers.is_empty() {
+                            host_tiers.push(tier(MemoryKind::Host, &host));
+                        }
                         let transfer = TransferSetupBase {
                             limits: SessionLimits {
                                 queue: limits.peer_queue,
@@ -205,7 +333,13 @@ impl Node {
                             max_bad_frames: limits.max_bad_frames,
                             reserve_timeout: limits.default_deadline,
                             tiers: receive_tiers,
-                            peer_gone: vec![host.clone().recipient(), pinned.clone().recipient()],
+                            host_tiers,
+                            gpus: Arc::clone(&gpus),
+                            peer_gone: [&host, &pinned]
+                                .into_iter()
+                                .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
+                                .map(|a| a.clone().recipient())
+                                .collect(),
                             exposed,
                             io: io_handle,
                         };
@@ -217,17 +351,34 @@ impl Node {
                             inbox,
                         })
                         .start();
-                        (coordinator, host, pinned, System::current())
+                        (coordinator, host, pinned, gpus, System::current())
                     });
                     let _ = tx.send(started);
                     let _ = system.run();
                 })
                 .map_err(|e| Error::Start(format!("cannot start the actor thread: {e}")))?
         };
-        let (coordinator, host, pinned, system) = rx
+        let (coordinator, host, pinned, gpus, system) = rx
             .await
             .map_err(|_| Error::Start("the actor system did not start".into()))?;
 
+        if !gpus.is_empty() {
+            // Same-host peers fetch our pools' descriptors here (the ipc transport).
+            let name = config.node.name.clone();
+            let bound = io.spawn(async move { ferry_transports::ipc::bind_pool_socket(&name) });
+            match bound.await.map_err(|e| Error::Start(e.to_string()))? {
+                Ok(listener) => {
+                    io.spawn(ferry_transports::ipc::serve_pools(
+                        listener,
+                        secret.clone(),
+                        Arc::clone(&gpu_pools),
+                    ));
+                }
+                Err(e) => tracing::warn!(
+                    "cannot open the pool socket ({e}): same-host peers cannot use ipc with us"
+                ),
+            }
+        }
         let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         for listener in listeners {
             io.spawn(accept_loop(
@@ -247,6 +398,7 @@ impl Node {
             inbox,
             host,
             pinned,
+            gpus,
             credit: DashMap::new(),
             exposed,
             next_region: AtomicU64::new(1),
@@ -292,8 +444,14 @@ impl Node {
         match kind {
             MemoryKind::Host => Ok(&self.host),
             MemoryKind::PinnedHost => Ok(&self.pinned),
+            MemoryKind::Device(n) => self.gpus.get(n).map(|g| &g.allocator).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "GPU {n} is not one of this node's GPUs ({:?}; see gpu.devices)",
+                    self.gpus
+                ))
+            }),
             other => Err(Error::Unsupported(format!(
-                "{other} memory arrives with GPU support; this build has host and pinned memory"
+                "{other} memory is not served here"
             ))),
         }
     }

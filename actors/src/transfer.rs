@@ -11,20 +11,28 @@
 //! queue (sized from the session's bounds, so a peer that follows the protocol cannot fill
 //! it; one that floods us loses its link), and the session's own op queue.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use dashmap::DashMap;
-use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter};
+use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret};
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
-use ferry_transports::wire::{ArchivedMessage, Message, PutAck, WireReason};
+use ferry_transports::wire::{
+    ArchivedMessage, Done, IpcSetupMessage, IpcSetupStep, IpcSource, Message, PutAck,
+    WireDirection, WireReason,
+};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{PeerGone, Tier, reserve_in_tiers};
+use crate::allocator::{Export, PeerGone, Tier, reserve_in_tiers};
+use crate::core::exports::ExportId;
+use crate::core::ipc_setup::{
+    Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
+    SetupTransmit,
+};
 use crate::core::session::{
     InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
 };
@@ -66,6 +74,13 @@ pub struct TransferSetup {
     pub reserve_timeout: Duration,
     /// Where inbound transfers land, then where they spill, in order.
     pub tiers: Vec<Tier>,
+    /// The same without device tiers: where transfers over a link land (tcp reads into
+    /// host memory).
+    pub host_tiers: Vec<Tier>,
+    /// The node's GPUs (empty without any).
+    pub gpus: crate::gpu::SharedGpus,
+    /// The link secret, which also authenticates pool requests.
+    pub secret: Secret,
     /// Told when the peer is gone, so what it held is quarantined.
     pub peer_gone: Vec<Recipient<PeerGone>>,
     /// Where delivered buffers go.
@@ -93,6 +108,9 @@ pub enum Op {
         transport: String,
         /// Direction from the route.
         direction: ferry_transports::wire::WireDirection,
+        /// What to use instead if the transport's setup with the peer fails: the next
+        /// transport of the rule and its direction.
+        fallback: Option<(String, ferry_transports::wire::WireDirection)>,
     },
     /// Write a buffer into a region the peer exposed.
     Put {
@@ -274,6 +292,33 @@ pub struct TransferActor {
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
+    ipc: IpcState,
+}
+
+/// The ipc side of a session: the lazy setup (as the exporting side), submissions waiting
+/// for it, the peer's pools we imported (as the importing side), pulls under way, and the
+/// views of our buffers the peer may still be reading.
+#[derive(Default)]
+struct IpcState {
+    setup: Option<IpcSetup<u64>>,
+    waiting: HashMap<u64, (Submit, oneshot::Sender<Result<Buffer, SendError>>)>,
+    next_ticket: u64,
+    /// Setup messages waiting for the link (a handful at most, one per setup step).
+    out: VecDeque<Message>,
+    /// The peer's pid and whether it runs on this host, from its hello.
+    peer_pid: u32,
+    same_host: bool,
+    /// The peer's pools, imported when it asked (we pull from them).
+    imported: Arc<crate::gpu::ImportedPools>,
+    /// Offers to pull, by inbound transfer, until the pull ends.
+    sources: HashMap<InboundId, IpcSource>,
+    /// Pulls whose copy runs now.
+    pulling: HashSet<InboundId>,
+    /// Pulls abandoned while their copy ran: the peer is told once the copy ended.
+    abandoned: HashSet<InboundId>,
+    /// Our buffers offered for pulling, kept until the peer says it no longer reads them
+    /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
+    exported: HashMap<OpId, SharedBytes>,
 }
 
 impl TransferActor {
@@ -294,6 +339,7 @@ impl TransferActor {
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
+            ipc: IpcState::default(),
         }
     }
 
@@ -304,9 +350,17 @@ impl TransferActor {
 
     /// Carries out everything the session asks for.
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        self.drive_ipc_setup(ctx);
         loop {
             let mut moved = false;
             if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
+                while let Some(msg) = self.ipc.out.pop_front() {
+                    if writer.try_send(Outgoing::Frame(msg)).is_err() {
+                        self.session
+                            .handle_link_lost("the link's send queue overflowed or closed");
+                        break;
+                    }
+                }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
@@ -357,12 +411,16 @@ impl TransferActor {
                 }
             }
             SessionEvent::Finished(op, outcome) => self.finish(op, outcome),
-            SessionEvent::Reserve { id, len } => {
+            SessionEvent::Reserve { id, len, pull } => {
                 let span =
                     tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
                 let phase = tracing::debug_span!(parent: &span, "reserve");
                 self.inbound_spans.insert(id, InboundSpans { span, phase });
-                self.reserve(id, len, ctx);
+                let pulled = pull.is_some();
+                if let Some(source) = pull {
+                    self.ipc.sources.insert(id, source);
+                }
+                self.reserve(id, len, pulled, ctx);
             }
             SessionEvent::Deliver { id, tag } => {
                 if let Some(spans) = self.inbound_spans.remove(&id) {
@@ -391,7 +449,23 @@ impl TransferActor {
                 }
                 self.regions.remove(&id.0);
                 self.complete.remove(&id);
+                if self.ipc.sources.remove(&id).is_some() {
+                    if self.ipc.pulling.contains(&id) {
+                        self.ipc.abandoned.insert(id);
+                    } else {
+                        // Never imported: the peer may let go of its buffer now.
+                        self.release_to_peer(id);
+                    }
+                }
             }
+        }
+    }
+
+    /// Tells the peer we no longer read its buffer of transfer `id` (it holds a lease on it
+    /// until then). `Done` for a transfer it already ended changes nothing there.
+    fn release_to_peer(&mut self, id: InboundId) {
+        if let Some(w) = &self.writer {
+            let _ = w.try_send(Outgoing::Frame(Message::Done(Done { transfer: id.0 })));
         }
     }
 
@@ -456,8 +530,12 @@ impl TransferActor {
         let _ = entry.reply.send(result);
     }
 
-    fn reserve(&mut self, id: InboundId, len: u64, ctx: &mut Context<Self>) {
-        let tiers = self.setup.tiers.clone();
+    fn reserve(&mut self, id: InboundId, len: u64, pulled: bool, ctx: &mut Context<Self>) {
+        let tiers = if pulled {
+            self.setup.tiers.clone()
+        } else {
+            self.setup.host_tiers.clone()
+        };
         let deadline = Instant::now() + self.setup.reserve_timeout;
         let request = async move {
             let mut got = reserve_in_tiers(&tiers, &[len], deadline).await?;
@@ -470,6 +548,14 @@ impl TransferActor {
                     if act.setup.tiers.first().is_some_and(|t| t.kind != landing) {
                         metrics::counter!("ferry_spill_bytes_total").increment(len);
                         tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
+                    }
+                    if pulled {
+                        if act.session.handle_reserved_pull(id) {
+                            act.start_pull(id, buffer, ctx);
+                        } else {
+                            act.ipc.sources.remove(&id);
+                        }
+                        return act.drive(ctx);
                     }
                     // The region must exist before the grant leaves, since the peer
                     // streams as soon as it reads the grant.
@@ -501,16 +587,73 @@ impl TransferActor {
     }
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let next = self.session.poll_timeout();
+        let setup = self.ipc.setup.as_ref().and_then(|s| s.poll_timeout());
+        let next = match (self.session.poll_timeout(), setup) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         self.timer.arm(
             ctx,
             next,
             |a| &mut a.timer,
             |act, now, ctx| {
                 act.session.handle_timeout(now);
+                if let Some(setup) = &mut act.ipc.setup {
+                    setup.handle_timeout(now);
+                }
                 act.drive(ctx);
             },
         );
+    }
+
+    /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
+    /// thread; the result comes back to the session.
+    fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
+        let Some(source) = self.ipc.sources.get(&id).cloned() else {
+            return;
+        };
+        self.ipc.pulling.insert(id);
+        if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+        }
+        let pools = Arc::clone(&self.ipc.imported);
+        let gpus = Arc::clone(&self.setup.gpus);
+        let copy = self
+            .setup
+            .io
+            .spawn_blocking(move || crate::gpu::pull(&source, &pools, &gpus, buffer));
+        ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
+            act.ipc.pulling.remove(&id);
+            let pulled = match joined {
+                Ok(Ok(buffer)) => Ok(buffer),
+                Ok(Err((_buffer, why))) => Err(why),
+                Err(e) => Err(format!("the pull task failed: {e}")),
+            };
+            if act.ipc.abandoned.remove(&id) {
+                // The import is freed; the peer may let go of its buffer. Ours (if any)
+                // is dropped here, which frees it.
+                act.release_to_peer(id);
+                return act.drive(ctx);
+            }
+            act.ipc.sources.remove(&id);
+            match pulled {
+                Ok(buffer) => {
+                    if act.session.handle_inbound_complete(id) {
+                        if let Some(spans) = act.inbound_spans.get_mut(&id) {
+                            spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+                        }
+                        act.complete.insert(id, buffer);
+                    }
+                }
+                Err(why) => {
+                    tracing::warn!(peer = %act.peer, id = id.0, "pull failed: {why}");
+                    metrics::counter!("ferry_pull_failures_total").increment(1);
+                    act.session
+                        .handle_reserve_failed(id, WireReason::Unsupported, why);
+                }
+            }
+            act.drive(ctx);
+        }));
     }
 }
 
@@ -518,13 +661,33 @@ impl Actor for TransferActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
-        // Whatever the peer held of our memory is quarantined for the lease timeout.
-        for recipient in self.setup.peer_gone.clone() {
-            let peer = PeerGone(self.peer.clone());
-            actix::spawn(async move {
-                let _ = recipient.send(peer).await;
-            });
+        // Buffers the peer may still be reading go to their domain's quarantine first.
+        let mut exports = Vec::new();
+        for (op, view) in self.ipc.exported.drain() {
+            let kind = view.lease().kind;
+            if let ferry_transports::memory::MemoryKind::Device(n) = kind
+                && let Some(gpu) = self.setup.gpus.get(n)
+            {
+                exports.push((gpu.allocator.clone(), op, view));
+            }
         }
+        // Whatever the peer held of our memory is quarantined for the lease timeout.
+        let recipients = self.setup.peer_gone.clone();
+        let peer = self.peer.clone();
+        let epoch = self.epoch;
+        actix::spawn(async move {
+            for (allocator, op, view) in exports {
+                let export = Export {
+                    id: ExportId(epoch << 40 | op.0),
+                    peer: peer.clone(),
+                    view,
+                };
+                let _ = allocator.send(export).await;
+            }
+            for recipient in recipients {
+                let _ = recipient.send(PeerGone(peer.clone())).await;
+            }
+        });
         if let Some(w) = self.writer.take() {
             let _ = w.try_send(Outgoing::Close);
         }
@@ -544,6 +707,43 @@ impl Handler<Submit> for TransferActor {
     type Result = ResponseFuture<Result<Buffer, SendError>>;
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        let (reply, rx) = oneshot::channel();
+        let wants_ipc = matches!(&msg.op, Op::Send { transport, .. } if transport == "ipc");
+        if wants_ipc {
+            let ticket = self.ipc.next_ticket;
+            self.ipc.next_ticket += 1;
+            let setup = self
+                .ipc
+                .setup
+                .get_or_insert_with(|| IpcSetup::new(SetupPolicy::DEFAULT));
+            match setup.handle_want(Instant::now(), ticket) {
+                Admission::Ready(_) => self.queue_submit(msg, reply, ctx),
+                Admission::Queued => {
+                    self.ipc.waiting.insert(ticket, (msg, reply));
+                    self.drive(ctx);
+                }
+                Admission::FallBack(_, why) => self.fall_back(msg, reply, &why, ctx),
+            }
+        } else {
+            self.queue_submit(msg, reply, ctx);
+        }
+        Box::pin(async move {
+            rx.await.unwrap_or(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: None,
+            }))
+        })
+    }
+}
+
+impl TransferActor {
+    /// Queues a submission in the session; the outcome goes to `reply`.
+    fn queue_submit(
+        &mut self,
+        msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
         let now = Instant::now();
         let len = msg.buffer.len() as u64;
         let peer_class = msg.peer_class.label();
@@ -552,14 +752,29 @@ impl Handler<Submit> for TransferActor {
                 tag,
                 transport,
                 direction,
+                fallback: _,
             } => {
                 let labels = TransferLabels {
                     transport: transport.clone(),
                     direction: match direction {
-                        ferry_transports::wire::WireDirection::Push => "push",
-                        ferry_transports::wire::WireDirection::Pull => "pull",
+                        WireDirection::Push => "push",
+                        WireDirection::Pull => "pull",
                     },
                     peer_class,
+                };
+                let ipc = if direction == WireDirection::Pull {
+                    match crate::gpu::export_source(&msg.buffer) {
+                        Ok(source) => Some(source),
+                        Err(detail) => {
+                            let _ = reply.send(Err(SendError {
+                                error: Error::Unsupported(detail),
+                                buffer: Some(msg.buffer),
+                            }));
+                            return;
+                        }
+                    }
+                } else {
+                    None
                 };
                 let queued = self.session.handle_send(
                     now,
@@ -569,6 +784,7 @@ impl Handler<Submit> for TransferActor {
                         source: msg.buffer.kind().to_wire(),
                         transport,
                         direction,
+                        ipc,
                         deadline: msg.deadline,
                     },
                 );
@@ -604,11 +820,17 @@ impl Handler<Submit> for TransferActor {
                         detail: other.to_string(),
                     },
                 };
-                let buffer = Some(msg.buffer);
-                return Box::pin(async move { Err(SendError { error, buffer }) });
+                let _ = reply.send(Err(SendError {
+                    error,
+                    buffer: Some(msg.buffer),
+                }));
+                return;
             }
         };
-        let (reply, rx) = oneshot::channel();
+        if labels.direction == "pull" {
+            // The peer reads this buffer until it says otherwise (Done or Cancel).
+            self.ipc.exported.insert(id, msg.buffer.share());
+        }
         let span = tracing::debug_span!(
             "transfer",
             id = id.0,
@@ -617,10 +839,12 @@ impl Handler<Submit> for TransferActor {
             direction = labels.direction,
             bytes = len,
         );
-        // A put needs no grant; it waits for its turn, then streams.
-        let phase = match what {
-            StreamWhat::Transfer => tracing::debug_span!(parent: &span, "grant"),
-            StreamWhat::Put { .. } => tracing::debug_span!(parent: &span, "queued"),
+        // A put needs no grant; it waits for its turn, then streams. A pull waits for the
+        // peer's copy.
+        let phase = match (what, labels.direction) {
+            (StreamWhat::Put { .. }, _) => tracing::debug_span!(parent: &span, "queued"),
+            (_, "pull") => tracing::debug_span!(parent: &span, "pull"),
+            _ => tracing::debug_span!(parent: &span, "grant"),
         };
         self.outbound.insert(
             id,
@@ -636,12 +860,181 @@ impl Handler<Submit> for TransferActor {
             },
         );
         self.drive(ctx);
-        Box::pin(async move {
-            rx.await.unwrap_or(Err(SendError {
-                error: Error::ShuttingDown,
-                buffer: None,
-            }))
-        })
+    }
+
+    /// The transport's setup with the peer failed: the submission takes the rule's next
+    /// transport, or fails saying why there is none.
+    fn fall_back(
+        &mut self,
+        mut msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        why: &SetupFailure,
+        ctx: &mut Context<Self>,
+    ) {
+        let Op::Send {
+            transport,
+            direction,
+            fallback,
+            ..
+        } = &mut msg.op
+        else {
+            return self.queue_submit(msg, reply, ctx);
+        };
+        let from = transport.clone();
+        match fallback.take() {
+            Some((next, next_direction)) => {
+                metrics::counter!("ferry_failover_total", "from" => from.clone(), "to" => next.clone())
+                    .increment(1);
+                tracing::debug!(peer = %self.peer, %from, to = %next, "falling back: {why}");
+                *transport = next;
+                *direction = next_direction;
+                self.queue_submit(msg, reply, ctx);
+            }
+            None => {
+                let _ = reply.send(Err(SendError {
+                    error: Error::NoRoute(format!(
+                        "{from} setup with peer {} failed ({why}) and the rule names no other \
+                         transport",
+                        self.peer
+                    )),
+                    buffer: Some(msg.buffer),
+                }));
+            }
+        }
+    }
+
+    /// Carries out what the ipc setup asks for: its messages, its checks, and the
+    /// submissions it releases.
+    fn drive_ipc_setup(&mut self, ctx: &mut Context<Self>) {
+        loop {
+            let Some(setup) = self.ipc.setup.as_mut() else {
+                return;
+            };
+            let mut moved = false;
+            while let Some(t) = setup.poll_transmit() {
+                moved = true;
+                let (attempt, step) = match t {
+                    SetupTransmit::Request(a) => {
+                        (a, IpcSetupStep::Request(self.setup.gpus.uuids()))
+                    }
+                    SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
+                    SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
+                };
+                self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    attempt: attempt.0,
+                    step,
+                }));
+            }
+            let mut released = Vec::new();
+            while let Some(ev) = setup.poll_event() {
+                moved = true;
+                match ev {
+                    SetupEvent::Check(a) => {
+                        // What only this side sees: is the peer on this host?
+                        let checks = if self.ipc.same_host {
+                            Ok(())
+                        } else {
+                            Err(SetupFailure::NotSameHost)
+                        };
+                        setup.handle_checks(Instant::now(), a, checks);
+                    }
+                    SetupEvent::Settled(outcome) => {
+                        let label = match &outcome {
+                            SetupOutcome::Ok => "ok",
+                            SetupOutcome::Bad(_) => "bad",
+                        };
+                        metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
+                        match outcome {
+                            SetupOutcome::Ok => {
+                                tracing::info!(peer = %self.peer, "ipc set up with the peer");
+                            }
+                            SetupOutcome::Bad(why) => tracing::warn!(
+                                peer = %self.peer,
+                                "ipc setup with the peer failed, falling back: {why}"
+                            ),
+                        }
+                    }
+                    SetupEvent::Proceed(ticket) => released.push((ticket, None)),
+                    SetupEvent::FallBack(ticket, why) => released.push((ticket, Some(why))),
+                }
+            }
+            for (ticket, failed) in released {
+                if let Some((msg, reply)) = self.ipc.waiting.remove(&ticket) {
+                    match failed {
+                        None => self.queue_submit(msg, reply, ctx),
+                        Some(why) => self.fall_back(msg, reply, &why, ctx),
+                    }
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// A setup message from the peer.
+    fn on_ipc_setup(&mut self, msg: IpcSetupMessage, ctx: &mut Context<Self>) {
+        let attempt = Attempt(msg.attempt);
+        match msg.step {
+            // We are the importing side.
+            IpcSetupStep::Request(uuids) => {
+                if self.setup.gpus.is_empty() {
+                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: msg.attempt,
+                        step: IpcSetupStep::Reply(Some("the receiver has no GPU".into())),
+                    }));
+                    return;
+                }
+                let peer = self.peer.clone();
+                let pid = self.ipc.peer_pid;
+                let secret = self.setup.secret.clone();
+                let gpus = Arc::clone(&self.setup.gpus);
+                let import = async move {
+                    crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await
+                };
+                ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
+                    let refused = match result {
+                        Ok(pools) => {
+                            act.ipc.imported = Arc::new(pools);
+                            None
+                        }
+                        Err(why) => {
+                            tracing::warn!(peer = %act.peer, "cannot import the peer's pools: {why}");
+                            Some(why)
+                        }
+                    };
+                    act.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: attempt.0,
+                        step: IpcSetupStep::Reply(refused),
+                    }));
+                    act.drive(ctx);
+                }));
+            }
+            IpcSetupStep::Ack(failed) => match failed {
+                None => self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    attempt: msg.attempt,
+                    step: IpcSetupStep::Confirm,
+                })),
+                Some(why) => {
+                    tracing::warn!(peer = %self.peer, "the peer gave up ipc setup: {why}");
+                }
+            },
+            // We are the exporting side.
+            IpcSetupStep::Reply(refused) => {
+                if let Some(setup) = &mut self.ipc.setup {
+                    let reply = match refused {
+                        None => PeerReply::Accepted,
+                        Some(why) => PeerReply::Refused(why),
+                    };
+                    setup.handle_reply(Instant::now(), attempt, reply);
+                }
+            }
+            IpcSetupStep::Confirm => {
+                if let Some(setup) = &mut self.ipc.setup {
+                    setup.handle_confirm(attempt);
+                }
+            }
+        }
     }
 }
 
@@ -656,6 +1049,10 @@ impl Handler<Attach> for TransferActor {
             tracing::info!(peer = %self.peer, "moved to the peer's link");
         }
         self.link += 1;
+        self.ipc.peer_pid = link.peer_hello.pid;
+        self.ipc.same_host = link.peer_hello.host_id == ferry_transports::link::host_id();
+        self.session
+            .set_serves_pull(self.ipc.same_host && !self.setup.gpus.is_empty());
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -765,6 +1162,17 @@ impl Handler<FromPeer> for TransferActor {
                 return self.drive(ctx);
             }
             Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
+            Message::IpcSetup(setup) => {
+                self.on_ipc_setup(setup, ctx);
+                return self.drive(ctx);
+            }
+            // The peer no longer reads a buffer we offered for pulling.
+            Message::Done(Done { transfer }) => {
+                self.ipc.exported.remove(&OpId(transfer));
+            }
+            Message::Cancel(ref cancel) => {
+                self.ipc.exported.remove(&OpId(cancel.transfer));
+            }
             _ => {}
         }
         if let Err(violation) = self.session.handle_message(msg) {
@@ -890,9 +1298,12 @@ async fn stream(
     stop: &AtomicBool,
     chunk: usize,
 ) -> Result<(), LinkError> {
-    let len = bytes.as_slice().len();
+    let len = bytes.len();
     let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
     let count = parts.len();
+    // Device memory goes through a host copy, one chunk at a time (the staged transport
+    // pipelines this properly).
+    let mut staging = Vec::new();
     for (i, part) in parts.into_iter().enumerate() {
         if stop.load(Ordering::Acquire) {
             break;
@@ -903,8 +1314,19 @@ async fn stream(
                 tcp::put_header(op.0, key, offset, part, i + 1 == count)
             }
         };
-        // The bytes go from the caller's buffer to the socket as they are.
-        let payload = &bytes.as_slice()[part.0..part.0 + part.1];
+        let payload = match bytes.as_slice() {
+            // The bytes go from the caller's buffer to the socket as they are.
+            Some(host) => &host[part.0..part.0 + part.1],
+            None => {
+                staging.resize(part.1, 0);
+                bytes.read(part.0, &mut staging).map_err(|e| {
+                    LinkError::Io(Arc::new(std::io::Error::other(format!(
+                        "reading the device buffer: {e}"
+                    ))))
+                })?;
+                &staging[..]
+            }
+        };
         writer.feed_chunk(&header, payload).await?;
     }
     writer.flush().await

@@ -65,6 +65,7 @@ impl Pair {
             source: WireMemoryKind::Host,
             transport: "tcp".into(),
             direction: WireDirection::Push,
+            ipc: None,
             deadline: self.now + ttl,
         }
     }
@@ -453,6 +454,7 @@ fn protocol_violations_are_errors() {
             source: WireMemoryKind::Host,
             transport: "tcp".into(),
             direction: WireDirection::Push,
+            ipc: None,
         })
     };
     assert!(s.handle_message(offer(1)).is_ok());

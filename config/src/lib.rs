@@ -19,8 +19,9 @@
 //! let (index, rule) = config
 //!     .transport
 //!     .first_match(Locality::Remote, MemoryClass::Host, MemoryClass::Host, 4096)
-//!     .expect("the default rule matches everything");
-//! assert_eq!((index, rule.name.as_str()), (0, "host"));
+//!     .expect("the default \"host\" rule matches everything");
+//! // The default "gpu" rule (rule 0) takes only device memory to a same-host peer.
+//! assert_eq!((index, rule.name.as_str()), (1, "host"));
 //! # Ok::<(), ferry_config::ConfigError>(())
 //! ```
 //!
@@ -45,7 +46,7 @@ pub use error::{ConfigError, Origin};
 pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
-    Config, DiscoveryConfig, DiscoveryMode, LimitsConfig, LogFormat, MemoryConfig, NodeConfig,
-    PeerConfig, SecurityConfig, TcpTuning, TelemetryConfig, TransportConfig,
+    Config, DiscoveryConfig, DiscoveryMode, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
+    NodeConfig, PeerConfig, SecurityConfig, TcpTuning, TelemetryConfig, TransportConfig,
 };
 pub use units::{Budget, format_size, parse_size};

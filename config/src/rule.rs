@@ -95,7 +95,22 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// The built-in rule: named `"host"`, matches every transfer, uses `tcp`, pushes.
+    /// The default's first rule, `"gpu"`: device memory to a same-host peer, over ipc
+    /// (pulled by the receiver), else tcp.
+    pub fn same_host_gpu() -> Rule {
+        Rule {
+            name: "gpu".into(),
+            locality: vec![Locality::SameHost],
+            src: vec![MemoryClass::Device],
+            dst: Vec::new(),
+            min_bytes: 0,
+            max_bytes: None,
+            transports: vec![TransportName::Ipc, TransportName::Tcp],
+            direction: Direction::Pull,
+        }
+    }
+
+    /// The default's last rule, `"host"`: anything, over tcp, push.
     pub fn catch_all() -> Rule {
         Rule {
             name: "host".into(),

@@ -24,6 +24,8 @@ pub struct Config {
     pub peers: Vec<PeerConfig>,
     /// How peers are found.
     pub discovery: DiscoveryConfig,
+    /// Which GPUs this node uses.
+    pub gpu: GpuConfig,
     /// Memory budgets.
     pub memory: MemoryConfig,
     /// Transport tuning and selection rules.
@@ -106,6 +108,19 @@ pub enum DiscoveryMode {
     Static,
 }
 
+/// `[gpu]`: the GPUs this node uses.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GpuConfig {
+    /// CUDA ordinals of the GPUs this node allocates from and receives into; the first one
+    /// is where `memory.receive_into = "device"` lands. Omitted (default): every GPU the
+    /// process sees. `[]`: none (host memory only). Run one node per GPU with `[0]`, `[1]`,
+    /// ...: every node still sees every GPU, which the ipc transport needs to read a peer's
+    /// memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<u32>>,
+}
+
 /// `[memory]`: memory budgets, where received buffers land, and where they spill.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -115,8 +130,12 @@ pub struct MemoryConfig {
     /// Budget of pinned (page-locked) host memory. Default `"25%"`. Without a CUDA driver,
     /// pinned memory is ordinary host memory counted under this budget.
     pub pinned: Budget,
-    /// The tier received buffers land in first: `"host"` or `"pinned"` (`"device"` arrives
-    /// with GPU support). Default `"host"`.
+    /// Budget of each GPU's memory, a size or a percentage of the GPU's total memory.
+    /// Default `"90%"`.
+    pub device: Budget,
+    /// The tier received buffers land in first: `"host"`, `"pinned"` or `"device"` (the
+    /// first GPU of `gpu.devices`; a node without a GPU receives into host memory then).
+    /// Default `"host"`.
     pub receive_into: MemoryClass,
     /// The tiers a receive spills to, in order, when `receive_into` cannot grant in time:
     /// e.g. `["host"]` after `receive_into = "pinned"`. Default `[]`: no spill.
@@ -132,6 +151,7 @@ impl Default for MemoryConfig {
         MemoryConfig {
             host: Budget::Percent(50.0),
             pinned: Budget::Percent(25.0),
+            device: Budget::Percent(90.0),
             receive_into: MemoryClass::Host,
             spill: Vec::new(),
             export_lease_timeout: Duration::from_secs(10),
@@ -145,9 +165,9 @@ impl Default for MemoryConfig {
 pub struct TransportConfig {
     /// Tuning of the TCP transport.
     pub tcp: TcpTuning,
-    /// Selection rules, first match wins (`[[transport.rules]]`). Default: one rule `"host"`
-    /// that matches everything and uses tcp, push. A file that sets rules replaces the whole
-    /// list.
+    /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
+    /// memory to a same-host peer over ipc (pull), falling back to tcp; then `"host"`, which
+    /// matches everything and uses tcp, push. A file that sets rules replaces the whole list.
     pub rules: Vec<Rule>,
 }
 
@@ -155,7 +175,7 @@ impl Default for TransportConfig {
     fn default() -> Self {
         TransportConfig {
             tcp: TcpTuning::default(),
-            rules: vec![Rule::catch_all()],
+            rules: vec![Rule::same_host_gpu(), Rule::catch_all()],
         }
     }
 }

@@ -161,6 +161,7 @@ impl Config {
         for (key, budget) in [
             ("memory.host", memory.host),
             ("memory.pinned", memory.pinned),
+            ("memory.device", memory.device),
         ] {
             match budget {
                 Budget::Bytes(0) => {
@@ -172,18 +173,13 @@ impl Config {
                 _ => {}
             }
         }
-        if memory.receive_into == MemoryClass::Device {
-            return fail(
-                "memory.receive_into",
-                "device memory arrives with GPU support; use \"host\" or \"pinned\"",
-            );
-        }
         for (i, tier) in memory.spill.iter().enumerate() {
             let key = format!("memory.spill[{i}]");
             if *tier == MemoryClass::Device {
                 return fail(
                     key,
-                    "only host tiers (\"pinned\", \"host\") can take a spill",
+                    "only host tiers (\"pinned\", \"host\") can take a spill: a full GPU \
+                     spills to host memory",
                 );
             }
             if *tier == memory.receive_into || memory.spill[..i].contains(tier) {
@@ -433,7 +429,7 @@ mod tests {
             ),
             (
                 |c| c.transport.rules.push(c.transport.rules[0].clone()),
-                "transport.rules[1].name",
+                "transport.rules[2].name",
             ),
             (|c| c.limits.max_frame = 2 << 30, "limits.max_frame"),
             (|c| c.limits.mailbox = 0, "limits.mailbox"),

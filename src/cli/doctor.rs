@@ -170,9 +170,20 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
 }
 
 /// The transports the rules name, in first-mention order.
+/// The transports the configuration asks for. The built-in `"gpu"` rule only counts when
+/// the node is told to use GPUs (`gpu.devices`): a host-only machine with the default
+/// configuration is not asking for GPU transports.
 fn named_transports(config: &Config) -> Vec<TransportName> {
+    let uses_gpus = config.gpu.devices.as_ref().is_some_and(|d| !d.is_empty());
+    let builtin = ferry_config::Rule::same_host_gpu();
     let mut named = Vec::new();
-    for t in config.transport.rules.iter().flat_map(|r| &r.transports) {
+    for t in config
+        .transport
+        .rules
+        .iter()
+        .filter(|r| uses_gpus || **r != builtin)
+        .flat_map(|r| &r.transports)
+    {
         if !named.contains(t) {
             named.push(*t);
         }
@@ -508,7 +519,21 @@ fn config_findings(config: &Config, catalog: &[(Capabilities, Viability)]) -> Ve
         .rules
         .iter()
         .enumerate()
-        .map(|(i, rule)| rule_finding(i, rule, catalog))
+        .map(|(i, rule)| {
+            let ipc_viable = catalog
+                .iter()
+                .any(|(c, v)| c.name == TransportName::Ipc && *v == Viability::Viable);
+            if *rule == ferry_config::Rule::same_host_gpu() && !ipc_viable {
+                // The built-in GPU rule on a machine without GPU transports: device memory
+                // cannot exist here, so nothing is lost.
+                return Finding::new(
+                    format!("rule #{i} {}", rule.name),
+                    Status::Skipped,
+                    "device memory only; no GPU transport here",
+                );
+            }
+            rule_finding(i, rule, catalog)
+        })
         .collect()
 }
 
@@ -570,7 +595,7 @@ fn transport_fits_rule(
     if let Viability::NotViable(why) = viability {
         return Err(why.clone());
     }
-    if !caps.directions.contains(&rule.direction) {
+    if caps.direction_for(rule.direction).is_none() {
         return Err(format!("does not support {}", rule.direction));
     }
     let localities: &[Locality] = if rule.locality.is_empty() {
@@ -589,7 +614,12 @@ fn transport_fits_rule(
         } else {
             list
         };
-        if !kinds.iter().any(|k| caps.memory.contains(k)) {
+        let declared = if end == "source" {
+            caps.sources
+        } else {
+            caps.memory
+        };
+        if !kinds.iter().any(|k| declared.contains(k)) {
             let names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
             return Err(format!("cannot move {} {end} memory", names.join("/")));
         }
@@ -651,7 +681,7 @@ mod tests {
     fn healthy_machine_default_config_blocks_nothing() {
         let findings = diagnose(&healthy(), &config(""));
         assert!(findings.iter().all(|f| !f.blocks), "{findings:#?}");
-        assert_eq!(find(&findings, "rule #0 host").status, Status::Ok);
+        assert_eq!(find(&findings, "rule #1 host").status, Status::Ok);
         assert_eq!(find(&findings, "/dev/shm").status, Status::Ok);
         assert_eq!(find(&findings, "memlock").status, Status::Ok);
     }
@@ -746,24 +776,24 @@ mod tests {
         let r = find(&f, "rule #0 gpu");
         assert_eq!(r.status, Status::Problem);
         assert!(r.blocks);
-        assert!(r.found.contains("ipc (not built yet"), "{}", r.found);
+        // Not viable without a driver; on a GPU machine it cannot move host memory.
+        assert!(r.found.contains("ipc ("), "{}", r.found);
 
+        // tcp only pushes: a pull rule still uses it.
         let pull = config(
             "[[transport.rules]]\nname = \"pull\"\ntransports = [\"tcp\"]\ndirection = \"pull\"\n",
         );
         let r = diagnose(&healthy(), &pull);
-        let r = find(&r, "rule #0 pull");
-        assert!(r.blocks);
-        assert!(r.found.contains("does not support pull"), "{}", r.found);
+        assert!(!find(&r, "rule #0 pull").blocks);
 
         let device = config(
-            "[[transport.rules]]\nname = \"dev\"\nsrc = [\"device\"]\ntransports = [\"tcp\"]\n",
+            "[[transport.rules]]\nname = \"dev\"\ndst = [\"device\"]\ntransports = [\"tcp\"]\n",
         );
         let r = diagnose(&healthy(), &device);
         assert!(
             find(&r, "rule #0 dev")
                 .found
-                .contains("cannot move device source memory")
+                .contains("cannot move device destination memory")
         );
     }
 

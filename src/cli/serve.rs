@@ -174,7 +174,8 @@ async fn handle(node: &Node, role: &Role, got: Received) -> anyhow::Result<()> {
         }
         Role::Echo if tag == TAG_EXPOSE => {
             let len = buffer
-                .as_slice()
+                .bytes()?
+                .as_ref()
                 .try_into()
                 .map(u64::from_le_bytes)
                 .map_err(|_| anyhow::anyhow!("expose request of {} bytes, want 8", buffer.len()))?;
@@ -189,7 +190,7 @@ async fn handle(node: &Node, role: &Role, got: Received) -> anyhow::Result<()> {
             Ok(())
         }
         Role::Echo if tag == TAG_WITHDRAW => {
-            let key = echo::decode_key(buffer.as_slice())
+            let key = echo::decode_key(&buffer.bytes()?)
                 .ok_or_else(|| anyhow::anyhow!("withdraw request is not a 24-byte key"))?;
             let region = node.withdraw(key)?;
             node.send(&peer, TAG_WITHDRAW, region).await?;

@@ -9,6 +9,7 @@
 //! is denied it.
 #![deny(unsafe_code)]
 pub mod cuda;
+pub mod ipc;
 pub mod link;
 pub mod memory;
 pub mod tcp;

@@ -22,7 +22,10 @@ use crate::wire::{DataChunk, Message, PutChunk};
 pub fn capabilities() -> Capabilities {
     Capabilities {
         name: TransportName::Tcp,
-        memory: &[MemoryClass::Host],
+        // Device memory is copied to host memory chunk by chunk at the sender; receives
+        // land in host memory (the staged transport brings device landing over links).
+        sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
+        memory: &[MemoryClass::Host, MemoryClass::Pinned],
         localities: &[Locality::SameProcess, Locality::SameHost, Locality::Remote],
         directions: &[Direction::Push],
         needs_fd_passing: false,
@@ -292,7 +295,7 @@ mod tests {
             landing.destination().copy_from_slice(bytes);
             assert_eq!(region.restore(landing), offset == 0);
         }
-        let filled = region.into_buffer().map(|b| b.as_slice().to_vec());
+        let filled = region.into_buffer().map(|b| b.to_vec().expect("host"));
         assert_eq!(filled.as_deref(), Some(&b"0123456789"[..]));
     }
 
@@ -342,7 +345,7 @@ mod tests {
             Ok(dst) => dst.copy_from_slice(b"abc"),
             Err(e) => panic!("{e}"),
         }
-        assert_eq!(&region.buffer.as_slice()[7..], b"abc");
+        assert_eq!(&region.buffer.as_slice().expect("host")[7..], b"abc");
     }
 
     #[test]

@@ -8,11 +8,14 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 pub struct Capabilities {
     /// The transport's name, as rules spell it.
     pub name: TransportName,
-    /// Memory kinds it can read from and write to, at either end.
+    /// Memory kinds it can read from at the sending end.
+    pub sources: &'static [MemoryClass],
+    /// Memory kinds it can land in at the receiving end.
     pub memory: &'static [MemoryClass],
     /// Where the peer may be.
     pub localities: &'static [Locality],
-    /// Who may move the bytes.
+    /// Who may move the bytes, preferred first: a rule's direction is used where the
+    /// transport offers it, else the transport's first.
     pub directions: &'static [Direction],
     /// True when it needs file descriptors passed over a Unix socket.
     pub needs_fd_passing: bool,
@@ -72,15 +75,26 @@ impl Capabilities {
         if !self.localities.contains(&locality) {
             return Err(Unsuitable::Locality(locality));
         }
-        for kind in [src, dst] {
-            if !self.memory.contains(&kind) {
-                return Err(Unsuitable::Memory(kind));
-            }
+        if !self.sources.contains(&src) {
+            return Err(Unsuitable::Memory(src));
         }
-        if !self.directions.contains(&direction) {
-            return Err(Unsuitable::Direction(direction));
+        if !self.memory.contains(&dst) {
+            return Err(Unsuitable::Memory(dst));
         }
-        Ok(())
+        self.direction_for(direction)
+            .map(|_| ())
+            .ok_or(Unsuitable::Direction(direction))
+    }
+
+    /// The direction a transfer moves in when a rule asks for `wanted`: `wanted` where the
+    /// transport offers it, else its own preferred one; `None` for a transport that
+    /// declares no direction.
+    pub fn direction_for(&self, wanted: Direction) -> Option<Direction> {
+        if self.directions.contains(&wanted) {
+            Some(wanted)
+        } else {
+            self.directions.first().copied()
+        }
     }
 }
 
@@ -89,20 +103,11 @@ pub fn catalog() -> Vec<(Capabilities, Viability)> {
     let later = |issue: &str| Viability::NotViable(format!("not built yet ({issue})"));
     vec![
         (crate::tcp::capabilities(), Viability::Viable),
-        (
-            Capabilities {
-                name: TransportName::Ipc,
-                memory: &[MemoryClass::Device],
-                localities: &[Locality::SameHost],
-                directions: &[Direction::Pull, Direction::Push],
-                needs_fd_passing: true,
-                one_sided_put: true,
-            },
-            later("the ipc transport arrives with GPU support"),
-        ),
+        (crate::ipc::capabilities(), crate::ipc::viability()),
         (
             Capabilities {
                 name: TransportName::Staged,
+                sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
                 memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
                 localities: &[Locality::SameHost, Locality::Remote],
                 directions: &[Direction::Push],
@@ -114,6 +119,7 @@ pub fn catalog() -> Vec<(Capabilities, Viability)> {
         (
             Capabilities {
                 name: TransportName::Ucx,
+                sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
                 memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
                 localities: &[Locality::SameHost, Locality::Remote],
                 directions: &[Direction::Push, Direction::Pull],

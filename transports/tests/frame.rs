@@ -86,8 +86,19 @@ fn corpus() -> Vec<Item> {
             tag: 0xfeed,
             len: 1 << 30,
             source: WireMemoryKind::Device(3),
-            transport: "staged".into(),
+            transport: "ipc".into(),
             direction: WireDirection::Pull,
+            ipc: Some(ferry_transports::wire::IpcSource {
+                device_uuid: "GPU-0".into(),
+                buffer: 9,
+                generation: 9,
+                offset: 0,
+                export: vec![7; 64],
+            }),
+        }),
+        Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {
+            attempt: 2,
+            step: ferry_transports::wire::IpcSetupStep::Request(vec!["GPU-1".into()]),
         }),
         Message::Grant(Grant {
             transfer: 1,

@@ -118,16 +118,23 @@ pub fn choose_with_setup(
                     Some(SetupOutcome::Ok) | None => Ok(()),
                 }),
         };
-        match verdict {
-            Ok(()) => {
+        let direction = catalog
+            .iter()
+            .find(|(c, _)| c.name == name)
+            .and_then(|(c, _)| c.direction_for(rule.direction));
+        match verdict.map(|()| direction) {
+            Ok(Some(direction)) => {
                 out.chosen = Some(Route {
                     rule_index: index,
                     rule_name: rule.name.clone(),
                     transport: name,
-                    direction: rule.direction,
+                    direction,
                 });
                 break;
             }
+            Ok(None) => out
+                .skipped
+                .push((name, Unsuitable::Direction(rule.direction))),
             Err(why) => out.skipped.push((name, why)),
         }
     }
@@ -176,11 +183,14 @@ mod tests {
     }
 
     #[test]
-    fn direction_and_peer_offers_exclude() {
+    fn a_transport_without_the_rules_direction_uses_its_own_and_peers_exclude() {
+        // tcp only pushes: a pull rule still uses it, pushing.
         let rules = vec![rule("pull", vec![TransportName::Tcp], Direction::Pull)];
         let e = choose(&rules, &catalog(), None, HOST);
-        assert!(e.chosen.is_none());
-        assert_eq!(e.skipped[0].1, Unsuitable::Direction(Direction::Pull));
+        assert_eq!(
+            e.chosen.as_ref().map(|r| (r.transport, r.direction)),
+            Some((TransportName::Tcp, Direction::Push))
+        );
         let rules = vec![rule("push", vec![TransportName::Tcp], Direction::Push)];
         let e = choose(&rules, &catalog(), Some(&["ipc".to_string()]), HOST);
         assert_eq!(e.skipped[0].1, Unsuitable::PeerLacks);
@@ -195,6 +205,7 @@ mod tests {
         for (caps, v) in &mut catalog {
             if caps.name == TransportName::Ipc {
                 *v = Viability::Viable;
+                caps.sources = &[MemoryClass::Host, MemoryClass::Device];
                 caps.memory = &[MemoryClass::Host, MemoryClass::Device];
             }
         }

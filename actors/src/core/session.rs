@@ -3,19 +3,21 @@
 //! through `handle_*` and carries out what `poll_*` returns.
 //!
 //! Outbound transfer: `Waiting → AwaitGrant → Streaming → AwaitDone → Completed`, or
-//! `Failed`/`Cancelled` from any phase. A put: `Waiting → Streaming → AwaitAck → Completed`.
+//! `Failed`/`Cancelled` from any phase. A pulled transfer (ipc) skips the grant and the
+//! stream: `Waiting → AwaitDone → Completed`, the peer reading the bytes itself. A put: `Waiting → Streaming → AwaitAck → Completed`.
 //! While a stream runs, a transport still reads the caller's buffer; an op that ends then
 //! passes through `Ending` and reports its outcome only once the stream has stopped, so the
 //! buffer never goes back to its owner while a copy can still touch it.
 //!
 //! Inbound transfer: `Reserving → Receiving → Complete → delivered`, in the peer's offer
-//! order (a later transfer that completes first waits for the earlier ones).
+//! order (a later transfer that completes first waits for the earlier ones). For a pulled
+//! transfer, `Receiving` is the shell's copy out of the peer's memory; no grant is sent.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use ferry_transports::wire::{
-    Cancel, Done, Grant, Message, Offer, WireDirection, WireMemoryKind, WireReason,
+    Cancel, Done, Grant, IpcSource, Message, Offer, WireDirection, WireMemoryKind, WireReason,
 };
 
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
@@ -81,6 +83,8 @@ pub struct SendRequest {
     pub transport: String,
     /// Direction chosen by the route.
     pub direction: WireDirection,
+    /// For a pulled (ipc) transfer: where the peer reads the bytes.
+    pub ipc: Option<IpcSource>,
     /// When it must have ended.
     pub deadline: Instant,
 }
@@ -109,6 +113,9 @@ pub enum SessionEvent {
         id: InboundId,
         /// Bytes to reserve.
         len: u64,
+        /// For a pulled transfer: where to read the bytes once reserved
+        /// ([`PeerSession::handle_reserved_pull`]).
+        pull: Option<IpcSource>,
     },
     /// An inbound transfer is complete and it is its turn: hand it to the application.
     Deliver {
@@ -200,6 +207,8 @@ struct InboundOp {
 #[derive(Debug)]
 pub struct PeerSession {
     limits: SessionLimits,
+    /// True when this node can pull from the peer's device memory (ipc).
+    serves_pull: bool,
     next_op: u64,
     ops: BTreeMap<OpId, Phase>,
     inbound: BTreeMap<InboundId, InboundOp>,
@@ -214,6 +223,7 @@ impl PeerSession {
     pub fn new(limits: SessionLimits) -> Self {
         Self {
             limits,
+            serves_pull: false,
             next_op: 1,
             ops: BTreeMap::new(),
             inbound: BTreeMap::new(),
@@ -222,6 +232,11 @@ impl PeerSession {
             lost: None,
             draining: false,
         }
+    }
+
+    /// Whether offers to pull (ipc) are accepted; refused as unsupported otherwise.
+    pub fn set_serves_pull(&mut self, serves: bool) {
+        self.serves_pull = serves;
     }
 
     /// Queues a transfer; it is offered in order once a pipeline slot is free.
@@ -288,8 +303,15 @@ impl PeerSession {
                         source: req.source,
                         transport: req.transport.clone(),
                         direction: req.direction,
+                        ipc: req.ipc.clone(),
                     }));
-                    self.ops.insert(id, Phase::AwaitGrant(req));
+                    // A pull needs no grant: the peer reads, then says Done.
+                    let phase = if req.direction == WireDirection::Pull {
+                        Phase::AwaitConfirm(OpKind::Transfer(req))
+                    } else {
+                        Phase::AwaitGrant(req)
+                    };
+                    self.ops.insert(id, phase);
                 }
                 put @ OpKind::Put(_) => {
                     self.events.push_back(SessionEvent::Stream(id));
@@ -433,7 +455,12 @@ impl PeerSession {
                 WireReason::Protocol,
                 format!("more than {} transfers open at once", self.limits.inbound),
             ))
-        } else if offer.transport != "tcp" || offer.direction != WireDirection::Push {
+        } else if !(offer.transport == "tcp" && offer.direction == WireDirection::Push
+            || offer.transport == "ipc"
+                && offer.direction == WireDirection::Pull
+                && offer.ipc.is_some()
+                && self.serves_pull)
+        {
             Some((
                 WireReason::Unsupported,
                 format!(
@@ -459,8 +486,11 @@ impl PeerSession {
                 phase: InPhase::Reserving,
             },
         );
-        self.events
-            .push_back(SessionEvent::Reserve { id, len: offer.len });
+        self.events.push_back(SessionEvent::Reserve {
+            id,
+            len: offer.len,
+            pull: offer.ipc,
+        });
         Ok(())
     }
 
@@ -557,7 +587,21 @@ impl PeerSession {
         }
     }
 
-    /// No memory could be reserved for inbound transfer `id`; the peer is told why.
+    /// Memory for pulled transfer `id` was reserved: the shell reads the bytes now and
+    /// reports [`Self::handle_inbound_complete`] or [`Self::handle_reserve_failed`]. Returns
+    /// false if the transfer was abandoned meanwhile.
+    pub fn handle_reserved_pull(&mut self, id: InboundId) -> bool {
+        match self.inbound.get_mut(&id) {
+            Some(op) if op.phase == InPhase::Reserving => {
+                op.phase = InPhase::Receiving;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// No memory could be reserved for inbound transfer `id`, or a pull failed; the peer is
+    /// told why.
     pub fn handle_reserve_failed(&mut self, id: InboundId, reason: WireReason, detail: String) {
         if self.inbound.remove(&id).is_some() {
             self.transmit.push_back(Message::Cancel(Cancel {

@@ -407,7 +407,7 @@ async fn receive_returns(node: &Node, peer: &str, count: u64, check: bool) -> an
         .context("the peer stopped sending")??;
         if check {
             let want = *expected.get_or_insert_with(|| pattern::crc(r.buffer.len()));
-            if crc32c::crc32c(r.buffer.as_slice()) != want {
+            if crc32c::crc32c(&r.buffer.bytes()?) != want {
                 wrong += 1;
             }
         }
@@ -431,7 +431,7 @@ async fn request(node: &Node, peer: &str, tag: u64, words: &[u64]) -> anyhow::Re
 async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<(u64, u64)> {
     request(node, peer, peer::TAG_REPORT, &[]).await?;
     let r = node.recv(Some(peer), Some(peer::TAG_REPORT)).await?;
-    let bytes = r.buffer.as_slice();
+    let bytes = r.buffer.bytes()?;
     let word = |i: usize| {
         bytes
             .get(i..i + 8)

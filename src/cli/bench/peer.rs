@@ -56,7 +56,7 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
             }
             TAG_SEND => {
                 let words: Vec<u64> = buffer
-                    .as_slice()
+                    .bytes()?
                     .chunks_exact(8)
                     .filter_map(|c| c.try_into().ok().map(u64::from_le_bytes))
                     .collect();
@@ -75,7 +75,7 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
                 let want = *expected
                     .entry(buffer.len())
                     .or_insert_with(|| pattern::crc(buffer.len()));
-                if crc32c::crc32c(buffer.as_slice()) != want {
+                if crc32c::crc32c(&buffer.bytes()?) != want {
                     wrong += 1;
                 }
             }

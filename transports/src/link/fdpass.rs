@@ -4,17 +4,18 @@
 #![allow(unsafe_code)]
 
 use std::io::{self, IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
 /// Sends `fd` and the bytes of `payload` (at least one byte, at most a few KiB) in one
-/// message. Blocks like a write on `stream`.
+/// message on the Unix socket `stream` (a std or tokio `UnixStream`). Blocks like a write
+/// on a blocking socket; on a non-blocking one it fails with `WouldBlock` when the socket
+/// buffer is full.
 ///
 /// # Errors
 /// The socket's error, or [`io::ErrorKind::InvalidInput`] for an empty payload.
-pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> io::Result<()> {
+pub fn send_fd(stream: &impl AsFd, fd: BorrowedFd<'_>, payload: &[u8]) -> io::Result<()> {
     if payload.is_empty() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -24,8 +25,14 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> io::R
     let fds = [fd.as_raw_fd()];
     let cmsg = [ControlMessage::ScmRights(&fds)];
     let iov = [IoSlice::new(payload)];
-    let sent = sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)
-        .map_err(io::Error::from)?;
+    let sent = sendmsg::<()>(
+        stream.as_fd().as_raw_fd(),
+        &iov,
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )
+    .map_err(io::Error::from)?;
     if sent != payload.len() {
         return Err(io::Error::new(
             io::ErrorKind::WriteZero,
@@ -40,11 +47,26 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> io::R
 ///
 /// # Errors
 /// The socket's error, or [`io::ErrorKind::InvalidData`] when no descriptor came.
-pub fn recv_fd(stream: &UnixStream, payload: &mut [u8]) -> io::Result<(OwnedFd, usize)> {
+pub fn recv_fd(stream: &impl AsFd, payload: &mut [u8]) -> io::Result<(OwnedFd, usize)> {
+    let (fd, bytes) = recv_maybe_fd(stream, payload)?;
+    let fd = fd
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "the peer sent no descriptor"))?;
+    Ok((fd, bytes))
+}
+
+/// Like [`recv_fd`], for a message that may come without a descriptor (an error reply).
+/// Returns `(None, 0)` at the end of the stream.
+///
+/// # Errors
+/// The socket's error (`WouldBlock` on a non-blocking socket with nothing to read).
+pub fn recv_maybe_fd(
+    stream: &impl AsFd,
+    payload: &mut [u8],
+) -> io::Result<(Option<OwnedFd>, usize)> {
     let mut iov = [IoSliceMut::new(payload)];
     let mut space = nix::cmsg_space!([RawFd; 4]);
     let msg = recvmsg::<()>(
-        stream.as_raw_fd(),
+        stream.as_fd().as_raw_fd(),
         &mut iov,
         Some(&mut space),
         MsgFlags::MSG_CMSG_CLOEXEC,
@@ -63,16 +85,14 @@ pub fn recv_fd(stream: &UnixStream, payload: &mut [u8]) -> io::Result<(OwnedFd, 
             }
         }
     }
-    let fd = received
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "the peer sent no descriptor"))?;
-    Ok((fd, bytes))
+    Ok((received, bytes))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
-    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
 
     #[test]
     fn a_file_descriptor_crosses_a_socket_pair() {

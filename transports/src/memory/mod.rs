@@ -12,6 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::cuda::{CudaError, DeviceBuffer, DeviceMemory};
 use crate::wire::WireMemoryKind;
 
 /// Where a buffer's bytes live.
@@ -20,9 +21,10 @@ use crate::wire::WireMemoryKind;
 pub enum MemoryKind {
     /// Pageable host memory.
     Host,
-    /// Page-locked host memory (arrives with the GPU transports).
+    /// Page-locked host memory (ordinary host memory counted under its own budget when
+    /// there is no CUDA driver).
     PinnedHost,
-    /// Memory of the GPU with this ordinal (arrives with the GPU transports).
+    /// Memory of the GPU with this CUDA ordinal.
     Device(u32),
 }
 
@@ -111,11 +113,39 @@ pub struct PromoteError {
     pub reason: String,
 }
 
+/// A buffer's bytes: host memory the CPU reads, or device memory of an exportable pool.
+enum Bytes {
+    Host(Box<[u8]>),
+    Device(DeviceBuffer),
+}
+
 struct Storage {
     lease: Lease,
-    bytes: Box<[u8]>,
+    bytes: Bytes,
     releaser: Arc<dyn Releaser>,
     home: Option<Arc<dyn MemoryHome>>,
+}
+
+/// Why bytes could not be read from or written to a buffer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// A transport still holds a view of the buffer.
+    #[error("the buffer is shared with a transport and cannot be written")]
+    Shared,
+    /// The range lies outside the buffer.
+    #[error("{len} bytes at offset {offset} overrun a buffer of {size} bytes")]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The buffer's length.
+        size: usize,
+    },
+    /// The device copy failed.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
 }
 
 impl Drop for Storage {
@@ -159,7 +189,26 @@ impl Buffer {
         Self {
             storage: Arc::new(Storage {
                 lease,
-                bytes: vec![0u8; len].into_boxed_slice(),
+                bytes: Bytes::Host(vec![0u8; len].into_boxed_slice()),
+                releaser,
+                home,
+            }),
+        }
+    }
+
+    /// Wraps device memory granted under `lease` (its length is the memory's). Used by the
+    /// GPU allocators.
+    pub fn new_device(
+        mut lease: Lease,
+        memory: DeviceBuffer,
+        releaser: Arc<dyn Releaser>,
+        home: Option<Arc<dyn MemoryHome>>,
+    ) -> Self {
+        lease.len = memory.len() as u64;
+        Self {
+            storage: Arc::new(Storage {
+                lease,
+                bytes: Bytes::Device(memory),
                 releaser,
                 home,
             }),
@@ -193,15 +242,120 @@ impl Buffer {
             return Err(fail(self, "the buffer did not come from a node".into()));
         };
         match home.reserve(kind, self.len() as u64, deadline).await {
-            Ok(mut target) => match target.as_mut_slice() {
-                Some(dst) => {
-                    dst.copy_from_slice(self.as_slice());
-                    metrics::counter!("ferry_promoted_bytes_total").increment(dst.len() as u64);
+            Ok(mut target) => match target.copy_from(&self) {
+                Ok(()) => {
+                    metrics::counter!("ferry_promoted_bytes_total").increment(target.len() as u64);
                     Ok(target)
                 }
-                None => Err(fail(self, "the new buffer is shared".into())),
+                Err(e) => Err(fail(self, e.to_string())),
             },
             Err(reason) => Err(fail(self, reason)),
+        }
+    }
+
+    /// Copies every byte of `src` (same length) into this buffer, whatever memory either
+    /// lives in; returns once the bytes are in place.
+    ///
+    /// # Errors
+    /// [`MemoryError::Shared`] while a transport holds this buffer,
+    /// [`MemoryError::OutOfBounds`] for different lengths, [`MemoryError::Cuda`] when a
+    /// device copy fails.
+    pub fn copy_from(&mut self, src: &Buffer) -> Result<(), MemoryError> {
+        if src.len() != self.len() {
+            return Err(MemoryError::OutOfBounds {
+                offset: 0,
+                len: src.len(),
+                size: self.len(),
+            });
+        }
+        match &src.storage.bytes {
+            Bytes::Host(bytes) => self.write(0, bytes),
+            Bytes::Device(from) => {
+                let dst = Arc::get_mut(&mut self.storage).ok_or(MemoryError::Shared)?;
+                match &mut dst.bytes {
+                    Bytes::Host(bytes) => {
+                        crate::cuda::copy_to_host(bytes, from, 0, &from.stream())?;
+                    }
+                    Bytes::Device(to) => {
+                        let stream = to.stream();
+                        crate::cuda::copy_async(to, 0, from, 0, from.len(), &stream)?;
+                        stream.synchronize()?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes `src` at `offset`, whatever memory the buffer lives in; returns once the bytes
+    /// are in place (a device buffer's stream is synchronised).
+    ///
+    /// # Errors
+    /// As [`Self::copy_from`].
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), MemoryError> {
+        let size = self.len();
+        if offset.checked_add(src.len()).is_none_or(|end| end > size) {
+            return Err(MemoryError::OutOfBounds {
+                offset,
+                len: src.len(),
+                size,
+            });
+        }
+        let storage = Arc::get_mut(&mut self.storage).ok_or(MemoryError::Shared)?;
+        match &mut storage.bytes {
+            Bytes::Host(bytes) => bytes[offset..offset + src.len()].copy_from_slice(src),
+            Bytes::Device(dev) => {
+                let stream = dev.stream();
+                crate::cuda::copy_from_host(dev, offset, src, &stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `dst.len()` bytes at `offset` into `dst`, whatever memory the buffer lives in.
+    ///
+    /// # Errors
+    /// [`MemoryError::OutOfBounds`], [`MemoryError::Cuda`].
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
+        self.share().read(offset, dst)
+    }
+
+    /// The bytes, whatever memory they live in: borrowed for host memory, copied out for
+    /// device memory.
+    ///
+    /// # Errors
+    /// [`MemoryError::Cuda`] when the device copy fails.
+    pub fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>, MemoryError> {
+        match self.as_slice() {
+            Some(host) => Ok(std::borrow::Cow::Borrowed(host)),
+            None => self.to_vec().map(std::borrow::Cow::Owned),
+        }
+    }
+
+    /// The whole buffer copied into a `Vec`, whatever memory it lives in.
+    ///
+    /// # Errors
+    /// [`MemoryError::Cuda`] when a device copy fails.
+    pub fn to_vec(&self) -> Result<Vec<u8>, MemoryError> {
+        let mut out = vec![0u8; self.len()];
+        self.read(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// The device memory, for a buffer that lives on a GPU.
+    pub fn device_memory(&self) -> Option<&DeviceBuffer> {
+        match &self.storage.bytes {
+            Bytes::Device(d) => Some(d),
+            Bytes::Host(_) => None,
+        }
+    }
+
+    /// The device memory, writable; `None` for host memory or while a transport still holds
+    /// a view of the buffer.
+    pub fn device_memory_mut(&mut self) -> Option<&mut DeviceBuffer> {
+        match Arc::get_mut(&mut self.storage).map(|s| &mut s.bytes) {
+            Some(Bytes::Device(d)) => Some(d),
+            _ => None,
         }
     }
 
@@ -212,12 +366,12 @@ impl Buffer {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.storage.bytes.len()
+        self.storage.len()
     }
 
     /// True for a zero-length buffer.
     pub fn is_empty(&self) -> bool {
-        self.storage.bytes.is_empty()
+        self.len() == 0
     }
 
     /// Where the bytes live.
@@ -225,14 +379,19 @@ impl Buffer {
         self.storage.lease.kind
     }
 
-    /// The bytes, for memory the CPU can read.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.storage.bytes
+    /// The bytes, for host memory (the CPU can read them in place); `None` for device
+    /// memory (use [`Self::read`] or [`Self::to_vec`]).
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        self.storage.host()
     }
 
-    /// The bytes, writable; `None` while a transport still holds a view of them.
+    /// The bytes, writable, for host memory; `None` for device memory or while a transport
+    /// still holds a view of them.
     pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
-        Arc::get_mut(&mut self.storage).map(|s| &mut s.bytes[..])
+        match Arc::get_mut(&mut self.storage).map(|s| &mut s.bytes) {
+            Some(Bytes::Host(b)) => Some(&mut b[..]),
+            _ => None,
+        }
     }
 
     /// A read-only view for a transport to stream from. The buffer stays unwritable until
@@ -255,10 +414,69 @@ pub struct SharedBytes {
     storage: Arc<Storage>,
 }
 
+impl Storage {
+    fn len(&self) -> usize {
+        match &self.bytes {
+            Bytes::Host(b) => b.len(),
+            Bytes::Device(d) => d.len(),
+        }
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        match &self.bytes {
+            Bytes::Host(b) => Some(b),
+            Bytes::Device(_) => None,
+        }
+    }
+}
+
 impl SharedBytes {
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.storage.bytes
+    /// The bytes, for host memory; `None` for device memory.
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        self.storage.host()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// True for zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The lease the bytes belong to.
+    pub fn lease(&self) -> Lease {
+        self.storage.lease
+    }
+
+    /// The device memory, for a buffer on a GPU.
+    pub fn device_memory(&self) -> Option<&DeviceBuffer> {
+        match &self.storage.bytes {
+            Bytes::Device(d) => Some(d),
+            Bytes::Host(_) => None,
+        }
+    }
+
+    /// Reads `dst.len()` bytes at `offset` into `dst`, whatever memory they live in.
+    ///
+    /// # Errors
+    /// [`MemoryError::OutOfBounds`], [`MemoryError::Cuda`].
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let size = self.len();
+        if offset.checked_add(dst.len()).is_none_or(|end| end > size) {
+            return Err(MemoryError::OutOfBounds {
+                offset,
+                len: dst.len(),
+                size,
+            });
+        }
+        match &self.storage.bytes {
+            Bytes::Host(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
+            Bytes::Device(d) => crate::cuda::copy_to_host(dst, d, offset, &d.stream())?,
+        }
+        Ok(())
     }
 }
 

@@ -70,6 +70,51 @@ pub struct Offer {
     pub transport: String,
     /// Who moves the bytes.
     pub direction: WireDirection,
+    /// For an ipc pull: where the receiver reads the bytes from.
+    pub ipc: Option<IpcSource>,
+}
+
+/// A buffer in a same-host peer's exportable device pool, as an ipc pull reads it: the
+/// pool is named by its device's UUID (imported once per peer and device through the
+/// peer's pool socket), the buffer by its 64-byte pointer export plus its lease.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct IpcSource {
+    /// UUID of the GPU the buffer lives on (`GPU-...`).
+    pub device_uuid: String,
+    /// The buffer's id at the sender.
+    pub buffer: u64,
+    /// The lease's generation at the sender.
+    pub generation: u64,
+    /// Where the bytes start within the allocation.
+    pub offset: u64,
+    /// `cuMemPoolExportPointer`'s 64 bytes.
+    pub export: Vec<u8>,
+}
+
+/// A step of the lazy ipc setup between two same-host peers, driven by the sending side
+/// (the exporter); see `ferry_actors::core::ipc_setup`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct IpcSetupMessage {
+    /// The attempt this step belongs to (1 for the first).
+    pub attempt: u32,
+    /// The step.
+    pub step: IpcSetupStep,
+}
+
+/// The steps of the ipc setup.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum IpcSetupStep {
+    /// The exporter asks the peer to import its pools: the UUIDs of its GPUs.
+    Request(Vec<String>),
+    /// The importer's answer: `None` when every pool was imported, else why not.
+    Reply(Option<String>),
+    /// The exporter's own checks passed (`None`) or failed (the reason).
+    Ack(Option<String>),
+    /// The importer confirms the ack: transfers may use ipc.
+    Confirm,
 }
 
 /// The receiver has reserved memory for a transfer; the sender may stream it.
@@ -193,6 +238,8 @@ pub enum Message {
     Goodbye,
     /// The acceptor keeps this link; the dialer sends nothing before it.
     Welcome,
+    /// A step of the lazy ipc setup.
+    IpcSetup(IpcSetupMessage),
 }
 
 /// The kind of a frame, carried in its header.
@@ -227,6 +274,8 @@ pub enum FrameKind {
     /// [`Message::Put`] frame just before it, exactly as long as that header says. Nothing
     /// in it is interpreted; the frame CRC is its only check.
     Payload = 13,
+    /// [`Message::IpcSetup`]
+    IpcSetup = 14,
 }
 
 impl FrameKind {
@@ -246,6 +295,7 @@ impl FrameKind {
             11 => Self::Goodbye,
             12 => Self::Welcome,
             13 => Self::Payload,
+            14 => Self::IpcSetup,
             _ => return None,
         })
     }
@@ -267,6 +317,7 @@ impl Message {
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
+            Self::IpcSetup(_) => FrameKind::IpcSetup,
         }
     }
 }
@@ -287,6 +338,7 @@ impl ArchivedMessage {
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
+            Self::IpcSetup(_) => FrameKind::IpcSetup,
         }
     }
 }

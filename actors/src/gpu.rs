@@ -1,0 +1,232 @@
+//! The node's GPUs as the actors use them: one domain per device (its allocator, over the
+//! device's exportable pool), a copy stream per device for pulls, the pools other nodes may
+//! import, and the importing side of the ipc transport (fetching a peer's pools, and the
+//! pull itself: import the buffer, copy it into ours, free the import).
+//!
+//! The pull runs on a blocking thread: the copy is queued on the receiving device's copy
+//! stream and waited for there, so `recv()` never returns before the bytes are complete and
+//! visible on the receiver's device, and no actor thread ever blocks on the GPU.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::Addr;
+use ferry_transports::cuda::{
+    CudaError, Device, DeviceMemory, ExportablePool, ImportedPool, POINTER_EXPORT_LEN, Stream,
+    copy_async, copy_to_host,
+};
+use ferry_transports::ipc::{PoolDirectory, fetch_pool};
+use ferry_transports::link::Secret;
+use ferry_transports::memory::Buffer;
+use ferry_transports::wire::IpcSource;
+
+use crate::allocator::Allocator;
+
+/// One GPU of the node.
+#[derive(Clone)]
+pub struct Gpu {
+    /// The device.
+    pub device: Device,
+    /// Its allocator (the `device{n}` domain).
+    pub allocator: Addr<Allocator>,
+    /// The stream pulls into this device's memory are copied on.
+    pub copy_stream: Stream,
+}
+
+/// The node's GPUs, by CUDA ordinal, and the pools it exports. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Gpus {
+    /// The GPUs this node allocates from, by ordinal.
+    pub gpus: Vec<(u32, Gpu)>,
+    /// Every GPU the process sees (a peer's pool may live on one this node does not use).
+    pub visible: Vec<Device>,
+    /// Pools served on the pool socket, by device UUID.
+    pub pools: PoolDirectory,
+}
+
+impl std::fmt::Debug for Gpus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.gpus.iter().map(|(n, _)| n))
+            .finish()
+    }
+}
+
+impl Gpus {
+    /// True when this node has no GPU domain.
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty()
+    }
+
+    /// The GPU with this ordinal, if the node uses it.
+    pub fn get(&self, ordinal: u32) -> Option<&Gpu> {
+        self.gpus
+            .iter()
+            .find(|(n, _)| *n == ordinal)
+            .map(|(_, g)| g)
+    }
+
+    /// UUIDs of the GPUs whose pools this node exports.
+    pub fn uuids(&self) -> Vec<String> {
+        self.gpus
+            .iter()
+            .map(|(_, g)| g.device.uuid().to_string())
+            .collect()
+    }
+
+    /// The device of this process with `uuid`, among every visible GPU.
+    pub fn visible_by_uuid(&self, uuid: &str) -> Option<&Device> {
+        self.visible.iter().find(|d| d.uuid() == uuid)
+    }
+
+    /// A copy stream on `device` if the node uses it, else the first GPU's.
+    fn stream_for(&self, device: &Device) -> Option<&Stream> {
+        self.gpus
+            .iter()
+            .find(|(_, g)| g.device.same_as(device))
+            .or_else(|| self.gpus.first())
+            .map(|(_, g)| &g.copy_stream)
+    }
+}
+
+/// Creates the exportable pool and streams of one GPU.
+///
+/// # Errors
+/// The driver's error.
+pub fn open_pool(device: &Device) -> Result<(ExportablePool, Stream, Stream), CudaError> {
+    let pool = ExportablePool::new(device)?;
+    let alloc_stream = Stream::new(device)?;
+    let copy_stream = Stream::new(device)?;
+    Ok((pool, alloc_stream, copy_stream))
+}
+
+/// A peer's pools imported into this process, by the peer's device UUID.
+pub type ImportedPools = HashMap<String, ImportedPool>;
+
+/// Fetches and imports the pools of the peer `node` (process `pid`) for each of `uuids`,
+/// and lets every GPU of ours read them. Runs the driver calls on a blocking thread.
+///
+/// # Errors
+/// Why one of them could not be imported, naming the device.
+pub async fn import_pools(
+    node: &str,
+    pid: u32,
+    uuids: &[String],
+    secret: &Secret,
+    gpus: &Gpus,
+) -> Result<ImportedPools, String> {
+    let mut out = ImportedPools::new();
+    for uuid in uuids {
+        let Some(device) = gpus.visible_by_uuid(uuid).cloned() else {
+            return Err(format!(
+                "the peer's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)"
+            ));
+        };
+        let fd = fetch_pool(node, pid, uuid, secret)
+            .await
+            .map_err(|e| e.to_string())?;
+        let ours: Vec<Device> = gpus.gpus.iter().map(|(_, g)| g.device.clone()).collect();
+        let imported = tokio::task::spawn_blocking(move || {
+            let pool = ExportablePool::import_fd(&device, fd)?;
+            for d in &ours {
+                pool.grant_access(d)?;
+            }
+            Ok::<_, CudaError>(pool)
+        })
+        .await
+        .map_err(|e| format!("the import task failed: {e}"))?
+        .map_err(|e| format!("importing the pool of {uuid}: {e}"))?;
+        out.insert(uuid.clone(), imported);
+    }
+    Ok(out)
+}
+
+/// Reads `len` bytes described by `source` out of the peer's imported pool into `dst`
+/// (device or host memory), and waits until they are there. The import is freed before
+/// returning, so the peer may free its buffer once told (`Done`). Blocking: call it on a
+/// blocking thread.
+///
+/// # Errors
+/// Why the bytes could not be read; `dst` comes back with the error.
+pub fn pull(
+    source: &IpcSource,
+    pools: &ImportedPools,
+    gpus: &Gpus,
+    mut dst: Buffer,
+) -> Result<Buffer, (Buffer, String)> {
+    let len = dst.len();
+    let result = (|| {
+        let pool = pools.get(&source.device_uuid).ok_or_else(|| {
+            format!(
+                "the peer's pool of {} was never imported",
+                source.device_uuid
+            )
+        })?;
+        let export: &[u8; POINTER_EXPORT_LEN] = source
+            .export
+            .as_slice()
+            .try_into()
+            .map_err(|_| format!("a pointer export of {} bytes", source.export.len()))?;
+        let offset = usize::try_from(source.offset).map_err(|e| e.to_string())?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| "offset and length overflow".to_string())?;
+        let imported = pool
+            .import_pointer(export, end)
+            .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+        match dst.device_memory_mut() {
+            Some(memory) => {
+                let stream = gpus
+                    .stream_for(memory.device())
+                    .cloned()
+                    .ok_or_else(|| "no copy stream".to_string())?;
+                copy_async(memory, 0, &imported, offset, len, &stream)
+                    .and_then(|()| stream.synchronize())
+                    .map_err(|e| format!("copying from the peer: {e}"))?;
+            }
+            None => {
+                let stream = gpus
+                    .stream_for(pool.device())
+                    .cloned()
+                    .ok_or_else(|| "no copy stream".to_string())?;
+                let host = dst
+                    .as_mut_slice()
+                    .ok_or_else(|| "the landing buffer is shared".to_string())?;
+                copy_to_host(host, &imported, offset, &stream)
+                    .map_err(|e| format!("copying from the peer: {e}"))?;
+            }
+        }
+        // Dropping the import waits for the copy and frees it (cuMemFree).
+        drop(imported);
+        Ok(())
+    })();
+    match result {
+        Ok(()) => Ok(dst),
+        Err(why) => Err((dst, why)),
+    }
+}
+
+/// The export of a buffer for an ipc pull: its device's UUID, its lease and the pointer
+/// export.
+///
+/// # Errors
+/// When the buffer is not device memory, or the driver refuses the export.
+pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
+    let memory = buffer
+        .device_memory()
+        .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
+    let export = memory
+        .export_pointer()
+        .map_err(|e| format!("exporting the buffer: {e}"))?;
+    let lease = buffer.lease();
+    Ok(IpcSource {
+        device_uuid: memory.device().uuid().to_string(),
+        buffer: lease.id.0,
+        generation: lease.generation.0,
+        offset: 0,
+        export: export.to_vec(),
+    })
+}
+
+/// Shared, for the transfer actors.
+pub type SharedGpus = Arc<Gpus>;

@@ -1,0 +1,246 @@
+//! The ipc transport's pieces below the actors: its declaration, whether it can run here,
+//! and the pool socket through which a same-host peer gets our pools' file descriptors.
+//!
+//! A buffer crosses ipc as its 64-byte pointer export ([`crate::wire::IpcSource`]); that
+//! export grants nothing without the pool it came from, and the pool travels once per peer
+//! and device as a file descriptor (SCM_RIGHTS). The control link cannot carry it: its
+//! reader reads ahead into a buffer, and a descriptor attached to bytes read by a plain
+//! `read` is lost. So every node with GPUs listens on a second Unix socket, in the abstract
+//! namespace (no file to clean up), named after the node and its pid (both in its `Hello`):
+//!
+//! ```text
+//! importer                                   exporter (pool socket)
+//!   connect ───────────────────────────────────> accept
+//!   mutual HMAC challenge (the link's secret) <─> (unbuffered: nothing read ahead)
+//!   u16 length + device UUID ──────────────────>
+//!                               <──────────────  one message: b"+" with the pool's fd,
+//!                                                or b"-" and the reason, no fd
+//! ```
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use ferry_config::{Direction, Locality, MemoryClass, TransportName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::cuda::{CudaProbe, ExportablePool};
+use crate::link::auth::{Role, authenticate};
+use crate::link::{LinkError, Secret, fdpass};
+use crate::transport::{Capabilities, Viability};
+
+/// The ipc transport's declaration: it reads device memory of a same-host peer, pulling
+/// (the receiver copies from the sender's exported buffer), and lands anywhere.
+pub fn capabilities() -> Capabilities {
+    Capabilities {
+        name: TransportName::Ipc,
+        sources: &[MemoryClass::Device],
+        memory: &[MemoryClass::Device, MemoryClass::Pinned, MemoryClass::Host],
+        localities: &[Locality::SameHost],
+        directions: &[Direction::Pull],
+        needs_fd_passing: true,
+        one_sided_put: false,
+    }
+}
+
+/// Whether ipc can run here: a working CUDA driver with at least one GPU whose memory pools
+/// export as POSIX file descriptors. Probed once per process.
+pub fn viability() -> Viability {
+    static VERDICT: OnceLock<Viability> = OnceLock::new();
+    VERDICT
+        .get_or_init(|| match crate::cuda::probe() {
+            CudaProbe::NoDriver => {
+                Viability::NotViable("no CUDA driver: GPU transports disabled".into())
+            }
+            CudaProbe::Failed { error, .. } => {
+                Viability::NotViable(format!("the CUDA driver does not work: {error}"))
+            }
+            CudaProbe::Ready(driver) if driver.devices.is_empty() => {
+                Viability::NotViable("the CUDA driver sees no GPU".into())
+            }
+            CudaProbe::Ready(driver) if !driver.devices.iter().any(|d| d.pool_posix_fd) => {
+                Viability::NotViable(
+                    "no GPU here can export its memory pool as a file descriptor".into(),
+                )
+            }
+            CudaProbe::Ready(_) => Viability::Viable,
+        })
+        .clone()
+}
+
+/// The abstract socket name of a node's pool socket.
+pub fn pool_socket_name(node: &str, pid: u32) -> String {
+    format!("ferry-pools/{node}/{pid}")
+}
+
+/// How long one pool request may take, connection and authentication included.
+pub const POOL_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The pools this node exports, by device UUID.
+pub type PoolDirectory = Arc<DashMap<String, ExportablePool>>;
+
+/// Why a peer's pool could not be fetched.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolFetchError {
+    /// The peer's pool socket could not be reached or failed.
+    #[error("the peer's pool socket {name}: {source}")]
+    Io {
+        /// The socket's abstract name.
+        name: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// Authentication failed.
+    #[error("authenticating with the peer's pool socket: {0}")]
+    Auth(LinkError),
+    /// The peer answered with a refusal.
+    #[error("the peer refused its pool: {0}")]
+    Refused(String),
+    /// It took longer than [`POOL_REQUEST_TIMEOUT`].
+    #[error("the peer's pool socket did not answer within {POOL_REQUEST_TIMEOUT:?}")]
+    Timeout,
+}
+
+/// Binds this node's pool socket. Serve it with [`serve_pools`].
+///
+/// # Errors
+/// The socket's error (e.g. the name is taken by another process).
+pub fn bind_pool_socket(node: &str) -> io::Result<UnixListener> {
+    let name = pool_socket_name(node, std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener)
+}
+
+/// Answers pool requests until the listener fails; each connection in its own task, under
+/// [`POOL_REQUEST_TIMEOUT`]. Runs on a tokio runtime.
+pub async fn serve_pools(listener: UnixListener, secret: Secret, pools: PoolDirectory) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "the pool socket failed; no more pool exports");
+                return;
+            }
+        };
+        let secret = secret.clone();
+        let pools = Arc::clone(&pools);
+        tokio::spawn(async move {
+            let answered =
+                tokio::time::timeout(POOL_REQUEST_TIMEOUT, answer(stream, &secret, &pools)).await;
+            match answered {
+                Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),
+                Err(_) => tracing::warn!("a pool request timed out"),
+            }
+        });
+    }
+}
+
+async fn answer(
+    mut stream: UnixStream,
+    secret: &Secret,
+    pools: &DashMap<String, ExportablePool>,
+) -> Result<String, String> {
+    let (mut r, mut w) = stream.split();
+    authenticate(&mut r, &mut w, Role::Acceptor, secret, "pool request")
+        .await
+        .map_err(|e| e.to_string())?;
+    let len = stream.read_u16_le().await.map_err(|e| e.to_string())?;
+    if len > 256 {
+        return Err(format!("a device name of {len} bytes"));
+    }
+    let mut uuid = vec![0u8; usize::from(len)];
+    stream
+        .read_exact(&mut uuid)
+        .await
+        .map_err(|e| e.to_string())?;
+    let uuid = String::from_utf8_lossy(&uuid).into_owned();
+    let exported = match pools.get(&uuid) {
+        Some(pool) => pool.export_fd().map_err(|e| e.to_string()),
+        None => Err(format!("no pool of device {uuid} here")),
+    };
+    match exported {
+        Ok(fd) => {
+            send_with_fd(&stream, fd.as_fd(), b"+").await?;
+            Ok(uuid)
+        }
+        Err(why) => {
+            let mut reply = b"-".to_vec();
+            reply.extend_from_slice(why.as_bytes());
+            stream.write_all(&reply).await.map_err(|e| e.to_string())?;
+            Err(why)
+        }
+    }
+}
+
+async fn send_with_fd(
+    stream: &UnixStream,
+    fd: std::os::fd::BorrowedFd<'_>,
+    payload: &[u8],
+) -> Result<(), String> {
+    stream
+        .async_io(Interest::WRITABLE, || fdpass::send_fd(stream, fd, payload))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Fetches the pool of device `uuid` from the same-host node `node` (process `pid`),
+/// authenticating with `secret`. Returns the descriptor to import
+/// ([`ExportablePool::import_fd`]).
+///
+/// # Errors
+/// [`PoolFetchError`], naming the cause.
+pub async fn fetch_pool(
+    node: &str,
+    pid: u32,
+    uuid: &str,
+    secret: &Secret,
+) -> Result<OwnedFd, PoolFetchError> {
+    let name = pool_socket_name(node, pid);
+    let io_err = |source: io::Error| PoolFetchError::Io {
+        name: name.clone(),
+        source,
+    };
+    let attempt = async {
+        let addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(io_err)?;
+        let std_stream = std::os::unix::net::UnixStream::connect_addr(&addr).map_err(io_err)?;
+        std_stream.set_nonblocking(true).map_err(io_err)?;
+        let mut stream = UnixStream::from_std(std_stream).map_err(io_err)?;
+        let (mut r, mut w) = stream.split();
+        authenticate(&mut r, &mut w, Role::Dialer, secret, "pool socket")
+            .await
+            .map_err(PoolFetchError::Auth)?;
+        let len = u16::try_from(uuid.len())
+            .map_err(|_| PoolFetchError::Refused(format!("device name {uuid} too long")))?;
+        let mut request = len.to_le_bytes().to_vec();
+        request.extend_from_slice(uuid.as_bytes());
+        stream.write_all(&request).await.map_err(io_err)?;
+        let mut reply = [0u8; 512];
+        let (fd, n) = stream
+            .async_io(Interest::READABLE, || {
+                fdpass::recv_maybe_fd(&stream, &mut reply)
+            })
+            .await
+            .map_err(io_err)?;
+        match (fd, reply.first()) {
+            (Some(fd), Some(b'+')) => Ok(fd),
+            (_, Some(b'-')) => Err(PoolFetchError::Refused(
+                String::from_utf8_lossy(&reply[1..n]).into_owned(),
+            )),
+            _ => Err(PoolFetchError::Refused(
+                "the answer carried no descriptor".into(),
+            )),
+        }
+    };
+    tokio::time::timeout(POOL_REQUEST_TIMEOUT, attempt)
+        .await
+        .unwrap_or(Err(PoolFetchError::Timeout))
+}
