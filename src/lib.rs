@@ -36,6 +36,9 @@ pub use ferry_actors::inbox::Received;
 pub use ferry_actors::node::Node;
 pub use ferry_actors::{Error, SendError};
 pub use ferry_config::{Config, ConfigError, LoadOptions, MemoryClass};
+/// The CUDA layer: devices, streams, pools and copies (GPU information for tests and tools).
+pub use ferry_transports::cuda;
+pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::tcp::RegionKey;
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::{Scratch, Served};
 
 fn ferry() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    let mut cmd = Command::new(common::ferry_bin());
     cmd.stdin(Stdio::null()).env("RUST_LOG", "warn");
     cmd
 }

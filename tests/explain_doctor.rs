@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use common::{Scratch, Served};
 
 fn ferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
+    Command::new(common::ferry_bin())
         .args(args)
         .env("RUST_LOG", "error")
         .output()

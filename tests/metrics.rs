@@ -224,7 +224,7 @@ fn invalid_metrics_listen_is_refused_before_start() {
                 &format!("[telemetry]\nmetrics_listen = \"{bad}\"\n"),
             ),
         );
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        let out = Command::new(common::ferry_bin())
             .args(["serve", "--config"])
             .arg(&cfg)
             .stdin(Stdio::null())
@@ -253,7 +253,7 @@ fn metrics_address_in_use_fails_start_up() {
             &format!("[telemetry]\nmetrics_listen = \"127.0.0.1:{port}\"\n"),
         ),
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let out = Command::new(common::ferry_bin())
         .args(["serve", "--config"])
         .arg(&cfg)
         .stdin(Stdio::null())
@@ -275,7 +275,7 @@ fn json_logs_go_to_stderr_and_the_ready_line_to_stdout() {
             "[telemetry]\nlog_format = \"json\"\nlog_level = \"info\"\n",
         ),
     );
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let mut child = Command::new(common::ferry_bin())
         .args(["serve", "--config"])
         .arg(&cfg)
         .env_remove("RUST_LOG")

@@ -184,7 +184,7 @@ async fn exhausted_tiers_make_senders_wait_and_recover_within_a_second() {
     let scratch = Scratch::new();
     let peer_cfg = scratch.write("s.toml", &scratch.toml("s", &[], ""));
     // A bench peer sends buffers back on request: it is the sender here.
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let mut child = std::process::Command::new(common::ferry_bin())
         .args(["bench", "--serve-peer"])
         .arg(&peer_cfg)
         .env("RUST_LOG", "error")

@@ -614,7 +614,8 @@ impl Handler<Delivered> for Coordinator {
     type Result = ();
 
     fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
-        self.inbox.deliver(&msg.peer, msg.tag, msg.buffer);
+        self.inbox
+            .deliver(&msg.peer, msg.tag, msg.transport, msg.buffer);
     }
 }
 

@@ -25,7 +25,13 @@ pub struct Received {
     pub peer: String,
     /// Its tag.
     pub tag: u64,
+    /// The transport it came over (`"tcp"`, `"ipc"`, ...): says whether the fast path was
+    /// taken.
+    pub transport: &'static str,
 }
+
+/// Buffers waiting for a `recv` (with the transport each came over), and parked receives.
+type Room = Mailroom<(Buffer, &'static str), Arc<Slot>>;
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -54,7 +60,7 @@ impl Slot {
 /// Delivered buffers and the `recv` calls waiting for them.
 #[derive(Debug)]
 pub struct Inbox {
-    room: Mutex<Mailroom<Buffer, Arc<Slot>>>,
+    room: Mutex<Room>,
     stopped: AtomicBool,
 }
 
@@ -67,20 +73,23 @@ impl Inbox {
         }
     }
 
-    fn room(&self) -> Result<MutexGuard<'_, Mailroom<Buffer, Arc<Slot>>>, Error> {
+    fn room(&self) -> Result<MutexGuard<'_, Room>, Error> {
         // A panic while holding the lock leaves the mailroom consistent (every operation
         // is a single push or remove), so a poisoned lock is still usable.
         Ok(self.room.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// A buffer from `peer` under `tag` arrived, in the peer's order.
-    pub fn deliver(&self, peer: &str, tag: u64, buffer: Buffer) {
+    pub fn deliver(&self, peer: &str, tag: u64, transport: &'static str, buffer: Buffer) {
         let Ok(mut room) = self.room() else { return };
-        if let Some((slot, buffer)) = room.deliver(peer, tag, buffer, Slot::is_live) {
+        if let Some((slot, (buffer, transport))) =
+            room.deliver(peer, tag, (buffer, transport), Slot::is_live)
+        {
             slot.put(Received {
                 buffer,
                 peer: peer.to_string(),
                 tag,
+                transport,
             });
         }
     }
@@ -99,7 +108,14 @@ impl Inbox {
             .room()?
             .recv(from, tag, Arc::clone(&slot), Slot::is_live)
         {
-            Ok(Some((peer, tag, buffer))) => return Ok(Received { buffer, peer, tag }),
+            Ok(Some((peer, tag, (buffer, transport)))) => {
+                return Ok(Received {
+                    buffer,
+                    peer,
+                    tag,
+                    transport,
+                });
+            }
             Ok(None) => {}
             Err((too_many, _)) => return Err(Error::QueueFull(too_many.to_string())),
         }
@@ -157,13 +173,18 @@ impl Drop for Parked<'_> {
         };
         self.slot.closed.store(true, Ordering::Release);
         if let Some(item) = self.slot.take()
-            && let Some((next, buffer)) =
-                room.requeue(&item.peer, item.tag, item.buffer, Slot::is_live)
+            && let Some((next, (buffer, transport))) = room.requeue(
+                &item.peer,
+                item.tag,
+                (item.buffer, item.transport),
+                Slot::is_live,
+            )
         {
             next.put(Received {
                 buffer,
                 peer: item.peer,
                 tag: item.tag,
+                transport,
             });
         }
     }

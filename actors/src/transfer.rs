@@ -47,6 +47,8 @@ pub struct Delivered {
     pub peer: String,
     /// The sender's tag.
     pub tag: u64,
+    /// The transport it came over.
+    pub transport: &'static str,
     /// The data.
     pub buffer: Buffer,
 }
@@ -422,7 +424,7 @@ impl TransferActor {
                 }
                 self.reserve(id, len, pulled, ctx);
             }
-            SessionEvent::Deliver { id, tag } => {
+            SessionEvent::Deliver { id, tag, transport } => {
                 if let Some(spans) = self.inbound_spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, tag, "delivered");
                 }
@@ -430,6 +432,7 @@ impl TransferActor {
                     let delivered = Delivered {
                         peer: self.peer.clone(),
                         tag,
+                        transport: transport_label(&transport),
                         buffer,
                     };
                     // Wait for the coordinator to take it before handling anything else,
@@ -1467,6 +1470,14 @@ impl ReadLoop {
         let link = self.link;
         let _ = self.me.send(LinkDown { why, link }).await;
     }
+}
+
+/// The static label of a transport named on the wire.
+fn transport_label(name: &str) -> &'static str {
+    ["tcp", "ipc", "staged", "ucx"]
+        .into_iter()
+        .find(|t| *t == name)
+        .unwrap_or("unknown")
 }
 
 fn note_protocol_violation() {

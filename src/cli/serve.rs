@@ -165,7 +165,9 @@ async fn run_role(node: Arc<Node>, role: Role) {
 }
 
 async fn handle(node: &Node, role: &Role, got: Received) -> anyhow::Result<()> {
-    let Received { buffer, peer, tag } = got;
+    let Received {
+        buffer, peer, tag, ..
+    } = got;
     match role {
         Role::None | Role::Sink => Ok(()),
         Role::Forward(next) => {

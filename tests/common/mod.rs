@@ -83,7 +83,7 @@ impl Served {
     /// Starts `ferry serve --config FILE --role ROLE` and waits (10 s at most) for its ready
     /// line.
     pub fn start(config: &Path, role: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        let mut child = Command::new(ferry_bin())
             .args(["serve", "--config"])
             .arg(config)
             .args(["--role", role])
@@ -154,4 +154,21 @@ pub async fn eventually(limit: Duration, mut check: impl AsyncFnMut() -> bool) -
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The ferry binary: `FERRY_BIN`, else the one cargo built, else (a test bundle carried to a
+/// GPU machine, where cargo's path does not exist) `bin/ferry` beside the bundle's `tests/`.
+pub fn ferry_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("FERRY_BIN") {
+        return path.into();
+    }
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_ferry"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin").join("ferry")))
+        .filter(|p| p.exists())
+        .unwrap_or(built)
 }

@@ -123,6 +123,8 @@ pub enum SessionEvent {
         id: InboundId,
         /// Its tag.
         tag: u64,
+        /// The transport it came over, as the offer named it.
+        transport: String,
     },
     /// An inbound transfer was abandoned: free whatever was reserved for it.
     Abandon(InboundId),
@@ -200,6 +202,7 @@ enum InPhase {
 #[derive(Debug)]
 struct InboundOp {
     tag: u64,
+    transport: String,
     phase: InPhase,
 }
 
@@ -483,6 +486,7 @@ impl PeerSession {
             id,
             InboundOp {
                 tag: offer.tag,
+                transport: offer.transport.clone(),
                 phase: InPhase::Reserving,
             },
         );
@@ -635,8 +639,11 @@ impl PeerSession {
                 break;
             }
             let (id, op) = entry.remove_entry();
-            self.events
-                .push_back(SessionEvent::Deliver { id, tag: op.tag });
+            self.events.push_back(SessionEvent::Deliver {
+                id,
+                tag: op.tag,
+                transport: op.transport,
+            });
         }
     }
 

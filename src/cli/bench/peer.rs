@@ -43,7 +43,9 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
     let mut wrong = 0u64;
     let mut expected: HashMap<usize, u32> = HashMap::new();
     loop {
-        let Received { buffer, peer, tag } = node.recv(None, None).await?;
+        let Received {
+            buffer, peer, tag, ..
+        } = node.recv(None, None).await?;
         match tag {
             TAG_REPORT => {
                 let mut reply = node.alloc(MemoryKind::Host, 16).await?;

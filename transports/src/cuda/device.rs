@@ -161,6 +161,17 @@ impl Device {
         self.inner.ctx
     }
 
+    /// Free and total memory of the device in bytes, as the driver counts them
+    /// (`cuMemGetInfo`: every process's allocations and reserved pool memory included).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn memory_info(&self) -> Result<(u64, u64), CudaError> {
+        self.bind()?;
+        // SAFETY: this device's context is current (bound above).
+        unsafe { raw::mem_get_info() }
+    }
+
     /// True when both values are the same GPU.
     pub fn same_as(&self, other: &Device) -> bool {
         self.inner.handle == other.inner.handle

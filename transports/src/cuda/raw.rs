@@ -433,6 +433,20 @@ pub(super) unsafe fn mem_pool_import_pointer(
     Ok(ptr)
 }
 
+/// Free and total memory of the current context's device.
+///
+/// # Safety
+/// A context is current on this thread.
+pub(super) unsafe fn mem_get_info() -> Result<(u64, u64), CudaError> {
+    let mut free: usize = 0;
+    let mut total: usize = 0;
+    // SAFETY: a context is current (caller); two values written through live locals.
+    check("cuMemGetInfo", unsafe {
+        sys::cuMemGetInfo_v2(&mut free, &mut total)
+    })?;
+    Ok((free as u64, total as u64))
+}
+
 /// The allocation containing `ptr`: its base and size.
 ///
 /// # Safety

@@ -1,0 +1,296 @@
+//! The ipc transport between two processes on a machine with two GPUs: this test process
+//! is node `a` on GPU 0, a `ferry serve --role echo` child is node `b` on GPU 1, linked over
+//! Unix sockets. Skipped (and saying so) without `FERRY_GPU_TESTS=1`; with it, a machine
+//! without two GPUs fails the tests.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{Scratch, Served};
+use ferry::{MemoryKind, Node};
+
+/// Two nodes: `a` (this process) and the echoing child `b`; `a_extra` and `b_extra` are
+/// added to their configurations.
+struct Pair {
+    node: Node,
+    child: Served,
+    _scratch: Scratch,
+}
+
+fn socket_dir(scratch: &Scratch) -> PathBuf {
+    scratch.path().join("sockets")
+}
+
+async fn pair(a_extra: &str, b_extra: &str) -> Pair {
+    let scratch = Scratch::new();
+    let dir = socket_dir(&scratch);
+    let node_extra = |extra: &str| format!("{extra}\n");
+    let b_text = scratch
+        .toml(
+            "b",
+            &[("a", &format!("unix:{}/a.sock", dir.display()))],
+            &node_extra(b_extra),
+        )
+        .replacen(
+            "[node]\n",
+            &format!("[node]\nsocket_dir = \"{}\"\n", dir.display()),
+            1,
+        );
+    let b = scratch.write("b.toml", &b_text);
+    let child = Served::start(&b, "echo");
+    let a_text = scratch
+        .toml(
+            "a",
+            &[("b", &format!("unix:{}/b.sock", dir.display()))],
+            &node_extra(a_extra),
+        )
+        .replacen(
+            "[node]\n",
+            &format!("[node]\nsocket_dir = \"{}\"\n", dir.display()),
+            1,
+        );
+    let config = ferry::Config::from_toml_str(&a_text).expect("config a");
+    let node = Node::start(config).await.expect("start a");
+    Pair {
+        node,
+        child,
+        _scratch: scratch,
+    }
+}
+
+const GPU0: &str = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n";
+const GPU1: &str = "[gpu]\ndevices = [1]\n[memory]\nreceive_into = \"device\"\n";
+
+/// `len` bytes derived from `seed`.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+async fn device_buffer(node: &Node, bytes: &[u8]) -> ferry::Buffer {
+    let mut b = node
+        .alloc(MemoryKind::Device(0), bytes.len())
+        .await
+        .expect("device alloc");
+    b.write(0, bytes).expect("write the device buffer");
+    b
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ipc_moves_device_buffers_both_ways_byte_exact() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("ipc_moves_device_buffers_both_ways", 2) else {
+        return;
+    };
+    let p = pair(GPU0, GPU1).await;
+    let sizes = [
+        1usize,
+        7,
+        4099,
+        (1 << 20) + 1,
+        8 << 20,
+        (256 << 20) + 5,
+        1 << 30,
+    ];
+    for (i, &len) in sizes.iter().enumerate() {
+        let want = pattern(len, i as u64);
+        let b = device_buffer(&p.node, &want).await;
+        let back = p.node.send("b", i as u64, b).await.expect("send to b");
+        assert_eq!(
+            back.to_vec().expect("read back"),
+            want,
+            "sender's copy changed"
+        );
+        drop(back);
+        let got = tokio::time::timeout(Duration::from_secs(60), p.node.recv(Some("b"), None))
+            .await
+            .expect("the echo came back in time")
+            .expect("recv");
+        assert_eq!(got.tag, i as u64);
+        assert_eq!(
+            got.transport, "ipc",
+            "{len} bytes came back over {}",
+            got.transport
+        );
+        assert_eq!(got.buffer.kind(), MemoryKind::Device(0));
+        assert_eq!(got.buffer.len(), len);
+        assert!(
+            got.buffer.to_vec().expect("read the echo") == want,
+            "{len} bytes: a→b→a changed the bytes"
+        );
+    }
+    p.node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thousand_buffers_leave_gpu_memory_where_it_was() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_thousand_buffers", 2) else {
+        return;
+    };
+    let dev = ferry::cuda::Device::open(0).expect("GPU 0");
+    let (free_before, _) = dev.memory_info().expect("memory info");
+    let p = pair(GPU0, GPU1).await;
+    let want = pattern(1 << 20, 3);
+    for i in 0..1000u64 {
+        let b = device_buffer(&p.node, &want).await;
+        drop(p.node.send("b", i, b).await.expect("send"));
+        let got = p.node.recv(Some("b"), Some(i)).await.expect("recv");
+        assert_eq!(got.transport, "ipc");
+        if i % 100 == 0 {
+            assert_eq!(got.buffer.to_vec().expect("read"), want, "buffer {i}");
+        }
+    }
+    let stats = p.node.memory(MemoryKind::Device(0)).await.expect("stats");
+    assert_eq!(
+        stats.budget.granted, 0,
+        "every device buffer was given back: {stats:?}"
+    );
+    let Pair { node, child, .. } = p;
+    node.shutdown().await;
+    drop(child);
+    // Freed pool memory goes back to the driver when the pools are destroyed.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (free_after, _) = dev.memory_info().expect("memory info");
+        let diff = free_before.abs_diff(free_after);
+        if diff <= 1 << 20 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "GPU 0 has {diff} bytes less free than before the node started"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_killed_peer", 2) else {
+        return;
+    };
+    let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n");
+    let p = pair(&a_extra, GPU1).await;
+    // Set up ipc first, so the kill lands among copies.
+    let b = device_buffer(&p.node, &pattern(4096, 1)).await;
+    drop(p.node.send("b", 0, b).await.expect("first send"));
+    let node = std::sync::Arc::new(p.node);
+    let mut sends = Vec::new();
+    for i in 1..=16u64 {
+        let node = std::sync::Arc::clone(&node);
+        let b = device_buffer(&node, &pattern(64 << 20, i)).await;
+        sends.push(tokio::spawn(async move {
+            node.send("b", i, b).await.map(drop).map_err(|e| e.error)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut child = p.child;
+    nix::sys::signal::kill(child.pid(), nix::sys::signal::Signal::SIGKILL).expect("kill b");
+    let killed = Instant::now();
+    let mut failed = 0;
+    for s in sends {
+        if s.await.expect("join").is_err() {
+            failed += 1;
+        }
+    }
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the sends took {took:?} to end after the kill"
+    );
+    assert!(failed > 0, "some sends must have been cut off by the kill");
+    let _ = child.child.wait();
+    // What the dead peer may have held is quarantined for the lease timeout, then freed.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = node.memory(MemoryKind::Device(0)).await.expect("stats");
+        if stats.budget.granted == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "device memory not given back: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_gpu_spills_to_pinned_and_promotes_back() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_full_gpu_spills", 2) else {
+        return;
+    };
+    let a_extra = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n\
+                   device = \"64 MiB\"\nspill = [\"pinned\"]\n";
+    let p = pair(a_extra, GPU1).await;
+    let len = 20 << 20;
+    let wants: Vec<Vec<u8>> = (0..4).map(|i| pattern(len, 100 + i)).collect();
+    for (i, want) in wants.iter().enumerate() {
+        let b = device_buffer(&p.node, want).await;
+        drop(p.node.send("b", i as u64, b).await.expect("send"));
+    }
+    let mut got = Vec::new();
+    for i in 0..4u64 {
+        got.push(p.node.recv(Some("b"), Some(i)).await.expect("recv").buffer);
+    }
+    let spilled: Vec<usize> = (0..4)
+        .filter(|&i| got[i].kind() == MemoryKind::PinnedHost)
+        .collect();
+    assert!(
+        !spilled.is_empty(),
+        "64 MiB cannot hold 4 × 20 MiB plus a send buffer"
+    );
+    for (b, want) in got.iter().zip(&wants) {
+        assert!(b.to_vec().expect("read") == *want, "landed bytes differ");
+    }
+    // Room on the GPU again: the spilled buffers come back, byte for byte.
+    let mut on_device = Vec::new();
+    let mut pinned = Vec::new();
+    for (i, b) in got.into_iter().enumerate() {
+        if b.kind() == MemoryKind::PinnedHost {
+            pinned.push((i, b));
+        } else {
+            on_device.push(b);
+        }
+    }
+    drop(on_device);
+    for (i, b) in pinned {
+        let promoted = b
+            .promote(
+                MemoryKind::Device(0),
+                Instant::now() + Duration::from_secs(10),
+            )
+            .await
+            .expect("promote");
+        assert_eq!(promoted.kind(), MemoryKind::Device(0));
+        assert!(
+            promoted.to_vec().expect("read") == wants[i],
+            "promotion changed buffer {i}"
+        );
+    }
+    p.node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_without_gpus_falls_back_to_tcp() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_peer_without_gpus", 2) else {
+        return;
+    };
+    let p = pair(GPU0, "[gpu]\ndevices = []\n").await;
+    let want = pattern((3 << 20) + 1, 9);
+    let b = device_buffer(&p.node, &want).await;
+    drop(p.node.send("b", 5, b).await.expect("send falls back"));
+    let got = p.node.recv(Some("b"), Some(5)).await.expect("recv");
+    assert_eq!(got.transport, "tcp");
+    assert!(got.buffer.to_vec().expect("read") == want);
+    p.node.shutdown().await;
+}
