@@ -46,6 +46,10 @@ pub struct Args {
     /// the pipeline delivers, so a backlog builds up and fills pinned memory.
     #[arg(long, default_value_t = 20.0, requires = "pressure", value_parser = parse_rate)]
     drain_rate: f64,
+    /// Keep buffers in host memory even where there are GPUs (without this, a machine with
+    /// GPUs runs the pipeline in device memory, one node process per GPU).
+    #[arg(long)]
+    host: bool,
 }
 
 fn parse_rate(s: &str) -> Result<f64, String> {
@@ -192,7 +196,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// What the source's receiver saw under `--pressure`.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct PressureCounts {
     /// Buffers received.
     received: usize,
@@ -202,6 +206,8 @@ struct PressureCounts {
     promoted: usize,
     /// Spilled buffers that could not be promoted before their deadline (still verified).
     promote_failed: usize,
+    /// Received buffers by the transport of their last hop.
+    transports: std::collections::BTreeMap<&'static str, usize>,
 }
 
 impl PressureCounts {
@@ -210,6 +216,9 @@ impl PressureCounts {
         self.spilled += other.spilled;
         self.promoted += other.promoted;
         self.promote_failed += other.promote_failed;
+        for (t, n) in other.transports {
+            *self.transports.entry(t).or_default() += n;
+        }
     }
 }
 
@@ -241,6 +250,29 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         String::new()
     };
+    // On a GPU machine every node uses one GPU (round robin) and receives into it, so buffers
+    // move GPU to GPU; --pressure stays on host memory (its tiers are host tiers).
+    let gpus = if args.pressure || args.host {
+        0
+    } else {
+        ferry::cuda::Device::count().unwrap_or(0) as u32
+    };
+    let gpu_table = |i: u32| {
+        if gpus == 0 {
+            String::new()
+        } else {
+            format!(
+                "\n[gpu]\ndevices = [{}]\n\n[memory]\nreceive_into = \"device\"\n",
+                i % gpus
+            )
+        }
+    };
+    let kind = if gpus == 0 {
+        MemoryKind::Host
+    } else {
+        MemoryKind::Device(0)
+    };
+    let source_memory = format!("{source_memory}{}", gpu_table(0));
     let source_config = write_config(dir.path(), "source", &names[0], &secret, &source_memory)?;
     let config: Config = ferry_config::load(&ferry::LoadOptions::only_file(&source_config))?;
     let node = Arc::new(Node::start(config).await?);
@@ -248,7 +280,7 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
     let mut stages = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let next = names.get(i + 1).map_or("source", String::as_str);
-        let path = write_config(dir.path(), name, next, &secret, "")?;
+        let path = write_config(dir.path(), name, next, &secret, &gpu_table(i as u32 + 1))?;
         stages.push(start_stage(&path, name, next)?);
     }
     let last = names.last().context("no stages")?.clone();
@@ -259,7 +291,14 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
         names.join(" -> "),
         names.len() + 1,
     );
-    println!("no GPU support in this build: buffers live in host memory");
+    if gpus == 0 {
+        println!("no GPU in use: buffers live in host memory");
+    } else {
+        println!(
+            "{gpus} GPU(s): buffers live in device memory; node i uses GPU i mod {gpus}, and \
+             receives into it"
+        );
+    }
     if args.pressure {
         println!(
             "pressure: the source receives into {} of pinned memory and spills to {} of host \
@@ -288,24 +327,42 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
     for (class, sizes) in plan(args.buffers, max_size) {
         let bytes: u64 = sizes.iter().map(|(_, s)| s).sum();
         let largest = sizes.iter().map(|(_, s)| *s).max().unwrap_or(1);
-        let explanation = node
-            .explain(&names[0], largest, MemoryClass::Host, MemoryClass::Host)
-            .await?;
+        let memory = if gpus == 0 {
+            MemoryClass::Host
+        } else {
+            MemoryClass::Device
+        };
+        let explanation = node.explain(&names[0], largest, memory, memory).await?;
         let transport = explanation
             .chosen
             .as_ref()
             .map_or("none".to_string(), |r| r.transport.to_string());
         let started = Instant::now();
-        let (wrong, count, seen) =
-            run_class(&node, &names[0], &last, &sizes, window, pressure_drain).await?;
+        let (wrong, count, seen) = run_class(
+            &node,
+            &names[0],
+            &last,
+            &sizes,
+            window,
+            pressure_drain,
+            kind,
+        )
+        .await?;
+        let arrived: Vec<String> = seen
+            .transports
+            .iter()
+            .map(|(t, n)| format!("{n} over {t}"))
+            .collect();
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         failures += wrong;
         total += count;
         pressure.add(seen);
         println!(
-            "{class:<16} {count:>6} {:>11} {:>10.1}  {transport:<10} {explanation}",
+            "{class:<16} {count:>6} {:>11} {:>10.1}  {transport:<10} {explanation}; the last \
+             hop carried {}",
             ferry_config::format_size(bytes),
             bytes as f64 / secs / 1e6,
+            arrived.join(", "),
         );
     }
     println!();
@@ -392,6 +449,7 @@ async fn run_class(
     sizes: &[(u64, u64)],
     window: usize,
     drain: Option<f64>,
+    kind: MemoryKind,
 ) -> anyhow::Result<(usize, usize, PressureCounts)> {
     let promote_to = drain.map(|_| MemoryKind::PinnedHost);
     let mut expected = HashMap::new();
@@ -404,6 +462,7 @@ async fn run_class(
             // budget must not keep the buffers behind it (which may hold that budget) from
             // being received and freed.
             let mut checks = JoinSet::new();
+            let mut transports = std::collections::BTreeMap::new();
             let mut next_read = tokio::time::Instant::now();
             for _ in 0..count {
                 // A slow reader under pressure: the next read waits for this one's bytes
@@ -413,6 +472,7 @@ async fn run_class(
                     .await
                 {
                     Ok(Ok(r)) => {
+                        *transports.entry(r.transport).or_default() += 1;
                         if let Some(rate) = drain {
                             let busy = r.buffer.len() as f64 / rate;
                             next_read = tokio::time::Instant::now().max(next_read)
@@ -424,7 +484,10 @@ async fn run_class(
                 }
             }
             let mut got = HashMap::new();
-            let mut seen = PressureCounts::default();
+            let mut seen = PressureCounts {
+                transports,
+                ..PressureCounts::default()
+            };
             while let Some(done) = checks.join_next().await {
                 let Ok((tag, len, crc, spilled, promoted)) = done else {
                     continue;
@@ -446,10 +509,11 @@ async fn run_class(
             let node = Arc::clone(node);
             let first = first.to_string();
             async move {
-                let mut buffer = node.alloc(MemoryKind::Host, size as usize).await?;
-                let slice = buffer.as_mut_slice().context("fresh buffer is shared")?;
-                Rng(tag.wrapping_mul(0x9E37_79B9) | 1).fill(slice);
-                let crc = crc32c::crc32c(slice);
+                let mut buffer = node.alloc(kind, size as usize).await?;
+                let mut bytes = vec![0u8; size as usize];
+                Rng(tag.wrapping_mul(0x9E37_79B9) | 1).fill(&mut bytes);
+                let crc = crc32c::crc32c(&bytes);
+                buffer.write(0, &bytes)?;
                 node.send(&first, tag, buffer).await?;
                 anyhow::Ok((tag, size, crc))
             }
