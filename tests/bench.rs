@@ -64,8 +64,9 @@ fn host_sweep_reports_every_size_next_to_its_baseline() {
 #[test]
 fn bench_refuses_what_is_not_built_with_a_reason() {
     for (args, needle) in [
-        (vec!["--memory", "device"], "device memory"),
-        (vec!["--transport", "ipc"], "only tcp"),
+        (vec!["--transport", "ipc"], "add --memory device"),
+        (vec!["--transport", "staged"], "not built yet"),
+        (vec!["--memory", "shared"], "host or device"),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -77,6 +78,28 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+/// Without a CUDA driver (this test skips itself where one loads), device memory is refused
+/// with the driver's reason before any peer starts.
+#[test]
+fn device_memory_without_a_driver_says_so() {
+    if ferry::cuda::driver() != Err(ferry::cuda::CudaError::NoDriver) {
+        eprintln!("skipped: a CUDA driver library loads on this machine");
+        return;
+    }
+    for transport in ["ipc", "tcp"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["bench", "--memory", "device", "--transport", transport])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{transport}: {stderr}");
+        assert!(stderr.contains("--memory device"), "{transport}: {stderr}");
+        assert!(stderr.contains("no CUDA driver"), "{transport}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{transport}: {stderr}");
     }
 }
 

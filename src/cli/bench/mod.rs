@@ -5,7 +5,12 @@
 //! size sweep to it through a node of its own, and asks the peer after each size how many
 //! buffers arrived and how many were wrong (`--check`, on by default). The baseline for the
 //! tcp transport is a plain socket between the same two processes moving the same bytes.
-//! Bandwidth is in GB/s (10^9 bytes per second).
+//!
+//! On device memory (`--memory device`) the measured node uses GPU 0 and the local peer GPU 1
+//! (GPU 0 too on a machine with one), both receiving into device memory; the default route
+//! carries device memory to a same-host peer over ipc (the receiver pulls with its copy
+//! engine). The baseline is `cuMemcpyAsync` between the same two GPUs in this process, with
+//! the same number of copies in flight. Bandwidth is in GB/s (10^9 bytes per second).
 
 mod pattern;
 mod peer;
@@ -136,6 +141,10 @@ fn window_for(size: u64, window: u64) -> u64 {
 }
 
 pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
+    // Checks that need no runtime and no peer come first.
+    if args.serve_peer.is_none() && args.from_json.is_none() {
+        check_args(&args)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -157,18 +166,30 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if args.memory != "host" {
-        bail!(
-            "--memory {}: device memory needs the GPU transports, which this build does not \
-             have yet; measure host memory with --memory host",
-            args.memory
-        );
+    let gpus = match args.memory.as_str() {
+        "device" => Some(gpu_pair()?),
+        _ => None,
+    };
+    runtime.block_on(orchestrate(config, overrides, args, gpus))
+}
+
+/// Refuses flags this build cannot measure, each with its reason.
+fn check_args(args: &Args) -> anyhow::Result<()> {
+    if !matches!(args.memory.as_str(), "host" | "device") {
+        bail!("--memory {}: host or device", args.memory);
     }
-    if args.transport != "tcp" {
-        bail!(
-            "--transport {}: only tcp is built so far (ipc and staged arrive with GPU support)",
-            args.transport
-        );
+    match args.transport.as_str() {
+        "tcp" => {}
+        "ipc" if args.memory == "device" => {}
+        "ipc" => bail!(
+            "--transport ipc reads device memory only (the receiver pulls from the sender's \
+             GPU); add --memory device"
+        ),
+        "staged" => bail!(
+            "--transport staged: the staged transport (device memory through pinned host \
+             buffers) is not built yet; measure tcp or ipc"
+        ),
+        other => bail!("--transport {other}: tcp or ipc (staged is not built yet)"),
     }
     if args.layout != "contiguous" {
         bail!(
@@ -179,7 +200,36 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
     if args.min > args.max {
         bail!("-b {} is larger than -e {}", args.min, args.max);
     }
-    runtime.block_on(orchestrate(config, overrides, args))
+    Ok(())
+}
+
+/// The GPUs of a device-memory bench: the measured node's and the local peer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GpuPair {
+    ours: u32,
+    theirs: u32,
+}
+
+/// GPU 0 for the measured node and GPU 1 for the local peer, or GPU 0 for both on a
+/// machine with one GPU. Fails, saying why, without a driver or a GPU.
+fn gpu_pair() -> anyhow::Result<GpuPair> {
+    let count = ferry::cuda::Device::count().map_err(|e| {
+        anyhow::anyhow!("--memory device: {e}; measure host memory with --memory host")
+    })?;
+    if count == 0 {
+        bail!(
+            "--memory device: the CUDA driver sees no GPU; measure host memory with --memory host"
+        );
+    }
+    Ok(GpuPair {
+        ours: 0,
+        theirs: if count >= 2 { 1 } else { 0 },
+    })
+}
+
+/// The `[gpu]` and `[memory]` tables of a node that uses GPU `ordinal` and receives into it.
+fn gpu_table(ordinal: u32) -> String {
+    format!("\n[gpu]\ndevices = [{ordinal}]\n\n[memory]\nreceive_into = \"device\"\n")
 }
 
 /// A local peer process, killed when dropped.
@@ -195,14 +245,48 @@ impl Drop for LocalPeer {
     }
 }
 
+/// What the ferry figures are compared with.
+enum Baseline {
+    /// A plain socket to the local peer's raw server at this address.
+    Socket(String),
+    /// `cuMemcpyAsync` between the two GPUs of the bench, in this process.
+    Copy(GpuPair),
+}
+
+impl Baseline {
+    fn label(&self, bidir: bool) -> String {
+        match self {
+            Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
+            Baseline::Copy(g) => format!(
+                "raw cuMemcpyAsync GPU{} -> GPU{} in one process{}",
+                g.ours,
+                g.theirs,
+                if bidir { ", and back at once" } else { "" }
+            ),
+        }
+    }
+}
+
 /// Where the measured node's peer is.
 struct Target {
     name: String,
-    baseline: Option<String>,
+    baseline: Option<Baseline>,
     local: Option<LocalPeer>,
+    /// The memory the bench's buffers live in, here and at the peer.
+    memory: MemoryKind,
 }
 
-async fn start_local(args: &Args) -> anyhow::Result<(Target, Node)> {
+impl Target {
+    /// [`peer::TAG_SEND`]'s memory word for this bench.
+    fn send_memory(&self) -> u64 {
+        match self.memory {
+            MemoryKind::Device(_) => peer::SEND_DEVICE,
+            _ => peer::SEND_HOST,
+        }
+    }
+}
+
+async fn start_local(args: &Args, gpus: Option<GpuPair>) -> anyhow::Result<(Target, Node)> {
     let dir = tempfile::Builder::new()
         .prefix("ferry-bench-")
         .tempdir()
@@ -223,6 +307,9 @@ async fn start_local(args: &Args) -> anyhow::Result<(Target, Node)> {
         },
         secret.display()
     );
+    if let Some(g) = gpus {
+        text.push_str(&gpu_table(g.theirs));
+    }
     std::fs::write(&peer_cfg, &text).context("cannot write the peer config")?;
     let exe = std::env::current_exe().context("cannot find the ferry binary")?;
     let mut child = Command::new(exe)
@@ -258,12 +345,19 @@ async fn start_local(args: &Args) -> anyhow::Result<(Target, Node)> {
          address = \"{address}\"\n\n[security]\nsecret_file = \"{}\"\n",
         secret.display()
     );
+    if let Some(g) = gpus {
+        text.push_str(&gpu_table(g.ours));
+    }
     let config = ferry::Config::from_toml_str(&text)?;
     let node = Node::start(config).await?;
     let target = Target {
         name: "bench-peer".into(),
-        baseline: Some(baseline),
+        baseline: Some(match gpus {
+            Some(g) => Baseline::Copy(g),
+            None => Baseline::Socket(baseline),
+        }),
         local: Some(local),
+        memory: gpus.map_or(MemoryKind::Host, |g| MemoryKind::Device(g.ours)),
     };
     Ok((target, node))
 }
@@ -272,16 +366,28 @@ async fn orchestrate(
     config: Option<PathBuf>,
     overrides: &[String],
     args: Args,
+    gpus: Option<GpuPair>,
 ) -> anyhow::Result<ExitCode> {
     let (target, node) = if args.peers.is_empty() {
-        start_local(&args).await?
+        start_local(&args, gpus).await?
     } else {
         let config = super::load_config(config, overrides, vec![])?;
         super::telemetry::init(&config.telemetry);
+        // Device memory on the first GPU the configuration names (GPU 0 when it names none);
+        // no baseline: the peer's GPU is not known here.
+        let memory = match (gpus, config.gpu.devices.as_deref()) {
+            (None, _) => MemoryKind::Host,
+            (Some(_), Some([])) => {
+                bail!("--memory device: the configuration sets gpu.devices = []")
+            }
+            (Some(_), Some([first, ..])) => MemoryKind::Device(*first),
+            (Some(_), None) => MemoryKind::Device(0),
+        };
         let target = Target {
             name: args.peers[0].clone(),
             baseline: None,
             local: None,
+            memory,
         };
         (target, Node::start(config).await?)
     };
@@ -289,9 +395,24 @@ async fn orchestrate(
     node.connect(&target.name)
         .await
         .with_context(|| format!("cannot reach the bench peer {}", target.name))?;
-    let explanation = node
-        .explain(&target.name, args.max, MemoryClass::Host, MemoryClass::Host)
-        .await?;
+    let class = match target.memory {
+        MemoryKind::Device(_) => MemoryClass::Device,
+        _ => MemoryClass::Host,
+    };
+    let explanation = node.explain(&target.name, args.max, class, class).await?;
+    let chosen = explanation.chosen.as_ref().map(|r| r.transport.as_str());
+    if chosen != Some(args.transport.as_str()) {
+        bail!(
+            "--transport {}: ferry would carry {} of {} memory to {} over {}, so the bench \
+             would not measure {}; the route: {explanation}",
+            args.transport,
+            ferry_config::format_size(args.max),
+            args.memory,
+            target.name,
+            chosen.unwrap_or("nothing"),
+            args.transport,
+        );
+    }
     let list = sizes(args.min, args.max, args.factor);
     let header = report::Header {
         transport: args.transport.clone(),
@@ -302,11 +423,18 @@ async fn orchestrate(
         warmup: args.warmup,
         route: explanation.to_string(),
         baseline: match (&target.baseline, args.no_baseline) {
-            (Some(_), false) => "plain TCP socket between the same two processes".into(),
+            (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
+        latency: latency_label(&args.transport),
     };
     report::print_header(&header);
+    if matches!(target.memory, MemoryKind::Device(_)) && !args.no_check {
+        println!(
+            "# check: the peer copies every device buffer it receives to host memory to verify \
+             it, which bounds ferry's figures; --no-check measures the transport alone"
+        );
+    }
     let progress = report::progress(list.len() as u64);
     let mut records = Vec::new();
     for size in list {
@@ -323,7 +451,7 @@ async fn orchestrate(
         // With --bidir the record holds both directions together: show one direction's share.
         let share = if args.bidir { 0.5 } else { 1.0 };
         let forward = records.last().map_or(0.0, |r| r.ferry_gbps * share);
-        let back = measure_return(&node, &target.name, size, args.iters, args.window).await?;
+        let back = measure_return(&node, &target, &args, size).await?;
         report::print_matrix(
             &[node.name().to_string(), target.name.clone()],
             &[vec![None, Some(forward)], vec![Some(back), None]],
@@ -351,11 +479,28 @@ async fn orchestrate(
     Ok(ExitCode::SUCCESS)
 }
 
-async fn alloc_filled(node: &Node, size: u64, count: u64) -> anyhow::Result<Vec<Buffer>> {
+/// What the latency columns measure, for the header.
+fn latency_label(transport: &str) -> String {
+    let what = match transport {
+        "ipc" => {
+            "send() called until the peer's Done: it imported our buffer and its copy engine \
+             pulled the bytes (one pull round trip)"
+        }
+        _ => "send() called until it resolved (the transfer complete)",
+    };
+    format!("{what}, with up to the row's window in flight (--window 1: one transfer alone)")
+}
+
+async fn alloc_filled(
+    node: &Node,
+    kind: MemoryKind,
+    size: u64,
+    count: u64,
+) -> anyhow::Result<Vec<Buffer>> {
     let mut out = Vec::new();
     for _ in 0..count {
-        let mut b = node.alloc(MemoryKind::Host, usize::try_from(size)?).await?;
-        pattern::fill(b.as_mut_slice().context("fresh buffer")?);
+        let mut b = node.alloc(kind, usize::try_from(size)?).await?;
+        pattern::fill_buffer(&mut b).context("cannot fill a bench buffer")?;
         out.push(b);
     }
     Ok(out)
@@ -394,8 +539,16 @@ async fn send_many(
     Ok(())
 }
 
-/// Receives `count` buffers sent back by the peer; returns how many were wrong.
-async fn receive_returns(node: &Node, peer: &str, count: u64, check: bool) -> anyhow::Result<u64> {
+/// Receives `count` buffers sent back by the peer; returns how many were wrong. Fails on a
+/// buffer that came over another transport than `transport`: that direction was not
+/// measuring it.
+async fn receive_returns(
+    node: &Node,
+    peer: &str,
+    count: u64,
+    check: bool,
+    transport: &str,
+) -> anyhow::Result<u64> {
     let mut wrong = 0;
     let mut expected = None;
     for _ in 0..count {
@@ -405,6 +558,13 @@ async fn receive_returns(node: &Node, peer: &str, count: u64, check: bool) -> an
         )
         .await
         .context("the peer stopped sending")??;
+        if r.transport != transport {
+            bail!(
+                "a buffer the peer sent back came over {}, not {transport}: that route fell \
+                 back (RUST_LOG=info says why)",
+                r.transport
+            );
+        }
         if check {
             let want = *expected.get_or_insert_with(|| pattern::crc(r.buffer.len()));
             if crc32c::crc32c(&r.buffer.bytes()?) != want {
@@ -427,8 +587,15 @@ async fn request(node: &Node, peer: &str, tag: u64, words: &[u64]) -> anyhow::Re
     Ok(())
 }
 
-/// The peer's count of received and wrong buffers since its last report.
-async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<(u64, u64)> {
+/// What the peer saw since its last report.
+struct PeerReport {
+    received: u64,
+    wrong: u64,
+    /// The transports that carried them (empty from a peer that does not say).
+    transports: Vec<String>,
+}
+
+async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<PeerReport> {
     request(node, peer, peer::TAG_REPORT, &[]).await?;
     let r = node.recv(Some(peer), Some(peer::TAG_REPORT)).await?;
     let bytes = r.buffer.bytes()?;
@@ -439,23 +606,33 @@ async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<(u64, u64)> {
             .map(u64::from_le_bytes)
             .context("short report")
     };
-    Ok((word(0)?, word(8)?))
+    let transports = String::from_utf8_lossy(bytes.get(16..).unwrap_or_default())
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect();
+    Ok(PeerReport {
+        received: word(0)?,
+        wrong: word(8)?,
+        transports,
+    })
 }
 
 async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow::Result<Record> {
     let peer = target.name.as_str();
     let window = window_for(size, args.window);
-    let mut buffers = alloc_filled(node, size, window).await?;
+    let mut buffers = alloc_filled(node, target.memory, size, window).await?;
     send_many(node, peer, &mut buffers, args.warmup, None).await?;
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
     let check = !args.no_check;
     let started = Instant::now();
     let mut wrong = 0;
     if args.bidir {
-        request(node, peer, peer::TAG_SEND, &[size, args.iters, window]).await?;
+        let ask = [size, args.iters, window, target.send_memory()];
+        request(node, peer, peer::TAG_SEND, &ask).await?;
         let (sent, back) = tokio::join!(
             send_many(node, peer, &mut buffers, args.iters, Some(&mut hist)),
-            receive_returns(node, peer, args.iters, check),
+            receive_returns(node, peer, args.iters, check, &args.transport),
         );
         sent?;
         wrong += back?;
@@ -466,16 +643,38 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     let directions = if args.bidir { 2.0 } else { 1.0 };
     let ferry_gbps = directions * (size * args.iters) as f64 / elapsed / 1e9;
     drop(buffers);
+    let report = peer_report(node, peer).await?;
     if check {
-        let (received, bad) = peer_report(node, peer).await?;
         let expected = args.warmup + args.iters;
-        wrong += bad + expected.saturating_sub(received);
-    } else {
-        let _ = peer_report(node, peer).await?;
+        wrong += report.wrong + expected.saturating_sub(report.received);
+    }
+    if let Some(other) = report.transports.iter().find(|t| **t != args.transport) {
+        bail!(
+            "the peer received {} buffers over {other}, not {}: the route fell back \
+             (RUST_LOG=info says why)",
+            ferry_config::format_size(size),
+            args.transport
+        );
     }
     let baseline_gbps = match (&target.baseline, args.no_baseline) {
-        (Some(addr), false) => {
+        (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, args.warmup, window, args.bidir).await?)
+        }
+        (Some(Baseline::Copy(gpus)), false) => {
+            let (gpus, iters, warmup, bidir) = (*gpus, args.iters, args.warmup, args.bidir);
+            let len = usize::try_from(size)?;
+            let gbps = tokio::task::spawn_blocking(move || {
+                copy_baseline(gpus, len, iters, warmup, window, bidir)
+            })
+            .await
+            .context("the copy baseline stopped")?
+            .with_context(|| {
+                format!(
+                    "the baseline (cuMemcpyAsync GPU{} -> GPU{}) failed",
+                    gpus.ours, gpus.theirs
+                )
+            })?;
+            Some(gbps)
         }
         _ => None,
     };
@@ -498,16 +697,84 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
 /// Bandwidth of the peer sending to us, for the pair matrix.
 async fn measure_return(
     node: &Node,
-    peer: &str,
+    target: &Target,
+    args: &Args,
     size: u64,
-    iters: u64,
-    window: u64,
 ) -> anyhow::Result<f64> {
-    let window = window_for(size, window);
+    let (peer, iters) = (target.name.as_str(), args.iters);
+    let window = window_for(size, args.window);
     let started = Instant::now();
-    request(node, peer, peer::TAG_SEND, &[size, iters, window]).await?;
-    receive_returns(node, peer, iters, false).await?;
+    let ask = [size, iters, window, target.send_memory()];
+    request(node, peer, peer::TAG_SEND, &ask).await?;
+    receive_returns(node, peer, iters, false, &args.transport).await?;
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9)
+}
+
+/// One direction of the copy baseline: a source on one GPU, a destination on the other, and
+/// a stream of the destination's GPU that copies.
+struct CopyLane {
+    src: ferry::cuda::DeviceBuffer,
+    dst: ferry::cuda::DeviceBuffer,
+    stream: ferry::cuda::Stream,
+}
+
+/// `cuMemcpyAsync` from GPU `gpus.ours` to GPU `gpus.theirs` (and back at the same time with
+/// `bidir`) in this process: `warmup` untimed copies, then `iters` timed ones queued `window`
+/// at a time on a stream of the destination GPU, waiting for each batch, as ferry has at most
+/// `window` transfers in flight: GB/s. Blocks.
+fn copy_baseline(
+    gpus: GpuPair,
+    len: usize,
+    iters: u64,
+    warmup: u64,
+    window: u64,
+    bidir: bool,
+) -> anyhow::Result<f64> {
+    use ferry::cuda::{Device, ExportablePool, Stream};
+    let ours = Device::open(gpus.ours as usize)?;
+    let theirs = Device::open(gpus.theirs as usize)?;
+    let pool_ours = ExportablePool::new(&ours)?;
+    let pool_theirs = ExportablePool::new(&theirs)?;
+    // Each stream reads the other GPU's pool (no-ops on one GPU).
+    pool_ours.grant_access(&theirs)?;
+    pool_theirs.grant_access(&ours)?;
+    let lane = |from: &ExportablePool, to: &ExportablePool| -> anyhow::Result<CopyLane> {
+        let stream = Stream::new(to.device())?;
+        let src_stream = Stream::new(from.device())?;
+        let src = from.alloc(len, &src_stream)?;
+        // The source was allocated in the order of its own stream: done before use here.
+        src_stream.synchronize()?;
+        let dst = to.alloc(len, &stream)?;
+        Ok(CopyLane { src, dst, stream })
+    };
+    let mut lanes = vec![lane(&pool_ours, &pool_theirs)?];
+    if bidir {
+        lanes.push(lane(&pool_theirs, &pool_ours)?);
+    }
+    copy_batches(&mut lanes, warmup, window)?;
+    let started = Instant::now();
+    copy_batches(&mut lanes, iters, window)?;
+    let took = started.elapsed().as_secs_f64().max(1e-9);
+    Ok(lanes.len() as f64 * (len as u64 * iters) as f64 / took / 1e9)
+}
+
+/// `count` copies on every lane, `window` queued at a time, then waits for them.
+fn copy_batches(lanes: &mut [CopyLane], count: u64, window: u64) -> anyhow::Result<()> {
+    let mut left = count;
+    while left > 0 {
+        let batch = left.min(window.max(1));
+        for lane in lanes.iter_mut() {
+            let len = ferry::cuda::DeviceMemory::len(&lane.src);
+            for _ in 0..batch {
+                ferry::cuda::copy_async(&mut lane.dst, 0, &lane.src, 0, len, &lane.stream)?;
+            }
+        }
+        for lane in lanes.iter() {
+            lane.stream.synchronize()?;
+        }
+        left -= batch;
+    }
+    Ok(())
 }
 
 /// The raw socket moving the same bytes between the same processes, with the same number

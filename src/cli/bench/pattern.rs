@@ -16,6 +16,21 @@ pub fn fill(bytes: &mut [u8]) {
     fill_at(bytes, 0, bytes.len() as u64);
 }
 
+/// Fills `buffer` with the pattern of its length, in place for host memory, through a host
+/// copy for device memory.
+///
+/// # Errors
+/// The copy into device memory failing.
+pub fn fill_buffer(buffer: &mut ferry::Buffer) -> Result<(), ferry::MemoryError> {
+    if let Some(bytes) = buffer.as_mut_slice() {
+        fill(bytes);
+        return Ok(());
+    }
+    let mut bytes = vec![0u8; buffer.len()];
+    fill(&mut bytes);
+    buffer.write(0, &bytes)
+}
+
 fn fill_at(bytes: &mut [u8], first_word: u64, len: u64) {
     let mut words = bytes.chunks_exact_mut(8);
     let mut k = first_word;

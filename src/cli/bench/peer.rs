@@ -1,7 +1,7 @@
 //! The far end of a bench: a node that verifies every buffer it receives and reports what it
 //! saw, plus a raw-socket server for the baseline. Runs as `ferry bench --serve-peer CONFIG`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -13,10 +13,16 @@ use tokio::net::{TcpListener, TcpStream};
 use super::pattern;
 
 /// Asks the peer how many buffers it received and how many were wrong since the last
-/// report; it answers under the same tag with 16 bytes (received, wrong; little endian).
+/// report; it answers under the same tag with 16 bytes (received, wrong; little endian)
+/// followed by the names of the transports that carried them, comma-separated ASCII.
 pub const TAG_REPORT: u64 = u64::MAX - 10;
-/// Asks the peer to send buffers back: payload is (len, count, window) as 24 bytes.
+/// Asks the peer to send buffers back: payload is (len, count, window[, memory]) as 24 or
+/// 32 bytes, little endian; memory is [`SEND_HOST`] (the default) or [`SEND_DEVICE`].
 pub const TAG_SEND: u64 = u64::MAX - 11;
+/// [`TAG_SEND`]'s memory word: send back host buffers.
+pub const SEND_HOST: u64 = 0;
+/// [`TAG_SEND`]'s memory word: send back buffers on the peer's first GPU.
+pub const SEND_DEVICE: u64 = 1;
 /// Tag of the buffers a peer sends back after [`TAG_SEND`].
 pub const TAG_RETURN: u64 = u64::MAX - 12;
 
@@ -39,21 +45,36 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
         node.name(),
         node.tcp_addrs().join(",")
     );
+    // The GPU that device-memory send-backs come from: the first the node uses (GPU 0 when
+    // gpu.devices is omitted: every GPU); none with gpu.devices = [].
+    let gpu = node
+        .config()
+        .gpu
+        .devices
+        .as_ref()
+        .map_or(Some(0), |d| d.first().copied());
     let mut received = 0u64;
     let mut wrong = 0u64;
+    let mut transports = BTreeSet::new();
     let mut expected: HashMap<usize, u32> = HashMap::new();
     loop {
         let Received {
-            buffer, peer, tag, ..
+            buffer,
+            peer,
+            tag,
+            transport,
         } = node.recv(None, None).await?;
         match tag {
             TAG_REPORT => {
-                let mut reply = node.alloc(MemoryKind::Host, 16).await?;
+                let names = transports.iter().copied().collect::<Vec<&str>>().join(",");
+                let mut reply = node.alloc(MemoryKind::Host, 16 + names.len()).await?;
                 let out = reply.as_mut_slice().context("fresh buffer")?;
                 out[..8].copy_from_slice(&received.to_le_bytes());
-                out[8..].copy_from_slice(&wrong.to_le_bytes());
+                out[8..16].copy_from_slice(&wrong.to_le_bytes());
+                out[16..].copy_from_slice(names.as_bytes());
                 received = 0;
                 wrong = 0;
+                transports.clear();
                 node.send(&peer, TAG_REPORT, reply).await?;
             }
             TAG_SEND => {
@@ -62,18 +83,31 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
                     .chunks_exact(8)
                     .filter_map(|c| c.try_into().ok().map(u64::from_le_bytes))
                     .collect();
-                let [len, count, window] = words[..] else {
-                    anyhow::bail!("bad send request of {} bytes", buffer.len());
+                let (len, count, window, memory) = match words[..] {
+                    [len, count, window] => (len, count, window, SEND_HOST),
+                    [len, count, window, memory] => (len, count, window, memory),
+                    _ => anyhow::bail!("bad send request of {} bytes", buffer.len()),
+                };
+                let kind = match (memory, gpu) {
+                    (SEND_HOST, _) => MemoryKind::Host,
+                    (SEND_DEVICE, Some(gpu)) => MemoryKind::Device(gpu),
+                    (SEND_DEVICE, None) => {
+                        tracing::warn!("asked to send device memory back, but gpu.devices = []");
+                        continue;
+                    }
+                    _ => anyhow::bail!("bad send request: memory {memory}"),
                 };
                 let node = Arc::clone(&node);
                 tokio::spawn(async move {
-                    if let Err(e) = send_back(&node, &peer, len as usize, count, window).await {
+                    let sent = send_back(&node, &peer, kind, len as usize, count, window).await;
+                    if let Err(e) = sent {
                         tracing::warn!(error = %e, "sending back failed");
                     }
                 });
             }
             _ => {
                 received += 1;
+                transports.insert(transport);
                 let want = *expected
                     .entry(buffer.len())
                     .or_insert_with(|| pattern::crc(buffer.len()));
@@ -88,6 +122,7 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
 async fn send_back(
     node: &Node,
     peer: &str,
+    kind: MemoryKind,
     len: usize,
     count: u64,
     window: u64,
@@ -95,8 +130,8 @@ async fn send_back(
     use futures::StreamExt;
     let mut buffers = Vec::new();
     for _ in 0..window.clamp(1, count.max(1)) {
-        let mut b = node.alloc(MemoryKind::Host, len).await?;
-        pattern::fill(b.as_mut_slice().context("fresh buffer")?);
+        let mut b = node.alloc(kind, len).await?;
+        pattern::fill_buffer(&mut b)?;
         buffers.push(b);
     }
     let mut pending = futures::stream::FuturesUnordered::new();

@@ -18,6 +18,14 @@ pub struct Header {
     pub warmup: u64,
     pub route: String,
     pub baseline: String,
+    /// What the latency columns measure (documents written before it existed: the old
+    /// wording, send() to completion).
+    #[serde(default = "default_latency")]
+    pub latency: String,
+}
+
+fn default_latency() -> String {
+    "send() to completion".into()
 }
 
 /// One size.
@@ -62,9 +70,10 @@ pub fn print_header(h: &Header) {
     println!("# route: {}", h.route);
     println!("# baseline: {}", h.baseline);
     println!(
-        "# {} timed transfers per size after {} warm-up; GB/s = 10^9 bytes/s; latency = send() to completion",
+        "# {} timed transfers per size after {} warm-up; GB/s = 10^9 bytes/s",
         h.iters, h.warmup
     );
+    println!("# latency (p50/p99/p999 us): {}", h.latency);
     println!(
         "{:>12} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
         "bytes",
