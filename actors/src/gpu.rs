@@ -171,18 +171,22 @@ pub fn pull(
         let end = offset
             .checked_add(len)
             .ok_or_else(|| "offset and length overflow".to_string())?;
+        let started = std::time::Instant::now();
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;
-        match dst.device_memory_mut() {
+        let imported_at = started.elapsed();
+        // The copy, then the import's stream-ordered free, then one wait: when it returns
+        // the bytes are in place and the import is gone (the exporter may free its buffer).
+        let stream = match dst.device_memory_mut() {
             Some(memory) => {
                 let stream = gpus
                     .stream_for(memory.device())
                     .cloned()
                     .ok_or_else(|| "no copy stream".to_string())?;
                 copy_async(memory, 0, &imported, offset, len, &stream)
-                    .and_then(|()| stream.synchronize())
                     .map_err(|e| format!("copying from the peer: {e}"))?;
+                stream
             }
             None => {
                 let stream = gpus
@@ -194,10 +198,19 @@ pub fn pull(
                     .ok_or_else(|| "the landing buffer is shared".to_string())?;
                 copy_to_host(host, &imported, offset, &stream)
                     .map_err(|e| format!("copying from the peer: {e}"))?;
+                stream
             }
-        }
-        // Dropping the import waits for the copy and frees it (cuMemFree).
-        drop(imported);
+        };
+        imported
+            .free_async(&stream)
+            .and_then(|()| stream.synchronize())
+            .map_err(|e| format!("finishing the copy from the peer: {e}"))?;
+        tracing::trace!(
+            bytes = len,
+            import_us = imported_at.as_micros() as u64,
+            total_us = started.elapsed().as_micros() as u64,
+            "pulled"
+        );
         Ok(())
     })();
     match result {
