@@ -1,5 +1,7 @@
 //! `ferry bench` on host memory: a short sweep with --check, --json, --csv and --plot.
 
+mod common;
+
 use std::process::{Command, Stdio};
 
 #[test]
@@ -8,7 +10,7 @@ fn host_sweep_reports_every_size_next_to_its_baseline() {
     let json = dir.path().join("bench.json");
     let csv = dir.path().join("bench.csv");
     let svg = dir.path().join("bench.svg");
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let out = Command::new(common::ferry_bin())
         .args([
             "bench", "-b", "8", "-e", "1M", "-f", "16", "-n", "5", "-w", "1",
         ])
@@ -69,7 +71,7 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         (vec!["--memory", "shared"], "host or device"),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        let out = Command::new(common::ferry_bin())
             .arg("bench")
             .args(&args)
             .stdin(Stdio::null())
@@ -90,7 +92,7 @@ fn device_memory_without_a_driver_says_so() {
         return;
     }
     for transport in ["ipc", "tcp"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        let out = Command::new(common::ferry_bin())
             .args(["bench", "--memory", "device", "--transport", transport])
             .stdin(Stdio::null())
             .output()
@@ -107,7 +109,7 @@ fn device_memory_without_a_driver_says_so() {
 fn png_plot() {
     let dir = tempfile::tempdir().expect("dir");
     let png = dir.path().join("bench.png");
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let out = Command::new(common::ferry_bin())
         .args([
             "bench", "-b", "64", "-e", "4K", "-f", "8", "-n", "3", "-w", "0", "--plot",
         ])
@@ -126,7 +128,7 @@ fn png_plot() {
 
 #[test]
 fn both_directions_and_the_pair_matrix() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let out = Command::new(common::ferry_bin())
         .args([
             "bench", "-b", "1K", "-e", "64K", "-f", "64", "-n", "4", "-w", "1",
         ])

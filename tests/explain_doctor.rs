@@ -141,6 +141,12 @@ fn explain_device_memory_says_gpu_transports_are_unavailable() {
     let a = scratch.write("a.toml", &scratch.toml("a", &[("b", "127.0.0.1:1")], ""));
     let out = explain(&a, &["--bytes", "1G", "--memory", "device", "--no-connect"]);
     let text = stdout(&out);
+    if has_cuda() {
+        // A GPU machine: the default rule's ipc carries it.
+        assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+        assert!(text.contains("chosen   ipc, pull"), "{text}");
+        return;
+    }
     assert_eq!(out.status.code(), Some(1), "{}", said(&out));
     assert!(text.contains("GPU transports are not available"), "{text}");
     assert!(
@@ -224,6 +230,15 @@ fn doctor_exits_1_when_the_only_rule_names_ipc() {
     let a = scratch.write("a.toml", &scratch.toml("a", &[], rules));
     let out = doctor(Some(&a), &[]);
     let text = stdout(&out);
+    if has_cuda() {
+        // A GPU machine: ipc runs here, so the rule blocks nothing.
+        assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+        assert!(
+            text.contains("rule #0 gpu") && text.contains("uses ipc"),
+            "{text}"
+        );
+        return;
+    }
     assert_eq!(out.status.code(), Some(1), "{}", said(&out));
     assert!(
         text.contains("problem") && text.contains("rule #0 gpu"),

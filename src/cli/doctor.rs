@@ -633,6 +633,18 @@ mod tests {
     use ferry_transports::cuda::CudaDevice;
     use ferry_transports::transport::catalog;
 
+    /// The catalog of a machine without a CUDA driver (the `healthy` facts say so),
+    /// whatever this machine has.
+    fn host_only_catalog() -> Vec<(Capabilities, Viability)> {
+        let mut out = catalog();
+        for (caps, v) in &mut out {
+            if caps.name == TransportName::Ipc {
+                *v = Viability::NotViable("no CUDA driver: GPU transports disabled".into());
+            }
+        }
+        out
+    }
+
     fn healthy() -> Facts {
         Facts {
             cuda: CudaProbe::NoDriver,
@@ -642,7 +654,7 @@ mod tests {
                 hard: None,
             }),
             ucx: Ucx::default(),
-            transports: catalog(),
+            transports: host_only_catalog(),
         }
     }
 
