@@ -292,6 +292,7 @@ impl Coordinator {
             host_tiers: base.host_tiers,
             gpus: base.gpus,
             secret: self.setup.secret.clone(),
+            lease_timeout: self.setup.config.memory.export_lease_timeout,
             peer_gone: base.peer_gone,
             deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),

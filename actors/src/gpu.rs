@@ -12,13 +12,13 @@ use std::sync::Arc;
 
 use actix::Addr;
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, ExportablePool, ImportedPool, POINTER_EXPORT_LEN, Stream,
-    copy_async, copy_to_host,
+    CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool,
+    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
 use ferry_transports::memory::Buffer;
-use ferry_transports::wire::IpcSource;
+use ferry_transports::wire::{IpcBufferRef, IpcSource};
 
 use crate::allocator::Allocator;
 
@@ -103,6 +103,58 @@ pub fn open_pool(device: &Device) -> Result<(ExportablePool, Stream, Stream), Cu
 /// A peer's pools imported into this process, by the peer's device UUID.
 pub type ImportedPools = HashMap<String, ImportedPool>;
 
+/// The peer's buffers this process imported (mapped), kept for the next pull of the same
+/// buffer: importing costs a mapping that grows with the buffer (0.2–0.8 ms for 64 MiB on
+/// the H200), the copy itself far less. Bounded; the least recently used goes first. An
+/// entry leaves when the owner asks (it is freeing the buffer) or when evicted; either
+/// way the owner is told (`IpcUnmapped`) once the import is freed.
+pub struct ImportCache {
+    entries: HashMap<IpcBufferRef, (ImportedBuffer, u64)>,
+    tick: u64,
+    capacity: usize,
+}
+
+/// Imports kept at most per peer.
+pub const IMPORT_CACHE_CAPACITY: usize = 1024;
+
+impl ImportCache {
+    /// An empty cache of at most `capacity` imports (at least one).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            tick: 0,
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// Takes the import of `key` out (to free it), if cached.
+    pub fn remove(&mut self, key: &IpcBufferRef) -> Option<ImportedBuffer> {
+        self.entries.remove(key).map(|(b, _)| b)
+    }
+
+    /// How many imports are cached.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Shared between a transfer actor and its pulls.
+pub type SharedImports = Arc<std::sync::Mutex<ImportCache>>;
+
+/// The cache key of a pulled buffer.
+pub fn buffer_ref(source: &IpcSource) -> IpcBufferRef {
+    IpcBufferRef {
+        device_uuid: source.device_uuid.clone(),
+        buffer: source.buffer,
+        generation: source.generation,
+    }
+}
+
 /// Fetches and imports the pools of the peer `node` (process `pid`) for each of `uuids`,
 /// and lets every GPU of ours read them. Runs the driver calls on a blocking thread.
 ///
@@ -141,20 +193,26 @@ pub async fn import_pools(
     Ok(out)
 }
 
-/// Reads `len` bytes described by `source` out of the peer's imported pool into `dst`
-/// (device or host memory), and waits until they are there. The import is freed before
-/// returning, so the peer may free its buffer once told (`Done`). Blocking: call it on a
-/// blocking thread.
+/// What a pull did besides the copy: imports it evicted from the cache (already freed;
+/// their owner must be told).
+pub type Evicted = Vec<IpcBufferRef>;
+
+/// Reads `len` bytes described by `source` out of the peer's memory into `dst` (device or
+/// host memory), and waits until they are there. The buffer's import is taken from
+/// `imports`, or made and kept there. Blocking: call it on a blocking thread.
 ///
 /// # Errors
 /// Why the bytes could not be read; `dst` comes back with the error.
 pub fn pull(
     source: &IpcSource,
     pools: &ImportedPools,
+    imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     mut dst: Buffer,
-) -> Result<Buffer, (Buffer, String)> {
+) -> Result<(Buffer, Evicted), (Buffer, String)> {
     let len = dst.len();
+    let mut evicted_imports = Vec::new();
+    let mut evicted = Vec::new();
     let result = (|| {
         let pool = pools.get(&source.device_uuid).ok_or_else(|| {
             format!(
@@ -171,20 +229,45 @@ pub fn pull(
         let end = offset
             .checked_add(len)
             .ok_or_else(|| "offset and length overflow".to_string())?;
+        let key = buffer_ref(source);
         let started = std::time::Instant::now();
-        let imported = pool
-            .import_pointer(export, end)
-            .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+        let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+        cache.tick += 1;
+        let tick = cache.tick;
+        let hit = cache.entries.contains_key(&key);
+        if !hit {
+            let imported = pool
+                .import_pointer(export, end)
+                .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+            while cache.entries.len() >= cache.capacity {
+                let Some(oldest) = cache
+                    .entries
+                    .iter()
+                    .min_by_key(|(_, (_, t))| *t)
+                    .map(|(k, _)| k.clone())
+                else {
+                    break;
+                };
+                if let Some((b, _)) = cache.entries.remove(&oldest) {
+                    evicted_imports.push(b);
+                    evicted.push(oldest);
+                }
+            }
+            cache.entries.insert(key.clone(), (imported, tick));
+        }
         let imported_at = started.elapsed();
-        // The copy, then the import's stream-ordered free, then one wait: when it returns
-        // the bytes are in place and the import is gone (the exporter may free its buffer).
+        let Some((imported, last)) = cache.entries.get_mut(&key) else {
+            return Err("the import vanished".to_string());
+        };
+        *last = tick;
+        // Queue the copy under the lock (the import stays put), wait outside it.
         let stream = match dst.device_memory_mut() {
             Some(memory) => {
                 let stream = gpus
                     .stream_for(memory.device())
                     .cloned()
                     .ok_or_else(|| "no copy stream".to_string())?;
-                copy_async(memory, 0, &imported, offset, len, &stream)
+                copy_async(memory, 0, &*imported, offset, len, &stream)
                     .map_err(|e| format!("copying from the peer: {e}"))?;
                 stream
             }
@@ -196,25 +279,29 @@ pub fn pull(
                 let host = dst
                     .as_mut_slice()
                     .ok_or_else(|| "the landing buffer is shared".to_string())?;
-                copy_to_host(host, &imported, offset, &stream)
+                // Synchronous: a pageable destination.
+                copy_to_host(host, &*imported, offset, &stream)
                     .map_err(|e| format!("copying from the peer: {e}"))?;
                 stream
             }
         };
-        imported
-            .free_async(&stream)
-            .and_then(|()| stream.synchronize())
+        drop(cache);
+        stream
+            .synchronize()
             .map_err(|e| format!("finishing the copy from the peer: {e}"))?;
         tracing::trace!(
             bytes = len,
+            cached = hit,
             import_us = imported_at.as_micros() as u64,
             total_us = started.elapsed().as_micros() as u64,
             "pulled"
         );
         Ok(())
     })();
+    // Evicted imports are freed here (each waits for its own copies first).
+    drop(evicted_imports);
     match result {
-        Ok(()) => Ok(dst),
+        Ok(()) => Ok((dst, evicted)),
         Err(why) => Err((dst, why)),
     }
 }

@@ -20,9 +20,10 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret};
 use ferry_transports::memory::{Buffer, SharedBytes};
+use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
 use ferry_transports::wire::{
-    ArchivedMessage, Done, IpcSetupMessage, IpcSetupStep, IpcSource, Message, PutAck,
+    ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Message, PutAck,
     WireDirection, WireReason,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -83,6 +84,8 @@ pub struct TransferSetup {
     pub gpus: crate::gpu::SharedGpus,
     /// The link secret, which also authenticates pool requests.
     pub secret: Secret,
+    /// How long memory a lost peer may still map stays unused (`memory.export_lease_timeout`).
+    pub lease_timeout: Duration,
     /// Told when the peer is gone, so what it held is quarantined.
     pub peer_gone: Vec<Recipient<PeerGone>>,
     /// Where delivered buffers go.
@@ -321,7 +324,56 @@ struct IpcState {
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them
     /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
     exported: HashMap<OpId, SharedBytes>,
+    /// The peer's buffers we keep mapped (importing side).
+    imports: Option<crate::gpu::SharedImports>,
+    /// Told when one of our buffers the peer may keep mapped is freed (exporting side).
+    unmapper: Option<Arc<PeerUnmapper>>,
+    /// Our freed buffers waiting for the peer to unmap them.
+    unmapping: HashMap<IpcBufferRef, UnmapDone>,
 }
+
+/// Collects our buffers that the peer may keep mapped and that were just freed, for the
+/// actor to ask the peer to unmap them. Holds at most what the peer can map (its import
+/// cache is bounded).
+pub struct PeerUnmapper {
+    pending: std::sync::Mutex<Vec<(Lease, UnmapDone)>>,
+    wake: tokio::sync::Notify,
+    closed: AtomicBool,
+    io: tokio::runtime::Handle,
+    lease_timeout: Duration,
+}
+
+impl PeerUnmapper {
+    /// Frees `done`'s memory after the lease timeout: for a peer we can no longer ask.
+    fn free_later(&self, done: UnmapDone) {
+        let wait = self.lease_timeout;
+        self.io.spawn(async move {
+            tokio::time::sleep(wait).await;
+            drop(done);
+        });
+    }
+
+    fn take(&self) -> Vec<(Lease, UnmapDone)> {
+        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+impl Unmapper for PeerUnmapper {
+    fn unmap(&self, lease: Lease, done: UnmapDone) {
+        if self.closed.load(Ordering::Acquire) {
+            return self.free_later(done);
+        }
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((lease, done));
+        self.wake.notify_one();
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct UnmapRequests;
 
 impl TransferActor {
     /// A session with `peer`, waiting for its link.
@@ -620,15 +672,25 @@ impl TransferActor {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
         }
         let pools = Arc::clone(&self.ipc.imported);
+        let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
+            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
+                crate::gpu::IMPORT_CACHE_CAPACITY,
+            )))
+        }));
         let gpus = Arc::clone(&self.setup.gpus);
         let copy = self
             .setup
             .io
-            .spawn_blocking(move || crate::gpu::pull(&source, &pools, &gpus, buffer));
+            .spawn_blocking(move || crate::gpu::pull(&source, &pools, &imports, &gpus, buffer));
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             act.ipc.pulling.remove(&id);
             let pulled = match joined {
-                Ok(Ok(buffer)) => Ok(buffer),
+                Ok(Ok((buffer, evicted))) => {
+                    for r in evicted {
+                        act.ipc.out.push_back(Message::IpcUnmapped(r));
+                    }
+                    Ok(buffer)
+                }
                 Ok(Err((_buffer, why))) => Err(why),
                 Err(e) => Err(format!("the pull task failed: {e}")),
             };
@@ -664,6 +726,19 @@ impl Actor for TransferActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        // Our freed buffers the peer may still map: freed after the lease timeout (a live
+        // peer's session with us ends too, which frees its imports).
+        if let Some(unmapper) = self.ipc.unmapper.take() {
+            unmapper.closed.store(true, Ordering::Release);
+            // Wakes the forwarding task, which then finds the actor gone and ends.
+            unmapper.wake.notify_one();
+            for (_, done) in unmapper.take() {
+                unmapper.free_later(done);
+            }
+            for (_, done) in self.ipc.unmapping.drain() {
+                unmapper.free_later(done);
+            }
+        }
         // Buffers the peer may still be reading go to their domain's quarantine first.
         let mut exports = Vec::new();
         for (op, view) in self.ipc.exported.drain() {
@@ -703,6 +778,31 @@ impl Actor for TransferActor {
         actix::spawn(async move {
             let _ = recipient.send(ended).await;
         });
+    }
+}
+
+impl Handler<UnmapRequests> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, _: UnmapRequests, ctx: &mut Self::Context) {
+        let Some(unmapper) = self.ipc.unmapper.clone() else {
+            return;
+        };
+        for (lease, done) in unmapper.take() {
+            let ferry_transports::memory::MemoryKind::Device(n) = lease.kind else {
+                continue;
+            };
+            let Some(gpu) = self.setup.gpus.get(n) else {
+                continue;
+            };
+            let r = IpcBufferRef {
+                device_uuid: gpu.device.uuid().to_string(),
+                buffer: lease.id.0,
+                generation: lease.generation.0,
+            };
+            self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
+            self.ipc.unmapping.insert(r, done);
+        }
+        self.drive(ctx);
     }
 }
 
@@ -831,8 +931,11 @@ impl TransferActor {
             }
         };
         if labels.direction == "pull" {
-            // The peer reads this buffer until it says otherwise (Done or Cancel).
+            // The peer reads this buffer until it says otherwise (Done or Cancel), and may
+            // keep it mapped after: its memory is freed only once the peer unmapped it.
             self.ipc.exported.insert(id, msg.buffer.share());
+            let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
+            msg.buffer.note_mapped(unmapper);
         }
         let span = tracing::debug_span!(
             "transfer",
@@ -863,6 +966,33 @@ impl TransferActor {
             },
         );
         self.drive(ctx);
+    }
+
+    /// This session's unmapper, made on first use, with the task that hands its work to
+    /// the actor (it ends with the actor).
+    fn unmapper(&mut self, ctx: &mut Context<Self>) -> Arc<PeerUnmapper> {
+        if let Some(u) = &self.ipc.unmapper {
+            return Arc::clone(u);
+        }
+        let unmapper = Arc::new(PeerUnmapper {
+            pending: std::sync::Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            closed: AtomicBool::new(false),
+            io: self.setup.io.clone(),
+            lease_timeout: self.setup.lease_timeout,
+        });
+        self.ipc.unmapper = Some(Arc::clone(&unmapper));
+        let me = ctx.address();
+        let watched = Arc::clone(&unmapper);
+        actix::spawn(async move {
+            loop {
+                watched.wake.notified().await;
+                if me.send(UnmapRequests).await.is_err() {
+                    break;
+                }
+            }
+        });
+        unmapper
     }
 
     /// The transport's setup with the peer failed: the submission takes the rule's next
@@ -1167,6 +1297,29 @@ impl Handler<FromPeer> for TransferActor {
             Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
             Message::IpcSetup(setup) => {
                 self.on_ipc_setup(setup, ctx);
+                return self.drive(ctx);
+            }
+            // We are the importer: the owner frees this buffer.
+            Message::IpcUnmap(r) => {
+                let import = self.ipc.imports.as_ref().and_then(|imports| {
+                    imports.lock().unwrap_or_else(|p| p.into_inner()).remove(&r)
+                });
+                match import {
+                    None => self.ipc.out.push_back(Message::IpcUnmapped(r)),
+                    Some(import) => {
+                        // Freeing waits for the import's copies: not on the actor thread.
+                        let freed = self.setup.io.spawn_blocking(move || drop(import));
+                        ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
+                            act.ipc.out.push_back(Message::IpcUnmapped(r));
+                            act.drive(ctx);
+                        }));
+                    }
+                }
+                return self.drive(ctx);
+            }
+            // We are the owner: the peer no longer maps this buffer.
+            Message::IpcUnmapped(r) => {
+                self.ipc.unmapping.remove(&r);
                 return self.drive(ctx);
             }
             // The peer no longer reads a buffer we offered for pulling.

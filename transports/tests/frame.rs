@@ -100,6 +100,16 @@ fn corpus() -> Vec<Item> {
             attempt: 2,
             step: ferry_transports::wire::IpcSetupStep::Request(vec!["GPU-1".into()]),
         }),
+        Message::IpcUnmap(ferry_transports::wire::IpcBufferRef {
+            device_uuid: "GPU-1".into(),
+            buffer: 3,
+            generation: 3,
+        }),
+        Message::IpcUnmapped(ferry_transports::wire::IpcBufferRef {
+            device_uuid: "GPU-1".into(),
+            buffer: 3,
+            generation: 3,
+        }),
         Message::Grant(Grant {
             transfer: 1,
             landing: WireMemoryKind::PinnedHost,

@@ -124,6 +124,52 @@ struct Storage {
     bytes: Bytes,
     releaser: Arc<dyn Releaser>,
     home: Option<Arc<dyn MemoryHome>>,
+    /// Peers that may keep this device memory mapped (ipc): it is freed only after each
+    /// of them unmapped it.
+    mapped: std::sync::Mutex<Vec<Arc<dyn Unmapper>>>,
+}
+
+/// A peer that maps device buffers it pulled, and keeps them mapped for the next pull of
+/// the same buffer. Before such a buffer's memory is freed, the peer must unmap it.
+pub trait Unmapper: Send + Sync + 'static {
+    /// The buffer under `lease` is being freed: have the peer unmap it, then drop `done`
+    /// (which frees the memory once every peer that mapped it has done so). Called from
+    /// whatever thread drops the buffer; must not block.
+    fn unmap(&self, lease: Lease, done: UnmapDone);
+}
+
+/// Frees a device buffer's memory, and gives its bytes back to the budget, when the last
+/// peer that mapped it dropped its `UnmapDone`. Dropping it is the only way to use it: a
+/// peer lost or misbehaving cannot keep the memory forever, only as long as the holder
+/// keeps this.
+pub struct UnmapDone {
+    inner: Arc<DeferredFree>,
+}
+
+struct DeferredFree {
+    lease: Lease,
+    memory: std::sync::Mutex<Option<DeviceBuffer>>,
+    releaser: Arc<dyn Releaser>,
+}
+
+impl Drop for DeferredFree {
+    fn drop(&mut self) {
+        let memory = self
+            .memory
+            .get_mut()
+            .map(Option::take)
+            .unwrap_or_else(|p| p.into_inner().take());
+        drop(memory);
+        self.releaser.release(&self.lease);
+    }
+}
+
+impl fmt::Debug for UnmapDone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UnmapDone")
+            .field("lease", &self.inner.lease)
+            .finish()
+    }
 }
 
 /// Why bytes could not be read from or written to a buffer.
@@ -150,7 +196,32 @@ pub enum MemoryError {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        self.releaser.release(&self.lease);
+        let mapped = std::mem::take(self.mapped.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let bytes = std::mem::replace(&mut self.bytes, Bytes::Host(Box::default()));
+        match bytes {
+            Bytes::Device(memory) if !mapped.is_empty() => {
+                // Peers keep it mapped: free it (and give the bytes back) once they all
+                // unmapped it. The shared `DeferredFree` does both when the last `UnmapDone`
+                // goes.
+                let deferred = Arc::new(DeferredFree {
+                    lease: self.lease,
+                    memory: std::sync::Mutex::new(Some(memory)),
+                    releaser: Arc::clone(&self.releaser),
+                });
+                for peer in mapped {
+                    peer.unmap(
+                        self.lease,
+                        UnmapDone {
+                            inner: Arc::clone(&deferred),
+                        },
+                    );
+                }
+            }
+            other => {
+                drop(other);
+                self.releaser.release(&self.lease);
+            }
+        }
     }
 }
 
@@ -192,6 +263,7 @@ impl Buffer {
                 bytes: Bytes::Host(vec![0u8; len].into_boxed_slice()),
                 releaser,
                 home,
+                mapped: std::sync::Mutex::default(),
             }),
         }
     }
@@ -211,6 +283,7 @@ impl Buffer {
                 bytes: Bytes::Device(memory),
                 releaser,
                 home,
+                mapped: std::sync::Mutex::default(),
             }),
         }
     }
@@ -350,6 +423,13 @@ impl Buffer {
         }
     }
 
+    /// `peer` may keep this buffer mapped after a transfer: when the buffer is dropped, its
+    /// memory is freed only after `peer` unmapped it ([`Unmapper`]). Noting the same peer
+    /// twice changes nothing.
+    pub fn note_mapped(&self, peer: Arc<dyn Unmapper>) {
+        self.storage.note_mapped(peer);
+    }
+
     /// The device memory, writable; `None` for host memory or while a transport still holds
     /// a view of the buffer.
     pub fn device_memory_mut(&mut self) -> Option<&mut DeviceBuffer> {
@@ -415,6 +495,13 @@ pub struct SharedBytes {
 }
 
 impl Storage {
+    fn note_mapped(&self, peer: Arc<dyn Unmapper>) {
+        let mut mapped = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        if !mapped.iter().any(|m| Arc::ptr_eq(m, &peer)) {
+            mapped.push(peer);
+        }
+    }
+
     fn len(&self) -> usize {
         match &self.bytes {
             Bytes::Host(b) => b.len(),

@@ -92,6 +92,18 @@ pub struct IpcSource {
     pub export: Vec<u8>,
 }
 
+/// Names a buffer a peer pulled over ipc and may keep mapped: its device and lease.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug))]
+pub struct IpcBufferRef {
+    /// UUID of the GPU the buffer lives on.
+    pub device_uuid: String,
+    /// The buffer's id at its owner.
+    pub buffer: u64,
+    /// The lease's generation at its owner.
+    pub generation: u64,
+}
+
 /// A step of the lazy ipc setup between two same-host peers, driven by the sending side
 /// (the exporter); see `ferry_actors::core::ipc_setup`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -240,6 +252,10 @@ pub enum Message {
     Welcome,
     /// A step of the lazy ipc setup.
     IpcSetup(IpcSetupMessage),
+    /// The buffer's owner is freeing it: unmap it, then answer `IpcUnmapped`.
+    IpcUnmap(IpcBufferRef),
+    /// The buffer is no longer mapped here (asked for, or evicted on our own).
+    IpcUnmapped(IpcBufferRef),
 }
 
 /// The kind of a frame, carried in its header.
@@ -276,6 +292,10 @@ pub enum FrameKind {
     Payload = 13,
     /// [`Message::IpcSetup`]
     IpcSetup = 14,
+    /// [`Message::IpcUnmap`]
+    IpcUnmap = 15,
+    /// [`Message::IpcUnmapped`]
+    IpcUnmapped = 16,
 }
 
 impl FrameKind {
@@ -296,6 +316,8 @@ impl FrameKind {
             12 => Self::Welcome,
             13 => Self::Payload,
             14 => Self::IpcSetup,
+            15 => Self::IpcUnmap,
+            16 => Self::IpcUnmapped,
             _ => return None,
         })
     }
@@ -318,6 +340,8 @@ impl Message {
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
             Self::IpcSetup(_) => FrameKind::IpcSetup,
+            Self::IpcUnmap(_) => FrameKind::IpcUnmap,
+            Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
         }
     }
 }
@@ -339,6 +363,8 @@ impl ArchivedMessage {
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
             Self::IpcSetup(_) => FrameKind::IpcSetup,
+            Self::IpcUnmap(_) => FrameKind::IpcUnmap,
+            Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
         }
     }
 }
