@@ -229,12 +229,18 @@ impl Allocator {
             let allocated = usize::try_from(len)
                 .map_err(|_| format!("{len} bytes do not fit the address space"))
                 .and_then(|n| {
+                    let started = Instant::now();
                     let memory = device
                         .pool
                         .alloc(n, &device.stream)
                         .map_err(|e| e.to_string())?;
                     // Usable from every stream (and exportable) once the allocation is done.
                     device.stream.synchronize().map_err(|e| e.to_string())?;
+                    tracing::trace!(
+                        bytes = n,
+                        us = started.elapsed().as_micros() as u64,
+                        "device allocation"
+                    );
                     Ok(memory)
                 });
             match allocated {

@@ -151,7 +151,7 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
         .build()
         .context("cannot start the runtime")?;
     if let Some(peer_config) = &args.serve_peer {
-        runtime.block_on(peer::serve(peer_config))?;
+        runtime.block_on(peer::serve(peer_config, !args.no_check))?;
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(json) = &args.from_json {
@@ -316,6 +316,7 @@ async fn start_local(args: &Args, gpus: Option<GpuPair>) -> anyhow::Result<(Targ
         .arg("bench")
         .arg("--serve-peer")
         .arg(&peer_cfg)
+        .args(args.no_check.then_some("--no-check"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
