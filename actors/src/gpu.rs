@@ -315,9 +315,15 @@ pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
     let memory = buffer
         .device_memory()
         .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
+    let started = std::time::Instant::now();
     let export = memory
         .export_pointer()
         .map_err(|e| format!("exporting the buffer: {e}"))?;
+    tracing::trace!(
+        bytes = memory.len(),
+        us = started.elapsed().as_micros() as u64,
+        "exported"
+    );
     let lease = buffer.lease();
     Ok(IpcSource {
         device_uuid: memory.device().uuid().to_string(),

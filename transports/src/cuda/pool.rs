@@ -109,6 +109,7 @@ impl ExportablePool {
             ptr,
             len,
             uses: Uses::default(),
+            export: std::sync::OnceLock::new(),
         })
     }
 
@@ -183,6 +184,8 @@ pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     uses: Uses,
+    /// The pointer export, made once (it names the allocation, which does not change).
+    export: std::sync::OnceLock<[u8; POINTER_EXPORT_LEN]>,
 }
 
 // SAFETY: owns its allocation like a Box; the device address is only passed to the driver.
@@ -201,10 +204,15 @@ impl DeviceBuffer {
     ///
     /// # Errors
     /// A driver error.
+    /// Made once per buffer and remembered: a buffer sent again exports nothing.
     pub fn export_pointer(&self) -> Result<[u8; POINTER_EXPORT_LEN], CudaError> {
+        if let Some(export) = self.export.get() {
+            return Ok(*export);
+        }
         self.pool.device.bind()?;
         // SAFETY: a live allocation of an exportable pool, kept alive by `self`.
-        unsafe { raw::mem_pool_export_pointer(self.ptr) }
+        let export = unsafe { raw::mem_pool_export_pointer(self.ptr) }?;
+        Ok(*self.export.get_or_init(|| export))
     }
 
     /// The stream the buffer was allocated on, on which it will be freed.
