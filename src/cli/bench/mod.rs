@@ -136,8 +136,17 @@ fn sizes(min: u64, max: u64, factor: u64) -> Vec<u64> {
 /// Bytes in flight at most, per direction, whatever the window.
 const IN_FLIGHT_CAP: u64 = 512 << 20;
 
-fn window_for(size: u64, window: u64) -> u64 {
-    window.min((IN_FLIGHT_CAP / size.max(1)).max(1))
+/// The same for device memory: a GPU holds far more, and a window of one would time
+/// each large transfer's control round trip alone, which two in flight hide (as they
+/// would in any pipeline).
+const DEVICE_IN_FLIGHT_CAP: u64 = 4 << 30;
+
+fn window_for(size: u64, window: u64, memory: MemoryKind) -> u64 {
+    let cap = match memory {
+        MemoryKind::Device(_) => DEVICE_IN_FLIGHT_CAP,
+        _ => IN_FLIGHT_CAP,
+    };
+    window.min((cap / size.max(1)).max(1))
 }
 
 pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
@@ -621,7 +630,7 @@ async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<PeerReport> {
 
 async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow::Result<Record> {
     let peer = target.name.as_str();
-    let window = window_for(size, args.window);
+    let window = window_for(size, args.window, target.memory);
     let mut buffers = alloc_filled(node, target.memory, size, window).await?;
     send_many(node, peer, &mut buffers, args.warmup, None).await?;
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
@@ -703,7 +712,7 @@ async fn measure_return(
     size: u64,
 ) -> anyhow::Result<f64> {
     let (peer, iters) = (target.name.as_str(), args.iters);
-    let window = window_for(size, args.window);
+    let window = window_for(size, args.window, target.memory);
     let started = Instant::now();
     let ask = [size, iters, window, target.send_memory()];
     request(node, peer, peer::TAG_SEND, &ask).await?;
@@ -871,7 +880,8 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
         assert_eq!(sizes(8, 64, 2), vec![8, 16, 32, 64]);
         assert_eq!(sizes(1, 100, 10), vec![1, 10, 100]);
-        assert_eq!(window_for(1 << 30, 8), 1);
-        assert_eq!(window_for(8, 8), 8);
+        assert_eq!(window_for(1 << 30, 8, MemoryKind::Host), 1);
+        assert_eq!(window_for(8, 8, MemoryKind::Host), 8);
+        assert_eq!(window_for(1 << 30, 8, MemoryKind::Device(0)), 4);
     }
 }
