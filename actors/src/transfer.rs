@@ -439,6 +439,16 @@ impl TransferActor {
             }
         }
         if let Some(why) = self.session.lost_reason() {
+            // Submissions still waiting for ipc setup end now, with their buffers.
+            for (_, (msg, reply)) in self.ipc.waiting.drain() {
+                let _ = reply.send(Err(SendError {
+                    error: Error::PeerLost {
+                        peer: self.peer.clone(),
+                        detail: why.to_string(),
+                    },
+                    buffer: Some(msg.buffer),
+                }));
+            }
             for tx in self.link_waiters.drain(..) {
                 let _ = tx.send(Err(Error::PeerUnreachable {
                     peer: self.peer.clone(),
