@@ -106,8 +106,9 @@ pub type ImportedPools = HashMap<String, ImportedPool>;
 /// The peer's buffers this process imported (mapped), kept for the next pull of the same
 /// buffer: importing costs a mapping that grows with the buffer (0.2–0.8 ms for 64 MiB on
 /// the H200), the copy itself far less. Bounded; the least recently used goes first. An
-/// entry leaves when the owner asks (it is freeing the buffer) or when evicted; either
-/// way the owner is told (`IpcUnmapped`) once the import is freed.
+/// entry leaves when the owner asks (it is freeing the buffer: answered `IpcUnmapped` once
+/// the import is freed) or when evicted (freed under the cache's lock, so nothing can meet
+/// it half gone).
 pub struct ImportCache {
     entries: HashMap<IpcBufferRef, (ImportedBuffer, u64)>,
     tick: u64,
@@ -193,10 +194,6 @@ pub async fn import_pools(
     Ok(out)
 }
 
-/// What a pull did besides the copy: imports it evicted from the cache (already freed;
-/// their owner must be told).
-pub type Evicted = Vec<IpcBufferRef>;
-
 /// Reads `len` bytes described by `source` out of the peer's memory into `dst` (device or
 /// host memory), and waits until they are there. The buffer's import is taken from
 /// `imports`, or made and kept there. Blocking: call it on a blocking thread.
@@ -209,10 +206,8 @@ pub fn pull(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     mut dst: Buffer,
-) -> Result<(Buffer, Evicted), (Buffer, String)> {
+) -> Result<Buffer, (Buffer, String)> {
     let len = dst.len();
-    let mut evicted_imports = Vec::new();
-    let mut evicted = Vec::new();
     let result = (|| {
         let pool = pools.get(&source.device_uuid).ok_or_else(|| {
             format!(
@@ -248,10 +243,11 @@ pub fn pull(
                 else {
                     break;
                 };
-                if let Some((b, _)) = cache.entries.remove(&oldest) {
-                    evicted_imports.push(b);
-                    evicted.push(oldest);
-                }
+                // Freed before the lock is released, so a later pull of the same buffer, or
+                // the owner's IpcUnmap, never meets an import that is still going away.
+                // The owner learns nothing: it asks when it frees the buffer, and is
+                // answered at once.
+                drop(cache.entries.remove(&oldest));
             }
             cache.entries.insert(key.clone(), (imported, tick));
         }
@@ -298,10 +294,8 @@ pub fn pull(
         );
         Ok(())
     })();
-    // Evicted imports are freed here (each waits for its own copies first).
-    drop(evicted_imports);
     match result {
-        Ok(()) => Ok((dst, evicted)),
+        Ok(()) => Ok(dst),
         Err(why) => Err((dst, why)),
     }
 }

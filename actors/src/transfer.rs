@@ -324,6 +324,8 @@ struct IpcState {
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them
     /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
     exported: HashMap<OpId, SharedBytes>,
+    /// Pulls whose offer went to the writer: only those can be read by the peer.
+    offered: HashSet<OpId>,
     /// The peer's buffers we keep mapped (importing side).
     imports: Option<crate::gpu::SharedImports>,
     /// Told when one of our buffers the peer may keep mapped is freed (exporting side).
@@ -353,6 +355,13 @@ impl PeerUnmapper {
         });
     }
 
+    /// No more requests: the session ended. Returns what was still pending.
+    fn close(&self) -> Vec<(Lease, UnmapDone)> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.closed.store(true, Ordering::Release);
+        std::mem::take(&mut *pending)
+    }
+
     fn take(&self) -> Vec<(Lease, UnmapDone)> {
         std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -360,13 +369,14 @@ impl PeerUnmapper {
 
 impl Unmapper for PeerUnmapper {
     fn unmap(&self, lease: Lease, done: UnmapDone) {
+        // Checked under the lock `close` takes, so nothing lands after the last `take`.
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if self.closed.load(Ordering::Acquire) {
+            drop(pending);
             return self.free_later(done);
         }
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((lease, done));
+        pending.push((lease, done));
+        drop(pending);
         self.wake.notify_one();
     }
 }
@@ -417,6 +427,11 @@ impl TransferActor {
                 }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
+                    if let Message::Offer(offer) = &msg
+                        && offer.direction == WireDirection::Pull
+                    {
+                        self.ipc.offered.insert(OpId(offer.transfer));
+                    }
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
                             .handle_link_lost("the link's send queue overflowed or closed");
@@ -558,6 +573,11 @@ impl TransferActor {
     }
 
     fn finish(&mut self, op: OpId, outcome: Outcome) {
+        // A pull never offered cannot be read by the peer, which will not say Done: its
+        // view goes now. An offered one stays until the peer lets go.
+        if !self.ipc.offered.remove(&op) {
+            self.ipc.exported.remove(&op);
+        }
         let Some(entry) = self.outbound.remove(&op) else {
             return;
         };
@@ -634,6 +654,7 @@ impl TransferActor {
                     }
                 }
                 Err(e) => {
+                    act.ipc.sources.remove(&id);
                     if let Some(spans) = act.inbound_spans.remove(&id) {
                         tracing::debug!(parent: &spans.span, error = %e, "no memory");
                     }
@@ -695,12 +716,7 @@ impl TransferActor {
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             act.ipc.pulling.remove(&id);
             let pulled = match joined {
-                Ok(Ok((buffer, evicted))) => {
-                    for r in evicted {
-                        act.ipc.out.push_back(Message::IpcUnmapped(r));
-                    }
-                    Ok(buffer)
-                }
+                Ok(Ok(buffer)) => Ok(buffer),
                 Ok(Err((_buffer, why))) => Err(why),
                 Err(e) => Err(format!("the pull task failed: {e}")),
             };
@@ -736,13 +752,23 @@ impl Actor for TransferActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        for (_, (msg, reply)) in self.ipc.waiting.drain() {
+            let _ = reply.send(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: Some(msg.buffer),
+            }));
+        }
+        // Freeing imports waits for their copies: not on the actor thread.
+        if let Some(imports) = self.ipc.imports.take() {
+            self.setup.io.spawn_blocking(move || drop(imports));
+        }
         // Our freed buffers the peer may still map: freed after the lease timeout (a live
         // peer's session with us ends too, which frees its imports).
         if let Some(unmapper) = self.ipc.unmapper.take() {
-            unmapper.closed.store(true, Ordering::Release);
+            let pending = unmapper.close();
             // Wakes the forwarding task, which then finds the actor gone and ends.
             unmapper.wake.notify_one();
-            for (_, done) in unmapper.take() {
+            for (_, done) in pending {
                 unmapper.free_later(done);
             }
             for (_, done) in self.ipc.unmapping.drain() {
@@ -1311,14 +1337,19 @@ impl Handler<FromPeer> for TransferActor {
             }
             // We are the importer: the owner frees this buffer.
             Message::IpcUnmap(r) => {
-                let import = self.ipc.imports.as_ref().and_then(|imports| {
-                    imports.lock().unwrap_or_else(|p| p.into_inner()).remove(&r)
-                });
-                match import {
+                match self.ipc.imports.clone() {
                     None => self.ipc.out.push_back(Message::IpcUnmapped(r)),
-                    Some(import) => {
-                        // Freeing waits for the import's copies: not on the actor thread.
-                        let freed = self.setup.io.spawn_blocking(move || drop(import));
+                    Some(imports) => {
+                        // A pull may hold the cache's lock through a copy, and freeing waits
+                        // for the import's copies: neither on the actor thread.
+                        let key = r.clone();
+                        let freed = self.setup.io.spawn_blocking(move || {
+                            let import = imports
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .remove(&key);
+                            drop(import);
+                        });
                         ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
                             act.ipc.out.push_back(Message::IpcUnmapped(r));
                             act.drive(ctx);
@@ -1336,7 +1367,7 @@ impl Handler<FromPeer> for TransferActor {
             Message::Done(Done { transfer }) => {
                 self.ipc.exported.remove(&OpId(transfer));
             }
-            Message::Cancel(ref cancel) => {
+            Message::Cancel(ref cancel) if cancel.by_receiver => {
                 self.ipc.exported.remove(&OpId(cancel.transfer));
             }
             _ => {}

@@ -529,3 +529,52 @@ proptest! {
         prop_assert!(p.a.is_idle());
     }
 }
+
+#[test]
+fn a_cancel_says_whose_transfer_it_names() {
+    // Both sides number their transfers from 1: the peer cancelling its own transfer #1
+    // must not end ours, and only a cancel from our receiver ends ours.
+    let limits = SessionLimits {
+        queue: 8,
+        in_flight: 4,
+        inbound: 8,
+    };
+    let now = Instant::now();
+    let mut s = PeerSession::new(limits);
+    let id = s
+        .handle_send(
+            now,
+            SendRequest {
+                tag: 1,
+                len: 10,
+                source: WireMemoryKind::Host,
+                transport: "tcp".into(),
+                direction: WireDirection::Push,
+                ipc: None,
+                deadline: now + Duration::from_secs(60),
+            },
+        )
+        .expect("queued");
+    while s.poll_transmit().is_some() {}
+    while s.poll_event().is_some() {}
+    let cancel = |by_receiver| {
+        Message::Cancel(ferry_transports::wire::Cancel {
+            transfer: id.0,
+            by_receiver,
+            reason: WireReason::Cancelled,
+            detail: String::new(),
+        })
+    };
+    s.handle_message(cancel(false)).expect("a cancel");
+    let mut ended = false;
+    while let Some(ev) = s.poll_event() {
+        ended |= matches!(ev, SessionEvent::Finished(op, _) if op == id);
+    }
+    assert!(!ended, "the peer's cancel of its own transfer ended ours");
+    s.handle_message(cancel(true)).expect("a cancel");
+    let mut ended = false;
+    while let Some(ev) = s.poll_event() {
+        ended |= matches!(ev, SessionEvent::Finished(op, Outcome::Failed(_)) if op == id);
+    }
+    assert!(ended, "our receiver's cancel must end our transfer");
+}

@@ -127,6 +127,7 @@ fn corpus() -> Vec<Item> {
         Message::Done(Done { transfer: 2 }),
         Message::Cancel(Cancel {
             transfer: 3,
+            by_receiver: false,
             reason: WireReason::DeadlineExceeded,
             detail: "deadline of 5s passed".into(),
         }),

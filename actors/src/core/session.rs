@@ -349,6 +349,7 @@ impl PeerSession {
         let offered = !matches!(phase, Phase::Waiting(_));
         if let (Some(reason), true, true) = (tell_peer, is_transfer, offered) {
             self.transmit.push_back(Message::Cancel(Cancel {
+                by_receiver: false,
                 transfer: id.0,
                 reason,
                 detail: String::new(),
@@ -476,6 +477,7 @@ impl PeerSession {
         };
         if let Some((reason, detail)) = refuse {
             self.transmit.push_back(Message::Cancel(Cancel {
+                by_receiver: true,
                 transfer: offer.transfer,
                 reason,
                 detail,
@@ -556,9 +558,12 @@ impl PeerSession {
     }
 
     fn on_cancel(&mut self, cancel: Cancel) {
-        // The id names our transfer if we are its sender, else the peer's.
+        // From the receiver: about our transfer; from the sender: about the peer's.
         let ours = OpId(cancel.transfer);
-        if self.ops.contains_key(&ours) && !matches!(self.ops.get(&ours), Some(Phase::Waiting(_))) {
+        if cancel.by_receiver
+            && self.ops.contains_key(&ours)
+            && !matches!(self.ops.get(&ours), Some(Phase::Waiting(_)))
+        {
             self.finish(
                 ours,
                 Outcome::Failed(FailKind::Refused {
@@ -569,7 +574,7 @@ impl PeerSession {
             );
         }
         let theirs = InboundId(cancel.transfer);
-        if self.inbound.remove(&theirs).is_some() {
+        if !cancel.by_receiver && self.inbound.remove(&theirs).is_some() {
             self.events.push_back(SessionEvent::Abandon(theirs));
             self.deliver_ready();
         }
@@ -609,6 +614,7 @@ impl PeerSession {
     pub fn handle_reserve_failed(&mut self, id: InboundId, reason: WireReason, detail: String) {
         if self.inbound.remove(&id).is_some() {
             self.transmit.push_back(Message::Cancel(Cancel {
+                by_receiver: true,
                 transfer: id.0,
                 reason,
                 detail,
@@ -702,6 +708,12 @@ impl PeerSession {
         for id in ids {
             match self.ops.remove(&id) {
                 Some(Phase::AwaitGrant(req)) => {
+                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
+                }
+                // A pull awaits Done right after its offer, which the peer never read.
+                Some(Phase::AwaitConfirm(OpKind::Transfer(req)))
+                    if req.direction == WireDirection::Pull =>
+                {
                     self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
                 }
                 Some(waiting @ Phase::Waiting(_)) => {

@@ -185,6 +185,10 @@ pub enum WireReason {
 pub struct Cancel {
     /// The sender-side transfer id.
     pub transfer: u64,
+    /// True when the transfer's receiver cancels (refuses or gives up): `transfer` is then
+    /// the recipient's own transfer; false when its sender cancels it. Both sides number
+    /// their transfers from 1, so the id alone cannot say whose it is.
+    pub by_receiver: bool,
     /// Why.
     pub reason: WireReason,
     /// Human-readable detail for logs.
