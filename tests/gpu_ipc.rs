@@ -68,18 +68,9 @@ async fn pair_with_role(a_extra: &str, b_extra: &str, role: &str) -> Pair {
 const GPU0: &str = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n";
 const GPU1: &str = "[gpu]\ndevices = [1]\n[memory]\nreceive_into = \"device\"\n";
 
-/// `len` bytes derived from `seed`.
+/// `len` bytes derived from `seed` (the CUDA layer's test pattern).
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    ferry::cuda::pattern::pattern(seed, len)
 }
 
 async fn device_buffer(node: &Node, bytes: &[u8]) -> ferry::Buffer {
