@@ -332,6 +332,8 @@ struct IpcState {
     unmapper: Option<Arc<PeerUnmapper>>,
     /// Our freed buffers waiting for the peer to unmap them.
     unmapping: HashMap<IpcBufferRef, UnmapDone>,
+    /// True while we import the peer's pools (one setup request at a time).
+    importing: bool,
 }
 
 /// Collects our buffers that the peer may keep mapped and that were just freed, for the
@@ -836,7 +838,23 @@ impl Handler<UnmapRequests> for TransferActor {
                 generation: lease.generation.0,
             };
             self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
-            self.ipc.unmapping.insert(r, done);
+            self.ipc.unmapping.insert(r.clone(), done);
+            // A peer that never answers cannot pin the memory for the session's life; nor
+            // may the memory be freed while the peer still maps it. So the link goes: the
+            // peer's session ends, which frees its imports, and ours frees the memory after
+            // the lease timeout.
+            ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
+                if act.ipc.unmapping.contains_key(&r) {
+                    tracing::warn!(
+                        peer = %act.peer,
+                        buffer = r.buffer,
+                        "the peer did not unmap a freed buffer in time; dropping the link"
+                    );
+                    act.session
+                        .handle_link_lost("the peer did not unmap a freed buffer in time");
+                    act.drive(ctx);
+                }
+            });
         }
         self.drive(ctx);
     }
@@ -1154,6 +1172,11 @@ impl TransferActor {
                     }));
                     return;
                 }
+                if self.ipc.importing {
+                    // One import at a time; the peer's attempt times out and it retries.
+                    return;
+                }
+                self.ipc.importing = true;
                 let peer = self.peer.clone();
                 let pid = self.ipc.peer_pid;
                 let secret = self.setup.secret.clone();
@@ -1162,6 +1185,7 @@ impl TransferActor {
                     crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await
                 };
                 ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
+                    act.ipc.importing = false;
                     let refused = match result {
                         Ok(pools) => {
                             act.ipc.imported = Arc::new(pools);
