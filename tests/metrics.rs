@@ -82,7 +82,11 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
     ] {
         assert!(body.contains(help), "{help:?} missing from\n{body}");
     }
-    assert_eq!(sample(&body, "ferry_failover_total"), Some(0.0), "{body}");
+    assert_eq!(
+        sample(&body, "ferry_failover_total{from=\"ipc\",to=\"tcp\"}"),
+        Some(0.0),
+        "{body}"
+    );
     assert_eq!(
         sample(&body, "ferry_spill_bytes_total"),
         Some(0.0),

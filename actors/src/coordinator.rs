@@ -459,7 +459,20 @@ pub fn describe_metrics() {
     );
     describe_counter!(
         "ferry_failover_total",
-        "Transfers routed past a transport whose connection setup failed, onto the next one"
+        "Transfers routed past a transport whose connection setup failed, onto the next one, \
+         by transport (from, to)"
+    );
+    describe_counter!(
+        "ferry_ipc_setup_total",
+        "Lazy ipc setups with a peer that ended, by outcome (ok, bad)"
+    );
+    describe_counter!(
+        "ferry_pull_failures_total",
+        "ipc pulls that failed after memory was reserved (import or copy refused)"
+    );
+    describe_counter!(
+        "ferry_device_alloc_failures_total",
+        "Device allocations the budget allowed but the GPU refused (another process filled it)"
     );
     describe_counter!(
         "ferry_spill_bytes_total",
@@ -511,7 +524,12 @@ pub fn describe_metrics() {
     for status in ["completed", "failed", "cancelled"] {
         metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
     }
-    metrics::counter!("ferry_failover_total").absolute(0);
+    metrics::counter!("ferry_failover_total", "from" => "ipc", "to" => "tcp").absolute(0);
+    for outcome in ["ok", "bad"] {
+        metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
+    }
+    metrics::counter!("ferry_pull_failures_total").absolute(0);
+    metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
