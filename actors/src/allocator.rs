@@ -340,10 +340,12 @@ impl Allocator {
     }
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let next = match (self.budget.poll_timeout(), self.exports.poll_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next = self
+            .budget
+            .poll_timeout()
+            .into_iter()
+            .chain(self.exports.poll_timeout())
+            .min();
         self.timer.arm(
             ctx,
             next,

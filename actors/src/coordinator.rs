@@ -232,32 +232,18 @@ impl Coordinator {
     }
 
     fn explain(&self, peer: &str, bytes: u64, src: MemoryClass, dst: MemoryClass) -> Explanation {
-        let offers = self
-            .sessions
-            .get(peer)
-            .and_then(|s| s.hello.as_ref())
-            .map(|h| h.transports.as_slice());
-        route::choose(
-            &self.setup.config.transport.rules,
-            &self.catalog,
-            offers,
-            RouteQuery {
-                locality: self.locality(peer),
-                src,
-                dst,
-                bytes,
-            },
-        )
+        self.route(peer, bytes, src, dst, None)
     }
 
-    /// Like [`Self::explain`] for a host destination, as if `failed`'s setup with the peer
-    /// had failed: the transport a transfer falls back to.
-    fn explain_without(
+    /// The route of a transfer; with `failed`, as if that transport's setup with the peer
+    /// had failed (the route a transfer falls back to).
+    fn route(
         &self,
         peer: &str,
         bytes: u64,
         src: MemoryClass,
-        failed: ferry_config::TransportName,
+        dst: MemoryClass,
+        failed: Option<ferry_config::TransportName>,
     ) -> Explanation {
         let offers = self
             .sessions
@@ -271,11 +257,11 @@ impl Coordinator {
             &self.setup.config.transport.rules,
             &self.catalog,
             offers,
-            &|t| (t == failed).then(|| bad.clone()),
+            &|t| (Some(t) == failed).then(|| bad.clone()),
             RouteQuery {
                 locality: self.locality(peer),
                 src,
-                dst: MemoryClass::Host,
+                dst,
                 bytes,
             },
         )
@@ -585,8 +571,15 @@ impl Handler<SendTo> for Coordinator {
         // If the chosen transport's setup with the peer fails, the next of the rule.
         let fallback = (route.transport == ferry_config::TransportName::Ipc)
             .then(|| {
-                self.explain_without(&msg.peer, msg.buffer.len() as u64, src, route.transport)
-                    .chosen
+                let bytes = msg.buffer.len() as u64;
+                self.route(
+                    &msg.peer,
+                    bytes,
+                    src,
+                    MemoryClass::Host,
+                    Some(route.transport),
+                )
+                .chosen
             })
             .flatten()
             .map(|r| (r.transport.as_str().to_string(), wire(r.direction)));

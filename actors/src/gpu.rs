@@ -132,23 +132,13 @@ impl ImportCache {
     pub fn remove(&mut self, key: &IpcBufferRef) -> Option<ImportedBuffer> {
         self.entries.remove(key).map(|(b, _)| b)
     }
-
-    /// How many imports are cached.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// True when nothing is cached.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 /// Shared between a transfer actor and its pulls.
 pub type SharedImports = Arc<std::sync::Mutex<ImportCache>>;
 
 /// The cache key of a pulled buffer.
-pub fn buffer_ref(source: &IpcSource) -> IpcBufferRef {
+fn buffer_ref(source: &IpcSource) -> IpcBufferRef {
     IpcBufferRef {
         device_uuid: source.device_uuid.clone(),
         buffer: source.buffer,
@@ -256,31 +246,27 @@ pub fn pull(
             return Err("the import vanished".to_string());
         };
         *last = tick;
-        // Queue the copy under the lock (the import stays put), wait outside it.
-        let stream = match dst.device_memory_mut() {
-            Some(memory) => {
-                let stream = gpus
-                    .stream_for(memory.device())
-                    .cloned()
-                    .ok_or_else(|| "no copy stream".to_string())?;
-                copy_async(memory, 0, &*imported, offset, len, &stream)
-                    .map_err(|e| format!("copying from the peer: {e}"))?;
-                stream
-            }
+        // A copy stream of the landing device, or of the peer's for a host landing.
+        let device = dst
+            .device_memory()
+            .map_or(pool.device(), |m| m.device())
+            .clone();
+        let stream = gpus
+            .stream_for(&device)
+            .cloned()
+            .ok_or_else(|| "no copy stream".to_string())?;
+        // Queue the copy under the lock (the import stays put), wait outside it. A host
+        // landing is pageable memory: that copy is synchronous.
+        match dst.device_memory_mut() {
+            Some(memory) => copy_async(memory, 0, &*imported, offset, len, &stream),
             None => {
-                let stream = gpus
-                    .stream_for(pool.device())
-                    .cloned()
-                    .ok_or_else(|| "no copy stream".to_string())?;
                 let host = dst
                     .as_mut_slice()
                     .ok_or_else(|| "the landing buffer is shared".to_string())?;
-                // Synchronous: a pageable destination.
                 copy_to_host(host, &*imported, offset, &stream)
-                    .map_err(|e| format!("copying from the peer: {e}"))?;
-                stream
             }
-        };
+        }
+        .map_err(|e| format!("copying from the peer: {e}"))?;
         drop(cache);
         stream
             .synchronize()

@@ -676,10 +676,7 @@ impl TransferActor {
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
         let setup = self.ipc.setup.as_ref().and_then(|s| s.poll_timeout());
-        let next = match (self.session.poll_timeout(), setup) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next = self.session.poll_timeout().into_iter().chain(setup).min();
         self.timer.arm(
             ctx,
             next,
@@ -1692,10 +1689,8 @@ impl ReadLoop {
 
 /// The static label of a transport named on the wire.
 fn transport_label(name: &str) -> &'static str {
-    ["tcp", "ipc", "staged", "ucx"]
-        .into_iter()
-        .find(|t| *t == name)
-        .unwrap_or("unknown")
+    name.parse::<ferry_config::TransportName>()
+        .map_or("unknown", ferry_config::TransportName::as_str)
 }
 
 fn note_protocol_violation() {

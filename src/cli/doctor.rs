@@ -631,19 +631,6 @@ fn transport_fits_rule(
 mod tests {
     use super::*;
     use ferry_transports::cuda::CudaDevice;
-    use ferry_transports::transport::catalog;
-
-    /// The catalog of a machine without a CUDA driver (the `healthy` facts say so),
-    /// whatever this machine has.
-    fn host_only_catalog() -> Vec<(Capabilities, Viability)> {
-        let mut out = catalog();
-        for (caps, v) in &mut out {
-            if caps.name == TransportName::Ipc {
-                *v = Viability::NotViable("no CUDA driver: GPU transports disabled".into());
-            }
-        }
-        out
-    }
 
     fn healthy() -> Facts {
         Facts {
@@ -654,7 +641,8 @@ mod tests {
                 hard: None,
             }),
             ucx: Ucx::default(),
-            transports: host_only_catalog(),
+            // No CUDA driver, as the facts say, whatever this machine has.
+            transports: crate::cli::explain::tests::host_only_catalog(),
         }
     }
 

@@ -536,11 +536,22 @@ impl Report {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use ferry_actors::core::route::choose;
     use ferry_config::Direction;
     use ferry_transports::transport::catalog;
+
+    /// The catalog of a machine without a CUDA driver, whatever this machine has.
+    pub(crate) fn host_only_catalog() -> Vec<(Capabilities, Viability)> {
+        let mut out = catalog();
+        for (caps, v) in &mut out {
+            if caps.name == TransportName::Ipc {
+                *v = Viability::NotViable("no CUDA driver: GPU transports disabled".into());
+            }
+        }
+        out
+    }
 
     fn rule(name: &str, transports: Vec<TransportName>) -> Rule {
         Rule {
@@ -680,14 +691,7 @@ mod tests {
 
     #[test]
     fn gpu_note_names_the_missing_driver_and_the_unbuilt_transports() {
-        // The catalog of a machine without a driver, whatever this machine has.
-        let mut host_only = catalog();
-        for (caps, v) in &mut host_only {
-            if caps.name == TransportName::Ipc {
-                *v = Viability::NotViable("no CUDA driver: GPU transports disabled".into());
-            }
-        }
-        let note = gpu_note(&CudaProbe::NoDriver, &host_only);
+        let note = gpu_note(&CudaProbe::NoDriver, &host_only_catalog());
         assert!(
             note.starts_with("GPU transports are not available: no CUDA driver"),
             "{note}"

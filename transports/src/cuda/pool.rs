@@ -302,7 +302,6 @@ impl ImportedPool {
             ptr,
             len,
             uses: Uses::default(),
-            freed: false,
         };
         // SAFETY: the device's context is current (bound above).
         let (base, size) = unsafe { raw::mem_get_address_range(ptr) }?;
@@ -348,8 +347,6 @@ pub struct ImportedBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     uses: Uses,
-    /// Set once [`ImportedBuffer::free_async`] queued the free.
-    freed: bool,
 }
 
 // SAFETY: owns its import like a Box; the device address is only passed to the driver.
@@ -372,31 +369,8 @@ impl DeviceMemory for ImportedBuffer {
     }
 }
 
-impl ImportedBuffer {
-    /// Frees the import in stream order (`cuMemFreeAsync` on `stream`, after every copy of
-    /// this layer that used it, on any stream): unlike a plain drop (`cuMemFree`), this
-    /// never waits for the whole device. The import is gone once `stream` has passed this
-    /// point (synchronise it, or an event recorded after it, before telling the exporter).
-    ///
-    /// # Errors
-    /// A driver error; the import is then freed by the drop (synchronously).
-    pub fn free_async(mut self, stream: &Stream) -> Result<(), CudaError> {
-        self.uses.order_before(stream)?;
-        stream.bind()?;
-        // SAFETY: imported by cuMemPoolImportPointer and freed once (`freed` keeps the drop
-        // from freeing again); every use through this layer is ordered before the free on
-        // `stream` (above).
-        unsafe { raw::mem_free_async(self.ptr, stream.handle()) }?;
-        self.freed = true;
-        Ok(())
-    }
-}
-
 impl Drop for ImportedBuffer {
     fn drop(&mut self) {
-        if self.freed {
-            return;
-        }
         let done = self.uses.wait_all().and_then(|()| {
             self.pool.device.bind()?;
             // SAFETY: imported by cuMemPoolImportPointer, freed once, and every copy of this

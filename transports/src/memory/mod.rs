@@ -366,14 +366,7 @@ impl Buffer {
     /// # Errors
     /// As [`Self::copy_from`].
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), MemoryError> {
-        let size = self.len();
-        if offset.checked_add(src.len()).is_none_or(|end| end > size) {
-            return Err(MemoryError::OutOfBounds {
-                offset,
-                len: src.len(),
-                size,
-            });
-        }
+        check_range(offset, src.len(), self.len())?;
         let storage = Arc::get_mut(&mut self.storage).ok_or(MemoryError::Shared)?;
         match &mut storage.bytes {
             Bytes::Host(bytes) => bytes[offset..offset + src.len()].copy_from_slice(src),
@@ -494,6 +487,14 @@ pub struct SharedBytes {
     storage: Arc<Storage>,
 }
 
+/// `len` bytes at `offset` lie inside `size` bytes.
+fn check_range(offset: usize, len: usize, size: usize) -> Result<(), MemoryError> {
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(MemoryError::OutOfBounds { offset, len, size });
+    }
+    Ok(())
+}
+
 impl Storage {
     fn note_mapped(&self, peer: Arc<dyn Unmapper>) {
         let mut mapped = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
@@ -551,14 +552,7 @@ impl SharedBytes {
     /// # Errors
     /// [`MemoryError::OutOfBounds`], [`MemoryError::Cuda`].
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemoryError> {
-        let size = self.len();
-        if offset.checked_add(dst.len()).is_none_or(|end| end > size) {
-            return Err(MemoryError::OutOfBounds {
-                offset,
-                len: dst.len(),
-                size,
-            });
-        }
+        check_range(offset, dst.len(), self.len())?;
         match &self.storage.bytes {
             Bytes::Host(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
             Bytes::Device(d) => crate::cuda::copy_to_host(dst, d, offset, &d.stream())?,
