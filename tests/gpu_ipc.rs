@@ -322,3 +322,136 @@ async fn a_peer_without_gpus_falls_back_to_tcp() {
     assert!(got.buffer.to_vec().expect("read") == want);
     p.node.shutdown().await;
 }
+
+/// Memory the test allocated itself (`cuMemAlloc`, like a framework's tensor) crosses by its
+/// legacy IPC handle: byte-exact at an odd offset, fresh bytes on the second send of the same
+/// allocation (the peer's cached mapping reads the memory, not an old copy), and a new
+/// allocation after the old one was unregistered and freed is read, not the freed one.
+#[tokio::test(flavor = "multi_thread")]
+async fn registered_memory_crosses_by_legacy_handle() {
+    use ferry::cuda::{Device, DeviceMemory, ExternalMemory, PlainAllocation};
+    let Some(_gpu) = ferry::testing::gpu_test_with("registered_memory_crosses", 2) else {
+        return;
+    };
+    let p = pair(GPU0, GPU1).await;
+    let dev = Device::open(0).expect("GPU 0");
+    let offset = 4097u64;
+    let len = (1 << 20) + 3;
+    let mut tag = 0u64;
+    for round in 0..2u64 {
+        let alloc = PlainAllocation::new(&dev, 8 << 20).expect("cuMemAlloc");
+        // SAFETY: the range lies in `alloc`, which is freed only after unregister_external
+        // answered (below).
+        let memory = unsafe { ExternalMemory::new(alloc.device_ptr() + offset, len, 0) };
+        let mut registered = p.node.register_external(memory).expect("register");
+        assert_eq!(registered.kind(), MemoryKind::Device(0));
+        for send in 0..2u64 {
+            let want = pattern(len, 1000 + round * 10 + send);
+            registered.write(0, &want).expect("write registered memory");
+            registered = p.node.send("b", tag, registered).await.expect("send");
+            let got =
+                tokio::time::timeout(Duration::from_secs(30), p.node.recv(Some("b"), Some(tag)))
+                    .await
+                    .expect("the echo came back in time")
+                    .expect("recv");
+            tag += 1;
+            assert_eq!(got.transport, "ipc");
+            assert!(
+                got.buffer.to_vec().expect("read") == want,
+                "round {round}, send {send}: the peer read other bytes than the registered ones"
+            );
+        }
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            p.node.unregister_external(registered),
+        )
+        .await
+        .expect("unregistered in time")
+        .expect("unregister");
+        drop(alloc);
+    }
+    // Refused before anything moves: past the allocation's end, and pool memory.
+    let alloc = PlainAllocation::new(&dev, 4096).expect("cuMemAlloc");
+    // SAFETY: refused at registration (past the end), so never used.
+    let past = unsafe { ExternalMemory::new(alloc.device_ptr() + 1, 4096, 0) };
+    let e = p.node.register_external(past).expect_err("past the end");
+    assert!(e.to_string().contains("overrun"), "{e}");
+    let pool = p
+        .node
+        .alloc(MemoryKind::Device(0), 4096)
+        .await
+        .expect("alloc");
+    let ptr = pool.device_memory().expect("device").device_ptr();
+    // SAFETY: refused at registration (pool memory), so never used.
+    let pooled = unsafe { ExternalMemory::new(ptr, 4096, 0) };
+    let e = p.node.register_external(pooled).expect_err("pool memory");
+    assert!(e.to_string().contains("legacy IPC"), "{e}");
+    p.node.shutdown().await;
+}
+
+/// A buffer its owner frees while the peer still maps it is not handed out again until the
+/// peer unmapped it: with the peer stopped (SIGSTOP) the memory stays granted and a new
+/// allocation gets other memory; once the peer runs again it unmaps and the memory comes back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_buffer_freed_while_the_peer_maps_it_is_not_reused_under_it() {
+    use ferry::cuda::DeviceMemory;
+    use nix::sys::signal::{Signal, kill};
+    let Some(_gpu) = ferry::testing::gpu_test_with("freed_while_mapped", 2) else {
+        return;
+    };
+    let a_extra = format!("{GPU0}export_lease_timeout = \"20s\"\n");
+    let p = pair_with_role(&a_extra, GPU1, "sink").await;
+    let len = 64 << 20;
+    let b = device_buffer(&p.node, &pattern(len, 5)).await;
+    let b = p.node.send("b", 1, b).await.expect("send");
+    let freed_at = b.device_memory().expect("device").device_ptr();
+    let before = p
+        .node
+        .memory(MemoryKind::Device(0))
+        .await
+        .expect("stats")
+        .budget
+        .granted;
+    kill(p.child.pid(), Signal::SIGSTOP).expect("stop b");
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = p
+        .node
+        .memory(MemoryKind::Device(0))
+        .await
+        .expect("stats")
+        .budget
+        .granted;
+    assert_eq!(held, before, "freed while the peer may still map it");
+    let other = p
+        .node
+        .alloc(MemoryKind::Device(0), len)
+        .await
+        .expect("alloc");
+    assert_ne!(
+        other.device_memory().expect("device").device_ptr(),
+        freed_at,
+        "memory the stopped peer maps was handed out again"
+    );
+    kill(p.child.pid(), Signal::SIGCONT).expect("continue b");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let granted = p
+            .node
+            .memory(MemoryKind::Device(0))
+            .await
+            .expect("stats")
+            .budget
+            .granted;
+        if granted == other.len() as u64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the peer unmapped, but the memory was not given back ({granted} granted)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(other);
+    p.node.shutdown().await;
+}

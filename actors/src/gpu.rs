@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use actix::Addr;
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool,
-    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host,
+    CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
+    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host, enable_peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
@@ -21,6 +21,7 @@ use ferry_transports::memory::Buffer;
 use ferry_transports::wire::{IpcBufferRef, IpcSource};
 
 use crate::allocator::Allocator;
+use crate::core::handle_cache::{AllocationKey, HandleCache, Lookup};
 
 /// One GPU of the node.
 #[derive(Clone)]
@@ -31,6 +32,9 @@ pub struct Gpu {
     pub allocator: Addr<Allocator>,
     /// The stream pulls into this device's memory are copied on.
     pub copy_stream: Stream,
+    /// The stream of small pulls copied on the actor thread: apart from `copy_stream`, so
+    /// that waiting for a few bytes never waits behind a large copy queued before them.
+    pub express_stream: Stream,
 }
 
 /// The node's GPUs, by CUDA ordinal, and the pools it exports. Cheap to clone.
@@ -79,25 +83,59 @@ impl Gpus {
         self.visible.iter().find(|d| d.uuid() == uuid)
     }
 
-    /// A copy stream on `device` if the node uses it, else the first GPU's.
-    fn stream_for(&self, device: &Device) -> Option<&Stream> {
+    /// A copy stream on `device` if the node uses it, else the first GPU's; the express
+    /// stream when `express`.
+    fn stream_for(&self, device: &Device, express: bool) -> Option<&Stream> {
         self.gpus
             .iter()
             .find(|(_, g)| g.device.same_as(device))
             .or_else(|| self.gpus.first())
-            .map(|(_, g)| &g.copy_stream)
+            .map(|(_, g)| {
+                if express {
+                    &g.express_stream
+                } else {
+                    &g.copy_stream
+                }
+            })
     }
+}
+
+/// The streams of one GPU.
+pub struct GpuStreams {
+    /// Allocations from the pool.
+    pub alloc: Stream,
+    /// Pulls on blocking threads.
+    pub copy: Stream,
+    /// Small pulls on the actor thread.
+    pub express: Stream,
 }
 
 /// Creates the exportable pool and streams of one GPU.
 ///
 /// # Errors
 /// The driver's error.
-pub fn open_pool(device: &Device) -> Result<(ExportablePool, Stream, Stream), CudaError> {
+pub fn open_pool(device: &Device) -> Result<(ExportablePool, GpuStreams), CudaError> {
     let pool = ExportablePool::new(device)?;
-    let alloc_stream = Stream::new(device)?;
-    let copy_stream = Stream::new(device)?;
-    Ok((pool, alloc_stream, copy_stream))
+    let streams = GpuStreams {
+        alloc: Stream::new(device)?,
+        copy: Stream::new(device)?,
+        express: Stream::new(device)?,
+    };
+    Ok((pool, streams))
+}
+
+/// Pulls of at most this many bytes whose source is already mapped are copied on the actor
+/// thread (on the express stream), saving the two thread hops of a blocking pull; the copy
+/// takes a few microseconds.
+pub const INLINE_PULL_MAX: usize = 256 << 10;
+
+/// True when `source` is pool memory whose import `imports` holds now (a pull of it would
+/// not import). Never waits for the lock: a busy cache answers false.
+pub fn is_mapped(source: &IpcSource, imports: &std::sync::Mutex<ImportCache>) -> bool {
+    source.legacy.is_none()
+        && imports
+            .try_lock()
+            .is_ok_and(|cache| cache.entries.contains_key(&buffer_ref(source)))
 }
 
 /// A peer's pools imported into this process, by the peer's device UUID.
@@ -109,28 +147,77 @@ pub type ImportedPools = HashMap<String, ImportedPool>;
 /// entry leaves when the owner asks (it is freeing the buffer: answered `IpcUnmapped` once
 /// the import is freed) or when evicted (freed under the cache's lock, so nothing can meet
 /// it half gone).
+///
+/// Memory the peer registered (not from its pool) crosses as legacy IPC handles, mapped
+/// whole allocations kept in [`HandleCache`] (keyed by the allocation's buffer id, never by
+/// address; reference-counted, so a mapping a copy reads is never closed under it).
 pub struct ImportCache {
     entries: HashMap<IpcBufferRef, (ImportedBuffer, u64)>,
     tick: u64,
     capacity: usize,
+    /// The exporting peer, for the handle cache's keys.
+    peer: String,
+    legacy: HandleCache<Arc<IpcMapping>>,
+    /// Which allocation each of the peer's registrations we read lies in.
+    legacy_refs: HashMap<IpcBufferRef, u64>,
 }
 
 /// Imports kept at most per peer.
 pub const IMPORT_CACHE_CAPACITY: usize = 1024;
 
+/// Legacy IPC mappings (of allocations a peer registered) kept at most per peer.
+pub const LEGACY_CACHE_CAPACITY: usize = 64;
+
+/// Registrations of a peer's memory an importer tracks at most (each names the allocation
+/// it lies in, so that freeing the last one unmaps the allocation).
+pub const LEGACY_REGISTRATIONS_MAX: usize = 4096;
+
+/// What [`ImportCache::remove`] took out; dropping it unmaps (waiting for copies first).
+#[must_use = "dropping it unmaps the memory; do it off the actor thread"]
+pub struct Unmapped {
+    _imports: Vec<ImportedBuffer>,
+    _mappings: Vec<Arc<IpcMapping>>,
+}
+
 impl ImportCache {
-    /// An empty cache of at most `capacity` imports (at least one).
-    pub fn new(capacity: usize) -> Self {
+    /// An empty cache of at most `capacity` imports (at least one) and
+    /// [`LEGACY_CACHE_CAPACITY`] legacy mappings, of `peer`'s memory.
+    pub fn new(peer: &str, capacity: usize) -> Self {
         Self {
             entries: HashMap::new(),
             tick: 0,
             capacity: capacity.max(1),
+            peer: peer.to_string(),
+            legacy: HandleCache::new(LEGACY_CACHE_CAPACITY),
+            legacy_refs: HashMap::new(),
         }
     }
 
-    /// Takes the import of `key` out (to free it), if cached.
-    pub fn remove(&mut self, key: &IpcBufferRef) -> Option<ImportedBuffer> {
-        self.entries.remove(key).map(|(b, _)| b)
+    /// The owner frees the buffer `key`: takes its import out, or, for registered memory,
+    /// invalidates the allocation's mapping once no other registration we read lies in it
+    /// (closed when the last copy using it ends). Drop the result to unmap.
+    pub fn remove(&mut self, key: &IpcBufferRef) -> Unmapped {
+        let imports = self
+            .entries
+            .remove(key)
+            .map(|(b, _)| b)
+            .into_iter()
+            .collect();
+        if let Some(buffer_id) = self.legacy_refs.remove(key)
+            && !self.legacy_refs.values().any(|&b| b == buffer_id)
+        {
+            self.legacy
+                .invalidate(&AllocationKey::new(self.peer.clone(), buffer_id));
+        }
+        Unmapped {
+            _imports: imports,
+            _mappings: self.closing(),
+        }
+    }
+
+    /// Mappings the handle cache gave up (evicted, or invalidated and unused).
+    fn closing(&mut self) -> Vec<Arc<IpcMapping>> {
+        std::iter::from_fn(|| self.legacy.poll_close()).collect()
     }
 }
 
@@ -185,8 +272,9 @@ pub async fn import_pools(
 }
 
 /// Reads `len` bytes described by `source` out of the peer's memory into `dst` (device or
-/// host memory), and waits until they are there. The buffer's import is taken from
-/// `imports`, or made and kept there. Blocking: call it on a blocking thread.
+/// host memory), and waits until they are there. The buffer's import (or, for memory the
+/// peer registered, its allocation's mapping) is taken from `imports`, or made and kept
+/// there. Blocking: call it on a blocking thread.
 ///
 /// # Errors
 /// Why the bytes could not be read; `dst` comes back with the error.
@@ -196,94 +284,228 @@ pub fn pull(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     mut dst: Buffer,
+    express: bool,
 ) -> Result<Buffer, (Buffer, String)> {
-    let len = dst.len();
-    let result = (|| {
-        let pool = pools.get(&source.device_uuid).ok_or_else(|| {
-            format!(
-                "the peer's pool of {} was never imported",
-                source.device_uuid
-            )
-        })?;
-        let export: &[u8; POINTER_EXPORT_LEN] = source
-            .export
-            .as_slice()
-            .try_into()
-            .map_err(|_| format!("a pointer export of {} bytes", source.export.len()))?;
-        let offset = usize::try_from(source.offset).map_err(|e| e.to_string())?;
-        let end = offset
-            .checked_add(len)
-            .ok_or_else(|| "offset and length overflow".to_string())?;
-        let key = buffer_ref(source);
-        let started = std::time::Instant::now();
-        let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
-        cache.tick += 1;
-        let tick = cache.tick;
-        let hit = cache.entries.contains_key(&key);
-        if !hit {
-            let imported = pool
-                .import_pointer(export, end)
-                .map_err(|e| format!("importing the peer's buffer: {e}"))?;
-            while cache.entries.len() >= cache.capacity {
-                let Some(oldest) = cache
-                    .entries
-                    .iter()
-                    .min_by_key(|(_, (_, t))| *t)
-                    .map(|(k, _)| k.clone())
-                else {
-                    break;
-                };
-                // Freed before the lock is released, so a later pull of the same buffer, or
-                // the owner's IpcUnmap, never meets an import that is still going away.
-                // The owner learns nothing: it asks when it frees the buffer, and is
-                // answered at once.
-                drop(cache.entries.remove(&oldest));
-            }
-            cache.entries.insert(key.clone(), (imported, tick));
-        }
-        let imported_at = started.elapsed();
-        let Some((imported, last)) = cache.entries.get_mut(&key) else {
-            return Err("the import vanished".to_string());
-        };
-        *last = tick;
-        // A copy stream of the landing device, or of the peer's for a host landing.
-        let device = dst
-            .device_memory()
-            .map_or(pool.device(), |m| m.device())
-            .clone();
-        let stream = gpus
-            .stream_for(&device)
-            .cloned()
-            .ok_or_else(|| "no copy stream".to_string())?;
-        // Queue the copy under the lock (the import stays put), wait outside it. A host
-        // landing is pageable memory: that copy is synchronous.
-        match dst.device_memory_mut() {
-            Some(memory) => copy_async(memory, 0, &*imported, offset, len, &stream),
-            None => {
-                let host = dst
-                    .as_mut_slice()
-                    .ok_or_else(|| "the landing buffer is shared".to_string())?;
-                copy_to_host(host, &*imported, offset, &stream)
-            }
-        }
-        .map_err(|e| format!("copying from the peer: {e}"))?;
-        drop(cache);
-        stream
-            .synchronize()
-            .map_err(|e| format!("finishing the copy from the peer: {e}"))?;
-        tracing::trace!(
-            bytes = len,
-            cached = hit,
-            import_us = imported_at.as_micros() as u64,
-            total_us = started.elapsed().as_micros() as u64,
-            "pulled"
-        );
-        Ok(())
-    })();
+    let result = match source.legacy {
+        None => pull_pooled(source, pools, imports, gpus, &mut dst, express),
+        Some(buffer_id) => pull_registered(source, buffer_id, imports, gpus, &mut dst),
+    };
     match result {
         Ok(()) => Ok(dst),
         Err(why) => Err((dst, why)),
     }
+}
+
+fn pull_pooled(
+    source: &IpcSource,
+    pools: &ImportedPools,
+    imports: &std::sync::Mutex<ImportCache>,
+    gpus: &Gpus,
+    dst: &mut Buffer,
+    express: bool,
+) -> Result<(), String> {
+    let len = dst.len();
+    let pool = pools.get(&source.device_uuid).ok_or_else(|| {
+        format!(
+            "the peer's pool of {} was never imported",
+            source.device_uuid
+        )
+    })?;
+    let export = export_bytes(source)?;
+    let (offset, end) = source_range(source, len)?;
+    let key = buffer_ref(source);
+    let started = std::time::Instant::now();
+    let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+    cache.tick += 1;
+    let tick = cache.tick;
+    let hit = cache.entries.contains_key(&key);
+    if !hit {
+        let imported = pool
+            .import_pointer(export, end)
+            .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+        while cache.entries.len() >= cache.capacity {
+            let Some(oldest) = cache
+                .entries
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            // Freed before the lock is released, so a later pull of the same buffer, or
+            // the owner's IpcUnmap, never meets an import that is still going away.
+            // The owner learns nothing: it asks when it frees the buffer, and is
+            // answered at once.
+            drop(cache.entries.remove(&oldest));
+        }
+        cache.entries.insert(key.clone(), (imported, tick));
+    }
+    let imported_at = started.elapsed();
+    let Some((imported, last)) = cache.entries.get_mut(&key) else {
+        return Err("the import vanished".to_string());
+    };
+    *last = tick;
+    // Queue the copy under the lock (the import stays put), wait outside it.
+    let stream = queue_copy(dst, &*imported, offset, gpus, false, express)?;
+    drop(cache);
+    finish_copy(&stream)?;
+    tracing::trace!(
+        bytes = len,
+        cached = hit,
+        import_us = imported_at.as_micros() as u64,
+        total_us = started.elapsed().as_micros() as u64,
+        "pulled"
+    );
+    Ok(())
+}
+
+/// The pull of memory the peer registered: its allocation is mapped from the legacy IPC
+/// handle (or the cached mapping is used), the copy reads the registered range, and the
+/// mapping's reference is given back when the copy has completed.
+fn pull_registered(
+    source: &IpcSource,
+    buffer_id: u64,
+    imports: &std::sync::Mutex<ImportCache>,
+    gpus: &Gpus,
+    dst: &mut Buffer,
+) -> Result<(), String> {
+    let len = dst.len();
+    let handle = export_bytes(source)?;
+    let (offset, _) = source_range(source, len)?;
+    let started = std::time::Instant::now();
+    let (key, mapping, hit) = {
+        let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+        let key = AllocationKey::new(cache.peer.clone(), buffer_id);
+        let registration = buffer_ref(source);
+        if !cache.legacy_refs.contains_key(&registration)
+            && cache.legacy_refs.len() >= LEGACY_REGISTRATIONS_MAX
+        {
+            return Err(format!(
+                "the peer has {LEGACY_REGISTRATIONS_MAX} registrations of its own memory in \
+                 use with us already; it must drop some first"
+            ));
+        }
+        cache.legacy_refs.insert(registration, buffer_id);
+        match cache.legacy.acquire(&key) {
+            Lookup::Hit(mapping) => (key, mapping, true),
+            Lookup::Invalidated => {
+                return Err(format!(
+                    "the peer freed the registered allocation {buffer_id}: it is never mapped again"
+                ));
+            }
+            Lookup::Miss => {
+                // Opened under the lock: one open of an allocation at a time per peer (the
+                // driver maps a handle once per context).
+                let device = gpus.visible_by_uuid(&source.device_uuid).ok_or_else(|| {
+                    format!(
+                        "the peer's GPU {} is not visible to this process",
+                        source.device_uuid
+                    )
+                })?;
+                let opened = IpcMapping::open(device, handle)
+                    .map_err(|e| format!("opening the peer's legacy IPC handle: {e}"))?;
+                let mapping = cache
+                    .legacy
+                    .insert(key.clone(), Arc::new(opened))
+                    .map_err(|_| format!("the peer freed the registered allocation {buffer_id}"))?;
+                (key, mapping, false)
+            }
+        }
+    };
+    let opened_at = started.elapsed();
+    let copied = (|| {
+        if end_of(offset, len)? > mapping.len() {
+            return Err(format!(
+                "the peer claims {len} bytes at {offset} in an allocation of {}",
+                mapping.len()
+            ));
+        }
+        let stream = queue_copy(dst, &*mapping, offset, gpus, true, false)?;
+        finish_copy(&stream)
+    })();
+    // The reference goes back whatever happened; a mapping the cache gave up meanwhile is
+    // unmapped here, on this blocking thread.
+    let closing = {
+        let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+        cache.legacy.release(&key);
+        cache.closing()
+    };
+    drop(mapping);
+    drop(closing);
+    copied?;
+    tracing::trace!(
+        bytes = len,
+        cached = hit,
+        open_us = opened_at.as_micros() as u64,
+        total_us = started.elapsed().as_micros() as u64,
+        "pulled registered memory"
+    );
+    Ok(())
+}
+
+fn export_bytes(source: &IpcSource) -> Result<&[u8; POINTER_EXPORT_LEN], String> {
+    source
+        .export
+        .as_slice()
+        .try_into()
+        .map_err(|_| format!("an export of {} bytes", source.export.len()))
+}
+
+fn end_of(offset: usize, len: usize) -> Result<usize, String> {
+    offset
+        .checked_add(len)
+        .ok_or_else(|| "offset and length overflow".to_string())
+}
+
+/// The source's offset and the end of `len` bytes from it.
+fn source_range(source: &IpcSource, len: usize) -> Result<(usize, usize), String> {
+    let offset = usize::try_from(source.offset).map_err(|e| e.to_string())?;
+    Ok((offset, end_of(offset, len)?))
+}
+
+/// Queues the copy of `dst.len()` bytes from `src[offset..]` into `dst`, on a copy stream
+/// of the landing device (of the source's for a host landing, which is pageable memory: that
+/// copy is synchronous). Returns the stream to wait on.
+fn queue_copy(
+    dst: &mut Buffer,
+    src: &impl DeviceMemory,
+    offset: usize,
+    gpus: &Gpus,
+    legacy: bool,
+    express: bool,
+) -> Result<Stream, String> {
+    let len = dst.len();
+    let device = dst
+        .device_memory()
+        .map_or(src.device(), |m| m.device())
+        .clone();
+    let stream = gpus
+        .stream_for(&device, express)
+        .cloned()
+        .ok_or_else(|| "no copy stream".to_string())?;
+    if legacy && !stream.device().same_as(src.device()) {
+        // A legacy mapping needs the copying context's peer access (pools have their own
+        // access setting, granted when imported).
+        enable_peer_access(stream.device(), src.device())
+            .map_err(|e| format!("enabling peer access for the copy: {e}"))?;
+    }
+    match dst.device_memory_mut() {
+        Some(memory) => copy_async(memory, 0, src, offset, len, &stream),
+        None => {
+            let host = dst
+                .as_mut_slice()
+                .ok_or_else(|| "the landing buffer is shared".to_string())?;
+            copy_to_host(host, src, offset, &stream)
+        }
+    }
+    .map_err(|e| format!("copying from the peer: {e}"))?;
+    Ok(stream)
+}
+
+fn finish_copy(stream: &Stream) -> Result<(), String> {
+    stream
+        .synchronize()
+        .map_err(|e| format!("finishing the copy from the peer: {e}"))
 }
 
 /// The export of a buffer for an ipc pull: its device's UUID, its lease and the pointer
@@ -296,9 +518,17 @@ pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
         .device_memory()
         .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
     let started = std::time::Instant::now();
-    let export = memory
-        .export_pointer()
-        .map_err(|e| format!("exporting the buffer: {e}"))?;
+    let (export, offset, legacy) = if memory.is_external() {
+        let legacy = memory
+            .export_legacy()
+            .map_err(|e| format!("exporting the registered memory: {e}"))?;
+        (legacy.handle, legacy.offset, Some(legacy.buffer_id))
+    } else {
+        let export = memory
+            .export_pointer()
+            .map_err(|e| format!("exporting the buffer: {e}"))?;
+        (export, 0, None)
+    };
     tracing::trace!(
         bytes = memory.len(),
         us = started.elapsed().as_micros() as u64,
@@ -309,8 +539,9 @@ pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
         device_uuid: memory.device().uuid().to_string(),
         buffer: lease.id.0,
         generation: lease.generation.0,
-        offset: 0,
+        offset,
         export: export.to_vec(),
+        legacy,
     })
 }
 

@@ -12,8 +12,11 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use dashmap::DashMap;
 use ferry_config::{Config, MemoryClass};
+use ferry_transports::cuda::{DeviceBuffer, ExternalMemory};
 use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener, Secret};
-use ferry_transports::memory::{Buffer, MemoryHome, MemoryKind};
+use ferry_transports::memory::{
+    Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
+};
 use ferry_transports::tcp::{ExposedRegion, RegionKey};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -66,8 +69,7 @@ struct OpenedGpu {
     ordinal: u32,
     device: ferry_transports::cuda::Device,
     pool: ferry_transports::cuda::ExportablePool,
-    alloc_stream: ferry_transports::cuda::Stream,
-    copy_stream: ferry_transports::cuda::Stream,
+    streams: crate::gpu::GpuStreams,
     budget: u64,
 }
 
@@ -113,7 +115,7 @@ fn open_gpus(
             .devices
             .get(ordinal as usize)
             .map_or(0, |d| d.total_memory);
-        let (pool, alloc_stream, copy_stream) = crate::gpu::open_pool(&device).map_err(|e| {
+        let (pool, streams) = crate::gpu::open_pool(&device).map_err(|e| {
             Error::Start(format!(
                 "GPU {ordinal}: cannot create an exportable memory pool: {e}"
             ))
@@ -128,8 +130,7 @@ fn open_gpus(
             ordinal,
             device,
             pool,
-            alloc_stream,
-            copy_stream,
+            streams,
             budget: config.memory.device.resolve(total),
         });
     }
@@ -262,7 +263,7 @@ impl Node {
                                     let kind = MemoryKind::Device(g.ordinal);
                                     let pool = crate::allocator::DevicePool {
                                         pool: g.pool.clone(),
-                                        stream: g.alloc_stream,
+                                        stream: g.streams.alloc,
                                     };
                                     let budget = g.budget;
                                     let allocator = Allocator::create(move |ctx| {
@@ -273,7 +274,8 @@ impl Node {
                                     let gpu = crate::gpu::Gpu {
                                         device: g.device,
                                         allocator,
-                                        copy_stream: g.copy_stream,
+                                        copy_stream: g.streams.copy,
+                                        express_stream: g.streams.express,
                                     };
                                     (g.ordinal, gpu)
                                 })
@@ -479,6 +481,66 @@ impl Node {
             allocator: self.domain(kind)?.clone().recipient(),
         };
         reserve_in_tiers(&[tier], parts, self.default_deadline()).await
+    }
+
+    /// Makes device memory the caller allocated outside ferry (`cudaMalloc`, a framework's
+    /// tensor: described by an [`ExternalMemory`], whose unsafe constructor is the promise
+    /// that it stays allocated) a buffer that can be sent. Same-host peers read it through
+    /// a legacy CUDA IPC handle, which they keep open (cached by allocation identity, never
+    /// by address) for the next transfer of the same allocation. It counts against no budget,
+    /// and cannot be received into.
+    ///
+    /// End the registration with [`Self::unregister_external`], not by dropping the buffer:
+    /// only its answer says when the memory may be freed.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a GPU this node does not use; [`Error::Usage`] for memory
+    /// the driver does not know, a range past its allocation's end, memory of another GPU,
+    /// or memory legacy IPC cannot export (pool or VMM allocations).
+    pub fn register_external(&self, memory: ExternalMemory) -> Result<Buffer, Error> {
+        let n = memory.device();
+        let gpu = self.gpus.get(n).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "GPU {n} is not one of this node's GPUs ({:?}; see gpu.devices)",
+                self.gpus
+            ))
+        })?;
+        let device = DeviceBuffer::register_external(memory, &gpu.device, &gpu.copy_stream)
+            .map_err(|e| Error::Usage(format!("cannot register the memory: {e}")))?;
+        let lease = Lease {
+            kind: MemoryKind::Device(n),
+            id: BufferId(EXTERNAL_IDS.fetch_add(1, Ordering::Relaxed)),
+            generation: Generation(0),
+            len: memory.len() as u64,
+        };
+        Ok(Buffer::new_device(
+            lease,
+            device,
+            Arc::new(Unbudgeted),
+            None,
+        ))
+    }
+
+    /// Ends the registration of [`Self::register_external`]: drops `buffer` and waits until
+    /// nothing uses the memory any more (ferry's copies done, every peer's mapping of it
+    /// closed). After `Ok` the caller may free the memory. A peer that does not unmap in
+    /// time loses its link (`memory.export_lease_timeout`), so this ends within the default
+    /// deadline plus that timeout.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] for a buffer that is not registered memory (it is dropped, which
+    /// frees it as usual); [`Error::DeadlineExceeded`] when the memory is still in use at
+    /// the end: do not free it then.
+    pub async fn unregister_external(&self, buffer: Buffer) -> Result<(), Error> {
+        let signal = buffer
+            .device_memory()
+            .and_then(|m| m.release_signal())
+            .ok_or_else(|| Error::Usage("the buffer is not registered memory".into()))?;
+        drop(buffer);
+        let wait = self.config.limits.default_deadline + self.config.memory.export_lease_timeout;
+        tokio::time::timeout(wait, signal.wait())
+            .await
+            .map_err(|_| Error::DeadlineExceeded)
     }
 
     /// A memory domain's counters: budget, granted, exported, quarantined, waiting.
@@ -778,4 +840,15 @@ impl MemoryHome for NodeMemory {
             got.pop().ok_or_else(|| "nothing granted".to_string())
         })
     }
+}
+
+/// Ids of registered memory: a range of their own (top bit set), so they never meet the ids
+/// a GPU domain's allocator hands out under the same memory kind.
+static EXTERNAL_IDS: AtomicU64 = AtomicU64::new(1 << 63);
+
+/// Registered memory counts against no budget: its release gives nothing back.
+struct Unbudgeted;
+
+impl Releaser for Unbudgeted {
+    fn release(&self, _: &Lease) {}
 }

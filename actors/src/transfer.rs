@@ -702,48 +702,65 @@ impl TransferActor {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
         }
         let pools = Arc::clone(&self.ipc.imported);
+        let peer = &self.peer;
         let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
             Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
+                peer,
                 crate::gpu::IMPORT_CACHE_CAPACITY,
             )))
         }));
         let gpus = Arc::clone(&self.setup.gpus);
-        let copy = self
-            .setup
-            .io
-            .spawn_blocking(move || crate::gpu::pull(&source, &pools, &imports, &gpus, buffer));
+        if buffer.len() <= crate::gpu::INLINE_PULL_MAX && crate::gpu::is_mapped(&source, &imports) {
+            let pulled = crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, true)
+                .map_err(|(_, why)| why);
+            return self.pull_ended(id, pulled, ctx);
+        }
+        let copy = self.setup.io.spawn_blocking(move || {
+            crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, false)
+        });
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
-            act.ipc.pulling.remove(&id);
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
                 Ok(Err((_buffer, why))) => Err(why),
                 Err(e) => Err(format!("the pull task failed: {e}")),
             };
-            if act.ipc.abandoned.remove(&id) {
-                // The import is freed; the peer may let go of its buffer. Ours (if any)
-                // is dropped here, which frees it.
-                act.release_to_peer(id);
-                return act.drive(ctx);
-            }
-            act.ipc.sources.remove(&id);
-            match pulled {
-                Ok(buffer) => {
-                    if act.session.handle_inbound_complete(id) {
-                        if let Some(spans) = act.inbound_spans.get_mut(&id) {
-                            spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
-                        }
-                        act.complete.insert(id, buffer);
-                    }
-                }
-                Err(why) => {
-                    tracing::warn!(peer = %act.peer, id = id.0, "pull failed: {why}");
-                    metrics::counter!("ferry_pull_failures_total").increment(1);
-                    act.session
-                        .handle_reserve_failed(id, WireReason::Unsupported, why);
-                }
-            }
-            act.drive(ctx);
+            act.pull_ended(id, pulled, ctx);
         }));
+    }
+
+    /// Pull `id` ended: deliver the buffer, or fail the transfer; an abandoned one only
+    /// tells the peer it may let go.
+    fn pull_ended(
+        &mut self,
+        id: InboundId,
+        pulled: Result<Buffer, String>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.ipc.pulling.remove(&id);
+        if self.ipc.abandoned.remove(&id) {
+            // The import is freed; the peer may let go of its buffer. Ours (if any) is
+            // dropped here, which frees it.
+            self.release_to_peer(id);
+            return self.drive(ctx);
+        }
+        self.ipc.sources.remove(&id);
+        match pulled {
+            Ok(buffer) => {
+                if self.session.handle_inbound_complete(id) {
+                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                        spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+                    }
+                    self.complete.insert(id, buffer);
+                }
+            }
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
+                metrics::counter!("ferry_pull_failures_total").increment(1);
+                self.session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+            }
+        }
+        self.drive(ctx);
     }
 }
 
@@ -1365,11 +1382,11 @@ impl Handler<FromPeer> for TransferActor {
                         // for the import's copies: neither on the actor thread.
                         let key = r.clone();
                         let freed = self.setup.io.spawn_blocking(move || {
-                            let import = imports
+                            let unmapped = imports
                                 .lock()
                                 .unwrap_or_else(|p| p.into_inner())
                                 .remove(&key);
-                            drop(import);
+                            drop(unmapped);
                         });
                         ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
                             act.ipc.out.push_back(Message::IpcUnmapped(r));

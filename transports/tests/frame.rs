@@ -94,6 +94,7 @@ fn corpus() -> Vec<Item> {
                 generation: 9,
                 offset: 0,
                 export: vec![7; 64],
+                legacy: Some(3),
             }),
         }),
         Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {

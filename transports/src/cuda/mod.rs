@@ -6,6 +6,8 @@
 //! - [`Stream`], [`Event`]: RAII, created and destroyed in their device's context;
 //! - [`ExportablePool`] → [`DeviceBuffer`]; its fd → [`ImportedPool`] in another process,
 //!   a buffer's 64-byte export → [`ImportedBuffer`] there;
+//! - memory the user allocated ([`PlainAllocation`], `cuMemAlloc`) registered as a
+//!   [`DeviceBuffer`] and crossing as a legacy IPC handle → [`IpcMapping`] in the peer;
 //! - copies ([`copy_async`], [`copy_from_host`], [`copy_to_host`], pinned
 //!   [`PinnedBuffer`] copies) and [`pattern`] helpers for checksummed tests.
 //!
@@ -30,6 +32,7 @@
 mod copy;
 mod device;
 mod error;
+mod external;
 pub mod pattern;
 mod pool;
 mod probe;
@@ -42,7 +45,10 @@ pub use copy::{
 };
 pub use device::{Device, enable_peer_access, peer_access};
 pub use error::CudaError;
-pub use pool::{DeviceBuffer, ExportablePool, ImportedBuffer, ImportedPool, POINTER_EXPORT_LEN};
+pub use external::{ExternalMemory, IpcMapping, PlainAllocation, ReleaseSignal};
+pub use pool::{
+    DeviceBuffer, ExportablePool, ImportedBuffer, ImportedPool, LegacyExport, POINTER_EXPORT_LEN,
+};
 pub use probe::{CudaDevice, CudaDriver, CudaProbe, probe};
 pub use raw::driver;
 pub use stream::{Event, Stream};

@@ -8,6 +8,7 @@ use cudarc::driver::sys;
 use super::copy::{DeviceMemory, Uses, sealed};
 use super::device::Device;
 use super::error::CudaError;
+use super::external::{ExternalMemory, ReleaseSignal};
 use super::raw;
 use super::stream::{Stream, StreamInner};
 
@@ -104,7 +105,7 @@ impl ExportablePool {
         let ptr =
             unsafe { raw::mem_alloc_from_pool_async(self.inner.handle, len, stream.handle()) }?;
         Ok(DeviceBuffer {
-            pool: Arc::clone(&self.inner),
+            origin: Origin::Pool(Arc::clone(&self.inner)),
             home: stream.shared(),
             ptr,
             len,
@@ -177,15 +178,49 @@ impl std::fmt::Debug for ExportablePool {
     }
 }
 
-/// Memory allocated from an [`ExportablePool`]; freed (stream-ordered) when dropped.
+/// Device memory of a node: allocated from an [`ExportablePool`] (freed, stream-ordered,
+/// when dropped), or memory the user allocated elsewhere and registered
+/// ([`DeviceBuffer::register_external`]; never freed here).
 pub struct DeviceBuffer {
-    pool: Arc<PoolInner>,
+    origin: Origin,
     home: Arc<StreamInner>,
     ptr: sys::CUdeviceptr,
     len: usize,
     uses: Uses,
     /// The pointer export, made once (it names the allocation, which does not change).
     export: std::sync::OnceLock<[u8; POINTER_EXPORT_LEN]>,
+}
+
+/// Where a [`DeviceBuffer`]'s memory came from.
+enum Origin {
+    /// An exportable pool of this process: freed back to it on drop.
+    Pool(Arc<PoolInner>),
+    /// Registered by the user: never freed here.
+    External(External),
+}
+
+/// Registered memory: a range of a `cuMemAlloc` allocation the user owns.
+struct External {
+    device: Device,
+    /// The allocation's base, for its legacy IPC handle.
+    base: sys::CUdeviceptr,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: names the allocation for its whole life, unlike
+    /// its address, which the driver reuses after a free.
+    buffer_id: u64,
+    /// Set when the registration ended (the buffer dropped, its copies complete).
+    released: Arc<ReleaseSignal>,
+}
+
+/// The legacy IPC export of registered memory: the allocation's handle and identity, and
+/// where the registered range starts within it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegacyExport {
+    /// `cuIpcGetMemHandle`'s 64 bytes.
+    pub handle: [u8; 64],
+    /// The allocation's buffer id (the importer's cache key, with the exporting peer).
+    pub buffer_id: u64,
+    /// Offset of the registered range within the allocation.
+    pub offset: u64,
 }
 
 // SAFETY: owns its allocation like a Box; the device address is only passed to the driver.
@@ -205,14 +240,144 @@ impl DeviceBuffer {
     /// # Errors
     /// A driver error.
     /// Made once per buffer and remembered: a buffer sent again exports nothing.
+    /// [`CudaError::Misuse`] for registered memory, which is not a pool's: see
+    /// [`Self::export_legacy`].
     pub fn export_pointer(&self) -> Result<[u8; POINTER_EXPORT_LEN], CudaError> {
         if let Some(export) = self.export.get() {
             return Ok(*export);
         }
-        self.pool.device.bind()?;
+        let Origin::Pool(pool) = &self.origin else {
+            return Err(CudaError::Misuse(
+                "registered memory is not a pool allocation: it crosses as a legacy IPC handle"
+                    .into(),
+            ));
+        };
+        pool.device.bind()?;
         // SAFETY: a live allocation of an exportable pool, kept alive by `self`.
         let export = unsafe { raw::mem_pool_export_pointer(self.ptr) }?;
         Ok(*self.export.get_or_init(|| export))
+    }
+
+    /// Wraps registered memory (`memory`, on `device`) so that it can be sent. Checked
+    /// first: the range must lie inside one live allocation of `device` that supports legacy
+    /// IPC. `stream` is used for the buffer's own copies (reads, writes) and must be of
+    /// `device`. Dropping the buffer frees nothing; it waits for this layer's copies that use
+    /// it, then sets the [`ReleaseSignal`] of [`Self::release_signal`].
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for a range outside its allocation, memory of another device
+    /// or memory legacy IPC cannot export (pool or VMM memory); a driver error for an
+    /// address the driver does not know.
+    pub fn register_external(
+        memory: ExternalMemory,
+        device: &Device,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer, CudaError> {
+        let (ptr, len) = (memory.ptr(), memory.len());
+        if memory.device() as usize != device.ordinal() {
+            return Err(CudaError::Misuse(format!(
+                "registering memory of GPU {} through GPU {}",
+                memory.device(),
+                device.ordinal()
+            )));
+        }
+        use sys::CUpointer_attribute as A;
+        if len == 0 {
+            return Err(CudaError::Misuse("registering zero bytes".into()));
+        }
+        if !stream.device().same_as(device) {
+            return Err(CudaError::Misuse(
+                "the stream of registered memory must be of its device".into(),
+            ));
+        }
+        device.bind()?;
+        // SAFETY: the device's context is current (bound above); an unknown address is an
+        // error code, not undefined behaviour.
+        let (base, size) = unsafe { raw::mem_get_address_range(ptr) }?;
+        let end = (ptr - base).checked_add(len as u64);
+        if end.is_none_or(|end| end > size as u64) {
+            return Err(CudaError::Misuse(format!(
+                "{len} bytes at {ptr:#x} overrun their allocation ({size} bytes at {base:#x})"
+            )));
+        }
+        // SAFETY: as above: attribute queries on an address the driver knows.
+        let (ordinal, capable, buffer_id) = unsafe {
+            (
+                raw::pointer_attribute_u64(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?,
+                raw::pointer_attribute_u64(
+                    ptr,
+                    A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                )?,
+                raw::pointer_attribute_u64(ptr, A::CU_POINTER_ATTRIBUTE_BUFFER_ID)?,
+            )
+        };
+        if ordinal as usize != device.ordinal() {
+            return Err(CudaError::Misuse(format!(
+                "the memory at {ptr:#x} lives on GPU {ordinal}, not GPU {}",
+                device.ordinal()
+            )));
+        }
+        if capable == 0 {
+            return Err(CudaError::Misuse(format!(
+                "the memory at {ptr:#x} cannot be exported as a legacy IPC handle (memory of a \
+                 pool or of the virtual memory API?): allocate it with cuMemAlloc, or with \
+                 ferry"
+            )));
+        }
+        Ok(DeviceBuffer {
+            origin: Origin::External(External {
+                device: device.clone(),
+                base,
+                buffer_id,
+                released: Arc::default(),
+            }),
+            home: stream.shared(),
+            ptr,
+            len,
+            uses: Uses::default(),
+            export: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// True for registered memory ([`Self::register_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.origin, Origin::External(_))
+    }
+
+    /// For registered memory: set once the buffer is gone and its copies complete. `None`
+    /// for pool memory.
+    pub fn release_signal(&self) -> Option<Arc<ReleaseSignal>> {
+        match &self.origin {
+            Origin::External(external) => Some(Arc::clone(&external.released)),
+            Origin::Pool(_) => None,
+        }
+    }
+
+    /// The legacy IPC export of registered memory (`cuIpcGetMemHandle`), made once.
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for pool memory (see [`Self::export_pointer`]); a driver error.
+    pub fn export_legacy(&self) -> Result<LegacyExport, CudaError> {
+        let Origin::External(external) = &self.origin else {
+            return Err(CudaError::Misuse(
+                "pool memory crosses as a pointer export, not a legacy IPC handle".into(),
+            ));
+        };
+        let handle = match self.export.get() {
+            Some(handle) => *handle,
+            None => {
+                external.device.bind()?;
+                // SAFETY: `base` is the base of the live allocation the caller of
+                // `register_external` keeps allocated while this buffer exists.
+                let handle = unsafe { raw::ipc_get_mem_handle(external.base) }?;
+                *self.export.get_or_init(|| handle)
+            }
+        };
+        Ok(LegacyExport {
+            handle,
+            buffer_id: external.buffer_id,
+            offset: self.ptr - external.base,
+        })
     }
 
     /// The stream the buffer was allocated on, on which it will be freed.
@@ -236,12 +401,24 @@ impl sealed::Sealed for DeviceBuffer {
 
 impl DeviceMemory for DeviceBuffer {
     fn device(&self) -> &Device {
-        &self.pool.device
+        match &self.origin {
+            Origin::Pool(pool) => &pool.device,
+            Origin::External(external) => &external.device,
+        }
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        if let Origin::External(external) = &self.origin {
+            // Not ours to free: wait until no copy of this layer reads or writes it any
+            // more, then tell whoever waits for the registration to end.
+            if let Err(e) = self.uses.wait_all() {
+                tracing::warn!(error = %e, len = self.len, "waiting for copies of registered memory failed");
+            }
+            external.released.set();
+            return;
+        }
         let home = Stream::from_shared(Arc::clone(&self.home));
         let done = self.uses.order_before(&home).and_then(|()| {
             home.bind()?;
@@ -258,7 +435,8 @@ impl Drop for DeviceBuffer {
 impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("device", &self.pool.device.ordinal())
+            .field("device", &self.device().ordinal())
+            .field("external", &matches!(self.origin, Origin::External(_)))
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
             .finish()

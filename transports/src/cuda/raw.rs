@@ -56,6 +56,11 @@ const ENTRY_POINTS: &[&str] = &[
     "cuMemsetD8Async",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemAlloc_v2",
+    "cuPointerGetAttribute",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
 ];
 
 /// Loads and initialises the driver once per process; every public entry point of the CUDA
@@ -544,5 +549,86 @@ pub(super) unsafe fn mem_free_host(p: *mut u8) -> Result<(), CudaError> {
     // SAFETY: caller.
     check("cuMemFreeHost", unsafe {
         sys::cuMemFreeHost(p.cast::<c_void>())
+    })
+}
+
+// ---- plain allocations and legacy IPC handles ------------------------------------------------
+
+/// Device memory from `cuMemAlloc` (not a pool): what a framework's allocator hands out.
+///
+/// # Safety
+/// The device's context is current on this thread.
+pub(super) unsafe fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr, CudaError> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: a context is current (caller); the driver writes one address to a live local.
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, len) })?;
+    Ok(ptr)
+}
+
+/// One 64-bit pointer attribute of `ptr` (`cuPointerGetAttribute`), e.g. the allocation's
+/// buffer id or device ordinal.
+///
+/// # Safety
+/// None beyond a loaded driver: an address the driver does not know is an error code.
+pub(super) unsafe fn pointer_attribute_u64(
+    ptr: sys::CUdeviceptr,
+    attribute: sys::CUpointer_attribute,
+) -> Result<u64, CudaError> {
+    let mut value: u64 = 0;
+    // SAFETY: the attributes asked for here are at most 8 bytes wide (BUFFER_ID is a u64;
+    // DEVICE_ORDINAL and IS_LEGACY_CUDA_IPC_CAPABLE are 4-byte values written into the low
+    // half of the zeroed u64), written through a pointer to a live local.
+    check("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute((&raw mut value).cast::<c_void>(), attribute, ptr)
+    })?;
+    Ok(value)
+}
+
+/// The legacy IPC handle of the allocation starting at `base` (`cuIpcGetMemHandle`).
+///
+/// # Safety
+/// `base` is the base of a live `cuMemAlloc` allocation.
+pub(super) unsafe fn ipc_get_mem_handle(base: sys::CUdeviceptr) -> Result<[u8; 64], CudaError> {
+    let mut handle = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: caller; the driver writes 64 bytes into a live local of that size.
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base)
+    })?;
+    // SAFETY: zero-initialised above and filled by the driver; plain bytes.
+    let handle = unsafe { handle.assume_init() };
+    Ok(handle.reserved.map(|b| b as u8))
+}
+
+/// Maps a peer's allocation from its legacy IPC handle into the current context
+/// (`cuIpcOpenMemHandle`, peer access enabled lazily). Returns the mapping's base.
+///
+/// # Safety
+/// A context is current on this thread. Bytes that are not a handle are an error code.
+pub(super) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdeviceptr, CudaError> {
+    let h = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: a context is current (caller); the handle is passed by value and the driver
+    // writes one address to a live local.
+    check("cuIpcOpenMemHandle", unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            h,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint,
+        )
+    })?;
+    Ok(ptr)
+}
+
+/// Unmaps what [`ipc_open_mem_handle`] mapped (`cuIpcCloseMemHandle`).
+///
+/// # Safety
+/// `ptr` came from [`ipc_open_mem_handle`], is closed once, and no copy still uses it; the
+/// context it was opened in is current.
+pub(super) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> Result<(), CudaError> {
+    // SAFETY: caller.
+    check("cuIpcCloseMemHandle", unsafe {
+        sys::cuIpcCloseMemHandle(ptr)
     })
 }

@@ -74,9 +74,10 @@ pub struct Offer {
     pub ipc: Option<IpcSource>,
 }
 
-/// A buffer in a same-host peer's exportable device pool, as an ipc pull reads it: the
+/// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the
 /// pool is named by its device's UUID (imported once per peer and device through the
-/// peer's pool socket), the buffer by its 64-byte pointer export plus its lease.
+/// peer's pool socket), the buffer by its 64-byte pointer export plus its lease. Registered
+/// memory (`legacy` set): the allocation's 64-byte legacy IPC handle and its buffer id.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct IpcSource {
@@ -88,8 +89,11 @@ pub struct IpcSource {
     pub generation: u64,
     /// Where the bytes start within the allocation.
     pub offset: u64,
-    /// `cuMemPoolExportPointer`'s 64 bytes.
+    /// `cuMemPoolExportPointer`'s 64 bytes, or `cuIpcGetMemHandle`'s when `legacy` is set.
     pub export: Vec<u8>,
+    /// For memory the sender registered (not from its pool): the allocation's
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which keys the receiver's handle cache.
+    pub legacy: Option<u64>,
 }
 
 /// Names a buffer a peer pulled over ipc and may keep mapped: its device and lease.
