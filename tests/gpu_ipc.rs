@@ -455,3 +455,52 @@ async fn a_buffer_freed_while_the_peer_maps_it_is_not_reused_under_it() {
     drop(other);
     p.node.shutdown().await;
 }
+
+/// Two nodes of one process, one per GPU: the receiver copies straight from the sender's
+/// memory (a peer copy; nothing is exported or imported), byte-exact, both ways.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_gpus_in_one_process_copy_directly() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("two_gpus_in_one_process", 2) else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let dir = socket_dir(&scratch);
+    let node = |name: &str, other: &str, gpu: &str| {
+        let text = scratch
+            .toml(
+                name,
+                &[(other, &format!("unix:{}/{other}.sock", dir.display()))],
+                &format!("{gpu}\n"),
+            )
+            .replacen(
+                "[node]\n",
+                &format!("[node]\nsocket_dir = \"{}\"\n", dir.display()),
+                1,
+            );
+        ferry::Config::from_toml_str(&text).expect("config")
+    };
+    let a = Node::start(node("a", "b", GPU0)).await.expect("start a");
+    let b = Node::start(node("b", "a", GPU1)).await.expect("start b");
+    for (i, &len) in [1usize, 4099, (1 << 20) + 1, 64 << 20].iter().enumerate() {
+        let want = pattern(len, 300 + i as u64);
+        let buf = device_buffer(&a, &want).await;
+        drop(a.send("b", i as u64, buf).await.expect("a → b"));
+        let got = b.recv(Some("a"), Some(i as u64)).await.expect("b receives");
+        assert_eq!(got.transport, "ipc");
+        assert_eq!(got.buffer.kind(), MemoryKind::Device(1));
+        assert!(
+            got.buffer.to_vec().expect("read") == want,
+            "a → b changed {len} bytes"
+        );
+        // And back, from GPU 1's memory.
+        drop(b.send("a", i as u64, got.buffer).await.expect("b → a"));
+        let back = a.recv(Some("b"), Some(i as u64)).await.expect("a receives");
+        assert_eq!(back.transport, "ipc");
+        assert!(
+            back.buffer.to_vec().expect("read") == want,
+            "b → a changed {len} bytes"
+        );
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}

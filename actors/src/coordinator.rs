@@ -270,6 +270,7 @@ impl Coordinator {
     fn transfer_setup(&self, ctx: &mut Context<Self>) -> TransferSetup {
         let base = self.setup.transfer.clone();
         TransferSetup {
+            node: self.setup.config.node.name.clone(),
             limits: base.limits,
             chunk: base.chunk,
             max_bad_frames: base.max_bad_frames,

@@ -17,7 +17,7 @@ use ferry_transports::cuda::{
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
-use ferry_transports::memory::Buffer;
+use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::wire::{IpcBufferRef, IpcSource};
 
 use crate::allocator::Allocator;
@@ -543,6 +543,74 @@ pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
         export: export.to_vec(),
         legacy,
     })
+}
+
+/// Buffers offered for pulling to a node of this same process, by exporting node and
+/// buffer: the receiving node copies straight from them (a peer copy between the two GPUs,
+/// or within one), with nothing imported. Each entry lives while its transfer's view does.
+static IN_PROCESS: std::sync::LazyLock<dashmap::DashMap<(String, IpcBufferRef), SharedBytes>> =
+    std::sync::LazyLock::new(dashmap::DashMap::new);
+
+/// The key of `view`'s buffer, as the receiver names it from the offer.
+fn in_process_key(node: &str, view: &SharedBytes) -> Option<(String, IpcBufferRef)> {
+    let memory = view.device_memory()?;
+    let lease = view.lease();
+    Some((
+        node.to_string(),
+        IpcBufferRef {
+            device_uuid: memory.device().uuid().to_string(),
+            buffer: lease.id.0,
+            generation: lease.generation.0,
+        },
+    ))
+}
+
+/// Makes `view` (offered by `node`) readable by the nodes of this process.
+pub fn offer_in_process(node: &str, view: SharedBytes) {
+    if let Some(key) = in_process_key(node, &view) {
+        IN_PROCESS.insert(key, view);
+    }
+}
+
+/// The offer of `view` by `node` ended (the peer said Done, cancelled, or is gone).
+pub fn withdraw_in_process(node: &str, view: &SharedBytes) {
+    if let Some(key) = in_process_key(node, view) {
+        IN_PROCESS.remove(&key);
+    }
+}
+
+/// The pull of a buffer `exporter`, a node of this process, offered: a copy straight from
+/// its memory into `dst`, waited for. Blocking (a few microseconds when `express`).
+///
+/// # Errors
+/// When the offer is gone (the transfer ended meanwhile) or the copy fails; `dst` comes
+/// back with the error.
+pub fn pull_in_process(
+    exporter: &str,
+    source: &IpcSource,
+    gpus: &Gpus,
+    mut dst: Buffer,
+    express: bool,
+) -> Result<Buffer, (Buffer, String)> {
+    let key = (exporter.to_string(), buffer_ref(source));
+    // A clone of the view: the memory stays allocated through the copy whatever happens
+    // to the offer meanwhile.
+    let Some(view) = IN_PROCESS.get(&key).map(|v| v.clone()) else {
+        return Err((dst, format!("{exporter} no longer offers that buffer")));
+    };
+    let result = (|| {
+        let memory = view
+            .device_memory()
+            .ok_or_else(|| "the offered buffer is not device memory".to_string())?;
+        let (offset, _) = source_range(source, dst.len())?;
+        let stream = queue_copy(&mut dst, memory, offset, gpus, false, express)?;
+        finish_copy(&stream)
+    })();
+    drop(view);
+    match result {
+        Ok(()) => Ok(dst),
+        Err(why) => Err((dst, why)),
+    }
 }
 
 /// Shared, for the transfer actors.

@@ -67,6 +67,8 @@ pub struct SessionEnded {
 /// How a transfer actor is set up.
 #[derive(Clone)]
 pub struct TransferSetup {
+    /// This node's name.
+    pub node: String,
     /// Session bounds.
     pub limits: SessionLimits,
     /// Bytes per data frame.
@@ -336,6 +338,14 @@ struct IpcState {
     importing: bool,
 }
 
+impl IpcState {
+    /// True when the peer is a node of this very process: it copies from our memory
+    /// directly (a peer copy), with nothing to import.
+    fn in_process(&self) -> bool {
+        self.peer_pid == std::process::id()
+    }
+}
+
 /// Collects our buffers that the peer may keep mapped and that were just freed, for the
 /// actor to ask the peer to unmap them. Holds at most what the peer can map (its import
 /// cache is bounded).
@@ -574,11 +584,18 @@ impl TransferActor {
         }
     }
 
+    /// The peer no longer reads the buffer of `op`: its view goes.
+    fn unexport(&mut self, op: OpId) {
+        if let Some(view) = self.ipc.exported.remove(&op) {
+            crate::gpu::withdraw_in_process(&self.setup.node, &view);
+        }
+    }
+
     fn finish(&mut self, op: OpId, outcome: Outcome) {
         // A pull never offered cannot be read by the peer, which will not say Done: its
         // view goes now. An offered one stays until the peer lets go.
         if !self.ipc.offered.remove(&op) {
-            self.ipc.exported.remove(&op);
+            self.unexport(op);
         }
         let Some(entry) = self.outbound.remove(&op) else {
             return;
@@ -710,6 +727,26 @@ impl TransferActor {
             )))
         }));
         let gpus = Arc::clone(&self.setup.gpus);
+        if self.ipc.in_process() {
+            let exporter = self.peer.clone();
+            if buffer.len() <= crate::gpu::INLINE_PULL_MAX {
+                let pulled = crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, true)
+                    .map_err(|(_, why)| why);
+                return self.pull_ended(id, pulled, ctx);
+            }
+            let copy = self.setup.io.spawn_blocking(move || {
+                crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, false)
+            });
+            ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
+                let pulled = match joined {
+                    Ok(Ok(buffer)) => Ok(buffer),
+                    Ok(Err((_buffer, why))) => Err(why),
+                    Err(e) => Err(format!("the pull task failed: {e}")),
+                };
+                act.pull_ended(id, pulled, ctx);
+            }));
+            return;
+        }
         if buffer.len() <= crate::gpu::INLINE_PULL_MAX && crate::gpu::is_mapped(&source, &imports) {
             let pulled = crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, true)
                 .map_err(|(_, why)| why);
@@ -794,6 +831,7 @@ impl Actor for TransferActor {
         // Buffers the peer may still be reading go to their domain's quarantine first.
         let mut exports = Vec::new();
         for (op, view) in self.ipc.exported.drain() {
+            crate::gpu::withdraw_in_process(&self.setup.node, &view);
             let kind = view.lease().kind;
             if let ferry_transports::memory::MemoryKind::Device(n) = kind
                 && let Some(gpu) = self.setup.gpus.get(n)
@@ -1001,9 +1039,15 @@ impl TransferActor {
         if labels.direction == "pull" {
             // The peer reads this buffer until it says otherwise (Done or Cancel), and may
             // keep it mapped after: its memory is freed only once the peer unmapped it.
-            self.ipc.exported.insert(id, msg.buffer.share());
-            let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
-            msg.buffer.note_mapped(unmapper);
+            let view = msg.buffer.share();
+            if self.ipc.in_process() {
+                // The peer copies straight from our memory, which it finds here.
+                crate::gpu::offer_in_process(&self.setup.node, view.clone());
+            } else {
+                let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
+                msg.buffer.note_mapped(unmapper);
+            }
+            self.ipc.exported.insert(id, view);
         }
         let span = tracing::debug_span!(
             "transfer",
@@ -1183,6 +1227,14 @@ impl TransferActor {
                     self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
                         attempt: msg.attempt,
                         step: IpcSetupStep::Reply(Some("the receiver has no GPU".into())),
+                    }));
+                    return;
+                }
+                if self.ipc.in_process() {
+                    // A node of this process: its memory is ours to copy from already.
+                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: msg.attempt,
+                        step: IpcSetupStep::Reply(None),
                     }));
                     return;
                 }
@@ -1403,10 +1455,10 @@ impl Handler<FromPeer> for TransferActor {
             }
             // The peer no longer reads a buffer we offered for pulling.
             Message::Done(Done { transfer }) => {
-                self.ipc.exported.remove(&OpId(transfer));
+                self.unexport(OpId(transfer));
             }
             Message::Cancel(ref cancel) if cancel.by_receiver => {
-                self.ipc.exported.remove(&OpId(cancel.transfer));
+                self.unexport(OpId(cancel.transfer));
             }
             _ => {}
         }
