@@ -504,3 +504,28 @@ async fn two_gpus_in_one_process_copy_directly() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A node that uses both GPUs (one pool on each in this process) offers buffers of either
+/// to a peer process.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_with_two_gpus_offers_from_either() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_node_with_two_gpus", 2) else {
+        return;
+    };
+    let both = "[gpu]\ndevices = [0, 1]\n[memory]\nreceive_into = \"device\"\n";
+    let p = pair(both, GPU1).await;
+    for (i, n) in [0u32, 1].into_iter().enumerate() {
+        let want = pattern(4099, 400 + i as u64);
+        let mut buf = p
+            .node
+            .alloc(MemoryKind::Device(n), want.len())
+            .await
+            .expect("alloc");
+        buf.write(0, &want).expect("write");
+        drop(p.node.send("b", i as u64, buf).await.expect("send"));
+        let got = p.node.recv(Some("b"), Some(i as u64)).await.expect("echo");
+        assert_eq!(got.transport, "ipc", "from GPU {n}");
+        assert!(got.buffer.to_vec().expect("read") == want, "from GPU {n}");
+    }
+    p.node.shutdown().await;
+}

@@ -509,16 +509,19 @@ fn finish_copy(stream: &Stream) -> Result<(), String> {
 }
 
 /// The export of a buffer for an ipc pull: its device's UUID, its lease and the pointer
-/// export.
+/// export (the legacy IPC handle for registered memory). For a node of this process
+/// (`in_process`) nothing is exported: it reads the buffer itself.
 ///
 /// # Errors
 /// When the buffer is not device memory, or the driver refuses the export.
-pub fn export_source(buffer: &Buffer) -> Result<IpcSource, String> {
+pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, String> {
     let memory = buffer
         .device_memory()
         .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
     let started = std::time::Instant::now();
-    let (export, offset, legacy) = if memory.is_external() {
+    let (export, offset, legacy) = if in_process {
+        ([0; POINTER_EXPORT_LEN], 0, None)
+    } else if memory.is_external() {
         let legacy = memory
             .export_legacy()
             .map_err(|e| format!("exporting the registered memory: {e}"))?;

@@ -972,7 +972,7 @@ impl TransferActor {
                     peer_class,
                 };
                 let ipc = if direction == WireDirection::Pull {
-                    match crate::gpu::export_source(&msg.buffer) {
+                    match crate::gpu::export_source(&msg.buffer, self.ipc.in_process()) {
                         Ok(source) => Some(source),
                         Err(detail) => {
                             let _ = reply.send(Err(SendError {
