@@ -320,6 +320,22 @@ async fn a_peer_without_gpus_falls_back_to_tcp() {
     let got = p.node.recv(Some("b"), Some(5)).await.expect("recv");
     assert_eq!(got.transport, "tcp");
     assert!(got.buffer.to_vec().expect("read") == want);
+    // The node's explanation now says why ipc is passed over for b.
+    let why = p
+        .node
+        .explain(
+            "b",
+            1 << 20,
+            ferry::MemoryClass::Device,
+            ferry::MemoryClass::Host,
+        )
+        .await
+        .expect("explain")
+        .to_string();
+    assert!(
+        why.contains("ipc skipped: setup with the peer failed"),
+        "{why}"
+    );
     p.node.shutdown().await;
 }
 

@@ -22,8 +22,8 @@ use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
 use crate::transfer::{
-    Attach, AwaitLink, Delivered, DialRefused, Drain, Lost, Op, PeerClass, SessionEnded, Submit,
-    TransferActor, TransferSetup,
+    Attach, AwaitLink, Delivered, DialRefused, Drain, IpcSettled, Lost, Op, PeerClass,
+    SessionEnded, Submit, TransferActor, TransferSetup,
 };
 
 /// Send `buffer` to `peer` under `tag`.
@@ -118,6 +118,8 @@ struct Session {
     epoch: u64,
     state: LinkState,
     hello: Option<Hello>,
+    /// How the ipc setup with the peer ended, once it did.
+    ipc: Option<crate::core::ipc_setup::SetupOutcome>,
 }
 
 /// What the coordinator needs to start.
@@ -253,11 +255,20 @@ impl Coordinator {
         let bad = crate::core::ipc_setup::SetupOutcome::Bad(
             crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
         );
+        let settled = self.sessions.get(peer).and_then(|s| s.ipc.clone());
         route::choose_with_setup(
             &self.setup.config.transport.rules,
             &self.catalog,
             offers,
-            &|t| (Some(t) == failed).then(|| bad.clone()),
+            &|t| {
+                if Some(t) == failed {
+                    Some(bad.clone())
+                } else if t == ferry_config::TransportName::Ipc {
+                    settled.clone()
+                } else {
+                    None
+                }
+            },
             RouteQuery {
                 locality: self.locality(peer),
                 src,
@@ -284,6 +295,7 @@ impl Coordinator {
             deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),
             refused: ctx.address().recipient(),
+            settled: ctx.address().recipient(),
             exposed: base.exposed,
             counters: Arc::clone(&self.setup.link.counters),
             io: base.io,
@@ -306,6 +318,7 @@ impl Coordinator {
                 epoch,
                 state,
                 hello: None,
+                ipc: None,
             },
         ) {
             // The old session's actor fails its ops and stops; its end is ignored.
@@ -565,6 +578,16 @@ impl Handler<SendTo> for Coordinator {
                 })
             });
         };
+        for (skipped, why) in &explanation.skipped {
+            if matches!(why, ferry_transports::transport::Unsuitable::SetupFailed(_)) {
+                metrics::counter!(
+                    "ferry_failover_total",
+                    "from" => skipped.as_str(),
+                    "to" => route.transport.as_str()
+                )
+                .increment(1);
+            }
+        }
         let wire = |d: ferry_config::Direction| match d {
             ferry_config::Direction::Push => WireDirection::Push,
             ferry_config::Direction::Pull => WireDirection::Pull,
@@ -764,6 +787,18 @@ impl Handler<DialRefused> for Coordinator {
                 );
             }
         });
+    }
+}
+
+impl Handler<IpcSettled> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: IpcSettled, _: &mut Self::Context) {
+        if let Some(s) = self.sessions.get_mut(&msg.peer)
+            && s.epoch == msg.epoch
+        {
+            s.ipc = Some(msg.outcome);
+        }
     }
 }
 

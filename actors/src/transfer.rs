@@ -64,6 +64,18 @@ pub struct SessionEnded {
     pub epoch: u64,
 }
 
+/// The ipc setup with a peer settled: the coordinator routes by it, and `explain` says it.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct IpcSettled {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch.
+    pub epoch: u64,
+    /// Ok, or Bad with the reason.
+    pub outcome: SetupOutcome,
+}
+
 /// How a transfer actor is set up.
 #[derive(Clone)]
 pub struct TransferSetup {
@@ -94,6 +106,8 @@ pub struct TransferSetup {
     pub deliver: Recipient<Delivered>,
     /// Told when the actor stops.
     pub ended: Recipient<SessionEnded>,
+    /// Told when the ipc setup with the peer settles.
+    pub settled: Recipient<IpcSettled>,
     /// Told when the peer refuses a link this session dialed.
     pub refused: Recipient<DialRefused>,
     /// Regions exposed for one-sided puts, shared by every peer's reader.
@@ -1189,6 +1203,13 @@ impl TransferActor {
                             SetupOutcome::Bad(_) => "bad",
                         };
                         metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
+                        // A notice lost to a full mailbox leaves explain one step behind;
+                        // the transfers themselves are routed here either way.
+                        let _ = self.setup.settled.try_send(IpcSettled {
+                            peer: self.peer.clone(),
+                            epoch: self.epoch,
+                            outcome: outcome.clone(),
+                        });
                         match outcome {
                             SetupOutcome::Ok => {
                                 tracing::info!(peer = %self.peer, "ipc set up with the peer");
