@@ -741,34 +741,23 @@ impl TransferActor {
             )))
         }));
         let gpus = Arc::clone(&self.setup.gpus);
-        if self.ipc.in_process() {
-            let exporter = self.peer.clone();
-            if buffer.len() <= crate::gpu::INLINE_PULL_MAX {
-                let pulled = crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, true)
-                    .map_err(|(_, why)| why);
-                return self.pull_ended(id, pulled, ctx);
+        let exporter = self.peer.clone();
+        let in_process = self.ipc.in_process();
+        // Small copies from memory mapped already take a few microseconds: on this thread.
+        let inline = buffer.len() <= crate::gpu::INLINE_PULL_MAX
+            && (in_process || crate::gpu::is_mapped(&source, &imports));
+        let copy = move |express: bool| {
+            if in_process {
+                crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, express)
+            } else {
+                crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, express)
             }
-            let copy = self.setup.io.spawn_blocking(move || {
-                crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, false)
-            });
-            ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
-                let pulled = match joined {
-                    Ok(Ok(buffer)) => Ok(buffer),
-                    Ok(Err((_buffer, why))) => Err(why),
-                    Err(e) => Err(format!("the pull task failed: {e}")),
-                };
-                act.pull_ended(id, pulled, ctx);
-            }));
-            return;
-        }
-        if buffer.len() <= crate::gpu::INLINE_PULL_MAX && crate::gpu::is_mapped(&source, &imports) {
-            let pulled = crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, true)
-                .map_err(|(_, why)| why);
+        };
+        if inline {
+            let pulled = copy(true).map_err(|(_, why)| why);
             return self.pull_ended(id, pulled, ctx);
         }
-        let copy = self.setup.io.spawn_blocking(move || {
-            crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, false)
-        });
+        let copy = self.setup.io.spawn_blocking(move || copy(false));
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
