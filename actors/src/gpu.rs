@@ -13,7 +13,7 @@ use std::sync::Arc;
 use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host, enable_peer_access,
+    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host, enable_peer_access, peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
@@ -346,7 +346,7 @@ fn pull_pooled(
     };
     *last = tick;
     // Queue the copy under the lock (the import stays put), wait outside it.
-    let stream = queue_copy(dst, &*imported, offset, gpus, false, express)?;
+    let stream = queue_copy(dst, &*imported, offset, gpus, express)?;
     drop(cache);
     finish_copy(&stream)?;
     tracing::trace!(
@@ -404,6 +404,15 @@ fn pull_registered(
                 })?;
                 let opened = IpcMapping::open(device, handle)
                     .map_err(|e| format!("opening the peer's legacy IPC handle: {e}"))?;
+                // A legacy mapping is read through each copying context's peer access (pool
+                // memory has its own access setting, granted when imported): enabled once
+                // here, for every GPU of ours that can reach the allocation's.
+                for (_, ours) in &gpus.gpus {
+                    if peer_access(&ours.device, device).unwrap_or(false) {
+                        enable_peer_access(&ours.device, device)
+                            .map_err(|e| format!("enabling peer access for the copy: {e}"))?;
+                    }
+                }
                 let mapping = cache
                     .legacy
                     .insert(key.clone(), Arc::new(opened))
@@ -420,7 +429,7 @@ fn pull_registered(
                 mapping.len()
             ));
         }
-        let stream = queue_copy(dst, &*mapping, offset, gpus, true, false)?;
+        let stream = queue_copy(dst, &*mapping, offset, gpus, false)?;
         finish_copy(&stream)
     })();
     // The reference goes back whatever happened; a mapping the cache gave up meanwhile is
@@ -471,7 +480,6 @@ fn queue_copy(
     src: &impl DeviceMemory,
     offset: usize,
     gpus: &Gpus,
-    legacy: bool,
     express: bool,
 ) -> Result<Stream, String> {
     let len = dst.len();
@@ -483,12 +491,6 @@ fn queue_copy(
         .stream_for(&device, express)
         .cloned()
         .ok_or_else(|| "no copy stream".to_string())?;
-    if legacy && !stream.device().same_as(src.device()) {
-        // A legacy mapping needs the copying context's peer access (pools have their own
-        // access setting, granted when imported).
-        enable_peer_access(stream.device(), src.device())
-            .map_err(|e| format!("enabling peer access for the copy: {e}"))?;
-    }
     match dst.device_memory_mut() {
         Some(memory) => copy_async(memory, 0, src, offset, len, &stream),
         None => {
@@ -554,18 +556,19 @@ pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, Str
 static IN_PROCESS: std::sync::LazyLock<dashmap::DashMap<(String, IpcBufferRef), SharedBytes>> =
     std::sync::LazyLock::new(dashmap::DashMap::new);
 
+/// How a peer names our device buffer under `lease` on `device` (in offers and unmaps).
+pub fn lease_ref(device: &Device, lease: &ferry_transports::memory::Lease) -> IpcBufferRef {
+    IpcBufferRef {
+        device_uuid: device.uuid().to_string(),
+        buffer: lease.id.0,
+        generation: lease.generation.0,
+    }
+}
+
 /// The key of `view`'s buffer, as the receiver names it from the offer.
 fn in_process_key(node: &str, view: &SharedBytes) -> Option<(String, IpcBufferRef)> {
     let memory = view.device_memory()?;
-    let lease = view.lease();
-    Some((
-        node.to_string(),
-        IpcBufferRef {
-            device_uuid: memory.device().uuid().to_string(),
-            buffer: lease.id.0,
-            generation: lease.generation.0,
-        },
-    ))
+    Some((node.to_string(), lease_ref(memory.device(), &view.lease())))
 }
 
 /// Makes `view` (offered by `node`) readable by the nodes of this process.
@@ -606,7 +609,7 @@ pub fn pull_in_process(
             .device_memory()
             .ok_or_else(|| "the offered buffer is not device memory".to_string())?;
         let (offset, _) = source_range(source, dst.len())?;
-        let stream = queue_copy(&mut dst, memory, offset, gpus, false, express)?;
+        let stream = queue_copy(&mut dst, memory, offset, gpus, express)?;
         finish_copy(&stream)
     })();
     drop(view);

@@ -887,11 +887,7 @@ impl Handler<UnmapRequests> for TransferActor {
             let Some(gpu) = self.setup.gpus.get(n) else {
                 continue;
             };
-            let r = IpcBufferRef {
-                device_uuid: gpu.device.uuid().to_string(),
-                buffer: lease.id.0,
-                generation: lease.generation.0,
-            };
+            let r = crate::gpu::lease_ref(&gpu.device, &lease);
             self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
             self.ipc.unmapping.insert(r.clone(), done);
             // A peer that never answers cannot pin the memory for the session's life; nor
