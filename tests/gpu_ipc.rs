@@ -545,3 +545,128 @@ async fn a_node_with_two_gpus_offers_from_either() {
     }
     p.node.shutdown().await;
 }
+
+/// Waits until `node` has a fast lane to `peer` (it opens when the ipc setup settles).
+async fn lane_open(node: &Node, peer: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.has_fast_lane(peer) {
+        assert!(Instant::now() < deadline, "no fast lane to {peer}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("fast_lane_order", 2) else {
+        return;
+    };
+    let p = pair(GPU0, GPU1).await;
+    // The first send sets ipc up, and with it the lane both ways.
+    let b = device_buffer(&p.node, &pattern(1 << 20, 0)).await;
+    drop(p.node.send("b", 0, b).await.expect("first send"));
+    drop(p.node.recv(Some("b"), Some(0)).await.expect("first echo"));
+    lane_open(&p.node, "b").await;
+    // Lane sizes (up to 64 KiB) mixed with slow-path ones, many in flight: every buffer
+    // comes back (b echoes over its own lane to us) in send order, byte-exact.
+    let sizes = [
+        8usize,
+        1,
+        4099,
+        64 << 10,
+        (64 << 10) + 1,
+        100,
+        3 << 20,
+        8,
+        8,
+    ];
+    let node = std::sync::Arc::new(p.node);
+    let mut sends = Vec::new();
+    let mut wants = Vec::new();
+    for i in 0..sizes.len() * 20 {
+        let len = sizes[i % sizes.len()];
+        let want = pattern(len, i as u64 + 1);
+        let b = device_buffer(&node, &want).await;
+        wants.push(want);
+        let node = std::sync::Arc::clone(&node);
+        sends.push(tokio::spawn(async move {
+            node.send("b", i as u64 + 1, b)
+                .await
+                .map(drop)
+                .map_err(|e| e.error)
+        }));
+    }
+    for (i, want) in wants.iter().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(30), node.recv(Some("b"), None))
+            .await
+            .expect("the echo came back in time")
+            .expect("recv");
+        assert_eq!(got.tag, i as u64 + 1, "out of order");
+        assert_eq!(got.transport, "ipc");
+        assert_eq!(got.buffer.kind(), MemoryKind::Device(0));
+        assert_eq!(got.buffer.len(), want.len());
+        assert!(
+            got.buffer.to_vec().expect("read") == *want,
+            "transfer {i} ({} bytes) changed",
+            want.len()
+        );
+    }
+    for s in sends {
+        s.await.expect("join").expect("send");
+    }
+    let Ok(node) = std::sync::Arc::try_unwrap(node) else {
+        panic!("node still shared");
+    };
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lane_sends_to_a_killed_peer_fail_within_two_seconds() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("fast_lane_killed_peer", 2) else {
+        return;
+    };
+    let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n");
+    let p = pair_with_role(&a_extra, GPU1, "sink").await;
+    let b = device_buffer(&p.node, &pattern(1 << 20, 1)).await;
+    drop(p.node.send("b", 0, b).await.expect("first send"));
+    lane_open(&p.node, "b").await;
+    let b = device_buffer(&p.node, &pattern(8, 2)).await;
+    drop(p.node.send("b", 1, b).await.expect("a lane send"));
+    let mut child = p.child;
+    nix::sys::signal::kill(child.pid(), nix::sys::signal::Signal::SIGKILL).expect("kill b");
+    let _ = child.child.wait();
+    let killed = Instant::now();
+    let node = std::sync::Arc::new(p.node);
+    let mut sends = Vec::new();
+    for i in 0..8u64 {
+        let b = device_buffer(&node, &pattern(8, i)).await;
+        let node = std::sync::Arc::clone(&node);
+        sends.push(tokio::spawn(async move {
+            node.send("b", i + 2, b)
+                .await
+                .map(drop)
+                .map_err(|e| e.error)
+        }));
+    }
+    for s in sends {
+        let result = s.await.expect("join");
+        assert!(result.is_err(), "a send to a dead peer succeeded");
+    }
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the sends took {took:?} to fail"
+    );
+    // What the dead peer may have mapped is quarantined for the lease timeout, then freed.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = node.memory(MemoryKind::Device(0)).await.expect("stats");
+        if stats.budget.granted == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "device memory not given back: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -159,6 +159,10 @@ pub struct TransferSetupBase {
     pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::tcp::ExposedRegion>>,
     /// I/O runtime.
     pub io: tokio::runtime::Handle,
+    /// The fast lanes to same-host peers (the node's `send` looks here first).
+    pub lanes: Arc<dashmap::DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// `transport.ipc.lane_max` and `lane_spin`.
+    pub lane: crate::lane::LaneSettings,
 }
 
 /// The coordinator actor.
@@ -299,6 +303,9 @@ impl Coordinator {
             exposed: base.exposed,
             counters: Arc::clone(&self.setup.link.counters),
             io: base.io,
+            lanes: base.lanes,
+            inbox: Arc::clone(&self.inbox),
+            lane: base.lane,
         }
     }
 

@@ -46,6 +46,8 @@ pub struct Gpus {
     pub visible: Vec<Device>,
     /// Pools served on the pool socket, by device UUID.
     pub pools: PoolDirectory,
+    /// Fast-lane rings offered to peers, served on the pool socket by key.
+    pub rings: ferry_transports::ipc::RingDirectory,
 }
 
 impl std::fmt::Debug for Gpus {

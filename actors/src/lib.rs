@@ -9,6 +9,7 @@ pub mod core;
 pub mod error;
 pub mod gpu;
 pub mod inbox;
+pub mod lane;
 pub mod node;
 pub mod timer;
 pub mod transfer;

@@ -45,6 +45,11 @@ pub struct Node {
     gpus: crate::gpu::SharedGpus,
     /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
     credit: DashMap<String, Arc<Semaphore>>,
+    /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
+    /// actors.
+    lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// Per peer, the order between lane sends and the rest.
+    order: DashMap<String, Arc<crate::lane::Order>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     next_region: AtomicU64,
     counters: Arc<LinkCounters>,
@@ -231,6 +236,12 @@ impl Node {
         let pinned_budget = config.memory.pinned.resolve(total_memory());
         let coordinator_secret = secret.clone();
         let gpu_pools: ferry_transports::ipc::PoolDirectory = Arc::default();
+        let lane_rings: ferry_transports::ipc::RingDirectory = Arc::default();
+        let lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>> = Arc::default();
+        let lane = crate::lane::LaneSettings {
+            max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
+            spin: config.transport.ipc.lane_spin,
+        };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = {
             let config = Arc::clone(&config);
@@ -239,6 +250,8 @@ impl Node {
             let link_opts = link_opts.clone();
             let io_handle = io.handle().clone();
             let gpu_pools = Arc::clone(&gpu_pools);
+            let lane_rings = Arc::clone(&lane_rings);
+            let lanes = Arc::clone(&lanes);
             std::thread::Builder::new()
                 .name(format!("ferry-{}", config.node.name))
                 .spawn(move || {
@@ -282,6 +295,7 @@ impl Node {
                                 .collect(),
                             visible: visible_gpus,
                             pools: Arc::clone(&gpu_pools),
+                            rings: Arc::clone(&lane_rings),
                         };
                         let gpus = Arc::new(gpus);
                         let mut all_tiers = vec![
@@ -344,6 +358,8 @@ impl Node {
                                 .collect(),
                             exposed,
                             io: io_handle,
+                            lanes,
+                            lane,
                         };
                         let coordinator = Coordinator::new(CoordinatorSetup {
                             config: Arc::clone(&config),
@@ -374,6 +390,7 @@ impl Node {
                         listener,
                         secret.clone(),
                         Arc::clone(&gpu_pools),
+                        Arc::clone(&lane_rings),
                     ));
                 }
                 Err(e) => tracing::warn!(
@@ -402,6 +419,8 @@ impl Node {
             pinned,
             gpus,
             credit: DashMap::new(),
+            lanes,
+            order: DashMap::new(),
             exposed,
             next_region: AtomicU64::new(1),
             counters,
@@ -576,6 +595,14 @@ impl Node {
         buffer: Buffer,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
+        // Small device buffers to a same-host peer take the fast lane when nothing to that
+        // peer goes the slow way (then they queue behind it, keeping the order).
+        let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
+        if let Some(lane) = lane.filter(|l| l.fits(&buffer))
+            && let Some(_turn) = self.order(peer).try_lane()
+        {
+            return lane.send(tag, buffer, deadline).await;
+        }
         let message = |buffer| SendTo {
             peer: peer.to_string(),
             tag,
@@ -583,6 +610,19 @@ impl Node {
             deadline,
         };
         self.with_credit(peer, deadline, buffer, message).await
+    }
+
+    /// True when small device buffers to `peer` take the same-host fast lane (the ipc
+    /// setup with it made one; see `transport.ipc.lane_max`).
+    pub fn has_fast_lane(&self, peer: &str) -> bool {
+        self.lanes.contains_key(peer)
+    }
+
+    fn order(&self, peer: &str) -> Arc<crate::lane::Order> {
+        if let Some(o) = self.order.get(peer) {
+            return Arc::clone(o.value());
+        }
+        Arc::clone(self.order.entry(peer.to_string()).or_default().value())
     }
 
     /// Waits for credit to `peer` until `deadline`, then hands the coordinator the message
@@ -598,6 +638,7 @@ impl Node {
         M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
         Coordinator: Handler<M>,
     {
+        let _turn = self.order(peer).slow().await;
         let _permit = match self.credit(peer, deadline).await {
             Ok(p) => p,
             Err(error) => {

@@ -52,6 +52,9 @@ pub struct Delivered {
     pub transport: &'static str,
     /// The data.
     pub buffer: Buffer,
+    /// Counts it as on its way to the inbox until the coordinator put it there (fast-lane
+    /// records from the same peer wait for that, see [`crate::lane`]).
+    pub pending: Option<crate::lane::Pending>,
 }
 
 /// The transfer actor stopped; the coordinator forgets it.
@@ -116,6 +119,13 @@ pub struct TransferSetup {
     pub counters: Arc<LinkCounters>,
     /// The node's I/O runtime.
     pub io: tokio::runtime::Handle,
+    /// The fast lanes to same-host peers, by peer: this actor adds its peer's when the ipc
+    /// setup made one, and removes it when it stops.
+    pub lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// Where a lane's receiving thread delivers.
+    pub inbox: Arc<crate::inbox::Inbox>,
+    /// `transport.ipc.lane_max` and `lane_spin`.
+    pub lane: crate::lane::LaneSettings,
 }
 
 /// What the application asks of a peer.
@@ -306,7 +316,9 @@ pub struct TransferActor {
     welcomed: bool,
     regions: Arc<DashMap<u64, InboundRegion>>,
     outbound: HashMap<OpId, OutEntry>,
-    complete: HashMap<InboundId, Buffer>,
+    complete: HashMap<InboundId, (Buffer, crate::lane::Pending)>,
+    /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
+    undelivered: crate::lane::Undelivered,
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
     /// their turn to be delivered).
     inbound_spans: HashMap<InboundId, InboundSpans>,
@@ -350,6 +362,13 @@ struct IpcState {
     unmapping: HashMap<IpcBufferRef, UnmapDone>,
     /// True while we import the peer's pools (one setup request at a time).
     importing: bool,
+    /// The lane ring we offer the peer in our setup request (exporting side), under its
+    /// key at our pool socket, until the setup settles.
+    lane_offer: Option<(String, Arc<ferry_transports::link::ring::Ring>)>,
+    /// Our sending end of the lane, once the setup settled with the peer attached.
+    lane_tx: Option<Arc<crate::lane::LaneTx>>,
+    /// The receiving end of the peer's lane (importing side).
+    lane_rx: Option<crate::lane::LaneRx>,
 }
 
 impl IpcState {
@@ -425,6 +444,7 @@ impl TransferActor {
             regions: Arc::default(),
             outbound: HashMap::new(),
             complete: HashMap::new(),
+            undelivered: crate::lane::Undelivered::default(),
             inbound_spans: HashMap::new(),
             drained: Vec::new(),
             link_waiters: Vec::new(),
@@ -502,8 +522,12 @@ impl TransferActor {
                 let _ = tx.send(());
             }
         }
-        if self.session.is_lost() && self.session.is_idle() && self.outbound.is_empty() {
-            ctx.stop();
+        if self.session.is_lost() {
+            // The lanes end with the link: a sender must not wait on a dead peer's ring.
+            self.end_lanes();
+            if self.session.is_idle() && self.outbound.is_empty() {
+                ctx.stop();
+            }
         }
     }
 
@@ -531,12 +555,13 @@ impl TransferActor {
                 if let Some(spans) = self.inbound_spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, tag, "delivered");
                 }
-                if let Some(buffer) = self.complete.remove(&id) {
+                if let Some((buffer, pending)) = self.complete.remove(&id) {
                     let delivered = Delivered {
                         peer: self.peer.clone(),
                         tag,
                         transport: transport_label(&transport),
                         buffer,
+                        pending: Some(pending),
                     };
                     // Wait for the coordinator to take it before handling anything else,
                     // so deliveries keep their order. The coordinator never waits on us.
@@ -790,7 +815,7 @@ impl TransferActor {
                     if let Some(spans) = self.inbound_spans.get_mut(&id) {
                         spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
                     }
-                    self.complete.insert(id, buffer);
+                    self.complete.insert(id, (buffer, self.undelivered.enter()));
                 }
             }
             Err(why) => {
@@ -808,6 +833,7 @@ impl Actor for TransferActor {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        self.end_lanes();
         for (_, (msg, reply)) in self.ipc.waiting.drain() {
             let _ = reply.send(Err(SendError {
                 error: Error::ShuttingDown,
@@ -1155,20 +1181,11 @@ impl TransferActor {
                 return;
             };
             let mut moved = false;
+            let mut transmits = Vec::new();
             while let Some(t) = setup.poll_transmit() {
-                moved = true;
-                let (attempt, step) = match t {
-                    SetupTransmit::Request(a) => {
-                        (a, IpcSetupStep::Request(self.setup.gpus.uuids()))
-                    }
-                    SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
-                    SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
-                };
-                self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
-                    attempt: attempt.0,
-                    step,
-                }));
+                transmits.push(t);
             }
+            let mut settled = None;
             let mut released = Vec::new();
             while let Some(ev) = setup.poll_event() {
                 moved = true;
@@ -1182,31 +1199,49 @@ impl TransferActor {
                         };
                         setup.handle_checks(Instant::now(), a, checks);
                     }
-                    SetupEvent::Settled(outcome) => {
-                        let label = match &outcome {
-                            SetupOutcome::Ok => "ok",
-                            SetupOutcome::Bad(_) => "bad",
-                        };
-                        metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
-                        // A notice lost to a full mailbox leaves explain one step behind;
-                        // the transfers themselves are routed here either way.
-                        let _ = self.setup.settled.try_send(IpcSettled {
-                            peer: self.peer.clone(),
-                            epoch: self.epoch,
-                            outcome: outcome.clone(),
-                        });
-                        match outcome {
-                            SetupOutcome::Ok => {
-                                tracing::info!(peer = %self.peer, "ipc set up with the peer");
-                            }
-                            SetupOutcome::Bad(why) => tracing::warn!(
-                                peer = %self.peer,
-                                "ipc setup with the peer failed, falling back: {why}"
-                            ),
-                        }
-                    }
+                    SetupEvent::Settled(outcome) => settled = Some(outcome),
                     SetupEvent::Proceed(ticket) => released.push((ticket, None)),
                     SetupEvent::FallBack(ticket, why) => released.push((ticket, Some(why))),
+                }
+            }
+            for t in transmits {
+                moved = true;
+                let (attempt, step) = match t {
+                    SetupTransmit::Request(a) => {
+                        let lane = self.offer_lane();
+                        (a, IpcSetupStep::Request(self.setup.gpus.uuids(), lane))
+                    }
+                    SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
+                    SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
+                };
+                self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    attempt: attempt.0,
+                    step,
+                }));
+            }
+            if let Some(outcome) = settled {
+                let label = match &outcome {
+                    SetupOutcome::Ok => "ok",
+                    SetupOutcome::Bad(_) => "bad",
+                };
+                metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
+                // A notice lost to a full mailbox leaves explain one step behind;
+                // the transfers themselves are routed here either way.
+                let _ = self.setup.settled.try_send(IpcSettled {
+                    peer: self.peer.clone(),
+                    epoch: self.epoch,
+                    outcome: outcome.clone(),
+                });
+                let ok = outcome == SetupOutcome::Ok;
+                self.open_lane(ok, ctx);
+                match outcome {
+                    SetupOutcome::Ok => {
+                        tracing::info!(peer = %self.peer, "ipc set up with the peer");
+                    }
+                    SetupOutcome::Bad(why) => tracing::warn!(
+                        peer = %self.peer,
+                        "ipc setup with the peer failed, falling back: {why}"
+                    ),
                 }
             }
             for (ticket, failed) in released {
@@ -1223,12 +1258,112 @@ impl TransferActor {
         }
     }
 
+    /// The lane ring offered with our setup request (one per setup, whatever the number
+    /// of attempts): its key at our pool socket. None when the lane is off or the peer is
+    /// in this process.
+    fn offer_lane(&mut self) -> Option<String> {
+        if self.setup.lane.max == 0 || self.ipc.in_process() || !self.ipc.same_host {
+            return None;
+        }
+        if let Some((key, _)) = &self.ipc.lane_offer {
+            return Some(key.clone());
+        }
+        let ring = ferry_transports::link::ring::Ring::create(
+            crate::lane::LANE_SLOTS,
+            crate::lane::LANE_SLOT_LEN,
+        );
+        match ring {
+            Ok(ring) => {
+                let (key, ring) = (ferry_transports::ipc::lane_key(), Arc::new(ring));
+                self.setup.gpus.rings.insert(key.clone(), Arc::clone(&ring));
+                self.ipc.lane_offer = Some((key.clone(), ring));
+                Some(key)
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, "no fast lane to the peer: {e}");
+                None
+            }
+        }
+    }
+
+    /// The setup settled: the lane we offered opens if it went well and the peer attached.
+    fn open_lane(&mut self, ok: bool, ctx: &mut Context<Self>) {
+        let Some((key, ring)) = self.ipc.lane_offer.take() else {
+            return;
+        };
+        self.setup.gpus.rings.remove(&key);
+        if !ok {
+            return;
+        }
+        if !ring.is_attached() {
+            tracing::info!(peer = %self.peer, "the peer did not take the fast lane");
+            return;
+        }
+        let unmapper: Arc<dyn ferry_transports::memory::Unmapper> = self.unmapper(ctx);
+        match crate::lane::LaneTx::start(&self.peer, ring, self.setup.lane, unmapper) {
+            Ok(tx) => {
+                tracing::info!(peer = %self.peer, max = self.setup.lane.max, "fast lane to the peer open");
+                self.setup.lanes.insert(self.peer.clone(), Arc::clone(&tx));
+                if let Some(old) = self.ipc.lane_tx.replace(tx) {
+                    old.close();
+                }
+            }
+            Err(why) => tracing::warn!(peer = %self.peer, "no fast lane to the peer: {why}"),
+        }
+    }
+
+    /// The peer's lane ring arrived with its setup request: our lane thread reads it.
+    fn attach_lane(&mut self, ring: ferry_transports::link::ring::Ring) {
+        let peer = &self.peer;
+        let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
+            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
+                peer,
+                crate::gpu::IMPORT_CACHE_CAPACITY,
+            )))
+        }));
+        let cx = crate::lane::RxContext {
+            peer: self.peer.clone(),
+            pools: Arc::clone(&self.ipc.imported),
+            imports,
+            gpus: Arc::clone(&self.setup.gpus),
+            inbox: Arc::clone(&self.setup.inbox),
+            tiers: self.setup.tiers.clone(),
+            undelivered: self.undelivered.clone(),
+            reserve_timeout: self.setup.reserve_timeout,
+            io: self.setup.io.clone(),
+            settings: self.setup.lane,
+        };
+        match crate::lane::LaneRx::start(ring, cx) {
+            // A previous lane of this session (a repeated setup) stops.
+            Ok(rx) => self.ipc.lane_rx = Some(rx),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, "cannot read the peer's fast lane: {why}")
+            }
+        }
+    }
+
+    /// The session ends: both ends of the lanes close.
+    fn end_lanes(&mut self) {
+        if let Some((key, _)) = self.ipc.lane_offer.take() {
+            self.setup.gpus.rings.remove(&key);
+        }
+        if let Some(tx) = self.ipc.lane_tx.take() {
+            self.setup
+                .lanes
+                .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &tx));
+            tx.close();
+        }
+        if let Some(rx) = self.ipc.lane_rx.take() {
+            rx.stop();
+        }
+    }
+
     /// A setup message from the peer.
     fn on_ipc_setup(&mut self, msg: IpcSetupMessage, ctx: &mut Context<Self>) {
         let attempt = Attempt(msg.attempt);
         match msg.step {
             // We are the importing side.
-            IpcSetupStep::Request(uuids) => {
+            IpcSetupStep::Request(uuids, lane) => {
                 if self.setup.gpus.is_empty() {
                     self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
                         attempt: msg.attempt,
@@ -1253,14 +1388,20 @@ impl TransferActor {
                 let pid = self.ipc.peer_pid;
                 let secret = self.setup.secret.clone();
                 let gpus = Arc::clone(&self.setup.gpus);
+                let lane = lane.filter(|_| self.setup.lane.max > 0);
                 let import = async move {
-                    crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await
+                    let pools =
+                        crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await?;
+                    Ok::<_, String>((pools, fetch_lane(&peer, pid, lane, &secret).await))
                 };
                 ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
                     act.ipc.importing = false;
                     let refused = match result {
-                        Ok(pools) => {
+                        Ok((pools, ring)) => {
                             act.ipc.imported = Arc::new(pools);
+                            if let Some(ring) = ring {
+                                act.attach_lane(ring);
+                            }
                             None
                         }
                         Err(why) => {
@@ -1485,7 +1626,8 @@ impl Handler<InboundDone> for TransferActor {
             if let Some(spans) = self.inbound_spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
             }
-            self.complete.insert(id, msg.buffer);
+            self.complete
+                .insert(id, (msg.buffer, self.undelivered.enter()));
         }
         self.drive(ctx);
     }
@@ -1522,6 +1664,25 @@ impl Handler<StreamEnded> for TransferActor {
 
 /// Sends frames and streams buffers until the queue closes or the socket fails. Every
 /// stream it takes ends with a `StreamEnded`, after its view of the buffer was dropped.
+/// Fetches and maps the lane ring the peer offered under `key` (none offered: `None`). A
+/// lane that cannot be had is not an ipc failure: the peer sees we did not attach and
+/// keeps the slow path.
+async fn fetch_lane(
+    peer: &str,
+    pid: u32,
+    key: Option<String>,
+    secret: &Secret,
+) -> Option<ferry_transports::link::ring::Ring> {
+    let key = key?;
+    let mapped = match ferry_transports::ipc::fetch_pool(peer, pid, &key, secret).await {
+        Ok(fd) => ferry_transports::link::ring::Ring::open(fd).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    mapped
+        .inspect_err(|why| tracing::warn!(peer, "cannot map the peer's fast lane: {why}"))
+        .ok()
+}
+
 async fn write_loop(
     mut writer: LinkWriter,
     mut rx: mpsc::Receiver<Outgoing>,

@@ -165,6 +165,8 @@ impl Default for MemoryConfig {
 pub struct TransportConfig {
     /// Tuning of the TCP transport.
     pub tcp: TcpTuning,
+    /// Tuning of the ipc transport.
+    pub ipc: IpcTuning,
     /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
     /// memory to a same-host peer over ipc (pull), falling back to tcp; then `"host"`, which
     /// matches everything and uses tcp, push. A file that sets rules replaces the whole list.
@@ -175,6 +177,7 @@ impl Default for TransportConfig {
     fn default() -> Self {
         TransportConfig {
             tcp: TcpTuning::default(),
+            ipc: IpcTuning::default(),
             rules: vec![Rule::same_host_gpu(), Rule::catch_all()],
         }
     }
@@ -214,6 +217,30 @@ impl Default for TcpTuning {
         TcpTuning {
             chunk_size: 1 << 20,
             pipeline_depth: 8,
+        }
+    }
+}
+
+/// `[transport.ipc]`: ipc transport tuning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IpcTuning {
+    /// Largest device buffer sent on the same-host fast lane (a shared-memory ring instead
+    /// of the socket and the actors). Default `"64 KiB"`; `0` turns the lane off; at most
+    /// 16 MiB. The receiver keeps 4 buffers of this size allocated ahead per peer.
+    #[serde(with = "size")]
+    pub lane_max: u64,
+    /// How long a lane thread spins for the next record before it sleeps (a busy lane then
+    /// makes no system call). Default `"100us"`; `0` sleeps at once.
+    #[serde(with = "duration")]
+    pub lane_spin: Duration,
+}
+
+impl Default for IpcTuning {
+    fn default() -> Self {
+        IpcTuning {
+            lane_max: 64 << 10,
+            lane_spin: Duration::from_micros(100),
         }
     }
 }

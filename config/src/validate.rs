@@ -209,6 +209,9 @@ impl Config {
         if tcp.pipeline_depth < 1 {
             return fail("transport.tcp.pipeline_depth", "must be at least 1");
         }
+        if self.transport.ipc.lane_max > 16 << 20 {
+            return fail("transport.ipc.lane_max", "must be at most 16 MiB");
+        }
         let rules = &self.transport.rules;
         if rules.is_empty() {
             return fail(

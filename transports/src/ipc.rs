@@ -83,6 +83,16 @@ pub const POOL_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// The pools this node exports, by device UUID.
 pub type PoolDirectory = Arc<DashMap<String, ExportablePool>>;
 
+/// The fast-lane rings this node offers its same-host peers, by the key its ipc setup
+/// request names (unguessable: `lane/` and 128 random bits, so a peer fetches only the ring
+/// offered to it).
+pub type RingDirectory = Arc<DashMap<String, Arc<crate::link::ring::Ring>>>;
+
+/// A fresh key for a lane ring.
+pub fn lane_key() -> String {
+    format!("lane/{:032x}", rand::random::<u128>())
+}
+
 /// Why a peer's pool could not be fetched.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -120,7 +130,12 @@ pub fn bind_pool_socket(node: &str) -> io::Result<UnixListener> {
 
 /// Answers pool requests until the listener fails; each connection in its own task, under
 /// [`POOL_REQUEST_TIMEOUT`]. Runs on a tokio runtime.
-pub async fn serve_pools(listener: UnixListener, secret: Secret, pools: PoolDirectory) {
+pub async fn serve_pools(
+    listener: UnixListener,
+    secret: Secret,
+    pools: PoolDirectory,
+    rings: RingDirectory,
+) {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -131,9 +146,13 @@ pub async fn serve_pools(listener: UnixListener, secret: Secret, pools: PoolDire
         };
         let secret = secret.clone();
         let pools = Arc::clone(&pools);
+        let rings = Arc::clone(&rings);
         tokio::spawn(async move {
-            let answered =
-                tokio::time::timeout(POOL_REQUEST_TIMEOUT, answer(stream, &secret, &pools)).await;
+            let answered = tokio::time::timeout(
+                POOL_REQUEST_TIMEOUT,
+                answer(stream, &secret, &pools, &rings),
+            )
+            .await;
             match answered {
                 Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),
@@ -147,6 +166,7 @@ async fn answer(
     mut stream: UnixStream,
     secret: &Secret,
     pools: &DashMap<String, ExportablePool>,
+    rings: &DashMap<String, Arc<crate::link::ring::Ring>>,
 ) -> Result<String, String> {
     let (mut r, mut w) = stream.split();
     authenticate(&mut r, &mut w, Role::Acceptor, secret, "pool request")
@@ -162,9 +182,10 @@ async fn answer(
         .await
         .map_err(|e| e.to_string())?;
     let uuid = String::from_utf8_lossy(&uuid).into_owned();
-    let exported = match pools.get(&uuid) {
-        Some(pool) => pool.export_fd().map_err(|e| e.to_string()),
-        None => Err(format!("no pool of device {uuid} here")),
+    let exported = match (pools.get(&uuid), rings.get(&uuid)) {
+        (Some(pool), _) => pool.export_fd().map_err(|e| e.to_string()),
+        (None, Some(ring)) => ring.fd().try_clone_to_owned().map_err(|e| e.to_string()),
+        (None, None) => Err(format!("no pool of device {uuid} here")),
     };
     match exported {
         Ok(fd) => {

@@ -99,7 +99,10 @@ fn corpus() -> Vec<Item> {
         }),
         Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {
             attempt: 2,
-            step: ferry_transports::wire::IpcSetupStep::Request(vec!["GPU-1".into()]),
+            step: ferry_transports::wire::IpcSetupStep::Request(
+                vec!["GPU-1".into()],
+                Some("lane/7".into()),
+            ),
         }),
         Message::IpcUnmap(ferry_transports::wire::IpcBufferRef {
             device_uuid: "GPU-1".into(),

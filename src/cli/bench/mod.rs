@@ -63,6 +63,11 @@ pub struct Args {
     /// Both directions at once.
     #[arg(long)]
     bidir: bool,
+    /// Latency: each transfer is sent back by the peer as soon as it arrives, and the next
+    /// one leaves when it is back; the latency columns are half of each round trip (the
+    /// one-way time from `send` called to the peer's `recv` returning).
+    #[arg(long, conflicts_with = "bidir")]
+    pingpong: bool,
     /// `all`: also print a matrix of every ordered pair at the largest size.
     #[arg(long)]
     pairs: Option<String>,
@@ -436,7 +441,7 @@ async fn orchestrate(
             (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
-        latency: latency_label(&args.transport),
+        latency: latency_label(&args.transport, args.pingpong),
     };
     report::print_header(&header);
     if matches!(target.memory, MemoryKind::Device(_)) && !args.no_check {
@@ -490,7 +495,7 @@ async fn orchestrate(
 }
 
 /// What the latency columns measure, for the header.
-fn latency_label(transport: &str) -> String {
+fn latency_label(transport: &str, pingpong: bool) -> String {
     let what = match transport {
         "ipc" => {
             "send() called until the peer's Done: it imported our buffer and its copy engine \
@@ -498,6 +503,11 @@ fn latency_label(transport: &str) -> String {
         }
         _ => "send() called until it resolved (the transfer complete)",
     };
+    if pingpong {
+        return "one-way: half of each round trip (send() called, the peer's recv() returns \
+                and it sends the buffer back, our recv() returns), one transfer at a time"
+            .into();
+    }
     format!("{what}, with up to the row's window in flight (--window 1: one transfer alone)")
 }
 
@@ -544,6 +554,38 @@ async fn send_many(
             if let Some(h) = hist.as_deref_mut() {
                 let _ = h.record(took.as_micros().max(1) as u64);
             }
+        }
+    }
+    Ok(())
+}
+
+/// Sends `count` transfers one at a time, each sent back by the peer before the next
+/// leaves; records half of each round trip in `hist` (microseconds).
+async fn ping_pong(
+    node: &Node,
+    peer: &str,
+    buffers: &mut Vec<Buffer>,
+    count: u64,
+    mut hist: Option<&mut Histogram<u64>>,
+) -> anyhow::Result<()> {
+    for _ in 0..count {
+        let b = buffers.pop().context("no buffer to send")?;
+        let t = Instant::now();
+        let b = node
+            .send(peer, peer::TAG_PING, b)
+            .await
+            .map_err(|e| anyhow::anyhow!("{}", e.error))?;
+        let back = tokio::time::timeout(
+            Duration::from_secs(30),
+            node.recv(Some(peer), Some(peer::TAG_PONG)),
+        )
+        .await
+        .context("the peer did not send the ping back")??;
+        let took = t.elapsed();
+        drop(back);
+        buffers.push(b);
+        if let Some(h) = hist.as_deref_mut() {
+            let _ = h.record((took.as_nanos() / 2000).max(1) as u64);
         }
     }
     Ok(())
@@ -632,12 +674,18 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     let peer = target.name.as_str();
     let window = window_for(size, args.window, target.memory);
     let mut buffers = alloc_filled(node, target.memory, size, window).await?;
-    send_many(node, peer, &mut buffers, args.warmup, None).await?;
+    if args.pingpong {
+        ping_pong(node, peer, &mut buffers, args.warmup, None).await?;
+    } else {
+        send_many(node, peer, &mut buffers, args.warmup, None).await?;
+    }
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
     let check = !args.no_check;
     let started = Instant::now();
     let mut wrong = 0;
-    if args.bidir {
+    if args.pingpong {
+        ping_pong(node, peer, &mut buffers, args.iters, Some(&mut hist)).await?;
+    } else if args.bidir {
         let ask = [size, args.iters, window, target.send_memory()];
         request(node, peer, peer::TAG_SEND, &ask).await?;
         let (sent, back) = tokio::join!(
@@ -650,7 +698,11 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         send_many(node, peer, &mut buffers, args.iters, Some(&mut hist)).await?;
     }
     let elapsed = started.elapsed().as_secs_f64().max(1e-9);
-    let directions = if args.bidir { 2.0 } else { 1.0 };
+    let directions = if args.bidir || args.pingpong {
+        2.0
+    } else {
+        1.0
+    };
     let ferry_gbps = directions * (size * args.iters) as f64 / elapsed / 1e9;
     drop(buffers);
     let report = peer_report(node, peer).await?;

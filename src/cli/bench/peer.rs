@@ -26,6 +26,11 @@ pub const SEND_DEVICE: u64 = 1;
 /// Tag of the buffers a peer sends back after [`TAG_SEND`].
 pub const TAG_RETURN: u64 = u64::MAX - 12;
 
+/// A latency probe: the peer sends the buffer straight back under [`TAG_PONG`].
+pub const TAG_PING: u64 = u64::MAX - 13;
+/// Tag of a probe sent back.
+pub const TAG_PONG: u64 = u64::MAX - 14;
+
 /// Raw baseline connection modes, the first byte a client writes.
 pub const RAW_SINK: u8 = b'S';
 /// The server streams messages to the client.
@@ -107,20 +112,38 @@ pub async fn serve(config: &Path, check: bool) -> anyhow::Result<()> {
                     }
                 });
             }
+            TAG_PING => {
+                // Back first (the probe measures the round trip), checked after.
+                let buffer = node
+                    .send(&peer, TAG_PONG, buffer)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("sending a ping back: {}", e.error))?;
+                received += 1;
+                transports.insert(transport);
+                if check && !pattern_holds(&mut expected, &buffer)? {
+                    wrong += 1;
+                }
+            }
             _ => {
                 received += 1;
                 transports.insert(transport);
-                if check {
-                    let want = *expected
-                        .entry(buffer.len())
-                        .or_insert_with(|| pattern::crc(buffer.len()));
-                    if crc32c::crc32c(&buffer.bytes()?) != want {
-                        wrong += 1;
-                    }
+                if check && !pattern_holds(&mut expected, &buffer)? {
+                    wrong += 1;
                 }
             }
         }
     }
+}
+
+/// True when `buffer` holds the bench pattern (checksums cached by length).
+fn pattern_holds(
+    expected: &mut HashMap<usize, u32>,
+    buffer: &ferry::Buffer,
+) -> anyhow::Result<bool> {
+    let want = *expected
+        .entry(buffer.len())
+        .or_insert_with(|| pattern::crc(buffer.len()));
+    Ok(crc32c::crc32c(&buffer.bytes()?) == want)
 }
 
 async fn send_back(

@@ -380,6 +380,22 @@ impl DeviceBuffer {
         })
     }
 
+    /// Uses only the first `len` bytes from now on (copies, exports and [`Self::len`] see
+    /// `len`); the whole allocation is still freed on drop. Longer than today is refused.
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for a `len` past the current length.
+    pub fn truncate(&mut self, len: usize) -> Result<(), CudaError> {
+        if len > self.len {
+            return Err(CudaError::Misuse(format!(
+                "cannot grow a buffer of {} bytes to {len}",
+                self.len
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// The stream the buffer was allocated on, on which it will be freed.
     pub fn stream(&self) -> Stream {
         Stream::from_shared(Arc::clone(&self.home))

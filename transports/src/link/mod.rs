@@ -18,6 +18,7 @@ pub mod auth;
 mod counters;
 pub mod fdpass;
 mod listener;
+pub mod ring;
 
 use std::fmt;
 use std::io;

@@ -432,6 +432,34 @@ impl Buffer {
         }
     }
 
+    /// Keeps only the first `len` bytes visible ([`Self::len`] says `len`); the lease, and
+    /// what the budget counts, stay those of the whole grant. Used to hand out a buffer
+    /// allocated ahead for a message of unknown length.
+    ///
+    /// # Errors
+    /// [`MemoryError::Shared`] while a view is alive; [`MemoryError::OutOfBounds`] for a
+    /// `len` past the current length.
+    pub fn truncate(&mut self, len: usize) -> Result<(), MemoryError> {
+        let size = self.len();
+        if len > size {
+            return Err(MemoryError::OutOfBounds {
+                offset: 0,
+                len,
+                size,
+            });
+        }
+        match Arc::get_mut(&mut self.storage).map(|s| &mut s.bytes) {
+            Some(Bytes::Device(d)) => Ok(d.truncate(len)?),
+            Some(Bytes::Host(b)) => {
+                let mut v = std::mem::take(b).into_vec();
+                v.truncate(len);
+                *b = v.into_boxed_slice();
+                Ok(())
+            }
+            None => Err(MemoryError::Shared),
+        }
+    }
+
     /// The buffer's lease.
     pub fn lease(&self) -> Lease {
         self.storage.lease

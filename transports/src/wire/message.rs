@@ -96,6 +96,41 @@ pub struct IpcSource {
     pub legacy: Option<u64>,
 }
 
+/// One small transfer on the same-host fast lane: what a slot of the lane's shared-memory
+/// ring holds (an rkyv archive, validated like a frame before it is read).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct LaneRecord {
+    /// The transfer's tag.
+    pub tag: u64,
+    /// Bytes to copy.
+    pub len: u64,
+    /// Where to pull them from.
+    pub source: IpcSource,
+}
+
+impl LaneRecord {
+    /// The record's bytes, for a ring slot.
+    ///
+    /// # Errors
+    /// rkyv's, as text (it does not fail for a record of this shape).
+    pub fn encode(&self) -> Result<Vec<u8>, String> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self)
+            .map(|b| b.to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// A record from a slot's bytes, validated first (the other process wrote them).
+    ///
+    /// # Errors
+    /// Why the bytes are not a record.
+    pub fn decode(bytes: &[u8]) -> Result<LaneRecord, String> {
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::from_bytes::<LaneRecord, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+    }
+}
+
 /// Names a buffer a peer pulled over ipc and may keep mapped: its device and lease.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash)]
 #[rkyv(derive(Debug))]
@@ -123,8 +158,10 @@ pub struct IpcSetupMessage {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub enum IpcSetupStep {
-    /// The exporter asks the peer to import its pools: the UUIDs of its GPUs.
-    Request(Vec<String>),
+    /// The exporter asks the peer to import its pools: the UUIDs of its GPUs, and the key
+    /// under which its pool socket hands out the shared-memory ring of the fast lane (none
+    /// when it offers no lane).
+    Request(Vec<String>, Option<String>),
     /// The importer's answer: `None` when every pool was imported, else why not.
     Reply(Option<String>),
     /// The exporter's own checks passed (`None`) or failed (the reason).

@@ -1,0 +1,585 @@
+//! The same-host fast lane: small device-memory sends to a peer process of this host,
+//! without a socket or an actor hop.
+//!
+//! The slow path of an 8-byte ipc send crosses eight thread hand-offs (caller → actor → I/O
+//! thread → socket → the peer's I/O thread → its actor, and back for `Done`) and waits for a
+//! device allocation: about 110 µs per round trip on the H200. The lane replaces that, for
+//! sends of at most `transport.ipc.lane_max` bytes once the ipc setup with the peer is done,
+//! with:
+//!
+//! - a ring of slots in shared memory ([`Ring`]), one per direction, made by the sender
+//!   during the ipc setup and fetched by the receiver from the sender's pool socket;
+//! - on the sender, the caller's own task exports the buffer and writes a [`LaneRecord`]
+//!   into the next slot; a watcher thread sees the receiver finish it and completes the
+//!   send (the receiver's outcome, or its reason, comes back in the slot);
+//! - on the receiver, a lane thread polls the ring, pulls each buffer with one peer copy
+//!   into memory allocated ahead (after the first record, 4 buffers of `lane_max` bytes
+//!   from the receive tiers, refilled in the background), and delivers it to the inbox
+//!   itself.
+//!
+//! Both threads spin for `transport.ipc.lane_spin` after the last record, then park on a
+//! futex in the ring: a busy lane makes no system call, an idle one costs nothing.
+//!
+//! **Order.** A peer's buffers are delivered in send order whichever path carries them:
+//! [`Order`] lets a lane send start only while nothing to that peer goes the slow way,
+//! and makes a slow send wait until the lane sends before it completed (a lane send
+//! completes once the buffer is in the receiver's inbox). On the receiver, a lane record is
+//! delivered only once every slow transfer from that peer that completed before it was
+//! delivered too (`undelivered`).
+//!
+//! **Failure.** A sender whose deadline passes gets `DeadlineExceeded` and no buffer: the
+//! receiver may still read it, so the watcher keeps it until the record is finished or the
+//! lane closes (then it is freed; the peer unmaps it first, like any exported buffer).
+//! When either side's session ends the ring is closed; sends not yet finished by the
+//! receiver fail with `PeerLost` and get their buffer back.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_transports::link::ring::Ring;
+use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
+use ferry_transports::wire::LaneRecord;
+use tokio::sync::{Notify, oneshot};
+
+use crate::allocator::{Tier, reserve_in_tiers};
+use crate::error::{Error, SendError};
+use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
+use crate::inbox::Inbox;
+
+/// Records in flight per lane.
+pub const LANE_SLOTS: u32 = 64;
+/// Bytes per slot: a record (an export and a lease, about 200 bytes) or a reason.
+pub const LANE_SLOT_LEN: u32 = 512;
+/// Receive buffers a lane keeps allocated ahead.
+const AHEAD: usize = 4;
+/// How long a parked lane thread sleeps before it looks at its stop flag again.
+const PARK: Duration = Duration::from_millis(20);
+
+/// The lane's settings (`transport.ipc.lane_max`, `transport.ipc.lane_spin`).
+#[derive(Debug, Clone, Copy)]
+pub struct LaneSettings {
+    /// Largest send that takes the lane; 0 turns the lane off.
+    pub max: usize,
+    /// How long a lane thread spins for the next record before it parks.
+    pub spin: Duration,
+}
+
+// ---- order between the lane and the slow path ----
+
+/// Per peer, how many sends are under way on the lane and on the slow path: at most one of
+/// the two is non-zero, so the peer's buffers arrive in send order.
+#[derive(Debug, Default)]
+pub struct Order {
+    state: Mutex<(usize, usize)>,
+    changed: Notify,
+}
+
+impl Order {
+    /// Starts a lane send, unless a slow one is under way (then the caller takes the slow
+    /// path too, behind it).
+    pub fn try_lane(self: &Arc<Self>) -> Option<OrderGuard> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.1 > 0 {
+            return None;
+        }
+        s.0 += 1;
+        Some(OrderGuard {
+            order: Arc::clone(self),
+            lane: true,
+        })
+    }
+
+    /// Starts a slow send, once the lane sends before it completed.
+    pub async fn slow(self: &Arc<Self>) -> OrderGuard {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if s.0 == 0 {
+                    s.1 += 1;
+                    return OrderGuard {
+                        order: Arc::clone(self),
+                        lane: false,
+                    };
+                }
+            }
+            changed.await;
+        }
+    }
+}
+
+/// A send under way; dropping it ends it.
+#[derive(Debug)]
+pub struct OrderGuard {
+    order: Arc<Order>,
+    lane: bool,
+}
+
+impl Drop for OrderGuard {
+    fn drop(&mut self) {
+        let mut s = self.order.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.lane {
+            s.0 -= 1;
+        } else {
+            s.1 -= 1;
+        }
+        if s.0 == 0 {
+            drop(s);
+            self.order.changed.notify_waiters();
+        }
+    }
+}
+
+/// Counts, on the receiver, slow transfers from one peer that completed (the peer may
+/// already know) but are not in the inbox yet. Lane records wait for it to reach zero.
+#[derive(Debug, Default, Clone)]
+pub struct Undelivered(Arc<AtomicU64>);
+
+impl Undelivered {
+    /// One more completed transfer on its way to the inbox; the guard's drop counts it
+    /// delivered (or dropped).
+    pub fn enter(&self) -> Pending {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Pending(Arc::clone(&self.0))
+    }
+
+    fn is_clear(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == 0
+    }
+}
+
+/// A completed slow transfer not yet in the inbox (see [`Undelivered`]).
+#[derive(Debug)]
+pub struct Pending(Arc<AtomicU64>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+// ---- sender ----
+
+type Completion = oneshot::Sender<Result<Buffer, (Buffer, String)>>;
+
+struct Waiter {
+    seq: u64,
+    buffer: Buffer,
+    done: Completion,
+}
+
+#[derive(Default)]
+struct TxState {
+    /// The next record's sequence number.
+    next: u64,
+    /// Records whose outcome we read: their slots are free again.
+    reaped: u64,
+    waiting: VecDeque<Waiter>,
+    closed: Option<String>,
+}
+
+/// The sending end of a lane to one peer.
+pub struct LaneTx {
+    peer: String,
+    ring: Arc<Ring>,
+    settings: LaneSettings,
+    state: Mutex<TxState>,
+    /// A slot was freed, or the lane closed.
+    space: Notify,
+    unmapper: Arc<dyn Unmapper>,
+    stop: AtomicBool,
+}
+
+impl std::fmt::Debug for LaneTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneTx").field("peer", &self.peer).finish()
+    }
+}
+
+impl LaneTx {
+    /// The sending end over `ring` (whose consumer attached), and its watcher thread.
+    /// Buffers sent are noted as mapped by the peer (`unmapper`).
+    ///
+    /// # Errors
+    /// When the watcher thread cannot start.
+    pub fn start(
+        peer: &str,
+        ring: Arc<Ring>,
+        settings: LaneSettings,
+        unmapper: Arc<dyn Unmapper>,
+    ) -> Result<Arc<LaneTx>, String> {
+        let tx = Arc::new(LaneTx {
+            peer: peer.to_string(),
+            ring,
+            settings,
+            state: Mutex::default(),
+            space: Notify::new(),
+            unmapper,
+            stop: AtomicBool::new(false),
+        });
+        let watcher = Arc::clone(&tx);
+        std::thread::Builder::new()
+            .name("ferry-lane-tx".into())
+            .spawn(move || watcher.watch())
+            .map_err(|e| format!("cannot start the lane's watcher: {e}"))?;
+        Ok(tx)
+    }
+
+    /// True when `buffer` may take this lane.
+    pub fn fits(&self, buffer: &Buffer) -> bool {
+        matches!(buffer.kind(), MemoryKind::Device(_))
+            && !buffer.is_empty()
+            && buffer.len() <= self.settings.max
+            && self.state().closed.is_none()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, TxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends `buffer` under `tag`; resolves once the peer's inbox holds it.
+    ///
+    /// # Errors
+    /// `DeadlineExceeded` (without the buffer: the peer may still read it), `PeerLost`
+    /// when the lane closed first, the peer's reason when it could not take the buffer.
+    pub async fn send(
+        &self,
+        tag: u64,
+        buffer: Buffer,
+        deadline: Instant,
+    ) -> Result<Buffer, SendError> {
+        let fail = |error, buffer| Err(SendError { error, buffer });
+        let source = match crate::gpu::export_source(&buffer, false) {
+            Ok(s) => s,
+            Err(why) => return fail(Error::Unsupported(why), Some(buffer)),
+        };
+        let record = LaneRecord {
+            tag,
+            len: buffer.len() as u64,
+            source,
+        };
+        let record = match record.encode() {
+            Ok(r) => r,
+            Err(why) => return fail(Error::Unsupported(why), Some(buffer)),
+        };
+        buffer.note_mapped(Arc::clone(&self.unmapper));
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let mut buffer = Some(buffer);
+        let done = loop {
+            let space = self.space.notified();
+            tokio::pin!(space);
+            space.as_mut().enable();
+            {
+                let mut s = self.state();
+                if let Some(why) = &s.closed {
+                    let error = self.lost(why);
+                    drop(s);
+                    return fail(error, buffer);
+                }
+                if s.next - s.reaped < u64::from(self.ring.slots()) {
+                    let seq = s.next;
+                    if let Err(e) = self.ring.publish(seq, s.reaped, &record) {
+                        drop(s);
+                        return fail(self.lost(&e.to_string()), buffer);
+                    }
+                    s.next += 1;
+                    let (done, wait) = oneshot::channel();
+                    let Some(buffer) = buffer.take() else {
+                        return fail(Error::ShuttingDown, None);
+                    };
+                    s.waiting.push_back(Waiter { seq, buffer, done });
+                    break wait;
+                }
+            }
+            if tokio::time::timeout_at(deadline, space).await.is_err() {
+                return fail(Error::DeadlineExceeded, buffer);
+            }
+        };
+        // The watcher may be parked with nothing outstanding.
+        self.ring.wake_producer();
+        match tokio::time::timeout_at(deadline, done).await {
+            Ok(Ok(Ok(buffer))) => Ok(buffer),
+            Ok(Ok(Err((buffer, why)))) => fail(
+                Error::Refused {
+                    peer: self.peer.clone(),
+                    detail: why,
+                },
+                Some(buffer),
+            ),
+            Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
+            Err(_) => fail(Error::DeadlineExceeded, None),
+        }
+    }
+
+    fn lost(&self, why: &str) -> Error {
+        Error::PeerLost {
+            peer: self.peer.clone(),
+            detail: format!("fast lane: {why}"),
+        }
+    }
+
+    /// Our session with the peer ended: no more sends; those the peer has not finished
+    /// fail (their buffers are freed once the peer unmapped them, or its lease ran out).
+    pub fn close(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.ring.close();
+    }
+
+    /// The watcher: completes sends as the receiver finishes their records.
+    fn watch(&self) {
+        let mut idle_since = Instant::now();
+        loop {
+            let reaped = self.state().reaped;
+            let tail = match self.ring.tail(reaped) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer, "fast lane closed: {e}");
+                    self.ring.close();
+                    return self.fail_all(&e.to_string(), false);
+                }
+            };
+            if tail > reaped {
+                let finished: Vec<_> = {
+                    let mut s = self.state();
+                    let n = usize::try_from(tail - reaped).unwrap_or(usize::MAX);
+                    let n = n.min(s.waiting.len());
+                    let finished = s.waiting.drain(..n).collect();
+                    s.reaped = tail;
+                    finished
+                };
+                for w in finished {
+                    let result = match self.ring.outcome(w.seq) {
+                        Ok(()) => Ok(w.buffer),
+                        Err(why) => Err((w.buffer, why)),
+                    };
+                    // A sender that gave up drops the buffer here: the peer is done with it.
+                    let _ = w.done.send(result);
+                }
+                self.space.notify_waiters();
+                idle_since = Instant::now();
+                continue;
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return self.fail_all("our session with the peer ended", false);
+            }
+            if self.ring.is_closed() {
+                // The receiver stopped reading after finishing its current record: what it
+                // did not finish it never touched, and goes back to the senders.
+                return self.fail_all("the peer closed the lane", true);
+            }
+            let outstanding = {
+                let s = self.state();
+                s.next > s.reaped
+            };
+            if outstanding && idle_since.elapsed() < self.settings.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.ring.park_producer(tail, PARK);
+            if !outstanding {
+                idle_since = Instant::now();
+            }
+        }
+    }
+
+    fn fail_all(&self, why: &str, give_back: bool) {
+        let waiting = {
+            let mut s = self.state();
+            s.closed = Some(why.to_string());
+            std::mem::take(&mut s.waiting)
+        };
+        for w in waiting {
+            if give_back {
+                let _ = w.done.send(Err((w.buffer, why.to_string())));
+            }
+            // Otherwise the buffer is dropped with `done`: the peer may still read it; it
+            // is freed once the peer unmapped it or its lease timed out.
+        }
+        self.space.notify_waiters();
+    }
+}
+
+impl Drop for LaneTx {
+    fn drop(&mut self) {
+        self.ring.close();
+    }
+}
+
+// ---- receiver ----
+
+/// What a receiving lane thread needs from its transfer actor.
+pub struct RxContext {
+    /// The sending peer.
+    pub peer: String,
+    /// Its pools, imported by the ipc setup.
+    pub pools: Arc<ImportedPools>,
+    /// Its buffers we keep mapped (shared with the actor, which unmaps on request).
+    pub imports: SharedImports,
+    /// Our GPUs.
+    pub gpus: SharedGpus,
+    /// Where buffers go.
+    pub inbox: Arc<Inbox>,
+    /// Where they land (the pulled transfers' tiers).
+    pub tiers: Vec<Tier>,
+    /// Slow transfers from this peer on their way to the inbox.
+    pub undelivered: Undelivered,
+    /// How long a reservation may wait.
+    pub reserve_timeout: Duration,
+    /// The node's I/O runtime (reservations run there).
+    pub io: tokio::runtime::Handle,
+    /// The lane's settings.
+    pub settings: LaneSettings,
+}
+
+/// The receiving end of a lane: its thread runs until [`LaneRx::stop`] or the ring closes.
+pub struct LaneRx {
+    ring: Arc<Ring>,
+    stop: Arc<AtomicBool>,
+}
+
+impl LaneRx {
+    /// Attaches to `ring` and starts the lane thread.
+    ///
+    /// # Errors
+    /// When the thread cannot start.
+    pub fn start(ring: Ring, cx: RxContext) -> Result<LaneRx, String> {
+        let ring = Arc::new(ring);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r, s) = (Arc::clone(&ring), Arc::clone(&stop));
+        let ahead = Ahead::default();
+        std::thread::Builder::new()
+            .name("ferry-lane-rx".into())
+            .spawn(move || receive(&r, &s, &cx, &ahead))
+            .map_err(|e| format!("cannot start the lane thread: {e}"))?;
+        ring.attach();
+        Ok(LaneRx { ring, stop })
+    }
+
+    /// Stops the thread (after the record it handles now) and closes the ring.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.ring.close();
+    }
+}
+
+impl Drop for LaneRx {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Receive buffers allocated ahead, and how many allocations are on their way.
+#[derive(Default)]
+struct AheadInner {
+    ready: Mutex<Vec<Buffer>>,
+    coming: std::sync::atomic::AtomicUsize,
+}
+
+type Ahead = Arc<AheadInner>;
+
+fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
+    // Nothing is allocated ahead before the first record: an unused lane costs no memory.
+    let mut tail = 0u64;
+    let mut record = Vec::with_capacity(ring.room());
+    let mut idle_since = Instant::now();
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let head = match ring.published(tail) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(peer = %cx.peer, "fast lane closed: {e}");
+                break;
+            }
+        };
+        if head == tail {
+            if ring.is_closed() {
+                break;
+            }
+            if idle_since.elapsed() < cx.settings.spin {
+                std::hint::spin_loop();
+            } else {
+                ring.park_consumer(tail, PARK);
+            }
+            continue;
+        }
+        let outcome = match ring.read(tail, &mut record) {
+            Ok(()) => take(&record, cx, ahead, stop),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(why) = &outcome {
+            tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
+            metrics::counter!("ferry_pull_failures_total").increment(1);
+        }
+        ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+        tail += 1;
+        idle_since = Instant::now();
+    }
+    ring.close();
+}
+
+/// Pulls one record's buffer and delivers it.
+fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Result<(), String> {
+    let record = LaneRecord::decode(bytes).map_err(|e| format!("a bad lane record: {e}"))?;
+    let len = usize::try_from(record.len).unwrap_or(usize::MAX);
+    if len == 0 || len > cx.settings.max {
+        return Err(format!(
+            "a lane record of {len} bytes (this node takes 1 to {})",
+            cx.settings.max
+        ));
+    }
+    let ready = ahead.ready.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    let mut dst = match ready {
+        Some(b) => b,
+        None => {
+            // Every buffer allocated ahead is with the application: wait for memory like a
+            // slow transfer would (the sender waits meanwhile).
+            let deadline = Instant::now() + cx.reserve_timeout;
+            let want = cx.settings.max as u64;
+            let got = cx
+                .io
+                .block_on(reserve_in_tiers(&cx.tiers, &[want], deadline))
+                .map_err(|e| e.to_string())?;
+            got.into_iter().next().ok_or("no memory granted")?
+        }
+    };
+    dst.truncate(len).map_err(|e| e.to_string())?;
+    let buffer = crate::gpu::pull(&record.source, &cx.pools, &cx.imports, &cx.gpus, dst, true)
+        .map_err(|(_, why)| why)?;
+    // Slow transfers that completed before this record go first.
+    while !cx.undelivered.is_clear() {
+        if stop.load(Ordering::SeqCst) {
+            return Err("the receiver stopped".into());
+        }
+        std::thread::yield_now();
+    }
+    cx.inbox.deliver(&cx.peer, record.tag, "ipc", buffer);
+    refill(cx, ahead);
+    Ok(())
+}
+
+/// Tops the buffers allocated ahead back up, in the background.
+fn refill(cx: &RxContext, ahead: &Ahead) {
+    let have = ahead.ready.lock().unwrap_or_else(|p| p.into_inner()).len();
+    let coming = ahead.coming.load(Ordering::SeqCst);
+    for _ in 0..AHEAD.saturating_sub(have + coming) {
+        ahead.coming.fetch_add(1, Ordering::SeqCst);
+        let (tiers, ahead) = (cx.tiers.clone(), Arc::clone(ahead));
+        let want = cx.settings.max as u64;
+        let deadline = Instant::now() + cx.reserve_timeout;
+        cx.io.spawn(async move {
+            let got = reserve_in_tiers(&tiers, &[want], deadline).await;
+            ahead
+                .ready
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(got.into_iter().flatten());
+            ahead.coming.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
