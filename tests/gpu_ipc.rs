@@ -29,6 +29,11 @@ async fn pair(a_extra: &str, b_extra: &str) -> Pair {
 
 /// Like [`pair`], with `b` serving `role` (`echo` or `sink`).
 async fn pair_with_role(a_extra: &str, b_extra: &str, role: &str) -> Pair {
+    // RUST_LOG shows node a's log (b's goes to its stderr).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let scratch = Scratch::new();
     let dir = socket_dir(&scratch);
     let node_extra = |extra: &str| format!("{extra}\n");

@@ -253,6 +253,7 @@ impl LaneTx {
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
         let fail = |error, buffer| Err(SendError { error, buffer });
+        let started = Instant::now();
         let source = match crate::gpu::export_source(&buffer, false) {
             Ok(s) => s,
             Err(why) => return fail(Error::Unsupported(why), Some(buffer)),
@@ -301,6 +302,7 @@ impl LaneTx {
         };
         // The watcher may be parked with nothing outstanding.
         self.ring.wake_producer();
+        tracing::trace!(peer = %self.peer, tag, us = started.elapsed().as_micros() as u64, "lane record published");
         match tokio::time::timeout_at(deadline, done).await {
             Ok(Ok(Ok(buffer))) => Ok(buffer),
             Ok(Ok(Err((buffer, why)))) => fail(
@@ -525,6 +527,7 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
 
 /// Pulls one record's buffer and delivers it.
 fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Result<(), String> {
+    let started = Instant::now();
     let record = LaneRecord::decode(bytes).map_err(|e| format!("a bad lane record: {e}"))?;
     let len = usize::try_from(record.len).unwrap_or(usize::MAX);
     if len == 0 || len > cx.settings.max {
@@ -549,8 +552,10 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
         }
     };
     dst.truncate(len).map_err(|e| e.to_string())?;
+    let reserved = started.elapsed();
     let buffer = crate::gpu::pull(&record.source, &cx.pools, &cx.imports, &cx.gpus, dst, true)
         .map_err(|(_, why)| why)?;
+    let pulled = started.elapsed();
     // Slow transfers that completed before this record go first.
     while !cx.undelivered.is_clear() {
         if stop.load(Ordering::SeqCst) {
@@ -559,6 +564,14 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
         std::thread::yield_now();
     }
     cx.inbox.deliver(&cx.peer, record.tag, "ipc", buffer);
+    tracing::trace!(
+        peer = %cx.peer,
+        bytes = len,
+        reserve_us = reserved.as_micros() as u64,
+        pull_us = (pulled - reserved).as_micros() as u64,
+        deliver_us = (started.elapsed() - pulled).as_micros() as u64,
+        "lane record delivered"
+    );
     refill(cx, ahead);
     Ok(())
 }

@@ -64,6 +64,7 @@ pub async fn serve(config: &Path, check: bool) -> anyhow::Result<()> {
     let mut wrong = 0u64;
     let mut transports = BTreeSet::new();
     let mut expected: HashMap<usize, u32> = HashMap::new();
+    let mut pongs: HashMap<(MemoryKind, usize), ferry::Buffer> = HashMap::new();
     loop {
         let Received {
             buffer,
@@ -113,11 +114,21 @@ pub async fn serve(config: &Path, check: bool) -> anyhow::Result<()> {
                 });
             }
             TAG_PING => {
-                // Back first (the probe measures the round trip), checked after.
-                let buffer = node
-                    .send(&peer, TAG_PONG, buffer)
+                // Answered from a buffer of our own, the same one each time (as a latency
+                // test's two fixed buffers): back first, the probe checked after.
+                let reply = match pongs.remove(&(buffer.kind(), buffer.len())) {
+                    Some(b) => b,
+                    None => {
+                        let mut b = node.alloc(buffer.kind(), buffer.len()).await?;
+                        pattern::fill_buffer(&mut b)?;
+                        b
+                    }
+                };
+                let reply = node
+                    .send(&peer, TAG_PONG, reply)
                     .await
-                    .map_err(|e| anyhow::anyhow!("sending a ping back: {}", e.error))?;
+                    .map_err(|e| anyhow::anyhow!("answering a ping: {}", e.error))?;
+                pongs.insert((reply.kind(), reply.len()), reply);
                 received += 1;
                 transports.insert(transport);
                 if check && !pattern_holds(&mut expected, &buffer)? {
