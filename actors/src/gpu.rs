@@ -13,7 +13,8 @@ use std::sync::Arc;
 use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, copy_async, copy_to_host, enable_peer_access, peer_access,
+    POINTER_EXPORT_LEN, Stream, copy_and_wait, copy_async, copy_to_host, enable_peer_access,
+    peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
@@ -347,10 +348,21 @@ fn pull_pooled(
         return Err("the import vanished".to_string());
     };
     *last = tick;
-    // Queue the copy under the lock (the import stays put), wait outside it.
-    let stream = queue_copy(dst, &*imported, offset, gpus, express)?;
-    drop(cache);
-    finish_copy(&stream)?;
+    if express && let Some(memory) = dst.device_memory_mut() {
+        // A few bytes: copied and waited for under the lock (microseconds), with no event
+        // to record on either buffer.
+        let stream = gpus
+            .stream_for(memory.device(), true)
+            .cloned()
+            .ok_or_else(|| "no copy stream".to_string())?;
+        copy_and_wait(memory, &*imported, offset, len, &stream)
+            .map_err(|e| format!("copying from the peer: {e}"))?;
+    } else {
+        // Queue the copy under the lock (the import stays put), wait outside it.
+        let stream = queue_copy(dst, &*imported, offset, gpus, express)?;
+        drop(cache);
+        finish_copy(&stream)?;
+    }
     tracing::trace!(
         bytes = len,
         cached = hit,

@@ -349,12 +349,17 @@ impl LaneTx {
                     let mut s = self.state();
                     let n = usize::try_from(tail - reaped).unwrap_or(usize::MAX);
                     let n = n.min(s.waiting.len());
-                    let finished = s.waiting.drain(..n).collect();
+                    // Outcomes are read before the slots are given back to the senders.
+                    let finished = s
+                        .waiting
+                        .drain(..n)
+                        .map(|w| (self.ring.outcome(w.seq), w))
+                        .collect();
                     s.reaped = tail;
                     finished
                 };
-                for w in finished {
-                    let result = match self.ring.outcome(w.seq) {
+                for (outcome, w) in finished {
+                    let result = match outcome {
                         Ok(()) => Ok(w.buffer),
                         Err(why) => Err((w.buffer, why)),
                     };
@@ -365,6 +370,7 @@ impl LaneTx {
                 idle_since = Instant::now();
                 continue;
             }
+
             if self.stop.load(Ordering::SeqCst) {
                 return self.fail_all("our session with the peer ended", false);
             }
@@ -373,16 +379,15 @@ impl LaneTx {
                 // did not finish it never touched, and goes back to the senders.
                 return self.fail_all("the peer closed the lane", true);
             }
-            let outstanding = {
-                let s = self.state();
-                s.next > s.reaped
-            };
-            if outstanding && idle_since.elapsed() < self.settings.spin {
+            // Spinning on after the last completion too: a sender that publishes while we
+            // spin makes no system call to wake us.
+            if idle_since.elapsed() < self.settings.spin {
                 std::hint::spin_loop();
                 continue;
             }
             self.ring.park_producer(tail, PARK);
-            if !outstanding {
+            if self.state().next > reaped {
+                // Woken by a sender: spin for its completion.
                 idle_since = Instant::now();
             }
         }
@@ -439,7 +444,6 @@ pub struct RxContext {
 
 /// The receiving end of a lane: its thread runs until [`LaneRx::stop`] or the ring closes.
 pub struct LaneRx {
-    ring: Arc<Ring>,
     stop: Arc<AtomicBool>,
 }
 
@@ -458,13 +462,14 @@ impl LaneRx {
             .spawn(move || receive(&r, &s, &cx, &ahead))
             .map_err(|e| format!("cannot start the lane thread: {e}"))?;
         ring.attach();
-        Ok(LaneRx { ring, stop })
+        Ok(LaneRx { stop })
     }
 
-    /// Stops the thread (after the record it handles now) and closes the ring.
+    /// Stops the thread after the record it handles now (within the park interval when it
+    /// sleeps); the thread closes the ring as it leaves, so the sender knows that every
+    /// record it did not finish was never read.
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        self.ring.close();
     }
 }
 

@@ -1262,7 +1262,9 @@ impl TransferActor {
     /// of attempts): its key at our pool socket. None when the lane is off or the peer is
     /// in this process.
     fn offer_lane(&mut self) -> Option<String> {
-        if self.setup.lane.max == 0 || self.ipc.in_process() || !self.ipc.same_host {
+        // Offered before the link may be up (the setup starts with the first transfer):
+        // a peer on another host cannot fetch it, and the setup fails its checks anyway.
+        if self.setup.lane.max == 0 || self.ipc.in_process() {
             return None;
         }
         if let Some((key, _)) = &self.ipc.lane_offer {

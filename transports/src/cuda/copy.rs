@@ -136,6 +136,33 @@ pub fn copy_async(
     src.note_use(stream)
 }
 
+/// Copies `len` bytes from `src[src_offset..]` to the start of `dst` and blocks until the
+/// copy has completed. Both stay borrowed until then, so no use needs recording: the
+/// cheapest copy for a few bytes (no event created or recorded).
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside either buffer; a driver error otherwise.
+pub fn copy_and_wait(
+    dst: &mut impl DeviceMemory,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    let (sptr, slen) = src.region();
+    range("destination", 0, len, dlen)?;
+    range("source", src_offset, len, slen)?;
+    if len == 0 {
+        return Ok(());
+    }
+    stream.bind()?;
+    // SAFETY: both ranges lie inside live allocations (checked above), which stay borrowed
+    // (and so allocated) until the stream is synchronised below.
+    unsafe { raw::memcpy_async(dptr, sptr + src_offset as u64, len, stream.handle()) }?;
+    stream.synchronize()
+}
+
 /// Copies `src` into `dst[offset..]` and blocks until the copy has completed (the host slice
 /// may be pageable, so the copy is not left running past the borrow).
 ///
