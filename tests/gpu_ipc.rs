@@ -585,21 +585,29 @@ async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
         8,
     ];
     let node = std::sync::Arc::new(p.node);
-    let mut sends = Vec::new();
+    let mut buffers = Vec::new();
     let mut wants = Vec::new();
     for i in 0..sizes.len() * 20 {
         let len = sizes[i % sizes.len()];
         let want = pattern(len, i as u64 + 1);
-        let b = device_buffer(&node, &want).await;
+        buffers.push(device_buffer(&node, &want).await);
         wants.push(want);
-        let node = std::sync::Arc::clone(&node);
-        sends.push(tokio::spawn(async move {
-            node.send("b", i as u64 + 1, b)
-                .await
-                .map(drop)
-                .map_err(|e| e.error)
-        }));
     }
+    // One task polls the sends in order: their order is that of their first polls.
+    let sends = {
+        let node = std::sync::Arc::clone(&node);
+        tokio::spawn(async move {
+            let sends = buffers
+                .into_iter()
+                .enumerate()
+                .map(|(i, b)| node.send("b", i as u64 + 1, b));
+            futures::future::join_all(sends)
+                .await
+                .into_iter()
+                .map(|r| r.map(drop).map_err(|e| e.error))
+                .collect::<Vec<_>>()
+        })
+    };
     for (i, want) in wants.iter().enumerate() {
         let got = tokio::time::timeout(Duration::from_secs(30), node.recv(Some("b"), None))
             .await
@@ -615,8 +623,8 @@ async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
             want.len()
         );
     }
-    for s in sends {
-        s.await.expect("join").expect("send");
+    for sent in sends.await.expect("join") {
+        sent.expect("send");
     }
     let Ok(node) = std::sync::Arc::try_unwrap(node) else {
         panic!("node still shared");

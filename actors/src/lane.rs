@@ -91,21 +91,23 @@ impl Order {
         })
     }
 
-    /// Starts a slow send, once the lane sends before it completed.
+    /// Starts a slow send, once the lane sends before it completed. It counts from the
+    /// first call, so lane sends asked for after it queue behind it.
     pub async fn slow(self: &Arc<Self>) -> OrderGuard {
+        let guard = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.1 += 1;
+            OrderGuard {
+                order: Arc::clone(self),
+                lane: false,
+            }
+        };
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            {
-                let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                if s.0 == 0 {
-                    s.1 += 1;
-                    return OrderGuard {
-                        order: Arc::clone(self),
-                        lane: false,
-                    };
-                }
+            if self.state.lock().unwrap_or_else(|p| p.into_inner()).0 == 0 {
+                return guard;
             }
             changed.await;
         }
@@ -599,5 +601,34 @@ fn refill(cx: &RxContext, ahead: &Ahead) {
                 .extend(got.into_iter().flatten());
             ahead.coming.fetch_sub(1, Ordering::SeqCst);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_waiting_slow_send_keeps_later_lane_sends_off_the_lane() {
+        let order = Arc::new(Order::default());
+        let lane = order.try_lane().expect("nothing slow under way");
+        let slow = tokio::spawn({
+            let order = Arc::clone(&order);
+            async move { order.slow().await }
+        });
+        tokio::task::yield_now().await;
+        while order.state.lock().expect("lock").1 == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!slow.is_finished(), "the slow send waits for the lane send");
+        assert!(
+            order.try_lane().is_none(),
+            "a later lane send must queue behind it"
+        );
+        drop(lane);
+        let slow = slow.await.expect("the slow send starts");
+        assert!(order.try_lane().is_none());
+        drop(slow);
+        assert!(order.try_lane().is_some(), "the lane is free again");
     }
 }
