@@ -593,18 +593,24 @@ async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
         buffers.push(device_buffer(&node, &want).await);
         wants.push(want);
     }
-    // One task polls the sends in order: their order is that of their first polls.
+    // The send order is that of the sends' first polls: each is polled once as it is made.
     let sends = {
         let node = std::sync::Arc::clone(&node);
         tokio::spawn(async move {
-            let sends = buffers
-                .into_iter()
-                .enumerate()
-                .map(|(i, b)| node.send("b", i as u64 + 1, b));
-            futures::future::join_all(sends)
-                .await
-                .into_iter()
-                .map(|r| r.map(drop).map_err(|e| e.error))
+            let mut sends = Vec::new();
+            for (i, b) in buffers.into_iter().enumerate() {
+                let send = node.send("b", i as u64 + 1, b);
+                let mut send = Box::pin(futures::future::maybe_done(send));
+                let _ = futures::poll!(send.as_mut());
+                sends.push(send);
+            }
+            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())).await;
+            sends
+                .iter_mut()
+                .map(|s| match s.as_mut().take_output() {
+                    Some(r) => r.map(drop).map_err(|e| e.error),
+                    None => Err(ferry::Error::Cancelled),
+                })
                 .collect::<Vec<_>>()
         })
     };

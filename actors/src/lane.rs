@@ -77,11 +77,13 @@ pub struct Order {
 }
 
 impl Order {
-    /// Starts a lane send, unless a slow one is under way (then the caller takes the slow
-    /// path too, behind it).
-    pub fn try_lane(self: &Arc<Self>) -> Option<OrderGuard> {
+    /// Starts a lane send, unless a slow one is under way or `max` lane sends are (then the
+    /// caller takes the slow path, behind them). With at most a ring's worth in flight, a
+    /// lane send finds its slot free and publishes before its first `await`, so lane
+    /// records leave in the order the sends were first polled.
+    pub fn try_lane(self: &Arc<Self>, max: usize) -> Option<OrderGuard> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.1 > 0 {
+        if s.1 > 0 || s.0 >= max {
             return None;
         }
         s.0 += 1;
@@ -611,7 +613,8 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_slow_send_keeps_later_lane_sends_off_the_lane() {
         let order = Arc::new(Order::default());
-        let lane = order.try_lane().expect("nothing slow under way");
+        let lane = order.try_lane(1).expect("nothing slow under way");
+        assert!(order.try_lane(1).is_none(), "one lane send at most");
         let slow = tokio::spawn({
             let order = Arc::clone(&order);
             async move { order.slow().await }
@@ -622,13 +625,13 @@ mod tests {
         }
         assert!(!slow.is_finished(), "the slow send waits for the lane send");
         assert!(
-            order.try_lane().is_none(),
+            order.try_lane(2).is_none(),
             "a later lane send must queue behind it"
         );
         drop(lane);
         let slow = slow.await.expect("the slow send starts");
-        assert!(order.try_lane().is_none());
+        assert!(order.try_lane(2).is_none());
         drop(slow);
-        assert!(order.try_lane().is_some(), "the lane is free again");
+        assert!(order.try_lane(2).is_some(), "the lane is free again");
     }
 }

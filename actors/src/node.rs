@@ -599,7 +599,7 @@ impl Node {
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
         if let Some(lane) = lane.filter(|l| l.fits(&buffer))
-            && let Some(_turn) = self.order(peer).try_lane()
+            && let Some(_turn) = self.order(peer).try_lane(crate::lane::LANE_SLOTS as usize)
         {
             return lane.send(tag, buffer, deadline).await;
         }
