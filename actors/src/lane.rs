@@ -69,72 +69,117 @@ pub struct LaneSettings {
 // ---- order between the lane and the slow path ----
 
 /// Per peer, how many sends are under way on the lane and on the slow path: at most one of
-/// the two is non-zero, so the peer's buffers arrive in send order.
+/// the two is non-zero, so the peer's buffers arrive in send order. Slow sends pass the
+/// gate in the order they were first polled (tickets), so waiting for the lane to drain
+/// never reorders them.
 #[derive(Debug, Default)]
 pub struct Order {
-    state: Mutex<(usize, usize)>,
+    state: Mutex<OrderState>,
     changed: Notify,
 }
 
+#[derive(Debug, Default)]
+struct OrderState {
+    lane: usize,
+    slow: usize,
+    /// The next slow send's ticket, and the ticket whose turn it is to pass.
+    tickets: u64,
+    turn: u64,
+    /// Tickets whose send was dropped before its turn.
+    gave_up: std::collections::BTreeSet<u64>,
+}
+
+impl OrderState {
+    fn advance(&mut self) {
+        self.turn += 1;
+        while self.gave_up.remove(&self.turn) {
+            self.turn += 1;
+        }
+    }
+}
+
 impl Order {
+    fn state(&self) -> std::sync::MutexGuard<'_, OrderState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Starts a lane send, unless a slow one is under way or `max` lane sends are (then the
     /// caller takes the slow path, behind them). With at most a ring's worth in flight, a
     /// lane send finds its slot free and publishes before its first `await`, so lane
     /// records leave in the order the sends were first polled.
     pub fn try_lane(self: &Arc<Self>, max: usize) -> Option<OrderGuard> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.1 > 0 || s.0 >= max {
+        let mut s = self.state();
+        if s.slow > 0 || s.lane >= max {
             return None;
         }
-        s.0 += 1;
+        s.lane += 1;
         Some(OrderGuard {
             order: Arc::clone(self),
-            lane: true,
+            ticket: None,
         })
     }
 
-    /// Starts a slow send, once the lane sends before it completed. It counts from the
-    /// first call, so lane sends asked for after it queue behind it.
+    /// Starts a slow send, once the lane sends before it completed and the slow sends
+    /// before it passed. It counts from its first poll, so lane sends asked for after it
+    /// queue behind it.
     pub async fn slow(self: &Arc<Self>) -> OrderGuard {
-        let guard = {
-            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            s.1 += 1;
+        let mut guard = {
+            let mut s = self.state();
+            s.slow += 1;
+            s.tickets += 1;
             OrderGuard {
                 order: Arc::clone(self),
-                lane: false,
+                ticket: Some((s.tickets - 1, false)),
             }
+        };
+        let Some((ticket, _)) = guard.ticket else {
+            return guard;
         };
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if self.state.lock().unwrap_or_else(|p| p.into_inner()).0 == 0 {
-                return guard;
+            {
+                let mut s = self.state();
+                if s.lane == 0 && s.turn == ticket {
+                    s.advance();
+                    guard.ticket = Some((ticket, true));
+                    drop(s);
+                    self.changed.notify_waiters();
+                    return guard;
+                }
             }
             changed.await;
         }
     }
 }
 
-/// A send under way; dropping it ends it.
+/// A send under way (or a slow one waiting for its turn); dropping it ends it.
 #[derive(Debug)]
 pub struct OrderGuard {
     order: Arc<Order>,
-    lane: bool,
+    /// A slow send's ticket and whether it passed; `None` for a lane send.
+    ticket: Option<(u64, bool)>,
 }
 
 impl Drop for OrderGuard {
     fn drop(&mut self) {
-        let mut s = self.order.state.lock().unwrap_or_else(|p| p.into_inner());
-        if self.lane {
-            s.0 -= 1;
-        } else {
-            s.1 -= 1;
+        let mut s = self.order.state();
+        match self.ticket {
+            None => s.lane -= 1,
+            Some((ticket, passed)) => {
+                s.slow -= 1;
+                if !passed {
+                    if s.turn == ticket {
+                        s.advance();
+                    } else {
+                        s.gave_up.insert(ticket);
+                    }
+                }
+            }
         }
-        if s.0 == 0 {
-            drop(s);
-            self.order.changed.notify_waiters();
-        }
+        drop(s);
+        self.order.changed.notify_waiters();
     }
 }
 
@@ -611,6 +656,26 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn slow_sends_pass_in_ticket_order_even_when_one_gives_up() {
+        let order = Arc::new(Order::default());
+        let lane = order.try_lane(4).expect("lane");
+        let mut first = Box::pin(order.slow());
+        let mut second = Box::pin(order.slow());
+        let mut third = Box::pin(order.slow());
+        for f in [&mut first, &mut second, &mut third] {
+            assert!(futures::poll!(f.as_mut()).is_pending());
+        }
+        drop(second);
+        drop(lane);
+        // The third may not pass before the first; the second's ticket is skipped.
+        assert!(futures::poll!(third.as_mut()).is_pending());
+        let first = first.await;
+        drop(first);
+        drop(third.await);
+        assert!(order.try_lane(4).is_some());
+    }
+
+    #[tokio::test]
     async fn a_waiting_slow_send_keeps_later_lane_sends_off_the_lane() {
         let order = Arc::new(Order::default());
         let lane = order.try_lane(1).expect("nothing slow under way");
@@ -620,7 +685,7 @@ mod tests {
             async move { order.slow().await }
         });
         tokio::task::yield_now().await;
-        while order.state.lock().expect("lock").1 == 0 {
+        while order.state().slow == 0 {
             tokio::task::yield_now().await;
         }
         assert!(!slow.is_finished(), "the slow send waits for the lane send");
