@@ -176,18 +176,7 @@ async fn round_trips(count: u64) {
         }
     }
     // A buffer the peer keeps mapped is freed once the peer unmapped it: soon after.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let stats = p.node.memory(MemoryKind::Device(0)).await.expect("stats");
-        if stats.budget.granted == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "device buffers not given back: {stats:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    device_memory_back(&p.node).await;
     let Pair { node, child, .. } = p;
     node.shutdown().await;
     drop(child);
@@ -245,18 +234,7 @@ async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back(
     assert!(failed > 0, "some sends must have been cut off by the kill");
     let _ = child.child.wait();
     // What the dead peer may have held is quarantined for the lease timeout, then freed.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let stats = node.memory(MemoryKind::Device(0)).await.expect("stats");
-        if stats.budget.granted == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "device memory not given back: {stats:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    device_memory_back(&node).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -553,6 +531,22 @@ async fn a_node_with_two_gpus_offers_from_either() {
     p.node.shutdown().await;
 }
 
+/// Waits (5 s at most) until node `node` holds no device memory of GPU 0 any more.
+async fn device_memory_back(node: &Node) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = node.memory(MemoryKind::Device(0)).await.expect("stats");
+        if stats.budget.granted == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "device memory not given back: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits until `node` has a fast lane to `peer` (it opens when the ipc setup settles).
 async fn lane_open(node: &Node, peer: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -680,16 +674,5 @@ async fn lane_sends_to_a_killed_peer_fail_within_two_seconds() {
         "the sends took {took:?} to fail"
     );
     // What the dead peer may have mapped is quarantined for the lease timeout, then freed.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let stats = node.memory(MemoryKind::Device(0)).await.expect("stats");
-        if stats.budget.granted == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "device memory not given back: {stats:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    device_memory_back(&node).await;
 }

@@ -54,7 +54,7 @@ pub struct Delivered {
     pub buffer: Buffer,
     /// Counts it as on its way to the inbox until the coordinator put it there (fast-lane
     /// records from the same peer wait for that, see [`crate::lane`]).
-    pub pending: Option<crate::lane::Pending>,
+    pub pending: crate::lane::Pending,
 }
 
 /// The transfer actor stopped; the coordinator forgets it.
@@ -561,7 +561,7 @@ impl TransferActor {
                         tag,
                         transport: transport_label(&transport),
                         buffer,
-                        pending: Some(pending),
+                        pending,
                     };
                     // Wait for the coordinator to take it before handling anything else,
                     // so deliveries keep their order. The coordinator never waits on us.

@@ -185,7 +185,7 @@ async fn answer(
     let exported = match (pools.get(&uuid), rings.get(&uuid)) {
         (Some(pool), _) => pool.export_fd().map_err(|e| e.to_string()),
         (None, Some(ring)) => ring.fd().try_clone_to_owned().map_err(|e| e.to_string()),
-        (None, None) => Err(format!("no pool of device {uuid} here")),
+        (None, None) => Err(format!("no pool or lane ring named {uuid} here")),
     };
     match exported {
         Ok(fd) => {
@@ -212,9 +212,9 @@ async fn send_with_fd(
         .map_err(|e| e.to_string())
 }
 
-/// Fetches the pool of device `uuid` from the same-host node `node` (process `pid`),
-/// authenticating with `secret`. Returns the descriptor to import
-/// ([`ExportablePool::import_fd`]).
+/// Fetches the pool of device `uuid` (or the lane ring under that key) from the same-host
+/// node `node` (process `pid`), authenticating with `secret`. Returns the descriptor to
+/// import ([`ExportablePool::import_fd`], or [`crate::link::ring::Ring::open`]).
 ///
 /// # Errors
 /// [`PoolFetchError`], naming the cause.

@@ -713,3 +713,26 @@ async fn a_payload_read_dropped_midway_fails_every_later_read() {
     assert!(matches!(reader.read().await, Err(ReadError::Io(_))));
     assert!(reader.read_payload_into(&mut dst).await.is_err());
 }
+
+#[test]
+fn lane_records_round_trip_and_garbage_is_refused() {
+    let record = ferry_transports::wire::LaneRecord {
+        tag: 7,
+        len: 8,
+        source: ferry_transports::wire::IpcSource {
+            device_uuid: "GPU-1".into(),
+            buffer: 3,
+            generation: 4,
+            offset: 0,
+            export: vec![9; 64],
+            legacy: None,
+        },
+    };
+    let bytes = record.encode().expect("encode");
+    assert_eq!(
+        ferry_transports::wire::LaneRecord::decode(&bytes).expect("decode"),
+        record
+    );
+    assert!(ferry_transports::wire::LaneRecord::decode(&bytes[..bytes.len() / 2]).is_err());
+    assert!(ferry_transports::wire::LaneRecord::decode(&[0xff; 64]).is_err());
+}

@@ -113,27 +113,13 @@ pub fn copy_async(
     len: usize,
     stream: &Stream,
 ) -> Result<(), CudaError> {
-    let (dptr, dlen) = dst.region();
-    let (sptr, slen) = src.region();
-    range("destination", dst_offset, len, dlen)?;
-    range("source", src_offset, len, slen)?;
-    if len == 0 {
-        return Ok(());
+    // SAFETY: the buffers' `Uses`, recorded below, keep both allocated until the copy has
+    // passed.
+    if unsafe { enqueue(dst, dst_offset, src, src_offset, len, stream) }? {
+        dst.note_use(stream)?;
+        src.note_use(stream)?;
     }
-    stream.bind()?;
-    // SAFETY: both ranges lie inside live allocations (checked above; the buffers' `Uses`
-    // keep them allocated until the events recorded below have passed), and `stream` is
-    // alive for the call.
-    unsafe {
-        raw::memcpy_async(
-            dptr + dst_offset as u64,
-            sptr + src_offset as u64,
-            len,
-            stream.handle(),
-        )
-    }?;
-    dst.note_use(stream)?;
-    src.note_use(stream)
+    Ok(())
 }
 
 /// Copies `len` bytes from `src[src_offset..]` to the start of `dst` and blocks until the
@@ -149,18 +135,44 @@ pub fn copy_and_wait(
     len: usize,
     stream: &Stream,
 ) -> Result<(), CudaError> {
+    // SAFETY: both stay borrowed, and so allocated, until the stream is synchronised.
+    if unsafe { enqueue(dst, 0, src, src_offset, len, stream) }? {
+        stream.synchronize()?;
+    }
+    Ok(())
+}
+
+/// Checks both ranges and queues the copy on `stream`; false when there was nothing to copy.
+///
+/// # Safety
+/// The caller keeps both allocations alive until the copy has completed on `stream`.
+unsafe fn enqueue(
+    dst: &mut impl DeviceMemory,
+    dst_offset: usize,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<bool, CudaError> {
     let (dptr, dlen) = dst.region();
     let (sptr, slen) = src.region();
-    range("destination", 0, len, dlen)?;
+    range("destination", dst_offset, len, dlen)?;
     range("source", src_offset, len, slen)?;
     if len == 0 {
-        return Ok(());
+        return Ok(false);
     }
     stream.bind()?;
-    // SAFETY: both ranges lie inside live allocations (checked above), which stay borrowed
-    // (and so allocated) until the stream is synchronised below.
-    unsafe { raw::memcpy_async(dptr, sptr + src_offset as u64, len, stream.handle()) }?;
-    stream.synchronize()
+    // SAFETY: both ranges lie inside live allocations (checked above), kept alive by the
+    // caller until the copy completes, and `stream` is alive for the call.
+    unsafe {
+        raw::memcpy_async(
+            dptr + dst_offset as u64,
+            sptr + src_offset as u64,
+            len,
+            stream.handle(),
+        )
+    }?;
+    Ok(true)
 }
 
 /// Copies `src` into `dst[offset..]` and blocks until the copy has completed (the host slice
