@@ -83,6 +83,49 @@ async fn same_tag_arrives_in_send_order() {
     }
 }
 
+/// Sends made at once, of mixed sizes and under backpressure (a peer queue of 4), arrive
+/// in the order they were first polled, there and back: the echo sends each buffer on in
+/// the order it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sends_arrive_in_first_poll_order() {
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "[limits]\npeer_queue = 4").await;
+    let sizes = [8usize, 1, 300_000, 4099, (1 << 20) + 3, 100, 8];
+    let mut buffers = Vec::new();
+    let mut crcs = Vec::new();
+    for i in 0..sizes.len() * 15 {
+        let b = patterned(&node, sizes[i % sizes.len()], i as u64).await;
+        crcs.push(crc32c::crc32c(b.as_slice().expect("host")));
+        buffers.push(b);
+    }
+    let mut sends = Vec::new();
+    for (i, b) in buffers.into_iter().enumerate() {
+        let mut send = Box::pin(futures::future::maybe_done(node.send("echo", i as u64, b)));
+        let _ = futures::poll!(send.as_mut());
+        sends.push(send);
+    }
+    let receive = async {
+        for (i, crc) in crcs.iter().enumerate() {
+            let got = node.recv(Some("echo"), None).await.expect("echo back");
+            assert_eq!(got.tag, i as u64, "out of order");
+            let bytes = got.buffer.as_slice().expect("host");
+            assert_eq!(crc32c::crc32c(bytes), *crc, "tag {i} changed");
+        }
+    };
+    let (_, ()) = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join(
+            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
+            receive,
+        ),
+    )
+    .await
+    .expect("every echo came back in time");
+    for s in &mut sends {
+        drop(s.as_mut().take_output().expect("done").expect("send"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_into_a_granted_region() {
     let scratch = Scratch::new();

@@ -121,9 +121,11 @@ impl Order {
 
     /// Starts a slow send, once the lane sends before it completed and the slow sends
     /// before it passed. It counts from its first poll, so lane sends asked for after it
-    /// queue behind it.
+    /// queue behind it. The next slow send waits until this one [passes](OrderGuard::pass)
+    /// (or is dropped): the caller passes once its message is queued, so slow sends queue
+    /// their messages in ticket order too, whatever order the runtime wakes them in.
     pub async fn slow(self: &Arc<Self>) -> OrderGuard {
-        let mut guard = {
+        let guard = {
             let mut s = self.state();
             s.slow += 1;
             s.tickets += 1;
@@ -140,12 +142,8 @@ impl Order {
             tokio::pin!(changed);
             changed.as_mut().enable();
             {
-                let mut s = self.state();
+                let s = self.state();
                 if s.lane == 0 && s.turn == ticket {
-                    s.advance();
-                    guard.ticket = Some((ticket, true));
-                    drop(s);
-                    self.changed.notify_waiters();
                     return guard;
                 }
             }
@@ -160,6 +158,19 @@ pub struct OrderGuard {
     order: Arc<Order>,
     /// A slow send's ticket and whether it passed; `None` for a lane send.
     ticket: Option<(u64, bool)>,
+}
+
+impl OrderGuard {
+    /// Lets the next slow send go: this one's message is queued. A no-op for a lane send
+    /// and after the first call.
+    pub fn pass(&mut self) {
+        let Some((ticket, false)) = self.ticket else {
+            return;
+        };
+        self.ticket = Some((ticket, true));
+        self.order.state().advance();
+        self.order.changed.notify_waiters();
+    }
 }
 
 impl Drop for OrderGuard {
@@ -669,9 +680,12 @@ mod tests {
         drop(lane);
         // The third may not pass before the first; the second's ticket is skipped.
         assert!(futures::poll!(third.as_mut()).is_pending());
-        let first = first.await;
-        drop(first);
+        let mut first = first.await;
+        // Its turn is held until it passes.
+        assert!(futures::poll!(third.as_mut()).is_pending());
+        first.pass();
         drop(third.await);
+        drop(first);
         assert!(order.try_lane(4).is_some());
     }
 

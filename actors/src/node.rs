@@ -573,6 +573,11 @@ impl Node {
     /// Sends `buffer` to `peer` under `tag`, with the default deadline. Resolves to the
     /// buffer once the peer holds every byte.
     ///
+    /// **Order.** Buffers to one peer are delivered there in the order their `send`
+    /// futures were first polled, whatever their sizes, paths and completion order. Sends
+    /// that must stay in order are polled in that order: awaited one by one, or each polled
+    /// once as it is made (a spawned task's first poll may come after a later one's).
+    ///
     /// # Errors
     /// A [`SendError`] that gives the buffer back where it can.
     ///
@@ -638,7 +643,7 @@ impl Node {
         M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
         Coordinator: Handler<M>,
     {
-        let _turn = self.order(peer).slow().await;
+        let mut turn = self.order(peer).slow().await;
         let _permit = match self.credit(peer, deadline).await {
             Ok(p) => p,
             Err(error) => {
@@ -648,7 +653,9 @@ impl Node {
                 });
             }
         };
+        // Queued (the mailbox has room) before the next send to the peer may queue its own.
         let request = self.coordinator.send(message(buffer));
+        turn.pass();
         request.await.unwrap_or(Err(SendError {
             error: Error::ShuttingDown,
             buffer: None,

@@ -155,12 +155,18 @@ async fn run_role(node: Arc<Node>, role: Role) {
         };
         let node = Arc::clone(&node);
         let role = role.clone();
-        tokio::spawn(async move {
+        let mut handling = Box::pin(async move {
             if let Err(e) = handle(&node, &role, received).await {
                 tracing::warn!(error = %e, "role could not handle a buffer");
             }
             drop(permit);
         });
+        // Polled once here, before the next buffer is received: a send's place in its
+        // peer's order is taken at its first poll, so buffers go on in the order they came
+        // (a spawned task's first poll could come after a later one's).
+        if futures::poll!(handling.as_mut()).is_pending() {
+            tokio::spawn(handling);
+        }
     }
 }
 
