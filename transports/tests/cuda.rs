@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, copy_async,
-    copy_from_host, copy_from_pinned_async, copy_to_host, copy_to_pinned_async, enable_peer_access,
-    fill_async, peer_access,
+    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, copy_and_spin,
+    copy_and_wait, copy_async, copy_from_host, copy_from_pinned_async, copy_to_host,
+    copy_to_pinned_async, enable_peer_access, fill_async, peer_access,
 };
 use ferry_transports::link::fdpass;
 
@@ -377,7 +377,23 @@ fn importer() {
         let own = ExportablePool::new(d1).expect("pool on GPU 1");
         let mut dst = own.alloc(main.len(), &s1).expect("alloc on GPU 1");
         copy_async(&mut dst, 0, &main, 0, main.len(), &s1).expect("copy GPU0 -> GPU1");
-        device_checksum(&dst, &s1).expect("checksum on GPU 1")
+        let sum = device_checksum(&dst, &s1).expect("checksum on GPU 1");
+        // Where a small pull's time goes (figures for the log; the bench measures ferry).
+        let d0 = &gpus[0];
+        enable_peer_access(d1, d0).expect("GPU 1 maps GPU 0");
+        enable_peer_access(d0, d1).expect("GPU 0 maps GPU 1");
+        let s0 = Stream::new(d0).expect("stream 0");
+        let own0 = ExportablePool::new(d0).expect("pool on GPU 0");
+        own0.grant_access(d1).expect("GPU 1 may access pool 0");
+        own.grant_access(d0).expect("GPU 0 may access pool 1");
+        let local0 = own0.alloc(64, &s0).expect("alloc on GPU 0");
+        let local1 = own.alloc(64, &s1).expect("alloc on GPU 1");
+        s0.synchronize().expect("sync");
+        small_copy_figures("imported GPU0 -> GPU1, on GPU1", &mut dst, &main, &s1);
+        small_copy_figures("own GPU0 -> GPU1, on GPU1", &mut dst, &local0, &s1);
+        small_copy_figures("own GPU0 -> GPU1, on GPU0 (push)", &mut dst, &local0, &s0);
+        small_copy_figures("GPU1 -> GPU1", &mut dst, &local1, &s1);
+        sum
     } else {
         0
     };
@@ -389,4 +405,33 @@ fn importer() {
     reply.extend_from_slice(&checksum(&sums).to_le_bytes());
     reply.extend_from_slice(&peer_sum.to_le_bytes());
     sock.write_all(&reply).expect("reply");
+}
+
+/// Prints p50/p99 of an 8-byte copy and its wait, waited for in the driver
+/// (`cuStreamSynchronize`) and by polling the stream.
+fn small_copy_figures(
+    what: &str,
+    dst: &mut impl DeviceMemory,
+    src: &impl DeviceMemory,
+    stream: &Stream,
+) {
+    type Copy<D, S> = fn(&mut D, &S, usize, usize, &Stream) -> Result<(), CudaError>;
+    let ways: [(&str, Copy<_, _>); 2] = [("sync", copy_and_wait), ("spin", copy_and_spin)];
+    for (how, copy) in ways {
+        let mut times = Vec::with_capacity(2000);
+        for i in 0..2200 {
+            let t = Instant::now();
+            copy(dst, src, 0, 8, stream).expect("8-byte copy");
+            if i >= 200 {
+                times.push(t.elapsed());
+            }
+        }
+        times.sort();
+        let us = |p: usize| times[times.len() * p / 100].as_secs_f64() * 1e6;
+        println!(
+            "8-byte copy, {what}, {how}: p50 {:.1} us, p99 {:.1} us",
+            us(50),
+            us(99)
+        );
+    }
 }

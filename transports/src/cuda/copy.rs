@@ -142,6 +142,25 @@ pub fn copy_and_wait(
     Ok(())
 }
 
+/// [`copy_and_wait`], waiting by polling the stream from this thread ([`Stream::spin`])
+/// rather than in the driver.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside either buffer; a driver error otherwise.
+pub fn copy_and_spin(
+    dst: &mut impl DeviceMemory,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    // SAFETY: both stay borrowed, and so allocated, until the stream has drained.
+    if unsafe { enqueue(dst, 0, src, src_offset, len, stream) }? {
+        stream.spin()?;
+    }
+    Ok(())
+}
+
 /// Checks both ranges and queues the copy on `stream`; false when there was nothing to copy.
 ///
 /// # Safety

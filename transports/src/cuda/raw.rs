@@ -32,6 +32,7 @@ const ENTRY_POINTS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamQuery",
     "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventDestroy_v2",
@@ -200,6 +201,18 @@ pub(super) unsafe fn stream_synchronize(s: sys::CUstream) -> Result<(), CudaErro
     check("cuStreamSynchronize", unsafe {
         sys::cuStreamSynchronize(s)
     })
+}
+
+/// `Ok(true)` when everything queued on the stream has completed, `Ok(false)` while not.
+///
+/// # Safety
+/// `s` is a live stream.
+pub(super) unsafe fn stream_query(s: sys::CUstream) -> Result<bool, CudaError> {
+    // SAFETY: live stream (caller).
+    match unsafe { sys::cuStreamQuery(s) } {
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        code => check("cuStreamQuery", code).map(|()| true),
+    }
 }
 
 /// # Safety

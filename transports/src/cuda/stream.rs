@@ -74,6 +74,21 @@ impl Stream {
         unsafe { raw::stream_synchronize(self.inner.handle) }
     }
 
+    /// Waits for everything queued on the stream by polling it from this thread
+    /// (`cuStreamQuery` in a loop), never handing the wait to the driver's scheduler: for
+    /// work of a few microseconds, where a blocking wait's wake-up costs as much as the work.
+    ///
+    /// # Errors
+    /// A driver error, including one from earlier asynchronous work on the stream.
+    pub fn spin(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the stream is alive for as long as `self`.
+        while !unsafe { raw::stream_query(self.inner.handle) }? {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
     /// Makes later work on this stream wait for the work `event` captured when it was last
     /// recorded (on any stream, of any device). Does not block the host.
     ///
