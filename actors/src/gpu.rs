@@ -13,7 +13,7 @@ use std::sync::Arc;
 use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, copy_and_wait, copy_async, copy_to_host, enable_peer_access,
+    POINTER_EXPORT_LEN, Stream, copy_and_spin, copy_async, copy_to_host, enable_peer_access,
     peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
@@ -350,12 +350,13 @@ fn pull_pooled(
     *last = tick;
     if express && let Some(memory) = dst.device_memory_mut() {
         // A few bytes: copied and waited for under the lock (microseconds), with no event
-        // to record on either buffer.
+        // to record on either buffer. Polled, not synchronised: on the H200 x2 an 8-byte
+        // peer copy takes 6.9 us polled against 10.6 us in cuStreamSynchronize (cuda test).
         let stream = gpus
             .stream_for(memory.device(), true)
             .cloned()
             .ok_or_else(|| "no copy stream".to_string())?;
-        copy_and_wait(memory, &*imported, offset, len, &stream)
+        copy_and_spin(memory, &*imported, offset, len, &stream)
             .map_err(|e| format!("copying from the peer: {e}"))?;
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
