@@ -326,6 +326,12 @@ fn pull_pooled(
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+        tracing::debug!(
+            buffer = key.buffer,
+            ptr = format_args!("{:#x}", imported.device_ptr()),
+            len = end,
+            "imported a peer buffer"
+        );
         while cache.entries.len() >= cache.capacity {
             let Some(oldest) = cache
                 .entries
@@ -360,9 +366,15 @@ fn pull_pooled(
             .map_err(|e| format!("copying from the peer: {e}"))?;
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
+        let at = imported.device_ptr();
         let stream = queue_copy(dst, &*imported, offset, gpus, express)?;
         drop(cache);
-        finish_copy(&stream)?;
+        finish_copy(&stream).map_err(|e| {
+            format!(
+                "{e} (buffer {} at {at:#x}+{offset}, {len} bytes)",
+                key.buffer
+            )
+        })?;
     }
     tracing::trace!(
         bytes = len,

@@ -914,6 +914,10 @@ impl Handler<UnmapRequests> for TransferActor {
                 continue;
             };
             let r = crate::gpu::lease_ref(&gpu.device, &lease);
+            tracing::debug!(
+                buffer = r.buffer,
+                "our buffer was freed; asking the peer to unmap it"
+            );
             self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
             self.ipc.unmapping.insert(r.clone(), done);
             // A peer that never answers cannot pin the memory for the session's life; nor
@@ -1588,6 +1592,7 @@ impl Handler<FromPeer> for TransferActor {
                                 .unwrap_or_else(|p| p.into_inner())
                                 .remove(&key);
                             drop(unmapped);
+                            tracing::debug!(buffer = key.buffer, "unmapped at the owner's request");
                         });
                         ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
                             act.ipc.out.push_back(Message::IpcUnmapped(r));
@@ -1599,6 +1604,10 @@ impl Handler<FromPeer> for TransferActor {
             }
             // We are the owner: the peer no longer maps this buffer.
             Message::IpcUnmapped(r) => {
+                tracing::debug!(
+                    buffer = r.buffer,
+                    "the peer unmapped our buffer; freeing it"
+                );
                 self.ipc.unmapping.remove(&r);
                 return self.drive(ctx);
             }
