@@ -690,3 +690,45 @@ async fn lane_sends_to_a_killed_peer_fail_within_two_seconds() {
     // What the dead peer may have mapped is quarantined for the lease timeout, then freed.
     device_memory_back(&node).await;
 }
+
+/// Fresh buffers of growing sizes, 16 in flight, each imported by the peer while copies of
+/// others run (`ferry bench` between two processes). Mapping a peer's buffer while copies
+/// from its pool were in flight made them fault (`CUDA_ERROR_LAUNCH_FAILED`) in about half
+/// of such runs; two runs must both pass.
+#[test]
+fn imports_while_copies_run_never_fault() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("imports_during_copies", 2) else {
+        return;
+    };
+    for run in 1..=2 {
+        let out = std::process::Command::new(common::ferry_bin())
+            .args([
+                "bench",
+                "--memory",
+                "device",
+                "--transport",
+                "ipc",
+                "--no-check",
+                "-b",
+                "8M",
+                "-e",
+                "256M",
+                "-f",
+                "2",
+                "-n",
+                "100",
+                "--window",
+                "16",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run ferry bench");
+        assert!(
+            out.status.success(),
+            "run {run}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

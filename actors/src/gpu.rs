@@ -86,6 +86,23 @@ impl Gpus {
         self.visible.iter().find(|d| d.uuid() == uuid)
     }
 
+    /// Waits until no copy of ours is in flight (every copy and express stream drained).
+    /// A peer's memory is mapped only then: on the H200 x2, importing a pool pointer while
+    /// copies from the same imported pool ran made them fail with
+    /// `CUDA_ERROR_LAUNCH_FAILED` (a fault that poisons the context) in about half of the
+    /// runs of `ferry bench -b 8M -e 256M -f 2 -n 100 --window 16`; with this wait, in none
+    /// of 8. Called with the peer's import cache locked, so no copy is queued meanwhile.
+    fn drain_copies(&self) -> Result<(), String> {
+        for (_, g) in &self.gpus {
+            for stream in [&g.copy_stream, &g.express_stream] {
+                stream
+                    .synchronize()
+                    .map_err(|e| format!("waiting for the copies in flight: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
     /// A copy stream on `device` if the node uses it, else the first GPU's; the express
     /// stream when `express`.
     fn stream_for(&self, device: &Device, express: bool) -> Option<&Stream> {
@@ -323,6 +340,7 @@ fn pull_pooled(
     let tick = cache.tick;
     let hit = cache.entries.contains_key(&key);
     if !hit {
+        gpus.drain_copies()?;
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;
