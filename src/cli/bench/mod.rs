@@ -45,7 +45,10 @@ pub struct Args {
     /// Timed transfers per size.
     #[arg(short = 'n', long = "iters", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
-    /// Untimed transfers per size, before the timed ones.
+    /// Untimed transfers per size, before the timed ones; at least one per buffer in
+    /// flight, so the timed transfers find every buffer already mapped by the peer (the
+    /// first transfer of a buffer pays for its mapping; `RUST_LOG=ferry_actors=debug` on the
+    /// peer shows those).
     #[arg(short = 'w', long = "warmup", default_value_t = 5)]
     warmup: u64,
     /// Transfers in flight at once (fewer for large sizes, to bound memory).
@@ -674,10 +677,11 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     let peer = target.name.as_str();
     let window = window_for(size, args.window, target.memory);
     let mut buffers = alloc_filled(node, target.memory, size, window).await?;
+    let warmup = args.warmup.max(window);
     if args.pingpong {
-        ping_pong(node, peer, &mut buffers, args.warmup, None).await?;
+        ping_pong(node, peer, &mut buffers, warmup, None).await?;
     } else {
-        send_many(node, peer, &mut buffers, args.warmup, None).await?;
+        send_many(node, peer, &mut buffers, warmup, None).await?;
     }
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
     let check = !args.no_check;
@@ -707,7 +711,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     drop(buffers);
     let report = peer_report(node, peer).await?;
     if check {
-        let expected = args.warmup + args.iters;
+        let expected = warmup + args.iters;
         wrong += report.wrong + expected.saturating_sub(report.received);
     }
     if let Some(other) = report.transports.iter().find(|t| **t != args.transport) {
@@ -720,10 +724,10 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     }
     let baseline_gbps = match (&target.baseline, args.no_baseline) {
         (Some(Baseline::Socket(addr)), false) => {
-            Some(baseline(addr, size, args.iters, args.warmup, window, args.bidir).await?)
+            Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
         }
         (Some(Baseline::Copy(gpus)), false) => {
-            let (gpus, iters, warmup, bidir) = (*gpus, args.iters, args.warmup, args.bidir);
+            let (gpus, iters, warmup, bidir) = (*gpus, args.iters, warmup, args.bidir);
             let len = usize::try_from(size)?;
             let gbps = tokio::task::spawn_blocking(move || {
                 copy_baseline(gpus, len, iters, warmup, window, bidir)

@@ -70,7 +70,7 @@ pub fn print_header(h: &Header) {
     println!("# route: {}", h.route);
     println!("# baseline: {}", h.baseline);
     println!(
-        "# {} timed transfers per size after {} warm-up; GB/s = 10^9 bytes/s",
+        "# {} timed transfers per size after {} warm-up (at least the row's window); GB/s = 10^9 bytes/s",
         h.iters, h.warmup
     );
     println!("# latency (p50/p99/p999 us): {}", h.latency);
