@@ -235,7 +235,11 @@ impl Allocator {
                         .alloc(n, &device.stream)
                         .map_err(|e| e.to_string())?;
                     // Usable from every stream (and exportable) once the allocation is done.
-                    device.stream.synchronize().map_err(|e| e.to_string())?;
+                    // Polled: the stream usually holds only allocations and frees whose
+                    // copies have ended (a buffer dropped mid-copy makes it wait for that
+                    // copy), so the wait is short and a blocking wait's wake-up would cost
+                    // more than it (see `copy_and_spin`).
+                    device.stream.spin().map_err(|e| e.to_string())?;
                     tracing::trace!(
                         bytes = n,
                         us = started.elapsed().as_micros() as u64,

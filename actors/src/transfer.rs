@@ -563,15 +563,23 @@ impl TransferActor {
                         buffer,
                         pending,
                     };
-                    // Wait for the coordinator to take it before handling anything else,
-                    // so deliveries keep their order. The coordinator never waits on us.
-                    let send = self.setup.deliver.send(delivered);
-                    ctx.wait(
-                        async move {
-                            let _ = send.await;
+                    // Queued in the coordinator's mailbox (first in, first out) when it has
+                    // room; otherwise we wait for the coordinator to take it before
+                    // handling anything else. Either way deliveries keep their order, and
+                    // a full mailbox holds us back rather than growing. The coordinator
+                    // never waits on us.
+                    match self.setup.deliver.try_send(delivered) {
+                        Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
+                        Err(actix::prelude::SendError::Full(delivered)) => {
+                            let send = self.setup.deliver.send(delivered);
+                            ctx.wait(
+                                async move {
+                                    let _ = send.await;
+                                }
+                                .into_actor(self),
+                            );
                         }
-                        .into_actor(self),
-                    );
+                    }
                 }
             }
             SessionEvent::Abandon(id) => {
