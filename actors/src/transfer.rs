@@ -1931,8 +1931,19 @@ impl ReadLoop {
                         Ok(m) => m,
                         Err(e) => break format!("undecodable frame: {e}"),
                     };
-                    if self.me.send(FromPeer(owned)).await.is_err() {
-                        break "node stopped".into();
+                    // Queued without waiting for the actor to handle it when its mailbox
+                    // has room (first in, first out, so frames keep their order); a full
+                    // mailbox makes the reader wait, and with it the socket. Data chunks
+                    // never depend on a control frame still queued: a chunk's region exists
+                    // before the grant that lets the peer send it.
+                    match self.me.try_send(FromPeer(owned)) {
+                        Ok(()) => {}
+                        Err(actix::prelude::SendError::Full(msg)) => {
+                            if self.me.send(msg).await.is_err() {
+                                break "node stopped".into();
+                            }
+                        }
+                        Err(actix::prelude::SendError::Closed(_)) => break "node stopped".into(),
                     }
                 }
             }
