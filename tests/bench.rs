@@ -83,6 +83,35 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
     }
 }
 
+/// `--set` shapes a local bench (it was once ignored there): a host budget too small for the
+/// row stops it, an invalid limit is refused by name, and a valid transport setting, which
+/// the peer process takes too, runs.
+#[test]
+fn set_overrides_reach_both_local_nodes() {
+    let run = |set: &str| {
+        Command::new(common::ferry_bin())
+            .args([
+                "--set", set, "bench", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry bench")
+    };
+    let out = run("memory.host=64KiB");
+    assert!(!out.status.success(), "a 64 KiB budget carried 1 MiB");
+    let out = run("limits.peer_queue=0");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "peer_queue = 0 was accepted");
+    assert!(stderr.contains("peer_queue"), "{stderr}");
+    let out = run("transport.tcp.chunk_size=128KiB");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Without a CUDA driver (this test skips itself where one loads), device memory is refused
 /// with the driver's reason before any peer starts.
 #[test]

@@ -168,7 +168,8 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
         .build()
         .context("cannot start the runtime")?;
     if let Some(peer_config) = &args.serve_peer {
-        runtime.block_on(peer::serve(peer_config, !args.no_check))?;
+        let config = bench_config(peer_config, overrides)?;
+        runtime.block_on(peer::serve(config, !args.no_check))?;
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(json) = &args.from_json {
@@ -303,7 +304,31 @@ impl Target {
     }
 }
 
-async fn start_local(args: &Args, gpus: Option<GpuPair>) -> anyhow::Result<(Target, Node)> {
+/// The `--set` overrides both ends of a local bench take: those that shape transfers
+/// (`transport`, `limits`, `memory`), so both run the same settings. Names, addresses,
+/// secret and GPUs are the bench's own.
+fn transfer_overrides(overrides: &[String]) -> impl Iterator<Item = &String> {
+    overrides.iter().filter(|o| {
+        ["transport.", "limits.", "memory."]
+            .iter()
+            .any(|section| o.trim_start().starts_with(section))
+    })
+}
+
+/// A local bench node's configuration: the file the bench wrote, with the transfer-shaping
+/// `--set` overrides on top (no system, user or environment layers).
+fn bench_config(file: &std::path::Path, overrides: &[String]) -> anyhow::Result<ferry::Config> {
+    let mut opts = ferry::LoadOptions::only_file(file);
+    let chosen: Vec<String> = transfer_overrides(overrides).cloned().collect();
+    opts.overrides = super::parse_overrides(&chosen)?;
+    Ok(ferry_config::load(&opts)?)
+}
+
+async fn start_local(
+    args: &Args,
+    gpus: Option<GpuPair>,
+    overrides: &[String],
+) -> anyhow::Result<(Target, Node)> {
     let dir = tempfile::Builder::new()
         .prefix("ferry-bench-")
         .tempdir()
@@ -330,6 +355,7 @@ async fn start_local(args: &Args, gpus: Option<GpuPair>) -> anyhow::Result<(Targ
     std::fs::write(&peer_cfg, &text).context("cannot write the peer config")?;
     let exe = std::env::current_exe().context("cannot find the ferry binary")?;
     let mut child = Command::new(exe)
+        .args(transfer_overrides(overrides).flat_map(|o| ["--set", o.as_str()]))
         .arg("bench")
         .arg("--serve-peer")
         .arg(&peer_cfg)
@@ -366,8 +392,9 @@ async fn start_local(args: &Args, gpus: Option<GpuPair>) -> anyhow::Result<(Targ
     if let Some(g) = gpus {
         text.push_str(&gpu_table(g.ours));
     }
-    let config = ferry::Config::from_toml_str(&text)?;
-    let node = Node::start(config).await?;
+    let bench_cfg = local.dir.path().join("bench.toml");
+    std::fs::write(&bench_cfg, &text).context("cannot write the bench config")?;
+    let node = Node::start(bench_config(&bench_cfg, overrides)?).await?;
     let target = Target {
         name: "bench-peer".into(),
         baseline: Some(match gpus {
@@ -387,7 +414,7 @@ async fn orchestrate(
     gpus: Option<GpuPair>,
 ) -> anyhow::Result<ExitCode> {
     let (target, node) = if args.peers.is_empty() {
-        start_local(&args, gpus).await?
+        start_local(&args, gpus, overrides).await?
     } else {
         let config = super::load_config(config, overrides, vec![])?;
         super::telemetry::init(&config.telemetry);

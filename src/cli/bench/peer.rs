@@ -2,7 +2,7 @@
 //! saw, plus a raw-socket server for the baseline. Runs as `ferry bench --serve-peer CONFIG`.
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
+
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -38,8 +38,7 @@ pub const RAW_EMIT: u8 = b'E';
 
 /// `check`: verify the checksum of every buffer received (off with `--no-check`: reading
 /// device memory back to the host costs far more than an ipc transfer).
-pub async fn serve(config: &Path, check: bool) -> anyhow::Result<()> {
-    let config = ferry_config::load(&ferry::LoadOptions::only_file(config))?;
+pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
     super::super::telemetry::init(&config.telemetry);
     let node = Arc::new(Node::start(config).await?);
     let raw = TcpListener::bind("127.0.0.1:0")
