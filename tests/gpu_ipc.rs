@@ -74,6 +74,8 @@ const GPU0: &str = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n"
 const GPU1: &str = "[gpu]\ndevices = [1]\n[memory]\nreceive_into = \"device\"\n";
 /// Turns the fast lane on (it is off by default).
 const LANE: &str = "[transport.ipc]\nlane_max = \"64 KiB\"\n";
+/// The lane off: every send takes the socket and the actors.
+const NO_LANE: &str = "[transport.ipc]\nlane_max = 0\n";
 
 /// `len` bytes derived from `seed` (the CUDA layer's test pattern).
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -569,7 +571,7 @@ async fn mixed_sends_come_back_in_order_without_the_lane() {
     let Some(_gpu) = ferry::testing::gpu_test_with("ipc_order", 2) else {
         return;
     };
-    mixed_sends_come_back_in_order("").await;
+    mixed_sends_come_back_in_order(NO_LANE).await;
 }
 
 /// Sizes on both sides of the lane's limit, many in flight, echoed by `b`: every buffer
@@ -580,7 +582,7 @@ async fn mixed_sends_come_back_in_order(extra: &str) {
     let b = device_buffer(&p.node, &pattern(1 << 20, 0)).await;
     drop(p.node.send("b", 0, b).await.expect("first send"));
     drop(p.node.recv(Some("b"), Some(0)).await.expect("first echo"));
-    if !extra.is_empty() {
+    if extra == LANE {
         lane_open(&p.node, "b").await;
     }
     // Lane sizes (up to 64 KiB) mixed with slow-path ones, many in flight: every buffer

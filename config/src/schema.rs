@@ -226,9 +226,8 @@ impl Default for TcpTuning {
 #[serde(default, deny_unknown_fields)]
 pub struct IpcTuning {
     /// Largest device buffer sent on the same-host fast lane (a shared-memory ring instead
-    /// of the socket and the actors). Default `0`: off (experimental; see
-    /// docs/PERFORMANCE.md); at most 16 MiB. The receiver keeps 4 buffers of this size
-    /// allocated ahead per peer.
+    /// of the socket and the actors). Default 64 KiB; `0` turns the lane off; at most
+    /// 16 MiB. The receiver keeps 4 buffers of this size allocated ahead per peer.
     #[serde(with = "size")]
     pub lane_max: u64,
     /// How long a lane thread spins for the next record before it sleeps (a busy lane then
@@ -240,7 +239,7 @@ pub struct IpcTuning {
 impl Default for IpcTuning {
     fn default() -> Self {
         IpcTuning {
-            lane_max: 0,
+            lane_max: 64 << 10,
             lane_spin: Duration::from_micros(100),
         }
     }
