@@ -115,7 +115,8 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
     );
     let watch = Watch::start(&node, queue_cap);
 
-    // Offer 2 MiB buffers 16 at a time; drain one every 40 ms: well under what arrives.
+    // Offer 2 MiB buffers 8 at a time (at most 16 MiB of the 24 MiB host budget, so the
+    // spill tier keeps room); drain one every 40 ms: well under what arrives.
     let count = 40u64;
     let sender = {
         let node = Arc::clone(&node);
@@ -130,13 +131,22 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
                         node.send("echo", tag, b).await.map(|_| (tag, crc))
                     }
                 })
-                .buffer_unordered(16);
+                .buffer_unordered(8);
             while let Some(r) = sends.next().await {
                 crcs.push(r.expect("no error reaches a sender under pressure"));
             }
             crcs
         })
     };
+    // The drain starts once the receive tier is full, so what arrives next has to spill
+    // (on a busy machine, a drain started at once could keep up with a slowed echo).
+    let filled = common::eventually(Duration::from_secs(30), async || {
+        node.memory(MemoryKind::PinnedHost)
+            .await
+            .is_ok_and(|m| m.free() < 2 * MIB)
+    })
+    .await;
+    assert!(filled, "the receive tier never filled");
     let mut spilled = 0;
     let mut got = Vec::new();
     for _ in 0..count {

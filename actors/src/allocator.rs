@@ -238,7 +238,7 @@ impl Allocator {
                     // Polled: the stream usually holds only allocations and frees whose
                     // copies have ended (a buffer dropped mid-copy makes it wait for that
                     // copy), so the wait is short and a blocking wait's wake-up would cost
-                    // more than it (see `copy_and_spin`).
+                    // more than it (see `cuda::Wait::Spin`).
                     device.stream.spin().map_err(|e| e.to_string())?;
                     tracing::trace!(
                         bytes = n,

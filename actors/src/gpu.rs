@@ -13,7 +13,7 @@ use std::sync::Arc;
 use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, copy_and_spin, copy_async, copy_to_host, enable_peer_access,
+    POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_to_host, enable_peer_access,
     peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
@@ -49,6 +49,9 @@ pub struct Gpus {
     pub pools: PoolDirectory,
     /// Fast-lane rings offered to peers, served on the pool socket by key.
     pub rings: ferry_transports::ipc::RingDirectory,
+    /// Copies are queued under its read side; a peer's memory is mapped under its write
+    /// side, once the copies in flight have drained (see [`Gpus::drain_copies`]).
+    pub mapping: Arc<std::sync::RwLock<()>>,
 }
 
 impl std::fmt::Debug for Gpus {
@@ -86,13 +89,15 @@ impl Gpus {
         self.visible.iter().find(|d| d.uuid() == uuid)
     }
 
-    /// Waits until no copy of ours is in flight (every copy and express stream drained).
-    /// A peer's memory is mapped only then: on the H200 x2, importing a pool pointer while
-    /// copies from the same imported pool ran made them fail with
+    /// Stops new copies (of any peer) from being queued, and waits until no copy of ours
+    /// is in flight (every copy and express stream drained); the guard keeps it so. A
+    /// peer's pool memory is imported only under it: on the H200 x2, importing a pool
+    /// pointer while copies from the same imported pool ran made them fail with
     /// `CUDA_ERROR_LAUNCH_FAILED` (a fault that poisons the context) in about half of the
     /// runs of `ferry bench -b 8M -e 256M -f 2 -n 100 --window 16`; with this wait, in none
-    /// of 8. Called with the peer's import cache locked, so no copy is queued meanwhile.
-    fn drain_copies(&self) -> Result<(), String> {
+    /// of 8.
+    fn drain_copies(&self) -> Result<std::sync::RwLockWriteGuard<'_, ()>, String> {
+        let quiet = self.mapping.write().unwrap_or_else(|p| p.into_inner());
         for (_, g) in &self.gpus {
             for stream in [&g.copy_stream, &g.express_stream] {
                 stream
@@ -100,7 +105,13 @@ impl Gpus {
                     .map_err(|e| format!("waiting for the copies in flight: {e}"))?;
             }
         }
-        Ok(())
+        Ok(quiet)
+    }
+
+    /// Held while a copy is queued (and, for a small copy, waited for): no import starts
+    /// meanwhile.
+    fn copying(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.mapping.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A copy stream on `device` if the node uses it, else the first GPU's; the express
@@ -340,10 +351,11 @@ fn pull_pooled(
     let tick = cache.tick;
     let hit = cache.entries.contains_key(&key);
     if !hit {
-        gpus.drain_copies()?;
+        let quiet = gpus.drain_copies()?;
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+        drop(quiet);
         tracing::debug!(
             buffer = key.buffer,
             ptr = format_args!("{:#x}", imported.device_ptr()),
@@ -374,13 +386,13 @@ fn pull_pooled(
     *last = tick;
     if express && let Some(memory) = dst.device_memory_mut() {
         // A few bytes: copied and waited for under the lock (microseconds), with no event
-        // to record on either buffer. Polled, not synchronised: on the H200 x2 an 8-byte
-        // peer copy takes 6.9 us polled against 10.6 us in cuStreamSynchronize (cuda test).
+        // to record on either buffer. Polled, not synchronised (see `Wait::Spin`).
         let stream = gpus
             .stream_for(memory.device(), true)
             .cloned()
             .ok_or_else(|| "no copy stream".to_string())?;
-        copy_and_spin(memory, &*imported, offset, len, &stream)
+        let _copying = gpus.copying();
+        copy_and_wait(memory, &*imported, offset, len, &stream, Wait::Spin)
             .map_err(|e| format!("copying from the peer: {e}"))?;
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
@@ -447,6 +459,9 @@ fn pull_registered(
                         source.device_uuid
                     )
                 })?;
+                // Mapped with no copy in flight, as pool memory is (not seen to fault here,
+                // but the same kind of mapping change).
+                let quiet = gpus.drain_copies()?;
                 let opened = IpcMapping::open(device, handle)
                     .map_err(|e| format!("opening the peer's legacy IPC handle: {e}"))?;
                 // A legacy mapping is read through each copying context's peer access (pool
@@ -458,6 +473,7 @@ fn pull_registered(
                             .map_err(|e| format!("enabling peer access for the copy: {e}"))?;
                     }
                 }
+                drop(quiet);
                 let mapping = cache
                     .legacy
                     .insert(key.clone(), Arc::new(opened))
@@ -536,6 +552,7 @@ fn queue_copy(
         .stream_for(&device, express)
         .cloned()
         .ok_or_else(|| "no copy stream".to_string())?;
+    let _copying = gpus.copying();
     match dst.device_memory_mut() {
         Some(memory) => copy_async(memory, 0, src, offset, len, &stream),
         None => {

@@ -296,6 +296,7 @@ impl Node {
                             visible: visible_gpus,
                             pools: Arc::clone(&gpu_pools),
                             rings: Arc::clone(&lane_rings),
+                            mapping: Arc::default(),
                         };
                         let gpus = Arc::new(gpus);
                         let mut all_tiers = vec![
@@ -643,7 +644,15 @@ impl Node {
         M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
         Coordinator: Handler<M>,
     {
-        let mut turn = self.order(peer).slow().await;
+        // The turn has a deadline too: a send queued behind one that waits long for credit
+        // fails at its own deadline (dropped, its ticket is skipped).
+        let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), self.order(peer).slow()).await
+        else {
+            return Err(SendError {
+                error: Error::DeadlineExceeded,
+                buffer: Some(buffer),
+            });
+        };
         let _permit = match self.credit(peer, deadline).await {
             Ok(p) => p,
             Err(error) => {
@@ -653,8 +662,10 @@ impl Node {
                 });
             }
         };
-        // Queued (the mailbox has room) before the next send to the peer may queue its own.
-        let request = self.coordinator.send(message(buffer));
+        // Queued before the next send to the peer may queue its own. Through a fresh sender:
+        // the shared one, once parked by a full mailbox, would hold the message until the
+        // request is polled, after `pass` let the next send go.
+        let request = self.coordinator.clone().send(message(buffer));
         turn.pass();
         request.await.unwrap_or(Err(SendError {
             error: Error::ShuttingDown,

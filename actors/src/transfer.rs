@@ -564,14 +564,16 @@ impl TransferActor {
                         pending,
                     };
                     // Queued in the coordinator's mailbox (first in, first out) when it has
-                    // room; otherwise we wait for the coordinator to take it before
-                    // handling anything else. Either way deliveries keep their order, and
-                    // a full mailbox holds us back rather than growing. The coordinator
-                    // never waits on us.
+                    // room. When it is full, queued at once all the same through a fresh
+                    // sender (the shared one, parked, would hold it until polled, and held
+                    // deliveries are polled newest first), and this actor waits until the
+                    // coordinator took it before handling anything else: the order is kept
+                    // and the mailbox overruns by at most one session batch. The
+                    // coordinator never waits on us.
                     match self.setup.deliver.try_send(delivered) {
                         Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
                         Err(actix::prelude::SendError::Full(delivered)) => {
-                            let send = self.setup.deliver.send(delivered);
+                            let send = self.setup.deliver.clone().send(delivered);
                             ctx.wait(
                                 async move {
                                     let _ = send.await;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, copy_and_spin,
+    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, Wait,
     copy_and_wait, copy_async, copy_from_host, copy_from_pinned_async, copy_to_host,
     copy_to_pinned_async, enable_peer_access, fill_async, peer_access,
 };
@@ -415,13 +415,11 @@ fn small_copy_figures(
     src: &impl DeviceMemory,
     stream: &Stream,
 ) {
-    type Copy<D, S> = fn(&mut D, &S, usize, usize, &Stream) -> Result<(), CudaError>;
-    let ways: [(&str, Copy<_, _>); 2] = [("sync", copy_and_wait), ("spin", copy_and_spin)];
-    for (how, copy) in ways {
+    for (how, wait) in [("sync", Wait::Synchronize), ("spin", Wait::Spin)] {
         let mut times = Vec::with_capacity(2000);
         for i in 0..2200 {
             let t = Instant::now();
-            copy(dst, src, 0, 8, stream).expect("8-byte copy");
+            copy_and_wait(dst, src, 0, 8, stream, wait).expect("8-byte copy");
             if i >= 200 {
                 times.push(t.elapsed());
             }

@@ -122,9 +122,20 @@ pub fn copy_async(
     Ok(())
 }
 
+/// How [`copy_and_wait`] waits for its copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// In the driver (`cuStreamSynchronize`): the thread may sleep, and pays a wake-up.
+    Synchronize,
+    /// Polling the stream from this thread ([`Stream::spin`]): for copies of a few
+    /// microseconds, where the wake-up would cost as much as the copy (an 8-byte peer copy
+    /// on the H200 x2: 6.9–8.1 µs polled, 10.6–15.0 µs synchronised).
+    Spin,
+}
+
 /// Copies `len` bytes from `src[src_offset..]` to the start of `dst` and blocks until the
-/// copy has completed. Both stay borrowed until then, so no use needs recording: the
-/// cheapest copy for a few bytes (no event created or recorded).
+/// copy has completed, waiting as `wait` says. Both stay borrowed until then, so no use
+/// needs recording: the cheapest copy for a few bytes (no event created or recorded).
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a range outside either buffer; a driver error otherwise.
@@ -134,29 +145,14 @@ pub fn copy_and_wait(
     src_offset: usize,
     len: usize,
     stream: &Stream,
-) -> Result<(), CudaError> {
-    // SAFETY: both stay borrowed, and so allocated, until the stream is synchronised.
-    if unsafe { enqueue(dst, 0, src, src_offset, len, stream) }? {
-        stream.synchronize()?;
-    }
-    Ok(())
-}
-
-/// [`copy_and_wait`], waiting by polling the stream from this thread ([`Stream::spin`])
-/// rather than in the driver.
-///
-/// # Errors
-/// [`CudaError::Misuse`] for a range outside either buffer; a driver error otherwise.
-pub fn copy_and_spin(
-    dst: &mut impl DeviceMemory,
-    src: &impl DeviceMemory,
-    src_offset: usize,
-    len: usize,
-    stream: &Stream,
+    wait: Wait,
 ) -> Result<(), CudaError> {
     // SAFETY: both stay borrowed, and so allocated, until the stream has drained.
     if unsafe { enqueue(dst, 0, src, src_offset, len, stream) }? {
-        stream.spin()?;
+        match wait {
+            Wait::Synchronize => stream.synchronize()?,
+            Wait::Spin => stream.spin()?,
+        }
     }
     Ok(())
 }

@@ -40,7 +40,7 @@ mod raw;
 mod stream;
 
 pub use copy::{
-    DeviceMemory, PinnedBuffer, copy_and_spin, copy_and_wait, copy_async, copy_from_host,
+    DeviceMemory, PinnedBuffer, Wait, copy_and_wait, copy_async, copy_from_host,
     copy_from_pinned_async, copy_to_host, copy_to_pinned_async, fill_async,
 };
 pub use device::{Device, enable_peer_access, peer_access};
@@ -51,4 +51,4 @@ pub use pool::{
 };
 pub use probe::{CudaDevice, CudaDriver, CudaProbe, probe};
 pub use raw::driver;
-pub use stream::{Event, Stream};
+pub use stream::{Event, SPIN_LIMIT, Stream};

@@ -41,6 +41,9 @@ impl Drop for StreamInner {
     }
 }
 
+/// How long [`Stream::spin`] polls before it hands the wait to the driver.
+pub const SPIN_LIMIT: std::time::Duration = std::time::Duration::from_micros(200);
+
 impl Stream {
     /// Creates a non-blocking stream on `device` (it does not synchronise with the legacy
     /// default stream).
@@ -75,15 +78,20 @@ impl Stream {
     }
 
     /// Waits for everything queued on the stream by polling it from this thread
-    /// (`cuStreamQuery` in a loop), never handing the wait to the driver's scheduler: for
-    /// work of a few microseconds, where a blocking wait's wake-up costs as much as the work.
+    /// (`cuStreamQuery` in a loop) for up to [`SPIN_LIMIT`], then in the driver
+    /// ([`Self::synchronize`]): for work of a few microseconds, where a blocking wait's
+    /// wake-up costs as much as the work, without burning a thread on long work.
     ///
     /// # Errors
     /// A driver error, including one from earlier asynchronous work on the stream.
     pub fn spin(&self) -> Result<(), CudaError> {
         self.bind()?;
+        let started = std::time::Instant::now();
         // SAFETY: the stream is alive for as long as `self`.
         while !unsafe { raw::stream_query(self.inner.handle) }? {
+            if started.elapsed() > SPIN_LIMIT {
+                return self.synchronize();
+            }
             std::hint::spin_loop();
         }
         Ok(())
