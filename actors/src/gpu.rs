@@ -50,7 +50,7 @@ pub struct Gpus {
     /// Fast-lane rings offered to peers, served on the pool socket by key.
     pub rings: ferry_transports::ipc::RingDirectory,
     /// Copies are queued under its read side; a peer's memory is mapped under its write
-    /// side, once the copies in flight have drained (see [`Gpus::drain_copies`]).
+    /// side, once the copies in flight have drained (see `Gpus::drain_copies`).
     pub mapping: Arc<std::sync::RwLock<()>>,
 }
 
