@@ -50,7 +50,8 @@ pub struct Gpus {
     /// Fast-lane rings offered to peers, served on the pool socket by key.
     pub rings: ferry_transports::ipc::RingDirectory,
     /// Copies are queued under its read side; a peer's memory is mapped under its write
-    /// side, once the copies in flight have drained (see `Gpus::drain_copies`).
+    /// side, once the copies in flight have drained (see `Gpus::drain_copies`). One per
+    /// node: nodes that share a process do not hold each other's copies off.
     pub mapping: Arc<std::sync::RwLock<()>>,
 }
 
@@ -89,8 +90,9 @@ impl Gpus {
         self.visible.iter().find(|d| d.uuid() == uuid)
     }
 
-    /// Stops new copies (of any peer) from being queued, and waits until no copy of ours
-    /// is in flight (every copy and express stream drained); the guard keeps it so. A
+    /// Stops new copies (of any peer of this node) from being queued, and waits until no
+    /// copy of this node is in flight (every copy and express stream drained); the guard
+    /// keeps it so. A
     /// peer's pool memory is imported only under it: on the H200 x2, importing a pool
     /// pointer while copies from the same imported pool ran made them fail with
     /// `CUDA_ERROR_LAUNCH_FAILED` (a fault that poisons the context) in about half of the
@@ -355,7 +357,6 @@ fn pull_pooled(
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;
-        drop(quiet);
         tracing::debug!(
             buffer = key.buffer,
             ptr = format_args!("{:#x}", imported.device_ptr()),
@@ -377,6 +378,8 @@ fn pull_pooled(
             // answered at once.
             drop(cache.entries.remove(&oldest));
         }
+        // Evictions unmap too: done while the copies are still held off.
+        drop(quiet);
         cache.entries.insert(key.clone(), (imported, tick));
     }
     let imported_at = started.elapsed();
