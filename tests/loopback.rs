@@ -83,6 +83,22 @@ async fn same_tag_arrives_in_send_order() {
     }
 }
 
+/// A receiver that polls before it sleeps (`recv_spin`) gets every buffer, whether it lands
+/// while the receive polls or after it slept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_receives_get_every_buffer() {
+    let scratch = Scratch::new();
+    let (node, _echo) = with_echo(&scratch, "[transport.ipc]\nrecv_spin = \"1ms\"").await;
+    for i in 0..20u64 {
+        let len = if i % 2 == 0 { 8 } else { 3 << 20 };
+        let b = patterned(&node, len, i).await;
+        let crc = crc32c::crc32c(b.as_slice().expect("host"));
+        drop(node.send("echo", i, b).await.expect("send"));
+        let got = node.recv(Some("echo"), Some(i)).await.expect("echo back");
+        assert_eq!(crc32c::crc32c(got.buffer.as_slice().expect("host")), crc);
+    }
+}
+
 /// Sends made at once, of mixed sizes and under backpressure (a peer queue of 4), arrive
 /// in the order they were first polled, there and back: the echo sends each buffer on in
 /// the order it came.

@@ -62,14 +62,18 @@ impl Slot {
 pub struct Inbox {
     room: Mutex<Room>,
     stopped: AtomicBool,
+    /// How long a waiting receive polls its slot before it sleeps.
+    spin: std::time::Duration,
 }
 
 impl Inbox {
-    /// An inbox that parks at most `waiters_cap` receives.
-    pub fn new(waiters_cap: usize) -> Self {
+    /// An inbox that parks at most `waiters_cap` receives; a waiting receive polls its
+    /// slot for `spin` before it sleeps (`transport.ipc.recv_spin`).
+    pub fn new(waiters_cap: usize, spin: std::time::Duration) -> Self {
         Self {
             room: Mutex::new(Mailroom::new(waiters_cap)),
             stopped: AtomicBool::new(false),
+            spin,
         }
     }
 
@@ -124,6 +128,15 @@ impl Inbox {
             slot,
             armed: true,
         };
+        // Polled first for a while when asked to (a sleeping task pays a wake-up).
+        let started = std::time::Instant::now();
+        while started.elapsed() < self.spin {
+            if let Some(item) = guard.slot.take() {
+                guard.disarm();
+                return Ok(item);
+            }
+            std::hint::spin_loop();
+        }
         loop {
             if let Some(item) = guard.slot.take() {
                 guard.disarm();

@@ -230,7 +230,10 @@ impl Node {
             counters: Arc::clone(&counters),
         };
         let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
-        let inbox = Arc::new(Inbox::new(config.limits.peer_queue));
+        let inbox = Arc::new(Inbox::new(
+            config.limits.peer_queue,
+            config.transport.ipc.recv_spin,
+        ));
         let (opened_gpus, visible_gpus) = open_gpus(&config)?;
         let host_budget = config.memory.host.resolve(total_memory());
         let pinned_budget = config.memory.pinned.resolve(total_memory());

@@ -234,6 +234,12 @@ pub struct IpcTuning {
     /// makes no system call). Default `"100us"`; `0` sleeps at once.
     #[serde(with = "duration")]
     pub lane_spin: Duration,
+    /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
+    /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
+    /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
+    /// 1 ms.
+    #[serde(with = "duration")]
+    pub recv_spin: Duration,
 }
 
 impl Default for IpcTuning {
@@ -241,6 +247,7 @@ impl Default for IpcTuning {
         IpcTuning {
             lane_max: 64 << 10,
             lane_spin: Duration::from_micros(100),
+            recv_spin: Duration::ZERO,
         }
     }
 }

@@ -212,6 +212,9 @@ impl Config {
         if self.transport.ipc.lane_max > 16 << 20 {
             return fail("transport.ipc.lane_max", "must be at most 16 MiB");
         }
+        if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
+            return fail("transport.ipc.recv_spin", "must be at most 1ms");
+        }
         let rules = &self.transport.rules;
         if rules.is_empty() {
             return fail(
@@ -367,6 +370,15 @@ mod tests {
             Err(ConfigError::Invalid { key, .. }) => key,
             other => panic!("expected Invalid, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn recv_spin_is_bounded() {
+        let mut config = valid();
+        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1000);
+        assert!(config.validate().is_ok());
+        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1001);
+        assert_eq!(key_of(&config), "transport.ipc.recv_spin");
     }
 
     #[test]
