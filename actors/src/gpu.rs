@@ -92,9 +92,8 @@ impl Gpus {
 
     /// Stops new copies (of any peer of this node) from being queued, and waits until no
     /// copy of this node is in flight (every copy and express stream drained); the guard
-    /// keeps it so. A
-    /// peer's pool memory is imported only under it: on the H200 x2, importing a pool
-    /// pointer while copies from the same imported pool ran made them fail with
+    /// keeps it so. A peer's memory is mapped only under it: on the H200 x2, importing a
+    /// pool pointer while copies from the same imported pool ran made them fail with
     /// `CUDA_ERROR_LAUNCH_FAILED` (a fault that poisons the context) in about half of the
     /// runs of `ferry bench -b 8M -e 256M -f 2 -n 100 --window 16`; with this wait, in none
     /// of 8.
@@ -118,18 +117,19 @@ impl Gpus {
 
     /// A copy stream on `device` if the node uses it, else the first GPU's; the express
     /// stream when `express`.
-    fn stream_for(&self, device: &Device, express: bool) -> Option<&Stream> {
+    fn copy_stream(&self, device: &Device, express: bool) -> Result<Stream, String> {
         self.gpus
             .iter()
             .find(|(_, g)| g.device.same_as(device))
             .or_else(|| self.gpus.first())
             .map(|(_, g)| {
                 if express {
-                    &g.express_stream
+                    g.express_stream.clone()
                 } else {
-                    &g.copy_stream
+                    g.copy_stream.clone()
                 }
             })
+            .ok_or_else(|| "no copy stream".to_string())
     }
 }
 
@@ -390,10 +390,7 @@ fn pull_pooled(
     if express && let Some(memory) = dst.device_memory_mut() {
         // A few bytes: copied and waited for under the lock (microseconds), with no event
         // to record on either buffer. Polled, not synchronised (see `Wait::Spin`).
-        let stream = gpus
-            .stream_for(memory.device(), true)
-            .cloned()
-            .ok_or_else(|| "no copy stream".to_string())?;
+        let stream = gpus.copy_stream(memory.device(), true)?;
         let _copying = gpus.copying();
         copy_and_wait(memory, &*imported, offset, len, &stream, Wait::Spin)
             .map_err(|e| format!("copying from the peer: {e}"))?;
@@ -551,10 +548,7 @@ fn queue_copy(
         .device_memory()
         .map_or(src.device(), |m| m.device())
         .clone();
-    let stream = gpus
-        .stream_for(&device, express)
-        .cloned()
-        .ok_or_else(|| "no copy stream".to_string())?;
+    let stream = gpus.copy_stream(&device, express)?;
     let _copying = gpus.copying();
     match dst.device_memory_mut() {
         Some(memory) => copy_async(memory, 0, src, offset, len, &stream),
