@@ -70,6 +70,12 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         (vec!["--transport", "staged"], "not built yet"),
         (vec!["--memory", "shared"], "host or device"),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
+        // Both local nodes take the rule, and tcp cannot pull.
+        (
+            vec!["--direction", "pull", "-n", "1"],
+            "tcp moves only push",
+        ),
+        (vec!["--direction", "sideways"], "invalid value"),
     ] {
         let out = Command::new(common::ferry_bin())
             .arg("bench")

@@ -76,6 +76,30 @@ const GPU1: &str = "[gpu]\ndevices = [1]\n[memory]\nreceive_into = \"device\"\n"
 const LANE: &str = "[transport.ipc]\nlane_max = \"64 KiB\"\n";
 /// The lane off: every send takes the socket and the actors.
 const NO_LANE: &str = "[transport.ipc]\nlane_max = 0\n";
+/// Rules that push device memory over ipc (the sender copies into a buffer the receiver
+/// lends), with the lane off so that small buffers push too. Goes last in a node's extra.
+const PUSH: &str = "[transport.ipc]\nlane_max = 0\n\n\
+                    [[transport.rules]]\nname = \"gpu\"\nlocality = [\"same-host\"]\n\
+                    src = [\"device\"]\ntransports = [\"ipc\", \"tcp\"]\ndirection = \"push\"\n\n\
+                    [[transport.rules]]\nname = \"host\"\ntransports = [\"tcp\"]\n";
+
+/// Checks that `node` routes device memory to `peer` as `direction` over ipc.
+async fn routes(node: &Node, peer: &str, direction: ferry::Direction) {
+    let e = node
+        .explain(
+            peer,
+            1 << 20,
+            ferry::MemoryClass::Device,
+            ferry::MemoryClass::Device,
+        )
+        .await
+        .expect("explain");
+    let chosen = e
+        .chosen
+        .as_ref()
+        .map(|r| (r.transport.as_str(), r.direction));
+    assert_eq!(chosen, Some(("ipc", direction)), "{e}");
+}
 
 /// `len` bytes derived from `seed` (the CUDA layer's test pattern).
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -97,6 +121,22 @@ async fn ipc_moves_device_buffers_both_ways_byte_exact() {
         return;
     };
     let p = pair(GPU0, GPU1).await;
+    routes(&p.node, "b", ferry::Direction::Pull).await;
+    both_ways_byte_exact(p).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ipc_pushes_device_buffers_both_ways_byte_exact() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("ipc_pushes_device_buffers_both_ways", 2) else {
+        return;
+    };
+    let p = pair(&format!("{GPU0}{PUSH}"), &format!("{GPU1}{PUSH}")).await;
+    routes(&p.node, "b", ferry::Direction::Push).await;
+    both_ways_byte_exact(p).await;
+}
+
+/// Sizes from 1 byte to 1 GiB, odd ones among them, a → b → a, checked byte for byte.
+async fn both_ways_byte_exact(p: Pair) {
     let sizes = [
         1usize,
         7,
@@ -192,6 +232,25 @@ async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back(
     let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n");
     // b only receives: nothing comes back to hold memory here.
     let p = pair_with_role(&a_extra, GPU1, "sink").await;
+    killed_mid_copy(p).await;
+}
+
+/// Both push: `a` pushes into buffers `b` lends, and `b` echoes by pushing into buffers `a`
+/// lends, so the kill lands among copies both ways; what `a` lent to the dead `b` is
+/// quarantined, then freed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_killed_mid_push_fails_transfers_within_two_seconds_and_memory_comes_back() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_peer_killed_mid_push", 2) else {
+        return;
+    };
+    let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n{PUSH}");
+    let p = pair(&a_extra, &format!("{GPU1}{PUSH}")).await;
+    killed_mid_copy(p).await;
+}
+
+/// Sends 16 × 512 MiB to `b`, kills it at once, and checks the sends end within 2 s and
+/// device memory comes back.
+async fn killed_mid_copy(p: Pair) {
     // Set up ipc first, so the kill lands among copies.
     let b = device_buffer(&p.node, &pattern(4096, 1)).await;
     drop(p.node.send("b", 0, b).await.expect("first send"));
@@ -235,6 +294,12 @@ async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back(
     );
     assert!(failed > 0, "some sends must have been cut off by the kill");
     let _ = child.child.wait();
+    // Echoes that arrived before the kill wait in the inbox: taken and dropped.
+    while let Ok(Ok(got)) =
+        tokio::time::timeout(Duration::from_millis(200), node.recv(Some("b"), None)).await
+    {
+        drop(got);
+    }
     // What the dead peer may have held is quarantined for the lease timeout, then freed.
     device_memory_back(&node).await;
 }
@@ -244,9 +309,25 @@ async fn a_full_gpu_spills_to_pinned_and_promotes_back() {
     let Some(_gpu) = ferry::testing::gpu_test_with("a_full_gpu_spills", 2) else {
         return;
     };
-    let a_extra = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n\
-                   device = \"64 MiB\"\nspill = [\"pinned\"]\n";
-    let p = pair(a_extra, GPU1).await;
+    spills_and_promotes("").await;
+}
+
+/// A push whose landing spilled to pinned host memory streams over the link instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_gpu_spills_pushes_to_pinned_and_promotes_back() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("a_full_gpu_spills_pushes", 2) else {
+        return;
+    };
+    spills_and_promotes(PUSH).await;
+}
+
+/// `a` with 64 MiB of device budget gets 4 × 20 MiB back from `b`; `rules` go to both.
+async fn spills_and_promotes(rules: &str) {
+    let a_extra = format!(
+        "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n\
+         device = \"64 MiB\"\nspill = [\"pinned\"]\n{rules}"
+    );
+    let p = pair(&a_extra, &format!("{GPU1}{rules}")).await;
     let len = 20 << 20;
     let wants: Vec<Vec<u8>> = (0..4).map(|i| pattern(len, 100 + i)).collect();
     for (i, want) in wants.iter().enumerate() {

@@ -69,6 +69,14 @@ pub enum Error {
     /// The node is shutting down or has stopped.
     #[error("node shutting down")]
     ShuttingDown,
+    /// The transport could not move the bytes (a copy into the peer's memory failed).
+    #[error("transfer to peer {peer} failed: {detail}")]
+    Transport {
+        /// The peer.
+        peer: String,
+        /// What failed.
+        detail: String,
+    },
 }
 
 impl Error {
@@ -85,6 +93,10 @@ impl Error {
                 detail: format!("{reason:?}: {detail}"),
             },
             FailKind::ShuttingDown => Self::ShuttingDown,
+            FailKind::Transport(detail) => Self::Transport {
+                peer: peer.to_string(),
+                detail,
+            },
         }
     }
 
@@ -104,6 +116,7 @@ impl Error {
             Self::Usage(_) => "usage",
             Self::Unsupported(_) => "unsupported",
             Self::ShuttingDown => "shutting_down",
+            Self::Transport { .. } => "transport",
         }
     }
 }

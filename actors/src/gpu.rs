@@ -513,6 +513,58 @@ fn pull_registered(
     Ok(())
 }
 
+/// Writes `source` (our device buffer) into the peer's buffer `target` (an ipc push) and
+/// waits until every byte is there. The target is imported from the peer's `pool` with no
+/// copy of this node in flight (as a pull's source is), copied into on the copy stream of
+/// `source`'s device, and its import is freed before this returns, so the peer may reuse its
+/// buffer as soon as it hears `Written`: nothing is cached, and no unmap protocol runs in
+/// reverse. Blocking: call it on a blocking thread.
+///
+/// # Errors
+/// Why the bytes could not be written (the target is not pool memory, its import failed,
+/// the peer claims a buffer shorter than the transfer, or the copy failed).
+pub fn push(
+    target: &IpcSource,
+    pool: &ImportedPool,
+    gpus: &Gpus,
+    source: &SharedBytes,
+) -> Result<(), String> {
+    if target.legacy.is_some() {
+        return Err("the receiver lent memory that is not from its pool".into());
+    }
+    let memory = source
+        .device_memory()
+        .ok_or_else(|| "only device memory is pushed over ipc".to_string())?;
+    let len = source.len();
+    let export = export_bytes(target)?;
+    let (offset, end) = source_range(target, len)?;
+    let started = std::time::Instant::now();
+    let mut imported = {
+        let _quiet = gpus.drain_copies()?;
+        pool.import_pointer(export, end)
+            .map_err(|e| format!("importing the receiver's buffer: {e}"))?
+    };
+    let imported_at = started.elapsed();
+    let stream = gpus.copy_stream(memory.device(), false)?;
+    {
+        let _copying = gpus.copying();
+        copy_async(&mut imported, offset, memory, 0, len, &stream)
+            .map_err(|e| format!("copying into the receiver's buffer: {e}"))?;
+    }
+    stream
+        .synchronize()
+        .map_err(|e| format!("finishing the copy into the receiver's buffer: {e}"))?;
+    // Freed now (the copy has completed): the receiver may free its buffer once told.
+    drop(imported);
+    tracing::trace!(
+        bytes = len,
+        import_us = imported_at.as_micros() as u64,
+        total_us = started.elapsed().as_micros() as u64,
+        "pushed"
+    );
+    Ok(())
+}
+
 fn export_bytes(source: &IpcSource) -> Result<&[u8; POINTER_EXPORT_LEN], String> {
     source
         .export

@@ -24,7 +24,7 @@ use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
 use ferry_transports::wire::{
     ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Message, PutAck,
-    WireDirection, WireReason,
+    WireDirection, WireReason, Written,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -369,6 +369,12 @@ struct IpcState {
     lane_tx: Option<Arc<crate::lane::LaneTx>>,
     /// The receiving end of the peer's lane (importing side).
     lane_rx: Option<crate::lane::LaneRx>,
+    /// Our buffers lent to the peer for its pushes (receiving side), by inbound transfer,
+    /// until it says `Written`; quarantined if the session ends first.
+    lent: HashMap<InboundId, Buffer>,
+    /// The peer's pools we push into (sending side), by device UUID, each fetched on the
+    /// first push to it; the lock makes one fetch at a time.
+    push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,
 }
 
 impl IpcState {
@@ -540,17 +546,28 @@ impl TransferActor {
                 }
             }
             SessionEvent::Finished(op, outcome) => self.finish(op, outcome),
-            SessionEvent::Reserve { id, len, pull } => {
+            SessionEvent::Reserve {
+                id,
+                len,
+                pull,
+                push,
+            } => {
                 let span =
                     tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
                 let phase = tracing::debug_span!(parent: &span, "reserve");
                 self.inbound_spans.insert(id, InboundSpans { span, phase });
-                let pulled = pull.is_some();
-                if let Some(source) = pull {
-                    self.ipc.sources.insert(id, source);
-                }
-                self.reserve(id, len, pulled, ctx);
+                let landing = match (pull, push) {
+                    (Some(source), _) => {
+                        self.ipc.sources.insert(id, source);
+                        Landing::Pull
+                    }
+                    (None, true) => Landing::Push,
+                    (None, false) => Landing::Stream,
+                };
+                self.reserve(id, len, landing, ctx);
             }
+            SessionEvent::Write(op, target) => self.start_write(op, target, ctx),
+            SessionEvent::Written { id, error } => self.on_written(id, error),
             SessionEvent::Deliver { id, tag, transport } => {
                 if let Some(spans) = self.inbound_spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, tag, "delivered");
@@ -590,6 +607,10 @@ impl TransferActor {
                 }
                 self.regions.remove(&id.0);
                 self.complete.remove(&id);
+                if self.ipc.lent.contains_key(&id) {
+                    // The peer may be copying into it: kept until it says Written.
+                    self.watch_lent(id, ctx);
+                }
                 if self.ipc.sources.remove(&id).is_some() {
                     if self.ipc.pulling.contains(&id) {
                         self.ipc.abandoned.insert(id);
@@ -683,11 +704,11 @@ impl TransferActor {
         let _ = entry.reply.send(result);
     }
 
-    fn reserve(&mut self, id: InboundId, len: u64, pulled: bool, ctx: &mut Context<Self>) {
-        let tiers = if pulled {
-            self.setup.tiers.clone()
-        } else {
+    fn reserve(&mut self, id: InboundId, len: u64, how: Landing, ctx: &mut Context<Self>) {
+        let tiers = if how == Landing::Stream {
             self.setup.host_tiers.clone()
+        } else {
+            self.setup.tiers.clone()
         };
         let deadline = Instant::now() + self.setup.reserve_timeout;
         let request = async move {
@@ -702,7 +723,7 @@ impl TransferActor {
                         metrics::counter!("ferry_spill_bytes_total").increment(len);
                         tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
                     }
-                    if pulled {
+                    if how == Landing::Pull {
                         if act.session.handle_reserved_pull(id) {
                             act.start_pull(id, buffer, ctx);
                         } else {
@@ -710,10 +731,15 @@ impl TransferActor {
                         }
                         return act.drive(ctx);
                     }
+                    if how == Landing::Push && buffer.device_memory().is_some() {
+                        act.lend(id, buffer);
+                        return act.drive(ctx);
+                    }
                     // The region must exist before the grant leaves, since the peer
-                    // streams as soon as it reads the grant.
+                    // streams as soon as it reads the grant. (A push that spilled to host
+                    // memory streams too.)
                     act.regions.insert(id.0, InboundRegion::new(buffer));
-                    if act.session.handle_reserved(id, landing.to_wire()) {
+                    if act.session.handle_reserved(id, landing.to_wire(), None) {
                         if let Some(spans) = act.inbound_spans.get_mut(&id) {
                             spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
                         }
@@ -839,6 +865,159 @@ impl TransferActor {
     }
 }
 
+impl TransferActor {
+    /// Lends `buffer`, reserved in device memory for inbound push `id`, to the peer: its
+    /// export goes in the grant, and the buffer is kept until the peer says `Written`.
+    fn lend(&mut self, id: InboundId, buffer: Buffer) {
+        let target = match crate::gpu::export_source(&buffer, false) {
+            Ok(target) => target,
+            Err(why) => {
+                return self
+                    .session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+            }
+        };
+        // False: abandoned meanwhile, nothing lent; the buffer is freed here.
+        if self
+            .session
+            .handle_reserved(id, buffer.kind().to_wire(), Some(target))
+        {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
+            }
+            self.ipc.lent.insert(id, buffer);
+        }
+    }
+
+    /// The peer no longer writes the buffer lent for inbound `id`: the transfer completes
+    /// with it, or fails and the buffer is freed.
+    fn on_written(&mut self, id: InboundId, error: Option<String>) {
+        let Some(buffer) = self.ipc.lent.remove(&id) else {
+            return;
+        };
+        match error {
+            None => {
+                if self.session.handle_inbound_complete(id) {
+                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                        spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+                    }
+                    self.complete.insert(id, (buffer, self.undelivered.enter()));
+                }
+            }
+            Some(why) => {
+                tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
+                self.session.handle_reserve_failed(
+                    id,
+                    WireReason::Unsupported,
+                    format!("the push failed: {why}"),
+                );
+            }
+        }
+    }
+
+    /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
+    /// (`Written`) within the lease timeout, or the link goes (its session ends, which ends
+    /// its copies) and the buffer is quarantined with the rest.
+    fn watch_lent(&mut self, id: InboundId, ctx: &mut Context<Self>) {
+        let link = self.link;
+        ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
+            if act.link == link && act.ipc.lent.contains_key(&id) {
+                tracing::warn!(
+                    peer = %act.peer,
+                    id = id.0,
+                    "the peer kept a buffer it was pushing into past the lease timeout; \
+                     dropping the link"
+                );
+                act.session
+                    .handle_link_lost("the peer did not give back a lent buffer in time");
+                act.drive(ctx);
+            }
+        });
+    }
+
+    /// Copies op `op`'s bytes into the peer's buffer `target` (an ipc push) on a blocking
+    /// thread: the peer's pool is imported on the first push to its device, the buffer is
+    /// imported, copied into and freed; then the peer hears `Written`.
+    fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            return self.written(op, Err("the transfer ended".into()), ctx);
+        };
+        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
+        let source = entry.buffer.share();
+        let pools = Arc::clone(&self.ipc.push_pools);
+        let peer = self.peer.clone();
+        let pid = self.ipc.peer_pid;
+        let secret = self.setup.secret.clone();
+        let gpus = Arc::clone(&self.setup.gpus);
+        let io = self.setup.io.clone();
+        let push = async move {
+            let pool = {
+                let mut pools = pools.lock().await;
+                if !pools.contains_key(&target.device_uuid) {
+                    let uuids = std::slice::from_ref(&target.device_uuid);
+                    let fetched = crate::gpu::import_pools(&peer, pid, uuids, &secret, &gpus)
+                        .await
+                        .map_err(|e| format!("importing the receiver's pool: {e}"))?;
+                    pools.extend(fetched);
+                }
+                pools
+                    .get(&target.device_uuid)
+                    .cloned()
+                    .ok_or_else(|| "the receiver's pool was not imported".to_string())?
+            };
+            io.spawn_blocking(move || crate::gpu::push(&target, &pool, &gpus, &source))
+                .await
+                .map_err(|e| format!("the push task failed: {e}"))?
+        };
+        ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
+            act.written(op, pushed, ctx);
+        }));
+    }
+
+    /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits
+    /// for the peer's `Done` or fails.
+    fn written(&mut self, op: OpId, pushed: Result<(), String>, ctx: &mut Context<Self>) {
+        let frame = Message::Written(Written {
+            transfer: op.0,
+            error: pushed.as_ref().err().cloned(),
+        });
+        let sent = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.try_send(Outgoing::Frame(frame)).is_ok());
+        if !sent {
+            // The peer's buffer must not stay lent on a link that goes on: it goes.
+            self.session
+                .handle_link_lost("the link's send queue overflowed or closed");
+        }
+        match pushed {
+            Ok(()) => self.session.handle_stream_ended(op),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = op.0, "push failed: {why}");
+                metrics::counter!("ferry_push_failures_total").increment(1);
+                self.session.handle_write_failed(op, why);
+            }
+        }
+        self.drive(ctx);
+    }
+}
+
+/// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
+/// from those of our own buffers offered for pulling (our op ids).
+const LENT: u64 = 1 << 39;
+
+/// Where an inbound transfer's bytes land, and who puts them there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Landing {
+    /// Host memory; the peer streams the bytes over the link.
+    Stream,
+    /// We copy them out of the peer's memory (ipc pull).
+    Pull,
+    /// The peer copies them into our memory (ipc push), or streams them when the
+    /// reservation spilled to host memory.
+    Push,
+}
+
 impl Actor for TransferActor {
     type Context = Context<Self>;
 
@@ -876,6 +1055,15 @@ impl Actor for TransferActor {
                 && let Some(gpu) = self.setup.gpus.get(n)
             {
                 exports.push((gpu.allocator.clone(), op, view));
+            }
+        }
+        // Buffers lent to the peer for its pushes: it may still be copying into them.
+        for (id, buffer) in self.ipc.lent.drain() {
+            let view = buffer.share();
+            if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
+                && let Some(gpu) = self.setup.gpus.get(n)
+            {
+                exports.push((gpu.allocator.clone(), OpId(LENT | id.0), view));
             }
         }
         // Whatever the peer held of our memory is quarantined for the lease timeout.
@@ -1002,6 +1190,16 @@ impl TransferActor {
                 direction,
                 fallback: _,
             } => {
+                // A node of this process reads our memory directly: a push to it is pulled
+                // (the same single peer copy, with no buffer to lend).
+                let direction = if transport == "ipc"
+                    && direction == WireDirection::Push
+                    && self.ipc.in_process()
+                {
+                    WireDirection::Pull
+                } else {
+                    direction
+                };
                 let labels = TransferLabels {
                     transport: transport.clone(),
                     direction: match direction {
@@ -1474,7 +1672,7 @@ impl Handler<Attach> for TransferActor {
         self.ipc.peer_pid = link.peer_hello.pid;
         self.ipc.same_host = link.peer_hello.host_id == ferry_transports::link::host_id();
         self.session
-            .set_serves_pull(self.ipc.same_host && !self.setup.gpus.is_empty());
+            .set_serves_ipc(self.ipc.same_host && !self.setup.gpus.is_empty());
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {

@@ -117,7 +117,7 @@ impl Pair {
             if self.auto_reserve {
                 for id in std::mem::take(&mut self.reserving) {
                     moved = true;
-                    if self.b.handle_reserved(id, WireMemoryKind::Host) {
+                    if self.b.handle_reserved(id, WireMemoryKind::Host, None) {
                         self.receiving.push(id);
                     }
                 }
@@ -355,7 +355,7 @@ fn link_loss_fails_everything_once() {
     p.auto_stream = false;
     let waiting_grant = p.send(1, LONG);
     let reserved = p.reserving.pop().expect("reserve asked");
-    p.b.handle_reserved(reserved, WireMemoryKind::Host);
+    p.b.handle_reserved(reserved, WireMemoryKind::Host, None);
     p.pump();
     let streaming = p.streaming[0];
     assert_eq!(streaming, waiting_grant);
@@ -441,6 +441,7 @@ fn protocol_violations_are_errors() {
     let grant = Message::Grant(ferry_transports::wire::Grant {
         transfer: 77,
         landing: WireMemoryKind::Host,
+        target: None,
     });
     assert!(
         s.handle_message(grant).is_err(),
@@ -491,7 +492,7 @@ proptest! {
                 }
                 2 => {
                     if let Some(id) = p.reserving.pop()
-                        && p.b.handle_reserved(id, WireMemoryKind::Host)
+                        && p.b.handle_reserved(id, WireMemoryKind::Host, None)
                     {
                         p.receiving.push(id);
                     }
@@ -577,4 +578,241 @@ fn a_cancel_says_whose_transfer_it_names() {
         ended |= matches!(ev, SessionEvent::Finished(op, Outcome::Failed(_)) if op == id);
     }
     assert!(ended, "our receiver's cancel must end our transfer");
+}
+
+/// An ipc push between two bare sessions, the shells played by hand: A sends, B lends.
+struct Push {
+    now: Instant,
+    a: PeerSession,
+    b: PeerSession,
+}
+
+impl Push {
+    fn new() -> Self {
+        let mut b = PeerSession::new(LIMITS);
+        b.set_serves_ipc(true);
+        Self {
+            now: Instant::now(),
+            a: PeerSession::new(LIMITS),
+            b,
+        }
+    }
+
+    fn target() -> ferry_transports::wire::IpcSource {
+        ferry_transports::wire::IpcSource {
+            device_uuid: "GPU-b".into(),
+            buffer: 5,
+            generation: 1,
+            offset: 0,
+            export: vec![1; 64],
+            legacy: None,
+        }
+    }
+
+    /// A queues an ipc push; B reads the offer and is asked to reserve for a push.
+    fn offer(&mut self) -> (OpId, InboundId) {
+        let op = self
+            .a
+            .handle_send(
+                self.now,
+                SendRequest {
+                    tag: 3,
+                    len: 4096,
+                    source: WireMemoryKind::Device(0),
+                    transport: "ipc".into(),
+                    direction: WireDirection::Push,
+                    ipc: None,
+                    deadline: self.now + Duration::from_secs(5),
+                },
+            )
+            .expect("queued");
+        let offer = self.a.poll_transmit().expect("offered");
+        self.b.handle_message(offer).expect("a valid offer");
+        match self.b.poll_event() {
+            Some(SessionEvent::Reserve {
+                id,
+                len: 4096,
+                pull: None,
+                push: true,
+            }) => (op, id),
+            other => panic!("B should reserve for a push, got {other:?}"),
+        }
+    }
+
+    /// B lends a buffer; A reads the grant. Returns A's event.
+    fn lend(&mut self, id: InboundId) -> Option<SessionEvent> {
+        assert!(
+            self.b
+                .handle_reserved(id, WireMemoryKind::Device(1), Some(Self::target()))
+        );
+        let grant = self.b.poll_transmit().expect("granted");
+        assert!(
+            matches!(&grant, Message::Grant(g) if g.target == Some(Self::target())),
+            "{grant:?}"
+        );
+        self.a.handle_message(grant).expect("a valid grant");
+        self.a.poll_event()
+    }
+
+    fn written(&mut self, op: OpId, error: Option<String>) -> Option<SessionEvent> {
+        let written = Message::Written(ferry_transports::wire::Written {
+            transfer: op.0,
+            error,
+        });
+        self.b
+            .handle_message(written)
+            .expect("Written is always valid");
+        self.b.poll_event()
+    }
+}
+
+#[test]
+fn an_ipc_push_lends_the_receivers_buffer_until_written() {
+    let mut p = Push::new();
+    let (op, id) = p.offer();
+    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::target())));
+    // A's copy is done: it tells B, and waits for B's Done.
+    p.a.handle_stream_ended(op);
+    assert_eq!(p.a.poll_event(), None, "A waits for B's Done");
+    assert_eq!(
+        p.written(op, None),
+        Some(SessionEvent::Written { id, error: None })
+    );
+    // B's shell completes the transfer with the lent buffer.
+    assert!(p.b.handle_inbound_complete(id));
+    assert!(matches!(
+        p.b.poll_event(),
+        Some(SessionEvent::Deliver { tag: 3, .. })
+    ));
+    let done = p.b.poll_transmit().expect("Done");
+    p.a.handle_message(done).expect("valid");
+    assert_eq!(
+        p.a.poll_event(),
+        Some(SessionEvent::Finished(op, Outcome::Completed))
+    );
+}
+
+#[test]
+fn a_failed_push_fails_the_send_and_the_receive() {
+    let mut p = Push::new();
+    let (op, id) = p.offer();
+    p.lend(id);
+    p.a.handle_write_failed(op, "importing the receiver's buffer: invalid value".into());
+    assert_eq!(p.a.poll_event(), Some(SessionEvent::StopStream(op)));
+    assert_eq!(
+        p.a.poll_event(),
+        Some(SessionEvent::Finished(
+            op,
+            Outcome::Failed(FailKind::Transport(
+                "importing the receiver's buffer: invalid value".into()
+            ))
+        ))
+    );
+    assert_eq!(p.a.poll_transmit(), None, "the shell's Written says why");
+    let event = p.written(op, Some("invalid value".into()));
+    assert_eq!(
+        event,
+        Some(SessionEvent::Written {
+            id,
+            error: Some("invalid value".into())
+        })
+    );
+    // B's shell frees the buffer and fails the receive: the peer hears it.
+    p.b.handle_reserve_failed(id, WireReason::Unsupported, "the push failed".into());
+    assert!(matches!(
+        p.b.poll_transmit(),
+        Some(Message::Cancel(c)) if c.by_receiver && c.transfer == op.0
+    ));
+}
+
+#[test]
+fn a_grant_that_crosses_a_cancel_gives_the_lent_buffer_back() {
+    let mut p = Push::new();
+    let (op, id) = p.offer();
+    assert!(p.a.handle_cancel(op));
+    assert!(matches!(p.a.poll_transmit(), Some(Message::Cancel(_))));
+    assert_eq!(
+        p.a.poll_event(),
+        Some(SessionEvent::Finished(op, Outcome::Cancelled))
+    );
+    // B lent its buffer before it read the cancel: A answers Written at once.
+    assert_eq!(p.lend(id), None);
+    match p.a.poll_transmit() {
+        Some(Message::Written(w)) => {
+            assert_eq!(w.transfer, op.0);
+            assert!(w.error.is_some_and(|e| e.contains("ended")));
+        }
+        other => panic!("A should give the buffer back, got {other:?}"),
+    }
+    // B reads the cancel (abandons) and then the Written (frees the buffer).
+    let cancel = Message::Cancel(ferry_transports::wire::Cancel {
+        transfer: op.0,
+        by_receiver: false,
+        reason: WireReason::Cancelled,
+        detail: String::new(),
+    });
+    p.b.handle_message(cancel).expect("valid");
+    assert_eq!(p.b.poll_event(), Some(SessionEvent::Abandon(id)));
+    assert!(matches!(
+        p.written(op, Some("ended".into())),
+        Some(SessionEvent::Written { .. })
+    ));
+    // Nothing to complete any more.
+    assert!(!p.b.handle_inbound_complete(id));
+}
+
+#[test]
+fn push_offers_and_lending_grants_are_checked() {
+    // A receiver without ipc refuses a push as unsupported.
+    let mut p = Push::new();
+    p.b.set_serves_ipc(false);
+    let _ = p.a.handle_send(
+        p.now,
+        SendRequest {
+            tag: 1,
+            len: 8,
+            source: WireMemoryKind::Device(0),
+            transport: "ipc".into(),
+            direction: WireDirection::Push,
+            ipc: None,
+            deadline: p.now + Duration::from_secs(1),
+        },
+    );
+    let offer = p.a.poll_transmit().expect("offered");
+    p.b.handle_message(offer).expect("refused, not a violation");
+    assert!(matches!(
+        p.b.poll_transmit(),
+        Some(Message::Cancel(c)) if c.reason == WireReason::Unsupported
+    ));
+    // A grant that lends a buffer to a tcp transfer breaks the protocol.
+    let mut s = PeerSession::new(LIMITS);
+    let op = s
+        .handle_send(
+            Instant::now(),
+            SendRequest {
+                tag: 1,
+                len: 8,
+                source: WireMemoryKind::Host,
+                transport: "tcp".into(),
+                direction: WireDirection::Push,
+                ipc: None,
+                deadline: Instant::now() + Duration::from_secs(1),
+            },
+        )
+        .expect("queued");
+    let _ = s.poll_transmit();
+    let grant = Message::Grant(ferry_transports::wire::Grant {
+        transfer: op.0,
+        landing: WireMemoryKind::Device(0),
+        target: Some(Push::target()),
+    });
+    let err = s.handle_message(grant).expect_err("a lent buffer for tcp");
+    assert!(err.to_string().contains("lends a buffer"), "{err}");
+    // A push whose landing spilled to host memory is granted without a buffer: it streams.
+    let mut p = Push::new();
+    let (op, id) = p.offer();
+    assert!(p.b.handle_reserved(id, WireMemoryKind::PinnedHost, None));
+    let grant = p.b.poll_transmit().expect("granted");
+    p.a.handle_message(grant).expect("valid");
+    assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
 }

@@ -47,10 +47,9 @@ pub enum TransportName {
 }
 
 /// Which side moves the bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Direction {
-    /// The receiver grants a region and the sender writes into it (`"push"`, the default).
-    #[default]
+    /// The receiver grants a region and the sender writes into it (`"push"`).
     Push,
     /// The sender offers a buffer and the receiver copies from it (`"pull"`).
     Pull,
@@ -89,9 +88,10 @@ pub struct Rule {
     pub max_bytes: Option<u64>,
     /// Transports to try, in order; non-empty, no repeats.
     pub transports: Vec<TransportName>,
-    /// Who moves the bytes. Default push.
-    #[serde(default)]
-    pub direction: Direction,
+    /// Who moves the bytes; `None` (the default): each transport's own preferred direction
+    /// (tcp and staged push, ipc pulls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction: Option<Direction>,
 }
 
 impl Rule {
@@ -106,7 +106,7 @@ impl Rule {
             min_bytes: 0,
             max_bytes: None,
             transports: vec![TransportName::Ipc, TransportName::Tcp],
-            direction: Direction::Pull,
+            direction: Some(Direction::Pull),
         }
     }
 
@@ -120,7 +120,7 @@ impl Rule {
             min_bytes: 0,
             max_bytes: None,
             transports: vec![TransportName::Tcp],
-            direction: Direction::Push,
+            direction: Some(Direction::Push),
         }
     }
 
@@ -172,7 +172,7 @@ mod tests {
             min_bytes: 10,
             max_bytes: Some(20),
             transports: vec![TransportName::Ipc],
-            direction: Direction::Pull,
+            direction: Some(Direction::Pull),
         };
         assert!(rule.matches(SameHost, Device, Pinned, 10));
         assert!(rule.matches(SameHost, Device, Device, 20));

@@ -128,7 +128,7 @@ fn two_node_examples_point_at_each_other() -> TestResult {
             1,
         )
         .ok_or("a rule should match")?;
-    assert_eq!(rule.direction, Direction::Pull);
+    assert_eq!(rule.direction, Some(Direction::Pull));
     Ok(())
 }
 

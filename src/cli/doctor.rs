@@ -596,7 +596,7 @@ fn transport_fits_rule(
         return Err(why.clone());
     }
     if caps.direction_for(rule.direction).is_none() {
-        return Err(format!("does not support {}", rule.direction));
+        return Err(ferry_transports::transport::Unsuitable::Direction(rule.direction).to_string());
     }
     let localities: &[Locality] = if rule.locality.is_empty() {
         &[Locality::SameProcess, Locality::SameHost, Locality::Remote]

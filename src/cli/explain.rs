@@ -257,9 +257,13 @@ pub fn skip(transport: TransportName, why: &Unsuitable) -> Skip {
             "capabilities",
             format!("excluded by its declared capabilities: cannot move {m} memory"),
         ),
-        Unsuitable::Direction(d) => (
+        Unsuitable::Direction(Some(d)) => (
             "capabilities",
             format!("excluded by its declared capabilities: does not support {d}"),
+        ),
+        Unsuitable::Direction(None) => (
+            "capabilities",
+            "excluded by its declared capabilities: declares no direction".to_string(),
         ),
         Unsuitable::SetupFailed(why) => ("setup-failed", format!("setup failed: {why}")),
     };
@@ -622,7 +626,10 @@ pub(crate) mod tests {
             kinds == ["not-viable", "peer-lacks"] || kinds == ["capabilities", "peer-lacks"],
             "{kinds:?}"
         );
-        let d = skip(TransportName::Tcp, &Unsuitable::Direction(Direction::Pull));
+        let d = skip(
+            TransportName::Tcp,
+            &Unsuitable::Direction(Some(Direction::Pull)),
+        );
         assert_eq!(d.kind, "capabilities");
         assert!(d.reason.contains("does not support pull"), "{}", d.reason);
         let v = skip(TransportName::Ipc, &Unsuitable::NotViable("no GPU".into()));

@@ -33,15 +33,16 @@ use crate::link::auth::{Role, authenticate};
 use crate::link::{LinkError, Secret, fdpass};
 use crate::transport::{Capabilities, Viability};
 
-/// The ipc transport's declaration: it reads device memory of a same-host peer, pulling
-/// (the receiver copies from the sender's exported buffer), and lands anywhere.
+/// The ipc transport's declaration: it moves device memory of a same-host peer, pulling by
+/// default (the receiver copies from the sender's exported buffer) or pushing when a rule
+/// asks (the sender copies into the receiver's exported buffer), and lands anywhere.
 pub fn capabilities() -> Capabilities {
     Capabilities {
         name: TransportName::Ipc,
         sources: &[MemoryClass::Device],
         memory: &[MemoryClass::Device, MemoryClass::Pinned, MemoryClass::Host],
         localities: &[Locality::SameHost],
-        directions: &[Direction::Pull],
+        directions: &[Direction::Pull, Direction::Push],
         needs_fd_passing: true,
         one_sided_put: false,
     }

@@ -43,8 +43,8 @@ pub enum Unsuitable {
     Locality(Locality),
     /// Cannot touch this kind of memory.
     Memory(MemoryClass),
-    /// Does not support the rule's direction.
-    Direction(Direction),
+    /// Does not support the rule's direction (or declares none at all).
+    Direction(Option<Direction>),
     /// Its setup with this peer failed (after its retries); the reason, as the setup
     /// machine states it.
     SetupFailed(String),
@@ -57,7 +57,8 @@ impl std::fmt::Display for Unsuitable {
             Self::PeerLacks => f.write_str("the peer does not offer it"),
             Self::Locality(l) => write!(f, "cannot reach a {l:?} peer"),
             Self::Memory(m) => write!(f, "cannot move {m:?} memory"),
-            Self::Direction(d) => write!(f, "does not support {d:?}"),
+            Self::Direction(Some(d)) => write!(f, "does not support {d:?}"),
+            Self::Direction(None) => f.write_str("declares no direction"),
             Self::SetupFailed(why) => write!(f, "setup with the peer failed: {why}"),
         }
     }
@@ -70,7 +71,7 @@ impl Capabilities {
         locality: Locality,
         src: MemoryClass,
         dst: MemoryClass,
-        direction: Direction,
+        direction: Option<Direction>,
     ) -> Result<(), Unsuitable> {
         if !self.localities.contains(&locality) {
             return Err(Unsuitable::Locality(locality));
@@ -87,13 +88,12 @@ impl Capabilities {
     }
 
     /// The direction a transfer moves in when a rule asks for `wanted`: `wanted` where the
-    /// transport offers it, else its own preferred one; `None` for a transport that
-    /// declares no direction.
-    pub fn direction_for(&self, wanted: Direction) -> Option<Direction> {
-        if self.directions.contains(&wanted) {
-            Some(wanted)
-        } else {
-            self.directions.first().copied()
+    /// transport offers it, else (or when the rule names none) its own preferred one; `None`
+    /// for a transport that declares no direction.
+    pub fn direction_for(&self, wanted: Option<Direction>) -> Option<Direction> {
+        match wanted {
+            Some(w) if self.directions.contains(&w) => Some(w),
+            _ => self.directions.first().copied(),
         }
     }
 }

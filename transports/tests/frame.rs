@@ -117,6 +117,27 @@ fn corpus() -> Vec<Item> {
         Message::Grant(Grant {
             transfer: 1,
             landing: WireMemoryKind::PinnedHost,
+            target: None,
+        }),
+        Message::Grant(Grant {
+            transfer: 4,
+            landing: WireMemoryKind::Device(1),
+            target: Some(ferry_transports::wire::IpcSource {
+                device_uuid: "GPU-1".into(),
+                buffer: 12,
+                generation: 2,
+                offset: 0,
+                export: vec![5; 64],
+                legacy: None,
+            }),
+        }),
+        Message::Written(ferry_transports::wire::Written {
+            transfer: 4,
+            error: None,
+        }),
+        Message::Written(ferry_transports::wire::Written {
+            transfer: 5,
+            error: Some("importing the receiver's buffer: invalid value".into()),
         }),
         Message::Data(DataChunk {
             transfer: 2,

@@ -155,7 +155,7 @@ mod tests {
             min_bytes: 0,
             max_bytes: None,
             transports,
-            direction,
+            direction: Some(direction),
         }
     }
 

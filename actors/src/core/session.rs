@@ -4,7 +4,10 @@
 //!
 //! Outbound transfer: `Waiting → AwaitGrant → Streaming → AwaitDone → Completed`, or
 //! `Failed`/`Cancelled` from any phase. A pulled transfer (ipc) skips the grant and the
-//! stream: `Waiting → AwaitDone → Completed`, the peer reading the bytes itself. A put: `Waiting → Streaming → AwaitAck → Completed`.
+//! stream: `Waiting → AwaitDone → Completed`, the peer reading the bytes itself. A pushed
+//! ipc transfer's grant lends the receiver's buffer, and `Streaming` is the shell's copy
+//! into it, which ends by telling the peer `Written`. A put: `Waiting → Streaming →
+//! AwaitAck → Completed`.
 //! While a stream runs, a transport still reads the caller's buffer; an op that ends then
 //! passes through `Ending` and reports its outcome only once the stream has stopped, so the
 //! buffer never goes back to its owner while a copy can still touch it.
@@ -12,12 +15,16 @@
 //! Inbound transfer: `Reserving → Receiving → Complete → delivered`, in the peer's offer
 //! order (a later transfer that completes first waits for the earlier ones). For a pulled
 //! transfer, `Receiving` is the shell's copy out of the peer's memory; no grant is sent.
+//! For a pushed ipc transfer, `Receiving` waits for the peer's `Written`; the buffer the
+//! grant lent stays lent until then, even when the transfer is abandoned meanwhile (the
+//! shell keeps it: the peer may still be copying into it).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use ferry_transports::wire::{
     Cancel, Done, Grant, IpcSource, Message, Offer, WireDirection, WireMemoryKind, WireReason,
+    Written,
 };
 
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
@@ -46,6 +53,8 @@ pub enum FailKind {
     },
     /// This node is shutting down.
     ShuttingDown,
+    /// The transport failed to move the bytes (the copy into the peer's memory).
+    Transport(String),
 }
 
 impl std::fmt::Display for FailKind {
@@ -55,6 +64,7 @@ impl std::fmt::Display for FailKind {
             Self::DeadlineExceeded => f.write_str("deadline exceeded"),
             Self::Refused { reason, detail } => write!(f, "refused by peer ({reason:?}): {detail}"),
             Self::ShuttingDown => f.write_str("node shutting down"),
+            Self::Transport(why) => write!(f, "the transport failed: {why}"),
         }
     }
 }
@@ -103,6 +113,10 @@ pub struct PutRequest {
 pub enum SessionEvent {
     /// Stream the op's bytes now (a granted transfer, or a put).
     Stream(OpId),
+    /// Copy the op's bytes into the peer's buffer `target` (an ipc push), then tell the peer
+    /// [`Message::Written`] and report [`PeerSession::handle_stream_ended`] (or
+    /// [`PeerSession::handle_write_failed`]).
+    Write(OpId, IpcSource),
     /// Stop the op's running stream at the next chunk; `StreamEnded` still follows.
     StopStream(OpId),
     /// The op ended; its buffer can go back to its owner.
@@ -116,6 +130,18 @@ pub enum SessionEvent {
         /// For a pulled transfer: where to read the bytes once reserved
         /// ([`PeerSession::handle_reserved_pull`]).
         pull: Option<IpcSource>,
+        /// An ipc push: reserve device memory where possible and lend it in the grant.
+        push: bool,
+    },
+    /// The peer no longer writes the buffer the grant of inbound `id` lent it (an ipc
+    /// push): `error` is `None` when every byte is in place. The shell frees the buffer or
+    /// completes the transfer ([`PeerSession::handle_inbound_complete`]); it may have been
+    /// abandoned meanwhile, or never lent anything.
+    Written {
+        /// The inbound transfer.
+        id: InboundId,
+        /// Why the bytes are not there.
+        error: Option<String>,
     },
     /// An inbound transfer is complete and it is its turn: hand it to the application.
     Deliver {
@@ -210,8 +236,9 @@ struct InboundOp {
 #[derive(Debug)]
 pub struct PeerSession {
     limits: SessionLimits,
-    /// True when this node can pull from the peer's device memory (ipc).
-    serves_pull: bool,
+    /// True when this node can take ipc transfers (pull from the peer's device memory, or
+    /// lend its own for a push).
+    serves_ipc: bool,
     next_op: u64,
     ops: BTreeMap<OpId, Phase>,
     inbound: BTreeMap<InboundId, InboundOp>,
@@ -226,7 +253,7 @@ impl PeerSession {
     pub fn new(limits: SessionLimits) -> Self {
         Self {
             limits,
-            serves_pull: false,
+            serves_ipc: false,
             next_op: 1,
             ops: BTreeMap::new(),
             inbound: BTreeMap::new(),
@@ -237,9 +264,9 @@ impl PeerSession {
         }
     }
 
-    /// Whether offers to pull (ipc) are accepted; refused as unsupported otherwise.
-    pub fn set_serves_pull(&mut self, serves: bool) {
-        self.serves_pull = serves;
+    /// Whether ipc offers (pull or push) are accepted; refused as unsupported otherwise.
+    pub fn set_serves_ipc(&mut self, serves: bool) {
+        self.serves_ipc = serves;
     }
 
     /// Queues a transfer; it is offered in order once a pipeline slot is free.
@@ -377,6 +404,14 @@ impl PeerSession {
         live
     }
 
+    /// The copy of op `id` into the peer's buffer (an ipc push) failed: the op fails with
+    /// the reason. The shell told the peer (`Written` with the error) and reports no
+    /// `handle_stream_ended` for it.
+    pub fn handle_write_failed(&mut self, id: OpId, why: String) {
+        self.finish(id, Outcome::Failed(FailKind::Transport(why)), None);
+        self.handle_stream_ended(id);
+    }
+
     /// The transport finished (or stopped) streaming op `id`'s bytes.
     pub fn handle_stream_ended(&mut self, id: OpId) {
         match self.ops.remove(&id) {
@@ -408,6 +443,13 @@ impl PeerSession {
             Message::Grant(grant) => self.on_grant(&grant),
             Message::Done(done) => {
                 self.on_confirm(OpId(done.transfer));
+                Ok(())
+            }
+            Message::Written(written) => {
+                self.events.push_back(SessionEvent::Written {
+                    id: InboundId(written.transfer),
+                    error: written.error,
+                });
                 Ok(())
             }
             Message::PutAck(ack) => {
@@ -461,9 +503,11 @@ impl PeerSession {
             ))
         } else if !(offer.transport == "tcp" && offer.direction == WireDirection::Push
             || offer.transport == "ipc"
-                && offer.direction == WireDirection::Pull
-                && offer.ipc.is_some()
-                && self.serves_pull)
+                && self.serves_ipc
+                && match offer.direction {
+                    WireDirection::Pull => offer.ipc.is_some(),
+                    WireDirection::Push => offer.ipc.is_none(),
+                })
         {
             Some((
                 WireReason::Unsupported,
@@ -492,10 +536,12 @@ impl PeerSession {
                 phase: InPhase::Reserving,
             },
         );
+        let push = offer.transport == "ipc" && offer.direction == WireDirection::Push;
         self.events.push_back(SessionEvent::Reserve {
             id,
             len: offer.len,
             pull: offer.ipc,
+            push,
         });
         Ok(())
     }
@@ -504,6 +550,15 @@ impl PeerSession {
         let id = OpId(grant.transfer);
         match self.ops.remove(&id) {
             Some(Phase::AwaitGrant(req)) => {
+                let pushes = req.transport == "ipc" && req.direction == WireDirection::Push;
+                if grant.target.is_some() && !pushes {
+                    let why = format!(
+                        "grant for transfer {} lends a buffer to a transfer over {} ({:?})",
+                        id.0, req.transport, req.direction
+                    );
+                    self.ops.insert(id, Phase::AwaitGrant(req));
+                    return Err(ProtocolViolation(why));
+                }
                 self.ops.insert(
                     id,
                     Phase::Streaming {
@@ -511,15 +566,23 @@ impl PeerSession {
                         confirmed: false,
                     },
                 );
-                self.events.push_back(SessionEvent::Stream(id));
+                // A push whose landing is not lent (host memory) streams over the link.
+                self.events.push_back(match &grant.target {
+                    Some(target) => SessionEvent::Write(id, target.clone()),
+                    None => SessionEvent::Stream(id),
+                });
                 Ok(())
             }
-            // A grant that crossed our cancel: nothing to do.
+            // A grant that crossed our cancel: nothing to do, but a lent buffer goes back.
             Some(ending @ Phase::Ending { .. }) => {
                 self.ops.insert(id, ending);
+                self.give_back(grant);
                 Ok(())
             }
-            None if id.0 < self.next_op => Ok(()),
+            None if id.0 < self.next_op => {
+                self.give_back(grant);
+                Ok(())
+            }
             Some(other) => {
                 self.ops.insert(id, other);
                 Err(ProtocolViolation(format!(
@@ -531,6 +594,16 @@ impl PeerSession {
                 "grant for transfer {} that was never offered",
                 id.0
             ))),
+        }
+    }
+
+    /// A grant that lent a buffer to an op that already ended: the peer gets it back.
+    fn give_back(&mut self, grant: &Grant) {
+        if grant.target.is_some() {
+            self.transmit.push_back(Message::Written(Written {
+                transfer: grant.transfer,
+                error: Some("the transfer ended before its grant arrived".into()),
+            }));
         }
     }
 
@@ -580,15 +653,22 @@ impl PeerSession {
         }
     }
 
-    /// Memory for inbound transfer `id` was reserved. Returns false if the transfer was
-    /// abandoned meanwhile, in which case the shell frees the memory itself.
-    pub fn handle_reserved(&mut self, id: InboundId, landing: WireMemoryKind) -> bool {
+    /// Memory for inbound transfer `id` was reserved, and for an ipc push lent as `target`.
+    /// Returns false if the transfer was abandoned meanwhile, in which case the shell frees
+    /// the memory itself (nothing was lent).
+    pub fn handle_reserved(
+        &mut self,
+        id: InboundId,
+        landing: WireMemoryKind,
+        target: Option<IpcSource>,
+    ) -> bool {
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Reserving => {
                 op.phase = InPhase::Receiving;
                 self.transmit.push_back(Message::Grant(Grant {
                     transfer: id.0,
                     landing,
+                    target,
                 }));
                 true
             }

@@ -57,6 +57,11 @@ pub struct Args {
     /// Transport to measure.
     #[arg(long, default_value = "tcp")]
     transport: String,
+    /// Who moves the bytes: push (the sender writes into memory the receiver lends) or
+    /// pull (the receiver reads the sender's memory). Unset: the transport's own (tcp
+    /// pushes, ipc pulls). A local bench only: both of its nodes get a rule saying so.
+    #[arg(long, value_parser = ["push", "pull"])]
+    direction: Option<String>,
     /// Memory at both ends: host or device.
     #[arg(long, default_value = "host")]
     memory: String,
@@ -218,7 +223,26 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
     if args.min > args.max {
         bail!("-b {} is larger than -e {}", args.min, args.max);
     }
+    if args.direction.is_some() && !args.peers.is_empty() {
+        bail!(
+            "--direction sets the rules of a local bench's nodes; with --peers, set the \
+             direction in the nodes' rules"
+        );
+    }
     Ok(())
+}
+
+/// The rule both nodes of a local bench take for `--direction`: every transfer over the
+/// measured transport, in that direction.
+fn direction_rule(args: &Args) -> String {
+    match &args.direction {
+        Some(direction) => format!(
+            "\n[[transport.rules]]\nname = \"bench\"\ntransports = [\"{}\"]\n\
+             direction = \"{direction}\"\n",
+            args.transport
+        ),
+        None => String::new(),
+    }
 }
 
 /// The GPUs of a device-memory bench: the measured node's and the local peer's.
@@ -352,6 +376,7 @@ async fn start_local(
     if let Some(g) = gpus {
         text.push_str(&gpu_table(g.theirs));
     }
+    text.push_str(&direction_rule(args));
     std::fs::write(&peer_cfg, &text).context("cannot write the peer config")?;
     let exe = std::env::current_exe().context("cannot find the ferry binary")?;
     let mut child = Command::new(exe)
@@ -392,6 +417,7 @@ async fn start_local(
     if let Some(g) = gpus {
         text.push_str(&gpu_table(g.ours));
     }
+    text.push_str(&direction_rule(args));
     let bench_cfg = local.dir.path().join("bench.toml");
     std::fs::write(&bench_cfg, &text).context("cannot write the bench config")?;
     let node = Node::start(bench_config(&bench_cfg, overrides)?).await?;
@@ -446,6 +472,17 @@ async fn orchestrate(
     };
     let explanation = node.explain(&target.name, args.max, class, class).await?;
     let chosen = explanation.chosen.as_ref().map(|r| r.transport.as_str());
+    let direction = explanation.chosen.as_ref().map(|r| r.direction.to_string());
+    if let Some(wanted) = &args.direction
+        && chosen == Some(args.transport.as_str())
+        && direction.as_ref() != Some(wanted)
+    {
+        bail!(
+            "--direction {wanted}: {} moves only {}; the route: {explanation}",
+            args.transport,
+            direction.unwrap_or_default()
+        );
+    }
     if chosen != Some(args.transport.as_str()) {
         bail!(
             "--transport {}: ferry would carry {} of {} memory to {} over {}, so the bench \

@@ -12,7 +12,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -170,7 +170,8 @@ pub enum IpcSetupStep {
     Confirm,
 }
 
-/// The receiver has reserved memory for a transfer; the sender may stream it.
+/// The receiver has reserved memory for a transfer; the sender may stream it, or, for an
+/// ipc push, write it into `target`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct Grant {
@@ -178,6 +179,23 @@ pub struct Grant {
     pub transfer: u64,
     /// Where the data will land at the receiver.
     pub landing: WireMemoryKind,
+    /// For an ipc push into device memory: the receiver's buffer, exported for the sender
+    /// to import and copy into. It is lent until the sender answers [`Message::Written`].
+    /// `None`: the bytes stream over the link (a push whose landing spilled to host memory
+    /// takes that way too).
+    pub target: Option<IpcSource>,
+}
+
+/// The sender of an ipc push no longer touches the receiver's buffer lent in the grant: its
+/// copy completed (`error` is `None`, every byte is in place and visible) or failed or never
+/// ran. Sent exactly once for every grant that lent a buffer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Written {
+    /// The transfer, as offered.
+    pub transfer: u64,
+    /// Why the bytes are not there, when they are not.
+    pub error: Option<String>,
 }
 
 /// Describes one chunk of a transfer's payload. The bytes themselves follow on the link as
@@ -301,6 +319,8 @@ pub enum Message {
     IpcUnmap(IpcBufferRef),
     /// The buffer is no longer mapped here (asked for, or evicted on our own).
     IpcUnmapped(IpcBufferRef),
+    /// An ipc push let go of the receiver's buffer (written, or not).
+    Written(Written),
 }
 
 /// The kind of a frame, carried in its header.
@@ -341,6 +361,8 @@ pub enum FrameKind {
     IpcUnmap = 15,
     /// [`Message::IpcUnmapped`]
     IpcUnmapped = 16,
+    /// [`Message::Written`]
+    Written = 17,
 }
 
 impl FrameKind {
@@ -363,6 +385,7 @@ impl FrameKind {
             14 => Self::IpcSetup,
             15 => Self::IpcUnmap,
             16 => Self::IpcUnmapped,
+            17 => Self::Written,
             _ => return None,
         })
     }
@@ -387,6 +410,7 @@ impl Message {
             Self::IpcSetup(_) => FrameKind::IpcSetup,
             Self::IpcUnmap(_) => FrameKind::IpcUnmap,
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
+            Self::Written(_) => FrameKind::Written,
         }
     }
 }
@@ -410,6 +434,7 @@ impl ArchivedMessage {
             Self::IpcSetup(_) => FrameKind::IpcSetup,
             Self::IpcUnmap(_) => FrameKind::IpcUnmap,
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
+            Self::Written(_) => FrameKind::Written,
         }
     }
 }
