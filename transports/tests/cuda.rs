@@ -55,6 +55,18 @@ fn error_message_without_driver_is_clear() {
     }
 }
 
+/// A buffer lent to a peer's push is exported before any peer fetched the pool: a new
+/// pool's pointers export at once.
+#[test]
+fn a_new_pools_buffers_export_at_once() {
+    let Some(gpus) = gpus() else { return };
+    let pool = ExportablePool::new(&gpus[0]).expect("exportable pool");
+    let stream = Stream::new(&gpus[0]).expect("stream");
+    let buf = pool.alloc(1, &stream).expect("alloc");
+    stream.synchronize().expect("allocated");
+    buf.export_pointer().expect("a new pool's buffer exports");
+}
+
 #[test]
 fn pool_alloc_free_and_host_round_trip() {
     let Some(gpus) = gpus() else { return };

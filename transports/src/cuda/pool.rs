@@ -51,7 +51,10 @@ impl Drop for PoolInner {
 }
 
 impl ExportablePool {
-    /// Creates an exportable pool on `device`.
+    /// Creates an exportable pool on `device`, and exports it once (the descriptor is closed
+    /// at once): the driver exports no pointer of a pool that was never shared
+    /// (`cuMemPoolExportPointer` answered `CUDA_ERROR_INVALID_VALUE` on the H200 for a
+    /// receiver lending its buffer to a push before any peer had fetched its pool).
     ///
     /// # Errors
     /// A driver error, e.g. `CUDA_ERROR_NOT_SUPPORTED` where the device cannot export pools
@@ -68,6 +71,7 @@ impl ExportablePool {
         };
         // SAFETY: the pool was just created and is owned by `pool`.
         unsafe { raw::mem_pool_set_release_threshold(handle, u64::MAX) }?;
+        drop(pool.export_fd()?);
         Ok(pool)
     }
 
