@@ -232,14 +232,16 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The rule both nodes of a local bench take for `--direction`: every transfer over the
-/// measured transport, in that direction.
+/// The rules both nodes of a local bench take for `--direction`: the bench's memory over
+/// the measured transport, in that direction; anything else (the bench's own host-memory
+/// messages) over tcp.
 fn direction_rule(args: &Args) -> String {
     match &args.direction {
         Some(direction) => format!(
-            "\n[[transport.rules]]\nname = \"bench\"\ntransports = [\"{}\"]\n\
-             direction = \"{direction}\"\n",
-            args.transport
+            "\n[[transport.rules]]\nname = \"bench\"\nsrc = [\"{}\"]\ntransports = [\"{}\"]\n\
+             direction = \"{direction}\"\n\n[[transport.rules]]\nname = \"host\"\n\
+             transports = [\"tcp\"]\n",
+            args.memory, args.transport
         ),
         None => String::new(),
     }
@@ -508,7 +510,7 @@ async fn orchestrate(
             (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
-        latency: latency_label(&args.transport, args.pingpong),
+        latency: latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
     };
     report::print_header(&header);
     if matches!(target.memory, MemoryKind::Device(_)) && !args.no_check {
@@ -562,9 +564,13 @@ async fn orchestrate(
 }
 
 /// What the latency columns measure, for the header.
-fn latency_label(transport: &str, pingpong: bool) -> String {
-    let what = match transport {
-        "ipc" => {
+fn latency_label(transport: &str, direction: Option<&str>, pingpong: bool) -> String {
+    let what = match (transport, direction) {
+        ("ipc", Some("push")) => {
+            "send() called until the peer's Done: it lent a buffer, our copy engine wrote \
+             the bytes into it, and it took them (grant, copy, Written, Done)"
+        }
+        ("ipc", _) => {
             "send() called until the peer's Done: it imported our buffer and its copy engine \
              pulled the bytes (one pull round trip)"
         }
