@@ -321,7 +321,8 @@ async fn a_full_gpu_spills_pushes_to_pinned_and_promotes_back() {
     spills_and_promotes(PUSH).await;
 }
 
-/// `a` with 64 MiB of device budget gets 4 × 20 MiB back from `b`; `rules` go to both.
+/// `a` with 64 MiB of device budget sends 3 × 20 MiB to `b` and keeps them: the echoes
+/// find its GPU full and land in pinned host memory. `rules` go to both nodes.
 async fn spills_and_promotes(rules: &str) {
     let a_extra = format!(
         "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n\
@@ -329,25 +330,32 @@ async fn spills_and_promotes(rules: &str) {
     );
     let p = pair(&a_extra, &format!("{GPU1}{rules}")).await;
     let len = 20 << 20;
-    let wants: Vec<Vec<u8>> = (0..4).map(|i| pattern(len, 100 + i)).collect();
-    for (i, want) in wants.iter().enumerate() {
-        let b = device_buffer(&p.node, want).await;
-        drop(p.node.send("b", i as u64, b).await.expect("send"));
+    let wants: Vec<Vec<u8>> = (0..3).map(|i| pattern(len, 100 + i)).collect();
+    // All three allocated before the first leaves, so no echo finds room on the GPU.
+    let mut buffers = Vec::new();
+    for want in &wants {
+        buffers.push(device_buffer(&p.node, want).await);
+    }
+    let mut sent = Vec::new();
+    for (i, b) in buffers.into_iter().enumerate() {
+        sent.push(p.node.send("b", i as u64, b).await.expect("send"));
     }
     let mut got = Vec::new();
-    for i in 0..4u64 {
+    for i in 0..3u64 {
         got.push(p.node.recv(Some("b"), Some(i)).await.expect("recv").buffer);
     }
-    let spilled: Vec<usize> = (0..4)
+    let spilled: Vec<usize> = (0..3)
         .filter(|&i| got[i].kind() == MemoryKind::PinnedHost)
         .collect();
-    assert!(
-        !spilled.is_empty(),
-        "64 MiB cannot hold 4 × 20 MiB plus a send buffer"
+    assert_eq!(
+        spilled.len(),
+        3,
+        "64 MiB holding 3 × 20 MiB of sent buffers has no room for their echoes"
     );
     for (b, want) in got.iter().zip(&wants) {
         assert!(b.to_vec().expect("read") == *want, "landed bytes differ");
     }
+    drop(sent);
     // Room on the GPU again: the spilled buffers come back, byte for byte.
     let mut on_device = Vec::new();
     let mut pinned = Vec::new();

@@ -554,12 +554,14 @@ pub fn push(
     stream
         .synchronize()
         .map_err(|e| format!("finishing the copy into the receiver's buffer: {e}"))?;
+    let copied_at = started.elapsed();
     // Freed now (the copy has completed): the receiver may free its buffer once told.
     drop(imported);
     tracing::trace!(
         bytes = len,
         import_us = imported_at.as_micros() as u64,
-        total_us = started.elapsed().as_micros() as u64,
+        copy_us = (copied_at - imported_at).as_micros() as u64,
+        free_us = (started.elapsed() - copied_at).as_micros() as u64,
         "pushed"
     );
     Ok(())
