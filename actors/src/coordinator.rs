@@ -478,6 +478,10 @@ pub fn describe_metrics() {
         "ipc pulls that failed after memory was reserved (import or copy refused)"
     );
     describe_counter!(
+        "ferry_push_failures_total",
+        "ipc pushes whose copy into the peer's lent buffer failed (import or copy refused)"
+    );
+    describe_counter!(
         "ferry_device_alloc_failures_total",
         "Device allocations the budget allowed but the GPU refused (another process filled it)"
     );
@@ -536,6 +540,7 @@ pub fn describe_metrics() {
         metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
     }
     metrics::counter!("ferry_pull_failures_total").absolute(0);
+    metrics::counter!("ferry_push_failures_total").absolute(0);
     metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
