@@ -528,6 +528,7 @@ pub fn push(
     pool: &ImportedPool,
     gpus: &Gpus,
     source: &SharedBytes,
+    stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(), String> {
     if target.legacy.is_some() {
         return Err("the receiver lent memory that is not from its pool".into());
@@ -541,6 +542,10 @@ pub fn push(
     let started = std::time::Instant::now();
     let mut imported = {
         let _quiet = gpus.drain_copies()?;
+        // The transfer may have ended while this waited for the copies: nothing is written.
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return Err("the transfer ended before its copy started".into());
+        }
         pool.import_pointer(export, end)
             .map_err(|e| format!("importing the receiver's buffer: {e}"))?
     };
@@ -555,7 +560,10 @@ pub fn push(
         .synchronize()
         .map_err(|e| format!("finishing the copy into the receiver's buffer: {e}"))?;
     let copied_at = started.elapsed();
-    // Freed now (the copy has completed): the receiver may free its buffer once told.
+    // Freed now (the copy has completed): the receiver may free its buffer once told. Not
+    // under the mapping lock, as the owner-requested unmaps of pulled buffers are not: the
+    // fault that lock prevents came from imports, and draining before frees did not change
+    // it (docs/PERFORMANCE.md, "Fifth run").
     drop(imported);
     tracing::trace!(
         bytes = len,

@@ -372,6 +372,9 @@ struct IpcState {
     /// Our buffers lent to the peer for its pushes (receiving side), by inbound transfer,
     /// until it says `Written`; quarantined if the session ends first.
     lent: HashMap<InboundId, Buffer>,
+    /// Those of `lent` whose transfer was abandoned: no longer counted by the session, so
+    /// bounded here (a peer past `limits.inbound` of them loses the link).
+    lent_abandoned: HashSet<InboundId>,
     /// The peer's pools we push into (sending side), by device UUID, each fetched on the
     /// first push to it; the lock makes one fetch at a time.
     push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,
@@ -609,6 +612,16 @@ impl TransferActor {
                 self.complete.remove(&id);
                 if self.ipc.lent.contains_key(&id) {
                     // The peer may be copying into it: kept until it says Written.
+                    self.ipc.lent_abandoned.insert(id);
+                    if self.ipc.lent_abandoned.len() > self.setup.limits.inbound {
+                        tracing::warn!(
+                            peer = %self.peer,
+                            "the peer keeps more abandoned lent buffers than it may have \
+                             transfers open; dropping the link"
+                        );
+                        self.session
+                            .handle_link_lost("the peer kept too many abandoned lent buffers");
+                    }
                     self.watch_lent(id, ctx);
                 }
                 if self.ipc.sources.remove(&id).is_some() {
@@ -895,6 +908,7 @@ impl TransferActor {
         let Some(buffer) = self.ipc.lent.remove(&id) else {
             return;
         };
+        self.ipc.lent_abandoned.remove(&id);
         match error {
             None => {
                 if self.session.handle_inbound_complete(id) {
@@ -942,8 +956,14 @@ impl TransferActor {
         let Some(entry) = self.outbound.get_mut(&op) else {
             return self.written(op, Err("the transfer ended".into()), ctx);
         };
+        if let Some(why) = self.session.lost_reason() {
+            // The grant was read just before the link went: no copy on a dead link.
+            let why = format!("the link is gone: {why}");
+            return self.written(op, Err(why), ctx);
+        }
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
         let source = entry.buffer.share();
+        let stop = Arc::clone(&entry.stop);
         let pools = Arc::clone(&self.ipc.push_pools);
         let peer = self.peer.clone();
         let pid = self.ipc.peer_pid;
@@ -965,7 +985,7 @@ impl TransferActor {
                     .cloned()
                     .ok_or_else(|| "the receiver's pool was not imported".to_string())?
             };
-            io.spawn_blocking(move || crate::gpu::push(&target, &pool, &gpus, &source))
+            io.spawn_blocking(move || crate::gpu::push(&target, &pool, &gpus, &source, &stop))
                 .await
                 .map_err(|e| format!("the push task failed: {e}"))?
         };
@@ -1003,8 +1023,8 @@ impl TransferActor {
 }
 
 /// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
-/// from those of our own buffers offered for pulling (our op ids).
-const LENT: u64 = 1 << 39;
+/// from those of our own buffers offered for pulling (our op ids): both stay below it.
+const LENT: u64 = crate::core::session::MAX_TRANSFER_ID;
 
 /// Where an inbound transfer's bytes land, and who puts them there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -816,3 +816,35 @@ fn push_offers_and_lending_grants_are_checked() {
     p.a.handle_message(grant).expect("valid");
     assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
 }
+
+#[test]
+fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
+    // A grant for an op whose copy is under way (Ending after a cancel) must not be answered
+    // Written: that would let the peer free the buffer the first grant lent.
+    let mut p = Push::new();
+    let (op, id) = p.offer();
+    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::target())));
+    assert!(p.a.handle_cancel(op));
+    let again = Message::Grant(ferry_transports::wire::Grant {
+        transfer: op.0,
+        landing: WireMemoryKind::Device(1),
+        target: Some(Push::target()),
+    });
+    let err =
+        p.a.handle_message(again)
+            .expect_err("a second lending grant");
+    assert!(err.to_string().contains("second grant"), "{err}");
+    // Transfer ids at or past 2^39 are refused: quarantined memory is keyed by them.
+    let mut s = PeerSession::new(LIMITS);
+    let offer = Message::Offer(ferry_transports::wire::Offer {
+        transfer: ferry_actors::core::session::MAX_TRANSFER_ID,
+        tag: 0,
+        len: 8,
+        source: WireMemoryKind::Host,
+        transport: "tcp".into(),
+        direction: WireDirection::Push,
+        ipc: None,
+    });
+    let err = s.handle_message(offer).expect_err("a huge id");
+    assert!(err.to_string().contains("past the largest"), "{err}");
+}

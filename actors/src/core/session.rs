@@ -32,6 +32,11 @@ use ferry_transports::wire::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OpId(pub u64);
 
+/// Transfer ids stay below this (2^39; a session numbers its ops from 1 and would need
+/// centuries to get there): the shell keys quarantined memory by session, kind and id in
+/// one word. A peer that offers a larger id breaks the protocol.
+pub const MAX_TRANSFER_ID: u64 = 1 << 39;
+
 /// Identifies an inbound transfer: the id the sending peer gave it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct InboundId(pub u64);
@@ -485,6 +490,13 @@ impl PeerSession {
 
     fn on_offer(&mut self, offer: Offer) -> Result<(), ProtocolViolation> {
         let id = InboundId(offer.transfer);
+        if offer.transfer >= MAX_TRANSFER_ID {
+            return Err(ProtocolViolation(format!(
+                "transfer id {} is past the largest a peer may use ({})",
+                offer.transfer,
+                MAX_TRANSFER_ID - 1
+            )));
+        }
         if self.inbound.contains_key(&id) {
             return Err(ProtocolViolation(format!(
                 "transfer {} offered twice",
@@ -573,12 +585,21 @@ impl PeerSession {
                 });
                 Ok(())
             }
-            // A grant that crossed our cancel: nothing to do, but a lent buffer goes back.
+            // Ending comes only from Streaming, so this op was granted already: a second
+            // grant that lends a buffer breaks the protocol (answering it Written would let
+            // the peer free the buffer the first grant lent while our copy may still run).
             Some(ending @ Phase::Ending { .. }) => {
                 self.ops.insert(id, ending);
-                self.give_back(grant);
+                if grant.target.is_some() {
+                    return Err(ProtocolViolation(format!(
+                        "a second grant lending a buffer for transfer {}",
+                        id.0
+                    )));
+                }
                 Ok(())
             }
+            // A grant that crossed our cancel (the op ended before it was granted): a lent
+            // buffer goes back at once.
             None if id.0 < self.next_op => {
                 self.give_back(grant);
                 Ok(())
