@@ -41,6 +41,7 @@ pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::tcp::RegionKey;
+pub use ferry_transports::wire::{Layout, LayoutError};
 
 #[doc(hidden)]
 pub mod testing;

@@ -456,3 +456,120 @@ async fn recv_is_cancel_safe() {
         (0..60).filter(|t| !got.contains(t)).collect::<Vec<_>>()
     );
 }
+
+/// Strided host buffers, 2D and 3D, spanning several chunks: the receiver gets the rows
+/// packed, with the layout, and the sender its buffer back whole; an echo across a process
+/// boundary brings the packed bytes back. A layout that does not fit is refused before
+/// anything moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strided_layouts_arrive_packed_with_their_layout() {
+    use ferry::Layout;
+    let scratch = Scratch::new();
+    let chunks = "[transport.tcp]\nchunk_size = \"64 KiB\"";
+    let b = Node::start(scratch.config("b", &[], chunks))
+        .await
+        .expect("b starts");
+    let a = Node::start(scratch.config("a", &[("b", &b.tcp_addrs()[0])], chunks))
+        .await
+        .expect("a starts");
+    let (echoing, _echo) = with_echo(&scratch, chunks).await;
+    let layouts = [
+        // 300 rows of 1000 bytes at a pitch of 1536, with 77 bytes after the last row.
+        (
+            Layout::Strided2D {
+                rows: 300,
+                row_bytes: 1000,
+                pitch: 1536,
+            },
+            299 * 1536 + 1000 + 77,
+        ),
+        // 3 planes of 40 rows of 700 bytes, pitch 1024, 50 rows per plane.
+        (
+            Layout::Strided3D {
+                depth: 3,
+                rows: 40,
+                row_bytes: 700,
+                pitch: 1024,
+                plane_rows: 50,
+            },
+            (2 * 50 + 39) * 1024 + 700,
+        ),
+        (Layout::Contiguous, 100_003),
+    ];
+    for (i, (layout, len)) in layouts.into_iter().enumerate() {
+        let buffer = patterned(&a, len, i as u64).await;
+        let whole = buffer.to_vec().expect("host");
+        let packed = layout.check(len as u64).expect("fits") as usize;
+        let mut want = vec![0u8; packed];
+        layout.gather(&whole, 0, &mut want).expect("gather");
+        let back = a
+            .send_layout("b", i as u64, buffer, layout)
+            .await
+            .expect("send");
+        assert_eq!(
+            back.to_vec().expect("host"),
+            whole,
+            "the sender's buffer changed"
+        );
+        let got = b.recv(Some("a"), Some(i as u64)).await.expect("recv");
+        assert_eq!(got.layout, layout);
+        assert_eq!(got.transport, "tcp");
+        assert!(
+            got.buffer.to_vec().expect("host") == want,
+            "{layout:?}: other bytes"
+        );
+        // Across a process: the echo sends the packed bytes back as they are.
+        let buffer = patterned(&echoing, len, i as u64).await;
+        drop(
+            echoing
+                .send_layout("echo", 100 + i as u64, buffer, layout)
+                .await
+                .expect("send"),
+        );
+        let echoed = echoing
+            .recv(Some("echo"), Some(100 + i as u64))
+            .await
+            .expect("echo");
+        assert!(
+            echoed.buffer.to_vec().expect("host") == want,
+            "{layout:?}: echo differs"
+        );
+    }
+    // Refused before anything moves, naming the cause; the buffer comes back.
+    let buffer = patterned(&a, 4096, 9).await;
+    let bad = Layout::Strided2D {
+        rows: 4,
+        row_bytes: 1024,
+        pitch: 512,
+    };
+    let err = a
+        .send_layout("b", 9, buffer, bad)
+        .await
+        .expect_err("pitch < row");
+    assert!(matches!(err.error, Error::Usage(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("pitch (512 bytes) is smaller than a row"),
+        "{err}"
+    );
+    assert_eq!(err.buffer.map(|b| b.len()), Some(4096));
+    let buffer = patterned(&a, 4096, 10).await;
+    let past = Layout::Strided2D {
+        rows: 4,
+        row_bytes: 1024,
+        pitch: 1100,
+    };
+    let err = a
+        .send_layout("b", 10, buffer, past)
+        .await
+        .expect_err("past the end");
+    assert!(
+        err.to_string()
+            .contains("reaches byte 4324 of a buffer of 4096"),
+        "{err}"
+    );
+    let nothing = tokio::time::timeout(Duration::from_millis(200), b.recv(Some("a"), None)).await;
+    assert!(nothing.is_err(), "a refused layout still sent something");
+    a.shutdown().await;
+    b.shutdown().await;
+}

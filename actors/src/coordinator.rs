@@ -36,6 +36,8 @@ pub struct SendTo {
     pub tag: u64,
     /// The data.
     pub buffer: Buffer,
+    /// How the bytes to send lie in it (checked against it already).
+    pub layout: ferry_transports::wire::Layout,
     /// When it must have ended.
     pub deadline: Instant,
 }
@@ -580,7 +582,12 @@ impl Handler<SendTo> for Coordinator {
 
     fn handle(&mut self, msg: SendTo, ctx: &mut Self::Context) -> Self::Result {
         let src = memory_class(msg.buffer.kind());
-        let explanation = self.explain(&msg.peer, msg.buffer.len() as u64, src, MemoryClass::Host);
+        // Routed by what moves: the layout's packed bytes.
+        let bytes = msg
+            .layout
+            .check(msg.buffer.len() as u64)
+            .unwrap_or(msg.buffer.len() as u64);
+        let explanation = self.explain(&msg.peer, bytes, src, MemoryClass::Host);
         let Some(route) = explanation.chosen.clone() else {
             let buffer = msg.buffer;
             return Box::pin(async move {
@@ -607,7 +614,6 @@ impl Handler<SendTo> for Coordinator {
         // If the chosen transport's setup with the peer fails, the next of the rule.
         let fallback = (route.transport == ferry_config::TransportName::Ipc)
             .then(|| {
-                let bytes = msg.buffer.len() as u64;
                 self.route(
                     &msg.peer,
                     bytes,
@@ -624,6 +630,7 @@ impl Handler<SendTo> for Coordinator {
             transport: route.transport.as_str().to_string(),
             direction: wire(route.direction),
             fallback,
+            layout: msg.layout,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }
@@ -663,7 +670,7 @@ impl Handler<Delivered> for Coordinator {
 
     fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
         self.inbox
-            .deliver(&msg.peer, msg.tag, msg.transport, msg.buffer);
+            .deliver(&msg.peer, msg.tag, msg.transport, msg.layout, msg.buffer);
     }
 }
 

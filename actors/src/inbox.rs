@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry_transports::memory::Buffer;
+use ferry_transports::wire::Layout;
 use tokio::sync::Notify;
 
 use crate::core::mailroom::Mailroom;
@@ -28,10 +29,33 @@ pub struct Received {
     /// The transport it came over (`"tcp"`, `"ipc"`, ...): says whether the fast path was
     /// taken.
     pub transport: &'static str,
+    /// How the bytes lay in the sender's buffer. `buffer` holds them packed (the rows one
+    /// after the other); [`Layout::scatter`] puts them back in that shape.
+    pub layout: Layout,
+}
+
+/// A buffer waiting for a `recv`, with what the receive reports about it.
+#[derive(Debug)]
+struct Item {
+    buffer: Buffer,
+    transport: &'static str,
+    layout: Layout,
+}
+
+impl Item {
+    fn received(self, peer: String, tag: u64) -> Received {
+        Received {
+            buffer: self.buffer,
+            peer,
+            tag,
+            transport: self.transport,
+            layout: self.layout,
+        }
+    }
 }
 
 /// Buffers waiting for a `recv` (with the transport each came over), and parked receives.
-type Room = Mailroom<(Buffer, &'static str), Arc<Slot>>;
+type Room = Mailroom<Item, Arc<Slot>>;
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -83,18 +107,24 @@ impl Inbox {
         Ok(self.room.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// A buffer from `peer` under `tag` arrived, in the peer's order.
-    pub fn deliver(&self, peer: &str, tag: u64, transport: &'static str, buffer: Buffer) {
+    /// A buffer from `peer` under `tag` arrived, in the peer's order: its bytes packed, as
+    /// they lay in the sender's buffer by `layout`.
+    pub fn deliver(
+        &self,
+        peer: &str,
+        tag: u64,
+        transport: &'static str,
+        layout: Layout,
+        buffer: Buffer,
+    ) {
         let Ok(mut room) = self.room() else { return };
-        if let Some((slot, (buffer, transport))) =
-            room.deliver(peer, tag, (buffer, transport), Slot::is_live)
-        {
-            slot.put(Received {
-                buffer,
-                peer: peer.to_string(),
-                tag,
-                transport,
-            });
+        let item = Item {
+            buffer,
+            transport,
+            layout,
+        };
+        if let Some((slot, item)) = room.deliver(peer, tag, item, Slot::is_live) {
+            slot.put(item.received(peer.to_string(), tag));
         }
     }
 
@@ -112,14 +142,7 @@ impl Inbox {
             .room()?
             .recv(from, tag, Arc::clone(&slot), Slot::is_live)
         {
-            Ok(Some((peer, tag, (buffer, transport)))) => {
-                return Ok(Received {
-                    buffer,
-                    peer,
-                    tag,
-                    transport,
-                });
-            }
+            Ok(Some((peer, tag, item))) => return Ok(item.received(peer, tag)),
             Ok(None) => {}
             Err((too_many, _)) => return Err(Error::QueueFull(too_many.to_string())),
         }
@@ -185,20 +208,15 @@ impl Drop for Parked<'_> {
             return;
         };
         self.slot.closed.store(true, Ordering::Release);
-        if let Some(item) = self.slot.take()
-            && let Some((next, (buffer, transport))) = room.requeue(
-                &item.peer,
-                item.tag,
-                (item.buffer, item.transport),
-                Slot::is_live,
-            )
-        {
-            next.put(Received {
-                buffer,
-                peer: item.peer,
-                tag: item.tag,
-                transport,
-            });
+        if let Some(got) = self.slot.take() {
+            let item = Item {
+                buffer: got.buffer,
+                transport: got.transport,
+                layout: got.layout,
+            };
+            if let Some((next, item)) = room.requeue(&got.peer, got.tag, item, Slot::is_live) {
+                next.put(item.received(got.peer, got.tag));
+            }
         }
     }
 }

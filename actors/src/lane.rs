@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use ferry_transports::link::ring::Ring;
 use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
-use ferry_transports::wire::LaneRecord;
+use ferry_transports::wire::{LaneRecord, Layout};
 use tokio::sync::{Notify, oneshot};
 
 use crate::allocator::{Tier, reserve_in_tiers};
@@ -628,7 +628,8 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
         }
         std::thread::yield_now();
     }
-    cx.inbox.deliver(&cx.peer, record.tag, "ipc", buffer);
+    cx.inbox
+        .deliver(&cx.peer, record.tag, "ipc", Layout::Contiguous, buffer);
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,

@@ -18,6 +18,7 @@ use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
 };
 use ferry_transports::tcp::{ExposedRegion, RegionKey};
+use ferry_transports::wire::Layout;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
@@ -604,10 +605,58 @@ impl Node {
         buffer: Buffer,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
+        self.send_shaped(peer, tag, buffer, Layout::Contiguous, deadline)
+            .await
+    }
+
+    /// Sends the bytes of `buffer` that `layout` names (rows at a pitch, or planes of them),
+    /// packed: the peer's [`Received`](crate::inbox::Received) holds them one row after the
+    /// other, with the layout. The buffer comes back whole. As [`Self::send`] otherwise
+    /// (its deadline is the node's default).
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming what is wrong with a layout that does not fit the buffer,
+    /// before anything moves; [`Error::Unsupported`] for a strided layout of device memory
+    /// (its 2D and 3D copies are not built yet: send it contiguous); else as [`Self::send`].
+    pub async fn send_layout(
+        &self,
+        peer: &str,
+        tag: u64,
+        buffer: Buffer,
+        layout: Layout,
+    ) -> Result<Buffer, SendError> {
+        self.send_shaped(peer, tag, buffer, layout, self.default_deadline())
+            .await
+    }
+
+    async fn send_shaped(
+        &self,
+        peer: &str,
+        tag: u64,
+        buffer: Buffer,
+        layout: Layout,
+        deadline: Instant,
+    ) -> Result<Buffer, SendError> {
+        if let Err(e) = layout.check(buffer.len() as u64) {
+            return Err(SendError {
+                error: Error::Usage(format!("the layout does not fit the buffer: {e}")),
+                buffer: Some(buffer),
+            });
+        }
+        if !layout.is_contiguous() && matches!(buffer.kind(), MemoryKind::Device(_)) {
+            return Err(SendError {
+                error: Error::Unsupported(
+                    "a strided layout of device memory: its 2D/3D copies are not built yet; \
+                     send the rows contiguous"
+                        .into(),
+                ),
+                buffer: Some(buffer),
+            });
+        }
         // Small device buffers to a same-host peer take the fast lane when nothing to that
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
-        if let Some(lane) = lane.filter(|l| l.fits(&buffer))
+        if let Some(lane) = lane.filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
             && let Some(_turn) = self.order(peer).try_lane(crate::lane::LANE_SLOTS as usize)
         {
             return lane.send(tag, buffer, deadline).await;
@@ -616,6 +665,7 @@ impl Node {
             peer: peer.to_string(),
             tag,
             buffer,
+            layout,
             deadline,
         };
         self.with_credit(peer, deadline, buffer, message).await

@@ -23,8 +23,8 @@ use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
 use ferry_transports::wire::{
-    ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Message, PutAck,
-    WireDirection, WireReason, Written,
+    ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Layout, Message,
+    PutAck, WireDirection, WireReason, Written,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -50,6 +50,8 @@ pub struct Delivered {
     pub tag: u64,
     /// The transport it came over.
     pub transport: &'static str,
+    /// How the bytes lay at the sender (they arrive packed).
+    pub layout: Layout,
     /// The data.
     pub buffer: Buffer,
     /// Counts it as on its way to the inbox until the coordinator put it there (fast-lane
@@ -142,6 +144,8 @@ pub enum Op {
         /// What to use instead if the transport's setup with the peer fails: the next
         /// transport of the rule and its direction.
         fallback: Option<(String, ferry_transports::wire::WireDirection)>,
+        /// How the bytes lie in the buffer (checked against it already).
+        layout: Layout,
     },
     /// Write a buffer into a region the peer exposed.
     Put {
@@ -272,8 +276,12 @@ enum Outgoing {
 
 #[derive(Clone, Copy)]
 enum StreamWhat {
-    Transfer,
-    Put { key: RegionKey, offset: u64 },
+    /// A transfer's bytes, gathered from the buffer by the layout.
+    Transfer(Layout),
+    Put {
+        key: RegionKey,
+        offset: u64,
+    },
 }
 
 struct OutEntry {
@@ -571,7 +579,12 @@ impl TransferActor {
             }
             SessionEvent::Write(op, target) => self.start_write(op, target, ctx),
             SessionEvent::Written { id, error } => self.on_written(id, error),
-            SessionEvent::Deliver { id, tag, transport } => {
+            SessionEvent::Deliver {
+                id,
+                tag,
+                transport,
+                layout,
+            } => {
                 if let Some(spans) = self.inbound_spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, tag, "delivered");
                 }
@@ -580,6 +593,7 @@ impl TransferActor {
                         peer: self.peer.clone(),
                         tag,
                         transport: transport_label(&transport),
+                        layout,
                         buffer,
                         pending,
                     };
@@ -1209,7 +1223,19 @@ impl TransferActor {
                 transport,
                 direction,
                 fallback: _,
+                layout,
             } => {
+                // What moves: the layout's rows, packed (checked by the node already).
+                let len = match layout.check(len) {
+                    Ok(packed) => packed,
+                    Err(e) => {
+                        let _ = reply.send(Err(SendError {
+                            error: Error::Usage(format!("the buffer's layout: {e}")),
+                            buffer: Some(msg.buffer),
+                        }));
+                        return;
+                    }
+                };
                 // A node of this process reads our memory directly: a push to it is pulled
                 // (the same single peer copy, with no buffer to lend).
                 let direction = if transport == "ipc"
@@ -1251,10 +1277,11 @@ impl TransferActor {
                         transport,
                         direction,
                         ipc,
+                        layout,
                         deadline: msg.deadline,
                     },
                 );
-                (queued, StreamWhat::Transfer, labels)
+                (queued, StreamWhat::Transfer(layout), labels)
             }
             Op::Put { key, offset } => {
                 let queued = self.session.handle_put(
@@ -1991,26 +2018,47 @@ async fn stream(
     stop: &AtomicBool,
     chunk: usize,
 ) -> Result<(), LinkError> {
-    let len = bytes.len();
+    let layout = match what {
+        StreamWhat::Transfer(layout) if !layout.is_contiguous() => Some(layout),
+        _ => None,
+    };
+    let len = match layout {
+        Some(l) => {
+            usize::try_from(l.check(bytes.len() as u64).map_err(io_error)?).map_err(io_error)?
+        }
+        None => bytes.len(),
+    };
     let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
     let count = parts.len();
     // Device memory goes through a host copy, one chunk at a time (the staged transport
-    // pipelines this properly).
+    // pipelines this properly); strided rows are gathered into one, one chunk at a time.
     let mut staging = Vec::new();
     for (i, part) in parts.into_iter().enumerate() {
         if stop.load(Ordering::Acquire) {
             break;
         }
         let header = match what {
-            StreamWhat::Transfer => tcp::data_header(op.0, part),
+            StreamWhat::Transfer(_) => tcp::data_header(op.0, part),
             StreamWhat::Put { key, offset } => {
                 tcp::put_header(op.0, key, offset, part, i + 1 == count)
             }
         };
-        let payload = match bytes.as_slice() {
+        let payload = match (bytes.as_slice(), layout) {
+            (Some(host), Some(layout)) => {
+                staging.resize(part.1, 0);
+                layout
+                    .gather(host, part.0 as u64, &mut staging)
+                    .map_err(io_error)?;
+                &staging[..]
+            }
             // The bytes go from the caller's buffer to the socket as they are.
-            Some(host) => &host[part.0..part.0 + part.1],
-            None => {
+            (Some(host), None) => &host[part.0..part.0 + part.1],
+            (None, Some(_)) => {
+                return Err(io_error(
+                    "strided device memory is not gathered over tcp (refused at send)",
+                ));
+            }
+            (None, None) => {
                 staging.resize(part.1, 0);
                 bytes.read(part.0, &mut staging).map_err(|e| {
                     LinkError::Io(Arc::new(std::io::Error::other(format!(
@@ -2023,6 +2071,11 @@ async fn stream(
         writer.feed_chunk(&header, payload).await?;
     }
     writer.flush().await
+}
+
+/// A failure of the stream that is not the socket's, as the link error it ends with.
+fn io_error(e: impl std::fmt::Display) -> LinkError {
+    LinkError::Io(Arc::new(std::io::Error::other(e.to_string())))
 }
 
 struct ReadLoop {

@@ -9,7 +9,7 @@ use ferry_actors::core::session::{
     FailKind, InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent,
     SessionLimits,
 };
-use ferry_transports::wire::{Message, WireDirection, WireMemoryKind, WireReason};
+use ferry_transports::wire::{Layout, Message, WireDirection, WireMemoryKind, WireReason};
 use proptest::prelude::*;
 
 const LIMITS: SessionLimits = SessionLimits {
@@ -66,6 +66,7 @@ impl Pair {
             transport: "tcp".into(),
             direction: WireDirection::Push,
             ipc: None,
+            layout: Layout::Contiguous,
             deadline: self.now + ttl,
         }
     }
@@ -456,6 +457,7 @@ fn protocol_violations_are_errors() {
             transport: "tcp".into(),
             direction: WireDirection::Push,
             ipc: None,
+            layout: Layout::Contiguous,
         })
     };
     assert!(s.handle_message(offer(1)).is_ok());
@@ -552,6 +554,7 @@ fn a_cancel_says_whose_transfer_it_names() {
                 transport: "tcp".into(),
                 direction: WireDirection::Push,
                 ipc: None,
+                layout: Layout::Contiguous,
                 deadline: now + Duration::from_secs(60),
             },
         )
@@ -622,6 +625,7 @@ impl Push {
                     transport: "ipc".into(),
                     direction: WireDirection::Push,
                     ipc: None,
+                    layout: Layout::Contiguous,
                     deadline: self.now + Duration::from_secs(5),
                 },
             )
@@ -775,6 +779,7 @@ fn push_offers_and_lending_grants_are_checked() {
             transport: "ipc".into(),
             direction: WireDirection::Push,
             ipc: None,
+            layout: Layout::Contiguous,
             deadline: p.now + Duration::from_secs(1),
         },
     );
@@ -796,6 +801,7 @@ fn push_offers_and_lending_grants_are_checked() {
                 transport: "tcp".into(),
                 direction: WireDirection::Push,
                 ipc: None,
+                layout: Layout::Contiguous,
                 deadline: Instant::now() + Duration::from_secs(1),
             },
         )
@@ -844,7 +850,57 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
         transport: "tcp".into(),
         direction: WireDirection::Push,
         ipc: None,
+        layout: Layout::Contiguous,
     });
     let err = s.handle_message(offer).expect_err("a huge id");
     assert!(err.to_string().contains("past the largest"), "{err}");
+}
+
+#[test]
+fn offers_whose_layout_does_not_match_are_refused() {
+    let offer = |len, transport: &str, layout| {
+        Message::Offer(ferry_transports::wire::Offer {
+            transfer: 1,
+            tag: 0,
+            len,
+            source: WireMemoryKind::Host,
+            transport: transport.into(),
+            direction: WireDirection::Push,
+            ipc: None,
+            layout,
+        })
+    };
+    let rows = Layout::Strided2D {
+        rows: 4,
+        row_bytes: 100,
+        pitch: 128,
+    };
+    let bad = Layout::Strided2D {
+        rows: 4,
+        row_bytes: 100,
+        pitch: 64,
+    };
+    for (msg, why) in [
+        (offer(400, "ipc", rows), "do not travel over ipc"),
+        (
+            offer(399, "tcp", rows),
+            "packs 400 bytes, the offer says 399",
+        ),
+        (offer(400, "tcp", bad), "smaller than a row"),
+    ] {
+        let mut s = PeerSession::new(LIMITS);
+        s.set_serves_ipc(true);
+        s.handle_message(msg).expect("refused, not a violation");
+        match s.poll_transmit() {
+            Some(Message::Cancel(c)) => assert!(c.detail.contains(why), "{}", c.detail),
+            other => panic!("expected a refusal ({why}), got {other:?}"),
+        }
+        assert_eq!(s.poll_event(), None);
+    }
+    let mut s = PeerSession::new(LIMITS);
+    s.handle_message(offer(400, "tcp", rows)).expect("valid");
+    assert!(matches!(
+        s.poll_event(),
+        Some(SessionEvent::Reserve { len: 400, .. })
+    ));
 }

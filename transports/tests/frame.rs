@@ -96,6 +96,13 @@ fn corpus() -> Vec<Item> {
                 export: vec![7; 64],
                 legacy: Some(3),
             }),
+            layout: ferry_transports::wire::Layout::Strided3D {
+                depth: 2,
+                rows: 3,
+                row_bytes: 4096,
+                pitch: 8192,
+                plane_rows: 4,
+            },
         }),
         Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {
             attempt: 2,

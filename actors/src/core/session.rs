@@ -23,8 +23,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use ferry_transports::wire::{
-    Cancel, Done, Grant, IpcSource, Message, Offer, WireDirection, WireMemoryKind, WireReason,
-    Written,
+    Cancel, Done, Grant, IpcSource, Layout, Message, Offer, WireDirection, WireMemoryKind,
+    WireReason, Written,
 };
 
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
@@ -36,6 +36,27 @@ pub struct OpId(pub u64);
 /// centuries to get there): the shell keys quarantined memory by session, kind and id in
 /// one word. A peer that offers a larger id breaks the protocol.
 pub const MAX_TRANSFER_ID: u64 = 1 << 39;
+
+/// Why an offer's layout cannot be taken: malformed, not `len` packed bytes, or strided
+/// over a transport that moves only whole buffers (the ipc copies).
+fn layout_mismatch(offer: &Offer) -> Option<String> {
+    if offer.layout == Layout::Contiguous {
+        return None;
+    }
+    // The sender's buffer is not known here: only the shape and the packed length.
+    match offer.layout.check(u64::MAX) {
+        Err(e) => Some(format!("the offer's layout is invalid: {e}")),
+        Ok(packed) if packed != offer.len => Some(format!(
+            "the offer's layout packs {packed} bytes, the offer says {}",
+            offer.len
+        )),
+        Ok(_) if offer.transport != "tcp" => Some(format!(
+            "strided layouts do not travel over {} yet",
+            offer.transport
+        )),
+        Ok(_) => None,
+    }
+}
 
 /// Identifies an inbound transfer: the id the sending peer gave it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -100,6 +121,8 @@ pub struct SendRequest {
     pub direction: WireDirection,
     /// For a pulled (ipc) transfer: where the peer reads the bytes.
     pub ipc: Option<IpcSource>,
+    /// How the bytes lie in the buffer (`len` is their packed length).
+    pub layout: Layout,
     /// When it must have ended.
     pub deadline: Instant,
 }
@@ -156,6 +179,8 @@ pub enum SessionEvent {
         tag: u64,
         /// The transport it came over, as the offer named it.
         transport: String,
+        /// How the bytes lay at the sender (they arrive packed).
+        layout: Layout,
     },
     /// An inbound transfer was abandoned: free whatever was reserved for it.
     Abandon(InboundId),
@@ -234,6 +259,7 @@ enum InPhase {
 struct InboundOp {
     tag: u64,
     transport: String,
+    layout: Layout,
     phase: InPhase,
 }
 
@@ -339,6 +365,7 @@ impl PeerSession {
                         transport: req.transport.clone(),
                         direction: req.direction,
                         ipc: req.ipc.clone(),
+                        layout: req.layout,
                     }));
                     // A pull needs no grant: the peer reads, then says Done.
                     let phase = if req.direction == WireDirection::Pull {
@@ -513,6 +540,8 @@ impl PeerSession {
                 WireReason::Protocol,
                 format!("more than {} transfers open at once", self.limits.inbound),
             ))
+        } else if let Some(why) = layout_mismatch(&offer) {
+            Some((WireReason::Protocol, why))
         } else if !(offer.transport == "tcp" && offer.direction == WireDirection::Push
             || offer.transport == "ipc"
                 && self.serves_ipc
@@ -545,6 +574,7 @@ impl PeerSession {
             InboundOp {
                 tag: offer.tag,
                 transport: offer.transport.clone(),
+                layout: offer.layout,
                 phase: InPhase::Reserving,
             },
         );
@@ -750,6 +780,7 @@ impl PeerSession {
                 id,
                 tag: op.tag,
                 transport: op.transport,
+                layout: op.layout,
             });
         }
     }

@@ -70,6 +70,7 @@ pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
             peer,
             tag,
             transport,
+            ..
         } = node.recv(None, None).await?;
         match tag {
             TAG_REPORT => {

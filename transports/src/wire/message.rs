@@ -72,6 +72,9 @@ pub struct Offer {
     pub direction: WireDirection,
     /// For an ipc pull: where the receiver reads the bytes from.
     pub ipc: Option<IpcSource>,
+    /// How the bytes lie in the sender's buffer; they travel packed, and `len` is their
+    /// packed length.
+    pub layout: crate::wire::Layout,
 }
 
 /// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the

@@ -1,5 +1,7 @@
 //! The wire: rkyv messages and the frames that carry them.
 pub mod frame;
+pub mod layout;
 pub mod message;
 pub use frame::*;
+pub use layout::{Layout, LayoutError};
 pub use message::*;

@@ -1,0 +1,412 @@
+//! How the bytes of a buffer that are sent lie in it: all of it (`Contiguous`), or rows at
+//! a pitch (`Strided2D`), or such planes at a pitch of rows (`Strided3D`), as CUDA's 2D and
+//! 3D copies describe them. What moves is the rows, packed one after the other; the receiver
+//! gets them packed and learns the layout from the offer.
+//!
+//! A layout is checked against its buffer before anything moves ([`Layout::check`]): a pitch
+//! smaller than a row, a shape past the buffer's end, a zero dimension or a size that
+//! overflows is an error naming the cause.
+
+pub use shape::Layout;
+
+/// The type, apart: the code rkyv derives for its struct variants (the archived twin and
+/// the resolver) has fields without docs.
+#[allow(missing_docs)]
+mod shape {
+    use rkyv::{Archive, Deserialize, Serialize};
+
+    /// Where the sent bytes of a buffer lie.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    #[rkyv(derive(Debug, PartialEq, Eq))]
+    pub enum Layout {
+        /// The whole buffer.
+        #[default]
+        Contiguous,
+        /// `rows` rows of `row_bytes` each; row `r` starts at `r * pitch`.
+        Strided2D {
+            /// Rows sent.
+            rows: u64,
+            /// Bytes sent of each row.
+            row_bytes: u64,
+            /// Bytes from the start of one row to the next (at least `row_bytes`).
+            pitch: u64,
+        },
+        /// `depth` planes of `rows` rows of `row_bytes` each; row `r` of plane `d` starts at
+        /// `(d * plane_rows + r) * pitch` (CUDA's 3D copy: a plane is `plane_rows` rows of the
+        /// pitch, of which the first `rows` are sent).
+        Strided3D {
+            /// Planes sent.
+            depth: u64,
+            /// Rows sent of each plane.
+            rows: u64,
+            /// Bytes sent of each row.
+            row_bytes: u64,
+            /// Bytes from the start of one row to the next (at least `row_bytes`).
+            pitch: u64,
+            /// Rows from the start of one plane to the next (at least `rows`).
+            plane_rows: u64,
+        },
+    }
+}
+
+/// Why a layout does not fit its buffer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// A dimension is zero.
+    #[error("{0} is zero")]
+    Zero(&'static str),
+    /// The pitch is smaller than a row.
+    #[error("the pitch ({pitch} bytes) is smaller than a row ({row_bytes} bytes)")]
+    PitchTooSmall {
+        /// The pitch.
+        pitch: u64,
+        /// The row.
+        row_bytes: u64,
+    },
+    /// A plane holds fewer rows than are sent of it.
+    #[error("a plane of {plane_rows} rows cannot hold the {rows} rows sent of it")]
+    PlaneTooSmall {
+        /// Rows per plane.
+        plane_rows: u64,
+        /// Rows sent per plane.
+        rows: u64,
+    },
+    /// The last byte lies past the buffer's end.
+    #[error("the layout reaches byte {end} of a buffer of {len} bytes")]
+    PastTheEnd {
+        /// One past the layout's last byte.
+        end: u64,
+        /// The buffer's length.
+        len: u64,
+    },
+    /// A size does not fit 64 bits.
+    #[error("the layout's size overflows")]
+    Overflow,
+}
+
+impl Layout {
+    /// Checks that the layout fits a buffer of `len` bytes, and returns the number of bytes
+    /// it sends (its packed length).
+    ///
+    /// # Errors
+    /// What is wrong with it, as a [`LayoutError`].
+    pub fn check(&self, len: u64) -> Result<u64, LayoutError> {
+        let (packed, end) = match *self {
+            Layout::Contiguous => (len, len),
+            Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            } => {
+                rows_fit(rows, row_bytes, pitch)?;
+                let end = extent(1, 0, rows, pitch, row_bytes)?;
+                (mul(rows, row_bytes)?, end)
+            }
+            Layout::Strided3D {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+            } => {
+                if depth == 0 {
+                    return Err(LayoutError::Zero("depth"));
+                }
+                rows_fit(rows, row_bytes, pitch)?;
+                if plane_rows < rows {
+                    return Err(LayoutError::PlaneTooSmall { plane_rows, rows });
+                }
+                let end = extent(depth, plane_rows, rows, pitch, row_bytes)?;
+                (mul(mul(depth, rows)?, row_bytes)?, end)
+            }
+        };
+        if end > len {
+            return Err(LayoutError::PastTheEnd { end, len });
+        }
+        Ok(packed)
+    }
+
+    /// True for [`Layout::Contiguous`], or a strided layout whose rows touch (nothing to
+    /// gather).
+    pub fn is_contiguous(&self) -> bool {
+        match *self {
+            Layout::Contiguous => true,
+            Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            } => rows <= 1 || pitch == row_bytes,
+            Layout::Strided3D {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+            } => (rows <= 1 || pitch == row_bytes) && (depth <= 1 || plane_rows == rows),
+        }
+    }
+
+    /// The sent rows as `(offset in the buffer, length)`, in packed order, for a buffer of
+    /// `len` bytes; one run for a contiguous layout. Call [`Self::check`] first: the runs of
+    /// a layout that does not fit are meaningless.
+    pub fn runs(&self, len: u64) -> impl Iterator<Item = (u64, u64)> {
+        let (depth, rows, row_bytes, pitch, plane) = match *self {
+            Layout::Contiguous => (1, 1, len, len, 0),
+            Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            } => (1, rows, row_bytes, pitch, 0),
+            Layout::Strided3D {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+            } => (
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows.wrapping_mul(pitch),
+            ),
+        };
+        (0..depth).flat_map(move |d| {
+            (0..rows).map(move |r| {
+                (
+                    d.wrapping_mul(plane).wrapping_add(r.wrapping_mul(pitch)),
+                    row_bytes,
+                )
+            })
+        })
+    }
+
+    /// Copies the packed bytes `[from, from + out.len())` of the layout out of `src` (the
+    /// whole buffer) into `out`.
+    ///
+    /// # Errors
+    /// The layout does not fit `src`, or the range is past its packed length.
+    pub fn gather(&self, src: &[u8], from: u64, out: &mut [u8]) -> Result<(), LayoutError> {
+        self.walk(src.len() as u64, from, out.len() as u64, |at, packed, n| {
+            out[packed..packed + n].copy_from_slice(&src[at..at + n]);
+        })
+    }
+
+    /// Copies `packed`, the packed bytes starting at `from`, into their places in `dst` (the
+    /// whole buffer): the inverse of [`Self::gather`].
+    ///
+    /// # Errors
+    /// As [`Self::gather`].
+    pub fn scatter(&self, packed: &[u8], from: u64, dst: &mut [u8]) -> Result<(), LayoutError> {
+        self.walk(dst.len() as u64, from, packed.len() as u64, |at, p, n| {
+            dst[at..at + n].copy_from_slice(&packed[p..p + n]);
+        })
+    }
+
+    /// Calls `each(buffer offset, offset in the range, bytes)` for the pieces of the packed
+    /// range `[from, from + count)`, in order.
+    fn walk(
+        &self,
+        len: u64,
+        from: u64,
+        count: u64,
+        mut each: impl FnMut(usize, usize, usize),
+    ) -> Result<(), LayoutError> {
+        let packed = self.check(len)?;
+        let to = from.checked_add(count).ok_or(LayoutError::Overflow)?;
+        if to > packed {
+            return Err(LayoutError::PastTheEnd {
+                end: to,
+                len: packed,
+            });
+        }
+        let mut start = 0u64;
+        for (at, run) in self.runs(len) {
+            let end = start + run;
+            if end > from && start < to {
+                let skip = from.saturating_sub(start);
+                let n = run.min(to - start) - skip;
+                // In range: `check` bounded every run by `len`, which is a slice length.
+                each(
+                    (at + skip) as usize,
+                    (start + skip - from) as usize,
+                    n as usize,
+                );
+            }
+            if end >= to {
+                break;
+            }
+            start = end;
+        }
+        Ok(())
+    }
+}
+
+fn rows_fit(rows: u64, row_bytes: u64, pitch: u64) -> Result<(), LayoutError> {
+    if rows == 0 {
+        return Err(LayoutError::Zero("rows"));
+    }
+    if row_bytes == 0 {
+        return Err(LayoutError::Zero("row_bytes"));
+    }
+    if pitch < row_bytes {
+        return Err(LayoutError::PitchTooSmall { pitch, row_bytes });
+    }
+    Ok(())
+}
+
+fn mul(a: u64, b: u64) -> Result<u64, LayoutError> {
+    a.checked_mul(b).ok_or(LayoutError::Overflow)
+}
+
+/// One past the last byte: `((depth - 1) * plane_rows + rows - 1) * pitch + row_bytes`.
+fn extent(
+    depth: u64,
+    plane_rows: u64,
+    rows: u64,
+    pitch: u64,
+    row_bytes: u64,
+) -> Result<u64, LayoutError> {
+    let last_row = mul(depth - 1, plane_rows)?
+        .checked_add(rows - 1)
+        .ok_or(LayoutError::Overflow)?;
+    mul(last_row, pitch)?
+        .checked_add(row_bytes)
+        .ok_or(LayoutError::Overflow)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn strided(rows: u64, row_bytes: u64, pitch: u64) -> Layout {
+        Layout::Strided2D {
+            rows,
+            row_bytes,
+            pitch,
+        }
+    }
+
+    #[test]
+    fn invalid_layouts_say_why() {
+        assert_eq!(
+            strided(4, 16, 8).check(1 << 20),
+            Err(LayoutError::PitchTooSmall {
+                pitch: 8,
+                row_bytes: 16
+            })
+        );
+        // 3 rows of 16 at a pitch of 32: the last byte is 80.
+        assert_eq!(strided(3, 16, 32).check(80), Ok(48));
+        assert_eq!(
+            strided(3, 16, 32).check(79),
+            Err(LayoutError::PastTheEnd { end: 80, len: 79 })
+        );
+        assert_eq!(strided(0, 16, 32).check(80), Err(LayoutError::Zero("rows")));
+        assert_eq!(
+            strided(u64::MAX, 2, u64::MAX).check(u64::MAX),
+            Err(LayoutError::Overflow)
+        );
+        let cube = Layout::Strided3D {
+            depth: 2,
+            rows: 4,
+            row_bytes: 8,
+            pitch: 16,
+            plane_rows: 3,
+        };
+        assert_eq!(
+            cube.check(1 << 20),
+            Err(LayoutError::PlaneTooSmall {
+                plane_rows: 3,
+                rows: 4
+            })
+        );
+        let text = strided(4, 16, 8)
+            .check(64)
+            .expect_err("too small")
+            .to_string();
+        assert!(text.contains("pitch (8 bytes) is smaller than a row (16 bytes)"));
+    }
+
+    #[test]
+    fn a_cube_packs_its_rows_in_order() {
+        // 2 planes of 2 rows of 2 bytes, pitch 4, 3 rows per plane.
+        let cube = Layout::Strided3D {
+            depth: 2,
+            rows: 2,
+            row_bytes: 2,
+            pitch: 4,
+            plane_rows: 3,
+        };
+        let src: Vec<u8> = (0..24).collect();
+        assert_eq!(cube.check(24), Ok(8));
+        let mut out = [0u8; 8];
+        cube.gather(&src, 0, &mut out).expect("fits");
+        assert_eq!(out, [0, 1, 4, 5, 12, 13, 16, 17]);
+        assert!(!cube.is_contiguous());
+        assert!(strided(8, 4, 4).is_contiguous());
+    }
+
+    fn layouts() -> impl Strategy<Value = (Layout, u64)> {
+        let two = (1u64..20, 1u64..40, 0u64..20, 0u64..30).prop_map(|(rows, row, gap, tail)| {
+            let pitch = row + gap;
+            (strided(rows, row, pitch), (rows - 1) * pitch + row + tail)
+        });
+        let three = (1u64..5, 1u64..8, 1u64..20, 0u64..9, 0u64..3, 0u64..30).prop_map(
+            |(depth, rows, row, gap, extra, tail)| {
+                let pitch = row + gap;
+                let plane_rows = rows + extra;
+                let end = ((depth - 1) * plane_rows + rows - 1) * pitch + row;
+                (
+                    Layout::Strided3D {
+                        depth,
+                        rows,
+                        row_bytes: row,
+                        pitch,
+                        plane_rows,
+                    },
+                    end + tail,
+                )
+            },
+        );
+        let flat = (0u64..200).prop_map(|len| (Layout::Contiguous, len));
+        prop_oneof![flat, two, three]
+    }
+
+    proptest! {
+        /// Gathered in pieces of any size, the packed bytes are the rows in order; scattered
+        /// back, they land where they came from and nothing else changes.
+        #[test]
+        fn gather_and_scatter_in_pieces((layout, len) in layouts(), piece in 1usize..64) {
+            let packed = layout.check(len).expect("generated to fit");
+            let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let mut want = Vec::new();
+            for (at, n) in layout.runs(len) {
+                want.extend_from_slice(&src[at as usize..(at + n) as usize]);
+            }
+            prop_assert_eq!(want.len() as u64, packed);
+            let mut got = vec![0u8; packed as usize];
+            for (i, chunk) in got.chunks_mut(piece).enumerate() {
+                layout.gather(&src, (i * piece) as u64, chunk).expect("in range");
+            }
+            prop_assert_eq!(&got, &want);
+            let mut dst = vec![0xAAu8; len as usize];
+            for (i, chunk) in got.chunks(piece).enumerate() {
+                layout.scatter(chunk, (i * piece) as u64, &mut dst).expect("in range");
+            }
+            let mut expect = vec![0xAAu8; len as usize];
+            for (at, n) in layout.runs(len) {
+                let r = at as usize..(at + n) as usize;
+                expect[r.clone()].copy_from_slice(&src[r]);
+            }
+            prop_assert_eq!(dst, expect);
+            // One byte short of its last row, the layout no longer fits.
+            let end = layout.runs(len).map(|(at, n)| at + n).max().unwrap_or(0);
+            if end > 0 && layout != Layout::Contiguous {
+                prop_assert!(layout.check(end - 1).is_err());
+            }
+        }
+    }
+}
