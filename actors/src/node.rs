@@ -610,7 +610,7 @@ impl Node {
     }
 
     /// Sends the bytes of `buffer` that `layout` names (rows at a pitch, or planes of them),
-    /// packed: the peer's [`Received`](crate::inbox::Received) holds them one row after the
+    /// packed: the peer's [`Received`] holds them one row after the
     /// other, with the layout. The buffer comes back whole. As [`Self::send`] otherwise
     /// (its deadline is the node's default).
     ///
