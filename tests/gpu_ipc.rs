@@ -823,3 +823,91 @@ fn imports_while_copies_run_never_fault() {
         );
     }
 }
+
+/// Rules that carry device memory over tcp (gathered into host chunks by the copy engine).
+const TCP: &str = "[[transport.rules]]\nname = \"all\"\ntransports = [\"tcp\"]\n";
+
+/// Strided device buffers of every layout cross byte-exact: pulled, pushed and over tcp.
+/// `b` echoes the packed rows back; `a` checks them against its own gather.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_layout_crosses_byte_exact_pulled_pushed_and_over_tcp() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("every_layout_crosses", 2) else {
+        return;
+    };
+    for (how, rules) in [("pull", NO_LANE), ("push", PUSH), ("tcp", TCP)] {
+        let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
+        layouts_cross(&p.node, how).await;
+        p.node.shutdown().await;
+    }
+}
+
+async fn layouts_cross(node: &Node, how: &str) {
+    use ferry::Layout;
+    let layouts = [
+        (
+            Layout::Strided2D {
+                rows: 1,
+                row_bytes: 3,
+                pitch: 3,
+            },
+            5,
+        ),
+        (
+            Layout::Strided2D {
+                rows: 333,
+                row_bytes: 1001,
+                pitch: 1536,
+            },
+            332 * 1536 + 1001 + 9,
+        ),
+        (
+            Layout::Strided3D {
+                depth: 5,
+                rows: 17,
+                row_bytes: 300,
+                pitch: 512,
+                plane_rows: 20,
+            },
+            (4 * 20 + 16) * 512 + 300,
+        ),
+        // The bench's shape: 16384 rows of 4 KiB at an 8 KiB pitch (64 MiB of 128).
+        (
+            Layout::Strided2D {
+                rows: 16384,
+                row_bytes: 4096,
+                pitch: 8192,
+            },
+            16383 * 8192 + 4096,
+        ),
+    ];
+    for (i, (layout, len)) in layouts.into_iter().enumerate() {
+        let whole = pattern(len, 40 + i as u64);
+        let packed = layout.check(len as u64).expect("fits") as usize;
+        let mut want = vec![0u8; packed];
+        layout.gather(&whole, 0, &mut want).expect("gather");
+        let b = device_buffer(node, &whole).await;
+        let back = node
+            .send_layout("b", i as u64, b, layout)
+            .await
+            .unwrap_or_else(|e| panic!("{how} {layout:?}: {e}"));
+        assert!(
+            back.to_vec().expect("read") == whole,
+            "{how}: the sender's buffer changed"
+        );
+        drop(back);
+        let got = tokio::time::timeout(
+            Duration::from_secs(30),
+            node.recv(Some("b"), Some(i as u64)),
+        )
+        .await
+        .expect("the echo came back in time")
+        .expect("recv");
+        let expected = if how == "tcp" { "tcp" } else { "ipc" };
+        assert_eq!(got.transport, expected, "{how} {layout:?}");
+        assert_eq!(got.buffer.len(), packed, "{how} {layout:?}");
+        assert!(
+            got.buffer.to_vec().expect("read the echo") == want,
+            "{how} {layout:?}: the packed rows differ"
+        );
+    }
+}

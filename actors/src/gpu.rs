@@ -13,13 +13,13 @@ use std::sync::Arc;
 use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_to_host, enable_peer_access,
-    peer_access,
+    POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_boxes_async,
+    copy_boxes_to_host, copy_to_host, enable_peer_access, peer_access,
 };
 use ferry_transports::ipc::{PoolDirectory, fetch_pool};
 use ferry_transports::link::Secret;
 use ferry_transports::memory::{Buffer, SharedBytes};
-use ferry_transports::wire::{IpcBufferRef, IpcSource};
+use ferry_transports::wire::{IpcBufferRef, IpcSource, Layout, LayoutError, RowBox};
 
 use crate::allocator::Allocator;
 use crate::core::handle_cache::{AllocationKey, HandleCache, Lookup};
@@ -313,6 +313,7 @@ pub async fn import_pools(
 /// Why the bytes could not be read; `dst` comes back with the error.
 pub fn pull(
     source: &IpcSource,
+    layout: &Layout,
     pools: &ImportedPools,
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
@@ -320,8 +321,8 @@ pub fn pull(
     express: bool,
 ) -> Result<Buffer, (Buffer, String)> {
     let result = match source.legacy {
-        None => pull_pooled(source, pools, imports, gpus, &mut dst, express),
-        Some(buffer_id) => pull_registered(source, buffer_id, imports, gpus, &mut dst),
+        None => pull_pooled(source, layout, pools, imports, gpus, &mut dst, express),
+        Some(buffer_id) => pull_registered(source, layout, buffer_id, imports, gpus, &mut dst),
     };
     match result {
         Ok(()) => Ok(dst),
@@ -331,6 +332,7 @@ pub fn pull(
 
 fn pull_pooled(
     source: &IpcSource,
+    layout: &Layout,
     pools: &ImportedPools,
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
@@ -345,7 +347,7 @@ fn pull_pooled(
         )
     })?;
     let export = export_bytes(source)?;
-    let (offset, end) = source_range(source, len)?;
+    let (offset, end, boxes) = source_span(source, layout, len)?;
     let key = buffer_ref(source);
     let started = std::time::Instant::now();
     let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
@@ -387,7 +389,10 @@ fn pull_pooled(
         return Err("the import vanished".to_string());
     };
     *last = tick;
-    if express && let Some(memory) = dst.device_memory_mut() {
+    if express
+        && boxes.is_none()
+        && let Some(memory) = dst.device_memory_mut()
+    {
         // A few bytes: copied and waited for under the lock (microseconds), with no event
         // to record on either buffer. Polled, not synchronised (see `Wait::Spin`).
         let stream = gpus.copy_stream(memory.device(), true)?;
@@ -397,7 +402,7 @@ fn pull_pooled(
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
         let at = imported.device_ptr();
-        let stream = queue_copy(dst, &*imported, offset, gpus, express)?;
+        let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
         drop(cache);
         finish_copy(&stream).map_err(|e| {
             format!(
@@ -421,6 +426,7 @@ fn pull_pooled(
 /// mapping's reference is given back when the copy has completed.
 fn pull_registered(
     source: &IpcSource,
+    layout: &Layout,
     buffer_id: u64,
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
@@ -428,7 +434,7 @@ fn pull_registered(
 ) -> Result<(), String> {
     let len = dst.len();
     let handle = export_bytes(source)?;
-    let (offset, _) = source_range(source, len)?;
+    let (offset, end, boxes) = source_span(source, layout, len)?;
     let started = std::time::Instant::now();
     let (key, mapping, hit) = {
         let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
@@ -484,13 +490,13 @@ fn pull_registered(
     };
     let opened_at = started.elapsed();
     let copied = (|| {
-        if end_of(offset, len)? > mapping.len() {
+        if end > mapping.len() {
             return Err(format!(
-                "the peer claims {len} bytes at {offset} in an allocation of {}",
+                "the peer claims bytes up to {end} in an allocation of {}",
                 mapping.len()
             ));
         }
-        let stream = queue_copy(dst, &*mapping, offset, gpus, false)?;
+        let stream = queue_copy(dst, &*mapping, offset, boxes.as_deref(), gpus, false)?;
         finish_copy(&stream)
     })();
     // The reference goes back whatever happened; a mapping the cache gave up meanwhile is
@@ -528,6 +534,7 @@ pub fn push(
     pool: &ImportedPool,
     gpus: &Gpus,
     source: &SharedBytes,
+    layout: &Layout,
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(), String> {
     if target.legacy.is_some() {
@@ -536,7 +543,21 @@ pub fn push(
     let memory = source
         .device_memory()
         .ok_or_else(|| "only device memory is pushed over ipc".to_string())?;
-    let len = source.len();
+    // What moves: the layout's rows, packed (the whole buffer when contiguous).
+    let len = usize::try_from(
+        layout
+            .check(source.len() as u64)
+            .map_err(|e| format!("the buffer's layout: {e}"))?,
+    )
+    .map_err(|e| e.to_string())?;
+    let boxes = match layout {
+        Layout::Contiguous => None,
+        strided => Some(
+            strided
+                .boxes(source.len() as u64, 0, len as u64)
+                .map_err(|e| format!("the buffer's layout: {e}"))?,
+        ),
+    };
     let export = export_bytes(target)?;
     let (offset, end) = source_range(target, len)?;
     let started = std::time::Instant::now();
@@ -553,8 +574,11 @@ pub fn push(
     let stream = gpus.copy_stream(memory.device(), false)?;
     {
         let _copying = gpus.copying();
-        copy_async(&mut imported, offset, memory, 0, len, &stream)
-            .map_err(|e| format!("copying into the receiver's buffer: {e}"))?;
+        match &boxes {
+            None => copy_async(&mut imported, offset, memory, 0, len, &stream),
+            Some(boxes) => copy_boxes_async(&mut imported, offset, memory, 0, boxes, &stream),
+        }
+        .map_err(|e| format!("copying into the receiver's buffer: {e}"))?;
     }
     stream
         .synchronize()
@@ -595,6 +619,25 @@ fn source_range(source: &IpcSource, len: usize) -> Result<(usize, usize), String
     Ok((offset, end_of(offset, len)?))
 }
 
+/// Where the `len` packed bytes of a pull lie in the peer's memory: the source's offset, the
+/// end of what is read, and for a strided layout the boxes that gather its rows.
+fn source_span(
+    source: &IpcSource,
+    layout: &Layout,
+    len: usize,
+) -> Result<(usize, usize, Option<Vec<RowBox>>), String> {
+    let (offset, end) = source_range(source, len)?;
+    let bad = |e: LayoutError| format!("the offer's layout: {e}");
+    match layout.extent().map_err(bad)? {
+        None => Ok((offset, end, None)),
+        Some(span) => {
+            let boxes = layout.boxes(span, 0, len as u64).map_err(bad)?;
+            let span = usize::try_from(span).map_err(|e| e.to_string())?;
+            Ok((offset, end_of(offset, span)?, Some(boxes)))
+        }
+    }
+}
+
 /// Queues the copy of `dst.len()` bytes from `src[offset..]` into `dst`, on a copy stream
 /// of the landing device (of the source's for a host landing, which is pageable memory: that
 /// copy is synchronous). Returns the stream to wait on.
@@ -602,6 +645,7 @@ fn queue_copy(
     dst: &mut Buffer,
     src: &impl DeviceMemory,
     offset: usize,
+    boxes: Option<&[RowBox]>,
     gpus: &Gpus,
     express: bool,
 ) -> Result<Stream, String> {
@@ -612,13 +656,17 @@ fn queue_copy(
         .clone();
     let stream = gpus.copy_stream(&device, express)?;
     let _copying = gpus.copying();
-    match dst.device_memory_mut() {
-        Some(memory) => copy_async(memory, 0, src, offset, len, &stream),
-        None => {
+    match (dst.device_memory_mut(), boxes) {
+        (Some(memory), None) => copy_async(memory, 0, src, offset, len, &stream),
+        (Some(memory), Some(boxes)) => copy_boxes_async(memory, 0, src, offset, boxes, &stream),
+        (None, boxes) => {
             let host = dst
                 .as_mut_slice()
                 .ok_or_else(|| "the landing buffer is shared".to_string())?;
-            copy_to_host(host, src, offset, &stream)
+            match boxes {
+                None => copy_to_host(host, src, offset, &stream),
+                Some(boxes) => copy_boxes_to_host(host, src, offset, boxes, &stream),
+            }
         }
     }
     .map_err(|e| format!("copying from the peer: {e}"))?;
@@ -715,6 +763,7 @@ pub fn withdraw_in_process(node: &str, view: &SharedBytes) {
 pub fn pull_in_process(
     exporter: &str,
     source: &IpcSource,
+    layout: &Layout,
     gpus: &Gpus,
     mut dst: Buffer,
     express: bool,
@@ -729,8 +778,8 @@ pub fn pull_in_process(
         let memory = view
             .device_memory()
             .ok_or_else(|| "the offered buffer is not device memory".to_string())?;
-        let (offset, _) = source_range(source, dst.len())?;
-        let stream = queue_copy(&mut dst, memory, offset, gpus, express)?;
+        let (offset, _, boxes) = source_span(source, layout, dst.len())?;
+        let stream = queue_copy(&mut dst, memory, offset, boxes.as_deref(), gpus, express)?;
         finish_copy(&stream)
     })();
     drop(view);

@@ -618,8 +618,16 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
     };
     dst.truncate(len).map_err(|e| e.to_string())?;
     let reserved = started.elapsed();
-    let buffer = crate::gpu::pull(&record.source, &cx.pools, &cx.imports, &cx.gpus, dst, true)
-        .map_err(|(_, why)| why)?;
+    let buffer = crate::gpu::pull(
+        &record.source,
+        &Layout::Contiguous,
+        &cx.pools,
+        &cx.imports,
+        &cx.gpus,
+        dst,
+        true,
+    )
+    .map_err(|(_, why)| why)?;
     let pulled = started.elapsed();
     // Slow transfers that completed before this record go first.
     while !cx.undelivered.is_clear() {

@@ -614,10 +614,12 @@ impl Node {
     /// other, with the layout. The buffer comes back whole. As [`Self::send`] otherwise
     /// (its deadline is the node's default).
     ///
+    /// Device memory is gathered by the copy engine: an ipc pull or push is one 3D copy
+    /// (a few at most), tcp gathers each chunk into host memory with a few 3D copies.
+    ///
     /// # Errors
     /// [`Error::Usage`] naming what is wrong with a layout that does not fit the buffer,
-    /// before anything moves; [`Error::Unsupported`] for a strided layout of device memory
-    /// (its 2D and 3D copies are not built yet: send it contiguous); else as [`Self::send`].
+    /// before anything moves; else as [`Self::send`].
     pub async fn send_layout(
         &self,
         peer: &str,
@@ -640,16 +642,6 @@ impl Node {
         if let Err(e) = layout.check(buffer.len() as u64) {
             return Err(SendError {
                 error: Error::Usage(format!("the layout does not fit the buffer: {e}")),
-                buffer: Some(buffer),
-            });
-        }
-        if !layout.is_contiguous() && matches!(buffer.kind(), MemoryKind::Device(_)) {
-            return Err(SendError {
-                error: Error::Unsupported(
-                    "a strided layout of device memory: its 2D/3D copies are not built yet; \
-                     send the rows contiguous"
-                        .into(),
-                ),
                 buffer: Some(buffer),
             });
         }

@@ -351,8 +351,9 @@ struct IpcState {
     same_host: bool,
     /// The peer's pools, imported when it asked (we pull from them).
     imported: Arc<crate::gpu::ImportedPools>,
-    /// Offers to pull, by inbound transfer, until the pull ends.
-    sources: HashMap<InboundId, IpcSource>,
+    /// Offers to pull, with the layout of the bytes in the peer's buffer, by inbound
+    /// transfer, until the pull ends.
+    sources: HashMap<InboundId, (IpcSource, Layout)>,
     /// Pulls whose copy runs now.
     pulling: HashSet<InboundId>,
     /// Pulls abandoned while their copy ran: the peer is told once the copy ended.
@@ -562,6 +563,7 @@ impl TransferActor {
                 len,
                 pull,
                 push,
+                layout,
             } => {
                 let span =
                     tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
@@ -569,7 +571,7 @@ impl TransferActor {
                 self.inbound_spans.insert(id, InboundSpans { span, phase });
                 let landing = match (pull, push) {
                     (Some(source), _) => {
-                        self.ipc.sources.insert(id, source);
+                        self.ipc.sources.insert(id, (source, layout));
                         Landing::Pull
                     }
                     (None, true) => Landing::Push,
@@ -813,7 +815,7 @@ impl TransferActor {
     /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
     /// thread; the result comes back to the session.
     fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
-        let Some(source) = self.ipc.sources.get(&id).cloned() else {
+        let Some((source, layout)) = self.ipc.sources.get(&id).cloned() else {
             return;
         };
         self.ipc.pulling.insert(id);
@@ -833,12 +835,13 @@ impl TransferActor {
         let in_process = self.ipc.in_process();
         // Small copies from memory mapped already take a few microseconds: on this thread.
         let inline = buffer.len() <= crate::gpu::INLINE_PULL_MAX
+            && layout == Layout::Contiguous
             && (in_process || crate::gpu::is_mapped(&source, &imports));
         let copy = move |express: bool| {
             if in_process {
-                crate::gpu::pull_in_process(&exporter, &source, &gpus, buffer, express)
+                crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
             } else {
-                crate::gpu::pull(&source, &pools, &imports, &gpus, buffer, express)
+                crate::gpu::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
             }
         };
         if inline {
@@ -978,6 +981,10 @@ impl TransferActor {
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
         let source = entry.buffer.share();
         let stop = Arc::clone(&entry.stop);
+        let layout = match entry.what {
+            StreamWhat::Transfer(layout) => layout,
+            StreamWhat::Put { .. } => Layout::Contiguous,
+        };
         let pools = Arc::clone(&self.ipc.push_pools);
         let peer = self.peer.clone();
         let pid = self.ipc.peer_pid;
@@ -999,9 +1006,11 @@ impl TransferActor {
                     .cloned()
                     .ok_or_else(|| "the receiver's pool was not imported".to_string())?
             };
-            io.spawn_blocking(move || crate::gpu::push(&target, &pool, &gpus, &source, &stop))
-                .await
-                .map_err(|e| format!("the push task failed: {e}"))?
+            io.spawn_blocking(move || {
+                crate::gpu::push(&target, &pool, &gpus, &source, &layout, &stop)
+            })
+            .await
+            .map_err(|e| format!("the push task failed: {e}"))?
         };
         ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
             act.written(op, pushed, ctx);
@@ -2053,10 +2062,13 @@ async fn stream(
             }
             // The bytes go from the caller's buffer to the socket as they are.
             (Some(host), None) => &host[part.0..part.0 + part.1],
-            (None, Some(_)) => {
-                return Err(io_error(
-                    "strided device memory is not gathered over tcp (refused at send)",
-                ));
+            // A few 3D copies into host memory (the staged transport pipelines this).
+            (None, Some(layout)) => {
+                staging.resize(part.1, 0);
+                bytes
+                    .read_packed(&layout, part.0 as u64, &mut staging)
+                    .map_err(|e| io_error(format!("gathering the device buffer's rows: {e}")))?;
+                &staging[..]
             }
             (None, None) => {
                 staging.resize(part.1, 0);

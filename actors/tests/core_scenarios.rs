@@ -638,6 +638,7 @@ impl Push {
                 len: 4096,
                 pull: None,
                 push: true,
+                layout: Layout::Contiguous,
             }) => (op, id),
             other => panic!("B should reserve for a push, got {other:?}"),
         }
@@ -881,7 +882,6 @@ fn offers_whose_layout_does_not_match_are_refused() {
         pitch: 64,
     };
     for (msg, why) in [
-        (offer(400, "ipc", rows), "do not travel over ipc"),
         (
             offer(399, "tcp", rows),
             "packs 400 bytes, the offer says 399",

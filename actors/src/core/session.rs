@@ -37,8 +37,7 @@ pub struct OpId(pub u64);
 /// one word. A peer that offers a larger id breaks the protocol.
 pub const MAX_TRANSFER_ID: u64 = 1 << 39;
 
-/// Why an offer's layout cannot be taken: malformed, not `len` packed bytes, or strided
-/// over a transport that moves only whole buffers (the ipc copies).
+/// Why an offer's layout cannot be taken: malformed, or not `len` packed bytes.
 fn layout_mismatch(offer: &Offer) -> Option<String> {
     if offer.layout == Layout::Contiguous {
         return None;
@@ -49,10 +48,6 @@ fn layout_mismatch(offer: &Offer) -> Option<String> {
         Ok(packed) if packed != offer.len => Some(format!(
             "the offer's layout packs {packed} bytes, the offer says {}",
             offer.len
-        )),
-        Ok(_) if offer.transport != "tcp" => Some(format!(
-            "strided layouts do not travel over {} yet",
-            offer.transport
         )),
         Ok(_) => None,
     }
@@ -160,6 +155,9 @@ pub enum SessionEvent {
         pull: Option<IpcSource>,
         /// An ipc push: reserve device memory where possible and lend it in the grant.
         push: bool,
+        /// How the bytes lie at the sender (`len` is their packed length; a pull gathers
+        /// them by it).
+        layout: Layout,
     },
     /// The peer no longer writes the buffer the grant of inbound `id` lent it (an ipc
     /// push): `error` is `None` when every byte is in place. The shell frees the buffer or
@@ -584,6 +582,7 @@ impl PeerSession {
             len: offer.len,
             pull: offer.ipc,
             push,
+            layout: offer.layout,
         });
         Ok(())
     }

@@ -7,6 +7,7 @@ use super::device::Device;
 use super::error::CudaError;
 use super::raw;
 use super::stream::{Event, Stream};
+use crate::wire::RowBox;
 
 pub(super) mod sealed {
     /// Only this layer's buffer types are device memory: their address and length are
@@ -247,6 +248,123 @@ pub fn copy_to_host(
             stream.handle(),
         )
     }?;
+    src.note_use(stream)?;
+    stream.synchronize()
+}
+
+/// The 3D-copy shape of `b` read at its pitches and written packed, after checking that it
+/// lies inside `slen` bytes from `src_offset` and `dlen` bytes from `dst_offset`.
+fn box_shape(
+    b: &RowBox,
+    src_offset: usize,
+    slen: usize,
+    dst_offset: usize,
+    dlen: usize,
+) -> Result<raw::BoxShape, CudaError> {
+    let bad = || CudaError::Misuse(format!("a box of rows past its buffer: {b:?}"));
+    let n = |v: u64| usize::try_from(v).map_err(|_| bad());
+    if b.width == 0 || b.rows == 0 || b.planes == 0 || b.pitch < b.width {
+        return Err(bad());
+    }
+    if b.plane_pitch % b.pitch != 0 || b.plane_pitch / b.pitch < b.rows {
+        return Err(bad());
+    }
+    // One past the last byte read: the last row of the last plane.
+    let last = (b.planes - 1)
+        .checked_mul(b.plane_pitch)
+        .and_then(|p| p.checked_add((b.rows - 1).checked_mul(b.pitch)?))
+        .and_then(|p| p.checked_add(b.src))
+        .and_then(|p| p.checked_add(b.width))
+        .ok_or_else(bad)?;
+    range("source", src_offset, n(last)?, slen)?;
+    range("destination", dst_offset + n(b.packed)?, n(b.len())?, dlen)?;
+    Ok(raw::BoxShape {
+        width: n(b.width)?,
+        height: n(b.rows)?,
+        depth: n(b.planes)?,
+        src_pitch: n(b.pitch)?,
+        src_plane_rows: n(b.plane_pitch / b.pitch)?,
+        dst_pitch: n(b.width)?,
+        dst_plane_rows: n(b.rows)?,
+    })
+}
+
+/// Gathers the rows of `boxes` (a layout's, see [`crate::wire::Layout::boxes`]) out of
+/// `src` from `src_offset` on, packed into `dst` from `dst_offset` on: one 3D copy per box,
+/// the copy engine walking the rows (never a copy per row). Returns once queued; both stay
+/// allocated until the copies complete.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a box outside either buffer; a driver error otherwise.
+pub fn copy_boxes_async(
+    dst: &mut impl DeviceMemory,
+    dst_offset: usize,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    boxes: &[RowBox],
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    let (sptr, slen) = src.region();
+    let shapes = boxes
+        .iter()
+        .map(|b| box_shape(b, src_offset, slen, dst_offset, dlen).map(|s| (b, s)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if shapes.is_empty() {
+        return Ok(());
+    }
+    stream.bind()?;
+    for (b, shape) in shapes {
+        // SAFETY: every row of the box lies inside both live allocations (checked by
+        // `box_shape`); the uses recorded below keep both allocated until the copy passed.
+        unsafe {
+            raw::memcpy_box_async(
+                raw::Place::Device(dptr + (dst_offset as u64 + b.packed)),
+                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
+                shape,
+                stream.handle(),
+            )
+        }?;
+    }
+    dst.note_use(stream)?;
+    src.note_use(stream)?;
+    Ok(())
+}
+
+/// [`copy_boxes_async`] into host memory (`dst`, from its start), waited for.
+///
+/// # Errors
+/// As [`copy_boxes_async`].
+pub fn copy_boxes_to_host(
+    dst: &mut [u8],
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    boxes: &[RowBox],
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (sptr, slen) = src.region();
+    let shapes = boxes
+        .iter()
+        .map(|b| box_shape(b, src_offset, slen, 0, dst.len()).map(|s| (b, s)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if shapes.is_empty() {
+        return Ok(());
+    }
+    stream.bind()?;
+    let base = dst.as_mut_ptr();
+    for (b, shape) in shapes {
+        // SAFETY: the rows lie inside the live allocation and the box's packed bytes inside
+        // `dst` (checked by `box_shape`); `dst` is borrowed mutably until the stream is
+        // synchronised below, so nothing else touches it meanwhile.
+        unsafe {
+            raw::memcpy_box_async(
+                raw::Place::Host(base.add(b.packed as usize)),
+                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
+                shape,
+                stream.handle(),
+            )
+        }?;
+    }
     src.note_use(stream)?;
     stream.synchronize()
 }

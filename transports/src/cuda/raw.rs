@@ -54,6 +54,7 @@ const ENTRY_POINTS: &[&str] = &[
     "cuMemcpyAsync",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
+    "cuMemcpy3DAsync_v2",
     "cuMemsetD8Async",
     "cuMemHostAlloc",
     "cuMemFreeHost",
@@ -496,6 +497,76 @@ pub(super) unsafe fn memcpy_async(
     // SAFETY: caller.
     check("cuMemcpyAsync", unsafe {
         sys::cuMemcpyAsync(dst, src, len, stream)
+    })
+}
+
+/// Where one side of a [`memcpy_box_async`] is.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Place {
+    /// Device (or unified) memory at this address.
+    Device(sys::CUdeviceptr),
+    /// Host memory at this address.
+    Host(*mut u8),
+}
+
+/// The shape of a [`memcpy_box_async`]: `depth` planes of `height` rows of `width` bytes.
+/// Each side has its own pitch (bytes from row to row) and plane height (rows from plane to
+/// plane).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct BoxShape {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub src_pitch: usize,
+    pub src_plane_rows: usize,
+    pub dst_pitch: usize,
+    pub dst_plane_rows: usize,
+}
+
+/// One 3D copy (`cuMemcpy3DAsync`): the copy engine gathers and scatters the rows.
+///
+/// # Safety
+/// Every row of the box lies in live memory on both sides (from each start, `depth` planes
+/// of `height` rows at the side's pitches), which stays allocated until the copy completes
+/// on `stream`, a live stream; host memory is not written by anyone else meanwhile.
+pub(super) unsafe fn memcpy_box_async(
+    dst: Place,
+    src: Place,
+    shape: BoxShape,
+    stream: sys::CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: a plain C struct; all-zero is its "nothing set" value (null arrays, LOD 0).
+    let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+    match src {
+        Place::Device(ptr) => {
+            p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+            p.srcDevice = ptr;
+        }
+        Place::Host(ptr) => {
+            p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+            p.srcHost = ptr.cast::<c_void>().cast_const();
+        }
+    }
+    match dst {
+        Place::Device(ptr) => {
+            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+            p.dstDevice = ptr;
+        }
+        Place::Host(ptr) => {
+            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+            p.dstHost = ptr.cast::<c_void>();
+        }
+    }
+    p.srcPitch = shape.src_pitch;
+    p.srcHeight = shape.src_plane_rows;
+    p.dstPitch = shape.dst_pitch;
+    p.dstHeight = shape.dst_plane_rows;
+    p.WidthInBytes = shape.width;
+    p.Height = shape.height;
+    p.Depth = shape.depth;
+    // SAFETY: caller; `p` lives through the call (the driver reads it before returning).
+    check("cuMemcpy3DAsync", unsafe {
+        sys::cuMemcpy3DAsync_v2(&p, stream)
     })
 }
 

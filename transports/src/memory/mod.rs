@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::cuda::{CudaError, DeviceBuffer, DeviceMemory};
+use crate::wire::Layout;
 use crate::wire::WireMemoryKind;
 
 /// Where a buffer's bytes live.
@@ -192,6 +193,9 @@ pub enum MemoryError {
     /// The device copy failed.
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// A layout does not fit the buffer.
+    #[error(transparent)]
+    Layout(#[from] crate::wire::LayoutError),
 }
 
 impl Drop for Storage {
@@ -584,6 +588,29 @@ impl SharedBytes {
         match &self.storage.bytes {
             Bytes::Host(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
             Bytes::Device(d) => crate::cuda::copy_to_host(dst, d, offset, &d.stream())?,
+        }
+        Ok(())
+    }
+
+    /// Reads the packed bytes `[from, from + dst.len())` of `layout` into `dst`, whatever
+    /// memory they live in: rows copied one by one from host memory, a few 3D copies from
+    /// device memory (see [`Layout::boxes`]).
+    ///
+    /// # Errors
+    /// [`MemoryError::Layout`] when the layout does not fit or the range is past it;
+    /// [`MemoryError::Cuda`].
+    pub fn read_packed(
+        &self,
+        layout: &Layout,
+        from: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        match &self.storage.bytes {
+            Bytes::Host(b) => layout.gather(&b[..self.len()], from, dst)?,
+            Bytes::Device(d) => {
+                let boxes = layout.boxes(self.len() as u64, from, dst.len() as u64)?;
+                crate::cuda::copy_boxes_to_host(dst, d, 0, &boxes, &d.stream())?;
+            }
         }
         Ok(())
     }

@@ -49,6 +49,67 @@ mod shape {
     }
 }
 
+/// A box of a layout's rows: `planes` planes of `rows` rows of `width` bytes, the first
+/// at `src` in the buffer, rows `pitch` apart and planes `plane_pitch` apart; packed, they
+/// are the bytes at `packed` (from the start of the range asked for). One 3D copy, a 2D
+/// copy when `planes` is 1, a plain copy when `rows` is 1 too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowBox {
+    /// Offset of the first byte in the buffer.
+    pub src: u64,
+    /// Offset of the first byte in the packed range.
+    pub packed: u64,
+    /// Bytes of each row.
+    pub width: u64,
+    /// Rows of each plane.
+    pub rows: u64,
+    /// Planes.
+    pub planes: u64,
+    /// Bytes from one row to the next.
+    pub pitch: u64,
+    /// Bytes from one plane to the next.
+    pub plane_pitch: u64,
+}
+
+impl RowBox {
+    /// `len` bytes in one run.
+    fn run(src: u64, packed: u64, len: u64, pitch: u64) -> Self {
+        Self {
+            src,
+            packed,
+            width: len,
+            rows: 1,
+            planes: 1,
+            pitch: pitch.max(len),
+            plane_pitch: pitch.max(len),
+        }
+    }
+
+    /// The packed bytes of the box.
+    pub fn len(&self) -> u64 {
+        self.width * self.rows * self.planes
+    }
+
+    /// True when the box holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each row as `(offset in the buffer, offset in the packed range, bytes)`, for a copy
+    /// that moves rows one by one (host memory).
+    pub fn rows(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        (0..self.planes).flat_map(move |p| {
+            (0..self.rows).map(move |r| {
+                (
+                    self.src + p * self.plane_pitch + r * self.pitch,
+                    self.packed + (p * self.rows + r) * self.width,
+                    self.width,
+                )
+            })
+        })
+    }
+}
+
 /// Why a layout does not fit its buffer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -127,6 +188,30 @@ impl Layout {
         Ok(packed)
     }
 
+    /// One past the last byte a strided layout touches (`None` for [`Layout::Contiguous`],
+    /// which is the whole buffer, whatever its length).
+    ///
+    /// # Errors
+    /// A malformed layout, as [`Self::check`] names it.
+    pub fn extent(&self) -> Result<Option<u64>, LayoutError> {
+        self.check(u64::MAX)?;
+        Ok(match *self {
+            Layout::Contiguous => None,
+            Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            } => Some(extent(1, 0, rows, pitch, row_bytes)?),
+            Layout::Strided3D {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+            } => Some(extent(depth, plane_rows, rows, pitch, row_bytes)?),
+        })
+    }
+
     /// True for [`Layout::Contiguous`], or a strided layout whose rows touch (nothing to
     /// gather).
     pub fn is_contiguous(&self) -> bool {
@@ -180,6 +265,87 @@ impl Layout {
                 )
             })
         })
+    }
+
+    /// The packed bytes `[from, from + count)` of the layout in a buffer of `len` bytes, as
+    /// at most five boxes, in packed order: a part of a row, the rest of a plane's rows, whole
+    /// planes, the first rows of a plane, a part of a row. Each is one 2D or 3D copy (the
+    /// copy engine gathers its rows), never a copy per row.
+    ///
+    /// # Errors
+    /// The layout does not fit `len`, or the range is past its packed length.
+    pub fn boxes(&self, len: u64, from: u64, count: u64) -> Result<Vec<RowBox>, LayoutError> {
+        let packed = self.check(len)?;
+        let to = from.checked_add(count).ok_or(LayoutError::Overflow)?;
+        if to > packed {
+            return Err(LayoutError::PastTheEnd {
+                end: to,
+                len: packed,
+            });
+        }
+        let (rows, width, pitch, plane_rows) = match *self {
+            Layout::Contiguous => {
+                return Ok(if count == 0 {
+                    Vec::new()
+                } else {
+                    vec![RowBox::run(from, 0, count, 0)]
+                });
+            }
+            Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            } => (rows, row_bytes, pitch, rows),
+            Layout::Strided3D {
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+                ..
+            } => (rows, row_bytes, pitch, plane_rows),
+        };
+        // Row g of the packed order (over every plane) starts in the buffer here.
+        let row_at = |g: u64| (g / rows * plane_rows + g % rows) * pitch;
+        let mut out = Vec::new();
+        let mut at = from;
+        // A part of a row first, when the range starts inside one.
+        if at % width != 0 && at < to {
+            let n = (width - at % width).min(to - at);
+            out.push(RowBox::run(
+                row_at(at / width) + at % width,
+                at - from,
+                n,
+                pitch,
+            ));
+            at += n;
+        }
+        let last_row = to / width;
+        let mut g = at / width;
+        // Whole rows: the rest of this plane, whole planes, the first rows of the last one.
+        while g < last_row {
+            let in_plane = g % rows;
+            let (n_rows, planes) = if in_plane == 0 && last_row - g >= rows {
+                (rows, (last_row - g) / rows)
+            } else {
+                ((rows - in_plane).min(last_row - g), 1)
+            };
+            out.push(RowBox {
+                src: row_at(g),
+                packed: g * width - from,
+                width,
+                rows: n_rows,
+                planes,
+                pitch,
+                plane_pitch: plane_rows * pitch,
+            });
+            g += n_rows * planes;
+        }
+        at = at.max(last_row * width);
+        // A part of the last row.
+        if at < to {
+            out.push(RowBox::run(row_at(at / width), at - from, to - at, pitch));
+        }
+        Ok(out)
     }
 
     /// Copies the packed bytes `[from, from + out.len())` of the layout out of `src` (the
@@ -345,6 +511,20 @@ mod tests {
         let mut out = [0u8; 8];
         cube.gather(&src, 0, &mut out).expect("fits");
         assert_eq!(out, [0, 1, 4, 5, 12, 13, 16, 17]);
+        // The whole cube is one 3D copy; from its third byte, a row's end, the rest of the
+        // plane, then the second plane.
+        let whole = cube.boxes(24, 0, 8).expect("fits");
+        assert_eq!(whole.len(), 1);
+        assert_eq!(
+            (whole[0].planes, whole[0].rows, whole[0].plane_pitch),
+            (2, 2, 12)
+        );
+        let rest = cube.boxes(24, 3, 5).expect("fits");
+        let shape: Vec<(u64, u64, u64, u64)> = rest
+            .iter()
+            .map(|b| (b.src, b.width, b.rows, b.planes))
+            .collect();
+        assert_eq!(shape, [(5, 1, 1, 1), (12, 2, 2, 1)]);
         assert!(!cube.is_contiguous());
         assert!(strided(8, 4, 4).is_contiguous());
     }
@@ -392,6 +572,21 @@ mod tests {
                 layout.gather(&src, (i * piece) as u64, chunk).expect("in range");
             }
             prop_assert_eq!(&got, &want);
+            // The boxes of each piece, copied row by row, give the same bytes, in at most
+            // five copies per piece.
+            for (i, chunk) in want.chunks(piece).enumerate() {
+                let from = (i * piece) as u64;
+                let boxes = layout.boxes(len, from, chunk.len() as u64).expect("in range");
+                prop_assert!(boxes.len() <= 5, "{} boxes", boxes.len());
+                let mut out = vec![0u8; chunk.len()];
+                for b in &boxes {
+                    for (at, p, n) in b.rows() {
+                        out[p as usize..(p + n) as usize]
+                            .copy_from_slice(&src[at as usize..(at + n) as usize]);
+                    }
+                }
+                prop_assert_eq!(&out[..], chunk);
+            }
             let mut dst = vec![0xAAu8; len as usize];
             for (i, chunk) in got.chunks(piece).enumerate() {
                 layout.scatter(chunk, (i * piece) as u64, &mut dst).expect("in range");
