@@ -76,6 +76,15 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
             "tcp moves only push",
         ),
         (vec!["--direction", "sideways"], "invalid value"),
+        (vec!["--layout", "strided:1K:2K"], "add --no-check"),
+        (
+            vec!["--layout", "strided:1K:512", "--no-check"],
+            "at least the row",
+        ),
+        (
+            vec!["--layout", "diagonal"],
+            "contiguous or strided:ROW:PITCH",
+        ),
     ] {
         let out = Command::new(common::ferry_bin())
             .arg("bench")

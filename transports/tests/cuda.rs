@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, Wait,
-    copy_and_wait, copy_async, copy_from_host, copy_from_pinned_async, copy_to_host,
-    copy_to_pinned_async, enable_peer_access, fill_async, peer_access,
+    copy_and_wait, copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host,
+    copy_from_pinned_async, copy_to_host, copy_to_pinned_async, enable_peer_access, fill_async,
+    peer_access,
 };
 use ferry_transports::link::fdpass;
 
@@ -52,6 +53,69 @@ fn error_message_without_driver_is_clear() {
     if let Err(CudaError::NoDriver) = ferry_transports::cuda::driver() {
         assert!(matches!(Device::open(0), Err(CudaError::NoDriver)));
         assert!(matches!(Device::count(), Err(CudaError::NoDriver)));
+    }
+}
+
+/// Strided rows gathered by the copy engine (3D copies of a layout's boxes, from any packed
+/// offset) match the host's gather, into device memory and into host memory.
+#[test]
+fn boxes_gather_strided_rows_like_the_host() {
+    use ferry_transports::wire::Layout;
+    let Some(gpus) = gpus() else { return };
+    let dev = gpus.last().expect("a GPU");
+    let pool = ExportablePool::new(&gpus[0]).expect("exportable pool");
+    let other = ExportablePool::new(dev).expect("exportable pool");
+    other.grant_access(&gpus[0]).expect("access");
+    let stream = Stream::new(&gpus[0]).expect("stream");
+    let layouts = [
+        Layout::Strided2D {
+            rows: 513,
+            row_bytes: 1000,
+            pitch: 1536,
+        },
+        Layout::Strided3D {
+            depth: 7,
+            rows: 9,
+            row_bytes: 333,
+            pitch: 400,
+            plane_rows: 11,
+        },
+    ];
+    for layout in layouts {
+        let len = layout.extent().expect("valid").expect("strided") as usize + 5;
+        let host = pattern(len as u64, len);
+        let mut src = pool.alloc(len, &stream).expect("alloc");
+        copy_from_host(&mut src, 0, &host, &stream).expect("H2D");
+        let packed = layout.check(len as u64).expect("fits");
+        let mut want = vec![0u8; packed as usize];
+        layout.gather(&host, 0, &mut want).expect("gather");
+        // Whole, into device memory of the other GPU.
+        let boxes = layout.boxes(len as u64, 0, packed).expect("boxes");
+        assert_eq!(boxes.len(), 1, "a whole layout is one copy");
+        let other_stream = Stream::new(dev).expect("stream");
+        let mut dst = other.alloc(packed as usize, &other_stream).expect("alloc");
+        other_stream.synchronize().expect("allocated");
+        copy_boxes_async(&mut dst, 0, &src, 0, &boxes, &stream).expect("3D copy");
+        stream.synchronize().expect("copied");
+        let mut got = vec![0u8; packed as usize];
+        copy_to_host(&mut got, &dst, 0, &other_stream).expect("D2H");
+        assert!(
+            got == want,
+            "{layout:?}: gathered on the device, other bytes"
+        );
+        // In pieces from odd offsets, into host memory.
+        let mut pieces = vec![0u8; packed as usize];
+        for (i, chunk) in pieces.chunks_mut(4099).enumerate() {
+            let from = (i * 4099) as u64;
+            let boxes = layout
+                .boxes(len as u64, from, chunk.len() as u64)
+                .expect("boxes");
+            copy_boxes_to_host(chunk, &src, 0, &boxes, &stream).expect("3D copy to host");
+        }
+        assert!(
+            pieces == want,
+            "{layout:?}: gathered in pieces, other bytes"
+        );
     }
 }
 

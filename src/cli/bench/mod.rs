@@ -65,7 +65,10 @@ pub struct Args {
     /// Memory at both ends: host or device.
     #[arg(long, default_value = "host")]
     memory: String,
-    /// Buffer layout.
+    /// Buffer layout: `contiguous`, or `strided:ROW:PITCH` (each transfer sends its size in
+    /// rows of ROW bytes, PITCH apart in a larger buffer: the rows arrive packed). With a
+    /// GPU baseline, a raw 2D copy of the same rows is the baseline, and one copy per row is
+    /// timed too. One direction only, with --no-check.
     #[arg(long, default_value = "contiguous")]
     layout: String,
     /// Both directions at once.
@@ -214,11 +217,26 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
         ),
         other => bail!("--transport {other}: tcp or ipc (staged is not built yet)"),
     }
-    if args.layout != "contiguous" {
-        bail!(
-            "--layout {}: only contiguous layouts exist so far",
-            args.layout
-        );
+    if let Some((row, _)) = strided(&args.layout)? {
+        if !args.no_check {
+            bail!(
+                "--layout {}: add --no-check (the peer checks contiguous patterns)",
+                args.layout
+            );
+        }
+        if args.bidir || args.pingpong {
+            bail!(
+                "--layout {}: one direction only (no --bidir, --pingpong)",
+                args.layout
+            );
+        }
+        if args.min % row != 0 {
+            bail!(
+                "--layout {}: every size must be whole rows of {row} bytes (-b a multiple of \
+                 the row)",
+                args.layout
+            );
+        }
     }
     if args.min > args.max {
         bail!("-b {} is larger than -e {}", args.min, args.max);
@@ -230,6 +248,49 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--layout`: `None` for contiguous, else the row and the pitch of `strided:ROW:PITCH`.
+fn strided(layout: &str) -> anyhow::Result<Option<(u64, u64)>> {
+    if layout == "contiguous" {
+        return Ok(None);
+    }
+    let parts: Vec<&str> = layout.split(':').collect();
+    let ["strided", row, pitch] = parts[..] else {
+        bail!("--layout {layout}: contiguous or strided:ROW:PITCH (e.g. strided:4K:8K)");
+    };
+    let (row, pitch) = (
+        parse_bytes(row).map_err(|e| anyhow::anyhow!("--layout {layout}: {e}"))?,
+        parse_bytes(pitch).map_err(|e| anyhow::anyhow!("--layout {layout}: {e}"))?,
+    );
+    if row == 0 || pitch < row {
+        bail!("--layout {layout}: the pitch must be at least the row, the row not zero");
+    }
+    Ok(Some((row, pitch)))
+}
+
+/// The layout of a transfer of `size` packed bytes under `--layout`, and the length of the
+/// buffer that holds it.
+fn layout_for(args: &Args, size: u64) -> anyhow::Result<(ferry::Layout, u64)> {
+    match strided(&args.layout)? {
+        None => Ok((ferry::Layout::Contiguous, size)),
+        Some((row, pitch)) => {
+            let rows = size / row;
+            if rows == 0 || size % row != 0 {
+                bail!(
+                    "--layout {}: {size} bytes are not whole rows of {row}",
+                    args.layout
+                );
+            }
+            let layout = ferry::Layout::Strided2D {
+                rows,
+                row_bytes: row,
+                pitch,
+            };
+            let len = layout.extent()?.context("a strided layout has an extent")?;
+            Ok((layout, len))
+        }
+    }
 }
 
 /// The rules both nodes of a local bench take for `--direction`: the bench's memory over
@@ -507,6 +568,11 @@ async fn orchestrate(
         warmup: args.warmup,
         route: explanation.to_string(),
         baseline: match (&target.baseline, args.no_baseline) {
+            (Some(b @ Baseline::Copy(_)), false) if args.layout != "contiguous" => format!(
+                "{}; for --layout {}: the same rows by raw cuMemcpy3DAsync",
+                b.label(args.bidir),
+                args.layout
+            ),
             (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
@@ -605,6 +671,7 @@ async fn send_many(
     node: &Node,
     peer: &str,
     buffers: &mut Vec<Buffer>,
+    layout: ferry::Layout,
     count: u64,
     mut hist: Option<&mut Histogram<u64>>,
 ) -> anyhow::Result<()> {
@@ -617,7 +684,11 @@ async fn send_many(
             let tag = started;
             pending.push(async move {
                 let t = Instant::now();
-                let r = node.send(peer, tag, b).await;
+                let r = if layout == ferry::Layout::Contiguous {
+                    node.send(peer, tag, b).await
+                } else {
+                    node.send_layout(peer, tag, b, layout).await
+                };
                 (t.elapsed(), r)
             });
             started += 1;
@@ -745,13 +816,14 @@ async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<PeerReport> {
 
 async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow::Result<Record> {
     let peer = target.name.as_str();
-    let window = window_for(size, args.window, target.memory);
-    let mut buffers = alloc_filled(node, target.memory, size, window).await?;
+    let (layout, len) = layout_for(args, size)?;
+    let window = window_for(len, args.window, target.memory);
+    let mut buffers = alloc_filled(node, target.memory, len, window).await?;
     let warmup = args.warmup.max(window);
     if args.pingpong {
         ping_pong(node, peer, &mut buffers, warmup, None).await?;
     } else {
-        send_many(node, peer, &mut buffers, warmup, None).await?;
+        send_many(node, peer, &mut buffers, layout, warmup, None).await?;
     }
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
     let check = !args.no_check;
@@ -763,13 +835,28 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         let ask = [size, args.iters, window, target.send_memory()];
         request(node, peer, peer::TAG_SEND, &ask).await?;
         let (sent, back) = tokio::join!(
-            send_many(node, peer, &mut buffers, args.iters, Some(&mut hist)),
+            send_many(
+                node,
+                peer,
+                &mut buffers,
+                layout,
+                args.iters,
+                Some(&mut hist)
+            ),
             receive_returns(node, peer, args.iters, check, &args.transport),
         );
         sent?;
         wrong += back?;
     } else {
-        send_many(node, peer, &mut buffers, args.iters, Some(&mut hist)).await?;
+        send_many(
+            node,
+            peer,
+            &mut buffers,
+            layout,
+            args.iters,
+            Some(&mut hist),
+        )
+        .await?;
     }
     let elapsed = started.elapsed().as_secs_f64().max(1e-9);
     let directions = if args.bidir || args.pingpong {
@@ -795,6 +882,22 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     let baseline_gbps = match (&target.baseline, args.no_baseline) {
         (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
+        }
+        (Some(Baseline::Copy(gpus)), false) if layout != ferry::Layout::Contiguous => {
+            let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
+            let (raw, per_row) = tokio::task::spawn_blocking(move || {
+                strided_baseline(gpus, layout, iters, warmup, window)
+            })
+            .await
+            .context("the copy baseline stopped")?
+            .context("the strided copy baseline failed")?;
+            println!(
+                "# {size} bytes as {layout:?}: one cuMemcpyAsync per row {per_row:.3} GB/s \
+                 (ferry {:.1}x that, the raw 2D copy {:.1}x)",
+                ferry_gbps / per_row,
+                raw / per_row
+            );
+            Some(raw)
         }
         (Some(Baseline::Copy(gpus)), false) => {
             let (gpus, iters, warmup, bidir) = (*gpus, args.iters, warmup, args.bidir);
@@ -892,6 +995,68 @@ fn copy_baseline(
     copy_batches(&mut lanes, iters, window)?;
     let took = started.elapsed().as_secs_f64().max(1e-9);
     Ok(lanes.len() as f64 * (len as u64 * iters) as f64 / took / 1e9)
+}
+
+/// The strided baselines between the same two GPUs: the layout's rows gathered by raw 3D
+/// copies (`cuMemcpy3DAsync`, as ferry's copies are) from a source on our GPU into a packed
+/// buffer on theirs, and the same rows moved by one `cuMemcpyAsync` each; GB/s of packed
+/// bytes, each over `iters` transfers after `warmup`, `window` queued at a time. Blocks.
+fn strided_baseline(
+    gpus: GpuPair,
+    layout: ferry::Layout,
+    iters: u64,
+    warmup: u64,
+    window: u64,
+) -> anyhow::Result<(f64, f64)> {
+    use ferry::cuda::{Device, ExportablePool, Stream};
+    let extent = layout.extent()?.context("a strided layout has an extent")?;
+    let packed = layout.check(extent)?;
+    let boxes = layout.boxes(extent, 0, packed)?;
+    let ours = Device::open(gpus.ours as usize)?;
+    let theirs = Device::open(gpus.theirs as usize)?;
+    let pool_ours = ExportablePool::new(&ours)?;
+    let pool_theirs = ExportablePool::new(&theirs)?;
+    pool_ours.grant_access(&theirs)?;
+    let stream = Stream::new(&theirs)?;
+    let src_stream = Stream::new(&ours)?;
+    let src = pool_ours.alloc(usize::try_from(extent)?, &src_stream)?;
+    src_stream.synchronize()?;
+    let mut dst = pool_theirs.alloc(usize::try_from(packed)?, &stream)?;
+    let timed = |dst: &mut ferry::cuda::DeviceBuffer,
+                 copy: &dyn Fn(&mut ferry::cuda::DeviceBuffer) -> anyhow::Result<()>|
+     -> anyhow::Result<f64> {
+        for round in [warmup, iters] {
+            let started = Instant::now();
+            let mut left = round;
+            while left > 0 {
+                for _ in 0..left.min(window.max(1)) {
+                    copy(dst)?;
+                }
+                stream.synchronize()?;
+                left = left.saturating_sub(window.max(1));
+            }
+            if round == iters {
+                let took = started.elapsed().as_secs_f64().max(1e-9);
+                return Ok((packed * iters) as f64 / took / 1e9);
+            }
+        }
+        Ok(0.0)
+    };
+    let raw = timed(&mut dst, &|dst| {
+        ferry::cuda::copy_boxes_async(dst, 0, &src, 0, &boxes, &stream)?;
+        Ok(())
+    })?;
+    let rows: Vec<(u64, u64, u64)> = boxes
+        .iter()
+        .flat_map(|b| b.rows().collect::<Vec<_>>())
+        .collect();
+    let per_row = timed(&mut dst, &|dst| {
+        for &(at, to, n) in &rows {
+            ferry::cuda::copy_async(dst, to as usize, &src, at as usize, n as usize, &stream)?;
+        }
+        Ok(())
+    })?;
+    Ok((raw, per_row))
 }
 
 /// `count` copies on every lane, `window` queued at a time, then waits for them.
