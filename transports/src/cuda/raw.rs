@@ -535,35 +535,59 @@ pub(super) unsafe fn memcpy_box_async(
     shape: BoxShape,
     stream: sys::CUstream,
 ) -> Result<(), CudaError> {
-    // SAFETY: a plain C struct; all-zero is its "nothing set" value (null arrays, LOD 0).
-    let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
-    match src {
-        Place::Device(ptr) => {
-            p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            p.srcDevice = ptr;
-        }
-        Place::Host(ptr) => {
-            p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
-            p.srcHost = ptr.cast::<c_void>().cast_const();
-        }
-    }
-    match dst {
-        Place::Device(ptr) => {
-            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            p.dstDevice = ptr;
-        }
-        Place::Host(ptr) => {
-            p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
-            p.dstHost = ptr.cast::<c_void>();
-        }
-    }
-    p.srcPitch = shape.src_pitch;
-    p.srcHeight = shape.src_plane_rows;
-    p.dstPitch = shape.dst_pitch;
-    p.dstHeight = shape.dst_plane_rows;
-    p.WidthInBytes = shape.width;
-    p.Height = shape.height;
-    p.Depth = shape.depth;
+    // Every field set: the memory-type enum has no zero value, so the struct has no
+    // all-zero form.
+    let (src_type, src_host, src_device) = match src {
+        Place::Device(ptr) => (
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            std::ptr::null(),
+            ptr,
+        ),
+        Place::Host(ptr) => (
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            ptr.cast::<c_void>().cast_const(),
+            0,
+        ),
+    };
+    let (dst_type, dst_host, dst_device) = match dst {
+        Place::Device(ptr) => (
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            std::ptr::null_mut(),
+            ptr,
+        ),
+        Place::Host(ptr) => (
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            ptr.cast::<c_void>(),
+            0,
+        ),
+    };
+    let p = sys::CUDA_MEMCPY3D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcZ: 0,
+        srcLOD: 0,
+        srcMemoryType: src_type,
+        srcHost: src_host,
+        srcDevice: src_device,
+        srcArray: std::ptr::null_mut(),
+        reserved0: std::ptr::null_mut(),
+        srcPitch: shape.src_pitch,
+        srcHeight: shape.src_plane_rows,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstZ: 0,
+        dstLOD: 0,
+        dstMemoryType: dst_type,
+        dstHost: dst_host,
+        dstDevice: dst_device,
+        dstArray: std::ptr::null_mut(),
+        reserved1: std::ptr::null_mut(),
+        dstPitch: shape.dst_pitch,
+        dstHeight: shape.dst_plane_rows,
+        WidthInBytes: shape.width,
+        Height: shape.height,
+        Depth: shape.depth,
+    };
     // SAFETY: caller; `p` lives through the call (the driver reads it before returning).
     check("cuMemcpy3DAsync", unsafe {
         sys::cuMemcpy3DAsync_v2(&p, stream)
