@@ -495,6 +495,23 @@ async fn strided_layouts_arrive_packed_with_their_layout() {
             (2 * 50 + 39) * 1024 + 700,
         ),
         (Layout::Contiguous, 100_003),
+        // Rows that touch: the buffer's first bytes, not the whole buffer.
+        (
+            Layout::Strided2D {
+                rows: 1,
+                row_bytes: 3,
+                pitch: 3,
+            },
+            5,
+        ),
+        (
+            Layout::Strided2D {
+                rows: 100,
+                row_bytes: 1000,
+                pitch: 1000,
+            },
+            100_000 + 17,
+        ),
     ];
     for (i, (layout, len)) in layouts.into_iter().enumerate() {
         let buffer = patterned(&a, len, i as u64).await;

@@ -2027,15 +2027,15 @@ async fn stream(
     stop: &AtomicBool,
     chunk: usize,
 ) -> Result<(), LinkError> {
-    let layout = match what {
-        StreamWhat::Transfer(layout) if !layout.is_contiguous() => Some(layout),
-        _ => None,
-    };
-    let len = match layout {
-        Some(l) => {
-            usize::try_from(l.check(bytes.len() as u64).map_err(io_error)?).map_err(io_error)?
+    // What moves: the layout's packed bytes. A strided layout whose rows touch is the
+    // buffer's first bytes (no gathering); another is gathered chunk by chunk.
+    let (len, layout) = match what {
+        StreamWhat::Transfer(layout) => {
+            let packed = layout.check(bytes.len() as u64).map_err(io_error)?;
+            let packed = usize::try_from(packed).map_err(io_error)?;
+            (packed, Some(layout).filter(|l| !l.is_contiguous()))
         }
-        None => bytes.len(),
+        StreamWhat::Put { .. } => (bytes.len(), None),
     };
     let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
     let count = parts.len();
