@@ -146,46 +146,83 @@ pub enum LayoutError {
     Overflow,
 }
 
+/// A strided layout's numbers, a 2D one as the 3D one of a single plane.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    depth: u64,
+    rows: u64,
+    row_bytes: u64,
+    pitch: u64,
+    plane_rows: u64,
+}
+
 impl Layout {
-    /// Checks that the layout fits a buffer of `len` bytes, and returns the number of bytes
-    /// it sends (its packed length).
-    ///
-    /// # Errors
-    /// What is wrong with it, as a [`LayoutError`].
-    pub fn check(&self, len: u64) -> Result<u64, LayoutError> {
-        let (packed, end) = match *self {
-            Layout::Contiguous => (len, len),
+    /// `None` for [`Layout::Contiguous`].
+    fn dims(&self) -> Option<Dims> {
+        match *self {
+            Layout::Contiguous => None,
             Layout::Strided2D {
                 rows,
                 row_bytes,
                 pitch,
-            } => {
-                rows_fit(rows, row_bytes, pitch)?;
-                let end = extent(1, 0, rows, pitch, row_bytes)?;
-                (mul(rows, row_bytes)?, end)
-            }
+            } => Some(Dims {
+                depth: 1,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows: rows,
+            }),
             Layout::Strided3D {
                 depth,
                 rows,
                 row_bytes,
                 pitch,
                 plane_rows,
-            } => {
-                if depth == 0 {
-                    return Err(LayoutError::Zero("depth"));
-                }
-                rows_fit(rows, row_bytes, pitch)?;
-                if plane_rows < rows {
-                    return Err(LayoutError::PlaneTooSmall { plane_rows, rows });
-                }
-                let end = extent(depth, plane_rows, rows, pitch, row_bytes)?;
-                (mul(mul(depth, rows)?, row_bytes)?, end)
-            }
+            } => Some(Dims {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows,
+            }),
+        }
+    }
+
+    /// Checks that the layout fits a buffer of `len` bytes, and returns the number of bytes
+    /// it sends (its packed length).
+    ///
+    /// # Errors
+    /// What is wrong with it, as a [`LayoutError`].
+    pub fn check(&self, len: u64) -> Result<u64, LayoutError> {
+        let Some(d) = self.dims() else {
+            return Ok(len);
         };
+        if d.depth == 0 {
+            return Err(LayoutError::Zero("depth"));
+        }
+        if d.rows == 0 {
+            return Err(LayoutError::Zero("rows"));
+        }
+        if d.row_bytes == 0 {
+            return Err(LayoutError::Zero("row_bytes"));
+        }
+        if d.pitch < d.row_bytes {
+            return Err(LayoutError::PitchTooSmall {
+                pitch: d.pitch,
+                row_bytes: d.row_bytes,
+            });
+        }
+        if d.plane_rows < d.rows {
+            return Err(LayoutError::PlaneTooSmall {
+                plane_rows: d.plane_rows,
+                rows: d.rows,
+            });
+        }
+        let end = d.end()?;
         if end > len {
             return Err(LayoutError::PastTheEnd { end, len });
         }
-        Ok(packed)
+        mul(mul(d.depth, d.rows)?, d.row_bytes)
     }
 
     /// One past the last byte a strided layout touches (`None` for [`Layout::Contiguous`],
@@ -195,73 +232,34 @@ impl Layout {
     /// A malformed layout, as [`Self::check`] names it.
     pub fn extent(&self) -> Result<Option<u64>, LayoutError> {
         self.check(u64::MAX)?;
-        Ok(match *self {
-            Layout::Contiguous => None,
-            Layout::Strided2D {
-                rows,
-                row_bytes,
-                pitch,
-            } => Some(extent(1, 0, rows, pitch, row_bytes)?),
-            Layout::Strided3D {
-                depth,
-                rows,
-                row_bytes,
-                pitch,
-                plane_rows,
-            } => Some(extent(depth, plane_rows, rows, pitch, row_bytes)?),
-        })
+        self.dims().map(|d| d.end()).transpose()
     }
 
     /// True for [`Layout::Contiguous`], or a strided layout whose rows touch (nothing to
-    /// gather).
+    /// gather: the sent bytes are the buffer's first ones).
     pub fn is_contiguous(&self) -> bool {
-        match *self {
-            Layout::Contiguous => true,
-            Layout::Strided2D {
-                rows,
-                row_bytes,
-                pitch,
-            } => rows <= 1 || pitch == row_bytes,
-            Layout::Strided3D {
-                depth,
-                rows,
-                row_bytes,
-                pitch,
-                plane_rows,
-            } => (rows <= 1 || pitch == row_bytes) && (depth <= 1 || plane_rows == rows),
-        }
+        self.dims().is_none_or(|d| {
+            (d.rows <= 1 || d.pitch == d.row_bytes) && (d.depth <= 1 || d.plane_rows == d.rows)
+        })
     }
 
     /// The sent rows as `(offset in the buffer, length)`, in packed order, for a buffer of
     /// `len` bytes; one run for a contiguous layout. Call [`Self::check`] first: the runs of
     /// a layout that does not fit are meaningless.
     pub fn runs(&self, len: u64) -> impl Iterator<Item = (u64, u64)> {
-        let (depth, rows, row_bytes, pitch, plane) = match *self {
-            Layout::Contiguous => (1, 1, len, len, 0),
-            Layout::Strided2D {
-                rows,
-                row_bytes,
-                pitch,
-            } => (1, rows, row_bytes, pitch, 0),
-            Layout::Strided3D {
-                depth,
-                rows,
-                row_bytes,
-                pitch,
-                plane_rows,
-            } => (
-                depth,
-                rows,
-                row_bytes,
-                pitch,
-                plane_rows.wrapping_mul(pitch),
-            ),
-        };
-        (0..depth).flat_map(move |d| {
-            (0..rows).map(move |r| {
+        let d = self.dims().unwrap_or(Dims {
+            depth: 1,
+            rows: 1,
+            row_bytes: len,
+            pitch: len,
+            plane_rows: 1,
+        });
+        let plane = d.plane_rows.wrapping_mul(d.pitch);
+        (0..d.depth).flat_map(move |p| {
+            (0..d.rows).map(move |r| {
                 (
-                    d.wrapping_mul(plane).wrapping_add(r.wrapping_mul(pitch)),
-                    row_bytes,
+                    p.wrapping_mul(plane).wrapping_add(r.wrapping_mul(d.pitch)),
+                    d.row_bytes,
                 )
             })
         })
@@ -283,26 +281,19 @@ impl Layout {
                 len: packed,
             });
         }
-        let (rows, width, pitch, plane_rows) = match *self {
-            Layout::Contiguous => {
-                return Ok(if count == 0 {
-                    Vec::new()
-                } else {
-                    vec![RowBox::run(from, 0, count, 0)]
-                });
-            }
-            Layout::Strided2D {
-                rows,
-                row_bytes,
-                pitch,
-            } => (rows, row_bytes, pitch, rows),
-            Layout::Strided3D {
-                rows,
-                row_bytes,
-                pitch,
-                plane_rows,
-                ..
-            } => (rows, row_bytes, pitch, plane_rows),
+        let Some(Dims {
+            rows,
+            row_bytes: width,
+            pitch,
+            plane_rows,
+            ..
+        }) = self.dims()
+        else {
+            return Ok(if count == 0 {
+                Vec::new()
+            } else {
+                vec![RowBox::run(from, 0, count, 0)]
+            });
         };
         // Row g of the packed order (over every plane) starts in the buffer here.
         let row_at = |g: u64| (g / rows * plane_rows + g % rows) * pitch;
@@ -409,37 +400,21 @@ impl Layout {
     }
 }
 
-fn rows_fit(rows: u64, row_bytes: u64, pitch: u64) -> Result<(), LayoutError> {
-    if rows == 0 {
-        return Err(LayoutError::Zero("rows"));
-    }
-    if row_bytes == 0 {
-        return Err(LayoutError::Zero("row_bytes"));
-    }
-    if pitch < row_bytes {
-        return Err(LayoutError::PitchTooSmall { pitch, row_bytes });
-    }
-    Ok(())
-}
-
 fn mul(a: u64, b: u64) -> Result<u64, LayoutError> {
     a.checked_mul(b).ok_or(LayoutError::Overflow)
 }
 
-/// One past the last byte: `((depth - 1) * plane_rows + rows - 1) * pitch + row_bytes`.
-fn extent(
-    depth: u64,
-    plane_rows: u64,
-    rows: u64,
-    pitch: u64,
-    row_bytes: u64,
-) -> Result<u64, LayoutError> {
-    let last_row = mul(depth - 1, plane_rows)?
-        .checked_add(rows - 1)
-        .ok_or(LayoutError::Overflow)?;
-    mul(last_row, pitch)?
-        .checked_add(row_bytes)
-        .ok_or(LayoutError::Overflow)
+impl Dims {
+    /// One past the last byte: `((depth - 1) * plane_rows + rows - 1) * pitch + row_bytes`
+    /// (every dimension at least 1: checked first).
+    fn end(&self) -> Result<u64, LayoutError> {
+        let last_row = mul(self.depth - 1, self.plane_rows)?
+            .checked_add(self.rows - 1)
+            .ok_or(LayoutError::Overflow)?;
+        mul(last_row, self.pitch)?
+            .checked_add(self.row_bytes)
+            .ok_or(LayoutError::Overflow)
+    }
 }
 
 #[cfg(test)]
