@@ -273,14 +273,7 @@ impl Layout {
     /// # Errors
     /// The layout does not fit `len`, or the range is past its packed length.
     pub fn boxes(&self, len: u64, from: u64, count: u64) -> Result<Vec<RowBox>, LayoutError> {
-        let packed = self.check(len)?;
-        let to = from.checked_add(count).ok_or(LayoutError::Overflow)?;
-        if to > packed {
-            return Err(LayoutError::PastTheEnd {
-                end: to,
-                len: packed,
-            });
-        }
+        let to = self.range_end(len, from, count)?;
         let Some(Dims {
             rows,
             row_bytes: width,
@@ -361,6 +354,20 @@ impl Layout {
         })
     }
 
+    /// The end of the packed range `[from, from + count)` of the layout in a buffer of `len`
+    /// bytes, checked against both.
+    fn range_end(&self, len: u64, from: u64, count: u64) -> Result<u64, LayoutError> {
+        let packed = self.check(len)?;
+        let to = from.checked_add(count).ok_or(LayoutError::Overflow)?;
+        if to > packed {
+            return Err(LayoutError::PastTheEnd {
+                end: to,
+                len: packed,
+            });
+        }
+        Ok(to)
+    }
+
     /// Calls `each(buffer offset, offset in the range, bytes)` for the pieces of the packed
     /// range `[from, from + count)`, in order.
     fn walk(
@@ -370,14 +377,7 @@ impl Layout {
         count: u64,
         mut each: impl FnMut(usize, usize, usize),
     ) -> Result<(), LayoutError> {
-        let packed = self.check(len)?;
-        let to = from.checked_add(count).ok_or(LayoutError::Overflow)?;
-        if to > packed {
-            return Err(LayoutError::PastTheEnd {
-                end: to,
-                len: packed,
-            });
-        }
+        let to = self.range_end(len, from, count)?;
         let mut start = 0u64;
         for (at, run) in self.runs(len) {
             let end = start + run;
