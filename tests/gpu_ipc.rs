@@ -910,4 +910,37 @@ async fn layouts_cross(node: &Node, how: &str) {
             "{how} {layout:?}: the packed rows differ"
         );
     }
+    // One buffer sent again and again: a short layout, the whole buffer, a longer layout.
+    // A pull keeps the buffer mapped between them; a longer read remaps it.
+    let len = 1 << 20;
+    let whole = pattern(len, 77);
+    let mut b = device_buffer(node, &whole).await;
+    let shapes = [
+        Layout::Strided2D {
+            rows: 2,
+            row_bytes: 4,
+            pitch: 8,
+        },
+        Layout::Contiguous,
+        Layout::Strided2D {
+            rows: 100,
+            row_bytes: 1000,
+            pitch: 10000,
+        },
+    ];
+    for (k, layout) in shapes.into_iter().enumerate() {
+        let tag = 50 + k as u64;
+        let packed = layout.check(len as u64).expect("fits") as usize;
+        let mut want = vec![0u8; packed];
+        layout.gather(&whole, 0, &mut want).expect("gather");
+        b = node
+            .send_layout("b", tag, b, layout)
+            .await
+            .unwrap_or_else(|e| panic!("{how} again {layout:?}: {e}"));
+        let got = node.recv(Some("b"), Some(tag)).await.expect("recv");
+        assert!(
+            got.buffer.to_vec().expect("read") == want,
+            "{how}: the same buffer sent again as {layout:?} came back other"
+        );
+    }
 }

@@ -353,9 +353,15 @@ fn pull_pooled(
     let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
     cache.tick += 1;
     let tick = cache.tick;
-    let hit = cache.entries.contains_key(&key);
+    // An import made for fewer bytes (an earlier pull of this buffer read less of it: a
+    // layout that ends sooner) does not serve: it is remapped to reach `end`.
+    let hit = cache
+        .entries
+        .get(&key)
+        .is_some_and(|(b, _)| DeviceMemory::len(b) >= end);
     if !hit {
         let quiet = gpus.drain_copies()?;
+        drop(cache.entries.remove(&key));
         let imported = pool
             .import_pointer(export, end)
             .map_err(|e| format!("importing the peer's buffer: {e}"))?;

@@ -297,6 +297,17 @@ struct OutEntry {
     phase: tracing::Span,
 }
 
+impl OutEntry {
+    /// The bytes the op moved: a layout's packed rows, else the whole buffer.
+    fn moved(&self) -> u64 {
+        let len = self.buffer.len() as u64;
+        match self.what {
+            StreamWhat::Transfer(layout) => layout.check(len).unwrap_or(len),
+            StreamWhat::Put { .. } => len,
+        }
+    }
+}
+
 /// The labels of `ferry_transfer_bytes_total`; none names a transfer or an address.
 struct TransferLabels {
     transport: String,
@@ -713,7 +724,7 @@ impl TransferActor {
             } = &entry.labels;
             metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.clone(),
                 "direction" => *direction, "peer_class" => *peer_class)
-            .increment(entry.buffer.len() as u64);
+            .increment(entry.moved());
             metrics::histogram!("ferry_transfer_duration_seconds")
                 .record(entry.started.elapsed().as_secs_f64());
         }

@@ -277,7 +277,8 @@ fn box_shape(
         .and_then(|p| p.checked_add(b.width))
         .ok_or_else(bad)?;
     range("source", src_offset, n(last)?, slen)?;
-    range("destination", dst_offset + n(b.packed)?, n(b.len())?, dlen)?;
+    let at = dst_offset.checked_add(n(b.packed)?).ok_or_else(bad)?;
+    range("destination", at, n(b.len())?, dlen)?;
     Ok(raw::BoxShape {
         width: n(b.width)?,
         height: n(b.rows)?,
@@ -316,15 +317,20 @@ pub fn copy_boxes_async(
     stream.bind()?;
     for (b, shape) in shapes {
         // SAFETY: every row of the box lies inside both live allocations (checked by
-        // `box_shape`); the uses recorded below keep both allocated until the copy passed.
-        unsafe {
+        // `box_shape`); the uses recorded below keep both allocated until the copy passed,
+        // and a failure after some boxes were queued waits for those before returning.
+        let queued = unsafe {
             raw::memcpy_box_async(
                 raw::Place::Device(dptr + (dst_offset as u64 + b.packed)),
                 raw::Place::Device(sptr + (src_offset as u64 + b.src)),
                 shape,
                 stream.handle(),
             )
-        }?;
+        };
+        if let Err(e) = queued {
+            let _ = stream.synchronize();
+            return Err(e);
+        }
     }
     dst.note_use(stream)?;
     src.note_use(stream)?;
@@ -355,15 +361,20 @@ pub fn copy_boxes_to_host(
     for (b, shape) in shapes {
         // SAFETY: the rows lie inside the live allocation and the box's packed bytes inside
         // `dst` (checked by `box_shape`); `dst` is borrowed mutably until the stream is
-        // synchronised below, so nothing else touches it meanwhile.
-        unsafe {
+        // synchronised (below, or here when a later box fails), so nothing else touches it
+        // meanwhile.
+        let queued = unsafe {
             raw::memcpy_box_async(
                 raw::Place::Host(base.add(b.packed as usize)),
                 raw::Place::Device(sptr + (src_offset as u64 + b.src)),
                 shape,
                 stream.handle(),
             )
-        }?;
+        };
+        if let Err(e) = queued {
+            let _ = stream.synchronize();
+            return Err(e);
+        }
     }
     src.note_use(stream)?;
     stream.synchronize()

@@ -110,6 +110,10 @@ impl RowBox {
     }
 }
 
+/// The largest pitch a strided layout may have: what one 2D/3D copy takes
+/// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`, 2^31 - 1 bytes on current GPUs).
+pub const MAX_PITCH: u64 = (1 << 31) - 1;
+
 /// Why a layout does not fit its buffer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -124,6 +128,12 @@ pub enum LayoutError {
         pitch: u64,
         /// The row.
         row_bytes: u64,
+    },
+    /// The pitch is past what the copy engine takes.
+    #[error("the pitch ({pitch} bytes) is larger than a copy takes ({MAX_PITCH} bytes)")]
+    PitchTooLarge {
+        /// The pitch.
+        pitch: u64,
     },
     /// A plane holds fewer rows than are sent of it.
     #[error("a plane of {plane_rows} rows cannot hold the {rows} rows sent of it")]
@@ -218,6 +228,11 @@ impl Layout {
                 rows: d.rows,
             });
         }
+        if d.pitch > MAX_PITCH {
+            return Err(LayoutError::PitchTooLarge { pitch: d.pitch });
+        }
+        // Every offset the copies compute (a whole plane's stride included) fits 64 bits.
+        mul(mul(d.depth, d.plane_rows)?, d.pitch)?;
         let end = d.end()?;
         if end > len {
             return Err(LayoutError::PastTheEnd { end, len });
@@ -236,11 +251,14 @@ impl Layout {
     }
 
     /// True for [`Layout::Contiguous`], or a strided layout whose rows touch (nothing to
-    /// gather: the sent bytes are the buffer's first ones).
+    /// gather: the sent bytes are the buffer's first ones, its extent is its packed length).
+    /// False for a malformed layout.
     pub fn is_contiguous(&self) -> bool {
-        self.dims().is_none_or(|d| {
-            (d.rows <= 1 || d.pitch == d.row_bytes) && (d.depth <= 1 || d.plane_rows == d.rows)
-        })
+        match (self.dims(), self.check(u64::MAX)) {
+            (None, _) => true,
+            (Some(d), Ok(packed)) => d.end().is_ok_and(|end| end == packed),
+            (Some(_), Err(_)) => false,
+        }
     }
 
     /// The sent rows as `(offset in the buffer, length)`, in packed order, for a buffer of
@@ -368,8 +386,9 @@ impl Layout {
         Ok(to)
     }
 
-    /// Calls `each(buffer offset, offset in the range, bytes)` for the pieces of the packed
-    /// range `[from, from + count)`, in order.
+    /// Calls `each(buffer offset, offset in the range, bytes)` for each row piece of the
+    /// packed range `[from, from + count)`, in order (through [`Self::boxes`], so only the
+    /// rows in the range are visited).
     fn walk(
         &self,
         len: u64,
@@ -377,24 +396,11 @@ impl Layout {
         count: u64,
         mut each: impl FnMut(usize, usize, usize),
     ) -> Result<(), LayoutError> {
-        let to = self.range_end(len, from, count)?;
-        let mut start = 0u64;
-        for (at, run) in self.runs(len) {
-            let end = start + run;
-            if end > from && start < to {
-                let skip = from.saturating_sub(start);
-                let n = run.min(to - start) - skip;
-                // In range: `check` bounded every run by `len`, which is a slice length.
-                each(
-                    (at + skip) as usize,
-                    (start + skip - from) as usize,
-                    n as usize,
-                );
+        for b in self.boxes(len, from, count)? {
+            for (at, packed, n) in b.rows() {
+                // In range: `boxes` bounded every row by `len`, a slice length.
+                each(at as usize, packed as usize, n as usize);
             }
-            if end >= to {
-                break;
-            }
-            start = end;
         }
         Ok(())
     }
@@ -447,7 +453,7 @@ mod tests {
         );
         assert_eq!(strided(0, 16, 32).check(80), Err(LayoutError::Zero("rows")));
         assert_eq!(
-            strided(u64::MAX, 2, u64::MAX).check(u64::MAX),
+            strided(u64::MAX, 2, 1 << 30).check(u64::MAX),
             Err(LayoutError::Overflow)
         );
         let cube = Layout::Strided3D {
@@ -502,6 +508,28 @@ mod tests {
         assert_eq!(shape, [(5, 1, 1, 1), (12, 2, 2, 1)]);
         assert!(!cube.is_contiguous());
         assert!(strided(8, 4, 4).is_contiguous());
+        // One row per plane, planes apart: not contiguous.
+        let apart = Layout::Strided3D {
+            depth: 2,
+            rows: 1,
+            row_bytes: 4,
+            pitch: 8,
+            plane_rows: 1,
+        };
+        assert!(!apart.is_contiguous());
+        // A plane stride that overflows is refused up front, as is a pitch past the copies.
+        let huge = Layout::Strided3D {
+            depth: 1,
+            rows: 2,
+            row_bytes: 4,
+            pitch: 8,
+            plane_rows: 1 << 62,
+        };
+        assert_eq!(huge.check(16), Err(LayoutError::Overflow));
+        assert_eq!(
+            strided(2, 1, 1 << 40).check(u64::MAX),
+            Err(LayoutError::PitchTooLarge { pitch: 1 << 40 })
+        );
     }
 
     fn layouts() -> impl Strategy<Value = (Layout, u64)> {
@@ -572,6 +600,9 @@ mod tests {
                 expect[r.clone()].copy_from_slice(&src[r]);
             }
             prop_assert_eq!(dst, expect);
+            // Contiguous exactly when the packed bytes are the buffer's first ones.
+            let first = want.as_slice() == &src[..packed as usize];
+            prop_assert!(!layout.is_contiguous() || first, "{layout:?} said contiguous");
             // One byte short of its last row, the layout no longer fits.
             let end = layout.runs(len).map(|(at, n)| at + n).max().unwrap_or(0);
             if end > 0 && layout != Layout::Contiguous {

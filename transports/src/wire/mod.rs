@@ -3,5 +3,5 @@ pub mod frame;
 pub mod layout;
 pub mod message;
 pub use frame::*;
-pub use layout::{Layout, LayoutError, RowBox};
+pub use layout::{Layout, LayoutError, MAX_PITCH, RowBox};
 pub use message::*;
