@@ -887,14 +887,7 @@ impl TransferActor {
         }
         self.ipc.sources.remove(&id);
         match pulled {
-            Ok(buffer) => {
-                if self.session.handle_inbound_complete(id) {
-                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
-                        spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
-                    }
-                    self.complete.insert(id, (buffer, self.undelivered.enter()));
-                }
-            }
+            Ok(buffer) => self.completed(id, buffer),
             Err(why) => {
                 tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
                 metrics::counter!("ferry_pull_failures_total").increment(1);
@@ -907,6 +900,17 @@ impl TransferActor {
 }
 
 impl TransferActor {
+    /// Every byte of inbound `id` is in `buffer` (streamed, pulled or pushed): it waits for
+    /// its turn to be delivered. A transfer abandoned meanwhile drops the buffer here.
+    fn completed(&mut self, id: InboundId, buffer: Buffer) {
+        if self.session.handle_inbound_complete(id) {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+            }
+            self.complete.insert(id, (buffer, self.undelivered.enter()));
+        }
+    }
+
     /// Lends `buffer`, reserved in device memory for inbound push `id`, to the peer: its
     /// export goes in the grant, and the buffer is kept until the peer says `Written`.
     fn lend(&mut self, id: InboundId, buffer: Buffer) {
@@ -938,14 +942,7 @@ impl TransferActor {
         };
         self.ipc.lent_abandoned.remove(&id);
         match error {
-            None => {
-                if self.session.handle_inbound_complete(id) {
-                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
-                        spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
-                    }
-                    self.complete.insert(id, (buffer, self.undelivered.enter()));
-                }
-            }
+            None => self.completed(id, buffer),
             Some(why) => {
                 tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
                 self.session.handle_reserve_failed(
@@ -1907,14 +1904,7 @@ impl Handler<FromPeer> for TransferActor {
 impl Handler<InboundDone> for TransferActor {
     type Result = ();
     fn handle(&mut self, msg: InboundDone, ctx: &mut Self::Context) {
-        let id = InboundId(msg.id);
-        if self.session.handle_inbound_complete(id) {
-            if let Some(spans) = self.inbound_spans.get_mut(&id) {
-                spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
-            }
-            self.complete
-                .insert(id, (msg.buffer, self.undelivered.enter()));
-        }
+        self.completed(InboundId(msg.id), msg.buffer);
         self.drive(ctx);
     }
 }

@@ -290,6 +290,53 @@ fn box_shape(
     })
 }
 
+/// Checks every box against both memories (see `box_shape`).
+fn box_shapes(
+    boxes: &[RowBox],
+    src_offset: usize,
+    slen: usize,
+    dst_offset: usize,
+    dlen: usize,
+) -> Result<Vec<(&RowBox, raw::BoxShape)>, CudaError> {
+    boxes
+        .iter()
+        .map(|b| box_shape(b, src_offset, slen, dst_offset, dlen).map(|s| (b, s)))
+        .collect()
+}
+
+/// Queues one 3D copy per box on `stream`, from device memory at `sptr + src_offset` into
+/// where `dst_at` puts the box's packed bytes; a failure after some boxes were queued waits
+/// for those before it returns.
+///
+/// # Safety
+/// Every box was checked by `box_shape` against both memories, and both stay valid (host
+/// memory untouched by anyone else) until the copies complete on `stream`.
+unsafe fn enqueue_boxes(
+    shapes: Vec<(&RowBox, raw::BoxShape)>,
+    sptr: u64,
+    src_offset: usize,
+    dst_at: impl Fn(&RowBox) -> raw::Place,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    stream.bind()?;
+    for (b, shape) in shapes {
+        // SAFETY: caller (the box's rows lie inside both memories, which stay valid).
+        let queued = unsafe {
+            raw::memcpy_box_async(
+                dst_at(b),
+                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
+                shape,
+                stream.handle(),
+            )
+        };
+        if let Err(e) = queued {
+            let _ = stream.synchronize();
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// Gathers the rows of `boxes` (a layout's, see [`crate::wire::Layout::boxes`]) out of
 /// `src` from `src_offset` on, packed into `dst` from `dst_offset` on: one 3D copy per box,
 /// the copy engine walking the rows (never a copy per row). Returns once queued; both stay
@@ -307,31 +354,14 @@ pub fn copy_boxes_async(
 ) -> Result<(), CudaError> {
     let (dptr, dlen) = dst.region();
     let (sptr, slen) = src.region();
-    let shapes = boxes
-        .iter()
-        .map(|b| box_shape(b, src_offset, slen, dst_offset, dlen).map(|s| (b, s)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let shapes = box_shapes(boxes, src_offset, slen, dst_offset, dlen)?;
     if shapes.is_empty() {
         return Ok(());
     }
-    stream.bind()?;
-    for (b, shape) in shapes {
-        // SAFETY: every row of the box lies inside both live allocations (checked by
-        // `box_shape`); the uses recorded below keep both allocated until the copy passed,
-        // and a failure after some boxes were queued waits for those before returning.
-        let queued = unsafe {
-            raw::memcpy_box_async(
-                raw::Place::Device(dptr + (dst_offset as u64 + b.packed)),
-                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
-                shape,
-                stream.handle(),
-            )
-        };
-        if let Err(e) = queued {
-            let _ = stream.synchronize();
-            return Err(e);
-        }
-    }
+    let dst_at = |b: &RowBox| raw::Place::Device(dptr + (dst_offset as u64 + b.packed));
+    // SAFETY: the boxes were checked against both live allocations; the uses recorded
+    // below keep both allocated until the copies passed.
+    unsafe { enqueue_boxes(shapes, sptr, src_offset, dst_at, stream) }?;
     dst.note_use(stream)?;
     src.note_use(stream)?;
     Ok(())
@@ -349,33 +379,17 @@ pub fn copy_boxes_to_host(
     stream: &Stream,
 ) -> Result<(), CudaError> {
     let (sptr, slen) = src.region();
-    let shapes = boxes
-        .iter()
-        .map(|b| box_shape(b, src_offset, slen, 0, dst.len()).map(|s| (b, s)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let shapes = box_shapes(boxes, src_offset, slen, 0, dst.len())?;
     if shapes.is_empty() {
         return Ok(());
     }
-    stream.bind()?;
     let base = dst.as_mut_ptr();
-    for (b, shape) in shapes {
-        // SAFETY: the rows lie inside the live allocation and the box's packed bytes inside
-        // `dst` (checked by `box_shape`); `dst` is borrowed mutably until the stream is
-        // synchronised (below, or here when a later box fails), so nothing else touches it
-        // meanwhile.
-        let queued = unsafe {
-            raw::memcpy_box_async(
-                raw::Place::Host(base.add(b.packed as usize)),
-                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
-                shape,
-                stream.handle(),
-            )
-        };
-        if let Err(e) = queued {
-            let _ = stream.synchronize();
-            return Err(e);
-        }
-    }
+    // SAFETY: the box's packed bytes lie inside `dst` (checked by `box_shape`).
+    let dst_at = |b: &RowBox| raw::Place::Host(unsafe { base.add(b.packed as usize) });
+    // SAFETY: the boxes were checked against the live allocation and `dst`, which stays
+    // borrowed mutably until the stream is synchronised (below, or on a failure), so
+    // nothing else touches it meanwhile.
+    unsafe { enqueue_boxes(shapes, sptr, src_offset, dst_at, stream) }?;
     src.note_use(stream)?;
     stream.synchronize()
 }
