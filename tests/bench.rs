@@ -67,7 +67,7 @@ fn host_sweep_reports_every_size_next_to_its_baseline() {
 fn bench_refuses_what_is_not_built_with_a_reason() {
     for (args, needle) in [
         (vec!["--transport", "ipc"], "add --memory device"),
-        (vec!["--transport", "staged"], "not built yet"),
+        (vec!["--transport", "carrier-pigeon"], "tcp, ipc or staged"),
         (vec!["--memory", "shared"], "host or device"),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
         // Both local nodes take the rule, and tcp cannot pull.
@@ -189,4 +189,46 @@ fn both_directions_and_the_pair_matrix() {
     assert!(stdout.contains("both directions"), "{stdout}");
     assert!(stdout.contains("GB/s from row to column"), "{stdout}");
     assert!(stdout.contains("bench-peer"), "{stdout}");
+}
+
+/// `--transport staged` on host memory, through the shared ring and over the link: every
+/// row next to the raw socket's, and the route says staged.
+#[test]
+fn staged_host_bench_runs_next_to_a_raw_socket() {
+    for shared in ["true", "false"] {
+        let out = Command::new(common::ferry_bin())
+            .args(["--set", &format!("transport.staged.shared_memory={shared}")])
+            .args([
+                "bench",
+                "--transport",
+                "staged",
+                "-b",
+                "64K",
+                "-e",
+                "4M",
+                "-f",
+                "8",
+                "-n",
+                "8",
+                "-w",
+                "2",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "shared_memory = {shared}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("chose staged"), "{stdout}");
+        assert!(stdout.contains("plain TCP socket"), "{stdout}");
+        let rows = stdout
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.split_whitespace().count() > 4)
+            .count();
+        assert!(rows >= 3, "{stdout}");
+    }
 }

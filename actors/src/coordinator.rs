@@ -165,6 +165,8 @@ pub struct TransferSetupBase {
     pub lanes: Arc<dashmap::DashMap<String, Arc<crate::lane::LaneTx>>>,
     /// `transport.ipc.lane_max` and `lane_spin`.
     pub lane: crate::lane::LaneSettings,
+    /// `[transport.staged]`.
+    pub staged: crate::staged::StagedSettings,
 }
 
 /// The coordinator actor.
@@ -308,6 +310,7 @@ impl Coordinator {
             lanes: base.lanes,
             inbox: Arc::clone(&self.inbox),
             lane: base.lane,
+            staged: base.staged,
         }
     }
 
@@ -534,6 +537,10 @@ pub fn describe_metrics() {
         Unit::Bytes,
         "Bytes moved back to a faster memory tier"
     );
+    describe_counter!(
+        "ferry_staged_ring_chunks_total",
+        "Staged chunks received through a same-host peer's shared-memory ring (not the link)"
+    );
     for status in ["completed", "failed", "cancelled"] {
         metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
     }
@@ -546,6 +553,7 @@ pub fn describe_metrics() {
     metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
+    metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
     let reasons = ferry_transports::wire::FrameError::REASONS;
     for reason in reasons.into_iter().chain(["protocol"]) {

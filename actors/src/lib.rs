@@ -11,6 +11,7 @@ pub mod gpu;
 pub mod inbox;
 pub mod lane;
 pub mod node;
+pub mod staged;
 pub mod timer;
 pub mod transfer;
 

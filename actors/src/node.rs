@@ -365,6 +365,12 @@ impl Node {
                             io: io_handle,
                             lanes,
                             lane,
+                            staged: crate::staged::StagedSettings {
+                                slots: config.transport.staged.slots,
+                                chunk: config.transport.staged.chunk,
+                                shared_memory: config.transport.staged.shared_memory,
+                                spin: config.transport.ipc.lane_spin,
+                            },
                         };
                         let coordinator = Coordinator::new(CoordinatorSetup {
                             config: Arc::clone(&config),
@@ -385,8 +391,9 @@ impl Node {
             .await
             .map_err(|_| Error::Start("the actor system did not start".into()))?;
 
-        if !gpus.is_empty() {
-            // Same-host peers fetch our pools' descriptors here (the ipc transport).
+        {
+            // Same-host peers fetch our pools' descriptors here (the ipc transport), and our
+            // staging rings (the staged transport, with or without GPUs).
             let name = config.node.name.clone();
             let bound = io.spawn(async move { ferry_transports::ipc::bind_pool_socket(&name) });
             match bound.await.map_err(|e| Error::Start(e.to_string()))? {
@@ -399,7 +406,8 @@ impl Node {
                     ));
                 }
                 Err(e) => tracing::warn!(
-                    "cannot open the pool socket ({e}): same-host peers cannot use ipc with us"
+                    "cannot open the pool socket ({e}): same-host peers cannot use ipc with \
+                     us, and our staged sends to them go over the link"
                 ),
             }
         }

@@ -24,7 +24,7 @@ use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
 use ferry_transports::wire::{
     ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Layout, Message,
-    PutAck, WireDirection, WireReason, Written,
+    PutAck, StagedRing, WireDirection, WireReason, Written,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -128,6 +128,8 @@ pub struct TransferSetup {
     pub inbox: Arc<crate::inbox::Inbox>,
     /// `transport.ipc.lane_max` and `lane_spin`.
     pub lane: crate::lane::LaneSettings,
+    /// `[transport.staged]`.
+    pub staged: crate::staged::StagedSettings,
 }
 
 /// What the application asks of a peer.
@@ -255,6 +257,39 @@ struct PutFinished {
 #[rtype(result = "()")]
 struct StreamEnded(OpId);
 
+/// The staged sender thread put every chunk of `op` in the ring (or stopped); `broken`
+/// says why the ring failed, when it did.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct StagedEnded {
+    pub(crate) op: OpId,
+    pub(crate) broken: Option<String>,
+    /// The link the ring was made for.
+    pub(crate) link: u64,
+}
+
+/// From the staged receiver thread.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) enum StagedInbound {
+    /// Every chunk of inbound transfer `id` landed in `buffer`.
+    Done { id: u64, buffer: Buffer },
+    /// A chunk of `id` could not be copied in: that transfer fails.
+    Failed { id: u64, why: String },
+    /// The peer broke the ring it named on link `.0`: that link goes down.
+    Broken(u64, String),
+}
+
+/// The staged transport's rings with a same-host peer.
+#[derive(Default)]
+struct StagedState {
+    /// Our sending end (its ring offered at the pool socket under `key` until the peer
+    /// fetched it or the link changed).
+    tx: Option<(crate::staged::StagedTx, String)>,
+    /// The receiving end of the peer's ring.
+    rx: Option<crate::staged::StagedRx>,
+}
+
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 struct LinkDown {
@@ -345,6 +380,7 @@ pub struct TransferActor {
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
     ipc: IpcState,
+    staged: StagedState,
 }
 
 /// The ipc side of a session: the lazy setup (as the exporting side), submissions waiting
@@ -478,6 +514,7 @@ impl TransferActor {
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
+            staged: StagedState::default(),
             ipc: IpcState::default(),
         }
     }
@@ -574,6 +611,7 @@ impl TransferActor {
                 len,
                 pull,
                 push,
+                staged,
                 layout,
             } => {
                 let span =
@@ -586,6 +624,7 @@ impl TransferActor {
                         Landing::Pull
                     }
                     (None, true) => Landing::Push,
+                    (None, false) if staged => Landing::Staged,
                     (None, false) => Landing::Stream,
                 };
                 self.reserve(id, len, landing, ctx);
@@ -677,6 +716,25 @@ impl TransferActor {
         };
         // Granted (or a put, which needs no grant): the bytes start to move.
         entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
+        // A staged transfer to a peer reading our ring goes through it; else (another
+        // host, or the ring not read yet) over the link, where the peer lands it alike.
+        if let (StreamWhat::Transfer(layout), Some((tx, _))) = (entry.what, &self.staged.tx)
+            && entry.labels.transport == "staged"
+            && tx.is_attached()
+        {
+            let job = crate::staged::Job {
+                op,
+                layout,
+                bytes: entry.buffer.share(),
+                stop: Arc::clone(&entry.stop),
+            };
+            if tx.submit(job).is_err() {
+                self.session
+                    .handle_link_lost("the staged sender thread is gone or overrun");
+                self.session.handle_stream_ended(op);
+            }
+            return;
+        }
         let out = Outgoing::Stream {
             op,
             what: entry.what,
@@ -1067,6 +1125,9 @@ enum Landing {
     /// The peer copies them into our memory (ipc push), or streams them when the
     /// reservation spilled to host memory.
     Push,
+    /// Any tier, device memory first; the chunks come through host memory (our staged
+    /// receiver thread copies them in from the peer's ring, or the link's reader does).
+    Staged,
 }
 
 impl Actor for TransferActor {
@@ -1074,6 +1135,10 @@ impl Actor for TransferActor {
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.end_lanes();
+        self.end_staged_tx();
+        if let Some(rx) = self.staged.rx.take() {
+            rx.stop();
+        }
         for (_, (msg, reply)) in self.ipc.waiting.drain() {
             let _ = reply.send(Err(SendError {
                 error: Error::ShuttingDown,
@@ -1760,6 +1825,162 @@ impl Handler<Attach> for TransferActor {
         };
         self.setup.io.spawn(reader.run(link.reader));
         tracing::info!(peer = %self.peer, "link up");
+        self.offer_staged_ring(ctx);
+        self.drive(ctx);
+    }
+}
+
+impl TransferActor {
+    /// The first GPU of this node, whose context registers staging slots as pinned.
+    fn staging_device(&self) -> Option<ferry_transports::cuda::Device> {
+        self.setup.gpus.gpus.first().map(|(_, g)| g.device.clone())
+    }
+
+    /// A link to a same-host peer came up: a fresh staging ring for our staged sends to it
+    /// (the previous link's, if any, closes), offered at the pool socket and named to the
+    /// peer.
+    fn offer_staged_ring(&mut self, ctx: &mut Context<Self>) {
+        self.end_staged_tx();
+        let settings = self.setup.staged;
+        if !self.ipc.same_host || !settings.shared_memory {
+            return;
+        }
+        let device = self.staging_device();
+        let chunk = settings.chunk_bytes(device.as_ref());
+        let staging = match ferry_transports::staged::StagingTx::create(settings.slots, chunk) {
+            Ok(staging) => staging,
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, "no staging ring (staged sends go over the link): {e}");
+                return;
+            }
+        };
+        let key = ferry_transports::staged::ring_key();
+        self.setup
+            .gpus
+            .rings
+            .insert(key.clone(), Arc::clone(staging.ring()));
+        let started = crate::staged::StagedTx::start(
+            &self.peer,
+            staging,
+            self.setup.limits.in_flight,
+            settings.spin,
+            device,
+            (ctx.address(), self.link),
+            self.setup.io.clone(),
+        );
+        match started {
+            Ok(tx) => {
+                tracing::debug!(peer = %self.peer, chunk, slots = settings.slots, "staging ring offered");
+                self.ipc
+                    .out
+                    .push_back(Message::StagedRing(StagedRing { key: key.clone() }));
+                self.staged.tx = Some((tx, key));
+            }
+            Err(e) => {
+                self.setup.gpus.rings.remove(&key);
+                tracing::warn!(peer = %self.peer, "no staged sender thread: {e}");
+            }
+        }
+    }
+
+    /// Our staging ring closes (the link changed or the session ends).
+    fn end_staged_tx(&mut self) {
+        if let Some((tx, key)) = self.staged.tx.take() {
+            self.setup.gpus.rings.remove(&key);
+            tx.close();
+        }
+    }
+
+    /// The peer named its staging ring: fetch and map it, then read it on a thread of our
+    /// own. A ring that cannot be had leaves the peer's staged sends on the link.
+    fn attach_staged_ring(&mut self, key: String, ctx: &mut Context<Self>) {
+        if !self.ipc.same_host || !key.starts_with("staged/") {
+            tracing::warn!(peer = %self.peer, "ignoring a staging ring from a peer on another host");
+            return;
+        }
+        if let Some(old) = self.staged.rx.take() {
+            old.stop();
+        }
+        let (peer, pid, secret) = (
+            self.peer.clone(),
+            self.ipc.peer_pid,
+            self.setup.secret.clone(),
+        );
+        let fetch = async move {
+            let fd = ferry_transports::ipc::fetch_pool(&peer, pid, &key, &secret)
+                .await
+                .map_err(|e| e.to_string())?;
+            ferry_transports::staged::StagingRx::open(fd).map_err(|e| e.to_string())
+        };
+        let link = self.link;
+        ctx.spawn(
+            self.setup
+                .io
+                .spawn(fetch)
+                .into_actor(self)
+                .map(move |opened, act, ctx| {
+                    let opened = opened.map_err(|e| e.to_string()).and_then(|r| r);
+                    let staging = match opened {
+                        Ok(staging) if link == act.link => staging,
+                        Ok(_) => return,
+                        Err(why) => {
+                            tracing::warn!(peer = %act.peer, "cannot map the peer's staging ring (its staged sends come over the link): {why}");
+                            return;
+                        }
+                    };
+                    let started = crate::staged::StagedRx::start(
+                        &act.peer,
+                        staging,
+                        act.setup.staged.spin,
+                        act.staging_device(),
+                        Arc::clone(&act.regions),
+                        (ctx.address(), link),
+                        act.setup.io.clone(),
+                    );
+                    match started {
+                        Ok(rx) => act.staged.rx = Some(rx),
+                        Err(why) => tracing::warn!(peer = %act.peer, "no staged receiver thread: {why}"),
+                    }
+                }),
+        );
+    }
+}
+
+impl Handler<StagedEnded> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: StagedEnded, ctx: &mut Self::Context) {
+        if let Some(why) = msg.broken.filter(|_| msg.link == self.link) {
+            self.end_staged_tx();
+            self.session
+                .handle_link_lost(&format!("the staging ring failed: {why}"));
+        }
+        if let Some(entry) = self.outbound.get_mut(&msg.op) {
+            entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
+        }
+        self.session.handle_stream_ended(msg.op);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<StagedInbound> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: StagedInbound, ctx: &mut Self::Context) {
+        match msg {
+            StagedInbound::Done { id, buffer } => self.completed(InboundId(id), buffer),
+            StagedInbound::Failed { id, why } => {
+                tracing::warn!(peer = %self.peer, id, "staged transfer failed: {why}");
+                self.session
+                    .handle_reserve_failed(InboundId(id), WireReason::Unsupported, why);
+            }
+            StagedInbound::Broken(link, why) => {
+                if link == self.link {
+                    note_protocol_violation();
+                    self.staged.rx = None;
+                    self.session
+                        .handle_link_lost(&format!("the peer broke its staging ring: {why}"));
+                }
+            }
+        }
         self.drive(ctx);
     }
 }
@@ -1846,6 +2067,10 @@ impl Handler<FromPeer> for TransferActor {
                 return self.drive(ctx);
             }
             Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
+            Message::StagedRing(StagedRing { key }) => {
+                self.attach_staged_ring(key, ctx);
+                return self.drive(ctx);
+            }
             Message::IpcSetup(setup) => {
                 self.on_ipc_setup(setup, ctx);
                 return self.drive(ctx);
@@ -2107,6 +2332,7 @@ impl ReadLoop {
         let mut bad = 0u32;
         let mut put_errors: HashMap<u64, String> = HashMap::new();
         let mut put_bytes: Vec<u8> = Vec::new();
+        let mut scratch: Vec<u8> = Vec::new();
         let why = loop {
             let frame = match reader.next().await {
                 Ok(Some(frame)) => frame,
@@ -2151,11 +2377,27 @@ impl ReadLoop {
                             },
                         },
                     };
-                    if let Err(e) = reader.read_payload_into(landing.destination()).await {
+                    // Host memory takes the bytes straight from the socket; device memory
+                    // (a staged transfer from another host) through `scratch`, then one
+                    // host-to-device copy.
+                    let received = if landing.is_host() {
+                        reader.read_payload_into(landing.destination()).await
+                    } else {
+                        scratch.resize(chunk.len as usize, 0);
+                        reader.read_payload_into(&mut scratch[..]).await
+                    };
+                    if let Err(e) = received {
                         // Damaged bytes may now be in the buffer: the transfer must not be
                         // delivered. Dropping the link fails it at both ends and frees the
                         // buffer (the peer sees it lost; nothing is retried here).
                         break format!("chunk of transfer {id} not received: {e}");
+                    }
+                    if !landing.is_host()
+                        && let Err(e) = landing.write(&scratch[..chunk.len as usize])
+                    {
+                        // Not the peer's fault, but the transfer cannot complete; like a
+                        // damaged chunk, it fails at both ends.
+                        break format!("copying a chunk of transfer {id} in: {e}");
                     }
                     // `None`: abandoned while its bytes arrived; dropping the landing there
                     // freed its memory.

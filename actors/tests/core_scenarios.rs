@@ -638,6 +638,7 @@ impl Push {
                 len: 4096,
                 pull: None,
                 push: true,
+                staged: false,
                 layout: Layout::Contiguous,
             }) => (op, id),
             other => panic!("B should reserve for a push, got {other:?}"),

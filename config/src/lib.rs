@@ -20,8 +20,8 @@
 //!     .transport
 //!     .first_match(Locality::Remote, MemoryClass::Host, MemoryClass::Host, 4096)
 //!     .expect("the default \"host\" rule matches everything");
-//! // The default "gpu" rule (rule 0) takes only device memory to a same-host peer.
-//! assert_eq!((index, rule.name.as_str()), (1, "host"));
+//! // The default "gpu" and "remote-gpu" rules (0 and 1) take only device memory.
+//! assert_eq!((index, rule.name.as_str()), (2, "host"));
 //! # Ok::<(), ferry_config::ConfigError>(())
 //! ```
 //!
@@ -47,6 +47,7 @@ pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
     Config, DiscoveryConfig, DiscoveryMode, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
-    NodeConfig, PeerConfig, SecurityConfig, TcpTuning, TelemetryConfig, TransportConfig,
+    NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
+    TransportConfig,
 };
-pub use units::{Budget, format_size, parse_size};
+pub use units::{AutoSize, Budget, format_size, parse_size};

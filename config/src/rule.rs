@@ -96,7 +96,7 @@ pub struct Rule {
 
 impl Rule {
     /// The default's first rule, `"gpu"`: device memory to a same-host peer, over ipc
-    /// (pulled by the receiver), else tcp.
+    /// (pulled by the receiver), else staged (through shared pinned memory), else tcp.
     pub fn same_host_gpu() -> Rule {
         Rule {
             name: "gpu".into(),
@@ -105,8 +105,27 @@ impl Rule {
             dst: Vec::new(),
             min_bytes: 0,
             max_bytes: None,
-            transports: vec![TransportName::Ipc, TransportName::Tcp],
+            transports: vec![
+                TransportName::Ipc,
+                TransportName::Staged,
+                TransportName::Tcp,
+            ],
             direction: Some(Direction::Pull),
+        }
+    }
+
+    /// The default's second rule, `"remote-gpu"`: device memory to another host, staged
+    /// through pinned host memory over the link, else tcp.
+    pub fn remote_gpu() -> Rule {
+        Rule {
+            name: "remote-gpu".into(),
+            locality: vec![Locality::Remote],
+            src: vec![MemoryClass::Device],
+            dst: Vec::new(),
+            min_bytes: 0,
+            max_bytes: None,
+            transports: vec![TransportName::Staged, TransportName::Tcp],
+            direction: None,
         }
     }
 

@@ -156,6 +156,56 @@ pub(crate) mod size_option {
     }
 }
 
+/// A size that may be left to the program to pick: `"auto"` or a size (`"4 MiB"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AutoSize {
+    /// Picked at start-up (see the key that uses it).
+    #[default]
+    Auto,
+    /// Exactly this many bytes.
+    Bytes(u64),
+}
+
+impl fmt::Display for AutoSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AutoSize::Auto => f.write_str("auto"),
+            AutoSize::Bytes(b) => f.write_str(&format_size(*b)),
+        }
+    }
+}
+
+impl Serialize for AutoSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for AutoSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct AutoVisitor;
+        impl Visitor<'_> for AutoVisitor {
+            type Value = AutoSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\" or a size such as \"4 MiB\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<AutoSize, E> {
+                if v.trim().eq_ignore_ascii_case("auto") {
+                    return Ok(AutoSize::Auto);
+                }
+                SizeVisitor.visit_str(v).map(AutoSize::Bytes)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<AutoSize, E> {
+                Ok(AutoSize::Bytes(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<AutoSize, E> {
+                SizeVisitor.visit_i64(v).map(AutoSize::Bytes)
+            }
+        }
+        d.deserialize_any(AutoVisitor)
+    }
+}
+
 /// `#[serde(with = "duration")]` for a [`Duration`] written the humantime way (`"30s"`,
 /// `"1m 30s"`, `"250ms"`).
 pub(crate) mod duration {

@@ -215,6 +215,34 @@ impl Config {
         if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
             return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }
+        let staged = &self.transport.staged;
+        if !(2..=64).contains(&staged.slots) {
+            return fail(
+                "transport.staged.slots",
+                format!("{} slots: must be 2 to 64", staged.slots),
+            );
+        }
+        if let crate::AutoSize::Bytes(chunk) = staged.chunk {
+            if !(64 << 10..=64 << 20).contains(&chunk) {
+                return fail(
+                    "transport.staged.chunk",
+                    format!(
+                        "{}: must be \"auto\" or 64 KiB to 64 MiB",
+                        format_size(chunk)
+                    ),
+                );
+            }
+            if chunk * u64::from(staged.slots) > 1 << 30 {
+                return fail(
+                    "transport.staged.chunk",
+                    format!(
+                        "{} slots of {} make more than 1 GiB of staging per peer",
+                        staged.slots,
+                        format_size(chunk)
+                    ),
+                );
+            }
+        }
         let rules = &self.transport.rules;
         if rules.is_empty() {
             return fail(
@@ -444,7 +472,19 @@ mod tests {
             ),
             (
                 |c| c.transport.rules.push(c.transport.rules[0].clone()),
-                "transport.rules[2].name",
+                "transport.rules[3].name",
+            ),
+            (|c| c.transport.staged.slots = 1, "transport.staged.slots"),
+            (
+                |c| c.transport.staged.chunk = crate::AutoSize::Bytes(4096),
+                "transport.staged.chunk",
+            ),
+            (
+                |c| {
+                    c.transport.staged.slots = 64;
+                    c.transport.staged.chunk = crate::AutoSize::Bytes(64 << 20);
+                },
+                "transport.staged.chunk",
             ),
             (|c| c.limits.max_frame = 2 << 30, "limits.max_frame"),
             (|c| c.limits.mailbox = 0, "limits.mailbox"),

@@ -116,6 +116,17 @@ impl Served {
         }
     }
 
+    /// The metrics address of a node configured with `telemetry.metrics_listen`, from its
+    /// ready line (`..., metrics http://ADDR/metrics`).
+    pub fn metrics_addr(&self) -> String {
+        self.ready
+            .split("metrics http://")
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|| panic!("no metrics address in ready line {:?}", self.ready))
+    }
+
     pub fn pid(&self) -> nix::unistd::Pid {
         nix::unistd::Pid::from_raw(self.child.id() as i32)
     }
@@ -171,4 +182,24 @@ pub fn ferry_bin() -> PathBuf {
         .and_then(|exe| Some(exe.parent()?.parent()?.join("bin").join("ferry")))
         .filter(|p| p.exists())
         .unwrap_or(built)
+}
+
+/// The value of the sample `series` (name and labels as rendered) at a node's Prometheus
+/// endpoint, if it answers and has it.
+pub fn metric(addr: &str, series: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    answer.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }

@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod ipc;
 pub mod link;
 pub mod memory;
+pub mod staged;
 pub mod tcp;
 pub mod transport;
 pub mod wire;

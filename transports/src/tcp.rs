@@ -148,13 +148,13 @@ impl InboundRegion {
     ///
     /// Fails with [`PlaceError::OutOfBounds`] when the chunk overruns the buffer (the peer
     /// misbehaved) and [`PlaceError::Busy`] when the buffer is already lent out or not
-    /// writable.
+    /// writable. Device memory is lent too: its bytes go in through [`Landing::write`].
     pub fn lend(&mut self, chunk: &DataChunk) -> Result<Landing, PlaceError> {
         let Some(buffer) = self.buffer.as_mut() else {
             return Err(PlaceError::Busy);
         };
         let range = checked_range(buffer, chunk.offset, u64::from(chunk.len))?;
-        if buffer.as_mut_slice().is_none() {
+        if !buffer.is_exclusive() {
             return Err(PlaceError::Busy);
         }
         let buffer = self.buffer.take().ok_or(PlaceError::Busy)?;
@@ -185,7 +185,30 @@ pub struct Landing {
 }
 
 impl Landing {
-    /// The chunk's place in the buffer: exactly the chunk's length, at its offset.
+    /// True when the buffer is host memory: the bytes can be read straight into
+    /// [`Self::destination`]. Device memory takes them through [`Self::write`].
+    pub fn is_host(&self) -> bool {
+        self.buffer.as_slice().is_some()
+    }
+
+    /// Copies the chunk's bytes (exactly its length) into their place, whatever memory the
+    /// buffer lives in (a host-to-device copy, waited for, for device memory).
+    ///
+    /// # Errors
+    /// A length other than the chunk's, or the copy's failure.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), crate::memory::MemoryError> {
+        if bytes.len() != self.range.len() {
+            return Err(crate::memory::MemoryError::OutOfBounds {
+                offset: self.range.start,
+                len: bytes.len(),
+                size: self.range.len(),
+            });
+        }
+        self.buffer.write(self.range.start, bytes)
+    }
+
+    /// The chunk's place in the buffer: exactly the chunk's length, at its offset; empty
+    /// for device memory (see [`Self::is_host`]).
     pub fn destination(&mut self) -> &mut [u8] {
         // `lend` checked the range against the buffer and that the buffer is writable, and
         // the landing owns the buffer, so no view of it can have appeared since.

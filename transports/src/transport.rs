@@ -104,18 +104,7 @@ pub fn catalog() -> Vec<(Capabilities, Viability)> {
     vec![
         (crate::tcp::capabilities(), Viability::Viable),
         (crate::ipc::capabilities(), crate::ipc::viability()),
-        (
-            Capabilities {
-                name: TransportName::Staged,
-                sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-                memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-                localities: &[Locality::SameHost, Locality::Remote],
-                directions: &[Direction::Push],
-                needs_fd_passing: false,
-                one_sided_put: false,
-            },
-            later("the staged transport arrives with GPU support"),
-        ),
+        (crate::staged::capabilities(), Viability::Viable),
         (
             Capabilities {
                 name: TransportName::Ucx,

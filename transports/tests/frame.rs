@@ -146,6 +146,9 @@ fn corpus() -> Vec<Item> {
             transfer: 5,
             error: Some("importing the receiver's buffer: invalid value".into()),
         }),
+        Message::StagedRing(ferry_transports::wire::StagedRing {
+            key: "staged/00ff".into(),
+        }),
         Message::Data(DataChunk {
             transfer: 2,
             offset: 0,

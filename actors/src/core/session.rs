@@ -155,6 +155,9 @@ pub enum SessionEvent {
         pull: Option<IpcSource>,
         /// An ipc push: reserve device memory where possible and lend it in the grant.
         push: bool,
+        /// A staged push: reserve device memory where possible; the chunks come through
+        /// host memory (a shared ring, or the link).
+        staged: bool,
         /// How the bytes lie at the sender (`len` is their packed length; a pull gathers
         /// them by it).
         layout: Layout,
@@ -540,7 +543,9 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
-        } else if !(offer.transport == "tcp" && offer.direction == WireDirection::Push
+        } else if !((offer.transport == "tcp" || offer.transport == "staged")
+            && offer.direction == WireDirection::Push
+            && offer.ipc.is_none()
             || offer.transport == "ipc"
                 && self.serves_ipc
                 && match offer.direction {
@@ -582,6 +587,7 @@ impl PeerSession {
             len: offer.len,
             pull: offer.ipc,
             push,
+            staged: offer.transport == "staged",
             layout: offer.layout,
         });
         Ok(())

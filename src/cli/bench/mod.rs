@@ -211,11 +211,8 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
             "--transport ipc reads device memory only (the receiver pulls from the sender's \
              GPU); add --memory device"
         ),
-        "staged" => bail!(
-            "--transport staged: the staged transport (device memory through pinned host \
-             buffers) is not built yet; measure tcp or ipc"
-        ),
-        other => bail!("--transport {other}: tcp or ipc (staged is not built yet)"),
+        "staged" => {}
+        other => bail!("--transport {other}: tcp, ipc or staged"),
     }
     if let Some((row, _)) = strided(&args.layout)? {
         if !args.no_check {
@@ -293,19 +290,24 @@ fn layout_for(args: &Args, size: u64) -> anyhow::Result<(ferry::Layout, u64)> {
     }
 }
 
-/// The rules both nodes of a local bench take for `--direction`: the bench's memory over
-/// the measured transport, in that direction; anything else (the bench's own host-memory
-/// messages) over tcp.
+/// The rules both nodes of a local bench take for `--direction`, and for the staged
+/// transport (which no default rule picks for a peer the others reach): the bench's memory
+/// over the measured transport, in that direction; anything else (the bench's own
+/// host-memory messages, unless the bench's memory is host memory) over tcp.
 fn direction_rule(args: &Args) -> String {
-    match &args.direction {
-        Some(direction) => format!(
-            "\n[[transport.rules]]\nname = \"bench\"\nsrc = [\"{}\"]\ntransports = [\"{}\"]\n\
-             direction = \"{direction}\"\n\n[[transport.rules]]\nname = \"host\"\n\
-             transports = [\"tcp\"]\n",
-            args.memory, args.transport
-        ),
-        None => String::new(),
+    if args.direction.is_none() && args.transport != "staged" {
+        return String::new();
     }
+    let direction = args
+        .direction
+        .as_ref()
+        .map(|d| format!("direction = \"{d}\"\n"))
+        .unwrap_or_default();
+    format!(
+        "\n[[transport.rules]]\nname = \"bench\"\nsrc = [\"{}\"]\ntransports = [\"{}\"]\n\
+         {direction}\n[[transport.rules]]\nname = \"host\"\ntransports = [\"tcp\"]\n",
+        args.memory, args.transport
+    )
 }
 
 /// The GPUs of a device-memory bench: the measured node's and the local peer's.
@@ -356,6 +358,9 @@ enum Baseline {
     Socket(String),
     /// `cuMemcpyAsync` between the two GPUs of the bench, in this process.
     Copy(GpuPair),
+    /// The staged transport's limit: the slower of a raw copy from our GPU into pinned
+    /// host memory and one from pinned host memory into theirs, in this process.
+    Staging(GpuPair),
 }
 
 impl Baseline {
@@ -367,6 +372,10 @@ impl Baseline {
                 g.ours,
                 g.theirs,
                 if bidir { ", and back at once" } else { "" }
+            ),
+            Baseline::Staging(g) => format!(
+                "the slower of raw pinned copies GPU{} -> host and host -> GPU{} in one process",
+                g.ours, g.theirs
             ),
         }
     }
@@ -487,6 +496,7 @@ async fn start_local(
     let target = Target {
         name: "bench-peer".into(),
         baseline: Some(match gpus {
+            Some(g) if args.transport == "staged" => Baseline::Staging(g),
             Some(g) => Baseline::Copy(g),
             None => Baseline::Socket(baseline),
         }),
@@ -568,11 +578,15 @@ async fn orchestrate(
         warmup: args.warmup,
         route: explanation.to_string(),
         baseline: match (&target.baseline, args.no_baseline) {
-            (Some(b @ Baseline::Copy(_)), false) if args.layout != "contiguous" => format!(
-                "{}; for --layout {}: the same rows by raw cuMemcpy3DAsync",
-                b.label(args.bidir),
-                args.layout
-            ),
+            (Some(b @ (Baseline::Copy(_) | Baseline::Staging(_))), false)
+                if args.layout != "contiguous" =>
+            {
+                format!(
+                    "{}; for --layout {}: the same rows by raw cuMemcpy3DAsync",
+                    b.label(args.bidir),
+                    args.layout
+                )
+            }
             (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
@@ -899,6 +913,30 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
             );
             Some(raw)
         }
+        (Some(Baseline::Staging(gpus)), false) => {
+            let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
+            let (down, up, per_row) = tokio::task::spawn_blocking(move || {
+                staging_baseline(gpus, layout, iters, warmup, window)
+            })
+            .await
+            .context("the staging baseline stopped")?
+            .context("the staging baseline failed")?;
+            let slower = down.min(up);
+            let per_row = per_row
+                .map(|r| {
+                    format!(
+                        "; one cuMemcpyDtoHAsync per row {r:.3} GB/s (ferry {:.1}x that)",
+                        ferry_gbps / r
+                    )
+                })
+                .unwrap_or_default();
+            println!(
+                "# {size} bytes: raw pinned GPU{} -> host {down:.1} GB/s, host -> GPU{} \
+                 {up:.1} GB/s{per_row}",
+                gpus.ours, gpus.theirs
+            );
+            Some(slower)
+        }
         (Some(Baseline::Copy(gpus)), false) => {
             let (gpus, iters, warmup, bidir) = (*gpus, args.iters, warmup, args.bidir);
             let len = usize::try_from(size)?;
@@ -1057,6 +1095,96 @@ fn strided_baseline(
         Ok(())
     })?;
     Ok((raw, per_row))
+}
+
+/// The staged transport's limits between the same two GPUs, in this process: GB/s of raw
+/// copies from a buffer on our GPU into pinned host memory (by the layout's 3D copies, as
+/// ferry's are, for a strided layout) and from pinned host memory into a buffer on theirs,
+/// each over `iters` copies after `warmup`, `window` queued at a time; for a strided
+/// layout, also the rows copied out one `cuMemcpyDtoHAsync` each. Blocks.
+fn staging_baseline(
+    gpus: GpuPair,
+    layout: ferry::Layout,
+    iters: u64,
+    warmup: u64,
+    window: u64,
+) -> anyhow::Result<(f64, f64, Option<f64>)> {
+    use ferry::cuda::{Device, ExportablePool, PinnedBuffer, Stream};
+    let extent = layout.extent()?.context("a layout has an extent")?;
+    let packed = layout.check(extent)?;
+    let boxes = layout.boxes(extent, 0, packed)?;
+    let ours = Device::open(gpus.ours as usize)?;
+    let theirs = Device::open(gpus.theirs as usize)?;
+    let (pool_ours, pool_theirs) = (ExportablePool::new(&ours)?, ExportablePool::new(&theirs)?);
+    let (down_stream, up_stream) = (Stream::new(&ours)?, Stream::new(&theirs)?);
+    let src = pool_ours.alloc(usize::try_from(extent)?, &down_stream)?;
+    let mut dst = pool_theirs.alloc(usize::try_from(packed)?, &up_stream)?;
+    let mut pinned = PinnedBuffer::new(&ours, usize::try_from(packed)?)?;
+    down_stream.synchronize()?;
+    up_stream.synchronize()?;
+    let timed =
+        |copy: &mut dyn FnMut() -> anyhow::Result<()>, stream: &Stream| -> anyhow::Result<f64> {
+            let mut rate = 0.0;
+            for round in [warmup, iters] {
+                let started = Instant::now();
+                let mut left = round;
+                while left > 0 {
+                    for _ in 0..left.min(window.max(1)) {
+                        copy()?;
+                    }
+                    stream.synchronize()?;
+                    left = left.saturating_sub(window.max(1));
+                }
+                rate = (packed * round) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9;
+            }
+            Ok(rate)
+        };
+    let len = usize::try_from(packed)?;
+    let contiguous = layout.is_contiguous();
+    let down = timed(
+        &mut || {
+            if contiguous {
+                ferry::cuda::copy_to_pinned_async(&mut pinned, 0, &src, 0, len, &down_stream)?;
+            } else {
+                let host = pinned.host_mut()?;
+                ferry::cuda::copy_boxes_to_host(host, &src, 0, &boxes, &down_stream)?;
+            }
+            Ok(())
+        },
+        &down_stream,
+    )?;
+    let up = timed(
+        &mut || {
+            ferry::cuda::copy_from_pinned_async(&mut dst, 0, &pinned, 0, len, &up_stream)?;
+            Ok(())
+        },
+        &up_stream,
+    )?;
+    let per_row = if contiguous {
+        None
+    } else {
+        let rows: Vec<(u64, u64, u64)> = boxes
+            .iter()
+            .flat_map(|b| b.rows().collect::<Vec<_>>())
+            .collect();
+        Some(timed(
+            &mut || {
+                for &(at, to, n) in &rows {
+                    ferry::cuda::copy_to_pinned_async(
+                        &mut pinned,
+                        to as usize,
+                        &src,
+                        at as usize,
+                        n as usize,
+                        &down_stream,
+                    )?;
+                }
+                Ok(())
+            },
+            &down_stream,
+        )?)
+    };
+    Ok((down, up, per_row))
 }
 
 /// `count` copies on every lane, `window` queued at a time, then waits for them.

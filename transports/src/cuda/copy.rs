@@ -512,6 +512,64 @@ impl std::fmt::Debug for PinnedBuffer {
     }
 }
 
+/// A shared-memory ring page-locked for the copy engine (`cuMemHostRegister`, portable to
+/// every context): copies between a GPU and its slots run at the pinned rate instead of
+/// going through the driver's own bounce buffers. Holds the ring, so the mapping outlives
+/// the registration; dropping it unregisters (callers drop it only once their copies
+/// completed: every copy into or out of a slot is waited for before the slot changes hands).
+pub struct PinnedRing {
+    ring: std::sync::Arc<crate::link::ring::Ring>,
+    device: Device,
+}
+
+impl PinnedRing {
+    /// Registers the whole of `ring`'s mapping, using `device`'s context.
+    ///
+    /// # Errors
+    /// A driver error (no driver, or the kernel refused to lock that much memory:
+    /// `RLIMIT_MEMLOCK`).
+    pub fn new(
+        device: &Device,
+        ring: std::sync::Arc<crate::link::ring::Ring>,
+    ) -> Result<PinnedRing, CudaError> {
+        device.bind()?;
+        let (ptr, len) = ring.mapping();
+        // SAFETY: a context is current (bound above); the mapping is live and stays mapped
+        // while `self` holds the ring, and is unregistered in `drop` before that.
+        unsafe { raw::mem_host_register(ptr, len) }?;
+        Ok(PinnedRing {
+            ring,
+            device: device.clone(),
+        })
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &std::sync::Arc<crate::link::ring::Ring> {
+        &self.ring
+    }
+}
+
+impl Drop for PinnedRing {
+    fn drop(&mut self) {
+        let (ptr, _) = self.ring.mapping();
+        let done = self.device.bind().and_then(|()| {
+            // SAFETY: registered once in `new`; copies through it were waited for.
+            unsafe { raw::mem_host_unregister(ptr) }
+        });
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "unregistering a staging ring failed");
+        }
+    }
+}
+
+impl std::fmt::Debug for PinnedRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedRing")
+            .field("ring", &self.ring)
+            .finish()
+    }
+}
+
 /// Queues a copy of `len` bytes from pinned `src[src_offset..]` to `dst[dst_offset..]`.
 ///
 /// # Errors

@@ -40,7 +40,7 @@ mod raw;
 mod stream;
 
 pub use copy::{
-    DeviceMemory, PinnedBuffer, Wait, copy_and_wait, copy_async, copy_boxes_async,
+    DeviceMemory, PinnedBuffer, PinnedRing, Wait, copy_and_wait, copy_async, copy_boxes_async,
     copy_boxes_to_host, copy_from_host, copy_from_pinned_async, copy_to_host, copy_to_pinned_async,
     fill_async,
 };

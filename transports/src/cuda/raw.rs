@@ -58,6 +58,8 @@ const ENTRY_POINTS: &[&str] = &[
     "cuMemsetD8Async",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemAlloc_v2",
     "cuPointerGetAttribute",
     "cuIpcGetMemHandle",
@@ -657,6 +659,28 @@ pub(super) unsafe fn mem_free_host(p: *mut u8) -> Result<(), CudaError> {
     // SAFETY: caller.
     check("cuMemFreeHost", unsafe {
         sys::cuMemFreeHost(p.cast::<c_void>())
+    })
+}
+
+/// Page-locks `len` bytes of host memory at `p` that the process mapped itself (shared memory),
+/// portable to every context, so copies to and from it run at the pinned rate.
+///
+/// # Safety
+/// Some context is current on this thread; `p..p + len` is a live mapping that stays mapped
+/// until [`mem_host_unregister`].
+pub(super) unsafe fn mem_host_register(p: *mut u8, len: usize) -> Result<(), CudaError> {
+    // SAFETY: caller.
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(p.cast::<c_void>(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+    })
+}
+
+/// # Safety
+/// `p` was registered by [`mem_host_register`], once, and no copy still uses it.
+pub(super) unsafe fn mem_host_unregister(p: *mut u8) -> Result<(), CudaError> {
+    // SAFETY: caller.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(p.cast::<c_void>())
     })
 }
 

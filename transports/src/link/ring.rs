@@ -46,8 +46,8 @@ const OFF_CLOSED: usize = 320;
 const OFF_ATTACHED: usize = 384;
 /// Each slot starts with the record's length and, once consumed, its status.
 const SLOT_HEADER: usize = 8;
-/// Largest ring accepted from a peer.
-const MAX_MAP: usize = 64 << 20;
+/// Largest lane ring accepted from a peer.
+pub const LANE_MAX_MAP: usize = 64 << 20;
 
 /// Why a ring could not be made, opened or read.
 #[derive(Debug, thiserror::Error)]
@@ -115,8 +115,21 @@ impl Ring {
     /// [`RingError::Invalid`] for a zero or too large shape, [`RingError::System`] when the
     /// kernel refuses the memfd or the mapping.
     pub fn create(slots: u32, slot_len: u32) -> Result<Ring, RingError> {
-        let map_len = shape_len(slots, slot_len)?;
-        let name: &CStr = c"ferry-lane";
+        Ring::create_named(c"ferry-lane", slots, slot_len, LANE_MAX_MAP)
+    }
+
+    /// [`Self::create`] with the memfd's name (shown in `/proc/PID/maps`) and the largest
+    /// mapping allowed.
+    ///
+    /// # Errors
+    /// As [`Self::create`].
+    pub fn create_named(
+        name: &CStr,
+        slots: u32,
+        slot_len: u32,
+        max_map: usize,
+    ) -> Result<Ring, RingError> {
+        let map_len = shape_len(slots, slot_len, max_map)?;
         let fd = memfd_create(
             name,
             MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
@@ -141,6 +154,14 @@ impl Ring {
     /// # Errors
     /// [`RingError::Invalid`] for anything but an unshrinkable ring of a sane shape.
     pub fn open(fd: OwnedFd) -> Result<Ring, RingError> {
+        Ring::open_at_most(fd, LANE_MAX_MAP)
+    }
+
+    /// [`Self::open`] for a ring of at most `max_map` bytes.
+    ///
+    /// # Errors
+    /// As [`Self::open`].
+    pub fn open_at_most(fd: OwnedFd, max_map: usize) -> Result<Ring, RingError> {
         let seals = fcntl(std::os::fd::AsRawFd::as_raw_fd(&fd), FcntlArg::F_GET_SEALS)
             .map_err(|e| RingError::Invalid(format!("the descriptor cannot be sealed: {e}")))?;
         let seals = SealFlag::from_bits_truncate(seals);
@@ -151,7 +172,7 @@ impl Ring {
         }
         let size = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd))?.st_size;
         let size = usize::try_from(size).unwrap_or(usize::MAX);
-        if !(HEADER..=MAX_MAP).contains(&size) {
+        if !(HEADER..=max_map).contains(&size) {
             return Err(RingError::Invalid(format!("{size} bytes of shared memory")));
         }
         let mut ring = Ring::map(fd, size, 0, 0)?;
@@ -160,7 +181,7 @@ impl Ring {
         }
         let slots = ring.u32_at(OFF_SLOTS).load(Ordering::Acquire);
         let slot_len = ring.u32_at(OFF_SLOT_LEN).load(Ordering::Acquire);
-        if shape_len(slots, slot_len)? != size {
+        if shape_len(slots, slot_len, max_map)? != size {
             return Err(RingError::Invalid(format!(
                 "{slots} slots of {slot_len} bytes do not make {size} bytes"
             )));
@@ -191,6 +212,11 @@ impl Ring {
             slot_len,
             fd,
         })
+    }
+
+    /// The whole mapping (address and length), to page-lock it for the copy engine.
+    pub fn mapping(&self) -> (*mut u8, usize) {
+        (self.base.as_ptr(), self.map_len)
     }
 
     /// The ring's descriptor, to hand to the consumer.
@@ -297,6 +323,48 @@ impl Ring {
         Ok(())
     }
 
+    /// Writes record `seq` in place: `fill` gets the slot's room and returns how many bytes
+    /// it wrote (at most the room), and the record is published; a `fill` that fails
+    /// publishes nothing. Same rules as [`Self::publish`] otherwise. For records too large
+    /// to copy twice (the staged transport's chunks, copied straight into the slot by the
+    /// copy engine).
+    ///
+    /// # Errors
+    /// [`RingError::Broken`] when the slot is not free, [`RingError::TooLarge`] when `fill`
+    /// claims more than the room; `fill`'s own error inside `Ok`.
+    pub fn fill<E>(
+        &self,
+        seq: u64,
+        reaped: u64,
+        fill: impl FnOnce(&mut [u8]) -> Result<usize, E>,
+    ) -> Result<Result<(), E>, RingError> {
+        if seq != self.head() || seq - reaped.min(seq) >= u64::from(self.slots) {
+            return Err(RingError::Broken(format!(
+                "slot of record {seq} is not free"
+            )));
+        }
+        let off = self.slot_off(seq);
+        let room = self.room();
+        // SAFETY: the slot lies inside the mapping, and the protocol gives it to us until
+        // `head` moves past it: the consumer reads only slots below `head`. A consumer that
+        // writes it anyway breaks the protocol and only spoils the bytes it will read.
+        let slot = unsafe {
+            std::slice::from_raw_parts_mut(self.base.as_ptr().add(off + SLOT_HEADER), room)
+        };
+        let len = match fill(slot) {
+            Ok(len) => len,
+            Err(e) => return Ok(Err(e)),
+        };
+        if len > room {
+            return Err(RingError::TooLarge { len, room });
+        }
+        self.u32_at(off).store(len as u32, Ordering::Relaxed);
+        self.u32_at(off + 4).store(0, Ordering::Relaxed);
+        self.u64_at(OFF_HEAD).store(seq + 1, Ordering::Release);
+        self.wake(OFF_CONSUMER_WORD, OFF_CONSUMER_PARKED);
+        Ok(Ok(()))
+    }
+
     /// The outcome the consumer wrote for record `seq` (finished: below `tail`): `Ok`, or
     /// its reason (at most a slot's room, lossy UTF-8).
     pub fn outcome(&self, seq: u64) -> Result<(), String> {
@@ -356,6 +424,29 @@ impl Ring {
         }
         self.copy_out(off + SLOT_HEADER, out, len);
         Ok(())
+    }
+
+    /// Hands record `seq` (published, not finished) to `read` in place, without copying it
+    /// out: for records the consumer copies elsewhere once (a staged chunk, straight from
+    /// the slot into a GPU's memory). Nothing in it may be trusted: the producer may still
+    /// write it (it breaks the protocol if it does), so `read` treats it as plain bytes.
+    ///
+    /// # Errors
+    /// [`RingError::Broken`] for a length past the slot.
+    pub fn with_record<R>(&self, seq: u64, read: impl FnOnce(&[u8]) -> R) -> Result<R, RingError> {
+        let off = self.slot_off(seq);
+        let len = self.u32_at(off).load(Ordering::Acquire) as usize;
+        if len > self.room() {
+            return Err(RingError::Broken(format!(
+                "a record of {len} bytes in a slot of {}",
+                self.room()
+            )));
+        }
+        // SAFETY: `len` bytes inside the slot, inside the mapping, which lives while `self`
+        // is borrowed; any bit pattern is a valid `u8`.
+        let record =
+            unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off + SLOT_HEADER), len) };
+        Ok(read(record))
     }
 
     /// Finishes record `seq` (the next one: `tail`) with `outcome`, and wakes the producer
@@ -441,12 +532,12 @@ impl Drop for Ring {
     }
 }
 
-fn shape_len(slots: u32, slot_len: u32) -> Result<usize, RingError> {
+fn shape_len(slots: u32, slot_len: u32, max_map: usize) -> Result<usize, RingError> {
     let ok = slots > 0 && slot_len as usize > SLOT_HEADER && slot_len % 8 == 0;
     let len = (slots as usize)
         .checked_mul(slot_len as usize)
         .and_then(|b| b.checked_add(HEADER))
-        .filter(|&len| ok && len <= MAX_MAP);
+        .filter(|&len| ok && len <= max_map);
     len.ok_or_else(|| RingError::Invalid(format!("{slots} slots of {slot_len} bytes")))
 }
 

@@ -424,7 +424,7 @@ impl Dims {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
@@ -532,7 +532,8 @@ mod tests {
         );
     }
 
-    fn layouts() -> impl Strategy<Value = (Layout, u64)> {
+    /// Layouts of every kind with the length of a buffer they fit (some bytes spare).
+    pub(crate) fn layouts() -> impl Strategy<Value = (Layout, u64)> {
         let two = (1u64..20, 1u64..40, 0u64..20, 0u64..30).prop_map(|(rows, row, gap, tail)| {
             let pitch = row + gap;
             (strided(rows, row, pitch), (rows - 1) * pitch + row + tail)

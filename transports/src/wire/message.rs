@@ -12,7 +12,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -201,6 +201,16 @@ pub struct Written {
     pub error: Option<String>,
 }
 
+/// The sender of staged transfers to a same-host peer made a ring of staging slots in shared
+/// memory for them: the receiver fetches it from the sender's pool socket under `key`, maps
+/// it, and reads chunks from it. Until it has (or if it cannot), chunks come over the link.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct StagedRing {
+    /// The ring's key at the sender's pool socket (unguessable).
+    pub key: String,
+}
+
 /// Describes one chunk of a transfer's payload. The bytes themselves follow on the link as
 /// the next frame, a [`FrameKind::Payload`] frame of exactly `len` bytes, which the receiver
 /// reads straight into the reserved buffer.
@@ -324,6 +334,8 @@ pub enum Message {
     IpcUnmapped(IpcBufferRef),
     /// An ipc push let go of the receiver's buffer (written, or not).
     Written(Written),
+    /// Staged chunks to this peer will come through a shared-memory ring.
+    StagedRing(StagedRing),
 }
 
 /// The kind of a frame, carried in its header.
@@ -366,6 +378,8 @@ pub enum FrameKind {
     IpcUnmapped = 16,
     /// [`Message::Written`]
     Written = 17,
+    /// [`Message::StagedRing`]
+    StagedRing = 18,
 }
 
 impl FrameKind {
@@ -389,6 +403,7 @@ impl FrameKind {
             15 => Self::IpcUnmap,
             16 => Self::IpcUnmapped,
             17 => Self::Written,
+            18 => Self::StagedRing,
             _ => return None,
         })
     }
@@ -414,6 +429,7 @@ impl Message {
             Self::IpcUnmap(_) => FrameKind::IpcUnmap,
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
             Self::Written(_) => FrameKind::Written,
+            Self::StagedRing(_) => FrameKind::StagedRing,
         }
     }
 }
@@ -438,6 +454,7 @@ impl ArchivedMessage {
             Self::IpcUnmap(_) => FrameKind::IpcUnmap,
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
             Self::Written(_) => FrameKind::Written,
+            Self::StagedRing(_) => FrameKind::StagedRing,
         }
     }
 }

@@ -1,0 +1,260 @@
+//! The staged transport between processes of one host: a ring of staging slots in shared
+//! memory per direction, filled by a sender thread and emptied by a receiver thread (see
+//! `ferry_transports::staged`).
+//!
+//! The sender's transfer actor makes the ring when a link to a same-host peer comes up,
+//! offers it at its pool socket and names it to the peer (`StagedRing`); the peer's actor
+//! fetches and maps it, and its receiver thread says it reads it. Until then (or when it
+//! cannot), staged transfers stream over the link, landing in the same regions. The sender
+//! thread copies each granted transfer's packed bytes into the slots, one chunk at a time,
+//! waiting for free slots; the receiver thread copies each chunk into the transfer's
+//! reserved buffer (host or device memory) and, after the last, hands the buffer to its
+//! actor like the link's reader does.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix::Addr;
+use dashmap::DashMap;
+use ferry_config::AutoSize;
+use ferry_transports::memory::SharedBytes;
+use ferry_transports::staged::{StagedError, StagingRx, StagingTx};
+use ferry_transports::tcp::InboundRegion;
+use ferry_transports::wire::{DataChunk, Layout};
+
+use crate::core::session::OpId;
+use crate::transfer::{StagedEnded, StagedInbound, TransferActor};
+
+/// `[transport.staged]`, as the actors use it.
+#[derive(Debug, Clone, Copy)]
+pub struct StagedSettings {
+    /// Slots per ring.
+    pub slots: u32,
+    /// Bytes per chunk, or `auto`.
+    pub chunk: AutoSize,
+    /// Whether same-host peers share the slots.
+    pub shared_memory: bool,
+    /// How long a staged thread spins for its next chunk or slot before it parks.
+    pub spin: Duration,
+}
+
+impl StagedSettings {
+    /// Bytes per chunk: the configured size, or what `auto` measured in this process.
+    pub fn chunk_bytes(&self, device: Option<&ferry_transports::cuda::Device>) -> usize {
+        match self.chunk {
+            AutoSize::Bytes(b) => usize::try_from(b).unwrap_or(4 << 20),
+            AutoSize::Auto => ferry_transports::staged::auto_chunk(device),
+        }
+    }
+}
+
+/// One granted transfer for the sender thread.
+pub struct Job {
+    /// The op.
+    pub op: OpId,
+    /// The layout of its bytes in the buffer.
+    pub layout: Layout,
+    /// A view of the buffer, dropped once every chunk is in a slot.
+    pub bytes: SharedBytes,
+    /// Set when the op is cancelled or its deadline passes.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// The sending end: a thread that copies granted transfers into the ring, in grant order.
+pub struct StagedTx {
+    jobs: std::sync::mpsc::SyncSender<Job>,
+    ring: Arc<ferry_transports::link::ring::Ring>,
+}
+
+impl StagedTx {
+    /// Starts the sender thread over `staging`; it tells `me` as each job's stream ends.
+    /// At most `depth` jobs wait for it (the session's pipeline bounds them anyway).
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    pub fn start(
+        peer: &str,
+        mut staging: StagingTx,
+        depth: usize,
+        spin: Duration,
+        device: Option<ferry_transports::cuda::Device>,
+        (me, link): (Addr<TransferActor>, u64),
+        io: tokio::runtime::Handle,
+    ) -> Result<StagedTx, String> {
+        let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(depth.max(1));
+        let ring = Arc::clone(staging.ring());
+        let peer = peer.to_string();
+        std::thread::Builder::new()
+            .name("ferry-staged-tx".into())
+            .spawn(move || {
+                if let Some(device) = &device
+                    && let Err(e) = staging.pin(device)
+                {
+                    tracing::warn!(peer, "staging slots stay pageable (copies are slower): {e}");
+                }
+                while let Ok(job) = rx.recv() {
+                    let sent = send_job(&mut staging, &job, spin);
+                    let Job { op, bytes, .. } = job;
+                    drop(bytes);
+                    let broken = match sent {
+                        Ok(()) | Err(StagedError::Stopped) => None,
+                        Err(e) => Some(e.to_string()),
+                    };
+                    if let Some(why) = &broken {
+                        tracing::warn!(peer, op = op.0, "staged send failed: {why}");
+                    }
+                    let ended = StagedEnded { op, broken, link };
+                    if io.block_on(me.send(ended)).is_err() {
+                        break;
+                    }
+                }
+                staging.close();
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(StagedTx { jobs, ring })
+    }
+
+    /// True once the peer's receiver thread reads the ring.
+    pub fn is_attached(&self) -> bool {
+        self.ring.is_attached() && !self.ring.is_closed()
+    }
+
+    /// Hands a granted transfer to the thread; gives it back when the thread is gone or
+    /// its queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), Job> {
+        self.jobs.try_send(job).map_err(|e| match e {
+            std::sync::mpsc::TrySendError::Full(j)
+            | std::sync::mpsc::TrySendError::Disconnected(j) => j,
+        })
+    }
+
+    /// Closes the ring: the thread's waits end, and so does the peer's receiver thread.
+    pub fn close(&self) {
+        self.ring.close();
+    }
+}
+
+/// Copies one job's packed bytes into the ring.
+fn send_job(staging: &mut StagingTx, job: &Job, spin: Duration) -> Result<(), StagedError> {
+    let len = job
+        .layout
+        .check(job.bytes.len() as u64)
+        .map_err(|e| StagedError::Copy(e.to_string()))?;
+    let contiguous = job.layout.is_contiguous();
+    staging.send(job.op.0, len, &job.stop, spin, |offset, slot| {
+        if contiguous {
+            let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
+            job.bytes.read(offset, slot)
+        } else {
+            job.bytes.read_packed(&job.layout, offset, slot)
+        }
+        .map_err(|e| e.to_string())
+    })
+}
+
+/// The receiving end: a thread that lands chunks from the peer's ring.
+pub struct StagedRx {
+    stop: Arc<AtomicBool>,
+}
+
+impl StagedRx {
+    /// Starts the receiver thread over `staging`; chunks land in `regions`, a completed
+    /// transfer goes to `me`, and a broken ring takes the link down.
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    pub fn start(
+        peer: &str,
+        mut staging: StagingRx,
+        spin: Duration,
+        device: Option<ferry_transports::cuda::Device>,
+        regions: Arc<DashMap<u64, InboundRegion>>,
+        (me, link): (Addr<TransferActor>, u64),
+        io: tokio::runtime::Handle,
+    ) -> Result<StagedRx, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let peer = peer.to_string();
+        std::thread::Builder::new()
+            .name("ferry-staged-rx".into())
+            .spawn(move || {
+                if let Some(device) = &device
+                    && let Err(e) = staging.pin(device)
+                {
+                    tracing::warn!(peer, "staging slots stay pageable (copies are slower): {e}");
+                }
+                let broken = loop {
+                    if stopped.load(Ordering::Acquire) {
+                        break None;
+                    }
+                    let landed = staging.next(spin, |header, bytes| {
+                        let chunk = DataChunk {
+                            transfer: header.transfer,
+                            offset: header.offset,
+                            len: header.len,
+                        };
+                        land(&regions, &chunk, bytes, &me, &io)
+                    });
+                    match landed {
+                        Ok(_) => {}
+                        Err(StagedError::Closed) => break None,
+                        Err(e) => break Some(e.to_string()),
+                    }
+                };
+                staging.close();
+                if let Some(why) = broken {
+                    tracing::warn!(peer, "the peer's staging ring broke: {why}");
+                    let _ = io.block_on(me.send(StagedInbound::Broken(link, why)));
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(StagedRx { stop })
+    }
+
+    /// Ends the thread (at its next chunk or park).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for StagedRx {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Lands one chunk in its transfer's region. A chunk of a transfer abandoned meanwhile is
+/// skipped; one outside its buffer breaks the protocol (the error ends the ring); a copy
+/// that fails fails that transfer only.
+fn land(
+    regions: &DashMap<u64, InboundRegion>,
+    chunk: &DataChunk,
+    bytes: &[u8],
+    me: &Addr<TransferActor>,
+    io: &tokio::runtime::Handle,
+) -> Result<(), String> {
+    let id = chunk.transfer;
+    // Lent out of the map while the bytes are copied, so the map is never locked across
+    // a copy (the link's reader may land a chunk of another transfer meanwhile).
+    let mut landing = match regions.get_mut(&id).map(|mut r| r.lend(chunk)) {
+        Some(Ok(landing)) => landing,
+        Some(Err(e)) => return Err(format!("protocol violation: {e}")),
+        None => return Ok(()),
+    };
+    if let Err(e) = landing.write(bytes) {
+        regions.remove(&id);
+        drop(landing);
+        let why = format!("copying a staged chunk in: {e}");
+        let _ = io.block_on(me.send(StagedInbound::Failed { id, why }));
+        return Ok(());
+    }
+    metrics::counter!("ferry_staged_ring_chunks_total").increment(1);
+    let complete = regions.get_mut(&id).map(|mut r| r.restore(landing));
+    if complete == Some(true)
+        && let Some(buffer) = regions.remove(&id).and_then(|(_, r)| r.into_buffer())
+    {
+        let _ = io.block_on(me.send(StagedInbound::Done { id, buffer }));
+    }
+    Ok(())
+}
