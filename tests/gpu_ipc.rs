@@ -826,6 +826,12 @@ fn imports_while_copies_run_never_fault() {
 
 /// Rules that carry device memory over tcp (gathered into host chunks by the copy engine).
 const TCP: &str = "[[transport.rules]]\nname = \"all\"\ntransports = [\"tcp\"]\n";
+/// Everything staged, through the shared ring (small chunks, so that a transfer takes many).
+const STAGED: &str = "[transport.staged]\nchunk = \"256 KiB\"\nslots = 4\n\n\
+                      [[transport.rules]]\nname = \"all\"\ntransports = [\"staged\"]\n";
+/// Everything staged over the link, as to another host.
+const STAGED_LINK: &str = "[transport.staged]\nshared_memory = false\n\n\
+                           [[transport.rules]]\nname = \"all\"\ntransports = [\"staged\"]\n";
 
 /// Strided device buffers of every layout cross byte-exact: pulled, pushed and over tcp.
 /// `b` echoes the packed rows back; `a` checks them against its own gather.
@@ -837,6 +843,53 @@ async fn every_layout_crosses_byte_exact_pulled_pushed_and_over_tcp() {
     for (how, rules) in [("pull", NO_LANE), ("push", PUSH), ("tcp", TCP)] {
         let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
         layouts_cross(&p.node, how).await;
+        p.node.shutdown().await;
+    }
+}
+
+/// Staged, GPU0 → pinned shared slots → GPU1 and back (and over the link, as to another
+/// host): device buffers of every layout and a range of sizes, byte-exact both ways, landing
+/// in device memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn staged_moves_every_layout_and_size_device_to_device_both_ways() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("staged_every_layout", 2) else {
+        return;
+    };
+    for (how, rules) in [("staged", STAGED), ("staged-link", STAGED_LINK)] {
+        let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
+        // Until b maps our ring, chunks go over the link: give it a moment.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        layouts_cross(&p.node, how).await;
+        for (i, len) in [
+            0usize,
+            1,
+            (256 << 10) - 1,
+            256 << 10,
+            (256 << 10) + 1,
+            48 << 20,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let whole = pattern(len, 90 + i as u64);
+            let b = device_buffer(&p.node, &whole).await;
+            drop(p.node.send("b", 200 + i as u64, b).await.expect("send"));
+            let got = p
+                .node
+                .recv(Some("b"), Some(200 + i as u64))
+                .await
+                .expect("recv");
+            assert_eq!(got.transport, "staged", "{how} {len}");
+            assert!(
+                matches!(got.buffer.kind(), MemoryKind::Device(0)),
+                "{how} {len}: landed in {:?}",
+                got.buffer.kind()
+            );
+            assert!(
+                got.buffer.to_vec().expect("read") == whole,
+                "{how} {len} bytes differ"
+            );
+        }
         p.node.shutdown().await;
     }
 }
@@ -902,7 +955,11 @@ async fn layouts_cross(node: &Node, how: &str) {
         .await
         .expect("the echo came back in time")
         .expect("recv");
-        let expected = if how == "tcp" { "tcp" } else { "ipc" };
+        let expected = match how {
+            "tcp" => "tcp",
+            "staged" | "staged-link" => "staged",
+            _ => "ipc",
+        };
         assert_eq!(got.transport, expected, "{how} {layout:?}");
         assert_eq!(got.buffer.len(), packed, "{how} {layout:?}");
         assert!(
