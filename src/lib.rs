@@ -40,6 +40,8 @@ pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass}
 pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
+/// The chunk size `transport.staged.chunk = "auto"` picks in this process (measured once).
+pub use ferry_transports::staged::auto_chunk as staged_auto_chunk;
 pub use ferry_transports::tcp::RegionKey;
 pub use ferry_transports::wire::{Layout, LayoutError};
 

@@ -593,6 +593,24 @@ async fn orchestrate(
         latency: latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
     };
     report::print_header(&header);
+    if args.transport == "staged" {
+        let device = match target.memory {
+            MemoryKind::Device(n) => ferry::cuda::Device::open(n as usize).ok(),
+            _ => None,
+        };
+        let chunk = match node.config().transport.staged.chunk {
+            ferry_config::AutoSize::Auto => format!(
+                "auto = {}",
+                ferry_config::format_size(ferry::staged_auto_chunk(device.as_ref()) as u64)
+            ),
+            size => size.to_string(),
+        };
+        println!(
+            "# staged: {} slots of {chunk}, shared memory {}",
+            node.config().transport.staged.slots,
+            node.config().transport.staged.shared_memory
+        );
+    }
     if matches!(target.memory, MemoryKind::Device(_)) && !args.no_check {
         println!(
             "# check: the peer copies every device buffer it receives to host memory to verify \
@@ -916,7 +934,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         (Some(Baseline::Staging(gpus)), false) => {
             let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
             let (down, up, per_row) = tokio::task::spawn_blocking(move || {
-                staging_baseline(gpus, layout, iters, warmup, window)
+                staging_baseline(gpus, layout, size, iters, warmup, window)
             })
             .await
             .context("the staging baseline stopped")?
@@ -1105,12 +1123,13 @@ fn strided_baseline(
 fn staging_baseline(
     gpus: GpuPair,
     layout: ferry::Layout,
+    size: u64,
     iters: u64,
     warmup: u64,
     window: u64,
 ) -> anyhow::Result<(f64, f64, Option<f64>)> {
     use ferry::cuda::{Device, ExportablePool, PinnedBuffer, Stream};
-    let extent = layout.extent()?.context("a layout has an extent")?;
+    let extent = layout.extent()?.unwrap_or(size);
     let packed = layout.check(extent)?;
     let boxes = layout.boxes(extent, 0, packed)?;
     let ours = Device::open(gpus.ours as usize)?;
