@@ -857,7 +857,16 @@ async fn staged_moves_every_layout_and_size_device_to_device_both_ways() {
     };
     for (how, rules) in [("staged", STAGED), ("staged-link", STAGED_LINK)] {
         let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
-        // Until b maps our ring, chunks go over the link: give it a moment.
+        // The first staged send makes the ring (its chunks go over the link); until b has
+        // mapped it, the next ones do too: warm up, then give it a moment.
+        let warm = device_buffer(&p.node, &pattern(4096, 1)).await;
+        drop(p.node.send("b", 199, warm).await.expect("warm-up"));
+        drop(
+            p.node
+                .recv(Some("b"), Some(199))
+                .await
+                .expect("warm-up echo"),
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
         layouts_cross(&p.node, how).await;
         for (i, len) in [

@@ -599,7 +599,7 @@ impl TransferActor {
 
     fn on_event(&mut self, ev: SessionEvent, ctx: &mut Context<Self>) {
         match ev {
-            SessionEvent::Stream(op) => self.start_stream(op),
+            SessionEvent::Stream(op) => self.start_stream(op, ctx),
             SessionEvent::StopStream(op) => {
                 if let Some(entry) = self.outbound.get(&op) {
                     entry.stop.store(true, Ordering::Release);
@@ -710,7 +710,14 @@ impl TransferActor {
         }
     }
 
-    fn start_stream(&mut self, op: OpId) {
+    fn start_stream(&mut self, op: OpId, ctx: &mut Context<Self>) {
+        if self
+            .outbound
+            .get(&op)
+            .is_some_and(|e| e.labels.transport == "staged")
+        {
+            self.offer_staged_ring(ctx);
+        }
         let Some(entry) = self.outbound.get_mut(&op) else {
             return;
         };
@@ -1825,7 +1832,8 @@ impl Handler<Attach> for TransferActor {
         };
         self.setup.io.spawn(reader.run(link.reader));
         tracing::info!(peer = %self.peer, "link up");
-        self.offer_staged_ring(ctx);
+        // The previous link's staging ring (if any) closes; the next staged send makes one.
+        self.end_staged_tx();
         self.drive(ctx);
     }
 }
@@ -1836,13 +1844,12 @@ impl TransferActor {
         self.setup.gpus.gpus.first().map(|(_, g)| g.device.clone())
     }
 
-    /// A link to a same-host peer came up: a fresh staging ring for our staged sends to it
-    /// (the previous link's, if any, closes), offered at the pool socket and named to the
-    /// peer.
+    /// The first staged send to a same-host peer on this link: a staging ring for our
+    /// staged sends to it, offered at the pool socket and named to the peer (made lazily:
+    /// its slots are page-locked, which a peer that never takes staged should not cost).
     fn offer_staged_ring(&mut self, ctx: &mut Context<Self>) {
-        self.end_staged_tx();
         let settings = self.setup.staged;
-        if !self.ipc.same_host || !settings.shared_memory {
+        if self.staged.tx.is_some() || !self.ipc.same_host || !settings.shared_memory {
             return;
         }
         let device = self.staging_device();

@@ -905,3 +905,58 @@ fn offers_whose_layout_does_not_match_are_refused() {
         Some(SessionEvent::Reserve { len: 400, .. })
     ));
 }
+
+/// A staged offer is served by any receiver (no ipc needed): it reserves for a staged
+/// landing (device memory first) and, once granted, the sender streams; a staged offer
+/// that carries an ipc source, or asks to pull, is refused as unsupported.
+#[test]
+fn staged_offers_reserve_for_staging_and_stream() {
+    let mut p = Push::new();
+    p.b.set_serves_ipc(false);
+    let request = |direction, ipc| SendRequest {
+        tag: 1,
+        len: 4096,
+        source: WireMemoryKind::Device(0),
+        transport: "staged".into(),
+        direction,
+        ipc,
+        layout: Layout::Contiguous,
+        deadline: p.now + Duration::from_secs(1),
+    };
+    let op =
+        p.a.handle_send(p.now, request(WireDirection::Push, None))
+            .expect("queued");
+    let offer = p.a.poll_transmit().expect("offered");
+    p.b.handle_message(offer).expect("a valid offer");
+    let id = match p.b.poll_event() {
+        Some(SessionEvent::Reserve {
+            id,
+            len: 4096,
+            pull: None,
+            push: false,
+            staged: true,
+            layout: Layout::Contiguous,
+        }) => id,
+        other => panic!("B should reserve for a staged transfer, got {other:?}"),
+    };
+    assert!(p.b.handle_reserved(id, WireMemoryKind::Device(1), None));
+    let grant = p.b.poll_transmit().expect("granted");
+    p.a.handle_message(grant).expect("valid");
+    assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
+    for (direction, ipc) in [
+        (WireDirection::Pull, None),
+        (WireDirection::Push, Some(Push::target())),
+    ] {
+        let mut p = Push::new();
+        let _ = p.a.handle_send(p.now, request(direction, ipc));
+        let offer = p.a.poll_transmit().expect("offered");
+        p.b.handle_message(offer).expect("refused, not a violation");
+        assert!(
+            matches!(
+                p.b.poll_transmit(),
+                Some(Message::Cancel(c)) if c.reason == WireReason::Unsupported
+            ),
+            "{direction:?}"
+        );
+    }
+}

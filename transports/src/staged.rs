@@ -396,7 +396,7 @@ const AUTO_SIZES: [usize; 5] = [256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20
 /// once, at the first call, then kept. Each candidate size is timed copying out of
 /// `device` into pinned memory (or host to host without a GPU), plus the measured cost of
 /// handing one chunk across a ring (publish, wake, finish); the smallest size whose rate is
-/// within 5% of the best wins (smaller chunks start the pipeline sooner and hold less).
+/// within 3% of the best wins (smaller chunks start the pipeline sooner and hold less).
 pub fn auto_chunk(device: Option<&crate::cuda::Device>) -> usize {
     static PICKED: OnceLock<usize> = OnceLock::new();
     *PICKED.get_or_init(|| {
@@ -413,7 +413,7 @@ pub fn auto_chunk(device: Option<&crate::cuda::Device>) -> usize {
         let best = rates.iter().map(|&(_, r)| r).fold(0.0, f64::max);
         let picked = rates
             .iter()
-            .find(|&&(_, r)| r >= 0.95 * best)
+            .find(|&&(_, r)| r >= 0.97 * best)
             .map_or(4 << 20, |&(size, _)| size);
         tracing::info!(
             chunk = picked,
