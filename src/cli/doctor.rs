@@ -416,12 +416,12 @@ fn shm_finding(shm: &Result<u64, String>) -> Finding {
     const CHECK: &str = "/dev/shm";
     match shm {
         Err(e) => Finding::new(CHECK, Status::Warn, format!("cannot read its size: {e}"))
-            .remedy("mount a tmpfs at /dev/shm: the staged transport and NCCL-style tools need it"),
+            .remedy("mount a tmpfs at /dev/shm: NCCL-style tools need it (ferry's staging rings are memfds, counted against the process's memory instead)"),
         Ok(size) if *size < SHM_MIN => Finding::new(
             CHECK,
             Status::Warn,
             format!(
-                "{} (below {}): staged transfers and NCCL-style tools run out of shared memory",
+                "{} (below {}): NCCL-style tools run out of shared memory",
                 human_size(*size),
                 human_size(SHM_MIN)
             ),

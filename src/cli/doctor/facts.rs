@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use ferry_transports::cuda::{self, CudaProbe};
 use ferry_transports::transport::{self, Capabilities, Viability};
 
-/// Below this, `/dev/shm` is too small for staged transfers and NCCL-style tools.
+/// Below this, `/dev/shm` is too small for NCCL-style tools.
 pub const SHM_MIN: u64 = 1 << 30;
 /// Below this, pinning host memory for staging and RDMA registration fails early.
 pub const MEMLOCK_MIN: u64 = 64 << 20;
