@@ -2272,49 +2272,81 @@ async fn stream(
     };
     let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
     let count = parts.len();
-    // Device memory goes through a host copy, one chunk at a time (the staged transport
-    // pipelines this properly); strided rows are gathered into one, one chunk at a time.
-    let mut staging = Vec::new();
-    for (i, part) in parts.into_iter().enumerate() {
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
-        let header = match what {
-            StreamWhat::Transfer(_) => tcp::data_header(op.0, part),
-            StreamWhat::Put { key, offset } => {
-                tcp::put_header(op.0, key, offset, part, i + 1 == count)
+    // Device memory is copied out chunk by chunk on a blocking thread, one chunk ahead of
+    // the socket: the copy of chunk k+1 runs while chunk k is written. Strided rows of host
+    // memory are gathered into one, one chunk at a time.
+    let device = bytes.as_slice().is_none();
+    let mut ahead: Option<tokio::task::JoinHandle<Result<Vec<u8>, String>>> = None;
+    let mut spare: Vec<u8> = Vec::new();
+    let copy_out = |part: (usize, usize), mut into: Vec<u8>| {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || {
+            into.resize(part.1, 0);
+            match layout {
+                Some(layout) => bytes.read_packed(&layout, part.0 as u64, &mut into),
+                None => bytes.read(part.0, &mut into),
             }
-        };
-        let payload = match (bytes.as_slice(), layout) {
-            (Some(host), Some(layout)) => {
-                staging.resize(part.1, 0);
-                layout
-                    .gather(host, part.0 as u64, &mut staging)
-                    .map_err(io_error)?;
-                &staging[..]
-            }
-            // The bytes go from the caller's buffer to the socket as they are.
-            (Some(host), None) => &host[part.0..part.0 + part.1],
-            // A few 3D copies into host memory (the staged transport pipelines this).
-            (None, Some(layout)) => {
-                staging.resize(part.1, 0);
-                bytes
-                    .read_packed(&layout, part.0 as u64, &mut staging)
-                    .map_err(|e| io_error(format!("gathering the device buffer's rows: {e}")))?;
-                &staging[..]
-            }
-            (None, None) => {
-                staging.resize(part.1, 0);
-                bytes.read(part.0, &mut staging).map_err(|e| {
-                    LinkError::Io(Arc::new(std::io::Error::other(format!(
-                        "reading the device buffer: {e}"
-                    ))))
-                })?;
-                &staging[..]
-            }
-        };
-        writer.feed_chunk(&header, payload).await?;
+            .map_err(|e| format!("copying the device buffer out: {e}"))?;
+            Ok(into)
+        })
+    };
+    if device && let Some(&first) = parts.first() {
+        ahead = Some(copy_out(first, Vec::new()));
     }
+    let mut staging = Vec::new();
+    let streamed: Result<(), LinkError> = 'chunks: {
+        for (i, part) in parts.iter().copied().enumerate() {
+            if stop.load(Ordering::Acquire) {
+                break;
+            }
+            let header = match what {
+                StreamWhat::Transfer(_) => tcp::data_header(op.0, part),
+                StreamWhat::Put { key, offset } => {
+                    tcp::put_header(op.0, key, offset, part, i + 1 == count)
+                }
+            };
+            if device {
+                let copied = match ahead.take() {
+                    Some(copy) => match copy.await {
+                        Ok(Ok(copied)) => copied,
+                        Ok(Err(e)) => break 'chunks Err(io_error(e)),
+                        Err(e) => break 'chunks Err(io_error(e)),
+                    },
+                    None => break 'chunks Err(io_error("a chunk was not copied out")),
+                };
+                if let Some(&next) = parts.get(i + 1) {
+                    ahead = Some(copy_out(next, std::mem::take(&mut spare)));
+                }
+                if let Err(e) = writer.feed_chunk(&header, &copied).await {
+                    break 'chunks Err(e);
+                }
+                spare = copied;
+                continue;
+            }
+            let payload = match (bytes.as_slice(), layout) {
+                (Some(host), Some(layout)) => {
+                    staging.resize(part.1, 0);
+                    if let Err(e) = layout.gather(host, part.0 as u64, &mut staging) {
+                        break 'chunks Err(io_error(e));
+                    }
+                    &staging[..]
+                }
+                // The bytes go from the caller's buffer to the socket as they are.
+                (Some(host), None) => &host[part.0..part.0 + part.1],
+                (None, _) => break 'chunks Err(io_error("device memory is copied out ahead")),
+            };
+            if let Err(e) = writer.feed_chunk(&header, payload).await {
+                break 'chunks Err(e);
+            }
+        }
+        Ok(())
+    };
+    // A copy still running (the stream stopped or failed) holds a view of the buffer: wait
+    // for it, so that the buffer goes back only once nothing reads it.
+    if let Some(copy) = ahead.take() {
+        let _ = copy.await;
+    }
+    streamed?;
     writer.flush().await
 }
 
