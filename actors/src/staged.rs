@@ -88,12 +88,18 @@ impl StagedTx {
         std::thread::Builder::new()
             .name("ferry-staged-tx".into())
             .spawn(move || {
-                if let Some(device) = &device
-                    && let Err(e) = staging.pin(device)
-                {
-                    tracing::warn!(peer, "staging slots stay pageable (copies are slower): {e}");
-                }
+                let mut device = device;
                 while let Ok(job) = rx.recv() {
+                    // Page-locked at the first job (jobs come only once the peer reads the
+                    // ring): a peer that never maps it costs no pinned memory.
+                    if let Some(device) = device.take()
+                        && let Err(e) = staging.pin(&device)
+                    {
+                        tracing::warn!(
+                            peer,
+                            "staging slots stay pageable (copies are slower): {e}"
+                        );
+                    }
                     let sent = send_job(&mut staging, &job, spin);
                     let Job { op, bytes, .. } = job;
                     drop(bytes);

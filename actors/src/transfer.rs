@@ -288,6 +288,8 @@ struct StagedState {
     tx: Option<(crate::staged::StagedTx, String)>,
     /// The receiving end of the peer's ring.
     rx: Option<crate::staged::StagedRx>,
+    /// True while our ring is being made (off the actor thread).
+    making: bool,
 }
 
 #[derive(Debug, Message)]
@@ -589,8 +591,13 @@ impl TransferActor {
             }
         }
         if self.session.is_lost() {
-            // The lanes end with the link: a sender must not wait on a dead peer's ring.
+            // The lanes and staging rings end with the link: a sender must not wait on a
+            // dead peer's ring, nor keep copying into one nobody reads.
             self.end_lanes();
+            self.end_staged_tx();
+            if let Some(rx) = self.staged.rx.take() {
+                rx.stop();
+            }
             if self.session.is_idle() && self.outbound.is_empty() {
                 ctx.stop();
             }
@@ -1849,18 +1856,52 @@ impl TransferActor {
     /// its slots are page-locked, which a peer that never takes staged should not cost).
     fn offer_staged_ring(&mut self, ctx: &mut Context<Self>) {
         let settings = self.setup.staged;
-        if self.staged.tx.is_some() || !self.ipc.same_host || !settings.shared_memory {
+        if self.staged.tx.is_some()
+            || self.staged.making
+            || !self.ipc.same_host
+            || !settings.shared_memory
+        {
             return;
         }
+        // `chunk = "auto"` measures copies the first time (tens of milliseconds): not on
+        // the actor thread. Staged sends go over the link meanwhile.
+        self.staged.making = true;
         let device = self.staging_device();
-        let chunk = settings.chunk_bytes(device.as_ref());
-        let staging = match ferry_transports::staged::StagingTx::create(settings.slots, chunk) {
-            Ok(staging) => staging,
-            Err(e) => {
-                tracing::warn!(peer = %self.peer, "no staging ring (staged sends go over the link): {e}");
-                return;
-            }
+        let link = self.link;
+        let make = move || {
+            let chunk = settings.chunk_bytes(device.as_ref());
+            ferry_transports::staged::StagingTx::create(settings.slots, chunk)
+                .map(|staging| (staging, chunk, device))
         };
+        ctx.spawn(
+            self.setup
+                .io
+                .spawn_blocking(make)
+                .into_actor(self)
+                .map(move |made, act, ctx| {
+                    act.staged.making = false;
+                    match made {
+                        Ok(Ok((staging, chunk, device))) if link == act.link && !act.session.is_lost() => {
+                            act.start_staged_tx(staging, chunk, device, ctx);
+                        }
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => tracing::warn!(peer = %act.peer, "no staging ring (staged sends go over the link): {e}"),
+                        Err(e) => tracing::warn!(peer = %act.peer, "no staging ring (staged sends go over the link): {e}"),
+                    }
+                    act.drive(ctx);
+                }),
+        );
+    }
+
+    /// Our staging ring is made: offer it and start its sender thread.
+    fn start_staged_tx(
+        &mut self,
+        staging: ferry_transports::staged::StagingTx,
+        chunk: usize,
+        device: Option<ferry_transports::cuda::Device>,
+        ctx: &mut Context<Self>,
+    ) {
+        let settings = self.setup.staged;
         let key = ferry_transports::staged::ring_key();
         self.setup
             .gpus
@@ -1902,7 +1943,11 @@ impl TransferActor {
     /// own. A ring that cannot be had leaves the peer's staged sends on the link.
     fn attach_staged_ring(&mut self, key: String, ctx: &mut Context<Self>) {
         if !self.ipc.same_host || !key.starts_with("staged/") {
-            tracing::warn!(peer = %self.peer, "ignoring a staging ring from a peer on another host");
+            tracing::warn!(peer = %self.peer, key, "ignoring a staging ring that is not a same-host peer's");
+            return;
+        }
+        if !self.setup.staged.shared_memory {
+            tracing::debug!(peer = %self.peer, "transport.staged.shared_memory = false: the peer's staged sends stay on the link");
             return;
         }
         if let Some(old) = self.staged.rx.take() {
@@ -2422,6 +2467,16 @@ impl ReadLoop {
                     let received = if landing.is_host() {
                         reader.read_payload_into(landing.destination()).await
                     } else {
+                        // Never larger than a frame (the payload's own header says the same
+                        // before a byte is read; checked first so that a lying header
+                        // allocates nothing).
+                        if chunk.len > reader.max_frame() {
+                            note_protocol_violation();
+                            break format!(
+                                "protocol violation: a chunk of {} bytes, past the largest frame",
+                                chunk.len
+                            );
+                        }
                         scratch.resize(chunk.len as usize, 0);
                         reader.read_payload_into(&mut scratch[..]).await
                     };
@@ -2431,8 +2486,12 @@ impl ReadLoop {
                         // buffer (the peer sees it lost; nothing is retried here).
                         break format!("chunk of transfer {id} not received: {e}");
                     }
+                    // A host-to-device copy waits for the copy engine: the runtime's other
+                    // worker takes this one's tasks meanwhile.
                     if !landing.is_host()
-                        && let Err(e) = landing.write(&scratch[..chunk.len as usize])
+                        && let Err(e) = tokio::task::block_in_place(|| {
+                            landing.write(&scratch[..chunk.len as usize])
+                        })
                     {
                         // Not the peer's fault, but the transfer cannot complete; like a
                         // damaged chunk, it fails at both ends.

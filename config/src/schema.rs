@@ -267,7 +267,7 @@ pub struct StagedTuning {
     pub slots: u32,
     /// Bytes per chunk (and per slot). Default `"auto"`: picked once per process at the
     /// first staged send, from a short measurement of the copy rate at a few sizes (the
-    /// smallest within 3% of the best); else 64 KiB to 64 MiB. `slots × chunk` is at most
+    /// smallest within 3% of the best); else 64 KiB to 64 MiB, a multiple of 8 bytes. `slots × chunk` is at most
     /// 1 GiB.
     pub chunk: AutoSize,
     /// Between processes of one host, the slots live in shared memory (a sealed memfd

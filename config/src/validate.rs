@@ -223,11 +223,11 @@ impl Config {
             );
         }
         if let crate::AutoSize::Bytes(chunk) = staged.chunk {
-            if !(64 << 10..=64 << 20).contains(&chunk) {
+            if !(64 << 10..=64 << 20).contains(&chunk) || chunk % 8 != 0 {
                 return fail(
                     "transport.staged.chunk",
                     format!(
-                        "{}: must be \"auto\" or 64 KiB to 64 MiB",
+                        "{}: must be \"auto\" or 64 KiB to 64 MiB, a multiple of 8 bytes",
                         format_size(chunk)
                     ),
                 );
@@ -477,6 +477,10 @@ mod tests {
             (|c| c.transport.staged.slots = 1, "transport.staged.slots"),
             (
                 |c| c.transport.staged.chunk = crate::AutoSize::Bytes(4096),
+                "transport.staged.chunk",
+            ),
+            (
+                |c| c.transport.staged.chunk = crate::AutoSize::Bytes(65537),
                 "transport.staged.chunk",
             ),
             (

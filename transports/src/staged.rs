@@ -223,14 +223,25 @@ impl StagingTx {
             filled.map_err(StagedError::Copy)?;
             self.next += 1;
         }
+        // Published into a ring the receiver has left: nobody will land it.
+        if self.ring.is_closed() {
+            return Err(StagedError::Closed);
+        }
         Ok(())
     }
 
-    /// Waits until slot `next` is free, reading the outcomes of the chunks finished since.
+    /// Waits until slot `next` is free, reading the outcomes of the chunks finished since;
+    /// a stopped transfer or a closed ring ends it first, free slot or not.
     fn wait_for_slot(&mut self, stop: &AtomicBool, spin: Duration) -> Result<(), StagedError> {
         let slots = u64::from(self.ring.slots());
         let started = Instant::now();
         loop {
+            if stop.load(Ordering::Acquire) {
+                return Err(StagedError::Stopped);
+            }
+            if self.ring.is_closed() {
+                return Err(StagedError::Closed);
+            }
             let tail = self.ring.tail(self.reaped)?;
             let mut refused = None;
             for seq in self.reaped..tail {
@@ -244,12 +255,6 @@ impl StagingTx {
             }
             if self.next - self.reaped < slots {
                 return Ok(());
-            }
-            if self.ring.is_closed() {
-                return Err(StagedError::Closed);
-            }
-            if stop.load(Ordering::Acquire) {
-                return Err(StagedError::Stopped);
             }
             if started.elapsed() < spin {
                 std::hint::spin_loop();
@@ -535,6 +540,23 @@ mod tests {
         assert!(matches!(stopper, Err(StagedError::Stopped)), "{stopper:?}");
         assert!(started.elapsed() >= Duration::from_millis(150));
         drop(rx);
+    }
+
+    #[test]
+    fn a_stopped_transfer_or_a_closed_ring_ends_the_send_at_once() {
+        let (mut tx, rx) = pair(4, 64 << 10);
+        let stop = AtomicBool::new(true);
+        let mut copied = 0;
+        let sent = tx.send(1, 100 * (64 << 10), &stop, Duration::ZERO, |_, _| {
+            copied += 1;
+            Ok(())
+        });
+        assert!(matches!(sent, Err(StagedError::Stopped)), "{sent:?}");
+        assert_eq!(copied, 0, "a stopped transfer still copied chunks");
+        drop(rx);
+        let go = AtomicBool::new(false);
+        let sent = tx.send(2, 3 * (64 << 10), &go, Duration::ZERO, |_, _| Ok(()));
+        assert!(matches!(sent, Err(StagedError::Closed)), "{sent:?}");
     }
 
     #[test]

@@ -218,6 +218,11 @@ impl LinkReader {
         }
     }
 
+    /// The largest frame this reader accepts (`limits.max_frame`).
+    pub fn max_frame(&self) -> u32 {
+        self.frames.max_frame()
+    }
+
     /// Receives the next frame, checked (length cap, CRC, rkyv validation, kind).
     ///
     /// Returns `Ok(None)` when the peer closed the connection between frames. Fails with

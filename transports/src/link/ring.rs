@@ -89,13 +89,21 @@ pub struct Ring {
     slots: u32,
     slot_len: u32,
     fd: OwnedFd,
+    /// Set while [`Ring::fill`] lends a slot out in this process: a second `fill` meanwhile
+    /// (from another thread) is refused, so no two callers hold a slot mutably.
+    filling: std::sync::atomic::AtomicBool,
+    /// Set while [`Ring::with_record`] lends a record out, likewise.
+    reading: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the mapping is owned by the `Ring` and only reached through `&self` methods that
-// use atomics for the counters and copies bounded by the slot size for the records; it is
-// unmapped once, in `Drop`.
+// use atomics for the counters, copies bounded by the slot size for the records, or a slot
+// lent to a closure for the length of the call; it is unmapped once, in `Drop`.
 unsafe impl Send for Ring {}
-// SAFETY: as above: no method hands out a reference into the mapping that outlives it.
+// SAFETY: as above: no method hands out a reference into the mapping that outlives the
+// call, and the two that lend one (`fill`, `with_record`) refuse a second caller while
+// theirs runs, so threads of this process never alias a slot. (The other process can write
+// a record we read only by breaking the protocol; see `with_record`.)
 unsafe impl Sync for Ring {}
 
 impl std::fmt::Debug for Ring {
@@ -211,6 +219,8 @@ impl Ring {
             slots,
             slot_len,
             fd,
+            filling: std::sync::atomic::AtomicBool::new(false),
+            reading: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -345,9 +355,11 @@ impl Ring {
         }
         let off = self.slot_off(seq);
         let room = self.room();
+        let _lent = Lent::take(&self.filling, "fill")?;
         // SAFETY: the slot lies inside the mapping, and the protocol gives it to us until
-        // `head` moves past it: the consumer reads only slots below `head`. A consumer that
-        // writes it anyway breaks the protocol and only spoils the bytes it will read.
+        // `head` moves past it: the consumer reads only slots below `head`. No other caller
+        // in this process holds it (`_lent`). A consumer that writes it anyway breaks the
+        // protocol and only spoils the bytes it will read.
         let slot = unsafe {
             std::slice::from_raw_parts_mut(self.base.as_ptr().add(off + SLOT_HEADER), room)
         };
@@ -442,8 +454,13 @@ impl Ring {
                 self.room()
             )));
         }
+        let _lent = Lent::take(&self.reading, "with_record")?;
         // SAFETY: `len` bytes inside the slot, inside the mapping, which lives while `self`
-        // is borrowed; any bit pattern is a valid `u8`.
+        // is borrowed; any bit pattern is a valid `u8`; no caller in this process writes it
+        // (`fill` lends only slots at `head`, which the consumer does not read). The producer
+        // process could still write it by breaking the protocol: `read` must treat the bytes
+        // as plain data that may change (the staged receiver copies them once, and checks
+        // the header it copied out, not the slot).
         let record =
             unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off + SLOT_HEADER), len) };
         Ok(read(record))
@@ -529,6 +546,23 @@ impl Drop for Ring {
         if let Err(e) = unsafe { munmap(self.base.cast(), self.map_len) } {
             tracing::warn!(error = %e, "unmapping a lane ring failed");
         }
+    }
+}
+
+/// A slot lent out by `fill` or `with_record`; dropping it lets the next caller in.
+struct Lent<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> Lent<'a> {
+    fn take(flag: &'a std::sync::atomic::AtomicBool, what: &str) -> Result<Lent<'a>, RingError> {
+        flag.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .map(|_| Lent(flag))
+            .map_err(|_| RingError::Broken(format!("{what} called by two threads at once")))
+    }
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
