@@ -290,7 +290,17 @@ struct StagedState {
     rx: Option<crate::staged::StagedRx>,
     /// True while our ring is being made (off the actor thread).
     making: bool,
+    /// When the first staged send on this link asked for a ring.
+    since: Option<Instant>,
+    /// Staged sends waiting for the peer to map the ring, in grant order.
+    waiting: VecDeque<OpId>,
+    /// True while a look at `waiting` is scheduled.
+    polling: bool,
 }
+
+/// How long staged sends wait for a same-host peer to map a staging ring just offered
+/// before they go over the link.
+const RING_PATIENCE: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -724,7 +734,67 @@ impl TransferActor {
             .is_some_and(|e| e.labels.transport == "staged")
         {
             self.offer_staged_ring(ctx);
+            // The link is many times slower than the ring: a staged send waits a little for
+            // the peer to map a ring just offered (in order with the others waiting).
+            if self.ring_pending() || !self.staged.waiting.is_empty() {
+                self.staged.waiting.push_back(op);
+                return self.poll_staged_waiting(ctx);
+            }
         }
+        self.stream_now(op);
+    }
+
+    /// True while our staging ring is being made or offered and not yet mapped by the
+    /// peer, for at most [`RING_PATIENCE`] since the first staged send asked for it.
+    fn ring_pending(&self) -> bool {
+        let unmapped = self.staged.making
+            || self
+                .staged
+                .tx
+                .as_ref()
+                .is_some_and(|(tx, _)| !tx.is_attached());
+        unmapped
+            && !self.session.is_lost()
+            && self
+                .staged
+                .since
+                .is_some_and(|t| t.elapsed() < RING_PATIENCE)
+    }
+
+    /// Looks again at the staged sends waiting for the ring, a millisecond from now: they
+    /// go once it is mapped (or the wait is over: then over the link); a stopped one ends.
+    fn poll_staged_waiting(&mut self, ctx: &mut Context<Self>) {
+        if self.staged.polling {
+            return;
+        }
+        self.staged.polling = true;
+        ctx.run_later(Duration::from_millis(1), |act, ctx| {
+            act.staged.polling = false;
+            let pending = act.ring_pending();
+            let waiting = std::mem::take(&mut act.staged.waiting);
+            for op in waiting {
+                let stopped = act
+                    .outbound
+                    .get(&op)
+                    .is_none_or(|e| e.stop.load(Ordering::Acquire));
+                if stopped {
+                    act.session.handle_stream_ended(op);
+                } else if pending {
+                    act.staged.waiting.push_back(op);
+                } else {
+                    act.stream_now(op);
+                }
+            }
+            if !act.staged.waiting.is_empty() {
+                act.poll_staged_waiting(ctx);
+            }
+            act.drive(ctx);
+        });
+    }
+
+    /// Hands a granted op's bytes to whoever moves them: our staging ring's thread, or the
+    /// link's writer.
+    fn stream_now(&mut self, op: OpId) {
         let Some(entry) = self.outbound.get_mut(&op) else {
             return;
         };
@@ -1864,8 +1934,9 @@ impl TransferActor {
             return;
         }
         // `chunk = "auto"` measures copies the first time (tens of milliseconds): not on
-        // the actor thread. Staged sends go over the link meanwhile.
+        // the actor thread. Staged sends wait meanwhile (at most `RING_PATIENCE`).
         self.staged.making = true;
+        self.staged.since = Some(Instant::now());
         let device = self.staging_device();
         let link = self.link;
         let make = move || {
