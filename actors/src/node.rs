@@ -369,7 +369,11 @@ impl Node {
                                 slots: config.transport.staged.slots,
                                 chunk: config.transport.staged.chunk,
                                 shared_memory: config.transport.staged.shared_memory,
-                                spin: config.transport.ipc.lane_spin,
+                                spin: config
+                                    .transport
+                                    .ipc
+                                    .lane_spin
+                                    .max(crate::staged::STAGED_SPIN),
                             },
                         };
                         let coordinator = Coordinator::new(CoordinatorSetup {
