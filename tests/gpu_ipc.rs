@@ -975,6 +975,32 @@ async fn layouts_cross(node: &Node, how: &str) {
             got.buffer.to_vec().expect("read the echo") == want,
             "{how} {layout:?}: the packed rows differ"
         );
+        // Received into a layout, on the GPU (from the device buffer that arrived, and from
+        // the same rows in host memory) and in host memory: rows in place, gaps untouched.
+        let mut expected = vec![0xAB; len];
+        layout.scatter(&want, 0, &mut expected).expect("scatter");
+        let mut host_rows = node.alloc(MemoryKind::Host, packed).await.expect("alloc");
+        host_rows.write(0, &want).expect("host rows");
+        for from in [&got.buffer, &host_rows] {
+            let mut target = device_buffer(node, &vec![0xAB; len]).await;
+            target
+                .scatter_from(from, &layout)
+                .unwrap_or_else(|e| panic!("{how} {layout:?}: scatter on the GPU: {e}"));
+            assert!(
+                target.to_vec().expect("read") == expected,
+                "{how} {layout:?}: not received into the layout on the GPU ({:?} rows)",
+                from.kind()
+            );
+        }
+        let mut target = node.alloc(MemoryKind::Host, len).await.expect("alloc");
+        target.write(0, &vec![0xAB; len]).expect("fill");
+        target
+            .scatter_from(&got.buffer, &layout)
+            .expect("scatter into host memory");
+        assert!(
+            target.to_vec().expect("read") == expected,
+            "{how} {layout:?}: not received into the layout in host memory"
+        );
     }
     // One buffer sent again and again: a short layout, the whole buffer, a longer layout.
     // A pull keeps the buffer mapped between them; a longer read remaps it.

@@ -92,6 +92,21 @@ async fn echo_every_layout(node: &Node) {
             got.buffer.to_vec().expect("host") == want,
             "{layout:?} of {len} bytes: other bytes came back"
         );
+        // Received into a layout: the rows go back to their places, the gaps stay.
+        let mut target = node
+            .alloc(ferry::MemoryKind::Host, len)
+            .await
+            .expect("alloc");
+        target.as_mut_slice().expect("host").fill(0xAB);
+        target
+            .scatter_from(&got.buffer, &layout)
+            .expect("scatter into the layout");
+        let mut expected = vec![0xAB; len];
+        layout.scatter(&want, 0, &mut expected).expect("scatter");
+        assert!(
+            target.to_vec().expect("host") == expected,
+            "{layout:?}: not received into the layout"
+        );
     }
 }
 

@@ -170,18 +170,21 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
 }
 
 /// The transports the rules name, in first-mention order.
-/// The transports the configuration asks for. The built-in `"gpu"` rule only counts when
-/// the node is told to use GPUs (`gpu.devices`): a host-only machine with the default
-/// configuration is not asking for GPU transports.
+/// The transports the configuration asks for. The built-in `"gpu"` and `"remote-gpu"`
+/// rules only count when the node is told to use GPUs (`gpu.devices`): a host-only machine
+/// with the default configuration is not asking for GPU transports.
 fn named_transports(config: &Config) -> Vec<TransportName> {
     let uses_gpus = config.gpu.devices.as_ref().is_some_and(|d| !d.is_empty());
-    let builtin = ferry_config::Rule::same_host_gpu();
+    let builtin = [
+        ferry_config::Rule::same_host_gpu(),
+        ferry_config::Rule::remote_gpu(),
+    ];
     let mut named = Vec::new();
     for t in config
         .transport
         .rules
         .iter()
-        .filter(|r| uses_gpus || **r != builtin)
+        .filter(|r| uses_gpus || !builtin.contains(r))
         .flat_map(|r| &r.transports)
     {
         if !named.contains(t) {
@@ -681,7 +684,7 @@ mod tests {
     fn healthy_machine_default_config_blocks_nothing() {
         let findings = diagnose(&healthy(), &config(""));
         assert!(findings.iter().all(|f| !f.blocks), "{findings:#?}");
-        assert_eq!(find(&findings, "rule #1 host").status, Status::Ok);
+        assert_eq!(find(&findings, "rule #2 host").status, Status::Ok);
         assert_eq!(find(&findings, "/dev/shm").status, Status::Ok);
         assert_eq!(find(&findings, "memlock").status, Status::Ok);
     }

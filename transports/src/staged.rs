@@ -38,12 +38,20 @@ const CHUNK_MAGIC: u32 = u32::from_le_bytes(*b"FSTG");
 const PARK: Duration = Duration::from_millis(20);
 
 /// The staged transport's declaration: any memory at either end, on this host (shared
-/// slots) or another (the link), pushed by the sender.
+/// slots) or another (the link), pushed by the sender. Without a working CUDA driver it
+/// declares host memory only (there is no device memory to move).
 pub fn capabilities() -> Capabilities {
+    const ANY: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
+    const HOST: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned];
+    let kinds = if crate::cuda::driver().is_ok() {
+        ANY
+    } else {
+        HOST
+    };
     Capabilities {
         name: TransportName::Staged,
-        sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-        memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
+        sources: kinds,
+        memory: kinds,
         localities: &[Locality::SameHost, Locality::Remote],
         directions: &[Direction::Push],
         needs_fd_passing: false,
@@ -130,20 +138,12 @@ impl ChunkHeader {
 
 /// The sending end of a staging ring: made by the sender, which hands its descriptor to the
 /// receiver (over the pool socket) and fills its slots.
+#[derive(Debug)]
 pub struct StagingTx {
     ring: Arc<Ring>,
     pinned: Option<crate::cuda::PinnedRing>,
     next: u64,
     reaped: u64,
-}
-
-impl std::fmt::Debug for StagingTx {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StagingTx")
-            .field("ring", &self.ring)
-            .field("pinned", &self.pinned.is_some())
-            .finish_non_exhaustive()
-    }
 }
 
 impl StagingTx {
@@ -176,13 +176,7 @@ impl StagingTx {
     /// # Errors
     /// The driver's refusal; the slots then stay pageable (copies still work, slower).
     pub fn pin(&mut self, device: &crate::cuda::Device) -> Result<(), crate::cuda::CudaError> {
-        if self.pinned.is_none() {
-            self.pinned = Some(crate::cuda::PinnedRing::new(
-                device,
-                Arc::clone(&self.ring),
-            )?);
-        }
-        Ok(())
+        pin_once(&mut self.pinned, &self.ring, device)
     }
 
     /// Bytes per chunk.
@@ -277,19 +271,11 @@ impl Drop for StagingTx {
 }
 
 /// The receiving end of a staging ring, mapped from the descriptor the sender offered.
+#[derive(Debug)]
 pub struct StagingRx {
     ring: Arc<Ring>,
     pinned: Option<crate::cuda::PinnedRing>,
     tail: u64,
-}
-
-impl std::fmt::Debug for StagingRx {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StagingRx")
-            .field("ring", &self.ring)
-            .field("pinned", &self.pinned.is_some())
-            .finish_non_exhaustive()
-    }
 }
 
 impl StagingRx {
@@ -318,13 +304,7 @@ impl StagingRx {
     /// # Errors
     /// The driver's refusal; the slots then stay pageable.
     pub fn pin(&mut self, device: &crate::cuda::Device) -> Result<(), crate::cuda::CudaError> {
-        if self.pinned.is_none() {
-            self.pinned = Some(crate::cuda::PinnedRing::new(
-                device,
-                Arc::clone(&self.ring),
-            )?);
-        }
-        Ok(())
+        pin_once(&mut self.pinned, &self.ring, device)
     }
 
     /// Lands the next chunk, if one comes within `spin` plus one park: `land(header,
@@ -390,6 +370,18 @@ impl Drop for StagingRx {
     fn drop(&mut self) {
         self.ring.close();
     }
+}
+
+/// Registers `ring` with the driver unless `pinned` already holds its registration.
+fn pin_once(
+    pinned: &mut Option<crate::cuda::PinnedRing>,
+    ring: &Arc<Ring>,
+    device: &crate::cuda::Device,
+) -> Result<(), crate::cuda::CudaError> {
+    if pinned.is_none() {
+        *pinned = Some(crate::cuda::PinnedRing::new(device, Arc::clone(ring))?);
+    }
+    Ok(())
 }
 
 // ---- chunk = "auto" ----

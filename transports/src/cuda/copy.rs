@@ -304,31 +304,23 @@ fn box_shapes(
         .collect()
 }
 
-/// Queues one 3D copy per box on `stream`, from device memory at `sptr + src_offset` into
-/// where `dst_at` puts the box's packed bytes; a failure after some boxes were queued waits
-/// for those before it returns.
+/// Queues one 3D copy per box on `stream`, from where `src_at` says the box's bytes are
+/// into where `dst_at` puts them; a failure after some boxes were queued waits for those
+/// before it returns.
 ///
 /// # Safety
 /// Every box was checked by `box_shape` against both memories, and both stay valid (host
 /// memory untouched by anyone else) until the copies complete on `stream`.
 unsafe fn enqueue_boxes(
     shapes: Vec<(&RowBox, raw::BoxShape)>,
-    sptr: u64,
-    src_offset: usize,
+    src_at: impl Fn(&RowBox) -> raw::Place,
     dst_at: impl Fn(&RowBox) -> raw::Place,
     stream: &Stream,
 ) -> Result<(), CudaError> {
     stream.bind()?;
     for (b, shape) in shapes {
         // SAFETY: caller (the box's rows lie inside both memories, which stay valid).
-        let queued = unsafe {
-            raw::memcpy_box_async(
-                dst_at(b),
-                raw::Place::Device(sptr + (src_offset as u64 + b.src)),
-                shape,
-                stream.handle(),
-            )
-        };
+        let queued = unsafe { raw::memcpy_box_async(dst_at(b), src_at(b), shape, stream.handle()) };
         if let Err(e) = queued {
             let _ = stream.synchronize();
             return Err(e);
@@ -358,10 +350,11 @@ pub fn copy_boxes_async(
     if shapes.is_empty() {
         return Ok(());
     }
+    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.src));
     let dst_at = |b: &RowBox| raw::Place::Device(dptr + (dst_offset as u64 + b.packed));
     // SAFETY: the boxes were checked against both live allocations; the uses recorded
     // below keep both allocated until the copies passed.
-    unsafe { enqueue_boxes(shapes, sptr, src_offset, dst_at, stream) }?;
+    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
     dst.note_use(stream)?;
     src.note_use(stream)?;
     Ok(())
@@ -386,11 +379,94 @@ pub fn copy_boxes_to_host(
     let base = dst.as_mut_ptr();
     // SAFETY: the box's packed bytes lie inside `dst` (checked by `box_shape`).
     let dst_at = |b: &RowBox| raw::Place::Host(unsafe { base.add(b.packed as usize) });
+    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.src));
     // SAFETY: the boxes were checked against the live allocation and `dst`, which stays
     // borrowed mutably until the stream is synchronised (below, or on a failure), so
     // nothing else touches it meanwhile.
-    unsafe { enqueue_boxes(shapes, sptr, src_offset, dst_at, stream) }?;
+    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
     src.note_use(stream)?;
+    stream.synchronize()
+}
+
+/// The shapes of `boxes` copied the other way: from packed bytes (`plen` bytes from
+/// `packed_offset`) back to their places in a strided buffer of `slen` bytes.
+fn scatter_shapes(
+    boxes: &[RowBox],
+    slen: usize,
+    packed_offset: usize,
+    plen: usize,
+) -> Result<Vec<(&RowBox, raw::BoxShape)>, CudaError> {
+    box_shapes(boxes, 0, slen, packed_offset, plen).map(|shapes| {
+        shapes
+            .into_iter()
+            .map(|(b, s)| {
+                let mirrored = raw::BoxShape {
+                    src_pitch: s.dst_pitch,
+                    src_plane_rows: s.dst_plane_rows,
+                    dst_pitch: s.src_pitch,
+                    dst_plane_rows: s.src_plane_rows,
+                    ..s
+                };
+                (b, mirrored)
+            })
+            .collect()
+    })
+}
+
+/// Puts packed bytes back where a layout's boxes say (the inverse of
+/// [`copy_boxes_async`]): `src` holds them from `src_offset` on, `dst` is the strided
+/// buffer. One 3D copy per box; returns once queued.
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a box outside either buffer; a driver error otherwise.
+pub fn scatter_boxes_async(
+    dst: &mut impl DeviceMemory,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    boxes: &[RowBox],
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    let (sptr, slen) = src.region();
+    let shapes = scatter_shapes(boxes, dlen, src_offset, slen)?;
+    if shapes.is_empty() {
+        return Ok(());
+    }
+    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.packed));
+    let dst_at = |b: &RowBox| raw::Place::Device(dptr + b.src);
+    // SAFETY: the boxes were checked against both live allocations; the uses recorded
+    // below keep both allocated until the copies passed.
+    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
+    dst.note_use(stream)?;
+    src.note_use(stream)?;
+    Ok(())
+}
+
+/// [`scatter_boxes_async`] from packed bytes in host memory (`src`, from its start),
+/// waited for.
+///
+/// # Errors
+/// As [`scatter_boxes_async`].
+pub fn scatter_boxes_from_host(
+    dst: &mut impl DeviceMemory,
+    src: &[u8],
+    boxes: &[RowBox],
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (dptr, dlen) = dst.region();
+    let shapes = scatter_shapes(boxes, dlen, 0, src.len())?;
+    if shapes.is_empty() {
+        return Ok(());
+    }
+    let base = src.as_ptr().cast_mut();
+    // SAFETY: the box's packed bytes lie inside `src` (checked by `box_shape`); the copy
+    // only reads through the pointer.
+    let src_at = |b: &RowBox| raw::Place::Host(unsafe { base.add(b.packed as usize) });
+    let dst_at = |b: &RowBox| raw::Place::Device(dptr + b.src);
+    // SAFETY: the boxes were checked against the live allocation and `src`, which stays
+    // borrowed until the stream is synchronised (below, or on a failure).
+    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
+    dst.note_use(stream)?;
     stream.synchronize()
 }
 

@@ -42,7 +42,7 @@ mod stream;
 pub use copy::{
     DeviceMemory, PinnedBuffer, PinnedRing, Wait, copy_and_wait, copy_async, copy_boxes_async,
     copy_boxes_to_host, copy_from_host, copy_from_pinned_async, copy_to_host, copy_to_pinned_async,
-    fill_async,
+    fill_async, scatter_boxes_async, scatter_boxes_from_host,
 };
 pub use device::{Device, enable_peer_access, peer_access};
 pub use error::CudaError;

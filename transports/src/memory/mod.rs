@@ -390,6 +390,44 @@ impl Buffer {
         self.share().read(offset, dst)
     }
 
+    /// Puts `packed` (a layout's rows one after the other, as a transfer sent with that
+    /// layout arrives) back at `layout`'s places in this buffer, whatever memory either
+    /// lives in: receiving into a layout. Bytes between the rows are left as they are. On
+    /// a GPU it is a few 3D copies (`cuMemcpy3DAsync`), never a copy per row; returns once
+    /// the bytes are in place.
+    ///
+    /// # Errors
+    /// [`MemoryError::Layout`] when the layout does not fit this buffer,
+    /// [`MemoryError::OutOfBounds`] when `packed` is not its packed length,
+    /// [`MemoryError::Shared`] while a transport holds this buffer, [`MemoryError::Cuda`].
+    pub fn scatter_from(&mut self, packed: &Buffer, layout: &Layout) -> Result<(), MemoryError> {
+        let len = self.len();
+        let n = layout.check(len as u64)?;
+        if packed.len() as u64 != n {
+            return Err(MemoryError::OutOfBounds {
+                offset: 0,
+                len: packed.len(),
+                size: usize::try_from(n).unwrap_or(usize::MAX),
+            });
+        }
+        let boxes = layout.boxes(len as u64, 0, n)?;
+        let storage = Arc::get_mut(&mut self.storage).ok_or(MemoryError::Shared)?;
+        match (&mut storage.bytes, &packed.storage.bytes) {
+            (Bytes::Host(dst), Bytes::Host(src)) => layout.scatter(src, 0, dst)?,
+            (Bytes::Host(dst), Bytes::Device(_)) => layout.scatter(&packed.to_vec()?, 0, dst)?,
+            (Bytes::Device(dst), Bytes::Host(src)) => {
+                let stream = dst.stream();
+                crate::cuda::scatter_boxes_from_host(dst, src, &boxes, &stream)?;
+            }
+            (Bytes::Device(dst), Bytes::Device(src)) => {
+                let stream = dst.stream();
+                crate::cuda::scatter_boxes_async(dst, src, 0, &boxes, &stream)?;
+                stream.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+
     /// The bytes, whatever memory they live in: borrowed for host memory, copied out for
     /// device memory.
     ///
