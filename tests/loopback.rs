@@ -474,26 +474,6 @@ async fn strided_layouts_arrive_packed_with_their_layout() {
         .expect("a starts");
     let (echoing, _echo) = with_echo(&scratch, chunks).await;
     let layouts = [
-        // 300 rows of 1000 bytes at a pitch of 1536, with 77 bytes after the last row.
-        (
-            Layout::Strided2D {
-                rows: 300,
-                row_bytes: 1000,
-                pitch: 1536,
-            },
-            299 * 1536 + 1000 + 77,
-        ),
-        // 3 planes of 40 rows of 700 bytes, pitch 1024, 50 rows per plane.
-        (
-            Layout::Strided3D {
-                depth: 3,
-                rows: 40,
-                row_bytes: 700,
-                pitch: 1024,
-                plane_rows: 50,
-            },
-            (2 * 50 + 39) * 1024 + 700,
-        ),
         (Layout::Contiguous, 100_003),
         // Rows that touch: the buffer's first bytes, not the whole buffer.
         (
@@ -504,16 +484,12 @@ async fn strided_layouts_arrive_packed_with_their_layout() {
             },
             5,
         ),
-        (
-            Layout::Strided2D {
-                rows: 100,
-                row_bytes: 1000,
-                pitch: 1000,
-            },
-            100_000 + 17,
-        ),
     ];
-    for (i, (layout, len)) in layouts.into_iter().enumerate() {
+    for (i, (layout, len)) in layouts
+        .into_iter()
+        .chain(common::strided_layouts())
+        .enumerate()
+    {
         let buffer = patterned(&a, len, i as u64).await;
         let whole = buffer.to_vec().expect("host");
         let packed = layout.check(len as u64).expect("fits") as usize;

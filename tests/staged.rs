@@ -39,33 +39,10 @@ fn layouts() -> Vec<(Layout, usize)> {
         (Layout::Contiguous, 64 << 10),
         (Layout::Contiguous, (64 << 10) + 1),
         (Layout::Contiguous, (1 << 20) + 5),
-        (
-            Layout::Strided2D {
-                rows: 300,
-                row_bytes: 1000,
-                pitch: 1536,
-            },
-            299 * 1536 + 1000 + 77,
-        ),
-        (
-            Layout::Strided3D {
-                depth: 3,
-                rows: 40,
-                row_bytes: 700,
-                pitch: 1024,
-                plane_rows: 50,
-            },
-            (2 * 50 + 39) * 1024 + 700,
-        ),
-        (
-            Layout::Strided2D {
-                rows: 100,
-                row_bytes: 1000,
-                pitch: 1000,
-            },
-            100_000 + 17,
-        ),
     ]
+    .into_iter()
+    .chain(common::strided_layouts())
+    .collect()
 }
 
 /// Sends every layout to the echo and checks what comes back (the packed rows), byte for

@@ -203,3 +203,39 @@ pub fn metric(addr: &str, series: &str) -> Option<f64> {
             .ok()
     })
 }
+
+/// Strided layouts every transport's tests send, each with the length of a buffer that holds
+/// it: 300 rows of 1000 bytes at a pitch of 1536 with 77 bytes after the last row; 3 planes
+/// of 40 rows of 700 bytes, pitch 1024, 50 rows per plane; 100 rows that touch, with 17
+/// bytes after them.
+pub fn strided_layouts() -> Vec<(ferry::Layout, usize)> {
+    use ferry::Layout;
+    vec![
+        (
+            Layout::Strided2D {
+                rows: 300,
+                row_bytes: 1000,
+                pitch: 1536,
+            },
+            299 * 1536 + 1000 + 77,
+        ),
+        (
+            Layout::Strided3D {
+                depth: 3,
+                rows: 40,
+                row_bytes: 700,
+                pitch: 1024,
+                plane_rows: 50,
+            },
+            (2 * 50 + 39) * 1024 + 700,
+        ),
+        (
+            Layout::Strided2D {
+                rows: 100,
+                row_bytes: 1000,
+                pitch: 1000,
+            },
+            100_000 + 17,
+        ),
+    ]
+}

@@ -426,6 +426,13 @@ impl Ring {
     /// # Errors
     /// [`RingError::Broken`] for a length past the slot.
     pub fn read(&self, seq: u64, out: &mut Vec<u8>) -> Result<(), RingError> {
+        let (off, len) = self.record(seq)?;
+        self.copy_out(off + SLOT_HEADER, out, len);
+        Ok(())
+    }
+
+    /// Record `seq`'s slot offset and its length, checked against the slot.
+    fn record(&self, seq: u64) -> Result<(usize, usize), RingError> {
         let off = self.slot_off(seq);
         let len = self.u32_at(off).load(Ordering::Acquire) as usize;
         if len > self.room() {
@@ -434,8 +441,7 @@ impl Ring {
                 self.room()
             )));
         }
-        self.copy_out(off + SLOT_HEADER, out, len);
-        Ok(())
+        Ok((off, len))
     }
 
     /// Hands record `seq` (published, not finished) to `read` in place, without copying it
@@ -446,14 +452,7 @@ impl Ring {
     /// # Errors
     /// [`RingError::Broken`] for a length past the slot.
     pub fn with_record<R>(&self, seq: u64, read: impl FnOnce(&[u8]) -> R) -> Result<R, RingError> {
-        let off = self.slot_off(seq);
-        let len = self.u32_at(off).load(Ordering::Acquire) as usize;
-        if len > self.room() {
-            return Err(RingError::Broken(format!(
-                "a record of {len} bytes in a slot of {}",
-                self.room()
-            )));
-        }
+        let (off, len) = self.record(seq)?;
         let _lent = Lent::take(&self.reading, "with_record")?;
         // SAFETY: `len` bytes inside the slot, inside the mapping, which lives while `self`
         // is borrowed; any bit pattern is a valid `u8`; no caller in this process writes it
