@@ -385,7 +385,7 @@ async fn spills_and_promotes(rules: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_peer_without_gpus_falls_back_to_tcp() {
+async fn a_peer_without_gpus_falls_back_to_staged() {
     let Some(_gpu) = ferry::testing::gpu_test_with("a_peer_without_gpus", 2) else {
         return;
     };
@@ -412,6 +412,9 @@ async fn a_peer_without_gpus_falls_back_to_tcp() {
         why.contains("ipc skipped: setup with the peer failed"),
         "{why}"
     );
+    // ipc's fallback in the default rule is staged (through shared pinned memory); the
+    // echo came back over tcp, the route of b's host memory.
+    assert!(why.contains("chose staged"), "{why}");
     p.node.shutdown().await;
 }
 
