@@ -490,20 +490,7 @@ async fn strided_layouts_arrive_packed_with_their_layout() {
         .chain(common::strided_layouts())
         .enumerate()
     {
-        let buffer = patterned(&a, len, i as u64).await;
-        let whole = buffer.to_vec().expect("host");
-        let packed = layout.check(len as u64).expect("fits") as usize;
-        let mut want = vec![0u8; packed];
-        layout.gather(&whole, 0, &mut want).expect("gather");
-        let back = a
-            .send_layout("b", i as u64, buffer, layout)
-            .await
-            .expect("send");
-        assert_eq!(
-            back.to_vec().expect("host"),
-            whole,
-            "the sender's buffer changed"
-        );
+        let want = common::send_layout_checked(&a, "b", i as u64, layout, len).await;
         let got = b.recv(Some("a"), Some(i as u64)).await.expect("recv");
         assert_eq!(got.layout, layout);
         assert_eq!(got.transport, "tcp");

@@ -49,20 +49,7 @@ fn layouts() -> Vec<(Layout, usize)> {
 /// byte, and that staged carried it both ways.
 async fn echo_every_layout(node: &Node) {
     for (i, (layout, len)) in layouts().into_iter().enumerate() {
-        let buffer = patterned(node, len, i as u64).await;
-        let whole = buffer.to_vec().expect("host");
-        let packed = layout.check(len as u64).expect("fits") as usize;
-        let mut want = vec![0u8; packed];
-        layout.gather(&whole, 0, &mut want).expect("gather");
-        let back = node
-            .send_layout("echo", i as u64, buffer, layout)
-            .await
-            .expect("send");
-        assert_eq!(
-            back.to_vec().expect("host"),
-            whole,
-            "the sender's buffer changed"
-        );
+        let want = common::send_layout_checked(node, "echo", i as u64, layout, len).await;
         let got = node.recv(Some("echo"), Some(i as u64)).await.expect("echo");
         assert_eq!(got.transport, "staged", "{layout:?} of {len} bytes");
         assert!(

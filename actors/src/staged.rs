@@ -24,7 +24,7 @@ use ferry_transports::tcp::InboundRegion;
 use ferry_transports::wire::{DataChunk, Layout};
 
 use crate::core::session::OpId;
-use crate::transfer::{StagedEnded, StagedInbound, TransferActor};
+use crate::transfer::{InboundDone, StagedEnded, StagedInbound, TransferActor};
 
 /// How long a staged thread spins for its next slot or chunk before it parks on the ring's
 /// futex (`transport.ipc.lane_spin` when that is longer). Longer than a chunk's copy
@@ -121,7 +121,8 @@ impl StagedTx {
                         break;
                     }
                 }
-                staging.close();
+                // Closes the ring.
+                drop(staging);
             })
             .map_err(|e| e.to_string())?;
         Ok(StagedTx { jobs, ring })
@@ -214,7 +215,8 @@ impl StagedRx {
                         Err(e) => break Some(e.to_string()),
                     }
                 };
-                staging.close();
+                // Closes the ring first: the peer's sender stops waiting on it.
+                drop(staging);
                 if let Some(why) = broken {
                     tracing::warn!(peer, "the peer's staging ring broke: {why}");
                     let _ = io.block_on(me.send(StagedInbound::Broken(link, why)));
@@ -262,11 +264,8 @@ fn land(
         return Ok(());
     }
     metrics::counter!("ferry_staged_ring_chunks_total").increment(1);
-    let complete = regions.get_mut(&id).map(|mut r| r.restore(landing));
-    if complete == Some(true)
-        && let Some(buffer) = regions.remove(&id).and_then(|(_, r)| r.into_buffer())
-    {
-        let _ = io.block_on(me.send(StagedInbound::Done { id, buffer }));
+    if let Some(buffer) = crate::transfer::restore_landing(regions, id, landing) {
+        let _ = io.block_on(me.send(InboundDone { id, buffer }));
     }
     Ok(())
 }

@@ -239,11 +239,28 @@ pub struct Drain;
 #[rtype(result = "()")]
 struct FromPeer(Message);
 
+/// Every byte of inbound transfer `id` landed in `buffer` (from the link's reader, or the
+/// staged receiver thread).
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-struct InboundDone {
+pub(crate) struct InboundDone {
+    pub(crate) id: u64,
+    pub(crate) buffer: Buffer,
+}
+
+/// Gives back the receive buffer lent out of `regions` for one chunk of transfer `id`;
+/// returns it, out of the map, once every byte of the transfer is in. A transfer abandoned
+/// meanwhile is gone from the map: dropping the landing frees its memory.
+pub(crate) fn restore_landing(
+    regions: &DashMap<u64, InboundRegion>,
     id: u64,
-    buffer: Buffer,
+    landing: ferry_transports::tcp::Landing,
+) -> Option<Buffer> {
+    let complete = regions.get_mut(&id).map(|mut r| r.restore(landing));
+    if complete != Some(true) {
+        return None;
+    }
+    regions.remove(&id).and_then(|(_, r)| r.into_buffer())
 }
 
 #[derive(Debug, Message)]
@@ -272,8 +289,6 @@ pub(crate) struct StagedEnded {
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub(crate) enum StagedInbound {
-    /// Every chunk of inbound transfer `id` landed in `buffer`.
-    Done { id: u64, buffer: Buffer },
     /// A chunk of `id` could not be copied in: that transfer fails.
     Failed { id: u64, why: String },
     /// The peer broke the ring it named on link `.0`: that link goes down.
@@ -1951,13 +1966,15 @@ impl TransferActor {
                 .into_actor(self)
                 .map(move |made, act, ctx| {
                     act.staged.making = false;
+                    let made = made
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r.map_err(|e| e.to_string()));
                     match made {
-                        Ok(Ok((staging, chunk, device))) if link == act.link && !act.session.is_lost() => {
+                        Ok((staging, chunk, device)) if link == act.link && !act.session.is_lost() => {
                             act.start_staged_tx(staging, chunk, device, ctx);
                         }
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => tracing::warn!(peer = %act.peer, "no staging ring (staged sends go over the link): {e}"),
-                        Err(e) => tracing::warn!(peer = %act.peer, "no staging ring (staged sends go over the link): {e}"),
+                        Ok(_) => {}
+                        Err(why) => tracing::warn!(peer = %act.peer, "no staging ring (staged sends go over the link): {why}"),
                     }
                     act.drive(ctx);
                 }),
@@ -2089,7 +2106,6 @@ impl Handler<StagedInbound> for TransferActor {
     type Result = ();
     fn handle(&mut self, msg: StagedInbound, ctx: &mut Self::Context) {
         match msg {
-            StagedInbound::Done { id, buffer } => self.completed(InboundId(id), buffer),
             StagedInbound::Failed { id, why } => {
                 tracing::warn!(peer = %self.peer, id, "staged transfer failed: {why}");
                 self.session
@@ -2387,75 +2403,16 @@ async fn stream(
         StreamWhat::Put { .. } => (bytes.len(), None),
     };
     let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
-    let count = parts.len();
-    // Device memory is copied out chunk by chunk on a blocking thread, one chunk ahead of
-    // the socket: the copy of chunk k+1 runs while chunk k is written. Strided rows of host
-    // memory are gathered into one, one chunk at a time.
-    let device = bytes.as_slice().is_none();
-    let mut ahead: Option<tokio::task::JoinHandle<Result<Vec<u8>, String>>> = None;
-    let mut spare: Vec<u8> = Vec::new();
-    let copy_out = |part: (usize, usize), mut into: Vec<u8>| {
-        let bytes = bytes.clone();
-        tokio::task::spawn_blocking(move || {
-            into.resize(part.1, 0);
-            match layout {
-                Some(layout) => bytes.read_packed(&layout, part.0 as u64, &mut into),
-                None => bytes.read(part.0, &mut into),
-            }
-            .map_err(|e| format!("copying the device buffer out: {e}"))?;
-            Ok(into)
-        })
-    };
-    if device && let Some(&first) = parts.first() {
-        ahead = Some(copy_out(first, Vec::new()));
-    }
-    let mut staging = Vec::new();
-    let streamed: Result<(), LinkError> = 'chunks: {
-        for (i, part) in parts.iter().copied().enumerate() {
-            if stop.load(Ordering::Acquire) {
-                break;
-            }
-            let header = match what {
-                StreamWhat::Transfer(_) => tcp::data_header(op.0, part),
-                StreamWhat::Put { key, offset } => {
-                    tcp::put_header(op.0, key, offset, part, i + 1 == count)
-                }
-            };
-            if device {
-                let copied = match ahead.take() {
-                    Some(copy) => match copy.await {
-                        Ok(Ok(copied)) => copied,
-                        Ok(Err(e)) => break 'chunks Err(io_error(e)),
-                        Err(e) => break 'chunks Err(io_error(e)),
-                    },
-                    None => break 'chunks Err(io_error("a chunk was not copied out")),
-                };
-                if let Some(&next) = parts.get(i + 1) {
-                    ahead = Some(copy_out(next, std::mem::take(&mut spare)));
-                }
-                if let Err(e) = writer.feed_chunk(&header, &copied).await {
-                    break 'chunks Err(e);
-                }
-                spare = copied;
-                continue;
-            }
-            let payload = match (bytes.as_slice(), layout) {
-                (Some(host), Some(layout)) => {
-                    staging.resize(part.1, 0);
-                    if let Err(e) = layout.gather(host, part.0 as u64, &mut staging) {
-                        break 'chunks Err(io_error(e));
-                    }
-                    &staging[..]
-                }
-                // The bytes go from the caller's buffer to the socket as they are.
-                (Some(host), None) => &host[part.0..part.0 + part.1],
-                (None, _) => break 'chunks Err(io_error("device memory is copied out ahead")),
-            };
-            if let Err(e) = writer.feed_chunk(&header, payload).await {
-                break 'chunks Err(e);
-            }
+    let header = |i: usize| match what {
+        StreamWhat::Transfer(_) => tcp::data_header(op.0, parts[i]),
+        StreamWhat::Put { key, offset } => {
+            tcp::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
         }
-        Ok(())
+    };
+    let mut ahead = None;
+    let streamed = match bytes.as_slice() {
+        Some(host) => stream_host(writer, host, layout, &parts, &header, stop).await,
+        None => stream_device(writer, bytes, layout, &parts, &header, stop, &mut ahead).await,
     };
     // A copy still running (the stream stopped or failed) holds a view of the buffer: wait
     // for it, so that the buffer goes back only once nothing reads it.
@@ -2464,6 +2421,83 @@ async fn stream(
     }
     streamed?;
     writer.flush().await
+}
+
+/// Streams `parts` of host memory: straight from the caller's buffer, or (strided rows)
+/// gathered into one payload, one chunk at a time.
+async fn stream_host(
+    writer: &mut LinkWriter,
+    host: &[u8],
+    layout: Option<Layout>,
+    parts: &[(usize, usize)],
+    header: &impl Fn(usize) -> Message,
+    stop: &AtomicBool,
+) -> Result<(), LinkError> {
+    let mut staging = Vec::new();
+    for (i, &(at, n)) in parts.iter().enumerate() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let payload = match layout {
+            Some(layout) => {
+                staging.resize(n, 0);
+                layout
+                    .gather(host, at as u64, &mut staging)
+                    .map_err(io_error)?;
+                &staging[..]
+            }
+            None => &host[at..at + n],
+        };
+        writer.feed_chunk(&header(i), payload).await?;
+    }
+    Ok(())
+}
+
+/// A chunk of device memory being copied out on a blocking thread.
+type CopyOut = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
+
+/// Streams `parts` of device memory, each copied out (a few 3D copies for strided rows) on
+/// a blocking thread one chunk ahead of the socket: the copy of chunk k+1 runs while chunk
+/// k is written. The copy still running when this returns is left in `ahead`.
+async fn stream_device(
+    writer: &mut LinkWriter,
+    bytes: &SharedBytes,
+    layout: Option<Layout>,
+    parts: &[(usize, usize)],
+    header: &impl Fn(usize) -> Message,
+    stop: &AtomicBool,
+    ahead: &mut Option<CopyOut>,
+) -> Result<(), LinkError> {
+    let copy_out = |(at, n): (usize, usize), mut into: Vec<u8>| {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || {
+            into.resize(n, 0);
+            match layout {
+                Some(layout) => bytes.read_packed(&layout, at as u64, &mut into),
+                None => bytes.read(at, &mut into),
+            }
+            .map_err(|e| format!("copying the device buffer out: {e}"))?;
+            Ok(into)
+        })
+    };
+    *ahead = parts.first().map(|&first| copy_out(first, Vec::new()));
+    // Two chunk buffers take turns: one being written, one being filled.
+    let mut spare = Vec::new();
+    for i in 0..parts.len() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let copy = ahead
+            .take()
+            .ok_or_else(|| io_error("a chunk was not copied out"))?;
+        let copied = copy.await.map_err(io_error)?.map_err(io_error)?;
+        if let Some(&next) = parts.get(i + 1) {
+            *ahead = Some(copy_out(next, std::mem::take(&mut spare)));
+        }
+        writer.feed_chunk(&header(i), &copied).await?;
+        spare = copied;
+    }
+    Ok(())
 }
 
 /// A failure of the stream that is not the socket's, as the link error it ends with.
@@ -2568,12 +2602,7 @@ impl ReadLoop {
                         // damaged chunk, it fails at both ends.
                         break format!("copying a chunk of transfer {id} in: {e}");
                     }
-                    // `None`: abandoned while its bytes arrived; dropping the landing there
-                    // freed its memory.
-                    let complete = self.regions.get_mut(&id).map(|mut r| r.restore(landing));
-                    if complete == Some(true)
-                        && let Some(buffer) =
-                            self.regions.remove(&id).and_then(|(_, r)| r.into_buffer())
+                    if let Some(buffer) = restore_landing(&self.regions, id, landing)
                         && self.me.send(InboundDone { id, buffer }).await.is_err()
                     {
                         break "node stopped".into();

@@ -204,6 +204,33 @@ pub fn metric(addr: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// Sends `len` patterned bytes (seeded by `tag`) to `peer` as `layout`, checks that the
+/// sender's buffer came back whole and unchanged, and returns the packed rows the peer
+/// should receive.
+pub async fn send_layout_checked(
+    node: &Node,
+    peer: &str,
+    tag: u64,
+    layout: ferry::Layout,
+    len: usize,
+) -> Vec<u8> {
+    let buffer = patterned(node, len, tag).await;
+    let whole = buffer.to_vec().expect("host");
+    let packed = layout.check(len as u64).expect("fits") as usize;
+    let mut want = vec![0u8; packed];
+    layout.gather(&whole, 0, &mut want).expect("gather");
+    let back = node
+        .send_layout(peer, tag, buffer, layout)
+        .await
+        .unwrap_or_else(|e| panic!("send {layout:?}: {e}"));
+    assert_eq!(
+        back.to_vec().expect("host"),
+        whole,
+        "the sender's buffer changed"
+    );
+    want
+}
+
 /// Strided layouts every transport's tests send, each with the length of a buffer that holds
 /// it: 300 rows of 1000 bytes at a pitch of 1536 with 77 bytes after the last row; 3 planes
 /// of 40 rows of 700 bytes, pitch 1024, 50 rows per plane; 100 rows that touch, with 17

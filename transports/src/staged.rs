@@ -257,13 +257,9 @@ impl StagingTx {
             }
         }
     }
-
-    /// Closes the ring: the receiver's thread ends, and so do waits on either side.
-    pub fn close(&self) {
-        self.ring.close();
-    }
 }
 
+/// Dropping an end closes the ring: the other side's waits and thread end.
 impl Drop for StagingTx {
     fn drop(&mut self) {
         self.ring.close();
@@ -353,16 +349,6 @@ impl StagingRx {
                 Err(StagedError::Landing(why))
             }
         }
-    }
-
-    /// Closes the ring: the sender's waits end.
-    pub fn close(&self) {
-        self.ring.close();
-    }
-
-    /// True once either side closed the ring.
-    pub fn is_closed(&self) -> bool {
-        self.ring.is_closed()
     }
 }
 

@@ -290,43 +290,90 @@ fn box_shape(
     })
 }
 
-/// Checks every box against both memories (see `box_shape`).
-fn box_shapes(
-    boxes: &[RowBox],
-    src_offset: usize,
-    slen: usize,
-    dst_offset: usize,
-    dlen: usize,
-) -> Result<Vec<(&RowBox, raw::BoxShape)>, CudaError> {
-    boxes
-        .iter()
-        .map(|b| box_shape(b, src_offset, slen, dst_offset, dlen).map(|s| (b, s)))
-        .collect()
+/// Where one side of a box copy begins: a device address or a host pointer.
+#[derive(Clone, Copy)]
+enum Base {
+    Device(u64),
+    Host(*mut u8),
 }
 
-/// Queues one 3D copy per box on `stream`, from where `src_at` says the box's bytes are
-/// into where `dst_at` puts them; a failure after some boxes were queued waits for those
-/// before it returns.
+impl Base {
+    fn at(self, offset: u64) -> raw::Place {
+        match self {
+            Base::Device(p) => raw::Place::Device(p + offset),
+            // Bounds were checked by `box_shape`; `wrapping_add` only computes the address.
+            Base::Host(p) => raw::Place::Host(p.wrapping_add(offset as usize)),
+        }
+    }
+}
+
+/// Which way a box copy goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// From the strided rows into packed bytes.
+    Gather,
+    /// From packed bytes back to the strided rows.
+    Scatter,
+}
+
+/// Queues one 3D copy per box between strided rows (`slen` bytes from `strided`) and their
+/// packed bytes (`plen` bytes from `packed`), the way `way` says, after checking every box
+/// against both memories (see `box_shape`); a failure after some boxes were queued waits
+/// for those before it returns. Returns whether anything was queued.
 ///
 /// # Safety
-/// Every box was checked by `box_shape` against both memories, and both stay valid (host
-/// memory untouched by anyone else) until the copies complete on `stream`.
-unsafe fn enqueue_boxes(
-    shapes: Vec<(&RowBox, raw::BoxShape)>,
-    src_at: impl Fn(&RowBox) -> raw::Place,
-    dst_at: impl Fn(&RowBox) -> raw::Place,
+/// Both memories stay valid (host memory untouched by anyone else) until the copies
+/// complete on `stream`.
+unsafe fn copy_boxes(
+    strided: (Base, usize),
+    packed: (Base, usize),
+    way: Way,
+    boxes: &[RowBox],
     stream: &Stream,
-) -> Result<(), CudaError> {
+) -> Result<bool, CudaError> {
+    let ((sbase, slen), (pbase, plen)) = (strided, packed);
+    let shapes = boxes
+        .iter()
+        .map(|b| box_shape(b, 0, slen, 0, plen).map(|s| (b, s)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if shapes.is_empty() {
+        return Ok(false);
+    }
     stream.bind()?;
     for (b, shape) in shapes {
-        // SAFETY: caller (the box's rows lie inside both memories, which stay valid).
-        let queued = unsafe { raw::memcpy_box_async(dst_at(b), src_at(b), shape, stream.handle()) };
+        let (rows, packed) = (sbase.at(b.src), pbase.at(b.packed));
+        let (dst, src, shape) = match way {
+            Way::Gather => (packed, rows, shape),
+            Way::Scatter => (
+                rows,
+                packed,
+                raw::BoxShape {
+                    src_pitch: shape.dst_pitch,
+                    src_plane_rows: shape.dst_plane_rows,
+                    dst_pitch: shape.src_pitch,
+                    dst_plane_rows: shape.src_plane_rows,
+                    ..shape
+                },
+            ),
+        };
+        // SAFETY: the box's rows lie inside both memories (checked above), which stay
+        // valid (caller).
+        let queued = unsafe { raw::memcpy_box_async(dst, src, shape, stream.handle()) };
         if let Err(e) = queued {
             let _ = stream.synchronize();
             return Err(e);
         }
     }
-    Ok(())
+    Ok(true)
+}
+
+/// `memory` from `offset` on, as a copy side: its base and the bytes left.
+fn device_side(memory: &impl DeviceMemory, offset: usize) -> Result<(Base, usize), CudaError> {
+    let (ptr, len) = memory.region();
+    let left = len
+        .checked_sub(offset)
+        .ok_or_else(|| CudaError::Misuse(format!("offset {offset} past {len} bytes")))?;
+    Ok((Base::Device(ptr + offset as u64), left))
 }
 
 /// Gathers the rows of `boxes` (a layout's, see [`crate::wire::Layout::boxes`]) out of
@@ -344,19 +391,13 @@ pub fn copy_boxes_async(
     boxes: &[RowBox],
     stream: &Stream,
 ) -> Result<(), CudaError> {
-    let (dptr, dlen) = dst.region();
-    let (sptr, slen) = src.region();
-    let shapes = box_shapes(boxes, src_offset, slen, dst_offset, dlen)?;
-    if shapes.is_empty() {
-        return Ok(());
+    let (rows, packed) = (device_side(src, src_offset)?, device_side(dst, dst_offset)?);
+    // SAFETY: both are live allocations; the uses recorded below keep them allocated until
+    // the copies passed.
+    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream) }? {
+        dst.note_use(stream)?;
+        src.note_use(stream)?;
     }
-    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.src));
-    let dst_at = |b: &RowBox| raw::Place::Device(dptr + (dst_offset as u64 + b.packed));
-    // SAFETY: the boxes were checked against both live allocations; the uses recorded
-    // below keep both allocated until the copies passed.
-    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
-    dst.note_use(stream)?;
-    src.note_use(stream)?;
     Ok(())
 }
 
@@ -371,46 +412,15 @@ pub fn copy_boxes_to_host(
     boxes: &[RowBox],
     stream: &Stream,
 ) -> Result<(), CudaError> {
-    let (sptr, slen) = src.region();
-    let shapes = box_shapes(boxes, src_offset, slen, 0, dst.len())?;
-    if shapes.is_empty() {
-        return Ok(());
+    let rows = device_side(src, src_offset)?;
+    let packed = (Base::Host(dst.as_mut_ptr()), dst.len());
+    // SAFETY: a live allocation, and `dst`, borrowed mutably until the stream is
+    // synchronised (below, or on a failure), so nothing else touches it meanwhile.
+    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream) }? {
+        src.note_use(stream)?;
+        stream.synchronize()?;
     }
-    let base = dst.as_mut_ptr();
-    // SAFETY: the box's packed bytes lie inside `dst` (checked by `box_shape`).
-    let dst_at = |b: &RowBox| raw::Place::Host(unsafe { base.add(b.packed as usize) });
-    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.src));
-    // SAFETY: the boxes were checked against the live allocation and `dst`, which stays
-    // borrowed mutably until the stream is synchronised (below, or on a failure), so
-    // nothing else touches it meanwhile.
-    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
-    src.note_use(stream)?;
-    stream.synchronize()
-}
-
-/// The shapes of `boxes` copied the other way: from packed bytes (`plen` bytes from
-/// `packed_offset`) back to their places in a strided buffer of `slen` bytes.
-fn scatter_shapes(
-    boxes: &[RowBox],
-    slen: usize,
-    packed_offset: usize,
-    plen: usize,
-) -> Result<Vec<(&RowBox, raw::BoxShape)>, CudaError> {
-    box_shapes(boxes, 0, slen, packed_offset, plen).map(|shapes| {
-        shapes
-            .into_iter()
-            .map(|(b, s)| {
-                let mirrored = raw::BoxShape {
-                    src_pitch: s.dst_pitch,
-                    src_plane_rows: s.dst_plane_rows,
-                    dst_pitch: s.src_pitch,
-                    dst_plane_rows: s.src_plane_rows,
-                    ..s
-                };
-                (b, mirrored)
-            })
-            .collect()
-    })
+    Ok(())
 }
 
 /// Puts packed bytes back where a layout's boxes say (the inverse of
@@ -426,19 +436,13 @@ pub fn scatter_boxes_async(
     boxes: &[RowBox],
     stream: &Stream,
 ) -> Result<(), CudaError> {
-    let (dptr, dlen) = dst.region();
-    let (sptr, slen) = src.region();
-    let shapes = scatter_shapes(boxes, dlen, src_offset, slen)?;
-    if shapes.is_empty() {
-        return Ok(());
+    let (rows, packed) = (device_side(dst, 0)?, device_side(src, src_offset)?);
+    // SAFETY: both are live allocations; the uses recorded below keep them allocated until
+    // the copies passed.
+    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream) }? {
+        dst.note_use(stream)?;
+        src.note_use(stream)?;
     }
-    let src_at = |b: &RowBox| raw::Place::Device(sptr + (src_offset as u64 + b.packed));
-    let dst_at = |b: &RowBox| raw::Place::Device(dptr + b.src);
-    // SAFETY: the boxes were checked against both live allocations; the uses recorded
-    // below keep both allocated until the copies passed.
-    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
-    dst.note_use(stream)?;
-    src.note_use(stream)?;
     Ok(())
 }
 
@@ -453,21 +457,16 @@ pub fn scatter_boxes_from_host(
     boxes: &[RowBox],
     stream: &Stream,
 ) -> Result<(), CudaError> {
-    let (dptr, dlen) = dst.region();
-    let shapes = scatter_shapes(boxes, dlen, 0, src.len())?;
-    if shapes.is_empty() {
-        return Ok(());
+    let rows = device_side(dst, 0)?;
+    // The copies only read through the pointer.
+    let packed = (Base::Host(src.as_ptr().cast_mut()), src.len());
+    // SAFETY: a live allocation, and `src`, borrowed until the stream is synchronised
+    // (below, or on a failure).
+    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream) }? {
+        dst.note_use(stream)?;
+        stream.synchronize()?;
     }
-    let base = src.as_ptr().cast_mut();
-    // SAFETY: the box's packed bytes lie inside `src` (checked by `box_shape`); the copy
-    // only reads through the pointer.
-    let src_at = |b: &RowBox| raw::Place::Host(unsafe { base.add(b.packed as usize) });
-    let dst_at = |b: &RowBox| raw::Place::Device(dptr + b.src);
-    // SAFETY: the boxes were checked against the live allocation and `src`, which stays
-    // borrowed until the stream is synchronised (below, or on a failure).
-    unsafe { enqueue_boxes(shapes, src_at, dst_at, stream) }?;
-    dst.note_use(stream)?;
-    stream.synchronize()
+    Ok(())
 }
 
 /// Fills `dst[offset..offset + len]` with `value` (`cuMemsetD8Async`); returns once queued.
