@@ -22,9 +22,18 @@ fn config_check_accepts_every_example() {
     } else {
         std::path::PathBuf::from("config/examples")
     };
+    // `config check` reads the secret file too: point the examples' /etc/ferry/secret at one
+    // that exists here.
+    let scratch = Scratch::new();
     let mut checked = 0;
     for entry in std::fs::read_dir(&dir).expect("examples dir") {
-        let path = entry.expect("entry").path();
+        let example = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&example).expect("read example");
+        let name = example.file_name().expect("file name").to_string_lossy();
+        let path = scratch.write(
+            &name,
+            &text.replace("/etc/ferry/secret", &scratch.secret.display().to_string()),
+        );
         let out = ferry()
             .current_dir(&dir)
             .args(["config", "check"])
@@ -67,6 +76,13 @@ fn config_check_names_the_key_and_file() {
             "[[transport.rules]]\nname = \"r\"\ntransports = [\"carrier-pigeon\"]\ndirection = \"push\"\n",
             "transport.rules[0].transports",
         ),
+        (
+            "large.toml",
+            "[limits]\nmailbox = 99999999999999999999999\n",
+            "limits.mailbox",
+        ),
+        // An empty file sets nothing: the missing security choice is blamed on it.
+        ("empty.toml", "", "security.secret_file"),
     ];
     for (file, text, key) in cases {
         let path = scratch.write(file, text);
@@ -80,6 +96,102 @@ fn config_check_names_the_key_and_file() {
         assert!(stderr.contains(key), "{file}: no key {key} in {stderr}");
         assert!(stderr.contains(file), "{file}: file not named in {stderr}");
     }
+}
+
+/// `ferry config check` run both ways on `config`: as FILE, and as the `--config` layer
+/// (with no user file); returns each run's exit code and stderr.
+fn check_both_ways(scratch: &Scratch, config: &std::path::Path) -> [(Option<i32>, String); 2] {
+    let file_form = ferry().args(["config", "check"]).arg(config).output();
+    let layered = ferry()
+        .args(["config", "check", "--config"])
+        .arg(config)
+        .env("XDG_CONFIG_HOME", scratch.path())
+        .output();
+    [file_form, layered].map(|out| {
+        let out = out.expect("run");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+}
+
+#[test]
+fn config_check_reads_the_secret_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let scratch = Scratch::new();
+    let missing = scratch.path().join("no-such-secret");
+    let short = scratch.path().join("short-secret");
+    common::write_secret(&short, "5byte");
+    let open = scratch.path().join("open-secret");
+    std::fs::write(&open, "sixteen bytes or more").expect("secret");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    for (secret, why) in [
+        (&missing, "cannot read"),
+        (&short, "at least 16"),
+        (&open, "mode 0644"),
+    ] {
+        let config = scratch.write("n.toml", &scratch.toml_with_secret("n", &[], "", secret));
+        for (code, stderr) in check_both_ways(&scratch, &config) {
+            assert_eq!(code, Some(1), "{}: {stderr}", secret.display());
+            assert!(
+                stderr.contains(&format!("secret file {}: ", secret.display())),
+                "the secret file is not named: {stderr}"
+            );
+            assert!(stderr.contains("security.secret_file"), "{stderr}");
+            assert!(stderr.contains(why), "no {why:?} in {stderr}");
+        }
+    }
+    let config = scratch.write("n.toml", &scratch.toml("n", &[], ""));
+    for (code, stderr) in check_both_ways(&scratch, &config) {
+        assert_eq!(code, Some(0), "{stderr}");
+    }
+    // The opt-out accepts the open file.
+    let text = scratch.toml_with_secret("n", &[], "", &open).replace(
+        "[security]\n",
+        "[security]\ndanger_secret_file_any_mode = true\n",
+    );
+    let config = scratch.write("n.toml", &text);
+    for (code, stderr) in check_both_ways(&scratch, &config) {
+        assert_eq!(code, Some(0), "{stderr}");
+    }
+}
+
+#[test]
+fn config_check_names_the_file_of_a_layer_that_sets_nothing() {
+    let scratch = Scratch::new();
+    let empty = scratch.write("empty.toml", "");
+    for (code, stderr) in check_both_ways(&scratch, &empty) {
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("config file {}: ", empty.display())),
+            "{stderr}"
+        );
+        assert!(stderr.contains("security.secret_file"), "{stderr}");
+        assert!(stderr.contains("the file sets no keys"), "{stderr}");
+        assert!(!stderr.contains("built-in defaults"), "{stderr}");
+    }
+}
+
+#[test]
+fn config_check_names_the_variable_of_a_number_too_large() {
+    let scratch = Scratch::new();
+    let config = scratch.write("n.toml", &scratch.toml("n", &[], ""));
+    let out = ferry()
+        .args(["config", "check", "--config"])
+        .arg(&config)
+        .env("XDG_CONFIG_HOME", scratch.path())
+        .env("FERRY__LIMITS__MAILBOX", "99999999999999999999999")
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "environment variable FERRY__LIMITS__MAILBOX: key limits.mailbox: number 99999999999999999999999 is out of range"
+        ),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -298,6 +298,7 @@ async fn hostile_input_is_rejected_and_counted_while_others_are_served() {
     let opts = LinkOptions {
         max_frame: 4 << 20,
         handshake_timeout: Duration::from_secs(2),
+        stall_timeout: Duration::from_secs(2),
         counters: Arc::new(LinkCounters::new()),
     };
     let counters = node.link_counters();

@@ -119,6 +119,7 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
     let opts = LinkOptions {
         max_frame: 4 << 20,
         handshake_timeout: Duration::from_secs(2),
+        stall_timeout: Duration::from_secs(2),
         counters: Arc::new(LinkCounters::new()),
     };
     let hello = link::local_hello("rogue", vec!["tcp".into()], 4 << 20);

@@ -145,8 +145,6 @@ pub struct TransferSetupBase {
     pub limits: crate::core::session::SessionLimits,
     /// Bytes per data frame.
     pub chunk: usize,
-    /// Bad frames tolerated.
-    pub max_bad_frames: u32,
     /// How long an inbound transfer waits for memory.
     pub reserve_timeout: Duration,
     /// Where received buffers land, then where they spill, in order.
@@ -292,7 +290,6 @@ impl Coordinator {
             node: self.setup.config.node.name.clone(),
             limits: base.limits,
             chunk: base.chunk,
-            max_bad_frames: base.max_bad_frames,
             reserve_timeout: base.reserve_timeout,
             tiers: base.tiers,
             host_tiers: base.host_tiers,

@@ -13,13 +13,14 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use ferry_config::{Config, MemoryClass};
 use ferry_transports::cuda::{DeviceBuffer, ExternalMemory};
+use ferry_transports::link::admission::{Admission, AdmissionLimits};
 use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener, Secret};
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
 };
 use ferry_transports::tcp::{ExposedRegion, RegionKey};
 use ferry_transports::wire::Layout;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
 use crate::coordinator::{
@@ -31,9 +32,6 @@ use crate::core::route::Explanation;
 use crate::core::session::SessionLimits;
 use crate::error::{Error, SendError};
 use crate::inbox::{Inbox, Received};
-
-/// Handshakes running at once, at most; further connections wait in the kernel backlog.
-const MAX_HANDSHAKES: usize = 64;
 
 /// A running ferry node.
 pub struct Node {
@@ -228,6 +226,7 @@ impl Node {
         let link_opts = LinkOptions {
             max_frame: u32::try_from(config.limits.max_frame).unwrap_or(u32::MAX),
             handshake_timeout: config.limits.handshake_timeout,
+            stall_timeout: config.limits.stall_timeout,
             counters: Arc::clone(&counters),
         };
         let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
@@ -348,10 +347,12 @@ impl Node {
                                 queue: limits.peer_queue,
                                 in_flight: config.transport.tcp.pipeline_depth as usize,
                                 inbound: limits.peer_queue,
+                                grants: limits.peer_grants,
+                                inbound_bytes: limits.peer_inbound_bytes,
+                                stall: limits.stall_timeout,
                             },
                             chunk: usize::try_from(config.transport.tcp.chunk_size)
                                 .unwrap_or(1 << 20),
-                            max_bad_frames: limits.max_bad_frames,
                             reserve_timeout: limits.default_deadline,
                             tiers: receive_tiers,
                             host_tiers,
@@ -415,16 +416,19 @@ impl Node {
                 ),
             }
         }
-        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let acceptor = Acceptor {
+            coordinator: coordinator.clone(),
+            admission: Arc::new(std::sync::Mutex::new(Admission::new(AdmissionLimits {
+                total: config.limits.handshakes,
+                per_source: config.limits.handshakes_per_source,
+            }))),
+            first_byte: config.limits.first_byte_timeout,
+            secret: secret.clone(),
+            opts: link_opts.clone(),
+            node: config.node.name.clone(),
+        };
         for listener in listeners {
-            io.spawn(accept_loop(
-                listener,
-                coordinator.clone(),
-                Arc::clone(&handshakes),
-                secret.clone(),
-                link_opts.clone(),
-                config.node.name.clone(),
-            ));
+            io.spawn(accept_loop(listener, acceptor.clone()));
         }
         tracing::info!(node = %config.node.name, "node started");
         Ok(Self {
@@ -883,42 +887,73 @@ impl Drop for Node {
     }
 }
 
-/// Accepts connections and runs each handshake in its own task, so a slow or hostile
-/// connection never holds up the others.
-async fn accept_loop(
-    listener: Listener,
+/// What the accept loop needs besides the listener: shared by every listener of a node.
+#[derive(Clone)]
+struct Acceptor {
     coordinator: Addr<Coordinator>,
-    handshakes: Arc<Semaphore>,
+    /// The handshakes in progress; each holds the sender whose drop sheds it.
+    admission: Arc<std::sync::Mutex<Admission<oneshot::Sender<()>>>>,
+    first_byte: Duration,
     secret: Secret,
     opts: LinkOptions,
     node: String,
-) {
+}
+
+/// Accepts connections as fast as they come and runs each handshake in its own task, so a
+/// slow or hostile connection never holds up the others: accepting never waits for room.
+/// Handshakes in progress are bounded in all and per source address (`limits.handshakes`,
+/// `limits.handshakes_per_source`); a new connection past a bound sheds the oldest pending
+/// one, and a connection that says nothing within `limits.first_byte_timeout` is closed.
+async fn accept_loop(listener: Listener, acceptor: Acceptor) {
     loop {
-        let Ok(permit) = Arc::clone(&handshakes).acquire_owned().await else {
-            return;
-        };
         let (accepted, from) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!(%node, error = %e, "accept failed");
+                // Out of file descriptors and the like: transient, back off a little.
+                tracing::warn!(node = %acceptor.node, error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let coordinator = coordinator.clone();
-        let secret = secret.clone();
-        let opts = opts.clone();
-        let hello = link::local_hello(
-            node.clone(),
-            ferry_transports::transport::viable_names(),
-            opts.max_frame,
-        );
+        let (shed_me, shed) = oneshot::channel::<()>();
+        let (id, victims) = match acceptor.admission.lock() {
+            Ok(mut admission) => admission.admit(accepted.source(), shed_me),
+            Err(_) => return,
+        };
+        if !victims.is_empty() {
+            metrics::counter!("ferry_handshakes_shed_total").increment(victims.len() as u64);
+            tracing::debug!(%from, shed = victims.len(), "handshake bound reached: shed the oldest");
+        }
+        drop(victims);
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            let result = link::accept_handshake(accepted, &secret, hello, &opts).await;
-            drop(permit);
+            let handshake = async {
+                accepted
+                    .first_byte(acceptor.first_byte)
+                    .await
+                    .map_err(|e| format!("silent connection closed: {e}"))?;
+                let hello = link::local_hello(
+                    acceptor.node.clone(),
+                    ferry_transports::transport::viable_names(),
+                    acceptor.opts.max_frame,
+                );
+                link::accept_handshake(accepted, &acceptor.secret, hello, &acceptor.opts)
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            let result = tokio::select! {
+                result = handshake => result,
+                _ = shed => Err("shed: too many handshakes in progress".to_string()),
+            };
+            if let Ok(mut admission) = acceptor.admission.lock() {
+                admission.finish(id);
+            }
             match result {
                 Ok(link) => {
-                    let _ = coordinator.send(LinkUp { link, dialed: None }).await;
+                    let _ = acceptor
+                        .coordinator
+                        .send(LinkUp { link, dialed: None })
+                        .await;
                 }
                 Err(e) => tracing::warn!(%from, error = %e, "connection refused"),
             }

@@ -90,8 +90,6 @@ pub struct TransferSetup {
     pub limits: SessionLimits,
     /// Bytes per data frame.
     pub chunk: usize,
-    /// Recoverable bad frames tolerated before the peer is dropped.
-    pub max_bad_frames: u32,
     /// How long an inbound transfer may wait for memory.
     pub reserve_timeout: Duration,
     /// Where inbound transfers land, then where they spill, in order.
@@ -936,7 +934,10 @@ impl TransferActor {
                     // streams as soon as it reads the grant. (A push that spilled to host
                     // memory streams too.)
                     act.regions.insert(id.0, InboundRegion::new(buffer));
-                    if act.session.handle_reserved(id, landing.to_wire(), None) {
+                    if act
+                        .session
+                        .handle_reserved(Instant::now(), id, landing.to_wire(), None)
+                    {
                         if let Some(spans) = act.inbound_spans.get_mut(&id) {
                             spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
                         }
@@ -971,6 +972,14 @@ impl TransferActor {
             next,
             |a| &mut a.timer,
             |act, now, ctx| {
+                // Progress first, so that only a transfer that really stalled is ended.
+                let receiving: Vec<InboundId> = act.session.receiving().collect();
+                for id in receiving {
+                    if let Some(region) = act.regions.get(&id.0) {
+                        act.session
+                            .handle_inbound_progress(id, region.received(), now);
+                    }
+                }
                 act.session.handle_timeout(now);
                 if let Some(setup) = &mut act.ipc.setup {
                     setup.handle_timeout(now);
@@ -1082,7 +1091,7 @@ impl TransferActor {
         // False: abandoned meanwhile, nothing lent; the buffer is freed here.
         if self
             .session
-            .handle_reserved(id, buffer.kind().to_wire(), Some(target))
+            .handle_reserved(Instant::now(), id, buffer.kind().to_wire(), Some(target))
         {
             if let Some(spans) = self.inbound_spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
@@ -1918,8 +1927,6 @@ impl Handler<Attach> for TransferActor {
             regions: Arc::clone(&self.regions),
             exposed: Arc::clone(&self.setup.exposed),
             counters: Arc::clone(&self.setup.counters),
-            max_bad: self.setup.max_bad_frames,
-            peer: self.peer.clone(),
             link: self.link,
         };
         self.setup.io.spawn(reader.run(link.reader));
@@ -2510,38 +2517,29 @@ struct ReadLoop {
     regions: Arc<DashMap<u64, InboundRegion>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     counters: Arc<LinkCounters>,
-    max_bad: u32,
-    peer: String,
     link: u64,
 }
 
 impl ReadLoop {
     /// Reads until the link ends; a peer that breaks the protocol is dropped.
     async fn run(self, mut reader: LinkReader) {
-        let mut bad = 0u32;
         let mut put_errors: HashMap<u64, String> = HashMap::new();
         let mut put_bytes: Vec<u8> = Vec::new();
         let mut scratch: Vec<u8> = Vec::new();
         let why = loop {
+            // Any frame that fails its checks ends the link: on a byte stream, the bytes
+            // around a bad frame cannot be trusted either, and every transfer on the link
+            // fails at once with the reason, rather than waiting for its deadline.
             let frame = match reader.next().await {
                 Ok(Some(frame)) => frame,
                 Ok(None) => break "the peer closed the connection".to_string(),
-                Err(LinkError::Frame(e)) if e.is_recoverable() && bad < self.max_bad => {
-                    bad += 1;
-                    tracing::warn!(peer = %self.peer, error = %e, "bad frame rejected");
-                    continue;
-                }
                 Err(e) => break format!("{e}"),
             };
             let msg = match frame.message() {
                 Ok(m) => m,
                 Err(e) => {
                     self.counters.record_rejected(&e);
-                    bad += 1;
-                    if bad > self.max_bad {
-                        break format!("too many bad frames: {e}");
-                    }
-                    continue;
+                    break format!("peer sent a bad frame: {e}");
                 }
             };
             match msg {
@@ -2560,10 +2558,7 @@ impl ReadLoop {
                         // A chunk of a transfer cancelled meanwhile: read past its bytes.
                         None => match reader.discard_payload(chunk.len).await {
                             Ok(()) => continue,
-                            Err(e) => match tolerate_damage(e, &mut bad, self.max_bad) {
-                                Ok(()) => continue,
-                                Err(why) => break why,
-                            },
+                            Err(e) => break format!("{e}"),
                         },
                     };
                     // Host memory takes the bytes straight from the socket; device memory
@@ -2635,10 +2630,7 @@ impl ReadLoop {
                         Ok(()) => exposed_destination(&self.exposed, &chunk, |dst| {
                             dst.copy_from_slice(&put_bytes[..len])
                         }),
-                        Err(e) => match tolerate_damage(e, &mut bad, self.max_bad) {
-                            Ok(()) => Err("a chunk was damaged in transit".into()),
-                            Err(why) => break why,
-                        },
+                        Err(e) => break format!("{e}"),
                     };
                     if let Err(e) = placed
                         && let Err(why) = note_put_error(&mut put_errors, put, e)
@@ -2687,22 +2679,6 @@ fn transport_label(name: &str) -> &'static str {
 
 fn note_protocol_violation() {
     metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);
-}
-
-/// A payload that could not be read: a CRC mismatch leaves the link in step and is
-/// tolerated up to `max_bad` times (counting it in `bad`); anything else ends the link, with
-/// the returned reason.
-fn tolerate_damage(e: LinkError, bad: &mut u32, max_bad: u32) -> Result<(), String> {
-    match e {
-        LinkError::Frame(e @ ferry_transports::wire::FrameError::CrcMismatch { .. })
-            if *bad < max_bad =>
-        {
-            *bad += 1;
-            tracing::warn!(error = %e, "damaged payload rejected");
-            Ok(())
-        }
-        e => Err(format!("{e}")),
-    }
 }
 
 /// Runs `place` on where `chunk`'s bytes go in its exposed region, or says why they cannot

@@ -12,11 +12,20 @@ use ferry_actors::core::session::{
 use ferry_transports::wire::{Layout, Message, WireDirection, WireMemoryKind, WireReason};
 use proptest::prelude::*;
 
-const LIMITS: SessionLimits = SessionLimits {
-    queue: 64,
-    in_flight: 4,
-    inbound: 64,
-};
+const LIMITS: SessionLimits = limits(64, 4, 64);
+
+/// Bounds with per-peer caps and a stall timeout that these scenarios never reach unless
+/// they mean to.
+const fn limits(queue: usize, in_flight: usize, inbound: usize) -> SessionLimits {
+    SessionLimits {
+        queue,
+        in_flight,
+        inbound,
+        grants: inbound,
+        inbound_bytes: u64::MAX,
+        stall: Duration::from_secs(3600),
+    }
+}
 
 /// A pair of sessions and the simulated shells around them.
 struct Pair {
@@ -118,7 +127,10 @@ impl Pair {
             if self.auto_reserve {
                 for id in std::mem::take(&mut self.reserving) {
                     moved = true;
-                    if self.b.handle_reserved(id, WireMemoryKind::Host, None) {
+                    if self
+                        .b
+                        .handle_reserved(self.now, id, WireMemoryKind::Host, None)
+                    {
                         self.receiving.push(id);
                     }
                 }
@@ -217,11 +229,7 @@ fn pipeline_depth_bounds_offers() {
 
 #[test]
 fn queue_bound_refuses() {
-    let mut p = Pair::new(SessionLimits {
-        queue: 2,
-        in_flight: 1,
-        inbound: 4,
-    });
+    let mut p = Pair::new(limits(2, 1, 4));
     p.auto_reserve = false;
     p.send(1, LONG);
     p.send(2, LONG);
@@ -356,7 +364,7 @@ fn link_loss_fails_everything_once() {
     p.auto_stream = false;
     let waiting_grant = p.send(1, LONG);
     let reserved = p.reserving.pop().expect("reserve asked");
-    p.b.handle_reserved(reserved, WireMemoryKind::Host, None);
+    p.b.handle_reserved(p.now, reserved, WireMemoryKind::Host, None);
     p.pump();
     let streaming = p.streaming[0];
     assert_eq!(streaming, waiting_grant);
@@ -478,7 +486,7 @@ proptest! {
     /// delivered is in send order.
     #[test]
     fn every_op_ends_exactly_once(script in proptest::collection::vec(0u8..7, 1..80)) {
-        let mut p = Pair::new(SessionLimits { queue: 16, in_flight: 3, inbound: 16 });
+        let mut p = Pair::new(limits(16, 3, 16));
         p.auto_reserve = false;
         p.auto_stream = false;
         let mut ops = Vec::new();
@@ -494,7 +502,7 @@ proptest! {
                 }
                 2 => {
                     if let Some(id) = p.reserving.pop()
-                        && p.b.handle_reserved(id, WireMemoryKind::Host, None)
+                        && p.b.handle_reserved(p.now, id, WireMemoryKind::Host, None)
                     {
                         p.receiving.push(id);
                     }
@@ -537,11 +545,7 @@ proptest! {
 fn a_cancel_says_whose_transfer_it_names() {
     // Both sides number their transfers from 1: the peer cancelling its own transfer #1
     // must not end ours, and only a cancel from our receiver ends ours.
-    let limits = SessionLimits {
-        queue: 8,
-        in_flight: 4,
-        inbound: 8,
-    };
+    let limits = limits(8, 4, 8);
     let now = Instant::now();
     let mut s = PeerSession::new(limits);
     let id = s
@@ -647,10 +651,12 @@ impl Push {
 
     /// B lends a buffer; A reads the grant. Returns A's event.
     fn lend(&mut self, id: InboundId) -> Option<SessionEvent> {
-        assert!(
-            self.b
-                .handle_reserved(id, WireMemoryKind::Device(1), Some(Self::target()))
-        );
+        assert!(self.b.handle_reserved(
+            self.now,
+            id,
+            WireMemoryKind::Device(1),
+            Some(Self::target())
+        ));
         let grant = self.b.poll_transmit().expect("granted");
         assert!(
             matches!(&grant, Message::Grant(g) if g.target == Some(Self::target())),
@@ -819,7 +825,7 @@ fn push_offers_and_lending_grants_are_checked() {
     // A push whose landing spilled to host memory is granted without a buffer: it streams.
     let mut p = Push::new();
     let (op, id) = p.offer();
-    assert!(p.b.handle_reserved(id, WireMemoryKind::PinnedHost, None));
+    assert!(p.b.handle_reserved(p.now, id, WireMemoryKind::PinnedHost, None));
     let grant = p.b.poll_transmit().expect("granted");
     p.a.handle_message(grant).expect("valid");
     assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
@@ -939,7 +945,7 @@ fn staged_offers_reserve_for_staging_and_stream() {
         }) => id,
         other => panic!("B should reserve for a staged transfer, got {other:?}"),
     };
-    assert!(p.b.handle_reserved(id, WireMemoryKind::Device(1), None));
+    assert!(p.b.handle_reserved(p.now, id, WireMemoryKind::Device(1), None));
     let grant = p.b.poll_transmit().expect("granted");
     p.a.handle_message(grant).expect("valid");
     assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
@@ -959,4 +965,140 @@ fn staged_offers_reserve_for_staging_and_stream() {
             "{direction:?}"
         );
     }
+}
+
+/// Bounds with a short stall timeout and small per-peer caps.
+fn capped(grants: usize, inbound_bytes: u64, stall: Duration) -> SessionLimits {
+    SessionLimits {
+        grants,
+        inbound_bytes,
+        stall,
+        ..LIMITS
+    }
+}
+
+#[test]
+fn a_granted_transfer_without_progress_is_ended_and_the_sender_told() {
+    let stall = Duration::from_secs(5);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.auto_stream = false;
+    let id = p.send(1, LONG);
+    let inbound = InboundId(id.0);
+    assert_eq!(p.receiving, vec![inbound]);
+    // Progress keeps it alive past several stall timeouts.
+    for k in 1..=4u64 {
+        p.now += stall - Duration::from_millis(1);
+        p.b.handle_inbound_progress(inbound, k * 10, p.now);
+        p.advance(Duration::ZERO);
+        assert!(p.outcome(id).is_none(), "ended while making progress");
+    }
+    // The same count again is no progress.
+    p.b.handle_inbound_progress(inbound, 40, p.now);
+    assert!(p.b.poll_timeout().is_some_and(|t| t <= p.now + stall));
+    p.advance(stall);
+    assert_eq!(p.abandoned, vec![inbound], "its memory is freed");
+    // The sender's stream is stopped; the op ends once it has.
+    p.finish_stream(id);
+    p.pump();
+    match p.outcome(id) {
+        Some(Outcome::Failed(FailKind::Refused { reason, detail })) => {
+            assert_eq!(*reason, WireReason::Stalled);
+            assert!(detail.contains("40 bytes"), "{detail}");
+        }
+        other => panic!("expected a stall refusal, got {other:?}"),
+    }
+    assert!(p.a.is_idle() && p.b.is_idle());
+}
+
+#[test]
+fn outstanding_grants_per_peer_are_bounded_and_later_offers_wait_their_turn() {
+    let mut p = Pair::new(capped(2, u64::MAX, LONG));
+    p.auto_reserve = false;
+    p.auto_stream = false;
+    let ids: Vec<OpId> = (0..4).map(|i| p.send(i, LONG)).collect();
+    assert_eq!(p.offers_sent(), 4);
+    assert_eq!(p.reserving.len(), 2, "only two reservations asked at once");
+    for id in std::mem::take(&mut p.reserving) {
+        assert!(p.b.handle_reserved(p.now, id, WireMemoryKind::Host, None));
+        p.receiving.push(id);
+    }
+    p.pump();
+    assert!(p.reserving.is_empty(), "both grants still outstanding");
+    p.finish_stream(ids[0]);
+    p.pump();
+    assert_eq!(
+        p.reserving,
+        vec![InboundId(ids[2].0)],
+        "the next in offer order"
+    );
+    p.auto_reserve = true;
+    p.auto_stream = true;
+    for id in std::mem::take(&mut p.reserving) {
+        assert!(p.b.handle_reserved(p.now, id, WireMemoryKind::Host, None));
+        p.receiving.push(id);
+    }
+    p.pump();
+    for id in [ids[1], ids[2], ids[3]] {
+        if p.outcome(id).is_none() {
+            p.finish_stream(id);
+            p.pump();
+        }
+    }
+    for id in &ids {
+        assert_eq!(p.outcome(*id), Some(&Outcome::Completed));
+    }
+    assert_eq!(p.delivered, vec![0, 1, 2, 3]);
+}
+
+#[test]
+fn reserved_bytes_per_peer_are_bounded_and_a_larger_offer_is_refused() {
+    // Each request is 100 bytes: two fit under 250, the third waits.
+    let mut p = Pair::new(capped(64, 250, LONG));
+    p.auto_reserve = false;
+    p.auto_stream = false;
+    let ids: Vec<OpId> = (0..3).map(|i| p.send(i, LONG)).collect();
+    assert_eq!(p.reserving.len(), 2);
+    for id in std::mem::take(&mut p.reserving) {
+        assert!(p.b.handle_reserved(p.now, id, WireMemoryKind::Host, None));
+        p.receiving.push(id);
+    }
+    p.pump();
+    p.finish_stream(ids[0]);
+    p.pump();
+    assert_eq!(p.delivered, vec![0]);
+    assert_eq!(p.reserving, vec![InboundId(ids[2].0)]);
+
+    // One offer larger than the whole bound can never fit: refused at once.
+    let mut big = p.request(9, LONG);
+    big.len = 251;
+    let id = p.a.handle_send(p.now, big).expect("queued");
+    p.pump();
+    match p.outcome(id) {
+        Some(Outcome::Failed(FailKind::Refused { reason, detail })) => {
+            assert_eq!(*reason, WireReason::TooLarge);
+            assert!(detail.contains("limits.peer_inbound_bytes"), "{detail}");
+        }
+        other => panic!("expected a too-large refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_sender_cancelling_a_queued_offer_frees_nothing_and_lets_the_next_in() {
+    let mut p = Pair::new(capped(1, u64::MAX, LONG));
+    p.auto_reserve = false;
+    p.auto_stream = false;
+    let first = p.send(1, LONG);
+    let second = p.send(2, LONG);
+    let third = p.send(3, LONG);
+    assert_eq!(p.reserving, vec![InboundId(first.0)]);
+    assert!(p.a.handle_cancel(second));
+    p.pump();
+    assert!(p.abandoned.is_empty(), "nothing was reserved for it");
+    assert!(p.b.handle_reserved(p.now, InboundId(first.0), WireMemoryKind::Host, None));
+    p.reserving.clear();
+    p.receiving.push(InboundId(first.0));
+    p.pump();
+    p.finish_stream(first);
+    p.pump();
+    assert_eq!(p.reserving, vec![InboundId(third.0)]);
 }

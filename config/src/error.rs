@@ -11,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Origin {
-    /// The values built into ferry: nothing set the key.
+    /// The values built into ferry: nothing set the key, and no file was read.
     Defaults,
     /// A configuration file (system, user or `--config`).
     File(PathBuf),
@@ -66,7 +66,9 @@ pub enum ConfigError {
     /// A key is unknown, has the wrong type, or has a value that is not allowed.
     #[error("{origin}: key {key}: {detail}")]
     Invalid {
-        /// The layer that set the faulty value ([`Origin::Defaults`] if none did).
+        /// The layer that set the faulty value. For a key that no layer sets (a required
+        /// choice left out) [`load`](crate::load) names the highest file it read, where the
+        /// key is missing, and [`Origin::Defaults`] only when it read no file.
         origin: Origin,
         /// Dotted path of the key, e.g. `transport.rules[0].max_bytes`.
         key: String,

@@ -102,7 +102,64 @@ pub fn load(opts: &LoadOptions) -> Result<Config, ConfigError> {
     for (key, value) in &opts.overrides {
         layers.push(key_layer(Origin::CommandLine, key, value)?);
     }
-    merge(&layers)
+    merge(&layers).map_err(|e| blame_unset(e, &layers, opts))
+}
+
+/// Names a file in an error about a key that no layer sets (a required choice left out).
+///
+/// Such an error used to name "built-in defaults", which reads as if ferry's defaults were at
+/// fault, and says nothing of the files that were read. Decided: an empty file is valid TOML
+/// and simply sets nothing, so it is not an error of its own; the error about the missing key
+/// names the highest file that was read (the `--config` file when there is one), because
+/// that is where the key is missing and where the user would add it, says when that file
+/// sets no key at all (empty, or only comments), and lists the lower files that were read
+/// too. When no file was read at all, the origin stays "built-in defaults" and the error
+/// says which optional files were looked for.
+fn blame_unset(err: ConfigError, layers: &[Layer], opts: &LoadOptions) -> ConfigError {
+    let ConfigError::Invalid {
+        origin: Origin::Defaults,
+        key,
+        mut detail,
+    } = err
+    else {
+        return err;
+    };
+    let files: Vec<&Layer> = layers
+        .iter()
+        .filter(|layer| matches!(layer.origin, Origin::File(_)))
+        .collect();
+    let Some((last, below)) = files.split_last() else {
+        let looked_for: Vec<String> = [&opts.system_file, &opts.user_file]
+            .into_iter()
+            .flatten()
+            .map(|path| path.display().to_string())
+            .collect();
+        if looked_for.is_empty() {
+            detail.push_str("; no configuration file was read");
+        } else {
+            detail.push_str(&format!(
+                "; no configuration file was read (looked for {})",
+                looked_for.join(", ")
+            ));
+        }
+        return ConfigError::Invalid {
+            origin: Origin::Defaults,
+            key,
+            detail,
+        };
+    };
+    if last.keys.is_empty() {
+        detail.push_str("; the file sets no keys");
+    }
+    if !below.is_empty() {
+        let names: Vec<String> = below.iter().map(|layer| layer.origin.to_string()).collect();
+        detail.push_str(&format!("; not set in {} either", names.join(", ")));
+    }
+    ConfigError::Invalid {
+        origin: last.origin.clone(),
+        key,
+        detail,
+    }
 }
 
 impl Config {
@@ -141,6 +198,14 @@ impl Layer {
 
     /// Deserializes this layer alone against the strict schema.
     fn check_alone(&self) -> Result<(), ConfigError> {
+        let mut key = String::new();
+        if let Some(number) = unbounded_float("", &self.values, &mut key) {
+            return Err(ConfigError::Invalid {
+                origin: self.origin.clone(),
+                key,
+                detail: format!("the number is out of range for this key (read as {number:e})"),
+            });
+        }
         let built = build(std::slice::from_ref(self))?;
         deserialize(built, &|_| (0, self.origin.clone())).map(drop)
     }
@@ -158,6 +223,38 @@ fn collect_keys(prefix: &str, table: &Map<String, Value>, keys: &mut Vec<String>
             _ => keys.push(path),
         }
     }
+}
+
+/// The first floating-point value in `table` that no integer can hold (beyond ±2^63, or
+/// not finite), with its dotted key in `key`.
+///
+/// YAML reads an integer too large for 64 bits as a float, and the `config` crate would turn
+/// it into an integer key's value by saturating (`99999999999999999999999` to `u64::MAX`).
+/// No key of the schema takes a float, and no such number is a sensible value of one that
+/// does, so refusing these is safe for every key.
+fn unbounded_float(prefix: &str, table: &Map<String, Value>, key: &mut String) -> Option<f64> {
+    fn walk(path: String, value: &Value, key: &mut String) -> Option<f64> {
+        match &value.kind {
+            ValueKind::Float(number) if !number.is_finite() || number.abs() >= 2f64.powi(63) => {
+                *key = path;
+                Some(*number)
+            }
+            ValueKind::Table(inner) => unbounded_float(&path, inner, key),
+            ValueKind::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, item)| walk(format!("{path}[{i}]"), item, key)),
+            _ => None,
+        }
+    }
+    table.iter().find_map(|(name, value)| {
+        let path = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        walk(path, value, key)
+    })
 }
 
 /// A layer's values as a `config` source.
@@ -236,10 +333,29 @@ fn plain(e: &config::ConfigError) -> String {
             unexpected,
             expected,
             ..
-        } => format!("invalid type: {unexpected}, expected {expected}"),
+        } => {
+            // A number beyond 64 bits from a string (an environment variable, the command
+            // line) is "a string" to the `config` crate, whose `Unexpected` is private.
+            let unexpected = unexpected.to_string();
+            match unexpected
+                .strip_prefix("string \"")
+                .and_then(|s| s.strip_suffix('"'))
+            {
+                Some(number) if expected.contains("integer") && is_integer(number) => {
+                    format!("number {number} is out of range for this key")
+                }
+                _ => format!("invalid type: {unexpected}, expected {expected}"),
+            }
+        }
         config::ConfigError::At { error, .. } => plain(error),
         other => other.to_string(),
     }
+}
+
+/// Whether `s` is written as an integer: digits, with an optional sign.
+fn is_integer(s: &str) -> bool {
+    let digits = s.trim().trim_start_matches(['+', '-']);
+    !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// Reads one file as a layer; `Ok(None)` if it is optional and does not exist.
@@ -287,9 +403,18 @@ fn file_layer(path: &Path, required: bool) -> Result<Option<Layer>, ConfigError>
 /// Parses TOML text strictly against the schema (no validation).
 fn check_toml(text: &str, origin: &Origin) -> Result<Config, ConfigError> {
     if let Err(e) = text.parse::<toml::Table>() {
-        return Err(ConfigError::Parse {
-            origin: origin.clone(),
-            detail: toml_detail(text, &e),
+        // A value the parser itself refuses (an integer beyond 64 bits, an impossible date,
+        // a bare word) fails here, before serde sees its key: find the key from the span.
+        return Err(match refused_value(text, &e) {
+            Some((key, token)) => ConfigError::Invalid {
+                origin: origin.clone(),
+                key,
+                detail: format!("`{token}`: {}", toml_detail(text, &e)),
+            },
+            None => ConfigError::Parse {
+                origin: origin.clone(),
+                detail: toml_detail(text, &e),
+            },
         });
     }
     serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|e| {
@@ -299,6 +424,67 @@ fn check_toml(text: &str, origin: &Origin) -> Result<Config, ConfigError> {
             detail: toml_detail(text, e.inner()),
         }
     })
+}
+
+/// A string no configuration holds, put in place of a refused value by [`refused_value`].
+const MARKER: &str = "\u{0}ferry: the refused value\u{0}";
+
+/// The dotted key and the text of the value that the TOML parser refused, if the error is
+/// about one value (its span falls on the value) and not about the document's structure.
+///
+/// The value's token is replaced by a marker string; if the document then parses, the
+/// marker's place in it is the key, e.g. `transport.rules[1].max_bytes`. Pure.
+fn refused_value(text: &str, e: &toml::de::Error) -> Option<(String, String)> {
+    // The span may start inside the value (the month of a date): widen it to the token.
+    let in_token = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '+' | '-' | '.' | ':');
+    let at = e.span()?.start;
+    let start = text.get(..at)?.trim_end_matches(in_token).len();
+    let rest = &text[start..];
+    let len = rest.find(|c: char| !in_token(c)).unwrap_or(rest.len());
+    if len == 0 {
+        return None;
+    }
+    let patched = format!(
+        "{}\"{}\"{}",
+        &text[..start],
+        MARKER.replace('\u{0}', "\\u0000"),
+        &rest[len..]
+    );
+    let table = patched.parse::<toml::Table>().ok()?;
+    let mut key = String::new();
+    marker_path(&toml::Value::Table(table), &mut key).then(|| (key, rest[..len].to_string()))
+}
+
+/// Whether [`MARKER`] is in `value`; if so, `path` is extended to the marker's key.
+fn marker_path(value: &toml::Value, path: &mut String) -> bool {
+    match value {
+        toml::Value::String(s) => s == MARKER,
+        toml::Value::Table(table) => table.iter().any(|(name, inner)| {
+            let step = if path.is_empty() {
+                name.clone()
+            } else {
+                format!(".{name}")
+            };
+            descend(path, &step, inner)
+        }),
+        toml::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .any(|(i, inner)| descend(path, &format!("[{i}]"), inner)),
+        _ => false,
+    }
+}
+
+/// [`marker_path`] of `inner`, which is at `path` + `step`; `path` is left as it was if the
+/// marker is not there.
+fn descend(path: &mut String, step: &str, inner: &toml::Value) -> bool {
+    let at = path.len();
+    path.push_str(step);
+    let found = marker_path(inner, path);
+    if !found {
+        path.truncate(at);
+    }
+    found
 }
 
 /// A TOML error as one line: the message and, when known, the line.
@@ -424,6 +610,36 @@ mod tests {
         assert!(related("limits.mailbox", "limits"));
         assert!(!related("limits.mailbox", "limits.mailbox_extra"));
         assert!(!related("node.name", "peers[0].name"));
+    }
+
+    #[test]
+    fn refused_values_are_found_by_key() {
+        let refused = |text: &str| {
+            let e = text.parse::<toml::Table>().expect_err(text);
+            refused_value(text, &e)
+        };
+        let found = |key: &str, token: &str| Some((key.to_string(), token.to_string()));
+        assert_eq!(
+            refused("a.b = [{ c = 1 }, { c = [2, 99999999999999999999] }]\n"),
+            found("a.b[1].c[1]", "99999999999999999999")
+        );
+        assert_eq!(
+            refused("[x]\nwhen = 1979-13-01\n"),
+            found("x.when", "1979-13-01")
+        );
+        // The structure is broken, not a value: no key.
+        assert_eq!(refused("a = 1\na = 2\n"), None);
+        assert_eq!(refused("a = [1,\n"), None);
+        assert_eq!(refused("s = \"\\q\"\n"), None);
+    }
+
+    #[test]
+    fn integers_are_told_from_other_strings() {
+        assert!(is_integer("99999999999999999999999"));
+        assert!(is_integer("-1"));
+        assert!(!is_integer("-"));
+        assert!(!is_integer("1e30"));
+        assert!(!is_integer("many"));
     }
 
     #[test]

@@ -308,10 +308,32 @@ pub struct LimitsConfig {
     pub mailbox: usize,
     /// Bound of the per-peer queue of pending operations. Default 1024, at least 1.
     pub peer_queue: usize,
-    /// Malformed frames tolerated from a peer before it is dropped. Default 3.
-    pub max_bad_frames: u32,
     /// Bound of each allocator's queue of waiting reservations. Default 1024, at least 1.
     pub reservation_queue: usize,
+    /// Longest time a transfer may go without a byte of progress: a frame begun and left
+    /// unfinished, a peer that stops reading what we write, an inbound transfer granted
+    /// and then not fed. The link (mid-frame) or the transfer ends, its memory is freed
+    /// and the peer is told why. Default `"5s"`.
+    #[serde(with = "duration")]
+    pub stall_timeout: Duration,
+    /// Unauthenticated connections in their handshake at once, in all. When full, the
+    /// oldest is shed to make room for a new one. Default 256, at least 1.
+    pub handshakes: usize,
+    /// Unauthenticated connections in their handshake at once from one source address;
+    /// past it that source's oldest is shed. Default 32, at least 1.
+    pub handshakes_per_source: usize,
+    /// Time an accepted connection has to send its first byte before it is closed.
+    /// Default `"1s"`.
+    #[serde(with = "duration")]
+    pub first_byte_timeout: Duration,
+    /// Bytes one peer may hold reserved on this node for its inbound transfers (granted and
+    /// not yet delivered). An offer that would go past it waits until earlier ones are
+    /// delivered; one larger than it alone is refused as too large. Default `"4GiB"`.
+    #[serde(with = "size")]
+    pub peer_inbound_bytes: u64,
+    /// Inbound transfers of one peer being reserved or received at once (outstanding
+    /// grants); later offers wait their turn. Default 64, at least 1.
+    pub peer_grants: usize,
 }
 
 impl Default for LimitsConfig {
@@ -323,8 +345,13 @@ impl Default for LimitsConfig {
             connect_timeout: Duration::from_secs(5),
             mailbox: 256,
             peer_queue: 1024,
-            max_bad_frames: 3,
             reservation_queue: 1024,
+            stall_timeout: Duration::from_secs(5),
+            handshakes: 256,
+            handshakes_per_source: 32,
+            first_byte_timeout: Duration::from_secs(1),
+            peer_inbound_bytes: 4 << 30,
+            peer_grants: 64,
         }
     }
 }
@@ -340,6 +367,10 @@ pub struct SecurityConfig {
     /// Run without authentication: anyone who can reach a listener can send and read
     /// buffers. For test setups only. Default false.
     pub danger_insecure: bool,
+    /// Accept a `secret_file` that its group or others may read or write (mode `0644`, say).
+    /// Default false: such a file is refused, since anyone who can read the secret can join.
+    /// For test setups only.
+    pub danger_secret_file_any_mode: bool,
 }
 
 /// `[telemetry]`: logs and metrics.

@@ -1,67 +1,119 @@
 //! Reading the shared secret named by `security.secret_file`.
 
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
 use crate::error::ConfigError;
 use crate::schema::Config;
 
 /// Shortest accepted secret, in bytes.
 const MIN_SECRET: usize = 16;
+/// Longest accepted secret file, in bytes: a larger one is not a secret someone wrote (and a
+/// device such as `/dev/zero` would never end).
+const MAX_SECRET: u64 = 64 << 10;
+/// Permission bits that let the file's group or others read or write it.
+const GROUP_OR_OTHERS: u32 = 0o066;
 
 impl Config {
     /// Reads the shared secret from `security.secret_file`, without its trailing newline.
     /// Returns `Ok(None)` when no secret file is set (then `security.danger_insecure` must be
     /// set, which [`Config::validate`] checks).
     ///
+    /// The file is opened once (a symbolic link is followed: the target's mode counts), its
+    /// mode is read from the open file, and the secret is read from the same handle, so the
+    /// file that was checked is the file that is read.
+    ///
     /// Blocks on file I/O. A relative path is relative to the process's working directory.
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Secret`], naming the path, if the file cannot be read, is empty, or
-    /// holds fewer than 16 bytes.
+    /// [`ConfigError::Secret`], naming the path, if the file cannot be read; if its group or
+    /// others may read or write it (mode `0644`, say), unless
+    /// `security.danger_secret_file_any_mode` is set; or if it is empty, holds fewer than 16
+    /// bytes, or more than 64 KiB.
     pub fn read_secret(&self) -> Result<Option<Vec<u8>>, ConfigError> {
         let Some(path) = &self.security.secret_file else {
             return Ok(None);
         };
-        let mut secret = std::fs::read(path).map_err(|e| ConfigError::Secret {
+        let refuse = |detail: String| ConfigError::Secret {
+            path: path.clone(),
+            detail,
+            source: None,
+        };
+        let cannot_read = |e: std::io::Error| ConfigError::Secret {
             path: path.clone(),
             detail: format!("cannot read: {e}"),
             source: Some(e),
-        })?;
+        };
+        let file = File::open(path).map_err(cannot_read)?;
+        let mode = file.metadata().map_err(cannot_read)?.permissions().mode();
+        if mode & GROUP_OR_OTHERS != 0 && !self.security.danger_secret_file_any_mode {
+            return Err(refuse(mode_problem(mode, path)));
+        }
+        let mut secret = Vec::new();
+        file.take(MAX_SECRET + 1)
+            .read_to_end(&mut secret)
+            .map_err(cannot_read)?;
+        if secret.len() as u64 > MAX_SECRET {
+            return Err(refuse(
+                "the file is larger than 64 KiB; is this the right file?".into(),
+            ));
+        }
         while matches!(secret.last(), Some(b'\n' | b'\r')) {
             secret.pop();
         }
-        let problem = if secret.is_empty() {
-            "the file is empty".to_string()
-        } else if secret.len() < MIN_SECRET {
-            format!(
+        if secret.is_empty() {
+            return Err(refuse("the file is empty".into()));
+        }
+        if secret.len() < MIN_SECRET {
+            return Err(refuse(format!(
                 "the secret is {} bytes; use at least {MIN_SECRET} (32 random bytes is a good choice)",
                 secret.len()
-            )
-        } else {
-            return Ok(Some(secret));
-        };
-        Err(ConfigError::Secret {
-            path: path.clone(),
-            detail: problem,
-            source: None,
-        })
+            )));
+        }
+        Ok(Some(secret))
     }
+}
+
+/// Why a secret file of `mode` is refused, and the command that fixes it.
+fn mode_problem(mode: u32, path: &Path) -> String {
+    let what = match (mode & 0o044 != 0, mode & 0o022 != 0) {
+        (true, true) => "read and change",
+        (true, false) => "read",
+        _ => "change",
+    };
+    format!(
+        "mode {:04o} lets group or others {what} it; run chmod 600 {} (or, for a test setup, set security.danger_secret_file_any_mode = true)",
+        mode & 0o7777,
+        path.display()
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn with_secret(path: &std::path::Path) -> Config {
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    fn with_secret(path: &Path) -> Config {
         let mut config = Config::default();
         config.security.secret_file = Some(path.to_path_buf());
         config
     }
 
+    /// Writes `text` to `path` and gives it `mode`, whatever the umask.
+    fn write_secret(path: &Path, text: &str, mode: u32) -> std::io::Result<()> {
+        std::fs::write(path, text)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+    }
+
     #[test]
-    fn reads_and_trims() -> Result<(), Box<dyn std::error::Error>> {
+    fn reads_and_trims() -> TestResult {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("secret");
-        std::fs::write(&path, "0123456789abcdef\n")?;
+        write_secret(&path, "0123456789abcdef\n", 0o600)?;
         assert_eq!(
             with_secret(&path).read_secret()?,
             Some(b"0123456789abcdef".to_vec())
@@ -71,7 +123,7 @@ mod tests {
     }
 
     #[test]
-    fn refuses_missing_empty_and_short() -> Result<(), Box<dyn std::error::Error>> {
+    fn refuses_missing_empty_short_and_huge() -> TestResult {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("secret");
         let missing = with_secret(&path).read_secret().expect_err("missing");
@@ -79,12 +131,82 @@ mod tests {
             missing.to_string().contains(&path.display().to_string()),
             "{missing}"
         );
-        std::fs::write(&path, "\n")?;
+        write_secret(&path, "\n", 0o600)?;
         let empty = with_secret(&path).read_secret().expect_err("empty");
         assert!(empty.to_string().contains("empty"), "{empty}");
-        std::fs::write(&path, "short")?;
+        write_secret(&path, "short", 0o600)?;
         let short = with_secret(&path).read_secret().expect_err("short");
         assert!(short.to_string().contains("5 bytes"), "{short}");
+        assert!(short.to_string().contains("at least 16"), "{short}");
+        write_secret(&path, &"x".repeat(64 << 10), 0o600)?;
+        assert!(with_secret(&path).read_secret()?.is_some());
+        write_secret(&path, &"x".repeat((64 << 10) + 1), 0o600)?;
+        let huge = with_secret(&path).read_secret().expect_err("huge");
+        assert!(huge.to_string().contains("64 KiB"), "{huge}");
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_a_file_group_or_others_can_read_or_write() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("secret");
+        for (mode, what) in [
+            (0o644, "read it"),
+            (0o640, "read it"),
+            (0o604, "read it"),
+            (0o620, "change it"),
+            (0o666, "read and change it"),
+        ] {
+            write_secret(&path, "0123456789abcdef", mode)?;
+            let err = with_secret(&path).read_secret().expect_err("open mode");
+            let message = err.to_string();
+            assert_eq!(err.key(), Some("security.secret_file"), "{message}");
+            for part in [
+                format!("secret file {}: ", path.display()),
+                format!("mode {mode:04o} lets group or others {what};"),
+                format!("chmod 600 {}", path.display()),
+                "danger_secret_file_any_mode".to_string(),
+            ] {
+                assert!(
+                    message.contains(&part),
+                    "{mode:o}: no {part:?} in {message}"
+                );
+            }
+        }
+        // Only read and write bits count: execute bits reveal nothing.
+        for mode in [0o600, 0o400, 0o700, 0o610, 0o601] {
+            write_secret(&path, "0123456789abcdef", mode)?;
+            assert!(with_secret(&path).read_secret()?.is_some(), "{mode:o}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_danger_flag_accepts_any_mode_but_not_a_short_secret() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("secret");
+        write_secret(&path, "0123456789abcdef", 0o644)?;
+        let mut config = with_secret(&path);
+        config.security.danger_secret_file_any_mode = true;
+        assert_eq!(config.read_secret()?, Some(b"0123456789abcdef".to_vec()));
+        write_secret(&path, "short", 0o644)?;
+        let short = config.read_secret().expect_err("short");
+        assert!(short.to_string().contains("5 bytes"), "{short}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_symlink_is_followed_and_its_targets_mode_counts() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("target");
+        let link = dir.path().join("link");
+        write_secret(&target, "0123456789abcdef", 0o600)?;
+        // A symbolic link's own mode is always 0777 on Linux.
+        std::os::unix::fs::symlink(&target, &link)?;
+        assert!(with_secret(&link).read_secret()?.is_some());
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644))?;
+        let err = with_secret(&link).read_secret().expect_err("open target");
+        assert!(err.to_string().contains("mode 0644"), "{err}");
         Ok(())
     }
 }

@@ -318,6 +318,8 @@ impl Config {
             ("limits.default_deadline", limits.default_deadline),
             ("limits.handshake_timeout", limits.handshake_timeout),
             ("limits.connect_timeout", limits.connect_timeout),
+            ("limits.stall_timeout", limits.stall_timeout),
+            ("limits.first_byte_timeout", limits.first_byte_timeout),
         ] {
             if value == Duration::ZERO {
                 return fail(key, "must be longer than 0s");
@@ -327,10 +329,22 @@ impl Config {
             ("limits.mailbox", limits.mailbox),
             ("limits.peer_queue", limits.peer_queue),
             ("limits.reservation_queue", limits.reservation_queue),
+            ("limits.handshakes", limits.handshakes),
+            ("limits.handshakes_per_source", limits.handshakes_per_source),
+            ("limits.peer_grants", limits.peer_grants),
         ] {
             if value < 1 {
                 return fail(key, "must be at least 1");
             }
+        }
+        if limits.peer_inbound_bytes < 1 << 20 {
+            return fail(
+                "limits.peer_inbound_bytes",
+                format!(
+                    "{} is below the minimum of 1 MiB",
+                    format_size(limits.peer_inbound_bytes)
+                ),
+            );
         }
         Ok(())
     }

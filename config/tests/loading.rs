@@ -135,20 +135,175 @@ fn two_node_examples_point_at_each_other() -> TestResult {
 #[test]
 fn an_empty_file_needs_only_a_security_choice() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let err = load_only(&write(&dir, "empty.toml", "")).expect_err("no secret");
+    let empty = write(&dir, "empty.toml", "");
+    let err = load_only(&empty).expect_err("no secret");
     assert!(
         err.to_string().contains(
             "security.secret_file is not set; set it, or set security.danger_insecure = true for a test setup"
         ),
         "{err}"
     );
-    assert_eq!(err.origin(), Some(&Origin::Defaults));
+    assert_eq!(err.key(), Some("security.secret_file"));
     let config = load_only(&write(
         &dir,
         "ok.toml",
         "[security]\ndanger_insecure = true\n",
     ))?;
     assert_eq!(config.transport.rules.len(), 3);
+    Ok(())
+}
+
+#[test]
+fn a_key_no_layer_sets_is_blamed_on_the_file_read() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    // An empty file (or one of comments only) sets nothing, and the error says so.
+    for (name, text) in [("empty.toml", ""), ("comments.toml", "# nothing yet\n")] {
+        let path = write(&dir, name, text);
+        let err = load_only(&path).expect_err(name);
+        assert_eq!(err.origin(), Some(&Origin::File(path.clone())), "{err}");
+        assert_eq!(err.key(), Some("security.secret_file"), "{err}");
+        let message = err.to_string();
+        assert!(
+            message.starts_with(&format!(
+                "config file {}: key security.secret_file: ",
+                path.display()
+            )),
+            "{message}"
+        );
+        assert!(message.ends_with("; the file sets no keys"), "{message}");
+    }
+    // A file that sets other keys is named without the remark.
+    let named = write(&dir, "named.toml", "[node]\nname = \"a\"\n");
+    let err = load_only(&named).expect_err("no secret");
+    assert_eq!(err.origin(), Some(&Origin::File(named.clone())), "{err}");
+    assert!(!err.to_string().contains("sets no keys"), "{err}");
+    // Several files: the highest is named, the others listed.
+    let system = write(&dir, "system.toml", "[limits]\nmailbox = 9\n");
+    let opts = LoadOptions {
+        system_file: Some(system.clone()),
+        user_file: Some(dir.path().join("absent.toml")),
+        file: Some(named.clone()),
+        env: false,
+        env_vars: None,
+        overrides: Vec::new(),
+    };
+    let err = load(&opts).expect_err("no secret");
+    assert_eq!(err.origin(), Some(&Origin::File(named)), "{err}");
+    assert!(
+        err.to_string().ends_with(&format!(
+            "; not set in config file {} either",
+            system.display()
+        )),
+        "{err}"
+    );
+    // No file at all: the defaults, and where files were looked for.
+    let opts = LoadOptions {
+        file: None,
+        system_file: Some(dir.path().join("no-system.toml")),
+        ..opts
+    };
+    let err = load(&opts).expect_err("no secret");
+    assert_eq!(err.origin(), Some(&Origin::Defaults), "{err}");
+    assert!(
+        err.to_string().contains(&format!(
+            "no configuration file was read (looked for {}, {})",
+            dir.path().join("no-system.toml").display(),
+            dir.path().join("absent.toml").display()
+        )),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn numbers_too_large_are_named() {
+    for (extra, key) in [
+        (
+            "[limits]\nmailbox = 99999999999999999999999\n",
+            "limits.mailbox",
+        ),
+        // Above i64::MAX, the largest TOML integer, though it fits a u64.
+        (
+            "[limits]\nmailbox = 9999999999999999999\n",
+            "limits.mailbox",
+        ),
+        (
+            "limits.peer_queue = 99999999999999999999 # c\n",
+            "limits.peer_queue",
+        ),
+        (
+            "[limits]\nmax_frame = { x = 99999999999999999999 }\n",
+            "limits.max_frame.x",
+        ),
+        (
+            "[[transport.rules]]\nname = \"a\"\ntransports = [\"tcp\"]\n\
+             [[transport.rules]]\nname = \"b\"\ntransports = [\"tcp\"]\nmax_bytes = 99999999999999999999\n",
+            "transport.rules[1].max_bytes",
+        ),
+        (
+            "[gpu]\ndevices = [\n  0,\n  99999999999999999999,\n]\n",
+            "gpu.devices[1]",
+        ),
+    ] {
+        let err = expect_bad(extra, key);
+        assert!(matches!(err, ConfigError::Invalid { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains("99999999999"), "{message}");
+        assert!(message.contains("number too large"), "{message}");
+        assert!(message.contains("(line "), "{message}");
+    }
+    // Inline text, and other values the TOML parser refuses before the schema sees them.
+    let err =
+        Config::from_toml_str("[limits]\nmailbox = 99999999999999999999\n").expect_err("too large");
+    assert_eq!(err.key(), Some("limits.mailbox"), "{err}");
+    assert_eq!(err.origin(), Some(&Origin::Inline), "{err}");
+    expect_bad("[node]\nname = unquoted\n", "node.name");
+    // A broken document, not a refused value, is still a parse error with a line.
+    let err = Config::from_toml_str("[limits]\nmailbox = 3\nmailbox = 4\n").expect_err("twice");
+    assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+}
+
+#[test]
+fn numbers_too_large_from_yaml_and_variables_are_named() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let yaml = write(
+        &dir,
+        "big.yaml",
+        "security:\n  danger_insecure: true\nlimits:\n  mailbox: 99999999999999999999999\n",
+    );
+    let err = load_only(&yaml).expect_err("too large");
+    assert_eq!(err.key(), Some("limits.mailbox"), "{err}");
+    assert_eq!(err.origin(), Some(&Origin::File(yaml)), "{err}");
+    assert!(err.to_string().contains("out of range"), "{err}");
+    // YAML reads these as floats, which would saturate to u64::MAX without a word.
+    for value in ["-99999999999999999999999", "1e30"] {
+        let path = write(
+            &dir,
+            "big.yml",
+            &format!("security:\n  danger_insecure: true\ngpu:\n  devices: [0, {value}]\n"),
+        );
+        let err = load_only(&path).expect_err(value);
+        assert_eq!(err.key(), Some("gpu.devices[1]"), "{err}");
+    }
+    let base = write(&dir, "base.toml", BASE);
+    for value in ["99999999999999999999999", "-99999999999999999999999"] {
+        let mut opts = LoadOptions::only_file(&base);
+        opts.env = true;
+        opts.env_vars = Some(vec![("FERRY__LIMITS__MAILBOX".into(), value.into())]);
+        let err = load(&opts).expect_err(value);
+        assert_eq!(err.key(), Some("limits.mailbox"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "environment variable FERRY__LIMITS__MAILBOX: key limits.mailbox: number {value} is out of range for this key"
+            )
+        );
+        let mut opts = LoadOptions::only_file(&base);
+        opts.overrides = vec![("limits.mailbox".into(), value.into())];
+        let err = load(&opts).expect_err(value);
+        assert_eq!(err.key(), Some("limits.mailbox"), "{err}");
+        assert_eq!(err.origin(), Some(&Origin::CommandLine), "{err}");
+    }
     Ok(())
 }
 

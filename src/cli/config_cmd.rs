@@ -8,7 +8,8 @@ use ferry_config::LoadOptions;
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Exit 0 if FILE (or the layered configuration) is valid; else print why and exit 1.
+    /// Exit 0 if FILE (or the layered configuration) is valid and its secret file can be
+    /// used; else print why and exit 1.
     Check {
         /// The file to check on its own; without it, the layered configuration is checked.
         file: Option<PathBuf>,
@@ -20,7 +21,10 @@ pub enum Command {
 pub fn run(file: Option<PathBuf>, overrides: &[String], cmd: Command) -> anyhow::Result<ExitCode> {
     match cmd {
         Command::Check { file: Some(path) } => {
-            match ferry_config::load(&LoadOptions::only_file(&path)) {
+            // The secret file too: `serve` would refuse a missing, short or open one.
+            let checked = ferry_config::load(&LoadOptions::only_file(&path))
+                .and_then(|config| config.read_secret());
+            match checked {
                 Ok(_) => {
                     println!("{}: valid", path.display());
                     Ok(ExitCode::SUCCESS)
@@ -31,16 +35,20 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], cmd: Command) -> anyhow:
                 }
             }
         }
-        Command::Check { file: None } => match super::load_config(file, overrides, vec![]) {
-            Ok(_) => {
-                println!("configuration valid");
-                Ok(ExitCode::SUCCESS)
+        Command::Check { file: None } => {
+            let checked = super::load_config(file, overrides, vec![])
+                .and_then(|config| Ok(config.read_secret()?));
+            match checked {
+                Ok(_) => {
+                    println!("configuration valid");
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(e) => {
+                    eprintln!("{e:#}");
+                    Ok(ExitCode::FAILURE)
+                }
             }
-            Err(e) => {
-                eprintln!("{e:#}");
-                Ok(ExitCode::FAILURE)
-            }
-        },
+        }
         Command::Show => {
             let config = super::load_config(file, overrides, vec![])?;
             print!("{}", config.to_toml()?);

@@ -10,7 +10,7 @@
 //! least one receive spilled and one was promoted.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
@@ -234,9 +234,7 @@ async fn demo(args: Args) -> anyhow::Result<ExitCode> {
     let secret = dir.path().join("secret");
     let mut rng = Rng(std::process::id() as u64 | 1);
     let secret_text: String = (0..4).map(|_| format!("{:016x}", rng.next())).collect();
-    std::fs::File::create(&secret)
-        .and_then(|mut f| f.write_all(secret_text.as_bytes()))
-        .context("cannot write the demo secret")?;
+    super::write_secret_file(&secret, &secret_text).context("cannot write the demo secret")?;
 
     let names: Vec<String> = (1..=args.stages).map(|i| format!("stage-{i}")).collect();
     // Under pressure the source, which receives every buffer at the end of the pipeline,

@@ -48,6 +48,19 @@ enum Command {
 }
 
 /// Parses `KEY=VALUE` overrides.
+/// Writes a new secret file at `path` that only its owner may read (mode 0600), as
+/// `Config::read_secret` demands. Fails if the file exists.
+fn write_secret_file(path: &std::path::Path, secret: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(secret.as_bytes()))
+}
+
 fn parse_overrides(raw: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     raw.iter()
         .map(|kv| {

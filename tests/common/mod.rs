@@ -19,7 +19,7 @@ impl Scratch {
     pub fn new() -> Self {
         let dir = tempfile::tempdir().expect("scratch dir");
         let secret = dir.path().join("secret");
-        std::fs::write(&secret, "correct horse battery staple 42").expect("secret");
+        write_secret(&secret, "correct horse battery staple 42");
         Self { dir, secret }
     }
 
@@ -30,7 +30,7 @@ impl Scratch {
     /// A second secret, for a node that must not get in.
     pub fn other_secret(&self) -> PathBuf {
         let path = self.dir.path().join("other-secret");
-        std::fs::write(&path, "an entirely different secret 99").expect("secret");
+        write_secret(&path, "an entirely different secret 99");
         path
     }
 
@@ -68,6 +68,21 @@ impl Scratch {
         std::fs::write(&path, text).expect("write config");
         path
     }
+}
+
+/// Writes a secret file that only its owner may read (mode 0600 when it is created), as
+/// `Config::read_secret` demands.
+pub fn write_secret(path: &Path, text: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .expect("write a secret file");
 }
 
 /// A `ferry serve` child process, killed when dropped.

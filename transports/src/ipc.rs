@@ -29,6 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::cuda::{CudaProbe, ExportablePool};
+use crate::link::admission::{Admission, AdmissionLimits};
 use crate::link::auth::{Role, authenticate};
 use crate::link::{LinkError, Secret, fdpass};
 use crate::transport::{Capabilities, Viability};
@@ -129,14 +130,24 @@ pub fn bind_pool_socket(node: &str) -> io::Result<UnixListener> {
     UnixListener::from_std(listener)
 }
 
+/// Pool requests in progress at once; past it the oldest is shed.
+const POOL_REQUESTS: usize = 64;
+
 /// Answers pool requests until the listener fails; each connection in its own task, under
-/// [`POOL_REQUEST_TIMEOUT`]. Runs on a tokio runtime.
+/// [`POOL_REQUEST_TIMEOUT`], at most [`POOL_REQUESTS`] at once (a new one sheds the oldest).
+/// Runs on a tokio runtime.
 pub async fn serve_pools(
     listener: UnixListener,
     secret: Secret,
     pools: PoolDirectory,
     rings: RingDirectory,
 ) {
+    // Requests in progress are bounded like link handshakes: a new one past the bound
+    // sheds the oldest, so idle connections cannot hold the socket.
+    let admission = Arc::new(std::sync::Mutex::new(Admission::new(AdmissionLimits {
+        total: POOL_REQUESTS,
+        per_source: POOL_REQUESTS,
+    })));
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -145,15 +156,27 @@ pub async fn serve_pools(
                 return;
             }
         };
+        let (shed_me, shed) = tokio::sync::oneshot::channel::<()>();
+        let id = match admission.lock() {
+            Ok(mut admission) => admission.admit("unix", shed_me).0,
+            Err(_) => return,
+        };
         let secret = secret.clone();
         let pools = Arc::clone(&pools);
         let rings = Arc::clone(&rings);
+        let admission = Arc::clone(&admission);
         tokio::spawn(async move {
-            let answered = tokio::time::timeout(
+            let answer = tokio::time::timeout(
                 POOL_REQUEST_TIMEOUT,
                 answer(stream, &secret, &pools, &rings),
-            )
-            .await;
+            );
+            let answered = tokio::select! {
+                answered = answer => answered,
+                _ = shed => Ok(Err("shed: too many pool requests in progress".to_string())),
+            };
+            if let Ok(mut admission) = admission.lock() {
+                admission.finish(id);
+            }
             match answered {
                 Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),

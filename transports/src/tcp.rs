@@ -170,6 +170,11 @@ impl InboundRegion {
         self.received >= capacity
     }
 
+    /// Bytes placed so far (chunks lent out and not yet restored are not counted).
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
     /// The buffer, once filled (or abandoned); `None` while it is lent out.
     pub fn into_buffer(self) -> Option<Buffer> {
         self.buffer

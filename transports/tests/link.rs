@@ -27,6 +27,7 @@ fn options(timeout: Duration) -> LinkOptions {
     LinkOptions {
         max_frame: CAP,
         handshake_timeout: timeout,
+        stall_timeout: timeout,
         counters: Arc::new(LinkCounters::new()),
     }
 }
@@ -500,20 +501,19 @@ async fn oversized_frame_is_rejected_before_its_payload() {
 }
 
 #[tokio::test]
-async fn bit_flipped_frame_is_rejected_and_the_next_one_read() {
+async fn bit_flipped_frame_ends_the_link() {
     let mut bytes = frame_bytes(&Message::Ping(9));
     let last = bytes.len() - 1;
     bytes[last] ^= 0x04;
     bytes.extend(frame_bytes(&Message::Pong(10)));
     let (results, counters) = server_reads_after(bytes, false).await;
     assert_frame_error(&results[0], "crc");
-    assert!(
-        matches!(&results[1], Ok(Some(Message::Pong(10)))),
-        "{:?}",
-        results[1]
-    );
+    // The sound frame behind it is never handed out: a byte stream that carried one bad
+    // frame is not trusted for the next.
+    assert_frame_error(&results[1], "crc");
     assert_eq!(counters.frames_rejected("crc"), 1);
-    assert_eq!(counters.frames_ok(), 2);
+    // The Hello only.
+    assert_eq!(counters.frames_ok(), 1);
 }
 
 #[tokio::test]
@@ -526,8 +526,8 @@ async fn frame_with_another_kinds_payload_is_rejected() {
     forged.extend_from_slice(&ping[HEADER_LEN..]);
     let (results, counters) = server_reads_after(forged, true).await;
     assert_frame_error(&results[0], "kind_mismatch");
-    // The stream is still in sync: the peer's clean close is seen as such.
-    assert!(matches!(results[1], Ok(None)), "{:?}", results[1]);
+    // The link is done, even though the stream is in step.
+    assert_frame_error(&results[1], "kind_mismatch");
     assert_eq!(counters.frames_rejected("kind_mismatch"), 1);
 }
 
@@ -734,7 +734,7 @@ async fn a_chunk_whose_header_does_not_announce_it_is_refused_locally() {
 }
 
 #[tokio::test]
-async fn a_damaged_payload_is_counted_and_the_link_stays_in_step() {
+async fn a_damaged_payload_is_counted_and_ends_the_link() {
     let bytes = vec![7u8; 3000];
     let header = frame_bytes(&Message::Data(DataChunk {
         transfer: 1,
@@ -749,32 +749,133 @@ async fn a_damaged_payload_is_counted_and_the_link_stays_in_step() {
     stream.extend(&payload);
     stream.extend(&header);
     stream.extend(encode_payload(&bytes).unwrap_or_default());
-    stream.extend(frame_bytes(&Message::Ping(4)));
 
     let (listener, endpoint) = tcp_listener().await;
     let (mut client, mut server, counters) = connected_pair_counted(endpoint, listener).await;
     assert!(client.writer.danger_send_raw(&stream).await.is_ok());
     let mut dst = vec![0u8; 3000];
-    for damaged in [true, false] {
-        assert!(matches!(server.reader.next().await, Ok(Some(f)) if f.kind() == FrameKind::Data));
-        let read = server.reader.read_payload_into(&mut dst).await;
-        if damaged {
-            assert!(
-                matches!(read, Err(LinkError::Frame(FrameError::CrcMismatch { .. }))),
-                "{read:?}"
-            );
-        } else {
-            assert!(read.is_ok(), "{read:?}");
-            assert_eq!(dst, bytes);
-        }
-    }
-    match server.reader.next().await {
-        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(Message::Ping(4))),
+    assert!(matches!(server.reader.next().await, Ok(Some(f)) if f.kind() == FrameKind::Data));
+    let read = server.reader.read_payload_into(&mut dst).await;
+    assert!(
+        matches!(read, Err(LinkError::Frame(FrameError::CrcMismatch { .. }))),
+        "{read:?}"
+    );
+    // Nothing more is read from this link, however sound the frames behind it.
+    assert!(matches!(
+        server.reader.next().await,
+        Err(LinkError::Frame(FrameError::CrcMismatch { .. }))
+    ));
+    assert!(server.reader.discard_payload(3000).await.is_err());
+    assert_eq!(counters.frames_rejected("crc"), 1);
+    // The Hello and the first header.
+    assert_eq!(counters.frames_ok(), 2);
+}
+
+#[tokio::test]
+async fn a_frame_begun_and_left_unfinished_ends_the_link_after_the_stall_timeout() {
+    let (listener, endpoint) = tcp_listener().await;
+    let mut opts = options(PATIENT);
+    opts.stall_timeout = SHORT;
+    let counters = opts.counters.clone();
+    let server = serve_one(listener, secret(), opts);
+    let Ok(mut stream) = TcpStream::connect(tcp_addr(&endpoint)).await else {
+        panic!("connect")
+    };
+    RawDialer::honest().open(&mut stream).await;
+    let mut link = match joined(server).await {
+        Ok(l) => l,
+        Err(e) => panic!("{e}"),
+    };
+    // Half a frame, then nothing, with the connection held open.
+    let ping = frame_bytes(&Message::Ping(3));
+    assert!(stream.write_all(&ping[..ping.len() / 2]).await.is_ok());
+    let started = std::time::Instant::now();
+    let read = tokio::time::timeout(PATIENT, link.reader.next()).await;
+    let Ok(read) = read else {
+        panic!("the reader waited past {PATIENT:?} for a stalled frame")
+    };
+    assert!(
+        matches!(read, Err(LinkError::Frame(FrameError::Stalled { .. }))),
+        "{read:?}"
+    );
+    assert!(started.elapsed() < SHORT * 10, "{:?}", started.elapsed());
+    assert_eq!(counters.frames_rejected("stalled"), 1);
+    drop(stream);
+}
+
+#[tokio::test]
+async fn an_idle_link_is_not_a_stalled_one() {
+    let (listener, endpoint) = tcp_listener().await;
+    let mut opts = options(PATIENT);
+    opts.stall_timeout = SHORT;
+    let server = serve_one(listener, secret(), opts);
+    let Ok(mut stream) = TcpStream::connect(tcp_addr(&endpoint)).await else {
+        panic!("connect")
+    };
+    RawDialer::honest().open(&mut stream).await;
+    let mut link = match joined(server).await {
+        Ok(l) => l,
+        Err(e) => panic!("{e}"),
+    };
+    // Quiet between frames for several stall timeouts, then a whole frame.
+    let idle = tokio::time::timeout(SHORT * 4, link.reader.next()).await;
+    assert!(idle.is_err(), "something arrived on an idle link: {idle:?}");
+    assert!(
+        stream
+            .write_all(&frame_bytes(&Message::Ping(5)))
+            .await
+            .is_ok()
+    );
+    match link.reader.next().await {
+        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(Message::Ping(5))),
         other => panic!("{other:?}"),
     }
-    assert_eq!(counters.frames_rejected("crc"), 1);
-    // The Hello, two headers, one good payload, the ping.
-    assert_eq!(counters.frames_ok(), 5);
+}
+
+#[tokio::test]
+async fn a_peer_that_stops_reading_fails_our_write_after_the_stall_timeout() {
+    let (listener, endpoint) = tcp_listener().await;
+    let mut opts = options(PATIENT);
+    opts.stall_timeout = SHORT;
+    let server = serve_one(listener, secret(), opts);
+    let Ok(mut stream) = TcpStream::connect(tcp_addr(&endpoint)).await else {
+        panic!("connect")
+    };
+    RawDialer::honest().open(&mut stream).await;
+    let mut link = match joined(server).await {
+        Ok(l) => l,
+        Err(e) => panic!("{e}"),
+    };
+    // The peer never reads: chunks fill both socket buffers, then the write stalls.
+    let chunk = vec![1u8; 512 << 10];
+    let started = std::time::Instant::now();
+    let mut failed = None;
+    for i in 0..1000u64 {
+        let header = Message::Data(DataChunk {
+            transfer: 1,
+            offset: i * chunk.len() as u64,
+            len: chunk.len() as u32,
+        });
+        let sent = tokio::time::timeout(PATIENT, async {
+            link.writer.feed_chunk(&header, &chunk).await?;
+            link.writer.flush().await
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                failed = Some(e);
+                break;
+            }
+            Err(_) => panic!("a write waited past {PATIENT:?} on a peer that stopped reading"),
+        }
+    }
+    match failed {
+        Some(LinkError::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}"),
+        other => panic!("expected a timed-out write, got {other:?}"),
+    }
+    assert!(started.elapsed() < PATIENT);
+    drop(stream);
 }
 
 #[tokio::test]

@@ -20,7 +20,7 @@
 //! shell keeps it: the peer may still be copying into it).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ferry_transports::wire::{
     Cancel, Done, Grant, IpcSource, Layout, Message, Offer, WireDirection, WireMemoryKind,
@@ -216,6 +216,14 @@ pub struct SessionLimits {
     pub in_flight: usize,
     /// Inbound transfers the peer may have open at once.
     pub inbound: usize,
+    /// Inbound transfers being reserved or received at once (outstanding grants); later
+    /// offers wait their turn.
+    pub grants: usize,
+    /// Bytes the peer's inbound transfers may hold at once, from reservation to delivery;
+    /// an offer larger than this alone is refused as too large.
+    pub inbound_bytes: u64,
+    /// A granted inbound transfer that makes no progress for this long is ended.
+    pub stall: Duration,
 }
 
 #[derive(Debug)]
@@ -251,7 +259,11 @@ enum Phase {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InPhase {
+    /// Offered, waiting for room under the per-peer bounds ([`SessionLimits::grants`],
+    /// [`SessionLimits::inbound_bytes`]).
+    Queued,
     Reserving,
+    /// Granted (or being pulled); `stall_at` bounds the wait for the next progress.
     Receiving,
     Complete,
 }
@@ -262,6 +274,22 @@ struct InboundOp {
     transport: String,
     layout: Layout,
     phase: InPhase,
+    /// Bytes reserved for it (its packed length).
+    len: u64,
+    /// What the shell must reserve once it leaves `Queued`.
+    reserve: Option<SessionEvent>,
+    /// When it is stalled unless progress comes first (`Receiving` only; `None` for a
+    /// pull, which is our own copy).
+    stall_at: Option<Instant>,
+    /// Bytes of it placed so far, as the shell last reported.
+    progress: u64,
+}
+
+impl InboundOp {
+    /// True while it holds (or is getting) a reservation and counts against the bounds.
+    fn is_active(&self) -> bool {
+        matches!(self.phase, InPhase::Reserving | InPhase::Receiving)
+    }
 }
 
 /// One peer's operations and deadlines. See the module docs for the phases.
@@ -543,6 +571,15 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
+        } else if offer.len > self.limits.inbound_bytes {
+            Some((
+                WireReason::TooLarge,
+                format!(
+                    "{} bytes is more than a peer may hold reserved here ({} bytes, \
+                     limits.peer_inbound_bytes)",
+                    offer.len, self.limits.inbound_bytes
+                ),
+            ))
         } else if !((offer.transport == "tcp" || offer.transport == "staged")
             && offer.direction == WireDirection::Push
             && offer.ipc.is_none()
@@ -572,25 +609,60 @@ impl PeerSession {
             }));
             return Ok(());
         }
-        self.inbound.insert(
-            id,
-            InboundOp {
-                tag: offer.tag,
-                transport: offer.transport.clone(),
-                layout: offer.layout,
-                phase: InPhase::Reserving,
-            },
-        );
         let push = offer.transport == "ipc" && offer.direction == WireDirection::Push;
-        self.events.push_back(SessionEvent::Reserve {
+        let reserve = SessionEvent::Reserve {
             id,
             len: offer.len,
             pull: offer.ipc,
             push,
             staged: offer.transport == "staged",
             layout: offer.layout,
-        });
+        };
+        self.inbound.insert(
+            id,
+            InboundOp {
+                tag: offer.tag,
+                transport: offer.transport.clone(),
+                layout: offer.layout,
+                phase: InPhase::Queued,
+                len: offer.len,
+                reserve: Some(reserve),
+                stall_at: None,
+                progress: 0,
+            },
+        );
+        self.admit_queued();
         Ok(())
+    }
+
+    /// Starts reserving queued inbound transfers, in offer order, while the per-peer bounds
+    /// leave room: at most [`SessionLimits::grants`] reserving or receiving, and at most
+    /// [`SessionLimits::inbound_bytes`] held by transfers not yet delivered. The first that
+    /// does not fit stops the others behind it (no overtaking).
+    fn admit_queued(&mut self) {
+        let mut active = self.inbound.values().filter(|op| op.is_active()).count();
+        let mut held: u64 = self
+            .inbound
+            .values()
+            .filter(|op| op.phase != InPhase::Queued)
+            .map(|op| op.len)
+            .sum();
+        for op in self.inbound.values_mut() {
+            if op.phase != InPhase::Queued {
+                continue;
+            }
+            if active >= self.limits.grants
+                || held.saturating_add(op.len) > self.limits.inbound_bytes
+            {
+                break;
+            }
+            active += 1;
+            held = held.saturating_add(op.len);
+            op.phase = InPhase::Reserving;
+            if let Some(reserve) = op.reserve.take() {
+                self.events.push_back(reserve);
+            }
+        }
     }
 
     fn on_grant(&mut self, grant: &Grant) -> Result<(), ProtocolViolation> {
@@ -703,24 +775,35 @@ impl PeerSession {
             );
         }
         let theirs = InboundId(cancel.transfer);
-        if !cancel.by_receiver && self.inbound.remove(&theirs).is_some() {
-            self.events.push_back(SessionEvent::Abandon(theirs));
+        if !cancel.by_receiver
+            && let Some(op) = self.inbound.remove(&theirs)
+        {
+            // A queued transfer has nothing reserved yet: nothing for the shell to free.
+            if op.phase != InPhase::Queued {
+                self.events.push_back(SessionEvent::Abandon(theirs));
+            }
             self.deliver_ready();
+            self.admit_queued();
         }
     }
 
     /// Memory for inbound transfer `id` was reserved, and for an ipc push lent as `target`.
     /// Returns false if the transfer was abandoned meanwhile, in which case the shell frees
     /// the memory itself (nothing was lent).
+    /// From now on, the peer must make progress at least every [`SessionLimits::stall`]
+    /// (reported with [`Self::handle_inbound_progress`]), or the transfer is ended.
     pub fn handle_reserved(
         &mut self,
+        now: Instant,
         id: InboundId,
         landing: WireMemoryKind,
         target: Option<IpcSource>,
     ) -> bool {
+        let stall = self.limits.stall;
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Reserving => {
                 op.phase = InPhase::Receiving;
+                op.stall_at = Some(now + stall);
                 self.transmit.push_back(Message::Grant(Grant {
                     transfer: id.0,
                     landing,
@@ -756,7 +839,52 @@ impl PeerSession {
                 detail,
             }));
             self.deliver_ready();
+            self.admit_queued();
         }
+    }
+
+    /// `bytes` of inbound transfer `id` are in place so far (a running total): if that is
+    /// more than last reported, its stall clock starts again. Reports about transfers
+    /// that are not receiving are ignored.
+    pub fn handle_inbound_progress(&mut self, id: InboundId, bytes: u64, now: Instant) {
+        let stall = self.limits.stall;
+        if let Some(op) = self.inbound.get_mut(&id)
+            && op.phase == InPhase::Receiving
+            && bytes > op.progress
+        {
+            op.progress = bytes;
+            if op.stall_at.is_some() {
+                op.stall_at = Some(now + stall);
+            }
+        }
+    }
+
+    /// Ends every granted inbound transfer whose stall clock ran out: its memory is
+    /// abandoned and the peer is told why.
+    fn expire_stalled(&mut self, now: Instant) {
+        let stalled: Vec<InboundId> = self
+            .inbound
+            .iter()
+            .filter(|(_, op)| {
+                op.phase == InPhase::Receiving && op.stall_at.is_some_and(|at| at <= now)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stalled {
+            let progress = self.inbound.remove(&id).map_or(0, |op| op.progress);
+            self.transmit.push_back(Message::Cancel(Cancel {
+                by_receiver: true,
+                transfer: id.0,
+                reason: WireReason::Stalled,
+                detail: format!(
+                    "no progress for {:?} after {progress} bytes (limits.stall_timeout)",
+                    self.limits.stall
+                ),
+            }));
+            self.events.push_back(SessionEvent::Abandon(id));
+        }
+        self.deliver_ready();
+        self.admit_queued();
     }
 
     /// Every byte of inbound transfer `id` has been placed. Returns false if it is not
@@ -765,9 +893,11 @@ impl PeerSession {
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Receiving => {
                 op.phase = InPhase::Complete;
+                op.stall_at = None;
                 self.transmit
                     .push_back(Message::Done(Done { transfer: id.0 }));
                 self.deliver_ready();
+                self.admit_queued();
                 true
             }
             _ => false,
@@ -787,6 +917,15 @@ impl PeerSession {
                 transport: op.transport,
                 layout: op.layout,
             });
+        }
+        // What was delivered no longer holds bytes against the bound.
+        self.admit_queued_after_delivery();
+    }
+
+    /// [`Self::admit_queued`], when something may have left: cheap when nothing is queued.
+    fn admit_queued_after_delivery(&mut self) {
+        if self.inbound.values().any(|op| op.phase == InPhase::Queued) {
+            self.admit_queued();
         }
     }
 
@@ -811,6 +950,7 @@ impl PeerSession {
                 Some(WireReason::DeadlineExceeded),
             );
         }
+        self.expire_stalled(now);
     }
 
     /// The link broke: every op fails once (streams first stop), inbound transfers are
@@ -904,8 +1044,10 @@ impl PeerSession {
         self.events.pop_front()
     }
 
-    /// The earliest deadline of a live op, for the shell's timer.
+    /// The earliest deadline of a live op or stall clock of a granted inbound transfer,
+    /// for the shell's timer.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let stalls = self.inbound.values().filter_map(|op| op.stall_at);
         self.ops
             .values()
             .filter_map(|p| match p {
@@ -915,6 +1057,16 @@ impl PeerSession {
                 Phase::AwaitGrant(req) => Some(req.deadline),
                 Phase::Ending { .. } => None,
             })
+            .chain(stalls)
             .min()
+    }
+
+    /// Inbound transfers receiving now, for the shell to report their progress before a
+    /// timeout ([`Self::handle_inbound_progress`]).
+    pub fn receiving(&self) -> impl Iterator<Item = InboundId> + '_ {
+        self.inbound
+            .iter()
+            .filter(|(_, op)| op.stall_at.is_some())
+            .map(|(id, _)| *id)
     }
 }

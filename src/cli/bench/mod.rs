@@ -433,7 +433,7 @@ async fn start_local(
     let key: String = (0..4)
         .map(|_| format!("{:016x}", rand::random::<u64>()))
         .collect();
-    std::fs::write(&secret, key).context("cannot write the bench secret")?;
+    super::write_secret_file(&secret, &key).context("cannot write the bench secret")?;
     let unix = args.link == "unix";
     let peer_cfg = dir.path().join("peer.toml");
     let mut text = format!(

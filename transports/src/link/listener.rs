@@ -3,6 +3,7 @@
 use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
@@ -45,9 +46,36 @@ pub(crate) fn describe_unix_peer(stream: &UnixStream, path: &Path) -> String {
 pub struct Accepted {
     pub(crate) stream: Stream,
     pub(crate) peer: String,
+    source: String,
 }
 
 impl Accepted {
+    /// The source the connection counts against for admission: the peer's IP address for
+    /// TCP (every port of one address is one source), `"unix"` for every Unix-socket peer.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Waits until the peer has sent its first byte (or closed), at most `within`: a
+    /// connection that says nothing for that long is not worth a handshake. Reads nothing.
+    ///
+    /// Fails with `TimedOut` when nothing arrived in time, or the socket error.
+    pub async fn first_byte(&self, within: Duration) -> io::Result<()> {
+        let wait = async {
+            match &self.stream {
+                Stream::Tcp(s) => s.peek(&mut [0u8; 1]).await.map(drop),
+                Stream::Unix(s) => s.readable().await,
+            }
+        };
+        match tokio::time::timeout(within, wait).await {
+            Ok(ready) => ready,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no byte within {within:?}"),
+            )),
+        }
+    }
+
     /// Who connected, as text for logs and errors (`"tcp:10.0.0.7:51234"`,
     /// `"unix:/run/ferry.sock (pid 4711)"`). Unauthenticated: do not trust it.
     pub fn peer(&self) -> &str {
@@ -159,6 +187,7 @@ impl Listener {
                 Accepted {
                     stream: Stream::Tcp(stream),
                     peer: format!("tcp:{addr}"),
+                    source: addr.ip().to_string(),
                 }
             }
             Inner::Unix { listener, path, .. } => {
@@ -167,6 +196,7 @@ impl Listener {
                 Accepted {
                     stream: Stream::Unix(stream),
                     peer,
+                    source: "unix".to_owned(),
                 }
             }
         };

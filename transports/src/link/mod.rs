@@ -14,6 +14,7 @@
 //! Every refusal is counted in the node's [`LinkCounters`] and in the `metrics` counters
 //! `ferry_auth_failures_total` and `ferry_frames_rejected_total{reason}`.
 
+pub mod admission;
 pub mod auth;
 mod counters;
 pub mod fdpass;
@@ -74,6 +75,11 @@ pub struct LinkOptions {
     /// Limit for connecting (when dialing), authenticating and exchanging `Hello`, together.
     /// Default 5 s.
     pub handshake_timeout: Duration,
+    /// Longest time without a byte of progress inside a frame, in either direction: a peer
+    /// that starts a frame and goes quiet, or stops reading while we write one, ends the
+    /// link ([`FrameError::Stalled`], or [`LinkError::Io`] of kind `TimedOut` for a write).
+    /// Idle time between frames is not bounded by it. Default 5 s (`limits.stall_timeout`).
+    pub stall_timeout: Duration,
     /// The node's counters, shared by all its links.
     pub counters: Arc<LinkCounters>,
 }
@@ -83,6 +89,7 @@ impl Default for LinkOptions {
         Self {
             max_frame: 16 * 1024 * 1024,
             handshake_timeout: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(5),
             counters: Arc::new(LinkCounters::new()),
         }
     }
@@ -209,10 +216,13 @@ impl fmt::Debug for LinkReader {
 }
 
 impl LinkReader {
-    fn new(read: BoxRead, max_frame: u32, counters: Arc<LinkCounters>, peer: String) -> Self {
+    fn new(read: BoxRead, opts: &LinkOptions, peer: String) -> Self {
+        let mut frames =
+            FrameReader::new(BufReader::with_capacity(LINK_BUFFER, read), opts.max_frame);
+        frames.set_stall_timeout(Some(opts.stall_timeout));
         Self {
-            frames: FrameReader::new(BufReader::with_capacity(LINK_BUFFER, read), max_frame),
-            counters,
+            frames,
+            counters: Arc::clone(&opts.counters),
             peer,
             failed: None,
         }
@@ -226,10 +236,11 @@ impl LinkReader {
     /// Receives the next frame, checked (length cap, CRC, rkyv validation, kind).
     ///
     /// Returns `Ok(None)` when the peer closed the connection between frames. Fails with
-    /// [`LinkError::Frame`] when the peer sent a bad frame (counted under its reason) and
-    /// [`LinkError::Io`] when the socket failed. After a CRC, validation or kind error the
-    /// next frame can still be read (the caller decides how many to tolerate); after any
-    /// other error every later call returns the same error.
+    /// [`LinkError::Frame`] when the peer sent a bad frame (counted under its reason; a
+    /// frame begun and then left without a byte for [`LinkOptions::stall_timeout`] is
+    /// [`FrameError::Stalled`]) and [`LinkError::Io`] when the socket failed. After any
+    /// error every later call returns the same error: on a byte stream, a frame that fails
+    /// its checks means the bytes around it cannot be trusted either, so the link is done.
     ///
     /// # Cancel safety
     ///
@@ -249,11 +260,8 @@ impl LinkReader {
                     self.counters.record_rejected(fe);
                     tracing::warn!(peer = %self.peer, reason = fe.reason(), "bad frame from peer: {fe}");
                 }
-                let recoverable = matches!(&e, ReadError::Frame(fe) if fe.is_recoverable());
                 let e = LinkError::from(e);
-                if !recoverable {
-                    self.failed = Some(e.clone());
-                }
+                self.failed = Some(e.clone());
                 Err(e)
             }
         }
@@ -265,11 +273,10 @@ impl LinkReader {
     ///
     /// The payload's header is checked (magic, version, kind, length equal to `dst.len()`
     /// and within our `max_frame`) before a byte of it is read; the CRC once every byte is
-    /// in `dst`. Fails with [`LinkError::Frame`] (counted under its reason): on
-    /// [`FrameError::CrcMismatch`] `dst` holds damaged bytes that must not be used, but the
-    /// link is still in step and the next frame can be read; after any other error,
-    /// including a wrong kind or length, the link is out of sync and every later call
-    /// returns the same error. [`LinkError::Io`] when the socket failed.
+    /// in `dst`. Fails with [`LinkError::Frame`] (counted under its reason; on
+    /// [`FrameError::CrcMismatch`] `dst` holds damaged bytes that must not be used) and
+    /// [`LinkError::Io`] when the socket failed. After any error the link is done and
+    /// every later call returns the same error.
     ///
     /// # Cancel safety
     ///
@@ -296,7 +303,7 @@ impl LinkReader {
         self.payload_read(result)
     }
 
-    /// Counts a payload read's outcome; only a CRC mismatch leaves the link usable.
+    /// Counts a payload read's outcome; any error ends the link.
     fn payload_read(&mut self, result: Result<(), ReadError>) -> Result<(), LinkError> {
         let e = match result {
             Ok(()) => {
@@ -309,11 +316,8 @@ impl LinkReader {
             self.counters.record_rejected(fe);
             tracing::warn!(peer = %self.peer, reason = fe.reason(), "bad payload frame from peer: {fe}");
         }
-        let in_step = matches!(&e, ReadError::Frame(FrameError::CrcMismatch { .. }));
         let e = LinkError::from(e);
-        if !in_step {
-            self.failed = Some(e.clone());
-        }
+        self.failed = Some(e.clone());
         Err(e)
     }
 }
@@ -326,6 +330,8 @@ pub struct LinkWriter {
     /// Set while a frame is partly written; if a send is cancelled or fails midway, the
     /// stream is out of sync and every later send fails.
     mid_frame: bool,
+    /// Longest wait for the socket to take a byte of a frame being written.
+    stall: Duration,
     peer: String,
 }
 
@@ -340,11 +346,12 @@ impl fmt::Debug for LinkWriter {
 }
 
 impl LinkWriter {
-    fn new(write: BoxWrite, peer: String) -> Self {
+    fn new(write: BoxWrite, stall: Duration, peer: String) -> Self {
         Self {
             inner: BufWriter::with_capacity(LINK_BUFFER, write),
             peer_max_frame: u32::MAX,
             mid_frame: false,
+            stall,
             peer,
         }
     }
@@ -373,16 +380,45 @@ impl LinkWriter {
         Ok(())
     }
 
+    /// Writes `parts` as one frame (or several whole frames), each write bounded by the
+    /// stall timeout: a peer that stops reading ends the link rather than holding the
+    /// writer (and the transfers behind it) for ever.
     async fn write_parts(&mut self, parts: &[&[u8]], flush: bool) -> Result<(), LinkError> {
         self.mid_frame = true;
         for part in parts {
-            self.inner.write_all(part).await?;
+            let mut rest = *part;
+            while !rest.is_empty() {
+                let n = self.within_stall(|w| w.write(rest)).await?;
+                if n == 0 {
+                    return Err(io::Error::from(io::ErrorKind::WriteZero).into());
+                }
+                rest = &rest[n..];
+            }
         }
         if flush {
-            self.inner.flush().await?;
+            self.within_stall(|w| w.flush()).await?;
         }
         self.mid_frame = false;
         Ok(())
+    }
+
+    /// Runs one write step on the buffered socket, failing with `TimedOut` when it takes no
+    /// byte for the stall timeout.
+    async fn within_stall<'a, T, F>(
+        &'a mut self,
+        step: impl FnOnce(&'a mut BufWriter<BoxWrite>) -> F,
+    ) -> io::Result<T>
+    where
+        F: std::future::Future<Output = io::Result<T>> + 'a,
+    {
+        let stall = self.stall;
+        match tokio::time::timeout(stall, step(&mut self.inner)).await {
+            Ok(done) => done,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the peer took no byte for {stall:?}: it stopped reading"),
+            )),
+        }
     }
 
     async fn write_message(&mut self, msg: &Message, flush: bool) -> Result<(), LinkError> {
@@ -492,17 +528,18 @@ impl LinkWriter {
     }
 
     /// Writes out whatever [`LinkWriter::feed`] left buffered. Fails with
-    /// [`LinkError::Io`]. Cancel-safe in the sense that a later `flush` finishes the job.
+    /// [`LinkError::Io`] (of kind `TimedOut` when the peer takes no byte for
+    /// [`LinkOptions::stall_timeout`]). Cancel-safe in the sense that a later `flush` finishes the job.
     pub async fn flush(&mut self) -> Result<(), LinkError> {
         self.check_usable()?;
-        self.inner.flush().await?;
+        self.within_stall(|w| w.flush()).await?;
         Ok(())
     }
 
     /// Flushes, then closes our direction of the connection (the peer's reader sees a clean
     /// end of stream). Fails with [`LinkError::Io`].
     pub async fn shutdown(&mut self) -> Result<(), LinkError> {
-        self.inner.shutdown().await?;
+        self.within_stall(|w| w.shutdown()).await?;
         Ok(())
     }
 }
@@ -583,7 +620,7 @@ pub async fn accept_handshake(
     hello: Hello,
     opts: &LinkOptions,
 ) -> Result<Link, LinkError> {
-    let Accepted { stream, peer } = accepted;
+    let Accepted { stream, peer, .. } = accepted;
     let attempt = open(stream, Role::Acceptor, &peer, secret, hello, opts);
     finish(
         tokio::time::timeout(opts.handshake_timeout, attempt).await,
@@ -622,8 +659,8 @@ async fn open(
     opts: &LinkOptions,
 ) -> Result<Link, LinkError> {
     let (read, write) = stream.into_halves();
-    let mut reader = LinkReader::new(read, opts.max_frame, opts.counters.clone(), peer.into());
-    let mut writer = LinkWriter::new(write, peer.into());
+    let mut reader = LinkReader::new(read, opts, peer.into());
+    let mut writer = LinkWriter::new(write, opts.stall_timeout, peer.into());
     authenticate(
         reader.frames_buffer_mut(),
         &mut writer.inner,

@@ -26,6 +26,7 @@
 
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
@@ -109,12 +110,24 @@ pub enum FrameError {
     /// This is a local error, never the peer's fault.
     #[error("cannot encode frame: {0}")]
     Encode(String),
+    /// The peer started a frame and then sent no byte of it for the reader's stall timeout
+    /// ([`FrameReader::set_stall_timeout`]): a stalled or hostile peer; the stream is given
+    /// up.
+    #[error("the peer sent no byte for {waited:?} inside a frame ({got} of {needed} bytes in)")]
+    Stalled {
+        /// How long nothing arrived.
+        waited: std::time::Duration,
+        /// Bytes of the frame received.
+        got: usize,
+        /// Bytes the frame needs (as far as known).
+        needed: usize,
+    },
 }
 
 impl FrameError {
     /// Every label [`FrameError::reason`] can return, in a fixed order (used to index
     /// per-reason counters).
-    pub const REASONS: [&'static str; 9] = [
+    pub const REASONS: [&'static str; 10] = [
         "bad_magic",
         "version",
         "unknown_kind",
@@ -124,6 +137,7 @@ impl FrameError {
         "invalid",
         "kind_mismatch",
         "encode",
+        "stalled",
     ];
 
     /// A short, stable label for this error, for metrics (`reason="crc"`, ...).
@@ -143,6 +157,7 @@ impl FrameError {
             Self::Invalid(_) => 6,
             Self::KindMismatch { .. } => 7,
             Self::Encode(_) => 8,
+            Self::Stalled { .. } => 9,
         }
     }
 
@@ -477,6 +492,8 @@ pub struct FrameReader<R> {
     mid_payload: bool,
     /// Where discarded payloads are read, allocated on first use.
     scratch: Vec<u8>,
+    /// Longest wait for the next byte once a frame has begun; `None` waits for ever.
+    stall: Option<Duration>,
     failed: Option<ReadError>,
 }
 
@@ -493,8 +510,18 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             payload_filled: 0,
             mid_payload: false,
             scratch: Vec::new(),
+            stall: None,
             failed: None,
         }
+    }
+
+    /// Bounds how long the reader waits for the next byte once a frame has begun (its
+    /// first header byte, or a payload frame that a `Data` or `Put` frame announced):
+    /// a frame that makes no progress for `stall` fails with [`FrameError::Stalled`], and
+    /// the stream is given up. Between frames the reader waits as long as it takes. `None`
+    /// (the default) waits for ever.
+    pub fn set_stall_timeout(&mut self, stall: Option<Duration>) {
+        self.stall = stall;
     }
 
     /// The payload cap in force.
@@ -598,6 +625,29 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         result
     }
 
+    /// Reads some bytes of a frame already begun into `buf`, within the stall timeout.
+    /// `got` and `needed` describe the frame for the error.
+    async fn read_in_frame(
+        inner: &mut R,
+        buf: &mut [u8],
+        stall: Option<Duration>,
+        got: usize,
+        needed: usize,
+    ) -> Result<usize, ReadError> {
+        let Some(waited) = stall else {
+            return Ok(inner.read(buf).await?);
+        };
+        match tokio::time::timeout(waited, inner.read(buf)).await {
+            Ok(read) => Ok(read?),
+            Err(_) => Err(FrameError::Stalled {
+                waited,
+                got,
+                needed,
+            }
+            .into()),
+        }
+    }
+
     async fn read_payload_inner(
         &mut self,
         len: usize,
@@ -606,7 +656,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         let mut raw = [0u8; HEADER_LEN];
         let mut filled = 0;
         while filled < HEADER_LEN {
-            let n = self.inner.read(&mut raw[filled..]).await?;
+            let n = Self::read_in_frame(
+                &mut self.inner,
+                &mut raw[filled..],
+                self.stall,
+                filled,
+                HEADER_LEN + len,
+            )
+            .await?;
             if n == 0 {
                 return Err(FrameError::Truncated {
                     needed: HEADER_LEN,
@@ -640,7 +697,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         match dst {
             Some(dst) => {
                 while done < len {
-                    let n = self.inner.read(&mut dst[done..]).await?;
+                    let n = Self::read_in_frame(
+                        &mut self.inner,
+                        &mut dst[done..],
+                        self.stall,
+                        HEADER_LEN + done,
+                        HEADER_LEN + len,
+                    )
+                    .await?;
                     if n == 0 {
                         return Err(truncated(done).into());
                     }
@@ -654,7 +718,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 }
                 while done < len {
                     let want = (len - done).min(self.scratch.len());
-                    let n = self.inner.read(&mut self.scratch[..want]).await?;
+                    let n = Self::read_in_frame(
+                        &mut self.inner,
+                        &mut self.scratch[..want],
+                        self.stall,
+                        HEADER_LEN + done,
+                        HEADER_LEN + len,
+                    )
+                    .await?;
                     if n == 0 {
                         return Err(truncated(done).into());
                     }
@@ -678,10 +749,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             Some(header) => header,
             None => {
                 while self.header_filled < HEADER_LEN {
-                    let n = self
-                        .inner
-                        .read(&mut self.raw_header[self.header_filled..])
-                        .await?;
+                    let buf = &mut self.raw_header[self.header_filled..];
+                    // Between frames the wait is unbounded; once a frame began, it is not.
+                    let n = if self.header_filled == 0 {
+                        self.inner.read(buf).await?
+                    } else {
+                        Self::read_in_frame(
+                            &mut self.inner,
+                            buf,
+                            self.stall,
+                            self.header_filled,
+                            HEADER_LEN,
+                        )
+                        .await?
+                    };
                     if n == 0 {
                         if self.header_filled == 0 {
                             return Ok(None);
@@ -710,10 +791,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     .min(len);
                 self.payload.resize(grown, 0);
             }
-            let n = self
-                .inner
-                .read(&mut self.payload[self.payload_filled..])
-                .await?;
+            let n = Self::read_in_frame(
+                &mut self.inner,
+                &mut self.payload[self.payload_filled..],
+                self.stall,
+                HEADER_LEN + self.payload_filled,
+                header.frame_len(),
+            )
+            .await?;
             if n == 0 {
                 return Err(FrameError::Truncated {
                     needed: header.frame_len(),

@@ -12,7 +12,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -249,6 +249,8 @@ pub enum WireReason {
     ShuttingDown,
     /// The message broke the protocol.
     Protocol,
+    /// The receiver saw no progress for its stall timeout and gave the transfer up.
+    Stalled,
 }
 
 /// Either side abandons a transfer.

@@ -1,0 +1,339 @@
+//! What an attacker without the secret, and an authenticated peer that misbehaves, can do to
+//! a node: real nodes on loopback, raw sockets and a hand-driven authenticated link playing
+//! the hostile side.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Scratch, eventually, patterned};
+use ferry::Node;
+use ferry_transports::link::{self, Endpoint, Link, LinkCounters, LinkOptions, Secret};
+use ferry_transports::wire::{
+    DataChunk, FrameHeader, FrameKind, Layout, Message, Offer, WireDirection, WireMemoryKind,
+    WireReason,
+};
+use tokio::io::AsyncWriteExt;
+
+/// Connections held against the node before a real peer dials.
+const HELD: usize = 1500;
+
+async fn hub(scratch: &Scratch, extra: &str) -> Node {
+    // "rogue" is a configured peer that dials in; nothing listens at its address.
+    let config = scratch.config("hub", &[("rogue", "127.0.0.1:9")], extra);
+    Node::start(config).await.expect("hub starts")
+}
+
+/// An authenticated link to `node` that introduces itself as "rogue", driven by hand.
+async fn rogue(scratch: &Scratch, node: &Node) -> Link {
+    let secret = Secret::new(std::fs::read(&scratch.secret).expect("secret"));
+    let opts = LinkOptions {
+        max_frame: 4 << 20,
+        handshake_timeout: Duration::from_secs(5),
+        stall_timeout: Duration::from_secs(30),
+        counters: Arc::new(LinkCounters::new()),
+    };
+    let hello = link::local_hello("rogue", vec!["tcp".into()], 4 << 20);
+    let target = Endpoint::Tcp(node.tcp_addrs()[0].clone());
+    let link = link::dial(&target, &secret, hello, &opts)
+        .await
+        .expect("the rogue holds the secret");
+    assert!(
+        eventually(Duration::from_secs(5), async || {
+            node.connected_peers()
+                .await
+                .is_ok_and(|p| p.iter().any(|n| n == "rogue"))
+        })
+        .await,
+        "the node never took the rogue's link"
+    );
+    link
+}
+
+fn offer(transfer: u64, len: u64) -> Message {
+    Message::Offer(Offer {
+        transfer,
+        tag: transfer,
+        len,
+        source: WireMemoryKind::Host,
+        transport: "tcp".into(),
+        direction: WireDirection::Push,
+        ipc: None,
+        layout: Layout::Contiguous,
+    })
+}
+
+/// The next message from the node that is not a ping, within `limit`; `None` when the
+/// link ended (closed or failed) first. Panics when nothing came in time.
+async fn next_message(link: &mut Link, limit: Duration) -> Option<Message> {
+    loop {
+        let frame = tokio::time::timeout(limit, link.reader.next())
+            .await
+            .unwrap_or_else(|_| panic!("nothing from the node within {limit:?}"));
+        match frame {
+            Ok(Some(frame)) => match frame.to_owned_message() {
+                Ok(Message::Ping(_) | Message::Pong(_) | Message::Welcome) => continue,
+                // The node says goodbye as it hangs up.
+                Ok(Message::Goodbye) => return None,
+                Ok(m) => return Some(m),
+                Err(e) => panic!("the node sent a bad frame: {e}"),
+            },
+            Ok(None) | Err(_) => return None,
+        }
+    }
+}
+
+/// Waits for the grant of `transfer`.
+async fn granted(link: &mut Link, transfer: u64) {
+    match next_message(link, Duration::from_secs(5)).await {
+        Some(Message::Grant(g)) if g.transfer == transfer => {}
+        other => panic!("expected the grant of {transfer}, got {other:?}"),
+    }
+}
+
+async fn host_granted(node: &Node) -> u64 {
+    node.host_memory().await.expect("stats").granted
+}
+
+async fn memory_back_to(node: &Node, baseline: u64, limit: Duration) -> bool {
+    eventually(limit, async || host_granted(node).await == baseline).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_slow_connections_by_the_thousand_do_not_keep_a_real_peer_out() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "").await;
+    let target = hub.tcp_addrs()[0].clone();
+    // Held open and never finished: half say nothing, half send one byte of a preamble and
+    // stop (past the first-byte check, into the handshake).
+    let mut held = Vec::with_capacity(HELD);
+    for i in 0..HELD {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(&target).await else {
+            continue;
+        };
+        if i % 2 == 1 {
+            let _ = stream.write_all(b"F").await;
+        }
+        held.push(stream);
+    }
+    assert!(
+        held.len() > HELD * 9 / 10,
+        "only {} connections",
+        held.len()
+    );
+    // A real peer joins within its normal time (a handshake on loopback takes
+    // milliseconds; the handshake timeout is 5 s).
+    let late = Node::start(scratch.config("late", &[("hub", &target)], ""))
+        .await
+        .expect("late starts");
+    let started = Instant::now();
+    late.connect("hub")
+        .await
+        .expect("a real peer connects while the attack lasts");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "joining took {took:?}");
+    let buffer = patterned(&late, 4096, 7).await;
+    late.send("hub", 7, buffer).await.expect("and sends");
+    assert!(hub.recv(Some("late"), Some(7)).await.is_ok());
+    drop(held);
+    late.shutdown().await;
+    hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_control_frame_ends_the_link_and_its_transfers_at_once() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "").await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    // The hub sends (default deadline: 30 s); the rogue answers the offer with a grant
+    // whose CRC does not match.
+    let send = {
+        let buffer = patterned(&hub, 10_000, 1).await;
+        let hub = &hub;
+        async move {
+            let started = Instant::now();
+            let result = hub.send("rogue", 1, buffer).await;
+            (result.map(drop), started.elapsed())
+        }
+    };
+    let corrupt = async {
+        let transfer = match next_message(&mut rogue, Duration::from_secs(5)).await {
+            Some(Message::Offer(o)) => o.transfer,
+            other => panic!("expected an offer, got {other:?}"),
+        };
+        let grant = Message::Grant(ferry_transports::wire::Grant {
+            transfer,
+            landing: WireMemoryKind::Host,
+            target: None,
+        });
+        let mut bytes = ferry_transports::wire::encode(&grant).expect("encode");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        rogue
+            .writer
+            .danger_send_raw(&bytes)
+            .await
+            .expect("write the corrupt grant");
+        // The node hangs up.
+        next_message(&mut rogue, Duration::from_secs(5)).await
+    };
+    let ((result, took), after) = tokio::join!(send, corrupt);
+    assert!(
+        result.is_err(),
+        "a transfer answered by a corrupt frame succeeded"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the send ended after {took:?}"
+    );
+    assert!(
+        after.is_none(),
+        "the link went on after a corrupt frame: {after:?}"
+    );
+    assert_eq!(hub.link_counters().frames_rejected("crc"), 1);
+    hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_mid_payload_loses_its_link_and_its_reservation() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "[limits]\nstall_timeout = \"1s\"").await;
+    let baseline = host_granted(&hub).await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    rogue.writer.send(&offer(1, 8 << 20)).await.expect("offer");
+    granted(&mut rogue, 1).await;
+    assert_eq!(host_granted(&hub).await, baseline + (8 << 20));
+    // A data header, then half of its payload frame, and the connection held open.
+    let bytes = vec![0x5Au8; 1 << 20];
+    rogue
+        .writer
+        .send(&Message::Data(DataChunk {
+            transfer: 1,
+            offset: 0,
+            len: bytes.len() as u32,
+        }))
+        .await
+        .expect("data header");
+    let header = FrameHeader::for_payload(FrameKind::Payload, &bytes).expect("header");
+    let mut half = header.to_bytes().to_vec();
+    half.extend_from_slice(&bytes[..bytes.len() / 2]);
+    rogue.writer.danger_send_raw(&half).await.expect("half");
+    let started = Instant::now();
+    assert!(
+        memory_back_to(&hub, baseline, Duration::from_secs(5)).await,
+        "the reservation is still held after {:?}",
+        started.elapsed()
+    );
+    // The transfer's own stall clock may tell us first; then the link ends.
+    loop {
+        match next_message(&mut rogue, Duration::from_secs(5)).await {
+            None => break,
+            Some(Message::Cancel(c)) if c.reason == WireReason::Stalled => {}
+            Some(other) => panic!("the node kept the link of a peer stalled mid-frame: {other:?}"),
+        }
+    }
+    assert_eq!(hub.link_counters().frames_rejected("stalled"), 1);
+    hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_granted_transfer_that_gets_no_bytes_is_ended_and_the_link_kept() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "[limits]\nstall_timeout = \"1s\"").await;
+    let baseline = host_granted(&hub).await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    rogue.writer.send(&offer(1, 8 << 20)).await.expect("offer");
+    granted(&mut rogue, 1).await;
+    let started = Instant::now();
+    // Nothing follows the grant: the node gives up, tells us why and frees the memory.
+    match next_message(&mut rogue, Duration::from_secs(5)).await {
+        Some(Message::Cancel(c)) => {
+            assert!(c.by_receiver && c.transfer == 1, "{c:?}");
+            assert_eq!(c.reason, WireReason::Stalled, "{c:?}");
+        }
+        other => panic!("expected a stall cancel, got {other:?}"),
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert!(memory_back_to(&hub, baseline, Duration::from_secs(2)).await);
+    // The link is still good: a proper transfer goes through.
+    rogue.writer.send(&offer(2, 5)).await.expect("offer");
+    granted(&mut rogue, 2).await;
+    rogue
+        .writer
+        .feed_chunk(
+            &Message::Data(DataChunk {
+                transfer: 2,
+                offset: 0,
+                len: 5,
+            }),
+            b"hello",
+        )
+        .await
+        .expect("chunk");
+    rogue.writer.flush().await.expect("flush");
+    let got = hub.recv(Some("rogue"), Some(2)).await.expect("delivered");
+    assert_eq!(got.buffer.to_vec().expect("host"), b"hello");
+    hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_hold_more_than_its_share_of_memory() {
+    let scratch = Scratch::new();
+    let hub = hub(
+        &scratch,
+        "[limits]\npeer_inbound_bytes = \"2MiB\"\npeer_grants = 64",
+    )
+    .await;
+    let baseline = host_granted(&hub).await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    // Far more than the share: refused at once, as too large.
+    rogue.writer.send(&offer(1, 8 << 30)).await.expect("offer");
+    match next_message(&mut rogue, Duration::from_secs(5)).await {
+        Some(Message::Cancel(c)) => {
+            assert_eq!((c.transfer, c.reason), (1, WireReason::TooLarge), "{c:?}");
+            assert!(c.detail.contains("limits.peer_inbound_bytes"), "{c:?}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // Three of 1 MiB: two are granted, the third waits for room.
+    for t in 2..=4 {
+        rogue.writer.send(&offer(t, 1 << 20)).await.expect("offer");
+    }
+    granted(&mut rogue, 2).await;
+    granted(&mut rogue, 3).await;
+    let third = tokio::time::timeout(Duration::from_millis(500), rogue.reader.next()).await;
+    assert!(
+        third.is_err(),
+        "a third grant went past the share: {third:?}"
+    );
+    assert_eq!(host_granted(&hub).await, baseline + (2 << 20));
+    // Transfer 2 completes and is taken: the third is granted.
+    let bytes = vec![3u8; 1 << 20];
+    rogue
+        .writer
+        .feed_chunk(
+            &Message::Data(DataChunk {
+                transfer: 2,
+                offset: 0,
+                len: bytes.len() as u32,
+            }),
+            &bytes,
+        )
+        .await
+        .expect("chunk");
+    rogue.writer.flush().await.expect("flush");
+    let got = hub.recv(Some("rogue"), Some(2)).await.expect("delivered");
+    assert_eq!(got.buffer.len(), 1 << 20);
+    drop(got);
+    match next_message(&mut rogue, Duration::from_secs(5)).await {
+        Some(Message::Done(d)) => assert_eq!(d.transfer, 2),
+        other => panic!("expected Done, got {other:?}"),
+    }
+    granted(&mut rogue, 4).await;
+    hub.shutdown().await;
+}
