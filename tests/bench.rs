@@ -2,7 +2,11 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 #[test]
 fn host_sweep_reports_every_size_next_to_its_baseline() {
@@ -231,4 +235,227 @@ fn staged_host_bench_runs_next_to_a_raw_socket() {
             .count();
         assert!(rows >= 3, "{stdout}");
     }
+}
+
+/// A `ferry bench --serve-peer` child: its TCP address, and its log lines as they come
+/// (RUST_LOG=info). Killed when dropped.
+struct ServePeer {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl ServePeer {
+    fn start(config: &Path) -> Self {
+        let mut child = Command::new(common::ferry_bin())
+            .args(["bench", "--serve-peer"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn ferry bench --serve-peer");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let lines = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                lines.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let mut peer = Self {
+            child,
+            addr: String::new(),
+            log,
+        };
+        let line = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default();
+        peer.addr = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("tcp="))
+            .and_then(|list| list.split(',').next())
+            .unwrap_or_else(|| panic!("no ready line: {line:?}\n{}", peer.log()))
+            .to_string();
+        peer
+    }
+
+    fn log(&self) -> String {
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .join("\n")
+    }
+
+    /// Waits, `limit` at most, for a log line holding every one of `needles`; false at
+    /// once if the server exited.
+    fn wait_for_log(&mut self, needles: &[&str], limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.child.try_wait().expect("try_wait").is_some() {
+                return false;
+            }
+            let found = self
+                .log
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|l| needles.iter().all(|n| l.contains(n)));
+            if found {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Panics, with its log, if the server exited.
+    fn assert_alive(&mut self, when: &str) {
+        if let Some(status) = self.child.try_wait().expect("try_wait") {
+            panic!("the serving peer exited {when} ({status}):\n{}", self.log());
+        }
+    }
+}
+
+impl Drop for ServePeer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits for `child`, `limit` at most: its exit status, or `None` once the time is up.
+fn wait_until(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A client bench against the serving peer, its output in files under `dir` (named after
+/// `label`).
+fn spawn_client(config: &Path, dir: &Path, label: &str, args: &[&str]) -> (Child, PathBuf) {
+    let err = dir.join(format!("{label}.err"));
+    let child = Command::new(common::ferry_bin())
+        .arg("--config")
+        .arg(config)
+        .args(["bench", "--peers", "bench-peer"])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(dir.join(format!("{label}.out"))).expect("out file"))
+        .stderr(std::fs::File::create(&err).expect("err file"))
+        .spawn()
+        .expect("spawn a client bench");
+    (child, err)
+}
+
+/// `ferry bench --serve-peer` outlives its clients: benches in a row (each in another mode),
+/// and one killed while it sends, leave it serving; the next bench still succeeds.
+#[test]
+fn serve_peer_survives_clients_that_come_and_go() {
+    let scratch = common::Scratch::new();
+    let peer_cfg = scratch.write("peer.toml", &scratch.toml("bench-peer", &[], ""));
+    let mut server = ServePeer::start(&peer_cfg);
+    let client_cfg = scratch.write(
+        "client.toml",
+        &scratch.toml("client", &[("bench-peer", &server.addr)], ""),
+    );
+    let small = ["-b", "8", "-e", "1K", "-f", "8", "-n", "3", "-w", "1"];
+    let run = |server: &mut ServePeer, label: &str, extra: &[&str]| {
+        let args: Vec<&str> = small.iter().chain(extra).copied().collect();
+        let (mut child, err) = spawn_client(&client_cfg, scratch.path(), label, &args);
+        let status = wait_until(&mut child, Duration::from_secs(60));
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{label}: {status:?}\n{stderr}\nserver:\n{}",
+            server.log()
+        );
+        server.assert_alive(&format!("after {label}"));
+    };
+    let modes: [&[&str]; 4] = [&[], &["--pingpong"], &["--bidir"], &["--pairs", "all"]];
+    for (i, extra) in modes.iter().cycle().take(8).enumerate() {
+        run(&mut server, &format!("client{i}"), extra);
+    }
+
+    // Clients killed mid-run (under names of their own): one waiting for a ping's answer
+    // (the server's answer fails), one pushing while the server sends back to it. The
+    // server notices each left and serves on.
+    for (name, mode) in [("doomed-ping", "--pingpong"), ("doomed-bidir", "--bidir")] {
+        let config = scratch.write(
+            &format!("{name}.toml"),
+            &scratch.toml(name, &[("bench-peer", &server.addr)], ""),
+        );
+        let (mut doomed, _) = spawn_client(
+            &config,
+            scratch.path(),
+            name,
+            &["-b", "8", "-e", "64M", "-n", "200", "-w", "1", mode],
+        );
+        // Under way once it printed its first row (the next size is being sent).
+        let out = scratch.path().join(format!("{name}.out"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let under_way = loop {
+            let rows = std::fs::read_to_string(&out).unwrap_or_default();
+            let is_row = |l: &str| {
+                let mut fields = l.split_whitespace();
+                fields.next().is_some_and(|f| f.parse::<u64>().is_ok()) && fields.count() > 4
+            };
+            if rows.lines().any(is_row) {
+                break true;
+            }
+            if Instant::now() >= deadline || doomed.try_wait().expect("try_wait").is_some() {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let early_exit = doomed.try_wait().expect("try_wait");
+        let _ = doomed.kill();
+        let _ = doomed.wait();
+        assert!(
+            under_way && early_exit.is_none(),
+            "{name} never got under way ({early_exit:?}):\n{}",
+            server.log()
+        );
+        let noticed = server.wait_for_log(&["client left", name], Duration::from_secs(30));
+        server.assert_alive(&format!("after {name} was killed"));
+        assert!(
+            noticed,
+            "the server did not log that {name} left:\n{}",
+            server.log()
+        );
+    }
+
+    run(&mut server, "last", &[]);
+
+    // Stopped by a signal, as ever.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let stopped = wait_until(&mut server.child, Duration::from_secs(20));
+    assert!(
+        stopped.is_some_and(|s| !s.success()),
+        "SIGTERM did not stop the server: {stopped:?}"
+    );
 }

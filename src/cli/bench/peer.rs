@@ -4,6 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use ferry::{MemoryKind, Node, Received};
@@ -12,9 +13,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::pattern;
 
-/// Asks the peer how many buffers it received and how many were wrong since the last
-/// report; it answers under the same tag with 16 bytes (received, wrong; little endian)
-/// followed by the names of the transports that carried them, comma-separated ASCII.
+/// Asks the peer how many buffers it received from the asking client and how many were
+/// wrong since that client's last report; it answers under the same tag with 16 bytes
+/// (received, wrong; little endian) followed by the names of the transports that carried
+/// them, comma-separated ASCII.
 pub const TAG_REPORT: u64 = u64::MAX - 10;
 /// Asks the peer to send buffers back: payload is (len, count, window[, memory]) as 24 or
 /// 32 bytes, little endian; memory is [`SEND_HOST`] (the default) or [`SEND_DEVICE`].
@@ -36,8 +38,15 @@ pub const RAW_SINK: u8 = b'S';
 /// The server streams messages to the client.
 pub const RAW_EMIT: u8 = b'E';
 
+/// How often the server looks for clients whose link went down, to forget what they sent.
+const DEPARTURES_EVERY: Duration = Duration::from_secs(1);
+
 /// `check`: verify the checksum of every buffer received (off with `--no-check`: reading
 /// device memory back to the host costs far more than an ipc transfer).
+///
+/// Serves one client after another, or several at once: a client that leaves, whether it
+/// finished or was killed mid-run, ends only its own work (logged); the server stops on an
+/// error of its own (its node would not start, it could not bind) or when its node stops.
 pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
     super::super::telemetry::init(&config.telemetry);
     let node = Arc::new(Node::start(config).await?);
@@ -59,31 +68,94 @@ pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
         .devices
         .as_ref()
         .map_or(Some(0), |d| d.first().copied());
-    let mut received = 0u64;
-    let mut wrong = 0u64;
-    let mut transports = BTreeSet::new();
-    let mut expected: HashMap<usize, u32> = HashMap::new();
-    let mut pongs: HashMap<(MemoryKind, usize), ferry::Buffer> = HashMap::new();
+    let mut server = Server {
+        node,
+        gpu,
+        check,
+        tallies: HashMap::new(),
+        expected: HashMap::new(),
+        pongs: HashMap::new(),
+    };
+    let node = Arc::clone(&server.node);
+    let mut departures = tokio::time::interval(DEPARTURES_EVERY);
+    departures.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // `recv` is cancel safe: a buffer that lands as the tick wins waits for the next.
+        let received = tokio::select! {
+            r = node.recv(None, None) => r.context("the bench peer's node stopped")?,
+            _ = departures.tick() => {
+                server.forget_departed().await?;
+                continue;
+            }
+        };
+        let client = received.peer.clone();
+        if let Err(e) = server.handle(received).await {
+            if node_stopped(&e) {
+                return Err(e);
+            }
+            // Its tally stays: a client still here reports on, one gone is forgotten when
+            // its link is seen down.
+            log_client_failure(&client, &e, "a request of the client failed; serving on");
+        }
+    }
+}
+
+/// What one client sent since its last report.
+#[derive(Default)]
+struct Tally {
+    received: u64,
+    wrong: u64,
+    transports: BTreeSet<&'static str>,
+}
+
+/// The serving side of the bench peer, shared by every client.
+struct Server {
+    node: Arc<Node>,
+    /// The GPU that device-memory send-backs come from, if any.
+    gpu: Option<u32>,
+    check: bool,
+    /// Per client (by peer name) seen and not gone since.
+    tallies: HashMap<String, Tally>,
+    /// The pattern's checksum by length.
+    expected: HashMap<usize, u32>,
+    /// The buffers pings are answered from, by memory and length.
+    pongs: HashMap<(MemoryKind, usize), ferry::Buffer>,
+}
+
+impl Server {
+    /// Handles one message of a client. An error ends only that request, unless
+    /// [`node_stopped`] says the node itself is gone.
+    async fn handle(&mut self, received: Received) -> anyhow::Result<()> {
         let Received {
             buffer,
             peer,
             tag,
             transport,
             ..
-        } = node.recv(None, None).await?;
+        } = received;
         match tag {
             TAG_REPORT => {
-                let names = transports.iter().copied().collect::<Vec<&str>>().join(",");
-                let mut reply = node.alloc(MemoryKind::Host, 16 + names.len()).await?;
+                let tally = std::mem::take(self.tally(&peer));
+                let names = tally
+                    .transports
+                    .iter()
+                    .copied()
+                    .collect::<Vec<&str>>()
+                    .join(",");
+                let mut reply = self.node.alloc(MemoryKind::Host, 16 + names.len()).await?;
                 let out = reply.as_mut_slice().context("fresh buffer")?;
-                out[..8].copy_from_slice(&received.to_le_bytes());
-                out[8..16].copy_from_slice(&wrong.to_le_bytes());
+                out[..8].copy_from_slice(&tally.received.to_le_bytes());
+                out[8..16].copy_from_slice(&tally.wrong.to_le_bytes());
                 out[16..].copy_from_slice(names.as_bytes());
-                received = 0;
-                wrong = 0;
-                transports.clear();
-                node.send(&peer, TAG_REPORT, reply).await?;
+                // Confirmed in a task of its own: the client may take the reply and leave
+                // before its Done reaches us, which fails this send and nothing else.
+                let node = Arc::clone(&self.node);
+                tokio::spawn(async move {
+                    if let Err(e) = node.send(&peer, TAG_REPORT, reply).await {
+                        let e = anyhow::Error::new(e.error);
+                        log_client_failure(&peer, &e, "the client did not confirm its report");
+                    }
+                });
             }
             TAG_SEND => {
                 let words: Vec<u64> = buffer
@@ -96,53 +168,126 @@ pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
                     [len, count, window, memory] => (len, count, window, memory),
                     _ => anyhow::bail!("bad send request of {} bytes", buffer.len()),
                 };
-                let kind = match (memory, gpu) {
+                let kind = match (memory, self.gpu) {
                     (SEND_HOST, _) => MemoryKind::Host,
                     (SEND_DEVICE, Some(gpu)) => MemoryKind::Device(gpu),
                     (SEND_DEVICE, None) => {
                         tracing::warn!("asked to send device memory back, but gpu.devices = []");
-                        continue;
+                        return Ok(());
                     }
                     _ => anyhow::bail!("bad send request: memory {memory}"),
                 };
-                let node = Arc::clone(&node);
+                let node = Arc::clone(&self.node);
                 tokio::spawn(async move {
                     let sent = send_back(&node, &peer, kind, len as usize, count, window).await;
                     if let Err(e) = sent {
-                        tracing::warn!(error = %e, "sending back failed");
+                        log_client_failure(&peer, &e, "sending back failed");
                     }
                 });
             }
             TAG_PING => {
                 // Answered from a buffer of our own, the same one each time (as a latency
                 // test's two fixed buffers): back first, the probe checked after.
-                let reply = match pongs.remove(&(buffer.kind(), buffer.len())) {
+                let reply = match self.pongs.remove(&(buffer.kind(), buffer.len())) {
                     Some(b) => b,
                     None => {
-                        let mut b = node.alloc(buffer.kind(), buffer.len()).await?;
+                        let mut b = self.node.alloc(buffer.kind(), buffer.len()).await?;
                         pattern::fill_buffer(&mut b)?;
                         b
                     }
                 };
-                let reply = node
-                    .send(&peer, TAG_PONG, reply)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("answering a ping: {}", e.error))?;
-                pongs.insert((reply.kind(), reply.len()), reply);
-                received += 1;
-                transports.insert(transport);
-                if check && !pattern_holds(&mut expected, &buffer)? {
-                    wrong += 1;
+                match self.node.send(&peer, TAG_PONG, reply).await {
+                    Ok(reply) => {
+                        self.pongs.insert((reply.kind(), reply.len()), reply);
+                    }
+                    Err(e) => {
+                        if let Some(b) = e.buffer {
+                            self.pongs.insert((b.kind(), b.len()), b);
+                        }
+                        return Err(anyhow::Error::new(e.error).context("answering a ping"));
+                    }
                 }
+                self.count(&peer, transport, &buffer)?;
             }
-            _ => {
-                received += 1;
-                transports.insert(transport);
-                if check && !pattern_holds(&mut expected, &buffer)? {
-                    wrong += 1;
-                }
-            }
+            _ => self.count(&peer, transport, &buffer)?,
         }
+        Ok(())
+    }
+
+    /// Counts a buffer `peer` sent, checking it with `--check`.
+    fn count(
+        &mut self,
+        peer: &str,
+        transport: &'static str,
+        buffer: &ferry::Buffer,
+    ) -> anyhow::Result<()> {
+        let ok = !self.check || pattern_holds(&mut self.expected, buffer)?;
+        let tally = self.tally(peer);
+        tally.received += 1;
+        tally.transports.insert(transport);
+        if !ok {
+            tally.wrong += 1;
+        }
+        Ok(())
+    }
+
+    /// The tally of `client`, a fresh one for a client not seen (or gone) since.
+    fn tally(&mut self, client: &str) -> &mut Tally {
+        if !self.tallies.contains_key(client) {
+            tracing::info!(client = %client, "client joined");
+        }
+        self.tallies.entry(client.to_string()).or_default()
+    }
+
+    /// Forgets the tallies of clients whose link is down: they left (finished, or killed),
+    /// and a client that comes back under the same name starts afresh.
+    async fn forget_departed(&mut self) -> anyhow::Result<()> {
+        if self.tallies.is_empty() {
+            return Ok(());
+        }
+        let live = self
+            .node
+            .connected_peers()
+            .await
+            .context("the bench peer's node stopped")?;
+        self.tallies.retain(|client, tally| {
+            let here = live.contains(client);
+            if !here {
+                tracing::info!(
+                    client = %client,
+                    unreported = tally.received,
+                    "client left"
+                );
+            }
+            here
+        });
+        Ok(())
+    }
+}
+
+/// True when `e` says the node itself stopped (the one failure that ends the server).
+fn node_stopped(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<ferry::Error>(),
+            Some(ferry::Error::ShuttingDown)
+        )
+    })
+}
+
+/// A failure of one client's request: info when the client went away (it finished or was
+/// killed: its link broke, or it stopped), warn otherwise.
+fn log_client_failure(client: &str, e: &anyhow::Error, what: &str) {
+    let gone = e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<ferry::Error>(),
+            Some(ferry::Error::PeerLost { .. } | ferry::Error::PeerUnreachable { .. })
+        )
+    });
+    if gone {
+        tracing::info!(client = %client, error = %format!("{e:#}"), "{what}: the client left");
+    } else {
+        tracing::warn!(client = %client, error = %format!("{e:#}"), "{what}");
     }
 }
 
@@ -182,7 +327,8 @@ async fn send_back(
             sent += 1;
         }
         if let Some(done) = pending.next().await {
-            buffers.push(done?);
+            // The bare error, which says whether the client left.
+            buffers.push(done.map_err(|e| e.error)?);
         }
     }
     Ok(())
