@@ -327,3 +327,35 @@ fn demo_under_pressure_spills_promotes_and_verifies() {
         started.elapsed()
     );
 }
+
+#[test]
+fn demo_prints_its_table_without_info_logs_by_default() {
+    // No RUST_LOG, and no user configuration that could set a level: the defaults alone.
+    let scratch = Scratch::new();
+    let out = ferry()
+        .env_remove("RUST_LOG")
+        .env_remove("FERRY__TELEMETRY__LOG_LEVEL")
+        .env("XDG_CONFIG_HOME", scratch.path())
+        .args([
+            "demo",
+            "--host",
+            "--stages",
+            "1",
+            "--buffers",
+            "20",
+            "--max-size",
+            "64KiB",
+        ])
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("checksums verified"), "{stdout}");
+    for (name, text) in [("stdout", &stdout), ("stderr", &stderr)] {
+        assert!(
+            !text.lines().any(|l| l.contains(" INFO ")),
+            "INFO lines on {name} by default:\n{text}"
+        );
+    }
+}

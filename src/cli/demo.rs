@@ -139,6 +139,10 @@ impl Drop for Stage {
     }
 }
 
+/// The log level of the stage processes: they share the terminal with the demo's table,
+/// so only warnings and errors (`RUST_LOG`, which they inherit, still overrides it).
+const STAGE_LOG_LEVEL: &str = "warn";
+
 /// Writes a node's configuration; `extra` is appended as it is (more tables).
 fn write_config(
     dir: &Path,
@@ -151,7 +155,8 @@ fn write_config(
     let text = format!(
         "[node]\nname = \"{name}\"\nlisten = [\"127.0.0.1:0\"]\nsocket_dir = \"{dir}\"\n\n\
          [[peers]]\nname = \"{next}\"\naddress = \"unix:{dir}/{next}.sock\"\n\n\
-         [security]\nsecret_file = \"{secret}\"\n{extra}",
+         [security]\nsecret_file = \"{secret}\"\n\n\
+         [telemetry]\nlog_level = \"{STAGE_LOG_LEVEL}\"\n{extra}",
         dir = dir.display(),
         secret = secret.display(),
     );
@@ -187,6 +192,9 @@ fn start_stage(config: &Path, name: &str, next: &str) -> anyhow::Result<Stage> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // The table goes to stdout; logs (warnings and up unless RUST_LOG says otherwise) to
+    // stderr.
+    super::telemetry::init_command(&ferry_config::TelemetryConfig::default());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

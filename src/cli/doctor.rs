@@ -6,6 +6,7 @@
 //! configuration into findings without touching anything, so tests feed it made-up facts.
 
 mod facts;
+mod pool_test;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,12 +17,17 @@ use ferry_transports::transport::{Capabilities, Viability};
 use serde::Serialize;
 
 pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
+pub use pool_test::PoolTest;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Print the findings as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Internal: the importing side of the pool export/import test, talking to the doctor
+    /// over this Unix socket.
+    #[arg(long, hide = true, value_name = "SOCKET")]
+    pool_import_child: Option<PathBuf>,
 }
 
 /// How a check came out.
@@ -83,6 +89,10 @@ impl Finding {
 }
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
+    if let Some(socket) = &args.pool_import_child {
+        pool_test::child(socket)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     // A configuration that only lacks a secret still says which transports it relies on:
     // check the machine for it and report the secret as a warning (`ferry config check`
     // is the place for the rest).
@@ -96,8 +106,11 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
             }
         }
     };
-    super::telemetry::init(&config.telemetry);
-    let facts = Facts::gather();
+    super::telemetry::init_command(&config.telemetry);
+    let mut facts = Facts::gather();
+    if let Ok(exe) = std::env::current_exe() {
+        facts.pool_export = pool_test::run(&facts.cuda, &exe);
+    }
     let mut findings = diagnose(&facts, &config);
     if let Some(error) = config_error {
         findings.push(
@@ -161,7 +174,7 @@ pub fn render(findings: &[Finding]) -> String {
 /// Diagnoses the machine described by `facts` for `config`. Pure.
 pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     let named = named_transports(config);
-    let mut out = cuda_findings(&facts.cuda, &named);
+    let mut out = cuda_findings(&facts.cuda, &facts.pool_export, &named);
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
     out.push(ucx_finding(&facts.ucx, named.contains(&TransportName::Ucx)));
@@ -196,7 +209,11 @@ fn named_transports(config: &Config) -> Vec<TransportName> {
 
 const CUDA: &str = "cuda";
 
-fn cuda_findings(probe: &CudaProbe, named: &[TransportName]) -> Vec<Finding> {
+fn cuda_findings(
+    probe: &CudaProbe,
+    pool_export: &[PoolTest],
+    named: &[TransportName],
+) -> Vec<Finding> {
     let gpu_named = named
         .iter()
         .any(|t| matches!(t, TransportName::Ipc | TransportName::Staged));
@@ -234,7 +251,7 @@ fn cuda_findings(probe: &CudaProbe, named: &[TransportName]) -> Vec<Finding> {
                 ),
             ]
         }
-        CudaProbe::Ready(driver) => ready_findings(driver),
+        CudaProbe::Ready(driver) => ready_findings(driver, pool_export),
     }
 }
 
@@ -242,7 +259,7 @@ fn version_text(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
-fn ready_findings(driver: &CudaDriver) -> Vec<Finding> {
+fn ready_findings(driver: &CudaDriver, pool_export: &[PoolTest]) -> Vec<Finding> {
     let module = driver
         .kernel_module
         .as_ref()
@@ -283,7 +300,7 @@ fn ready_findings(driver: &CudaDriver) -> Vec<Finding> {
         return out;
     }
     out.push(peer_access_finding(driver));
-    out.push(pool_finding(driver));
+    out.push(pool_finding(driver, pool_export));
     out.push(rdma_finding(driver));
     out
 }
@@ -328,7 +345,9 @@ fn peer_access_finding(driver: &CudaDriver) -> Finding {
     )
 }
 
-fn pool_finding(driver: &CudaDriver) -> Finding {
+/// The pool export check: what each GPU declares, and the two-process export/import test
+/// ([`pool_test`]) on those that declare it.
+fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
     const CHECK: &str = "pool export";
     let lacking: Vec<String> = driver
         .devices
@@ -336,26 +355,58 @@ fn pool_finding(driver: &CudaDriver) -> Finding {
         .filter(|d| !(d.memory_pools && d.pool_posix_fd && d.posix_fd_handles && d.vmm))
         .map(|d| format!("GPU{}", d.ordinal))
         .collect();
-    if lacking.is_empty() {
+    let failed: Vec<String> = tests
+        .iter()
+        .filter_map(|t| {
+            t.outcome
+                .as_ref()
+                .err()
+                .map(|e| format!("GPU{}: {e}", t.ordinal))
+        })
+        .collect();
+    if lacking.is_empty() && failed.is_empty() {
+        if tests.is_empty() {
+            return Finding::new(
+                CHECK,
+                Status::Skipped,
+                "every GPU declares VMM and memory pools exportable as POSIX fds; the \
+                 two-process export/import test did not run",
+            );
+        }
+        let tested: Vec<String> = tests.iter().map(|t| format!("GPU{}", t.ordinal)).collect();
         return Finding::new(
             CHECK,
-            Status::Skipped,
-            "every GPU declares VMM and memory pools exportable as POSIX fds; the \
-             two-process export/import test arrives with the ipc transport",
+            Status::Ok,
+            format!(
+                "a second process imported a pool and a buffer of {} and read back what was \
+                 written (what same-host ipc does)",
+                tested.join(", ")
+            ),
         );
+    }
+    let mut found = Vec::new();
+    if !lacking.is_empty() {
+        found.push(format!(
+            "{} cannot export memory pools as POSIX file descriptors (VMM, memory pools or \
+             fd handles missing)",
+            lacking.join(", ")
+        ));
+    }
+    if !failed.is_empty() {
+        found.push(format!(
+            "the two-process export/import test failed on {}",
+            failed.join("; ")
+        ));
     }
     Finding::new(
         CHECK,
         Status::Warn,
-        format!(
-            "{} cannot export memory pools as POSIX file descriptors (VMM, memory pools or \
-             fd handles missing): same-host ipc cannot use them",
-            lacking.join(", ")
-        ),
+        format!("{}: same-host ipc cannot use them", found.join("; ")),
     )
     .remedy(
         "update the NVIDIA driver; under vGPU or MIG, pool export may be unavailable: use \
-         staged for these GPUs",
+         staged for these GPUs; in a container, make sure every process of the node sees \
+         the same GPUs and may pass file descriptors over Unix sockets",
     )
 }
 
@@ -646,6 +697,7 @@ mod tests {
             ucx: Ucx::default(),
             // No CUDA driver, as the facts say, whatever this machine has.
             transports: crate::cli::explain::tests::host_only_catalog(),
+            pool_export: Vec::new(),
         }
     }
 
@@ -864,6 +916,56 @@ mod tests {
         };
         let f = diagnose(&broken, &config(""));
         assert_eq!(find(&f, CUDA).status, Status::Problem);
+    }
+
+    #[test]
+    fn pool_export_reports_the_two_process_test() {
+        let driver = CudaDriver {
+            cuda_version: 13000,
+            kernel_module: None,
+            devices: vec![gpu(0), gpu(1)],
+            peer_access: vec![vec![true, true], vec![true, true]],
+        };
+        let with = |pool_export: Vec<PoolTest>| Facts {
+            cuda: CudaProbe::Ready(driver.clone()),
+            pool_export,
+            ..healthy()
+        };
+        let passed = |ordinal| PoolTest {
+            ordinal,
+            outcome: Ok(()),
+        };
+
+        let f = diagnose(&with(vec![passed(0), passed(1)]), &config(""));
+        let p = find(&f, "pool export");
+        assert_eq!(p.status, Status::Ok);
+        assert!(p.found.contains("GPU0, GPU1"), "{}", p.found);
+        assert!(!p.found.contains("arrives"), "{}", p.found);
+
+        let failed = PoolTest {
+            ordinal: 1,
+            outcome: Err(
+                "importing the pool: cuMemPoolImportFromShareableHandle failed: \
+                          CUDA_ERROR_NOT_PERMITTED"
+                    .into(),
+            ),
+        };
+        let f = diagnose(&with(vec![passed(0), failed]), &config(""));
+        let p = find(&f, "pool export");
+        assert_eq!(p.status, Status::Warn);
+        assert!(
+            p.found.contains("GPU1: importing the pool") && !p.found.contains("GPU0"),
+            "{}",
+            p.found
+        );
+        assert!(p.remedy.is_some());
+        assert!(!p.blocks);
+
+        // Not run (made-up facts, or no way to start the importer): said as such.
+        let f = diagnose(&with(Vec::new()), &config(""));
+        let p = find(&f, "pool export");
+        assert_eq!(p.status, Status::Skipped);
+        assert!(p.found.contains("did not run"), "{}", p.found);
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Gathering what `ferry doctor` looks at. Everything that touches the machine is here;
-//! the diagnosis itself ([`super::diagnose`]) is pure.
+//! Gathering what `ferry doctor` looks at. Everything that touches the machine is here and
+//! in [`super::pool_test`] (which starts a second process); the diagnosis itself
+//! ([`super::diagnose`]) is pure.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,10 @@ pub struct Facts {
     pub ucx: Ucx,
     /// The transports of this build with their declarations and viability here.
     pub transports: Vec<(Capabilities, Viability)>,
+    /// The two-process pool export/import test, one entry per GPU that declares exportable
+    /// pools; empty when it did not run. [`Facts::gather`] leaves it empty (the test starts
+    /// a process): [`super::pool_test::run`] fills it.
+    pub pool_export: Vec<super::pool_test::PoolTest>,
 }
 
 /// RLIMIT_MEMLOCK in bytes; `None` is unlimited.
@@ -56,6 +61,7 @@ impl Facts {
             memlock: memlock(),
             ucx: ucx(),
             transports: transport::catalog(),
+            pool_export: Vec::new(),
         }
     }
 }

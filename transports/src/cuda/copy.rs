@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use super::device::Device;
-use super::error::CudaError;
+use super::error::{CudaError, teardown_failed};
 use super::raw;
 use super::stream::{Event, Stream};
 use crate::wire::RowBox;
@@ -574,7 +574,11 @@ impl Drop for PinnedBuffer {
         });
         if let Err(e) = done {
             // Freeing memory a copy may still write is worse than leaking it.
-            tracing::warn!(error = %e, len = self.len, "freeing pinned host memory failed; leaked");
+            teardown_failed!(
+                e,
+                len = self.len,
+                "freeing pinned host memory failed; leaked"
+            );
         }
     }
 }
@@ -632,7 +636,7 @@ impl Drop for PinnedRing {
             unsafe { raw::mem_host_unregister(ptr) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, "unregistering a staging ring failed");
+            teardown_failed!(e, "unregistering a staging ring failed");
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::result;
 use cudarc::driver::sys;
 
-use super::error::CudaError;
+use super::error::{CudaError, teardown_failed};
 use super::probe;
 use super::raw;
 
@@ -40,7 +40,11 @@ impl Drop for DeviceInner {
         // SAFETY: balances the retain in `Device::open`; this is the last reference, and every
         // object made in the context holds a `Device`, so none outlives this release.
         if let Err(e) = unsafe { raw::primary_ctx_release(self.handle) } {
-            tracing::warn!(error = %e, ordinal = self.ordinal, "releasing a primary context failed");
+            teardown_failed!(
+                e,
+                ordinal = self.ordinal,
+                "releasing a primary context failed"
+            );
         }
     }
 }

@@ -12,7 +12,7 @@ use cudarc::driver::sys;
 
 use super::copy::{DeviceMemory, Uses, sealed};
 use super::device::Device;
-use super::error::CudaError;
+use super::error::{CudaError, teardown_failed};
 use super::raw;
 use super::stream::Stream;
 
@@ -165,7 +165,7 @@ impl Drop for PlainAllocation {
             unsafe { raw::mem_free(self.ptr) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, len = self.len, "freeing a device allocation failed");
+            teardown_failed!(e, len = self.len, "freeing a device allocation failed");
         }
     }
 }
@@ -251,7 +251,7 @@ impl Drop for IpcMapping {
             unsafe { raw::ipc_close_mem_handle(self.ptr) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, len = self.len, "closing a legacy IPC mapping failed");
+            teardown_failed!(e, len = self.len, "closing a legacy IPC mapping failed");
         }
     }
 }

@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 
 use super::copy::{DeviceMemory, Uses, sealed};
 use super::device::Device;
-use super::error::CudaError;
+use super::error::{CudaError, teardown_failed};
 use super::external::{ExternalMemory, ReleaseSignal};
 use super::raw;
 use super::stream::{Stream, StreamInner};
@@ -45,7 +45,7 @@ impl Drop for PoolInner {
             unsafe { raw::mem_pool_destroy(self.handle) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, "destroying a CUDA memory pool failed");
+            teardown_failed!(e, "destroying a CUDA memory pool failed");
         }
     }
 }
@@ -434,7 +434,11 @@ impl Drop for DeviceBuffer {
             // Not ours to free: wait until no copy of this layer reads or writes it any
             // more, then tell whoever waits for the registration to end.
             if let Err(e) = self.uses.wait_all() {
-                tracing::warn!(error = %e, len = self.len, "waiting for copies of registered memory failed");
+                teardown_failed!(
+                    e,
+                    len = self.len,
+                    "waiting for copies of registered memory failed"
+                );
             }
             external.released.set();
             return;
@@ -447,7 +451,7 @@ impl Drop for DeviceBuffer {
             unsafe { raw::mem_free_async(self.ptr, home.handle()) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, len = self.len, "freeing a pool buffer failed; leaked");
+            teardown_failed!(e, len = self.len, "freeing a pool buffer failed; leaked");
         }
     }
 }
@@ -576,7 +580,7 @@ impl Drop for ImportedBuffer {
             unsafe { raw::mem_free(self.ptr) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, len = self.len, "freeing an imported buffer failed");
+            teardown_failed!(e, len = self.len, "freeing an imported buffer failed");
         }
     }
 }

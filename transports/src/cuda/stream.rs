@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::device::Device;
-use super::error::CudaError;
+use super::error::{CudaError, teardown_failed};
 use super::raw;
 
 /// A non-blocking CUDA stream on one device. Cheap to clone (clones share the stream).
@@ -36,7 +36,7 @@ impl Drop for StreamInner {
             unsafe { raw::stream_destroy(self.handle) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, "destroying a CUDA stream failed");
+            teardown_failed!(e, "destroying a CUDA stream failed");
         }
     }
 }
@@ -160,7 +160,7 @@ impl Drop for Event {
             unsafe { raw::event_destroy(self.handle) }
         });
         if let Err(e) = done {
-            tracing::warn!(error = %e, "destroying a CUDA event failed");
+            teardown_failed!(e, "destroying a CUDA event failed");
         }
     }
 }
