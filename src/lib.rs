@@ -40,9 +40,9 @@ pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass}
 pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
+pub use ferry_transports::region::RegionKey;
 /// The chunk size `transport.staged.chunk = "auto"` picks in this process (measured once).
 pub use ferry_transports::staged::auto_chunk as staged_auto_chunk;
-pub use ferry_transports::tcp::RegionKey;
 pub use ferry_transports::wire::{Layout, LayoutError};
 
 #[doc(hidden)]

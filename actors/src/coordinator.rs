@@ -14,7 +14,7 @@ use actix::prelude::*;
 use ferry_config::{Config, Locality, MemoryClass, PeerAddress};
 use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
 use ferry_transports::memory::{Buffer, MemoryKind};
-use ferry_transports::tcp::RegionKey;
+use ferry_transports::region::RegionKey;
 use ferry_transports::transport::{self, Capabilities, Viability};
 use ferry_transports::wire::{Hello, WireDirection};
 
@@ -68,8 +68,9 @@ pub struct Explain {
     pub bytes: u64,
     /// Memory at this end.
     pub src: MemoryClass,
-    /// Memory at the peer's end.
-    pub dst: MemoryClass,
+    /// Memory at the peer's end, for a what-if question; `None`: what the peer receives
+    /// into, as a send is routed (see [`route::destination`]).
+    pub dst: Option<MemoryClass>,
 }
 
 /// A link finished its handshake.
@@ -136,6 +137,19 @@ pub struct CoordinatorSetup {
     pub transfer: TransferSetupBase,
     /// Where delivered buffers wait for `recv`.
     pub inbox: Arc<Inbox>,
+    /// Where this node lands received buffers by default (its first receive tier), as its
+    /// hello tells peers.
+    pub receives: MemoryKind,
+}
+
+/// The hello this node greets a peer with, on links it dials and links it accepts alike:
+/// its name, the transports viable here, its frame cap, and `receives`, where it lands
+/// received buffers by default, which its peers route their sends for.
+pub(crate) fn node_hello(node: &str, receives: MemoryKind, max_frame: u32) -> Hello {
+    Hello {
+        receives: receives.to_wire(),
+        ..link::local_hello(node, transport::viable_names(), max_frame)
+    }
 }
 
 /// The parts of [`TransferSetup`] the node provides.
@@ -156,7 +170,7 @@ pub struct TransferSetupBase {
     /// Told when a peer is gone, so what it held is quarantined.
     pub peer_gone: Vec<Recipient<crate::allocator::PeerGone>>,
     /// Exposed regions.
-    pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::tcp::ExposedRegion>>,
+    pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::region::ExposedRegion>>,
     /// I/O runtime.
     pub io: tokio::runtime::Handle,
     /// The fast lanes to same-host peers (the node's `send` looks here first).
@@ -197,11 +211,7 @@ impl Coordinator {
     }
 
     fn hello(&self) -> Hello {
-        link::local_hello(
-            self.name().to_string(),
-            transport::viable_names(),
-            self.setup.link.max_frame,
-        )
+        node_hello(self.name(), self.setup.receives, self.setup.link.max_frame)
     }
 
     fn peer_address(&self, peer: &str) -> Option<PeerAddress> {
@@ -239,25 +249,33 @@ impl Coordinator {
         }
     }
 
-    fn explain(&self, peer: &str, bytes: u64, src: MemoryClass, dst: MemoryClass) -> Explanation {
+    /// The route of a transfer to `peer`, and why. `dst`: the memory at the peer's end, for
+    /// a what-if question; `None`, as sends ask: what the peer receives into.
+    fn explain(
+        &self,
+        peer: &str,
+        bytes: u64,
+        src: MemoryClass,
+        dst: Option<MemoryClass>,
+    ) -> Explanation {
         self.route(peer, bytes, src, dst, None)
     }
 
     /// The route of a transfer; with `failed`, as if that transport's setup with the peer
-    /// had failed (the route a transfer falls back to).
+    /// had failed (the route a transfer falls back to). `dst` as for [`Self::explain`].
     fn route(
         &self,
         peer: &str,
         bytes: u64,
         src: MemoryClass,
-        dst: MemoryClass,
+        dst: Option<MemoryClass>,
         failed: Option<ferry_config::TransportName>,
     ) -> Explanation {
-        let offers = self
-            .sessions
-            .get(peer)
-            .and_then(|s| s.hello.as_ref())
-            .map(|h| h.transports.as_slice());
+        let hello = self.sessions.get(peer).and_then(|s| s.hello.as_ref());
+        let offers = hello.map(|h| h.transports.as_slice());
+        // Before the first link to the peer there is no hello: `destination` assumes host.
+        let receives = hello.map(|h| memory_class(MemoryKind::from_wire(h.receives)));
+        let (dst, dst_from) = route::destination(dst, receives);
         let bad = crate::core::ipc_setup::SetupOutcome::Bad(
             crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
         );
@@ -279,6 +297,7 @@ impl Coordinator {
                 locality: self.locality(peer),
                 src,
                 dst,
+                dst_from,
                 bytes,
             },
         )
@@ -566,7 +585,8 @@ fn send_lost(addr: &Addr<TransferActor>, why: &str) {
     });
 }
 
-fn memory_class(kind: MemoryKind) -> MemoryClass {
+/// The rules' name for the memory `kind` is.
+pub(crate) fn memory_class(kind: MemoryKind) -> MemoryClass {
     match kind {
         MemoryKind::Device(_) => MemoryClass::Device,
         MemoryKind::PinnedHost => MemoryClass::Pinned,
@@ -592,7 +612,9 @@ impl Handler<SendTo> for Coordinator {
             .layout
             .check(msg.buffer.len() as u64)
             .unwrap_or(msg.buffer.len() as u64);
-        let explanation = self.explain(&msg.peer, bytes, src, MemoryClass::Host);
+        // Routed for the memory the peer receives into, from its hello (host until the first
+        // link to it is up: the first sends to a peer are routed before its hello arrives).
+        let explanation = self.explain(&msg.peer, bytes, src, None);
         let Some(route) = explanation.chosen.clone() else {
             let buffer = msg.buffer;
             return Box::pin(async move {
@@ -619,14 +641,8 @@ impl Handler<SendTo> for Coordinator {
         // If the chosen transport's setup with the peer fails, the next of the rule.
         let fallback = (route.transport == ferry_config::TransportName::Ipc)
             .then(|| {
-                self.route(
-                    &msg.peer,
-                    bytes,
-                    src,
-                    MemoryClass::Host,
-                    Some(route.transport),
-                )
-                .chosen
+                self.route(&msg.peer, bytes, src, None, Some(route.transport))
+                    .chosen
             })
             .flatten()
             .map(|r| (r.transport.as_str().to_string(), wire(r.direction)));
@@ -696,6 +712,7 @@ impl Handler<Explain> for Coordinator {
     type Result = Result<Explanation, Error>;
 
     fn handle(&mut self, msg: Explain, _: &mut Self::Context) -> Self::Result {
+        // The same route a `SendTo` takes (`dst` `None`), or a what-if one.
         Ok(self.explain(&msg.peer, msg.bytes, msg.src, msg.dst))
     }
 }

@@ -16,7 +16,7 @@ use ferry_transports::cuda::{
     POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_boxes_async,
     copy_boxes_to_host, copy_to_host, enable_peer_access, peer_access,
 };
-use ferry_transports::ipc::{PoolDirectory, fetch_pool};
+use ferry_transports::fdshare::{self, PoolDirectory};
 use ferry_transports::link::Secret;
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::wire::{IpcBufferRef, IpcSource, Layout, LayoutError, RowBox};
@@ -45,10 +45,10 @@ pub struct Gpus {
     pub gpus: Vec<(u32, Gpu)>,
     /// Every GPU the process sees (a peer's pool may live on one this node does not use).
     pub visible: Vec<Device>,
-    /// Pools served on the pool socket, by device UUID.
+    /// Pools served on the fd-sharing socket, by device UUID.
     pub pools: PoolDirectory,
-    /// Fast-lane rings offered to peers, served on the pool socket by key.
-    pub rings: ferry_transports::ipc::RingDirectory,
+    /// Fast-lane rings offered to peers, served on the fd-sharing socket by key.
+    pub rings: ferry_transports::fdshare::RingDirectory,
     /// Copies are queued under its read side; a peer's memory is mapped under its write
     /// side, once the copies in flight have drained (see `Gpus::drain_copies`). One per
     /// node: nodes that share a process do not hold each other's copies off.
@@ -285,7 +285,7 @@ pub async fn import_pools(
                 "the peer's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)"
             ));
         };
-        let fd = fetch_pool(node, pid, uuid, secret)
+        let fd = fdshare::fetch(node, pid, uuid, secret)
             .await
             .map_err(|e| e.to_string())?;
         let ours: Vec<Device> = gpus.gpus.iter().map(|(_, g)| g.device.clone()).collect();

@@ -8,7 +8,7 @@
 //! with:
 //!
 //! - a ring of slots in shared memory ([`Ring`]), one per direction, made by the sender
-//!   during the ipc setup and fetched by the receiver from the sender's pool socket;
+//!   during the ipc setup and fetched by the receiver from the sender's fd-sharing socket;
 //! - on the sender, the caller's own task exports the buffer and writes a [`LaneRecord`]
 //!   into the next slot; a watcher thread sees the receiver finish it and completes the
 //!   send (the receiver's outcome, or its reason, comes back in the slot);

@@ -6,6 +6,7 @@
 pub mod allocator;
 pub mod coordinator;
 pub mod core;
+pub mod data_event;
 pub mod error;
 pub mod gpu;
 pub mod inbox;

@@ -18,7 +18,7 @@ use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
 };
-use ferry_transports::tcp::{ExposedRegion, RegionKey};
+use ferry_transports::region::{ExposedRegion, RegionKey};
 use ferry_transports::wire::Layout;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
@@ -42,6 +42,8 @@ pub struct Node {
     host: Addr<Allocator>,
     pinned: Addr<Allocator>,
     gpus: crate::gpu::SharedGpus,
+    /// Where received buffers land first (said in every hello).
+    receives: MemoryKind,
     /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
     credit: DashMap<String, Arc<Semaphore>>,
     /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
@@ -238,8 +240,8 @@ impl Node {
         let host_budget = config.memory.host.resolve(total_memory());
         let pinned_budget = config.memory.pinned.resolve(total_memory());
         let coordinator_secret = secret.clone();
-        let gpu_pools: ferry_transports::ipc::PoolDirectory = Arc::default();
-        let lane_rings: ferry_transports::ipc::RingDirectory = Arc::default();
+        let gpu_pools: ferry_transports::fdshare::PoolDirectory = Arc::default();
+        let lane_rings: ferry_transports::fdshare::RingDirectory = Arc::default();
         let lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>> = Arc::default();
         let lane = crate::lane::LaneSettings {
             max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
@@ -334,6 +336,9 @@ impl Node {
                                 },
                             })
                             .collect();
+                        // Where receives land first: what every hello of this node tells
+                        // peers, who route their sends for it.
+                        let receives = receive_tiers.first().map_or(MemoryKind::Host, |t| t.kind);
                         let mut host_tiers: Vec<Tier> = receive_tiers
                             .iter()
                             .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
@@ -383,16 +388,17 @@ impl Node {
                             link: link_opts,
                             transfer,
                             inbox,
+                            receives,
                         })
                         .start();
-                        (coordinator, host, pinned, gpus, System::current())
+                        (coordinator, host, pinned, gpus, receives, System::current())
                     });
                     let _ = tx.send(started);
                     let _ = system.run();
                 })
                 .map_err(|e| Error::Start(format!("cannot start the actor thread: {e}")))?
         };
-        let (coordinator, host, pinned, gpus, system) = rx
+        let (coordinator, host, pinned, gpus, receives, system) = rx
             .await
             .map_err(|_| Error::Start("the actor system did not start".into()))?;
 
@@ -400,10 +406,10 @@ impl Node {
             // Same-host peers fetch our pools' descriptors here (the ipc transport), and our
             // staging rings (the staged transport, with or without GPUs).
             let name = config.node.name.clone();
-            let bound = io.spawn(async move { ferry_transports::ipc::bind_pool_socket(&name) });
+            let bound = io.spawn(async move { ferry_transports::fdshare::bind(&name) });
             match bound.await.map_err(|e| Error::Start(e.to_string()))? {
                 Ok(listener) => {
-                    io.spawn(ferry_transports::ipc::serve_pools(
+                    io.spawn(ferry_transports::fdshare::serve(
                         listener,
                         secret.clone(),
                         Arc::clone(&gpu_pools),
@@ -411,7 +417,7 @@ impl Node {
                     ));
                 }
                 Err(e) => tracing::warn!(
-                    "cannot open the pool socket ({e}): same-host peers cannot use ipc with \
+                    "cannot open the fd-sharing socket ({e}): same-host peers cannot use ipc with \
                      us, and our staged sends to them go over the link"
                 ),
             }
@@ -426,6 +432,7 @@ impl Node {
             secret: secret.clone(),
             opts: link_opts.clone(),
             node: config.node.name.clone(),
+            receives,
         };
         for listener in listeners {
             io.spawn(accept_loop(listener, acceptor.clone()));
@@ -439,6 +446,7 @@ impl Node {
             host,
             pinned,
             gpus,
+            receives,
             credit: DashMap::new(),
             lanes,
             order: DashMap::new(),
@@ -451,6 +459,13 @@ impl Node {
             thread: Some(thread),
             io: Some(io),
         })
+    }
+
+    /// The memory class this node receives into by default, as its hello tells peers, who
+    /// route their sends to it for that class: `memory.receive_into` as it resolved at
+    /// start (`"device"` on a node without a GPU is host).
+    pub fn receive_class(&self) -> MemoryClass {
+        crate::coordinator::memory_class(self.receives)
     }
 
     /// The node's name.
@@ -809,21 +824,25 @@ impl Node {
         self.with_credit(peer, deadline, buffer, message).await
     }
 
-    /// How a transfer of `bytes` from `src` memory here to `dst` memory at `peer` would be
-    /// routed, and why.
+    /// How a transfer of `bytes` from `src` memory here to `peer` would be routed, and why.
+    ///
+    /// `dst`, the memory at the peer's end: `None` asks for the route a send takes now, for
+    /// the memory the peer said in its hello it receives into (host memory before the first
+    /// link to it: connect first to ask about a peer's real memory); a class asks what-if.
+    /// The explanation's query says which it used and where it came from (`dst_from`).
     pub async fn explain(
         &self,
         peer: &str,
         bytes: u64,
         src: MemoryClass,
-        dst: MemoryClass,
+        dst: impl Into<Option<MemoryClass>>,
     ) -> Result<Explanation, Error> {
         self.coordinator
             .send(Explain {
                 peer: peer.to_string(),
                 bytes,
                 src,
-                dst,
+                dst: dst.into(),
             })
             .await
             .map_err(|_| Error::ShuttingDown)?
@@ -897,6 +916,8 @@ struct Acceptor {
     secret: Secret,
     opts: LinkOptions,
     node: String,
+    /// Where the node lands received buffers by default, for its hello.
+    receives: MemoryKind,
 }
 
 /// Accepts connections as fast as they come and runs each handshake in its own task, so a
@@ -932,9 +953,9 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                     .first_byte(acceptor.first_byte)
                     .await
                     .map_err(|e| format!("silent connection closed: {e}"))?;
-                let hello = link::local_hello(
-                    acceptor.node.clone(),
-                    ferry_transports::transport::viable_names(),
+                let hello = crate::coordinator::node_hello(
+                    &acceptor.node,
+                    acceptor.receives,
                     acceptor.opts.max_frame,
                 );
                 link::accept_handshake(accepted, &acceptor.secret, hello, &acceptor.opts)

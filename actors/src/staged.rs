@@ -3,7 +3,7 @@
 //! `ferry_transports::staged`).
 //!
 //! The sender's transfer actor makes the ring when a link to a same-host peer comes up,
-//! offers it at its pool socket and names it to the peer (`StagedRing`); the peer's actor
+//! offers it at its fd-sharing socket and names it to the peer (`StagedRing`); the peer's actor
 //! fetches and maps it, and its receiver thread says it reads it. Until then (or when it
 //! cannot), staged transfers stream over the link, landing in the same regions. The sender
 //! thread copies each granted transfer's packed bytes into the slots, one chunk at a time,
@@ -15,16 +15,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use actix::Addr;
+use actix::Recipient;
 use dashmap::DashMap;
 use ferry_config::AutoSize;
 use ferry_transports::memory::SharedBytes;
+use ferry_transports::region::InboundRegion;
 use ferry_transports::staged::{StagedError, StagingRx, StagingTx};
-use ferry_transports::tcp::InboundRegion;
 use ferry_transports::wire::{DataChunk, Layout};
 
 use crate::core::session::OpId;
-use crate::transfer::{InboundDone, StagedEnded, StagedInbound, TransferActor};
+use crate::data_event::DataEvent;
 
 /// How long a staged thread spins for its next slot or chunk before it parks on the ring's
 /// futex (`transport.ipc.lane_spin` when that is longer). Longer than a chunk's copy
@@ -85,7 +85,7 @@ impl StagedTx {
         depth: usize,
         spin: Duration,
         device: Option<ferry_transports::cuda::Device>,
-        (me, link): (Addr<TransferActor>, u64),
+        (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
     ) -> Result<StagedTx, String> {
         let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(depth.max(1));
@@ -116,7 +116,7 @@ impl StagedTx {
                     if let Some(why) = &broken {
                         tracing::warn!(peer, op = op.0, "staged send failed: {why}");
                     }
-                    let ended = StagedEnded { op, broken, link };
+                    let ended = DataEvent::StreamEnded { op, broken, link };
                     if io.block_on(me.send(ended)).is_err() {
                         break;
                     }
@@ -183,7 +183,7 @@ impl StagedRx {
         spin: Duration,
         device: Option<ferry_transports::cuda::Device>,
         regions: Arc<DashMap<u64, InboundRegion>>,
-        (me, link): (Addr<TransferActor>, u64),
+        (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
     ) -> Result<StagedRx, String> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -219,7 +219,7 @@ impl StagedRx {
                 drop(staging);
                 if let Some(why) = broken {
                     tracing::warn!(peer, "the peer's staging ring broke: {why}");
-                    let _ = io.block_on(me.send(StagedInbound::Broken(link, why)));
+                    let _ = io.block_on(me.send(DataEvent::PeerBroke { link, why }));
                 }
             })
             .map_err(|e| e.to_string())?;
@@ -245,7 +245,7 @@ fn land(
     regions: &DashMap<u64, InboundRegion>,
     chunk: &DataChunk,
     bytes: &[u8],
-    me: &Addr<TransferActor>,
+    me: &Recipient<DataEvent>,
     io: &tokio::runtime::Handle,
 ) -> Result<(), String> {
     let id = chunk.transfer;
@@ -260,12 +260,12 @@ fn land(
         regions.remove(&id);
         drop(landing);
         let why = format!("copying a staged chunk in: {e}");
-        let _ = io.block_on(me.send(StagedInbound::Failed { id, why }));
+        let _ = io.block_on(me.send(DataEvent::InboundFailed { id, why }));
         return Ok(());
     }
     metrics::counter!("ferry_staged_ring_chunks_total").increment(1);
-    if let Some(buffer) = crate::transfer::restore_landing(regions, id, landing) {
-        let _ = io.block_on(me.send(InboundDone { id, buffer }));
+    if let Some(buffer) = ferry_transports::region::restore_landing(regions, id, landing) {
+        let _ = io.block_on(me.send(DataEvent::InboundDone { id, buffer }));
     }
     Ok(())
 }

@@ -21,7 +21,8 @@ use dashmap::DashMap;
 use ferry_transports::link::{Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret};
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
-use ferry_transports::tcp::{self, ExposedRegion, InboundRegion, RegionKey};
+use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
+use ferry_transports::tcp;
 use ferry_transports::wire::{
     ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Layout, Message,
     PutAck, StagedRing, WireDirection, WireReason, Written,
@@ -37,6 +38,7 @@ use crate::core::ipc_setup::{
 use crate::core::session::{
     InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
 };
+use crate::data_event::DataEvent;
 use crate::error::{Error, SendError};
 use crate::timer::DeadlineTimer;
 
@@ -237,30 +239,6 @@ pub struct Drain;
 #[rtype(result = "()")]
 struct FromPeer(Message);
 
-/// Every byte of inbound transfer `id` landed in `buffer` (from the link's reader, or the
-/// staged receiver thread).
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct InboundDone {
-    pub(crate) id: u64,
-    pub(crate) buffer: Buffer,
-}
-
-/// Gives back the receive buffer lent out of `regions` for one chunk of transfer `id`;
-/// returns it, out of the map, once every byte of the transfer is in. A transfer abandoned
-/// meanwhile is gone from the map: dropping the landing frees its memory.
-pub(crate) fn restore_landing(
-    regions: &DashMap<u64, InboundRegion>,
-    id: u64,
-    landing: ferry_transports::tcp::Landing,
-) -> Option<Buffer> {
-    let complete = regions.get_mut(&id).map(|mut r| r.restore(landing));
-    if complete != Some(true) {
-        return None;
-    }
-    regions.remove(&id).and_then(|(_, r)| r.into_buffer())
-}
-
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 struct PutFinished {
@@ -268,35 +246,10 @@ struct PutFinished {
     error: Option<String>,
 }
 
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-struct StreamEnded(OpId);
-
-/// The staged sender thread put every chunk of `op` in the ring (or stopped); `broken`
-/// says why the ring failed, when it did.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct StagedEnded {
-    pub(crate) op: OpId,
-    pub(crate) broken: Option<String>,
-    /// The link the ring was made for.
-    pub(crate) link: u64,
-}
-
-/// From the staged receiver thread.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) enum StagedInbound {
-    /// A chunk of `id` could not be copied in: that transfer fails.
-    Failed { id: u64, why: String },
-    /// The peer broke the ring it named on link `.0`: that link goes down.
-    Broken(u64, String),
-}
-
 /// The staged transport's rings with a same-host peer.
 #[derive(Default)]
 struct StagedState {
-    /// Our sending end (its ring offered at the pool socket under `key` until the peer
+    /// Our sending end (its ring offered at the fd-sharing socket under `key` until the peer
     /// fetched it or the link changed).
     tx: Option<(crate::staged::StagedTx, String)>,
     /// The receiving end of the peer's ring.
@@ -444,7 +397,7 @@ struct IpcState {
     /// True while we import the peer's pools (one setup request at a time).
     importing: bool,
     /// The lane ring we offer the peer in our setup request (exporting side), under its
-    /// key at our pool socket, until the setup settles.
+    /// key at our fd-sharing socket, until the setup settles.
     lane_offer: Option<(String, Arc<ferry_transports::link::ring::Ring>)>,
     /// Our sending end of the lane, once the setup settled with the peer attached.
     lane_tx: Option<Arc<crate::lane::LaneTx>>,
@@ -1708,7 +1661,7 @@ impl TransferActor {
     }
 
     /// The lane ring offered with our setup request (one per setup, whatever the number
-    /// of attempts): its key at our pool socket. None when the lane is off or the peer is
+    /// of attempts): its key at our fd-sharing socket. None when the lane is off or the peer is
     /// in this process.
     fn offer_lane(&mut self) -> Option<String> {
         // Offered before the link may be up (the setup starts with the first transfer):
@@ -1944,7 +1897,7 @@ impl TransferActor {
     }
 
     /// The first staged send to a same-host peer on this link: a staging ring for our
-    /// staged sends to it, offered at the pool socket and named to the peer (made lazily:
+    /// staged sends to it, offered at the fd-sharing socket and named to the peer (made lazily:
     /// its slots are page-locked, which a peer that never takes staged should not cost).
     fn offer_staged_ring(&mut self, ctx: &mut Context<Self>) {
         let settings = self.setup.staged;
@@ -2008,7 +1961,7 @@ impl TransferActor {
             self.setup.limits.in_flight,
             settings.spin,
             device,
-            (ctx.address(), self.link),
+            (ctx.address().recipient(), self.link),
             self.setup.io.clone(),
         );
         match started {
@@ -2054,7 +2007,7 @@ impl TransferActor {
             self.setup.secret.clone(),
         );
         let fetch = async move {
-            let fd = ferry_transports::ipc::fetch_pool(&peer, pid, &key, &secret)
+            let fd = ferry_transports::fdshare::fetch(&peer, pid, &key, &secret)
                 .await
                 .map_err(|e| e.to_string())?;
             ferry_transports::staged::StagingRx::open(fd).map_err(|e| e.to_string())
@@ -2081,7 +2034,7 @@ impl TransferActor {
                         act.setup.staged.spin,
                         act.staging_device(),
                         Arc::clone(&act.regions),
-                        (ctx.address(), link),
+                        (ctx.address().recipient(), link),
                         act.setup.io.clone(),
                     );
                     match started {
@@ -2093,32 +2046,29 @@ impl TransferActor {
     }
 }
 
-impl Handler<StagedEnded> for TransferActor {
+impl Handler<DataEvent> for TransferActor {
     type Result = ();
-    fn handle(&mut self, msg: StagedEnded, ctx: &mut Self::Context) {
-        if let Some(why) = msg.broken.filter(|_| msg.link == self.link) {
-            self.end_staged_tx();
-            self.session
-                .handle_link_lost(&format!("the staging ring failed: {why}"));
-        }
-        if let Some(entry) = self.outbound.get_mut(&msg.op) {
-            entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
-        }
-        self.session.handle_stream_ended(msg.op);
-        self.drive(ctx);
-    }
-}
-
-impl Handler<StagedInbound> for TransferActor {
-    type Result = ();
-    fn handle(&mut self, msg: StagedInbound, ctx: &mut Self::Context) {
-        match msg {
-            StagedInbound::Failed { id, why } => {
-                tracing::warn!(peer = %self.peer, id, "staged transfer failed: {why}");
+    fn handle(&mut self, event: DataEvent, ctx: &mut Self::Context) {
+        match event {
+            DataEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
+            DataEvent::InboundFailed { id, why } => {
+                tracing::warn!(peer = %self.peer, id, "inbound transfer failed: {why}");
                 self.session
                     .handle_reserve_failed(InboundId(id), WireReason::Unsupported, why);
             }
-            StagedInbound::Broken(link, why) => {
+            DataEvent::StreamEnded { op, broken, link } => {
+                if let Some(why) = broken.filter(|_| link == self.link) {
+                    self.end_staged_tx();
+                    self.session
+                        .handle_link_lost(&format!("the staging ring failed: {why}"));
+                }
+                if let Some(entry) = self.outbound.get_mut(&op) {
+                    // Every byte is on its way: wait for the peer's Done (or PutAck).
+                    entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
+                }
+                self.session.handle_stream_ended(op);
+            }
+            DataEvent::PeerBroke { link, why } => {
                 if link == self.link {
                     note_protocol_violation();
                     self.staged.rx = None;
@@ -2150,7 +2100,11 @@ impl Handler<LinkDown> for TransferActor {
             return self.dial_refused(ctx);
         }
         if !self.session.is_lost() {
-            tracing::warn!(peer = %self.peer, why = %msg.why, "link down");
+            if msg.why == PEER_LEFT {
+                tracing::info!(peer = %self.peer, "the peer closed the link");
+            } else {
+                tracing::warn!(peer = %self.peer, why = %msg.why, "link down");
+            }
         }
         self.session.handle_link_lost(&msg.why);
         self.drive(ctx);
@@ -2272,14 +2226,6 @@ impl Handler<FromPeer> for TransferActor {
     }
 }
 
-impl Handler<InboundDone> for TransferActor {
-    type Result = ();
-    fn handle(&mut self, msg: InboundDone, ctx: &mut Self::Context) {
-        self.completed(InboundId(msg.id), msg.buffer);
-        self.drive(ctx);
-    }
-}
-
 impl Handler<PutFinished> for TransferActor {
     type Result = ();
     fn handle(&mut self, msg: PutFinished, ctx: &mut Self::Context) {
@@ -2297,18 +2243,6 @@ impl Handler<PutFinished> for TransferActor {
     }
 }
 
-impl Handler<StreamEnded> for TransferActor {
-    type Result = ();
-    fn handle(&mut self, StreamEnded(op): StreamEnded, ctx: &mut Self::Context) {
-        if let Some(entry) = self.outbound.get_mut(&op) {
-            // Every byte is on the wire: wait for the peer's Done (or PutAck).
-            entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
-        }
-        self.session.handle_stream_ended(op);
-        self.drive(ctx);
-    }
-}
-
 /// Sends frames and streams buffers until the queue closes or the socket fails. Every
 /// stream it takes ends with a `StreamEnded`, after its view of the buffer was dropped.
 /// Fetches and maps the lane ring the peer offered under `key` (none offered: `None`). A
@@ -2321,7 +2255,7 @@ async fn fetch_lane(
     secret: &Secret,
 ) -> Option<ferry_transports::link::ring::Ring> {
     let key = key?;
-    let mapped = match ferry_transports::ipc::fetch_pool(peer, pid, &key, secret).await {
+    let mapped = match ferry_transports::fdshare::fetch(peer, pid, &key, secret).await {
         Ok(fd) => ferry_transports::link::ring::Ring::open(fd).map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
@@ -2360,7 +2294,13 @@ async fn write_loop(
             } => {
                 let result = stream(&mut writer, op, what, &bytes, &stop, chunk).await;
                 drop(bytes);
-                let _ = me.send(StreamEnded(op)).await;
+                let _ = me
+                    .send(DataEvent::StreamEnded {
+                        op,
+                        broken: None,
+                        link,
+                    })
+                    .await;
                 if let Err(e) = result {
                     failure = Some(e);
                     break;
@@ -2378,7 +2318,13 @@ async fn write_loop(
     while let Some(out) = rx.recv().await {
         if let Outgoing::Stream { op, bytes, .. } = out {
             drop(bytes);
-            let _ = me.send(StreamEnded(op)).await;
+            let _ = me
+                .send(DataEvent::StreamEnded {
+                    op,
+                    broken: None,
+                    link,
+                })
+                .await;
         }
     }
     if let Some(e) = failure {
@@ -2409,7 +2355,7 @@ async fn stream(
         }
         StreamWhat::Put { .. } => (bytes.len(), None),
     };
-    let parts: Vec<(usize, usize)> = tcp::chunks(len, chunk).collect();
+    let parts: Vec<(usize, usize)> = region::chunks(len, chunk).collect();
     let header = |i: usize| match what {
         StreamWhat::Transfer(_) => tcp::data_header(op.0, parts[i]),
         StreamWhat::Put { key, offset } => {
@@ -2512,6 +2458,9 @@ fn io_error(e: impl std::fmt::Display) -> LinkError {
     LinkError::Io(Arc::new(std::io::Error::other(e.to_string())))
 }
 
+/// Why a link ended when the peer said goodbye and closed it: a clean departure.
+const PEER_LEFT: &str = "the peer said goodbye and closed the connection";
+
 struct ReadLoop {
     me: Addr<TransferActor>,
     regions: Arc<DashMap<u64, InboundRegion>>,
@@ -2524,6 +2473,8 @@ impl ReadLoop {
     /// Reads until the link ends; a peer that breaks the protocol is dropped.
     async fn run(self, mut reader: LinkReader) {
         let mut put_errors: HashMap<u64, String> = HashMap::new();
+        // A peer that says goodbye before it closes left on purpose.
+        let mut said_goodbye = false;
         let mut put_bytes: Vec<u8> = Vec::new();
         let mut scratch: Vec<u8> = Vec::new();
         let why = loop {
@@ -2532,6 +2483,7 @@ impl ReadLoop {
             // fails at once with the reason, rather than waiting for its deadline.
             let frame = match reader.next().await {
                 Ok(Some(frame)) => frame,
+                Ok(None) if said_goodbye => break PEER_LEFT.to_string(),
                 Ok(None) => break "the peer closed the connection".to_string(),
                 Err(e) => break format!("{e}"),
             };
@@ -2542,6 +2494,7 @@ impl ReadLoop {
                     break format!("peer sent a bad frame: {e}");
                 }
             };
+            said_goodbye |= matches!(msg, ArchivedMessage::Goodbye);
             match msg {
                 ArchivedMessage::Data(chunk) => {
                     let chunk = ferry_transports::wire::DataChunk::from(chunk);
@@ -2598,7 +2551,11 @@ impl ReadLoop {
                         break format!("copying a chunk of transfer {id} in: {e}");
                     }
                     if let Some(buffer) = restore_landing(&self.regions, id, landing)
-                        && self.me.send(InboundDone { id, buffer }).await.is_err()
+                        && self
+                            .me
+                            .send(DataEvent::InboundDone { id, buffer })
+                            .await
+                            .is_err()
                     {
                         break "node stopped".into();
                     }

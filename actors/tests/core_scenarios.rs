@@ -477,6 +477,7 @@ fn protocol_violations_are_errors() {
         pid: 0,
         transports: vec![],
         max_frame: 0,
+        receives: ferry_transports::wire::WireMemoryKind::Host,
     });
     assert!(s.handle_message(hello).is_err());
 }

@@ -2,8 +2,9 @@
 //!
 //! It starts a node from the configuration (listening on an ephemeral loopback port, with no
 //! Unix socket, so it never collides with a running `ferry serve` of the same file), dials
-//! the peer to learn what it offers (unless `--no-connect`), and asks the node to explain
-//! the route. Around that answer it says why earlier rules did not match, why each transport
+//! the peer to learn what it offers and what memory it receives into (unless
+//! `--no-connect`), and asks the node to explain the route: the one a send would take now,
+//! chosen by the same code, or with `--dst-memory` a what-if one. Around that answer it says why earlier rules did not match, why each transport
 //! was passed over, and whether the chosen path is far slower than the hardware allows.
 //! Everything but the node and the CUDA probe is pure and tested below.
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use ferry::{Explanation, Node};
-use ferry_actors::core::route::RouteQuery;
+use ferry_actors::core::route::{DstSource, RouteQuery};
 use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
 use ferry_transports::cuda::{self, CudaProbe};
 use ferry_transports::transport::{self, Capabilities, Unsuitable, Viability};
@@ -30,7 +31,8 @@ pub struct Args {
     /// Memory at this (the sending) end: host, pinned or device.
     #[arg(long, value_parser = parse_memory)]
     memory: MemoryClass,
-    /// Memory at the receiving end; default: the same as --memory.
+    /// Memory at the receiving end, to ask what-if; default: what the peer receives into, as
+    /// its hello says (the route a send takes), or host memory without a link to the peer.
     #[arg(long = "dst-memory", value_parser = parse_memory)]
     dst_memory: Option<MemoryClass>,
     /// Buffer layout (only contiguous buffers exist today).
@@ -77,13 +79,14 @@ fn parse_memory(text: &str) -> Result<MemoryClass, String> {
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
     let mut config = super::load_config(file, overrides, Vec::new())?;
-    super::telemetry::init(&config.telemetry);
+    super::telemetry::init_command(&config.telemetry);
     // Never collide with a `ferry serve` started from the same file.
     config.node.listen = vec!["127.0.0.1:0".into()];
     config.node.socket_dir = None;
     let rules = config.transport.rules.clone();
     let src = args.memory;
-    let dst = args.dst_memory.unwrap_or(src);
+    // `None`: the node routes for what the peer receives into, as its sends do.
+    let dst = args.dst_memory;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -92,7 +95,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     let connect = !args.no_connect;
     let (setup, explanation) =
         runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
-    let device = src == MemoryClass::Device || dst == MemoryClass::Device;
+    let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &transport::catalog()));
     let report = Report::new(&args, &rules, &explanation, setup, gpu);
     let text = if args.json {
@@ -115,7 +118,7 @@ async fn ask_node(
     peer: &str,
     bytes: u64,
     src: MemoryClass,
-    dst: MemoryClass,
+    dst: Option<MemoryClass>,
     connect: bool,
 ) -> anyhow::Result<(Setup, Explanation)> {
     let limit =
@@ -283,7 +286,10 @@ const PINNED_GBPS: u32 = 55;
 /// ends allows. Pure.
 pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<String> {
     let q = &explanation.query;
-    let device = q.src == MemoryClass::Device || q.dst == MemoryClass::Device;
+    // Where the bytes really land: a transport that cannot land in the peer's device memory
+    // lands in its host memory.
+    let landing = explanation.chosen.as_ref().map_or(q.dst, |r| r.landing);
+    let device = q.src == MemoryClass::Device || landing == MemoryClass::Device;
     if !device {
         return Vec::new();
     }
@@ -334,7 +340,7 @@ pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<St
             (Some(_), None) => true,
             _ => false,
         };
-        if tcp_before_gpu && chosen != Some(TransportName::Tcp) {
+        if tcp_before_gpu && chosen == Some(TransportName::Tcp) {
             let better = if same_host {
                 "ipc (or staged)"
             } else {
@@ -391,6 +397,9 @@ pub struct Report {
     bytes: u64,
     src: String,
     dst: String,
+    /// Where `dst` came from: `dst-memory` (asked), `peer` (its hello) or `assumed` (no link).
+    #[serde(serialize_with = "dst_from_key")]
+    dst_from: DstSource,
     layout: Layout,
     locality: String,
     setup: SetupReport,
@@ -421,6 +430,18 @@ struct RuleRef {
 struct Chosen {
     transport: String,
     direction: String,
+    /// Where the bytes land at the peer: `dst`, or host memory for a transport that cannot
+    /// land there.
+    landing: String,
+}
+
+/// How the JSON report names where the destination memory came from.
+fn dst_from_key<S: serde::Serializer>(from: &DstSource, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match from {
+        DstSource::Asked => "dst-memory",
+        DstSource::Peer => "peer",
+        DstSource::Assumed => "assumed",
+    })
 }
 
 impl Report {
@@ -453,6 +474,7 @@ impl Report {
             bytes: e.query.bytes,
             src: e.query.src.to_string(),
             dst: e.query.dst.to_string(),
+            dst_from: e.query.dst_from,
             layout: args.layout,
             locality: e.query.locality.to_string(),
             setup,
@@ -465,6 +487,7 @@ impl Report {
             chosen: e.chosen.as_ref().map(|r| Chosen {
                 transport: r.transport.to_string(),
                 direction: r.direction.to_string(),
+                landing: r.landing.to_string(),
             }),
             gpu,
             warnings: performance_warnings(e, rules),
@@ -488,6 +511,11 @@ impl Report {
                 ),
             ),
         }
+        let from = match self.dst_from {
+            DstSource::Asked => "asked for with --dst-memory".to_string(),
+            other => other.to_string(),
+        };
+        line("dst", format!("{} memory: {from}", self.dst));
         for miss in &self.earlier_rules {
             line(
                 &format!("rule #{}", miss.index),
@@ -509,6 +537,13 @@ impl Report {
             line("skipped", format!("{}: {}", s.transport, s.reason));
         }
         match &self.chosen {
+            Some(c) if c.landing != self.dst => line(
+                "chosen",
+                format!(
+                    "{}, {}; lands in {} memory: {} cannot land in {} memory",
+                    c.transport, c.direction, c.landing, c.transport, self.dst
+                ),
+            ),
             Some(c) => line("chosen", format!("{}, {}", c.transport, c.direction)),
             None if self.rule.is_some() => line(
                 "chosen",
@@ -570,6 +605,7 @@ pub(crate) mod tests {
             locality,
             src,
             dst,
+            dst_from: DstSource::Asked,
             bytes: 1 << 20,
         }
     }
@@ -645,15 +681,19 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Device, MemoryClass::Device, Locality::SameHost),
         );
-        assert!(e.chosen.is_none());
+        // tcp carries it, landing in the peer's host memory.
+        let chosen = e.chosen.as_ref().map(|r| (r.transport, r.landing));
+        assert_eq!(chosen, Some((TransportName::Tcp, MemoryClass::Host)));
         let w = performance_warnings(&e, &rules);
-        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!(w.len(), 2, "{w:?}");
         assert!(
-            w[0].contains("396 GB/s") && w[0].contains("55 GB/s"),
+            w[0].contains("device memory goes over tcp")
+                && w[0].contains("396 GB/s")
+                && w[0].contains("55 GB/s"),
             "{}",
             w[0]
         );
-        assert!(w[0].contains("list ipc (or staged) before tcp"), "{}", w[0]);
+        assert!(w[1].contains("list ipc (or staged) before tcp"), "{}", w[1]);
         // Host memory over tcp is what tcp is for.
         let e = choose(
             &rules,
@@ -662,6 +702,68 @@ pub(crate) mod tests {
             query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
         );
         assert!(performance_warnings(&e, &rules).is_empty());
+        // So is host memory to a peer that receives into device memory: over tcp it lands
+        // in the peer's host memory, and no device memory moves.
+        let e = choose(
+            &rules,
+            &catalog(),
+            None,
+            query(MemoryClass::Host, MemoryClass::Device, Locality::SameHost),
+        );
+        assert!(performance_warnings(&e, &rules).is_empty());
+    }
+
+    #[test]
+    fn the_report_says_which_dst_was_used_where_it_came_from_and_where_bytes_land() {
+        let args = Args {
+            peer: "b".into(),
+            bytes: 1 << 20,
+            memory: MemoryClass::Host,
+            dst_memory: None,
+            layout: Layout::Contiguous,
+            connect: true,
+            no_connect: false,
+            json: false,
+        };
+        let rules = vec![Rule::catch_all()];
+        let report = |dst, dst_from| {
+            let q = RouteQuery {
+                dst_from,
+                ..query(MemoryClass::Host, dst, Locality::SameHost)
+            };
+            let e = choose(&rules, &catalog(), None, q);
+            Report::new(&args, &rules, &e, Setup::Connected, None)
+        };
+        let peer = report(MemoryClass::Device, DstSource::Peer);
+        let text = peer.render();
+        assert!(
+            text.contains("dst      device memory: what the peer receives into, from its hello"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tcp, push; lands in host memory: tcp cannot land in device memory"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&peer).expect("json");
+        assert_eq!(json["dst"], "device");
+        assert_eq!(json["dst_from"], "peer");
+        assert_eq!(json["chosen"]["landing"], "host");
+        let asked = report(MemoryClass::Pinned, DstSource::Asked);
+        let text = asked.render();
+        assert!(
+            text.contains("pinned memory: asked for with --dst-memory"),
+            "{text}"
+        );
+        assert!(text.contains("tcp, push\n"), "{text}");
+        assert_eq!(
+            serde_json::to_value(&asked).expect("json")["dst_from"],
+            "dst-memory"
+        );
+        let assumed = report(MemoryClass::Host, DstSource::Assumed).render();
+        assert!(
+            assumed.contains("host memory: assumed: without a link"),
+            "{assumed}"
+        );
     }
 
     #[test]

@@ -1,17 +1,24 @@
 //! ferry-transports: memory, the wire format, control links and the transports.
 //!
 //! This crate owns bytes and sockets: buffers and their leases ([`memory`]), the frame
-//! format and messages ([`wire`]), authenticated control links ([`link`]) and the
-//! transports that move payloads ([`tcp`]). It makes no decisions about which transfer runs
-//! when; that is `ferry-actors`' job.
+//! format and messages ([`wire`]), authenticated control links ([`link`]), the CUDA layer
+//! ([`cuda`]) and the transports that move payloads, each declared in [`transport`]:
+//! [`tcp`] (host memory, anywhere), [`ipc`] (device memory between the processes of one
+//! host, pulled by the copy engine) and [`staged`] (any memory through pinned host memory,
+//! on one host or between hosts). ucx is the next one: it is declared, and reports "not
+//! built yet". It makes no decisions about which transfer runs when; that is
+//! `ferry-actors`' job.
 //!
-//! Only [`cuda`] may use `unsafe` (it opts in with `#[allow(unsafe_code)]`); everything else
-//! is denied it.
+//! Only [`cuda`], and in [`link`] the descriptor passing (`link::fdpass`) and the
+//! shared-memory ring (`link::ring`), may use `unsafe` (each opts in with
+//! `#[allow(unsafe_code)]`); everything else is denied it.
 #![deny(unsafe_code)]
 pub mod cuda;
+pub mod fdshare;
 pub mod ipc;
 pub mod link;
 pub mod memory;
+pub mod region;
 pub mod staged;
 pub mod tcp;
 pub mod transport;

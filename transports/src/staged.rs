@@ -59,7 +59,7 @@ pub fn capabilities() -> Capabilities {
     }
 }
 
-/// A fresh key for a staging ring at the pool socket (unguessable, like a lane's).
+/// A fresh key for a staging ring at the fd-sharing socket (unguessable, like a lane's).
 pub fn ring_key() -> String {
     format!("staged/{:032x}", rand::random::<u128>())
 }
@@ -137,7 +137,7 @@ impl ChunkHeader {
 }
 
 /// The sending end of a staging ring: made by the sender, which hands its descriptor to the
-/// receiver (over the pool socket) and fills its slots.
+/// receiver (over the fd-sharing socket) and fills its slots.
 #[derive(Debug)]
 pub struct StagingTx {
     ring: Arc<Ring>,
@@ -166,7 +166,7 @@ impl StagingTx {
         })
     }
 
-    /// The ring, to offer to the receiver at the pool socket.
+    /// The ring, to offer to the receiver at the fd-sharing socket.
     pub fn ring(&self) -> &Arc<Ring> {
         &self.ring
     }
@@ -202,7 +202,7 @@ impl StagingTx {
         mut fill: impl FnMut(u64, &mut [u8]) -> Result<(), String>,
     ) -> Result<(), StagedError> {
         let len = usize::try_from(len).map_err(|e| StagedError::Copy(e.to_string()))?;
-        for (offset, n) in crate::tcp::chunks(len, self.chunk()) {
+        for (offset, n) in crate::region::chunks(len, self.chunk()) {
             self.wait_for_slot(stop, spin)?;
             let header = ChunkHeader {
                 transfer,

@@ -24,6 +24,7 @@ fn hello() -> Hello {
         pid: 4242,
         transports: vec!["tcp".into(), "ipc".into()],
         max_frame: CAP,
+        receives: WireMemoryKind::Device(1),
     }
 }
 

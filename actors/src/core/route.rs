@@ -2,6 +2,9 @@
 //! transports; the first one whose declared capabilities suit the transfer, that is viable
 //! here and that the peer offers, carries it. Every transport passed over keeps its reason,
 //! which `ferry explain` and the log show.
+//!
+//! The memory class at the receiving end is the peer's to say: [`destination`] picks it, for
+//! sends and for `ferry explain` alike, so the two cannot disagree.
 
 use ferry_config::{Direction, Locality, MemoryClass, Rule, TransportName};
 use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
@@ -15,10 +18,64 @@ pub struct RouteQuery {
     pub locality: Locality,
     /// Memory at the sending end.
     pub src: MemoryClass,
-    /// Memory at the receiving end.
+    /// Memory at the receiving end: what the peer receives into, or what a what-if question
+    /// asked for (see [`destination`]). Rules match on it; a transport that cannot land
+    /// there lands in host memory instead (see [`Route::landing`]).
     pub dst: MemoryClass,
+    /// Where `dst` came from.
+    pub dst_from: DstSource,
     /// Bytes to move.
     pub bytes: u64,
+}
+
+/// Where the memory class at the receiving end of a [`RouteQuery`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DstSource {
+    /// The caller named it (`ferry explain --dst-memory`): a what-if question.
+    Asked,
+    /// The peer's hello: the class it receives into by default.
+    Peer,
+    /// Neither: there has been no link to the peer yet, so its hello is unknown, and host
+    /// memory, which every node can receive into, is assumed.
+    Assumed,
+}
+
+impl std::fmt::Display for DstSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Asked => "asked for",
+            Self::Peer => "what the peer receives into, from its hello",
+            Self::Assumed => "assumed: without a link the peer's receive memory is unknown",
+        })
+    }
+}
+
+/// The memory class a transfer to a peer is routed for at the receiving end, and where it
+/// came from: `asked` when given (a what-if question), else `peer_receives`, the class the
+/// peer said in its hello it receives into, else host memory (no link to the peer yet: the
+/// first send to a peer is routed before its hello arrives). Pure.
+///
+/// Sends and `ferry explain` both take their destination from here.
+pub fn destination(
+    asked: Option<MemoryClass>,
+    peer_receives: Option<MemoryClass>,
+) -> (MemoryClass, DstSource) {
+    match (asked, peer_receives) {
+        (Some(class), _) => (class, DstSource::Asked),
+        (None, Some(class)) => (class, DstSource::Peer),
+        (None, None) => (MemoryClass::Host, DstSource::Assumed),
+    }
+}
+
+/// Where a transport lands the bytes of a transfer to a peer that receives into `dst`:
+/// `dst` when the transport declares it can land there, else host memory (the peer then
+/// receives into its first host tier, as it does for everything tcp streams to it). Pure.
+pub fn landing(caps: &Capabilities, dst: MemoryClass) -> MemoryClass {
+    if caps.memory.contains(&dst) {
+        dst
+    } else {
+        MemoryClass::Host
+    }
 }
 
 /// The chosen path.
@@ -32,6 +89,9 @@ pub struct Route {
     pub transport: TransportName,
     /// The direction.
     pub direction: Direction,
+    /// Where the bytes land at the peer: the query's `dst`, or host memory when the
+    /// transport cannot land there (see [`landing`]).
+    pub landing: MemoryClass,
 }
 
 /// How a route was chosen, or why none was.
@@ -57,7 +117,17 @@ impl std::fmt::Display for Explanation {
             write!(f, "; {} skipped: {why}", t.as_str())?;
         }
         match &self.chosen {
-            Some(r) => write!(f, "; chose {} ({:?})", r.transport.as_str(), r.direction),
+            Some(r) => {
+                write!(f, "; chose {} ({:?})", r.transport.as_str(), r.direction)?;
+                if r.landing != self.query.dst {
+                    write!(
+                        f,
+                        ", landing in {} memory: it cannot land in {} memory",
+                        r.landing, self.query.dst
+                    )?;
+                }
+                Ok(())
+            }
             None if self.rule.is_some() => write!(f, "; no transport of the rule can carry it"),
             None => Ok(()),
         }
@@ -106,7 +176,12 @@ pub fn choose_with_setup(
             None => Err(Unsuitable::NotViable("unknown to this build".into())),
             Some((_, Viability::NotViable(why))) => Err(Unsuitable::NotViable(why.clone())),
             Some((caps, Viability::Viable)) => caps
-                .suits(query.locality, query.src, query.dst, rule.direction)
+                .suits(
+                    query.locality,
+                    query.src,
+                    landing(caps, query.dst),
+                    rule.direction,
+                )
                 .and_then(|()| match peer_offers {
                     Some(list) if !list.iter().any(|t| t == name.as_str()) => {
                         Err(Unsuitable::PeerLacks)
@@ -118,10 +193,8 @@ pub fn choose_with_setup(
                     Some(SetupOutcome::Ok) | None => Ok(()),
                 }),
         };
-        let direction = catalog
-            .iter()
-            .find(|(c, _)| c.name == name)
-            .and_then(|(c, _)| c.direction_for(rule.direction));
+        let caps = catalog.iter().find(|(c, _)| c.name == name).map(|(c, _)| c);
+        let direction = caps.and_then(|c| c.direction_for(rule.direction));
         match verdict.map(|()| direction) {
             Ok(Some(direction)) => {
                 out.chosen = Some(Route {
@@ -129,6 +202,7 @@ pub fn choose_with_setup(
                     rule_name: rule.name.clone(),
                     transport: name,
                     direction,
+                    landing: caps.map_or(query.dst, |c| landing(c, query.dst)),
                 });
                 break;
             }
@@ -163,6 +237,7 @@ mod tests {
         locality: Locality::SameHost,
         src: MemoryClass::Host,
         dst: MemoryClass::Host,
+        dst_from: DstSource::Asked,
         bytes: 100,
     };
 
@@ -243,6 +318,118 @@ mod tests {
         // The plain `choose` knows no setup: ipc again.
         let e = choose(&rules, &catalog, None, HOST);
         assert_eq!(e.chosen.map(|r| r.transport), Some(TransportName::Ipc));
+    }
+
+    #[test]
+    fn the_destination_is_asked_else_the_peers_else_host() {
+        use MemoryClass::*;
+        // A what-if question overrides what the peer said.
+        assert_eq!(
+            destination(Some(Device), Some(Host)),
+            (Device, DstSource::Asked)
+        );
+        assert_eq!(destination(Some(Pinned), None), (Pinned, DstSource::Asked));
+        // A send: what the peer receives into.
+        for class in [Host, Pinned, Device] {
+            assert_eq!(destination(None, Some(class)), (class, DstSource::Peer));
+        }
+        // Before the first link: host, said to be assumed.
+        assert_eq!(destination(None, None), (Host, DstSource::Assumed));
+    }
+
+    /// A catalog in which staged moves every kind of memory (as it declares where a CUDA
+    /// driver works, whatever this machine has).
+    fn staged_anywhere() -> Vec<(Capabilities, Viability)> {
+        let mut catalog = catalog();
+        for (caps, v) in &mut catalog {
+            if caps.name == TransportName::Staged {
+                *v = Viability::Viable;
+                caps.sources = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
+                caps.memory = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
+            }
+        }
+        catalog
+    }
+
+    #[test]
+    fn a_device_rule_matches_sends_to_a_peer_that_receives_into_device_memory() {
+        use MemoryClass::*;
+        let mut device = rule("to-device", vec![TransportName::Staged], Direction::Push);
+        device.dst = vec![Device];
+        let rules = [device, Rule::catch_all()];
+        let catalog = staged_anywhere();
+        let route = |asked, peer| {
+            let (dst, dst_from) = destination(asked, peer);
+            let query = RouteQuery {
+                dst,
+                dst_from,
+                ..HOST
+            };
+            let e = choose(&rules, &catalog, None, query);
+            let r = e.chosen.expect("a route");
+            (e.rule.map(|(i, _)| i), r.transport, r.landing)
+        };
+        assert_eq!(
+            route(None, Some(Device)),
+            (Some(0), TransportName::Staged, Device)
+        );
+        for peer in [Some(Host), Some(Pinned), None] {
+            assert_eq!(
+                route(None, peer),
+                (Some(1), TransportName::Tcp, peer.unwrap_or(Host))
+            );
+        }
+        // `--dst-memory` asks what would happen either way.
+        assert_eq!(
+            route(Some(Device), Some(Host)),
+            (Some(0), TransportName::Staged, Device)
+        );
+        assert_eq!(
+            route(Some(Host), Some(Device)),
+            (Some(1), TransportName::Tcp, Host)
+        );
+    }
+
+    #[test]
+    fn tcp_to_a_peer_that_receives_into_device_memory_lands_in_host_memory() {
+        let query = RouteQuery {
+            dst: MemoryClass::Device,
+            dst_from: DstSource::Peer,
+            ..HOST
+        };
+        let e = choose(&[Rule::catch_all()], &catalog(), None, query);
+        let r = e.chosen.as_ref().expect("tcp carries it");
+        assert_eq!(
+            (r.transport, r.landing),
+            (TransportName::Tcp, MemoryClass::Host)
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("chose tcp (Push), landing in host memory: it cannot land in device"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn every_default_rule_routes_to_a_peer_whatever_it_receives_into() {
+        use MemoryClass::*;
+        let rules = ferry_config::TransportConfig::default().rules;
+        for locality in [Locality::SameHost, Locality::Remote] {
+            for src in [Host, Pinned, Device] {
+                for peer in [Host, Pinned, Device] {
+                    let (dst, dst_from) = destination(None, Some(peer));
+                    let query = RouteQuery {
+                        locality,
+                        src,
+                        dst,
+                        dst_from,
+                        bytes: 1 << 20,
+                    };
+                    let e = choose(&rules, &catalog(), None, query);
+                    assert!(e.chosen.is_some(), "{e}");
+                }
+            }
+        }
     }
 
     #[test]

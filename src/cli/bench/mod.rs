@@ -436,8 +436,11 @@ async fn start_local(
     super::write_secret_file(&secret, &key).context("cannot write the bench secret")?;
     let unix = args.link == "unix";
     let peer_cfg = dir.path().join("peer.toml");
+    // The peer shares the terminal with the bench's table: warnings and up (RUST_LOG, which
+    // it inherits, still overrides).
     let mut text = format!(
-        "[node]\nname = \"bench-peer\"\nlisten = [\"127.0.0.1:0\"]\n{}\n[security]\nsecret_file = \"{}\"\n",
+        "[node]\nname = \"bench-peer\"\nlisten = [\"127.0.0.1:0\"]\n{}\n[security]\nsecret_file = \"{}\"\n\n\
+         [telemetry]\nlog_level = \"warn\"\n",
         if unix {
             format!("socket_dir = \"{}\"\n", dir.path().display())
         } else {
@@ -513,10 +516,13 @@ async fn orchestrate(
     gpus: Option<GpuPair>,
 ) -> anyhow::Result<ExitCode> {
     let (target, node) = if args.peers.is_empty() {
+        // The bench's own nodes' configurations set no level: warnings and up (RUST_LOG
+        // still overrides), so the table reads cleanly.
+        super::telemetry::init_command(&ferry_config::TelemetryConfig::default());
         start_local(&args, gpus, overrides).await?
     } else {
         let config = super::load_config(config, overrides, vec![])?;
-        super::telemetry::init(&config.telemetry);
+        super::telemetry::init_command(&config.telemetry);
         // Device memory on the first GPU the configuration names (GPU 0 when it names none);
         // no baseline: the peer's GPU is not known here.
         let memory = match (gpus, config.gpu.devices.as_deref()) {

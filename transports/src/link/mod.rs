@@ -545,7 +545,9 @@ impl LinkWriter {
 }
 
 /// The `Hello` this process sends: our node name, [`PROTOCOL_VERSION`], [`host_id`], pid,
-/// the transports we serve and our frame cap.
+/// the transports we serve and our frame cap. It says we receive into host memory, which
+/// every node can take; a node that receives elsewhere sets [`Hello::receives`] (ferry's
+/// nodes do, in one place: `ferry_actors::coordinator::node_hello`).
 pub fn local_hello(node: impl Into<String>, transports: Vec<String>, max_frame: u32) -> Hello {
     Hello {
         node: node.into(),
@@ -554,6 +556,7 @@ pub fn local_hello(node: impl Into<String>, transports: Vec<String>, max_frame: 
         pid: std::process::id(),
         transports,
         max_frame,
+        receives: crate::wire::WireMemoryKind::Host,
     }
 }
 

@@ -3,7 +3,7 @@
 //! actor hop).
 //!
 //! The producer creates the ring (a sealed memfd), hands its descriptor to the consumer once
-//! (over the pool socket, SCM_RIGHTS), and both map it. The producer writes a record into
+//! (over the fd-sharing socket, SCM_RIGHTS), and both map it. The producer writes a record into
 //! slot `seq % slots` and publishes it by raising `head`; the consumer reads records in
 //! order, writes each one's outcome into its slot and raises `tail`. A side with nothing to
 //! do spins for a while, then parks on a futex word in the ring; the other side wakes it

@@ -52,6 +52,12 @@ pub struct Hello {
     pub transports: Vec<String>,
     /// The largest frame the sender accepts, in bytes.
     pub max_frame: u32,
+    /// Where the sender lands the buffers it receives, by default: its
+    /// `memory.receive_into` as it resolved at start (`"device"` on a node without a GPU is
+    /// host memory; `Device(n)` names the sender's own GPU `n`). A peer routes its sends to
+    /// the sender with this as the destination memory class. Transports that cannot land
+    /// there (tcp, for device memory) land in the sender's first host tier instead.
+    pub receives: WireMemoryKind,
 }
 
 /// The sender proposes a transfer.
@@ -79,7 +85,7 @@ pub struct Offer {
 
 /// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the
 /// pool is named by its device's UUID (imported once per peer and device through the
-/// peer's pool socket), the buffer by its 64-byte pointer export plus its lease. Registered
+/// peer's fd-sharing socket), the buffer by its 64-byte pointer export plus its lease. Registered
 /// memory (`legacy` set): the allocation's 64-byte legacy IPC handle and its buffer id.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
@@ -162,7 +168,7 @@ pub struct IpcSetupMessage {
 #[rkyv(derive(Debug))]
 pub enum IpcSetupStep {
     /// The exporter asks the peer to import its pools: the UUIDs of its GPUs, and the key
-    /// under which its pool socket hands out the shared-memory ring of the fast lane (none
+    /// under which its fd-sharing socket hands out the shared-memory ring of the fast lane (none
     /// when it offers no lane).
     Request(Vec<String>, Option<String>),
     /// The importer's answer: `None` when every pool was imported, else why not.
@@ -202,12 +208,12 @@ pub struct Written {
 }
 
 /// The sender of staged transfers to a same-host peer made a ring of staging slots in shared
-/// memory for them: the receiver fetches it from the sender's pool socket under `key`, maps
+/// memory for them: the receiver fetches it from the sender's fd-sharing socket under `key`, maps
 /// it, and reads chunks from it. Until it has (or if it cannot), chunks come over the link.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct StagedRing {
-    /// The ring's key at the sender's pool socket (unguessable).
+    /// The ring's key at the sender's fd-sharing socket (unguessable).
     pub key: String,
 }
 

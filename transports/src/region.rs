@@ -1,37 +1,15 @@
-//! The tcp transport: host buffers streamed over a control link in chunks.
-//!
-//! The receiver reserves memory first (the offer/grant exchange), then the sender streams the
-//! buffer in chunks of `chunk_size` bytes: each a small [`DataChunk`] frame naming the
-//! transfer, offset and length, followed by the bytes themselves as one raw `Payload` frame,
-//! written from the sender's buffer as they are. The receiver checks the chunk against the
-//! reserved buffer ([`InboundRegion::lend`]) and reads the payload straight into its place
-//! ([`Landing::destination`]). A one-sided put streams [`PutChunk`] frames, each followed by
-//! its payload, into a region the receiver exposed ([`ExposedRegion::destination`]). Chunks
-//! travel on the same ordered link as control frames, so a transfer's bytes all precede its
-//! completion.
+//! Receive regions shared by the transports: where the chunks of a streamed transfer land
+//! ([`InboundRegion`], lent out one chunk at a time as a [`Landing`]), regions exposed for
+//! one-sided puts ([`ExposedRegion`], named by a [`RegionKey`]), and how a payload is cut
+//! into chunks. The tcp transport's reader and the staged transport's ring receiver both
+//! land chunks here.
 
 use std::ops::Range;
 
-use ferry_config::{Direction, Locality, MemoryClass, TransportName};
+use dashmap::DashMap;
 
 use crate::memory::Buffer;
-use crate::transport::Capabilities;
-use crate::wire::{DataChunk, Message, PutChunk};
-
-/// What the tcp transport can do.
-pub fn capabilities() -> Capabilities {
-    Capabilities {
-        name: TransportName::Tcp,
-        // Device memory is copied to host memory chunk by chunk at the sender; receives
-        // land in host memory (the staged transport brings device landing over links).
-        sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-        memory: &[MemoryClass::Host, MemoryClass::Pinned],
-        localities: &[Locality::SameProcess, Locality::SameHost, Locality::Remote],
-        directions: &[Direction::Push],
-        needs_fd_passing: false,
-        one_sided_put: true,
-    }
-}
+use crate::wire::{DataChunk, PutChunk};
 
 /// Splits `len` bytes into `(offset, len)` chunks of at most `chunk` bytes. A zero-length
 /// payload still yields one empty chunk, so every transfer carries at least one data frame.
@@ -41,41 +19,6 @@ pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> 
     (0..count).map(move |i| {
         let off = i * chunk;
         (off, chunk.min(len - off))
-    })
-}
-
-/// The header frame of one chunk `(offset, len)` of an outbound transfer; its bytes follow
-/// as a payload frame (`LinkWriter::feed_chunk`).
-///
-/// `len` must fit a frame (it is at most the configured chunk size); a larger one is
-/// clamped, and the writer then refuses the chunk because the lengths differ.
-pub fn data_header(transfer: u64, chunk: (usize, usize)) -> Message {
-    let (offset, len) = chunk;
-    Message::Data(DataChunk {
-        transfer,
-        offset: offset as u64,
-        len: u32::try_from(len).unwrap_or(u32::MAX),
-    })
-}
-
-/// The header frame of one chunk `(offset, len)` of a one-sided put, `offset` counted from
-/// the start of the put's buffer; its bytes follow as a payload frame. Same `len` rule as
-/// [`data_header`].
-pub fn put_header(
-    put: u64,
-    key: RegionKey,
-    region_offset: u64,
-    chunk: (usize, usize),
-    last: bool,
-) -> Message {
-    let (offset, len) = chunk;
-    Message::Put(PutChunk {
-        put,
-        region: key.region,
-        generation: key.generation,
-        offset: region_offset + offset as u64,
-        len: u32::try_from(len).unwrap_or(u32::MAX),
-        last,
     })
 }
 
@@ -273,6 +216,22 @@ fn checked_range(buffer: &Buffer, offset: u64, len: u64) -> Result<Range<usize>,
     }
     // Both ends are at most the buffer's length, which is a usize.
     Ok(offset as usize..end as usize)
+}
+
+/// Gives the buffer lent as `landing` back to inbound transfer `id`'s region in `regions`;
+/// returns the buffer, out of the map, once every byte of the transfer is in place. A
+/// region abandoned meanwhile is gone from the map: the landing is dropped, which frees the
+/// memory.
+pub fn restore_landing(
+    regions: &DashMap<u64, InboundRegion>,
+    id: u64,
+    landing: Landing,
+) -> Option<Buffer> {
+    let complete = regions.get_mut(&id).map(|mut r| r.restore(landing));
+    if complete != Some(true) {
+        return None;
+    }
+    regions.remove(&id).and_then(|(_, r)| r.into_buffer())
 }
 
 #[cfg(test)]
