@@ -83,11 +83,12 @@ impl StagedTx {
         peer: &str,
         mut staging: StagingTx,
         depth: usize,
-        spin: Duration,
+        (spin, stall): (Duration, Duration),
         device: Option<ferry_transports::cuda::Device>,
         (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
     ) -> Result<StagedTx, String> {
+        staging.set_stall_timeout(Some(stall));
         let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(depth.max(1));
         let ring = Arc::clone(staging.ring());
         let peer = peer.to_string();

@@ -1959,7 +1959,7 @@ impl TransferActor {
             &self.peer,
             staging,
             self.setup.limits.in_flight,
-            settings.spin,
+            (settings.spin, self.setup.limits.stall),
             device,
             (ctx.address().recipient(), self.link),
             self.setup.io.clone(),

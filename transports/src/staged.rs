@@ -83,6 +83,10 @@ pub enum StagedError {
     /// The receiver could not land a chunk (its reason, from the slot).
     #[error("the receiver could not land a chunk: {0}")]
     Landing(String),
+    /// The ring stayed full: the receiver freed no slot for the stall timeout
+    /// ([`StagingTx::set_stall_timeout`]).
+    #[error("the receiver freed no staging slot for {0:?}: it stalled")]
+    Stalled(Duration),
 }
 
 /// One chunk's header, as it sits in its slot.
@@ -144,6 +148,8 @@ pub struct StagingTx {
     pinned: Option<crate::cuda::PinnedRing>,
     next: u64,
     reaped: u64,
+    /// Longest wait for a free slot with no slot freed meanwhile.
+    stall: Option<Duration>,
 }
 
 impl StagingTx {
@@ -163,6 +169,7 @@ impl StagingTx {
             pinned: None,
             next: 0,
             reaped: 0,
+            stall: None,
         })
     }
 
@@ -224,11 +231,20 @@ impl StagingTx {
         Ok(())
     }
 
+    /// Bounds how long [`StagingTx::send`] waits on a full ring while the receiver frees
+    /// no slot: past it the send fails with [`StagedError::Stalled`]. `None` (the default)
+    /// waits for ever (until stopped or closed).
+    pub fn set_stall_timeout(&mut self, stall: Option<Duration>) {
+        self.stall = stall;
+    }
+
     /// Waits until slot `next` is free, reading the outcomes of the chunks finished since;
-    /// a stopped transfer or a closed ring ends it first, free slot or not.
+    /// a stopped transfer or a closed ring ends it first, free slot or not, and a receiver
+    /// that frees nothing for the stall timeout ends it too.
     fn wait_for_slot(&mut self, stop: &AtomicBool, spin: Duration) -> Result<(), StagedError> {
         let slots = u64::from(self.ring.slots());
         let started = Instant::now();
+        let mut progress = (self.reaped, started);
         loop {
             if stop.load(Ordering::Acquire) {
                 return Err(StagedError::Stopped);
@@ -249,6 +265,13 @@ impl StagingTx {
             }
             if self.next - self.reaped < slots {
                 return Ok(());
+            }
+            if tail != progress.0 {
+                progress = (tail, Instant::now());
+            } else if let Some(stall) = self.stall
+                && progress.1.elapsed() > stall
+            {
+                return Err(StagedError::Stalled(stall));
             }
             if started.elapsed() < spin {
                 std::hint::spin_loop();
@@ -517,6 +540,26 @@ mod tests {
         });
         assert!(matches!(stopper, Err(StagedError::Stopped)), "{stopper:?}");
         assert!(started.elapsed() >= Duration::from_millis(150));
+        drop(rx);
+    }
+
+    #[test]
+    fn a_receiver_that_frees_no_slot_for_the_stall_timeout_ends_the_send() {
+        let (mut tx, rx) = pair(2, 64 << 10);
+        tx.set_stall_timeout(Some(Duration::from_millis(100)));
+        let stop = AtomicBool::new(false);
+        let started = Instant::now();
+        // Two chunks fill both slots; nobody reads, so the third waits out the timeout.
+        let sent = tx.send(1, 3 * (64 << 10), &stop, Duration::ZERO, |_, dst| {
+            dst.fill(1);
+            Ok(())
+        });
+        assert!(matches!(sent, Err(StagedError::Stalled(_))), "{sent:?}");
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(100) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
         drop(rx);
     }
 
