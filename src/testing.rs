@@ -50,6 +50,22 @@ pub fn gpu_test_with(name: &str, devices: usize) -> Option<GpuTest> {
     }
 }
 
+/// The GPU a test's second node uses: 1 where the driver sees two or more, else 0 (also
+/// without a working driver). CUDA IPC works between two processes of one GPU, so a test
+/// that does not need two GPUs by its nature runs on a one-GPU machine too, with both nodes
+/// on GPU 0. Probes the driver (cached after the first call).
+pub fn peer_gpu() -> usize {
+    match probe() {
+        CudaProbe::Ready(d) => peer_ordinal(d.devices.len()),
+        _ => 0,
+    }
+}
+
+/// The second node's GPU when the machine has `devices` GPUs.
+fn peer_ordinal(devices: usize) -> usize {
+    usize::from(devices >= 2)
+}
+
 /// The driver when it has at least `devices` GPUs, else why not.
 fn require(found: &CudaProbe, devices: usize) -> Result<CudaDriver, String> {
     match found {
@@ -87,5 +103,12 @@ mod tests {
         assert_eq!(require(&CudaProbe::Ready(none.clone()), 0), Ok(none));
         let e = require(&CudaProbe::NoDriver, 1).err().unwrap_or_default();
         assert!(e.contains("no CUDA driver"), "{e}");
+    }
+
+    #[test]
+    fn the_second_node_shares_gpu_0_on_a_one_gpu_machine() {
+        assert_eq!(peer_ordinal(1), 0);
+        assert_eq!(peer_ordinal(2), 1);
+        assert_eq!(peer_ordinal(8), 1);
     }
 }

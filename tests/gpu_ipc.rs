@@ -71,7 +71,14 @@ async fn pair_with_role(a_extra: &str, b_extra: &str, role: &str) -> Pair {
 }
 
 const GPU0: &str = "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n";
-const GPU1: &str = "[gpu]\ndevices = [1]\n[memory]\nreceive_into = \"device\"\n";
+/// The second node's GPU: GPU 1 where there are two, else GPU 0 beside the first node
+/// (CUDA IPC works between two processes of one GPU).
+static GPU1: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "[gpu]\ndevices = [{}]\n[memory]\nreceive_into = \"device\"\n",
+        ferry::testing::peer_gpu()
+    )
+});
 /// Turns the fast lane on (it is off by default).
 const LANE: &str = "[transport.ipc]\nlane_max = \"64 KiB\"\n";
 /// The lane off: every send takes the socket and the actors.
@@ -117,20 +124,20 @@ async fn device_buffer(node: &Node, bytes: &[u8]) -> ferry::Buffer {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ipc_moves_device_buffers_both_ways_byte_exact() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("ipc_moves_device_buffers_both_ways", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("ipc_moves_device_buffers_both_ways") else {
         return;
     };
-    let p = pair(GPU0, GPU1).await;
+    let p = pair(GPU0, &GPU1).await;
     routes(&p.node, "b", ferry::Direction::Pull).await;
     both_ways_byte_exact(p).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ipc_pushes_device_buffers_both_ways_byte_exact() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("ipc_pushes_device_buffers_both_ways", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("ipc_pushes_device_buffers_both_ways") else {
         return;
     };
-    let p = pair(&format!("{GPU0}{PUSH}"), &format!("{GPU1}{PUSH}")).await;
+    let p = pair(&format!("{GPU0}{PUSH}"), &format!("{}{PUSH}", *GPU1)).await;
     routes(&p.node, "b", ferry::Direction::Push).await;
     both_ways_byte_exact(p).await;
 }
@@ -178,7 +185,7 @@ async fn both_ways_byte_exact(p: Pair) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thousand_buffers_leave_gpu_memory_where_it_was() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_thousand_buffers", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_thousand_buffers") else {
         return;
     };
     let dev = ferry::cuda::Device::open(0).expect("GPU 0");
@@ -206,7 +213,7 @@ async fn a_thousand_buffers_leave_gpu_memory_where_it_was() {
 /// Starts the pair, sends `count` 1 MiB device buffers through the echo and back, checks
 /// that every buffer was given back, and tears both nodes down.
 async fn round_trips(count: u64) {
-    let p = pair(GPU0, GPU1).await;
+    let p = pair(GPU0, &GPU1).await;
     let want = pattern(1 << 20, 3);
     for i in 0..count {
         let b = device_buffer(&p.node, &want).await;
@@ -226,12 +233,12 @@ async fn round_trips(count: u64) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_killed_peer", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_killed_peer") else {
         return;
     };
     let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n");
     // b only receives: nothing comes back to hold memory here.
-    let p = pair_with_role(&a_extra, GPU1, "sink").await;
+    let p = pair_with_role(&a_extra, &GPU1, "sink").await;
     killed_mid_copy(p).await;
 }
 
@@ -240,11 +247,11 @@ async fn a_killed_peer_fails_transfers_within_two_seconds_and_memory_comes_back(
 /// quarantined, then freed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_peer_killed_mid_push_fails_transfers_within_two_seconds_and_memory_comes_back() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_peer_killed_mid_push", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_peer_killed_mid_push") else {
         return;
     };
     let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n{PUSH}");
-    let p = pair(&a_extra, &format!("{GPU1}{PUSH}")).await;
+    let p = pair(&a_extra, &format!("{}{PUSH}", *GPU1)).await;
     killed_mid_copy(p).await;
 }
 
@@ -306,7 +313,7 @@ async fn killed_mid_copy(p: Pair) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_gpu_spills_to_pinned_and_promotes_back() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_full_gpu_spills", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_full_gpu_spills") else {
         return;
     };
     spills_and_promotes("").await;
@@ -315,7 +322,7 @@ async fn a_full_gpu_spills_to_pinned_and_promotes_back() {
 /// A push whose landing spilled to pinned host memory streams over the link instead.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_gpu_spills_pushes_to_pinned_and_promotes_back() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_full_gpu_spills_pushes", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_full_gpu_spills_pushes") else {
         return;
     };
     spills_and_promotes(PUSH).await;
@@ -328,7 +335,7 @@ async fn spills_and_promotes(rules: &str) {
         "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\n\
          device = \"64 MiB\"\nspill = [\"pinned\"]\n{rules}"
     );
-    let p = pair(&a_extra, &format!("{GPU1}{rules}")).await;
+    let p = pair(&a_extra, &format!("{}{rules}", *GPU1)).await;
     let len = 20 << 20;
     let wants: Vec<Vec<u8>> = (0..3).map(|i| pattern(len, 100 + i)).collect();
     // All three allocated before the first leaves, so no echo finds room on the GPU.
@@ -386,7 +393,7 @@ async fn spills_and_promotes(rules: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_peer_without_gpus_falls_back_to_staged() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("a_peer_without_gpus", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("a_peer_without_gpus") else {
         return;
     };
     let p = pair(GPU0, "[gpu]\ndevices = []\n").await;
@@ -425,10 +432,10 @@ async fn a_peer_without_gpus_falls_back_to_staged() {
 #[tokio::test(flavor = "multi_thread")]
 async fn registered_memory_crosses_by_legacy_handle() {
     use ferry::cuda::{Device, DeviceMemory, ExternalMemory, PlainAllocation};
-    let Some(_gpu) = ferry::testing::gpu_test_with("registered_memory_crosses", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("registered_memory_crosses") else {
         return;
     };
-    let p = pair(GPU0, GPU1).await;
+    let p = pair(GPU0, &GPU1).await;
     let dev = Device::open(0).expect("GPU 0");
     let offset = 4097u64;
     let len = (1 << 20) + 3;
@@ -491,11 +498,11 @@ async fn registered_memory_crosses_by_legacy_handle() {
 async fn a_buffer_freed_while_the_peer_maps_it_is_not_reused_under_it() {
     use ferry::cuda::DeviceMemory;
     use nix::sys::signal::{Signal, kill};
-    let Some(_gpu) = ferry::testing::gpu_test_with("freed_while_mapped", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("freed_while_mapped") else {
         return;
     };
     let a_extra = format!("{GPU0}export_lease_timeout = \"20s\"\n");
-    let p = pair_with_role(&a_extra, GPU1, "sink").await;
+    let p = pair_with_role(&a_extra, &GPU1, "sink").await;
     let len = 64 << 20;
     let b = device_buffer(&p.node, &pattern(len, 5)).await;
     let b = p.node.send("b", 1, b).await.expect("send");
@@ -575,7 +582,7 @@ async fn two_gpus_in_one_process_copy_directly() {
         ferry::Config::from_toml_str(&text).expect("config")
     };
     let a = Node::start(node("a", "b", GPU0)).await.expect("start a");
-    let b = Node::start(node("b", "a", GPU1)).await.expect("start b");
+    let b = Node::start(node("b", "a", &GPU1)).await.expect("start b");
     for (i, &len) in [1usize, 4099, (1 << 20) + 1, 64 << 20].iter().enumerate() {
         let want = pattern(len, 300 + i as u64);
         let buf = device_buffer(&a, &want).await;
@@ -608,7 +615,7 @@ async fn a_node_with_two_gpus_offers_from_either() {
         return;
     };
     let both = "[gpu]\ndevices = [0, 1]\n[memory]\nreceive_into = \"device\"\n";
-    let p = pair(both, GPU1).await;
+    let p = pair(both, &GPU1).await;
     for (i, n) in [0u32, 1].into_iter().enumerate() {
         let want = pattern(4099, 400 + i as u64);
         let mut buf = p
@@ -652,7 +659,7 @@ async fn lane_open(node: &Node, peer: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("fast_lane_order", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("fast_lane_order") else {
         return;
     };
     mixed_sends_come_back_in_order(LANE).await;
@@ -660,7 +667,7 @@ async fn small_sends_take_the_fast_lane_in_order_with_large_ones() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn mixed_sends_come_back_in_order_without_the_lane() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("ipc_order", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("ipc_order") else {
         return;
     };
     mixed_sends_come_back_in_order(NO_LANE).await;
@@ -669,7 +676,7 @@ async fn mixed_sends_come_back_in_order_without_the_lane() {
 /// Sizes on both sides of the lane's limit, many in flight, echoed by `b`: every buffer
 /// comes back in send order, byte-exact.
 async fn mixed_sends_come_back_in_order(extra: &str) {
-    let p = pair(&format!("{GPU0}{extra}"), &format!("{GPU1}{extra}")).await;
+    let p = pair(&format!("{GPU0}{extra}"), &format!("{}{extra}", *GPU1)).await;
     // The first send sets ipc up, and with it the lane both ways (when configured).
     let b = device_buffer(&p.node, &pattern(1 << 20, 0)).await;
     drop(p.node.send("b", 0, b).await.expect("first send"));
@@ -746,11 +753,11 @@ async fn mixed_sends_come_back_in_order(extra: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn lane_sends_to_a_killed_peer_fail_within_two_seconds() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("fast_lane_killed_peer", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("fast_lane_killed_peer") else {
         return;
     };
     let a_extra = format!("{GPU0}export_lease_timeout = \"1s\"\n{LANE}");
-    let p = pair_with_role(&a_extra, &format!("{GPU1}{LANE}"), "sink").await;
+    let p = pair_with_role(&a_extra, &format!("{}{LANE}", *GPU1), "sink").await;
     let b = device_buffer(&p.node, &pattern(1 << 20, 1)).await;
     drop(p.node.send("b", 0, b).await.expect("first send"));
     lane_open(&p.node, "b").await;
@@ -791,7 +798,7 @@ async fn lane_sends_to_a_killed_peer_fail_within_two_seconds() {
 /// of such runs; two runs must both pass.
 #[test]
 fn imports_while_copies_run_never_fault() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("imports_during_copies", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("imports_during_copies") else {
         return;
     };
     for run in 1..=2 {
@@ -840,11 +847,11 @@ const STAGED_LINK: &str = "[transport.staged]\nshared_memory = false\n\n\
 /// `b` echoes the packed rows back; `a` checks them against its own gather.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_layout_crosses_byte_exact_pulled_pushed_and_over_tcp() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("every_layout_crosses", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("every_layout_crosses") else {
         return;
     };
     for (how, rules) in [("pull", NO_LANE), ("push", PUSH), ("tcp", TCP)] {
-        let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
+        let p = pair(&format!("{GPU0}{rules}"), &format!("{}{rules}", *GPU1)).await;
         layouts_cross(&p.node, how).await;
         p.node.shutdown().await;
     }
@@ -855,11 +862,11 @@ async fn every_layout_crosses_byte_exact_pulled_pushed_and_over_tcp() {
 /// in device memory.
 #[tokio::test(flavor = "multi_thread")]
 async fn staged_moves_every_layout_and_size_device_to_device_both_ways() {
-    let Some(_gpu) = ferry::testing::gpu_test_with("staged_every_layout", 2) else {
+    let Some(_gpu) = ferry::testing::gpu_test("staged_every_layout") else {
         return;
     };
     for (how, rules) in [("staged", STAGED), ("staged-link", STAGED_LINK)] {
-        let p = pair(&format!("{GPU0}{rules}"), &format!("{GPU1}{rules}")).await;
+        let p = pair(&format!("{GPU0}{rules}"), &format!("{}{rules}", *GPU1)).await;
         // The first staged send makes the ring (its chunks go over the link); until b has
         // mapped it, the next ones do too: warm up, then give it a moment.
         let warm = device_buffer(&p.node, &pattern(4096, 1)).await;
