@@ -15,7 +15,7 @@ use ferry_config::{Config, Locality, MemoryClass, PeerAddress};
 use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::region::RegionKey;
-use ferry_transports::transport::{self, Capabilities, Viability};
+use ferry_transports::transport::{Capabilities, Viability};
 use ferry_transports::wire::{Hello, WireDirection};
 
 use crate::core::route::{self, Explanation, RouteQuery};
@@ -148,7 +148,7 @@ pub struct CoordinatorSetup {
 pub(crate) fn node_hello(node: &str, receives: MemoryKind, max_frame: u32) -> Hello {
     Hello {
         receives: receives.to_wire(),
-        ..link::local_hello(node, transport::viable_names(), max_frame)
+        ..link::local_hello(node, ferry_transports::registry::viable_names(), max_frame)
     }
 }
 
@@ -199,7 +199,7 @@ impl Coordinator {
             inbox: Arc::clone(&setup.inbox),
             setup,
             host_id: link::host_id(),
-            catalog: transport::catalog(),
+            catalog: ferry_transports::registry::catalog(),
             sessions: HashMap::new(),
             next_epoch: 1,
             draining: false,

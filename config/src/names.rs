@@ -1,4 +1,13 @@
-//! Enums that the configuration spells as fixed strings (`"same-host"`, `"tcp"`, `"json"`).
+//! Names in the configuration: enums spelled as fixed strings (`"same-host"`, `"tcp"`,
+//! `"json"`), and what a node, peer or rule name may be.
+
+/// Whether `name` is a valid node, peer or rule name: non-empty, only `[A-Za-z0-9._-]`.
+pub(crate) fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
 
 /// Gives a fieldless enum its configuration spelling: `as_str`, `Display`, `FromStr`, and
 /// serde as that string. Written out rather than derived so that every source (TOML, YAML,

@@ -76,7 +76,7 @@ fn default_node_name() -> &'static str {
             .filter_map(|path| std::fs::read_to_string(path).ok())
             .chain(std::env::var("HOSTNAME").ok())
             .map(|name| name.trim().to_string())
-            .find(|name| crate::validate::is_valid_name(name))
+            .find(|name| crate::names::is_valid_name(name))
             .unwrap_or_else(|| "ferry".to_string())
     })
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::address::{ListenAddress, check_peer_host_port, parse_listen};
 use crate::error::{ConfigError, Origin};
+use crate::names::is_valid_name;
 use crate::rule::MemoryClass;
 use crate::schema::Config;
 use crate::units::{Budget, format_size};
@@ -18,14 +19,6 @@ const MAX_FRAME_CAP: u64 = 1 << 30;
 
 /// The message when neither `security.secret_file` nor `security.danger_insecure` is set.
 const NO_SECRET: &str = "security.secret_file is not set; set it, or set security.danger_insecure = true for a test setup";
-
-/// Whether `name` is a valid node, peer or rule name: non-empty, only `[A-Za-z0-9._-]`.
-pub(crate) fn is_valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
 
 /// A failed check, before its origin is known.
 struct Violation {

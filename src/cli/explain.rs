@@ -17,7 +17,7 @@ use ferry::{Explanation, Node};
 use ferry_actors::core::route::{DstSource, RouteQuery};
 use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
 use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{self, Capabilities, Unsuitable, Viability};
+use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -96,7 +96,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     let (setup, explanation) =
         runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
-    let gpu = device.then(|| gpu_note(&cuda::probe(), &transport::catalog()));
+    let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
     let report = Report::new(&args, &rules, &explanation, setup, gpu);
     let text = if args.json {
         serde_json::to_string_pretty(&report)? + "\n"
@@ -579,7 +579,7 @@ pub(crate) mod tests {
     use super::*;
     use ferry_actors::core::route::choose;
     use ferry_config::Direction;
-    use ferry_transports::transport::catalog;
+    use ferry_transports::registry::catalog;
 
     /// The catalog of a machine without a CUDA driver, whatever this machine has.
     pub(crate) fn host_only_catalog() -> Vec<(Capabilities, Viability)> {

@@ -19,6 +19,7 @@ pub mod ipc;
 pub mod link;
 pub mod memory;
 pub mod region;
+pub mod registry;
 pub mod staged;
 pub mod tcp;
 pub mod transport;

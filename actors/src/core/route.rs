@@ -218,7 +218,7 @@ pub fn choose_with_setup(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_transports::transport::catalog;
+    use ferry_transports::registry::catalog;
 
     fn rule(name: &str, transports: Vec<TransportName>, direction: Direction) -> Rule {
         Rule {

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{self, Capabilities, Viability};
+use ferry_transports::transport::{Capabilities, Viability};
 
 /// Below this, `/dev/shm` is too small for NCCL-style tools.
 pub const SHM_MIN: u64 = 1 << 30;
@@ -60,7 +60,7 @@ impl Facts {
             shm: shm_size(Path::new("/dev/shm")),
             memlock: memlock(),
             ucx: ucx(),
-            transports: transport::catalog(),
+            transports: ferry_transports::registry::catalog(),
             pool_export: Vec::new(),
         }
     }

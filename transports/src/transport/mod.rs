@@ -1,5 +1,6 @@
 //! What a transport declares it can do, so routes are chosen from declarations and never
-//! by trying and getting "not supported".
+//! by trying and getting "not supported". Names no transport: the built-in ones are listed
+//! in [`crate::registry`].
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
@@ -96,35 +97,4 @@ impl Capabilities {
             _ => self.directions.first().copied(),
         }
     }
-}
-
-/// The transports this build knows, with their declarations and viability here.
-pub fn catalog() -> Vec<(Capabilities, Viability)> {
-    let later = |issue: &str| Viability::NotViable(format!("not built yet ({issue})"));
-    vec![
-        (crate::tcp::capabilities(), Viability::Viable),
-        (crate::ipc::capabilities(), crate::ipc::viability()),
-        (crate::staged::capabilities(), Viability::Viable),
-        (
-            Capabilities {
-                name: TransportName::Ucx,
-                sources: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-                memory: &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device],
-                localities: &[Locality::SameHost, Locality::Remote],
-                directions: &[Direction::Push, Direction::Pull],
-                needs_fd_passing: false,
-                one_sided_put: true,
-            },
-            later("the ucx transport arrives in a later release"),
-        ),
-    ]
-}
-
-/// Names of the transports viable here, as announced in a hello.
-pub fn viable_names() -> Vec<String> {
-    catalog()
-        .into_iter()
-        .filter(|(_, v)| *v == Viability::Viable)
-        .map(|(c, _)| c.name.as_str().to_string())
-        .collect()
 }
