@@ -21,7 +21,7 @@ use ferry_transports::wire::{Hello, WireDirection};
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
-use crate::transfer::{
+use crate::peer::{
     Attach, AwaitLink, Delivered, DialRefused, Drain, IpcSettled, Lost, Op, PeerClass,
     SessionEnded, Submit, TransferActor, TransferSetup,
 };

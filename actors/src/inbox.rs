@@ -7,9 +7,10 @@
 //! back a buffer that had already landed in it, to the next matching receiver. No buffer is
 //! lost to a caller that went away.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use dashmap::DashMap;
 use ferry_transports::memory::Buffer;
 use ferry_transports::wire::Layout;
 use tokio::sync::Notify;
@@ -81,6 +82,16 @@ impl Slot {
     }
 }
 
+/// Running totals, in bytes, of one peer's deliveries that a `recv` may take: together
+/// with what its actor delivered, they say how much the peer holds in the inbox.
+#[derive(Debug, Default)]
+pub struct Claims {
+    /// Delivered by the peer's fast lane (which bypasses its actor).
+    pub lane: AtomicU64,
+    /// Taken by `recv` calls, whatever delivered them.
+    pub taken: AtomicU64,
+}
+
 /// Delivered buffers and the `recv` calls waiting for them.
 #[derive(Debug)]
 pub struct Inbox {
@@ -88,6 +99,9 @@ pub struct Inbox {
     stopped: AtomicBool,
     /// How long a waiting receive polls its slot before it sleeps.
     spin: std::time::Duration,
+    /// Per peer, what its fast lane delivered and what `recv` took, for the peer's share
+    /// of this node's memory (what the peer's actor delivered, it counts itself).
+    claims: DashMap<String, Arc<Claims>>,
 }
 
 impl Inbox {
@@ -98,7 +112,20 @@ impl Inbox {
             room: Mutex::new(Mailroom::new(waiters_cap)),
             stopped: AtomicBool::new(false),
             spin,
+            claims: DashMap::new(),
         }
+    }
+
+    /// `peer`'s counts of bytes its fast lane delivered and `recv` took (shared: they
+    /// grow as buffers arrive and are taken).
+    pub fn claims(&self, peer: &str) -> Arc<Claims> {
+        Arc::clone(self.claims.entry(peer.to_string()).or_default().value())
+    }
+
+    fn taken(&self, peer: &str, len: usize) {
+        self.claims(peer)
+            .taken
+            .fetch_add(len as u64, Ordering::Relaxed);
     }
 
     fn room(&self) -> Result<MutexGuard<'_, Room>, Error> {
@@ -142,7 +169,10 @@ impl Inbox {
             .room()?
             .recv(from, tag, Arc::clone(&slot), Slot::is_live)
         {
-            Ok(Some((peer, tag, item))) => return Ok(item.received(peer, tag)),
+            Ok(Some((peer, tag, item))) => {
+                self.taken(&peer, item.buffer.len());
+                return Ok(item.received(peer, tag));
+            }
             Ok(None) => {}
             Err((too_many, _)) => return Err(Error::QueueFull(too_many.to_string())),
         }
@@ -156,6 +186,7 @@ impl Inbox {
         while started.elapsed() < self.spin {
             if let Some(item) = guard.slot.take() {
                 guard.disarm();
+                self.taken(&item.peer, item.buffer.len());
                 return Ok(item);
             }
             std::hint::spin_loop();
@@ -163,6 +194,7 @@ impl Inbox {
         loop {
             if let Some(item) = guard.slot.take() {
                 guard.disarm();
+                self.taken(&item.peer, item.buffer.len());
                 return Ok(item);
             }
             if self.stopped.load(Ordering::Acquire) {

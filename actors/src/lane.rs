@@ -637,6 +637,10 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
         std::thread::yield_now();
     }
     cx.inbox
+        .claims(&cx.peer)
+        .lane
+        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+    cx.inbox
         .deliver(&cx.peer, record.tag, "ipc", Layout::Contiguous, buffer);
     tracing::trace!(
         peer = %cx.peer,

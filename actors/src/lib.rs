@@ -12,8 +12,8 @@ pub mod gpu;
 pub mod inbox;
 pub mod lane;
 pub mod node;
+pub mod peer;
 pub mod staged;
 pub mod timer;
-pub mod transfer;
 
 pub use error::{Error, SendError};

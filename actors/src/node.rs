@@ -937,10 +937,13 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
             }
         };
         let (shed_me, shed) = oneshot::channel::<()>();
-        let (id, victims) = match acceptor.admission.lock() {
-            Ok(mut admission) => admission.admit(accepted.source(), shed_me),
-            Err(_) => return,
-        };
+        // A panic under this lock leaves the bookkeeping whole (every change is one insert
+        // or remove), so a poisoned lock is still used: accepting must not stop.
+        let (id, victims) = acceptor
+            .admission
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .admit(accepted.source(), shed_me);
         if !victims.is_empty() {
             metrics::counter!("ferry_handshakes_shed_total").increment(victims.len() as u64);
             tracing::debug!(%from, shed = victims.len(), "handshake bound reached: shed the oldest");
@@ -966,9 +969,11 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                 result = handshake => result,
                 _ = shed => Err("shed: too many handshakes in progress".to_string()),
             };
-            if let Ok(mut admission) = acceptor.admission.lock() {
-                admission.finish(id);
-            }
+            acceptor
+                .admission
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .finish(id);
             match result {
                 Ok(link) => {
                     let _ = acceptor

@@ -18,6 +18,7 @@ use std::time::Duration;
 use actix::Recipient;
 use dashmap::DashMap;
 use ferry_config::AutoSize;
+use ferry_transports::link::Activity;
 use ferry_transports::memory::SharedBytes;
 use ferry_transports::region::InboundRegion;
 use ferry_transports::staged::{StagedError, StagingRx, StagingTx};
@@ -83,7 +84,7 @@ impl StagedTx {
         peer: &str,
         mut staging: StagingTx,
         depth: usize,
-        (spin, stall): (Duration, Duration),
+        (spin, stall, activity): (Duration, Duration, Activity),
         device: Option<ferry_transports::cuda::Device>,
         (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
@@ -107,7 +108,7 @@ impl StagedTx {
                             "staging slots stay pageable (copies are slower): {e}"
                         );
                     }
-                    let sent = send_job(&mut staging, &job, spin);
+                    let sent = send_job(&mut staging, &job, spin, &activity);
                     let Job { op, bytes, .. } = job;
                     drop(bytes);
                     let broken = match sent {
@@ -150,13 +151,20 @@ impl StagedTx {
 }
 
 /// Copies one job's packed bytes into the ring.
-fn send_job(staging: &mut StagingTx, job: &Job, spin: Duration) -> Result<(), StagedError> {
+fn send_job(
+    staging: &mut StagingTx,
+    job: &Job,
+    spin: Duration,
+    activity: &Activity,
+) -> Result<(), StagedError> {
     let len = job
         .layout
         .check(job.bytes.len() as u64)
         .map_err(|e| StagedError::Copy(e.to_string()))?;
     let contiguous = job.layout.is_contiguous();
     staging.send(job.op.0, len, &job.stop, spin, |offset, slot| {
+        // A chunk copied into the ring is progress on the link, as a chunk written is.
+        activity.add(slot.len() as u64);
         if contiguous {
             let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
             job.bytes.read(offset, slot)
@@ -183,7 +191,7 @@ impl StagedRx {
         mut staging: StagingRx,
         spin: Duration,
         device: Option<ferry_transports::cuda::Device>,
-        regions: Arc<DashMap<u64, InboundRegion>>,
+        (regions, activity): (Arc<DashMap<u64, InboundRegion>>, Activity),
         (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
     ) -> Result<StagedRx, String> {
@@ -208,6 +216,7 @@ impl StagedRx {
                             offset: header.offset,
                             len: header.len,
                         };
+                        activity.add(bytes.len() as u64);
                         land(&regions, &chunk, bytes, &me, &io)
                     });
                     match landed {

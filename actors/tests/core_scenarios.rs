@@ -979,36 +979,70 @@ fn capped(grants: usize, inbound_bytes: u64, stall: Duration) -> SessionLimits {
 }
 
 #[test]
-fn a_granted_transfer_without_progress_is_ended_and_the_sender_told() {
+fn granted_transfers_end_only_when_the_link_moves_nothing_for_the_stall_timeout() {
     let stall = Duration::from_secs(5);
     let mut p = Pair::new(capped(64, u64::MAX, stall));
     p.auto_stream = false;
-    let id = p.send(1, LONG);
-    let inbound = InboundId(id.0);
-    assert_eq!(p.receiving, vec![inbound]);
-    // Progress keeps it alive past several stall timeouts.
-    for k in 1..=4u64 {
+    // Two granted at once: the sender streams them one after the other, so the second
+    // sees no byte of its own while the first streams. Link progress keeps both alive.
+    let first = p.send(1, LONG);
+    let second = p.send(2, LONG);
+    assert_eq!(p.receiving.len(), 2);
+    let mut moved = 0;
+    for _ in 0..4 {
         p.now += stall - Duration::from_millis(1);
-        p.b.handle_inbound_progress(inbound, k * 10, p.now);
+        moved += 1 << 20;
+        p.b.handle_link_progress(moved, p.now);
+        p.b.handle_stall_check(p.now);
         p.advance(Duration::ZERO);
-        assert!(p.outcome(id).is_none(), "ended while making progress");
+        assert!(p.abandoned.is_empty(), "ended while the link moved bytes");
     }
-    // The same count again is no progress.
-    p.b.handle_inbound_progress(inbound, 40, p.now);
-    assert!(p.b.poll_timeout().is_some_and(|t| t <= p.now + stall));
-    p.advance(stall);
-    assert_eq!(p.abandoned, vec![inbound], "its memory is freed");
-    // The sender's stream is stopped; the op ends once it has.
-    p.finish_stream(id);
+    // A send queued at the moment the clock would run out ends nothing by itself: only the
+    // shell's check, with a fresh count, does.
+    p.now += stall;
+    let req = p.request(3, LONG);
+    p.a.handle_send(p.now, req).expect("queued");
+    p.b.handle_timeout(p.now);
+    assert!(p.abandoned.is_empty() && p.b.poll_transmit().is_none());
+    // The same count again: the link moved nothing. Both granted transfers end.
+    p.b.handle_link_progress(moved, p.now);
+    assert!(p.b.poll_timeout().is_some_and(|t| t <= p.now));
+    p.b.handle_stall_check(p.now);
     p.pump();
-    match p.outcome(id) {
-        Some(Outcome::Failed(FailKind::Refused { reason, detail })) => {
-            assert_eq!(*reason, WireReason::Stalled);
-            assert!(detail.contains("40 bytes"), "{detail}");
+    assert_eq!(p.abandoned.len(), 2, "their memory is freed");
+    for id in [first, second] {
+        p.finish_stream(id);
+        p.pump();
+        match p.outcome(id) {
+            Some(Outcome::Failed(FailKind::Refused { reason, detail })) => {
+                assert_eq!(*reason, WireReason::Stalled);
+                assert!(detail.contains("limits.stall_timeout"), "{detail}");
+            }
+            other => panic!("expected a stall refusal, got {other:?}"),
         }
-        other => panic!("expected a stall refusal, got {other:?}"),
     }
-    assert!(p.a.is_idle() && p.b.is_idle());
+}
+
+#[test]
+fn a_grant_starts_the_stall_clock_no_earlier_than_itself() {
+    let stall = Duration::from_secs(5);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.auto_stream = false;
+    // The link was idle for an hour before this transfer: its grant is fresh progress.
+    p.b.handle_link_progress(7, p.now);
+    p.now += Duration::from_secs(3600);
+    p.send(1, LONG);
+    assert_eq!(p.receiving.len(), 1);
+    p.b.handle_link_progress(7, p.now);
+    p.b.handle_stall_check(p.now + stall - Duration::from_millis(1));
+    p.pump();
+    assert!(
+        p.abandoned.is_empty(),
+        "the idle hour counted against the new grant"
+    );
+    p.b.handle_stall_check(p.now + stall);
+    p.pump();
+    assert_eq!(p.abandoned.len(), 1);
 }
 
 #[test]
@@ -1052,7 +1086,7 @@ fn outstanding_grants_per_peer_are_bounded_and_later_offers_wait_their_turn() {
 }
 
 #[test]
-fn reserved_bytes_per_peer_are_bounded_and_a_larger_offer_is_refused() {
+fn reserved_bytes_per_peer_are_bounded_and_a_larger_offer_goes_alone() {
     // Each request is 100 bytes: two fit under 250, the third waits.
     let mut p = Pair::new(capped(64, 250, LONG));
     p.auto_reserve = false;
@@ -1067,20 +1101,37 @@ fn reserved_bytes_per_peer_are_bounded_and_a_larger_offer_is_refused() {
     p.finish_stream(ids[0]);
     p.pump();
     assert_eq!(p.delivered, vec![0]);
-    assert_eq!(p.reserving, vec![InboundId(ids[2].0)]);
 
-    // One offer larger than the whole bound can never fit: refused at once.
+    // Delivered but not taken, it still counts: the third waits.
+    assert!(
+        p.reserving.is_empty(),
+        "admitted while a delivery holds memory"
+    );
+    p.b.handle_claims(0, 100, p.now);
+    p.pump();
+    assert_eq!(p.reserving, vec![InboundId(ids[2].0)]);
+    // One offer larger than the whole share waits until the peer holds nothing else, then
+    // goes alone.
     let mut big = p.request(9, LONG);
     big.len = 251;
-    let id = p.a.handle_send(p.now, big).expect("queued");
+    p.a.handle_send(p.now, big).expect("queued");
     p.pump();
-    match p.outcome(id) {
-        Some(Outcome::Failed(FailKind::Refused { reason, detail })) => {
-            assert_eq!(*reason, WireReason::TooLarge);
-            assert!(detail.contains("limits.peer_inbound_bytes"), "{detail}");
-        }
-        other => panic!("expected a too-large refusal, got {other:?}"),
-    }
+    let third = p.reserving.remove(0);
+    assert!(p.reserving.is_empty(), "the big one waits");
+    assert!(p.b.handle_reserved(p.now, third, WireMemoryKind::Host, None));
+    p.receiving.push(third);
+    p.pump();
+    p.finish_stream(ids[1]);
+    p.finish_stream(ids[2]);
+    p.pump();
+    assert_eq!(p.delivered, vec![0, 1, 2]);
+    assert!(
+        p.reserving.is_empty(),
+        "the big one waits for the deliveries to be taken"
+    );
+    p.b.handle_claims(0, 300, p.now);
+    p.pump();
+    assert_eq!(p.reserving.len(), 1, "alone now, the big one is reserved");
 }
 
 #[test]

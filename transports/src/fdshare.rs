@@ -109,10 +109,11 @@ pub async fn serve(
             }
         };
         let (shed_me, shed) = tokio::sync::oneshot::channel::<()>();
-        let id = match admission.lock() {
-            Ok(mut admission) => admission.admit("unix", shed_me).0,
-            Err(_) => return,
-        };
+        let id = admission
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .admit("unix", shed_me)
+            .0;
         let secret = secret.clone();
         let pools = Arc::clone(&pools);
         let rings = Arc::clone(&rings);
@@ -124,9 +125,10 @@ pub async fn serve(
                 answered = answer => answered,
                 _ = shed => Ok(Err("shed: too many pool requests in progress".to_string())),
             };
-            if let Ok(mut admission) = admission.lock() {
-                admission.finish(id);
-            }
+            admission
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .finish(id);
             match answered {
                 Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),

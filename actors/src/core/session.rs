@@ -207,6 +207,9 @@ pub enum Refusal {
 #[error("protocol violation: {0}")]
 pub struct ProtocolViolation(pub String);
 
+/// How often offers waiting for room look again at what the application took.
+const UNCLAIMED_RECHECK: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// Bounds of one session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionLimits {
@@ -222,7 +225,8 @@ pub struct SessionLimits {
     /// Bytes the peer's inbound transfers may hold at once, from reservation to delivery;
     /// an offer larger than this alone is refused as too large.
     pub inbound_bytes: u64,
-    /// A granted inbound transfer that makes no progress for this long is ended.
+    /// While granted inbound transfers wait for bytes, the link must move a byte (either
+    /// way) at least this often, or they are ended.
     pub stall: Duration,
 }
 
@@ -263,7 +267,7 @@ enum InPhase {
     /// [`SessionLimits::inbound_bytes`]).
     Queued,
     Reserving,
-    /// Granted (or being pulled); `stall_at` bounds the wait for the next progress.
+    /// Granted (or being pulled).
     Receiving,
     Complete,
 }
@@ -278,11 +282,10 @@ struct InboundOp {
     len: u64,
     /// What the shell must reserve once it leaves `Queued`.
     reserve: Option<SessionEvent>,
-    /// When it is stalled unless progress comes first (`Receiving` only; `None` for a
-    /// pull, which is our own copy).
-    stall_at: Option<Instant>,
-    /// Bytes of it placed so far, as the shell last reported.
-    progress: u64,
+    /// True while it is granted and waits for bytes over the link or the staged ring: the
+    /// link's stall clock applies. False for a pull (our own copy) and an ipc push (the
+    /// peer's copy into the buffer we lent: nothing crosses the link until `Written`).
+    stalls: bool,
 }
 
 impl InboundOp {
@@ -306,6 +309,16 @@ pub struct PeerSession {
     events: VecDeque<SessionEvent>,
     lost: Option<String>,
     draining: bool,
+    /// The link's byte count as last reported, and when it last changed (or a grant left);
+    /// no time before the first grant.
+    progress: (u64, Option<Instant>),
+    /// Bytes this session delivered, in all (a running total).
+    delivered: u64,
+    /// Bytes the peer delivered that the application has not taken yet (they still hold
+    /// memory: they count against the peer's share).
+    unclaimed: u64,
+    /// When to look at `unclaimed` again while offers wait for room.
+    recheck_at: Option<Instant>,
 }
 
 impl PeerSession {
@@ -321,7 +334,27 @@ impl PeerSession {
             events: VecDeque::new(),
             lost: None,
             draining: false,
+            progress: (0, None),
+            delivered: 0,
+            unclaimed: 0,
+            recheck_at: None,
         }
+    }
+
+    /// The application has taken `taken` bytes of this peer's deliveries in all, and the
+    /// peer's fast lane (which bypasses the session) delivered `lane` bytes in all: running
+    /// totals, as the inbox counts them. What was delivered and not taken still holds
+    /// memory and counts against the peer's share; offers waiting for room may go ahead
+    /// now. While some still wait, [`Self::poll_timeout`] asks to be told again shortly:
+    /// taking a buffer is not an event the session sees.
+    pub fn handle_claims(&mut self, lane: u64, taken: u64, now: Instant) {
+        self.unclaimed = self.delivered.saturating_add(lane).saturating_sub(taken);
+        self.admit_queued();
+        self.recheck_at = self
+            .inbound
+            .values()
+            .any(|op| op.phase == InPhase::Queued)
+            .then_some(now + UNCLAIMED_RECHECK);
     }
 
     /// Whether ipc offers (pull or push) are accepted; refused as unsupported otherwise.
@@ -571,15 +604,6 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
-        } else if offer.len > self.limits.inbound_bytes {
-            Some((
-                WireReason::TooLarge,
-                format!(
-                    "{} bytes is more than a peer may hold reserved here ({} bytes, \
-                     limits.peer_inbound_bytes)",
-                    offer.len, self.limits.inbound_bytes
-                ),
-            ))
         } else if !((offer.transport == "tcp" || offer.transport == "staged")
             && offer.direction == WireDirection::Push
             && offer.ipc.is_none()
@@ -627,8 +651,7 @@ impl PeerSession {
                 phase: InPhase::Queued,
                 len: offer.len,
                 reserve: Some(reserve),
-                stall_at: None,
-                progress: 0,
+                stalls: false,
             },
         );
         self.admit_queued();
@@ -646,13 +669,19 @@ impl PeerSession {
             .values()
             .filter(|op| op.phase != InPhase::Queued)
             .map(|op| op.len)
-            .sum();
+            .sum::<u64>()
+            .saturating_add(self.unclaimed);
         for op in self.inbound.values_mut() {
             if op.phase != InPhase::Queued {
                 continue;
             }
-            if active >= self.limits.grants
-                || held.saturating_add(op.len) > self.limits.inbound_bytes
+            // An offer larger than the whole share goes alone, once the peer holds nothing
+            // else: one transfer is never refused for its size here (the memory budget
+            // decides that), and the peer still holds at most one such transfer.
+            let alone = active == 0 && held == 0;
+            if !alone
+                && (active >= self.limits.grants
+                    || held.saturating_add(op.len) > self.limits.inbound_bytes)
             {
                 break;
             }
@@ -799,11 +828,12 @@ impl PeerSession {
         landing: WireMemoryKind,
         target: Option<IpcSource>,
     ) -> bool {
-        let stall = self.limits.stall;
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Reserving => {
                 op.phase = InPhase::Receiving;
-                op.stall_at = Some(now + stall);
+                op.stalls = target.is_none();
+                // The grant about to leave is progress: the clock starts no earlier.
+                self.progress.1 = self.progress.1.max(Some(now));
                 self.transmit.push_back(Message::Grant(Grant {
                     transfer: id.0,
                     landing,
@@ -843,41 +873,45 @@ impl PeerSession {
         }
     }
 
-    /// `bytes` of inbound transfer `id` are in place so far (a running total): if that is
-    /// more than last reported, its stall clock starts again. Reports about transfers
-    /// that are not receiving are ignored.
-    pub fn handle_inbound_progress(&mut self, id: InboundId, bytes: u64, now: Instant) {
-        let stall = self.limits.stall;
-        if let Some(op) = self.inbound.get_mut(&id)
-            && op.phase == InPhase::Receiving
-            && bytes > op.progress
-        {
-            op.progress = bytes;
-            if op.stall_at.is_some() {
-                op.stall_at = Some(now + stall);
-            }
+    /// The link (and the staged ring beside it) has moved `bytes` in all so far, counted
+    /// by the shell: if that is more than last reported, the stall clock starts again.
+    pub fn handle_link_progress(&mut self, bytes: u64, now: Instant) {
+        if bytes != self.progress.0 {
+            self.progress = (bytes, self.progress.1.max(Some(now)));
         }
     }
 
-    /// Ends every granted inbound transfer whose stall clock ran out: its memory is
-    /// abandoned and the peer is told why.
-    fn expire_stalled(&mut self, now: Instant) {
+    /// When the stall clock runs out, if any granted transfer waits for bytes.
+    fn stall_deadline(&self) -> Option<Instant> {
+        let since = self.progress.1?;
+        self.inbound
+            .values()
+            .any(|op| op.phase == InPhase::Receiving && op.stalls)
+            .then_some(since + self.limits.stall)
+    }
+
+    /// Ends every granted transfer that waits for bytes when the link has moved nothing
+    /// for the stall timeout: its memory is abandoned and the peer is told why. Call it
+    /// right after [`Self::handle_link_progress`] with a fresh count, never on a stale one
+    /// (the shell's timer does both).
+    pub fn handle_stall_check(&mut self, now: Instant) {
+        if self.stall_deadline().is_none_or(|at| now < at) {
+            return;
+        }
         let stalled: Vec<InboundId> = self
             .inbound
             .iter()
-            .filter(|(_, op)| {
-                op.phase == InPhase::Receiving && op.stall_at.is_some_and(|at| at <= now)
-            })
+            .filter(|(_, op)| op.phase == InPhase::Receiving && op.stalls)
             .map(|(id, _)| *id)
             .collect();
         for id in stalled {
-            let progress = self.inbound.remove(&id).map_or(0, |op| op.progress);
+            self.inbound.remove(&id);
             self.transmit.push_back(Message::Cancel(Cancel {
                 by_receiver: true,
                 transfer: id.0,
                 reason: WireReason::Stalled,
                 detail: format!(
-                    "no progress for {:?} after {progress} bytes (limits.stall_timeout)",
+                    "granted, and the link moved no byte for {:?} (limits.stall_timeout)",
                     self.limits.stall
                 ),
             }));
@@ -893,7 +927,7 @@ impl PeerSession {
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Receiving => {
                 op.phase = InPhase::Complete;
-                op.stall_at = None;
+                op.stalls = false;
                 self.transmit
                     .push_back(Message::Done(Done { transfer: id.0 }));
                 self.deliver_ready();
@@ -911,6 +945,9 @@ impl PeerSession {
                 break;
             }
             let (id, op) = entry.remove_entry();
+            // Until the application takes it, it still holds memory.
+            self.delivered = self.delivered.saturating_add(op.len);
+            self.unclaimed = self.unclaimed.saturating_add(op.len);
             self.events.push_back(SessionEvent::Deliver {
                 id,
                 tag: op.tag,
@@ -950,7 +987,6 @@ impl PeerSession {
                 Some(WireReason::DeadlineExceeded),
             );
         }
-        self.expire_stalled(now);
     }
 
     /// The link broke: every op fails once (streams first stop), inbound transfers are
@@ -1044,10 +1080,10 @@ impl PeerSession {
         self.events.pop_front()
     }
 
-    /// The earliest deadline of a live op or stall clock of a granted inbound transfer,
-    /// for the shell's timer.
+    /// The earliest deadline of a live op, or the stall clock's end while granted
+    /// transfers wait for bytes, for the shell's timer.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let stalls = self.inbound.values().filter_map(|op| op.stall_at);
+        let stalls = self.stall_deadline().into_iter().chain(self.recheck_at);
         self.ops
             .values()
             .filter_map(|p| match p {
@@ -1059,14 +1095,5 @@ impl PeerSession {
             })
             .chain(stalls)
             .min()
-    }
-
-    /// Inbound transfers receiving now, for the shell to report their progress before a
-    /// timeout ([`Self::handle_inbound_progress`]).
-    pub fn receiving(&self) -> impl Iterator<Item = InboundId> + '_ {
-        self.inbound
-            .iter()
-            .filter(|(_, op)| op.stall_at.is_some())
-            .map(|(id, _)| *id)
     }
 }

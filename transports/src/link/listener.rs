@@ -40,6 +40,22 @@ pub(crate) fn describe_unix_peer(stream: &UnixStream, path: &Path) -> String {
     }
 }
 
+/// The admission source of an address: the address itself for IPv4, its /64 prefix for
+/// IPv6 (one host usually holds a whole /64, so counting each address apart would let one
+/// host be many sources).
+fn source_of(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = v6.segments();
+                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+            }
+        },
+    }
+}
+
 /// A connection accepted by a [`Listener`], not yet authenticated. Hand it to
 /// [`accept_handshake`](super::accept_handshake), ideally in its own task.
 #[derive(Debug)]
@@ -187,7 +203,7 @@ impl Listener {
                 Accepted {
                     stream: Stream::Tcp(stream),
                     peer: format!("tcp:{addr}"),
-                    source: addr.ip().to_string(),
+                    source: source_of(addr.ip()),
                 }
             }
             Inner::Unix { listener, path, .. } => {
@@ -221,5 +237,22 @@ impl Drop for Listener {
                 let _ = std::fs::remove_file(path);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv6_host_counts_as_one_source_per_64() {
+        let a: std::net::IpAddr = "2001:db8:1:2::7".parse().expect("ip");
+        let b: std::net::IpAddr = "2001:db8:1:2:ffff::1".parse().expect("ip");
+        let c: std::net::IpAddr = "2001:db8:1:3::7".parse().expect("ip");
+        assert_eq!(source_of(a), source_of(b));
+        assert_ne!(source_of(a), source_of(c));
+        let mapped: std::net::IpAddr = "::ffff:198.18.0.1".parse().expect("ip");
+        assert_eq!(source_of(mapped), "198.18.0.1");
+        assert_eq!(source_of("198.18.0.1".parse().expect("ip")), "198.18.0.1");
     }
 }

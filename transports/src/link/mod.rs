@@ -14,6 +14,7 @@
 //! Every refusal is counted in the node's [`LinkCounters`] and in the `metrics` counters
 //! `ferry_auth_failures_total` and `ferry_frames_rejected_total{reason}`.
 
+mod activity;
 pub mod admission;
 pub mod auth;
 mod counters;
@@ -34,6 +35,8 @@ use crate::wire::{
     Frame, FrameError, FrameHeader, FrameKind, FrameReader, HEADER_LEN, Hello, Message,
     PROTOCOL_VERSION, ReadError, parse_header,
 };
+pub use activity::Activity;
+use activity::Counted;
 pub use auth::Secret;
 use auth::{Role, authenticate};
 pub use counters::LinkCounters;
@@ -191,6 +194,8 @@ pub struct Link {
     pub peer_hello: Hello,
     /// Who the peer is, as text for logs (address and, for Unix sockets, pid).
     pub peer: String,
+    /// Bytes moved over the socket so far, both ways (handshake included).
+    pub activity: Activity,
     /// Receives the peer's frames.
     pub reader: LinkReader,
     /// Sends frames to the peer.
@@ -662,6 +667,9 @@ async fn open(
     opts: &LinkOptions,
 ) -> Result<Link, LinkError> {
     let (read, write) = stream.into_halves();
+    let activity = Activity::default();
+    let read: BoxRead = Box::new(Counted::new(read, activity.clone()));
+    let write: BoxWrite = Box::new(Counted::new(write, activity.clone()));
     let mut reader = LinkReader::new(read, opts, peer.into());
     let mut writer = LinkWriter::new(write, opts.stall_timeout, peer.into());
     authenticate(
@@ -700,6 +708,7 @@ async fn open(
     Ok(Link {
         peer_hello,
         peer: peer.to_owned(),
+        activity,
         reader,
         writer,
     })

@@ -1,0 +1,267 @@
+//! Driving the session: its events become work for the transports, its messages frames
+//! on the link, its deadlines a timer.
+
+use super::*;
+
+impl TransferActor {
+    /// Carries out everything the session asks for.
+    pub(super) fn drive(&mut self, ctx: &mut Context<Self>) {
+        let (claims, lane0, taken0) = &self.claims;
+        let lane = claims.lane.load(Ordering::Relaxed).saturating_sub(*lane0);
+        let taken = claims.taken.load(Ordering::Relaxed).saturating_sub(*taken0);
+        self.session.handle_claims(lane, taken, Instant::now());
+        self.drive_ipc_setup(ctx);
+        loop {
+            let mut moved = false;
+            if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
+                while let Some(msg) = self.ipc.out.pop_front() {
+                    if writer.try_send(Outgoing::Frame(msg)).is_err() {
+                        self.session
+                            .handle_link_lost("the link's send queue overflowed or closed");
+                        break;
+                    }
+                }
+                while let Some(msg) = self.session.poll_transmit() {
+                    moved = true;
+                    if let Message::Offer(offer) = &msg
+                        && offer.direction == WireDirection::Pull
+                    {
+                        self.ipc.offered.insert(OpId(offer.transfer));
+                    }
+                    if writer.try_send(Outgoing::Frame(msg)).is_err() {
+                        self.session
+                            .handle_link_lost("the link's send queue overflowed or closed");
+                        break;
+                    }
+                }
+            }
+            while let Some(ev) = self.session.poll_event() {
+                moved = true;
+                self.on_event(ev, ctx);
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.arm_timer(ctx);
+        if self.writer.is_some() && self.welcomed {
+            for tx in self.link_waiters.drain(..) {
+                let _ = tx.send(Ok(()));
+            }
+        }
+        if let Some(why) = self.session.lost_reason() {
+            // Submissions still waiting for ipc setup end now, with their buffers.
+            for (_, (msg, reply)) in self.ipc.waiting.drain() {
+                let _ = reply.send(Err(SendError {
+                    error: Error::PeerLost {
+                        peer: self.peer.clone(),
+                        detail: why.to_string(),
+                    },
+                    buffer: Some(msg.buffer),
+                }));
+            }
+            for tx in self.link_waiters.drain(..) {
+                let _ = tx.send(Err(Error::PeerUnreachable {
+                    peer: self.peer.clone(),
+                    detail: why.to_string(),
+                }));
+            }
+        }
+        if self.session.is_idle() {
+            for tx in self.drained.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+        if self.session.is_lost() {
+            // The lanes and staging rings end with the link: a sender must not wait on a
+            // dead peer's ring, nor keep copying into one nobody reads.
+            self.end_lanes();
+            self.end_staged_tx();
+            if let Some(rx) = self.staged.rx.take() {
+                rx.stop();
+            }
+            if self.session.is_idle() && self.outbound.is_empty() {
+                ctx.stop();
+            }
+        }
+    }
+
+    pub(super) fn on_event(&mut self, ev: SessionEvent, ctx: &mut Context<Self>) {
+        match ev {
+            SessionEvent::Stream(op) => self.start_stream(op, ctx),
+            SessionEvent::StopStream(op) => {
+                if let Some(entry) = self.outbound.get(&op) {
+                    entry.stop.store(true, Ordering::Release);
+                }
+            }
+            SessionEvent::Finished(op, outcome) => self.finish(op, outcome),
+            SessionEvent::Reserve {
+                id,
+                len,
+                pull,
+                push,
+                staged,
+                layout,
+            } => {
+                let span =
+                    tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
+                let phase = tracing::debug_span!(parent: &span, "reserve");
+                self.inbound_spans.insert(id, InboundSpans { span, phase });
+                let landing = match (pull, push) {
+                    (Some(source), _) => {
+                        self.ipc.sources.insert(id, (source, layout));
+                        Landing::Pull
+                    }
+                    (None, true) => Landing::Push,
+                    (None, false) if staged => Landing::Staged,
+                    (None, false) => Landing::Stream,
+                };
+                self.reserve(id, len, landing, ctx);
+            }
+            SessionEvent::Write(op, target) => self.start_write(op, target, ctx),
+            SessionEvent::Written { id, error } => self.on_written(id, error),
+            SessionEvent::Deliver {
+                id,
+                tag,
+                transport,
+                layout,
+            } => {
+                if let Some(spans) = self.inbound_spans.remove(&id) {
+                    tracing::debug!(parent: &spans.span, tag, "delivered");
+                }
+                if let Some((buffer, pending)) = self.complete.remove(&id) {
+                    let delivered = Delivered {
+                        peer: self.peer.clone(),
+                        tag,
+                        transport: transport_label(&transport),
+                        layout,
+                        buffer,
+                        pending,
+                    };
+                    // Queued in the coordinator's mailbox (first in, first out) when it has
+                    // room. When it is full, queued at once all the same through a fresh
+                    // sender (the shared one, parked, would hold it until polled, and held
+                    // deliveries are polled newest first), and this actor waits until the
+                    // coordinator took it before handling anything else: the order is kept
+                    // and the mailbox overruns by at most one session batch. The
+                    // coordinator never waits on us.
+                    match self.setup.deliver.try_send(delivered) {
+                        Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
+                        Err(actix::prelude::SendError::Full(delivered)) => {
+                            let send = self.setup.deliver.clone().send(delivered);
+                            ctx.wait(
+                                async move {
+                                    let _ = send.await;
+                                }
+                                .into_actor(self),
+                            );
+                        }
+                    }
+                }
+            }
+            SessionEvent::Abandon(id) => {
+                if let Some(spans) = self.inbound_spans.remove(&id) {
+                    tracing::debug!(parent: &spans.span, "abandoned");
+                }
+                self.regions.remove(&id.0);
+                self.complete.remove(&id);
+                if self.ipc.lent.contains_key(&id) {
+                    // The peer may be copying into it: kept until it says Written.
+                    self.ipc.lent_abandoned.insert(id);
+                    if self.ipc.lent_abandoned.len() > self.setup.limits.inbound {
+                        tracing::warn!(
+                            peer = %self.peer,
+                            "the peer keeps more abandoned lent buffers than it may have \
+                             transfers open; dropping the link"
+                        );
+                        self.session
+                            .handle_link_lost("the peer kept too many abandoned lent buffers");
+                    }
+                    self.watch_lent(id, ctx);
+                }
+                if self.ipc.sources.remove(&id).is_some() {
+                    if self.ipc.pulling.contains(&id) {
+                        self.ipc.abandoned.insert(id);
+                    } else {
+                        // Never imported: the peer may let go of its buffer now.
+                        self.release_to_peer(id);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn arm_timer(&mut self, ctx: &mut Context<Self>) {
+        let setup = self.ipc.setup.as_ref().and_then(|s| s.poll_timeout());
+        let next = self.session.poll_timeout().into_iter().chain(setup).min();
+        self.timer.arm(
+            ctx,
+            next,
+            |a| &mut a.timer,
+            |act, now, ctx| {
+                act.session.handle_timeout(now);
+                // A fresh count first, so that only a link that really moved nothing ends
+                // the transfers waiting on it.
+                if let Some(activity) = &act.activity {
+                    act.session.handle_link_progress(activity.bytes(), now);
+                }
+                act.session.handle_stall_check(now);
+                if let Some(setup) = &mut act.ipc.setup {
+                    setup.handle_timeout(now);
+                }
+                act.drive(ctx);
+            },
+        );
+    }
+
+    pub(super) fn finish(&mut self, op: OpId, outcome: Outcome) {
+        // A pull never offered cannot be read by the peer, which will not say Done: its
+        // view goes now. An offered one stays until the peer lets go.
+        if !self.ipc.offered.remove(&op) {
+            self.unexport(op);
+        }
+        let Some(entry) = self.outbound.remove(&op) else {
+            return;
+        };
+        let status = match &outcome {
+            Outcome::Completed => "completed",
+            Outcome::Failed(_) => "failed",
+            Outcome::Cancelled => "cancelled",
+        };
+        metrics::counter!("ferry_transfers_total", "status" => status).increment(1);
+        if outcome == Outcome::Completed {
+            let TransferLabels {
+                transport,
+                direction,
+                peer_class,
+            } = &entry.labels;
+            metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.clone(),
+                "direction" => *direction, "peer_class" => *peer_class)
+            .increment(entry.moved());
+            metrics::histogram!("ferry_transfer_duration_seconds")
+                .record(entry.started.elapsed().as_secs_f64());
+        }
+        tracing::debug!(parent: &entry.span, ?outcome, "transfer ended");
+        let result = match outcome {
+            Outcome::Completed => Ok(entry.buffer),
+            Outcome::Cancelled => Err(SendError {
+                error: Error::Cancelled,
+                buffer: Some(entry.buffer),
+            }),
+            Outcome::Failed(kind) => Err(SendError {
+                error: Error::from_fail(&self.peer, kind),
+                buffer: Some(entry.buffer),
+            }),
+        };
+        // A caller that stopped waiting drops the buffer, which releases it.
+        let _ = entry.reply.send(result);
+    }
+
+    /// Tells the peer we no longer read its buffer of transfer `id` (it holds a lease on it
+    /// until then). `Done` for a transfer it already ended changes nothing there.
+    pub(super) fn release_to_peer(&mut self, id: InboundId) {
+        if let Some(w) = &self.writer {
+            let _ = w.try_send(Outgoing::Frame(Message::Done(Done { transfer: id.0 })));
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Inbound transfers: memory reserved across the tiers (or spilled) for an offer, and a
+//! completed transfer waiting for its turn to be delivered.
+
+use super::*;
+
+impl TransferActor {
+    pub(super) fn reserve(
+        &mut self,
+        id: InboundId,
+        len: u64,
+        how: Landing,
+        ctx: &mut Context<Self>,
+    ) {
+        let tiers = if how == Landing::Stream {
+            self.setup.host_tiers.clone()
+        } else {
+            self.setup.tiers.clone()
+        };
+        let deadline = Instant::now() + self.setup.reserve_timeout;
+        let request = async move {
+            let mut got = reserve_in_tiers(&tiers, &[len], deadline).await?;
+            got.pop().ok_or(Error::ShuttingDown)
+        };
+        ctx.spawn(request.into_actor(self).map(move |res, act, ctx| {
+            match res {
+                Ok(buffer) => {
+                    let landing = buffer.kind();
+                    if act.setup.tiers.first().is_some_and(|t| t.kind != landing) {
+                        metrics::counter!("ferry_spill_bytes_total").increment(len);
+                        tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
+                    }
+                    if how == Landing::Pull {
+                        if act.session.handle_reserved_pull(id) {
+                            act.start_pull(id, buffer, ctx);
+                        } else {
+                            act.ipc.sources.remove(&id);
+                        }
+                        return act.drive(ctx);
+                    }
+                    if how == Landing::Push && buffer.device_memory().is_some() {
+                        act.lend(id, buffer);
+                        return act.drive(ctx);
+                    }
+                    // The region must exist before the grant leaves, since the peer
+                    // streams as soon as it reads the grant. (A push that spilled to host
+                    // memory streams too.)
+                    act.regions.insert(id.0, InboundRegion::new(buffer));
+                    if act
+                        .session
+                        .handle_reserved(Instant::now(), id, landing.to_wire(), None)
+                    {
+                        if let Some(spans) = act.inbound_spans.get_mut(&id) {
+                            spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
+                        }
+                    } else {
+                        act.regions.remove(&id.0);
+                    }
+                }
+                Err(e) => {
+                    act.ipc.sources.remove(&id);
+                    if let Some(spans) = act.inbound_spans.remove(&id) {
+                        tracing::debug!(parent: &spans.span, error = %e, "no memory");
+                    }
+                    let reason = match &e {
+                        Error::NoMemory { detail, .. } if detail.contains("deadline") => {
+                            WireReason::DeadlineExceeded
+                        }
+                        Error::NoMemory { .. } => WireReason::TooLarge,
+                        _ => WireReason::ShuttingDown,
+                    };
+                    act.session.handle_reserve_failed(id, reason, e.to_string());
+                }
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// Every byte of inbound `id` is in `buffer` (streamed, pulled or pushed): it waits for
+    /// its turn to be delivered. A transfer abandoned meanwhile drops the buffer here.
+    pub(super) fn completed(&mut self, id: InboundId, buffer: Buffer) {
+        if self.session.handle_inbound_complete(id) {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
+            }
+            self.complete.insert(id, (buffer, self.undelivered.enter()));
+        }
+    }
+}
+
+/// Where an inbound transfer's bytes land, and who puts them there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Landing {
+    /// Host memory; the peer streams the bytes over the link.
+    Stream,
+    /// We copy them out of the peer's memory (ipc pull).
+    Pull,
+    /// The peer copies them into our memory (ipc push), or streams them when the
+    /// reservation spilled to host memory.
+    Push,
+    /// Any tier, device memory first; the chunks come through host memory (our staged
+    /// receiver thread copies them in from the peer's ring, or the link's reader does).
+    Staged,
+}

@@ -1,0 +1,704 @@
+//! The ipc transport's part of a peer: pulls out of the peer's pools, pushes into buffers
+//! the peer lends, the unmap protocol, the lazy setup and the fast lane.
+
+use super::*;
+
+impl TransferActor {
+    /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
+    /// thread; the result comes back to the session.
+    pub(super) fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
+        let Some((source, layout)) = self.ipc.sources.get(&id).cloned() else {
+            return;
+        };
+        self.ipc.pulling.insert(id);
+        if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+        }
+        let pools = Arc::clone(&self.ipc.imported);
+        let peer = &self.peer;
+        let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
+            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
+                peer,
+                crate::gpu::IMPORT_CACHE_CAPACITY,
+            )))
+        }));
+        let gpus = Arc::clone(&self.setup.gpus);
+        let exporter = self.peer.clone();
+        let in_process = self.ipc.in_process();
+        // Small copies from memory mapped already take a few microseconds: on this thread.
+        let inline = buffer.len() <= crate::gpu::INLINE_PULL_MAX
+            && layout == Layout::Contiguous
+            && (in_process || crate::gpu::is_mapped(&source, &imports));
+        let copy = move |express: bool| {
+            if in_process {
+                crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
+            } else {
+                crate::gpu::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
+            }
+        };
+        if inline {
+            let pulled = copy(true).map_err(|(_, why)| why);
+            return self.pull_ended(id, pulled, ctx);
+        }
+        let copy = self.setup.io.spawn_blocking(move || copy(false));
+        ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
+            let pulled = match joined {
+                Ok(Ok(buffer)) => Ok(buffer),
+                Ok(Err((_buffer, why))) => Err(why),
+                Err(e) => Err(format!("the pull task failed: {e}")),
+            };
+            act.pull_ended(id, pulled, ctx);
+        }));
+    }
+
+    /// Pull `id` ended: deliver the buffer, or fail the transfer; an abandoned one only
+    /// tells the peer it may let go.
+    pub(super) fn pull_ended(
+        &mut self,
+        id: InboundId,
+        pulled: Result<Buffer, String>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.ipc.pulling.remove(&id);
+        if self.ipc.abandoned.remove(&id) {
+            // The import is freed; the peer may let go of its buffer. Ours (if any) is
+            // dropped here, which frees it.
+            self.release_to_peer(id);
+            return self.drive(ctx);
+        }
+        self.ipc.sources.remove(&id);
+        match pulled {
+            Ok(buffer) => self.completed(id, buffer),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
+                metrics::counter!("ferry_pull_failures_total").increment(1);
+                self.session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+            }
+        }
+        self.drive(ctx);
+    }
+
+    /// Lends `buffer`, reserved in device memory for inbound push `id`, to the peer: its
+    /// export goes in the grant, and the buffer is kept until the peer says `Written`.
+    pub(super) fn lend(&mut self, id: InboundId, buffer: Buffer) {
+        let target = match crate::gpu::export_source(&buffer, false) {
+            Ok(target) => target,
+            Err(why) => {
+                return self
+                    .session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+            }
+        };
+        // False: abandoned meanwhile, nothing lent; the buffer is freed here.
+        if self
+            .session
+            .handle_reserved(Instant::now(), id, buffer.kind().to_wire(), Some(target))
+        {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
+            }
+            self.ipc.lent.insert(id, buffer);
+        }
+    }
+
+    /// The peer no longer writes the buffer lent for inbound `id`: the transfer completes
+    /// with it, or fails and the buffer is freed.
+    pub(super) fn on_written(&mut self, id: InboundId, error: Option<String>) {
+        let Some(buffer) = self.ipc.lent.remove(&id) else {
+            return;
+        };
+        self.ipc.lent_abandoned.remove(&id);
+        match error {
+            None => self.completed(id, buffer),
+            Some(why) => {
+                tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
+                self.session.handle_reserve_failed(
+                    id,
+                    WireReason::Unsupported,
+                    format!("the push failed: {why}"),
+                );
+            }
+        }
+    }
+
+    /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
+    /// (`Written`) within the lease timeout, or the link goes (its session ends, which ends
+    /// its copies) and the buffer is quarantined with the rest.
+    pub(super) fn watch_lent(&mut self, id: InboundId, ctx: &mut Context<Self>) {
+        let link = self.link;
+        ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
+            if act.link == link && act.ipc.lent.contains_key(&id) {
+                tracing::warn!(
+                    peer = %act.peer,
+                    id = id.0,
+                    "the peer kept a buffer it was pushing into past the lease timeout; \
+                     dropping the link"
+                );
+                act.session
+                    .handle_link_lost("the peer did not give back a lent buffer in time");
+                act.drive(ctx);
+            }
+        });
+    }
+
+    /// Copies op `op`'s bytes into the peer's buffer `target` (an ipc push) on a blocking
+    /// thread: the peer's pool is imported on the first push to its device, the buffer is
+    /// imported, copied into and freed; then the peer hears `Written`.
+    pub(super) fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            return self.written(op, Err("the transfer ended".into()), ctx);
+        };
+        if let Some(why) = self.session.lost_reason() {
+            // The grant was read just before the link went: no copy on a dead link.
+            let why = format!("the link is gone: {why}");
+            return self.written(op, Err(why), ctx);
+        }
+        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
+        let source = entry.buffer.share();
+        let stop = Arc::clone(&entry.stop);
+        let layout = match entry.what {
+            StreamWhat::Transfer(layout) => layout,
+            StreamWhat::Put { .. } => Layout::Contiguous,
+        };
+        let pools = Arc::clone(&self.ipc.push_pools);
+        let peer = self.peer.clone();
+        let pid = self.ipc.peer_pid;
+        let secret = self.setup.secret.clone();
+        let gpus = Arc::clone(&self.setup.gpus);
+        let io = self.setup.io.clone();
+        let push = async move {
+            let pool = {
+                let mut pools = pools.lock().await;
+                if !pools.contains_key(&target.device_uuid) {
+                    let uuids = std::slice::from_ref(&target.device_uuid);
+                    let fetched = crate::gpu::import_pools(&peer, pid, uuids, &secret, &gpus)
+                        .await
+                        .map_err(|e| format!("importing the receiver's pool: {e}"))?;
+                    pools.extend(fetched);
+                }
+                pools
+                    .get(&target.device_uuid)
+                    .cloned()
+                    .ok_or_else(|| "the receiver's pool was not imported".to_string())?
+            };
+            io.spawn_blocking(move || {
+                crate::gpu::push(&target, &pool, &gpus, &source, &layout, &stop)
+            })
+            .await
+            .map_err(|e| format!("the push task failed: {e}"))?
+        };
+        ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
+            act.written(op, pushed, ctx);
+        }));
+    }
+
+    /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits
+    /// for the peer's `Done` or fails.
+    pub(super) fn written(
+        &mut self,
+        op: OpId,
+        pushed: Result<(), String>,
+        ctx: &mut Context<Self>,
+    ) {
+        let frame = Message::Written(Written {
+            transfer: op.0,
+            error: pushed.as_ref().err().cloned(),
+        });
+        let sent = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.try_send(Outgoing::Frame(frame)).is_ok());
+        if !sent {
+            // The peer's buffer must not stay lent on a link that goes on: it goes.
+            self.session
+                .handle_link_lost("the link's send queue overflowed or closed");
+        }
+        match pushed {
+            Ok(()) => self.session.handle_stream_ended(op),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = op.0, "push failed: {why}");
+                metrics::counter!("ferry_push_failures_total").increment(1);
+                self.session.handle_write_failed(op, why);
+            }
+        }
+        self.drive(ctx);
+    }
+
+    /// This session's unmapper, made on first use, with the task that hands its work to
+    /// the actor (it ends with the actor).
+    pub(super) fn unmapper(&mut self, ctx: &mut Context<Self>) -> Arc<PeerUnmapper> {
+        if let Some(u) = &self.ipc.unmapper {
+            return Arc::clone(u);
+        }
+        let unmapper = Arc::new(PeerUnmapper {
+            pending: std::sync::Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            closed: AtomicBool::new(false),
+            io: self.setup.io.clone(),
+            lease_timeout: self.setup.lease_timeout,
+        });
+        self.ipc.unmapper = Some(Arc::clone(&unmapper));
+        let me = ctx.address();
+        let watched = Arc::clone(&unmapper);
+        actix::spawn(async move {
+            loop {
+                watched.wake.notified().await;
+                if me.send(UnmapRequests).await.is_err() {
+                    break;
+                }
+            }
+        });
+        unmapper
+    }
+
+    /// Carries out what the ipc setup asks for: its messages, its checks, and the
+    /// submissions it releases.
+    pub(super) fn drive_ipc_setup(&mut self, ctx: &mut Context<Self>) {
+        loop {
+            let Some(setup) = self.ipc.setup.as_mut() else {
+                return;
+            };
+            let mut moved = false;
+            let mut transmits = Vec::new();
+            while let Some(t) = setup.poll_transmit() {
+                transmits.push(t);
+            }
+            let mut settled = None;
+            let mut released = Vec::new();
+            while let Some(ev) = setup.poll_event() {
+                moved = true;
+                match ev {
+                    SetupEvent::Check(a) => {
+                        // What only this side sees: is the peer on this host?
+                        let checks = if self.ipc.same_host {
+                            Ok(())
+                        } else {
+                            Err(SetupFailure::NotSameHost)
+                        };
+                        setup.handle_checks(Instant::now(), a, checks);
+                    }
+                    SetupEvent::Settled(outcome) => settled = Some(outcome),
+                    SetupEvent::Proceed(ticket) => released.push((ticket, None)),
+                    SetupEvent::FallBack(ticket, why) => released.push((ticket, Some(why))),
+                }
+            }
+            for t in transmits {
+                moved = true;
+                let (attempt, step) = match t {
+                    SetupTransmit::Request(a) => {
+                        let lane = self.offer_lane();
+                        (a, IpcSetupStep::Request(self.setup.gpus.uuids(), lane))
+                    }
+                    SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
+                    SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
+                };
+                self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    attempt: attempt.0,
+                    step,
+                }));
+            }
+            if let Some(outcome) = settled {
+                let label = match &outcome {
+                    SetupOutcome::Ok => "ok",
+                    SetupOutcome::Bad(_) => "bad",
+                };
+                metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
+                // A notice lost to a full mailbox leaves explain one step behind;
+                // the transfers themselves are routed here either way.
+                let _ = self.setup.settled.try_send(IpcSettled {
+                    peer: self.peer.clone(),
+                    epoch: self.epoch,
+                    outcome: outcome.clone(),
+                });
+                let ok = outcome == SetupOutcome::Ok;
+                self.open_lane(ok, ctx);
+                match outcome {
+                    SetupOutcome::Ok => {
+                        tracing::info!(peer = %self.peer, "ipc set up with the peer");
+                    }
+                    SetupOutcome::Bad(why) => tracing::warn!(
+                        peer = %self.peer,
+                        "ipc setup with the peer failed, falling back: {why}"
+                    ),
+                }
+            }
+            for (ticket, failed) in released {
+                if let Some((msg, reply)) = self.ipc.waiting.remove(&ticket) {
+                    match failed {
+                        None => self.queue_submit(msg, reply, ctx),
+                        Some(why) => self.fall_back(msg, reply, &why, ctx),
+                    }
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// The lane ring offered with our setup request (one per setup, whatever the number
+    /// of attempts): its key at our fd-sharing socket. None when the lane is off or the peer is
+    /// in this process.
+    pub(super) fn offer_lane(&mut self) -> Option<String> {
+        // Offered before the link may be up (the setup starts with the first transfer):
+        // a peer on another host cannot fetch it, and the setup fails its checks anyway.
+        if self.setup.lane.max == 0 || self.ipc.in_process() {
+            return None;
+        }
+        if let Some((key, _)) = &self.ipc.lane_offer {
+            return Some(key.clone());
+        }
+        let ring = ferry_transports::link::ring::Ring::create(
+            crate::lane::LANE_SLOTS,
+            crate::lane::LANE_SLOT_LEN,
+        );
+        match ring {
+            Ok(ring) => {
+                let (key, ring) = (ferry_transports::ipc::lane_key(), Arc::new(ring));
+                self.setup.gpus.rings.insert(key.clone(), Arc::clone(&ring));
+                self.ipc.lane_offer = Some((key.clone(), ring));
+                Some(key)
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, "no fast lane to the peer: {e}");
+                None
+            }
+        }
+    }
+
+    /// The setup settled: the lane we offered opens if it went well and the peer attached.
+    pub(super) fn open_lane(&mut self, ok: bool, ctx: &mut Context<Self>) {
+        let Some((key, ring)) = self.ipc.lane_offer.take() else {
+            return;
+        };
+        self.setup.gpus.rings.remove(&key);
+        if !ok {
+            return;
+        }
+        if !ring.is_attached() {
+            tracing::info!(peer = %self.peer, "the peer did not take the fast lane");
+            return;
+        }
+        let unmapper: Arc<dyn ferry_transports::memory::Unmapper> = self.unmapper(ctx);
+        match crate::lane::LaneTx::start(&self.peer, ring, self.setup.lane, unmapper) {
+            Ok(tx) => {
+                tracing::info!(peer = %self.peer, max = self.setup.lane.max, "fast lane to the peer open");
+                self.setup.lanes.insert(self.peer.clone(), Arc::clone(&tx));
+                if let Some(old) = self.ipc.lane_tx.replace(tx) {
+                    old.close();
+                }
+            }
+            Err(why) => tracing::warn!(peer = %self.peer, "no fast lane to the peer: {why}"),
+        }
+    }
+
+    /// The peer's lane ring arrived with its setup request: our lane thread reads it.
+    pub(super) fn attach_lane(&mut self, ring: ferry_transports::link::ring::Ring) {
+        let peer = &self.peer;
+        let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
+            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
+                peer,
+                crate::gpu::IMPORT_CACHE_CAPACITY,
+            )))
+        }));
+        let cx = crate::lane::RxContext {
+            peer: self.peer.clone(),
+            pools: Arc::clone(&self.ipc.imported),
+            imports,
+            gpus: Arc::clone(&self.setup.gpus),
+            inbox: Arc::clone(&self.setup.inbox),
+            tiers: self.setup.tiers.clone(),
+            undelivered: self.undelivered.clone(),
+            reserve_timeout: self.setup.reserve_timeout,
+            io: self.setup.io.clone(),
+            settings: self.setup.lane,
+        };
+        match crate::lane::LaneRx::start(ring, cx) {
+            // A previous lane of this session (a repeated setup) stops.
+            Ok(rx) => self.ipc.lane_rx = Some(rx),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, "cannot read the peer's fast lane: {why}")
+            }
+        }
+    }
+
+    /// The session ends: both ends of the lanes close.
+    pub(super) fn end_lanes(&mut self) {
+        if let Some((key, _)) = self.ipc.lane_offer.take() {
+            self.setup.gpus.rings.remove(&key);
+        }
+        if let Some(tx) = self.ipc.lane_tx.take() {
+            self.setup
+                .lanes
+                .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &tx));
+            tx.close();
+        }
+        if let Some(rx) = self.ipc.lane_rx.take() {
+            rx.stop();
+        }
+    }
+
+    /// A setup message from the peer.
+    pub(super) fn on_ipc_setup(&mut self, msg: IpcSetupMessage, ctx: &mut Context<Self>) {
+        let attempt = Attempt(msg.attempt);
+        match msg.step {
+            // We are the importing side.
+            IpcSetupStep::Request(uuids, lane) => {
+                if self.setup.gpus.is_empty() {
+                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: msg.attempt,
+                        step: IpcSetupStep::Reply(Some("the receiver has no GPU".into())),
+                    }));
+                    return;
+                }
+                if self.ipc.in_process() {
+                    // A node of this process: its memory is ours to copy from already.
+                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: msg.attempt,
+                        step: IpcSetupStep::Reply(None),
+                    }));
+                    return;
+                }
+                if self.ipc.importing {
+                    // One import at a time; the peer's attempt times out and it retries.
+                    return;
+                }
+                self.ipc.importing = true;
+                let peer = self.peer.clone();
+                let pid = self.ipc.peer_pid;
+                let secret = self.setup.secret.clone();
+                let gpus = Arc::clone(&self.setup.gpus);
+                let lane = lane.filter(|_| self.setup.lane.max > 0);
+                let import = async move {
+                    let pools =
+                        crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await?;
+                    Ok::<_, String>((pools, fetch_lane(&peer, pid, lane, &secret).await))
+                };
+                ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
+                    act.ipc.importing = false;
+                    let refused = match result {
+                        Ok((pools, ring)) => {
+                            act.ipc.imported = Arc::new(pools);
+                            if let Some(ring) = ring {
+                                act.attach_lane(ring);
+                            }
+                            None
+                        }
+                        Err(why) => {
+                            tracing::warn!(peer = %act.peer, "cannot import the peer's pools: {why}");
+                            Some(why)
+                        }
+                    };
+                    act.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                        attempt: attempt.0,
+                        step: IpcSetupStep::Reply(refused),
+                    }));
+                    act.drive(ctx);
+                }));
+            }
+            IpcSetupStep::Ack(failed) => match failed {
+                None => self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    attempt: msg.attempt,
+                    step: IpcSetupStep::Confirm,
+                })),
+                Some(why) => {
+                    tracing::warn!(peer = %self.peer, "the peer gave up ipc setup: {why}");
+                }
+            },
+            // We are the exporting side.
+            IpcSetupStep::Reply(refused) => {
+                if let Some(setup) = &mut self.ipc.setup {
+                    let reply = match refused {
+                        None => PeerReply::Accepted,
+                        Some(why) => PeerReply::Refused(why),
+                    };
+                    setup.handle_reply(Instant::now(), attempt, reply);
+                }
+            }
+            IpcSetupStep::Confirm => {
+                if let Some(setup) = &mut self.ipc.setup {
+                    setup.handle_confirm(attempt);
+                }
+            }
+        }
+    }
+}
+
+/// The ipc side of a session: the lazy setup (as the exporting side), submissions waiting
+/// for it, the peer's pools we imported (as the importing side), pulls under way, and the
+/// views of our buffers the peer may still be reading.
+#[derive(Default)]
+pub(super) struct IpcState {
+    pub(super) setup: Option<IpcSetup<u64>>,
+    pub(super) waiting: HashMap<u64, (Submit, oneshot::Sender<Result<Buffer, SendError>>)>,
+    pub(super) next_ticket: u64,
+    /// Setup messages waiting for the link (a handful at most, one per setup step).
+    pub(super) out: VecDeque<Message>,
+    /// The peer's pid and whether it runs on this host, from its hello.
+    pub(super) peer_pid: u32,
+    pub(super) same_host: bool,
+    /// The peer's pools, imported when it asked (we pull from them).
+    pub(super) imported: Arc<crate::gpu::ImportedPools>,
+    /// Offers to pull, with the layout of the bytes in the peer's buffer, by inbound
+    /// transfer, until the pull ends.
+    pub(super) sources: HashMap<InboundId, (IpcSource, Layout)>,
+    /// Pulls whose copy runs now.
+    pub(super) pulling: HashSet<InboundId>,
+    /// Pulls abandoned while their copy ran: the peer is told once the copy ended.
+    pub(super) abandoned: HashSet<InboundId>,
+    /// Our buffers offered for pulling, kept until the peer says it no longer reads them
+    /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
+    pub(super) exported: HashMap<OpId, SharedBytes>,
+    /// Pulls whose offer went to the writer: only those can be read by the peer.
+    pub(super) offered: HashSet<OpId>,
+    /// The peer's buffers we keep mapped (importing side).
+    pub(super) imports: Option<crate::gpu::SharedImports>,
+    /// Told when one of our buffers the peer may keep mapped is freed (exporting side).
+    pub(super) unmapper: Option<Arc<PeerUnmapper>>,
+    /// Our freed buffers waiting for the peer to unmap them.
+    pub(super) unmapping: HashMap<IpcBufferRef, UnmapDone>,
+    /// True while we import the peer's pools (one setup request at a time).
+    pub(super) importing: bool,
+    /// The lane ring we offer the peer in our setup request (exporting side), under its
+    /// key at our fd-sharing socket, until the setup settles.
+    pub(super) lane_offer: Option<(String, Arc<ferry_transports::link::ring::Ring>)>,
+    /// Our sending end of the lane, once the setup settled with the peer attached.
+    pub(super) lane_tx: Option<Arc<crate::lane::LaneTx>>,
+    /// The receiving end of the peer's lane (importing side).
+    pub(super) lane_rx: Option<crate::lane::LaneRx>,
+    /// Our buffers lent to the peer for its pushes (receiving side), by inbound transfer,
+    /// until it says `Written`; quarantined if the session ends first.
+    pub(super) lent: HashMap<InboundId, Buffer>,
+    /// Those of `lent` whose transfer was abandoned: no longer counted by the session, so
+    /// bounded here (a peer past `limits.inbound` of them loses the link).
+    pub(super) lent_abandoned: HashSet<InboundId>,
+    /// The peer's pools we push into (sending side), by device UUID, each fetched on the
+    /// first push to it; the lock makes one fetch at a time.
+    pub(super) push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,
+}
+
+impl IpcState {
+    /// True when the peer is a node of this very process: it copies from our memory
+    /// directly (a peer copy), with nothing to import.
+    pub(super) fn in_process(&self) -> bool {
+        self.peer_pid == std::process::id()
+    }
+}
+
+/// Collects our buffers that the peer may keep mapped and that were just freed, for the
+/// actor to ask the peer to unmap them. Holds at most what the peer can map (its import
+/// cache is bounded).
+pub struct PeerUnmapper {
+    pub(super) pending: std::sync::Mutex<Vec<(Lease, UnmapDone)>>,
+    pub(super) wake: tokio::sync::Notify,
+    pub(super) closed: AtomicBool,
+    pub(super) io: tokio::runtime::Handle,
+    pub(super) lease_timeout: Duration,
+}
+
+impl PeerUnmapper {
+    /// Frees `done`'s memory after the lease timeout: for a peer we can no longer ask.
+    pub(super) fn free_later(&self, done: UnmapDone) {
+        let wait = self.lease_timeout;
+        self.io.spawn(async move {
+            tokio::time::sleep(wait).await;
+            drop(done);
+        });
+    }
+
+    /// No more requests: the session ended. Returns what was still pending.
+    pub(super) fn close(&self) -> Vec<(Lease, UnmapDone)> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.closed.store(true, Ordering::Release);
+        std::mem::take(&mut *pending)
+    }
+
+    pub(super) fn take(&self) -> Vec<(Lease, UnmapDone)> {
+        std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+impl Unmapper for PeerUnmapper {
+    fn unmap(&self, lease: Lease, done: UnmapDone) {
+        // Checked under the lock `close` takes, so nothing lands after the last `take`.
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.load(Ordering::Acquire) {
+            drop(pending);
+            return self.free_later(done);
+        }
+        pending.push((lease, done));
+        drop(pending);
+        self.wake.notify_one();
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct UnmapRequests;
+
+impl Handler<UnmapRequests> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, _: UnmapRequests, ctx: &mut Self::Context) {
+        let Some(unmapper) = self.ipc.unmapper.clone() else {
+            return;
+        };
+        for (lease, done) in unmapper.take() {
+            let ferry_transports::memory::MemoryKind::Device(n) = lease.kind else {
+                continue;
+            };
+            let Some(gpu) = self.setup.gpus.get(n) else {
+                continue;
+            };
+            let r = crate::gpu::lease_ref(&gpu.device, &lease);
+            tracing::debug!(
+                buffer = r.buffer,
+                "our buffer was freed; asking the peer to unmap it"
+            );
+            self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
+            self.ipc.unmapping.insert(r.clone(), done);
+            // A peer that never answers cannot pin the memory for the session's life; nor
+            // may the memory be freed while the peer still maps it. So the link goes: the
+            // peer's session ends, which frees its imports, and ours frees the memory after
+            // the lease timeout.
+            ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
+                if act.ipc.unmapping.contains_key(&r) {
+                    tracing::warn!(
+                        peer = %act.peer,
+                        buffer = r.buffer,
+                        "the peer did not unmap a freed buffer in time; dropping the link"
+                    );
+                    act.session
+                        .handle_link_lost("the peer did not unmap a freed buffer in time");
+                    act.drive(ctx);
+                }
+            });
+        }
+        self.drive(ctx);
+    }
+}
+
+/// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
+/// from those of our own buffers offered for pulling (our op ids): both stay below it.
+pub(super) const LENT: u64 = crate::core::session::MAX_TRANSFER_ID;
+
+/// Sends frames and streams buffers until the queue closes or the socket fails. Every
+/// stream it takes ends with a `StreamEnded`, after its view of the buffer was dropped.
+/// Fetches and maps the lane ring the peer offered under `key` (none offered: `None`). A
+/// lane that cannot be had is not an ipc failure: the peer sees we did not attach and
+/// keeps the slow path.
+pub(super) async fn fetch_lane(
+    peer: &str,
+    pid: u32,
+    key: Option<String>,
+    secret: &Secret,
+) -> Option<ferry_transports::link::ring::Ring> {
+    let key = key?;
+    let mapped = match ferry_transports::fdshare::fetch(peer, pid, &key, secret).await {
+        Ok(fd) => ferry_transports::link::ring::Ring::open(fd).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    mapped
+        .inspect_err(|why| tracing::warn!(peer, "cannot map the peer's fast lane: {why}"))
+        .ok()
+}

@@ -1,0 +1,400 @@
+//! The link's two tasks: the writer (frames and streamed chunks, device memory copied out
+//! one chunk ahead) and the reader (frames to the actor, chunks and puts straight into
+//! their regions).
+
+use super::*;
+
+pub(super) async fn write_loop(
+    mut writer: LinkWriter,
+    mut rx: mpsc::Receiver<Outgoing>,
+    me: Addr<TransferActor>,
+    chunk: usize,
+    link: u64,
+) {
+    let mut failure: Option<LinkError> = None;
+    while let Some(out) = rx.recv().await {
+        match out {
+            Outgoing::Frame(msg) => {
+                // Frames queued together go out in one write, once the queue is empty.
+                let sent = if rx.is_empty() {
+                    writer.send(&msg).await
+                } else {
+                    writer.feed(&msg).await
+                };
+                if let Err(e) = sent {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            Outgoing::Stream {
+                op,
+                what,
+                bytes,
+                stop,
+            } => {
+                let result = stream(&mut writer, op, what, &bytes, &stop, chunk).await;
+                drop(bytes);
+                let _ = me
+                    .send(DataEvent::StreamEnded {
+                        op,
+                        broken: None,
+                        link,
+                    })
+                    .await;
+                if let Err(e) = result {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            Outgoing::Close => {
+                let _ = writer.send(&Message::Goodbye).await;
+                let _ = writer.shutdown().await;
+                break;
+            }
+        }
+    }
+    // Streams still queued end now, so their buffers go back to their owners.
+    rx.close();
+    while let Some(out) = rx.recv().await {
+        if let Outgoing::Stream { op, bytes, .. } = out {
+            drop(bytes);
+            let _ = me
+                .send(DataEvent::StreamEnded {
+                    op,
+                    broken: None,
+                    link,
+                })
+                .await;
+        }
+    }
+    if let Some(e) = failure {
+        let _ = me
+            .send(LinkDown {
+                why: e.to_string(),
+                link,
+            })
+            .await;
+    }
+}
+
+pub(super) async fn stream(
+    writer: &mut LinkWriter,
+    op: OpId,
+    what: StreamWhat,
+    bytes: &SharedBytes,
+    stop: &AtomicBool,
+    chunk: usize,
+) -> Result<(), LinkError> {
+    // What moves: the layout's packed bytes. A strided layout whose rows touch is the
+    // buffer's first bytes (no gathering); another is gathered chunk by chunk.
+    let (len, layout) = match what {
+        StreamWhat::Transfer(layout) => {
+            let packed = layout.check(bytes.len() as u64).map_err(io_error)?;
+            let packed = usize::try_from(packed).map_err(io_error)?;
+            (packed, Some(layout).filter(|l| !l.is_contiguous()))
+        }
+        StreamWhat::Put { .. } => (bytes.len(), None),
+    };
+    let parts: Vec<(usize, usize)> = region::chunks(len, chunk).collect();
+    let header = |i: usize| match what {
+        StreamWhat::Transfer(_) => tcp::data_header(op.0, parts[i]),
+        StreamWhat::Put { key, offset } => {
+            tcp::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
+        }
+    };
+    let mut ahead = None;
+    let streamed = match bytes.as_slice() {
+        Some(host) => stream_host(writer, host, layout, &parts, &header, stop).await,
+        None => stream_device(writer, bytes, layout, &parts, &header, stop, &mut ahead).await,
+    };
+    // A copy still running (the stream stopped or failed) holds a view of the buffer: wait
+    // for it, so that the buffer goes back only once nothing reads it.
+    if let Some(copy) = ahead.take() {
+        let _ = copy.await;
+    }
+    streamed?;
+    writer.flush().await
+}
+
+/// Streams `parts` of host memory: straight from the caller's buffer, or (strided rows)
+/// gathered into one payload, one chunk at a time.
+pub(super) async fn stream_host(
+    writer: &mut LinkWriter,
+    host: &[u8],
+    layout: Option<Layout>,
+    parts: &[(usize, usize)],
+    header: &impl Fn(usize) -> Message,
+    stop: &AtomicBool,
+) -> Result<(), LinkError> {
+    let mut staging = Vec::new();
+    for (i, &(at, n)) in parts.iter().enumerate() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let payload = match layout {
+            Some(layout) => {
+                staging.resize(n, 0);
+                layout
+                    .gather(host, at as u64, &mut staging)
+                    .map_err(io_error)?;
+                &staging[..]
+            }
+            None => &host[at..at + n],
+        };
+        writer.feed_chunk(&header(i), payload).await?;
+    }
+    Ok(())
+}
+
+/// A chunk of device memory being copied out on a blocking thread.
+pub(super) type CopyOut = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
+
+/// Streams `parts` of device memory, each copied out (a few 3D copies for strided rows) on
+/// a blocking thread one chunk ahead of the socket: the copy of chunk k+1 runs while chunk
+/// k is written. The copy still running when this returns is left in `ahead`.
+pub(super) async fn stream_device(
+    writer: &mut LinkWriter,
+    bytes: &SharedBytes,
+    layout: Option<Layout>,
+    parts: &[(usize, usize)],
+    header: &impl Fn(usize) -> Message,
+    stop: &AtomicBool,
+    ahead: &mut Option<CopyOut>,
+) -> Result<(), LinkError> {
+    let copy_out = |(at, n): (usize, usize), mut into: Vec<u8>| {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || {
+            into.resize(n, 0);
+            match layout {
+                Some(layout) => bytes.read_packed(&layout, at as u64, &mut into),
+                None => bytes.read(at, &mut into),
+            }
+            .map_err(|e| format!("copying the device buffer out: {e}"))?;
+            Ok(into)
+        })
+    };
+    *ahead = parts.first().map(|&first| copy_out(first, Vec::new()));
+    // Two chunk buffers take turns: one being written, one being filled.
+    let mut spare = Vec::new();
+    for i in 0..parts.len() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let copy = ahead
+            .take()
+            .ok_or_else(|| io_error("a chunk was not copied out"))?;
+        let copied = copy.await.map_err(io_error)?.map_err(io_error)?;
+        if let Some(&next) = parts.get(i + 1) {
+            *ahead = Some(copy_out(next, std::mem::take(&mut spare)));
+        }
+        writer.feed_chunk(&header(i), &copied).await?;
+        spare = copied;
+    }
+    Ok(())
+}
+
+/// A failure of the stream that is not the socket's, as the link error it ends with.
+pub(super) fn io_error(e: impl std::fmt::Display) -> LinkError {
+    LinkError::Io(Arc::new(std::io::Error::other(e.to_string())))
+}
+
+/// Why a link ended when the peer said goodbye and closed it: a clean departure.
+pub(super) const PEER_LEFT: &str = "the peer said goodbye and closed the connection";
+
+pub(super) struct ReadLoop {
+    pub(super) me: Addr<TransferActor>,
+    pub(super) regions: Arc<DashMap<u64, InboundRegion>>,
+    pub(super) exposed: Arc<DashMap<u64, ExposedRegion>>,
+    pub(super) counters: Arc<LinkCounters>,
+    pub(super) link: u64,
+}
+
+impl ReadLoop {
+    /// Reads until the link ends; a peer that breaks the protocol is dropped.
+    pub(super) async fn run(self, mut reader: LinkReader) {
+        let mut put_errors: HashMap<u64, String> = HashMap::new();
+        // A peer that says goodbye before it closes left on purpose.
+        let mut said_goodbye = false;
+        let mut put_bytes: Vec<u8> = Vec::new();
+        let mut scratch: Vec<u8> = Vec::new();
+        let why = loop {
+            // Any frame that fails its checks ends the link: on a byte stream, the bytes
+            // around a bad frame cannot be trusted either, and every transfer on the link
+            // fails at once with the reason, rather than waiting for its deadline.
+            let frame = match reader.next().await {
+                Ok(Some(frame)) => frame,
+                Ok(None) if said_goodbye => break PEER_LEFT.to_string(),
+                Ok(None) => break "the peer closed the connection".to_string(),
+                Err(e) => break format!("{e}"),
+            };
+            let msg = match frame.message() {
+                Ok(m) => m,
+                Err(e) => {
+                    self.counters.record_rejected(&e);
+                    break format!("peer sent a bad frame: {e}");
+                }
+            };
+            said_goodbye |= matches!(msg, ArchivedMessage::Goodbye);
+            match msg {
+                ArchivedMessage::Data(chunk) => {
+                    let chunk = ferry_transports::wire::DataChunk::from(chunk);
+                    let id = chunk.transfer;
+                    // The buffer is lent out of the map while its bytes arrive, so the map
+                    // is never locked across a socket read.
+                    let lent = self.regions.get_mut(&id).map(|mut r| r.lend(&chunk));
+                    let mut landing = match lent {
+                        Some(Ok(landing)) => landing,
+                        Some(Err(e)) => {
+                            note_protocol_violation();
+                            break format!("protocol violation: {e}");
+                        }
+                        // A chunk of a transfer cancelled meanwhile: read past its bytes.
+                        None => match reader.discard_payload(chunk.len).await {
+                            Ok(()) => continue,
+                            Err(e) => break format!("{e}"),
+                        },
+                    };
+                    // Host memory takes the bytes straight from the socket; device memory
+                    // (a staged transfer from another host) through `scratch`, then one
+                    // host-to-device copy.
+                    let received = if landing.is_host() {
+                        reader.read_payload_into(landing.destination()).await
+                    } else {
+                        // Never larger than a frame (the payload's own header says the same
+                        // before a byte is read; checked first so that a lying header
+                        // allocates nothing).
+                        if chunk.len > reader.max_frame() {
+                            note_protocol_violation();
+                            break format!(
+                                "protocol violation: a chunk of {} bytes, past the largest frame",
+                                chunk.len
+                            );
+                        }
+                        scratch.resize(chunk.len as usize, 0);
+                        reader.read_payload_into(&mut scratch[..]).await
+                    };
+                    if let Err(e) = received {
+                        // Damaged bytes may now be in the buffer: the transfer must not be
+                        // delivered. Dropping the link fails it at both ends and frees the
+                        // buffer (the peer sees it lost; nothing is retried here).
+                        break format!("chunk of transfer {id} not received: {e}");
+                    }
+                    // A host-to-device copy waits for the copy engine: the runtime's other
+                    // worker takes this one's tasks meanwhile.
+                    if !landing.is_host()
+                        && let Err(e) = tokio::task::block_in_place(|| {
+                            landing.write(&scratch[..chunk.len as usize])
+                        })
+                    {
+                        // Not the peer's fault, but the transfer cannot complete; like a
+                        // damaged chunk, it fails at both ends.
+                        break format!("copying a chunk of transfer {id} in: {e}");
+                    }
+                    if let Some(buffer) = restore_landing(&self.regions, id, landing)
+                        && self
+                            .me
+                            .send(DataEvent::InboundDone { id, buffer })
+                            .await
+                            .is_err()
+                    {
+                        break "node stopped".into();
+                    }
+                }
+                ArchivedMessage::Put(chunk) => {
+                    let chunk = ferry_transports::wire::PutChunk::from(chunk);
+                    let put = chunk.put;
+                    let len = chunk.len as usize;
+                    // Where the bytes go is checked before they are read; a refused put's
+                    // bytes are read past. Accepted ones land in `put_bytes` first: the
+                    // exposed map is shared with every peer and with `withdraw`, so it is
+                    // not locked across a socket read, and damaged bytes never reach it.
+                    let checked = exposed_destination(&self.exposed, &chunk, |_| ());
+                    let received = match checked {
+                        Ok(()) => {
+                            if put_bytes.len() < len {
+                                put_bytes.resize(len, 0);
+                            }
+                            reader.read_payload_into(&mut put_bytes[..len]).await
+                        }
+                        Err(e) => {
+                            if let Err(why) = note_put_error(&mut put_errors, put, e) {
+                                break why;
+                            }
+                            reader.discard_payload(chunk.len).await
+                        }
+                    };
+                    let placed = match received {
+                        Ok(()) => exposed_destination(&self.exposed, &chunk, |dst| {
+                            dst.copy_from_slice(&put_bytes[..len])
+                        }),
+                        Err(e) => break format!("{e}"),
+                    };
+                    if let Err(e) = placed
+                        && let Err(why) = note_put_error(&mut put_errors, put, e)
+                    {
+                        break why;
+                    }
+                    if chunk.last {
+                        let error = put_errors.remove(&put);
+                        if self.me.send(PutFinished { put, error }).await.is_err() {
+                            break "node stopped".into();
+                        }
+                    }
+                }
+                _ => {
+                    let owned = match frame.to_owned_message() {
+                        Ok(m) => m,
+                        Err(e) => break format!("undecodable frame: {e}"),
+                    };
+                    // Queued without waiting for the actor to handle it when its mailbox
+                    // has room (first in, first out, so frames keep their order); a full
+                    // mailbox makes the reader wait, and with it the socket. Data chunks
+                    // never depend on a control frame still queued: a chunk's region exists
+                    // before the grant that lets the peer send it.
+                    match self.me.try_send(FromPeer(owned)) {
+                        Ok(()) => {}
+                        Err(actix::prelude::SendError::Full(msg)) => {
+                            if self.me.send(msg).await.is_err() {
+                                break "node stopped".into();
+                            }
+                        }
+                        Err(actix::prelude::SendError::Closed(_)) => break "node stopped".into(),
+                    }
+                }
+            }
+        };
+        let link = self.link;
+        let _ = self.me.send(LinkDown { why, link }).await;
+    }
+}
+
+/// Runs `place` on where `chunk`'s bytes go in its exposed region, or says why they cannot
+/// go there (not exposed, stale generation, out of bounds). Holds the region's map entry
+/// only for the call.
+pub(super) fn exposed_destination(
+    exposed: &DashMap<u64, ExposedRegion>,
+    chunk: &ferry_transports::wire::PutChunk,
+    place: impl FnOnce(&mut [u8]),
+) -> Result<(), String> {
+    let Some(mut region) = exposed.get_mut(&chunk.region) else {
+        return Err(format!("region {} is not exposed", chunk.region));
+    };
+    region
+        .destination(chunk)
+        .map(place)
+        .map_err(|e| e.to_string())
+}
+
+/// Remembers the first error of `put`, reported in its ack; fails (ending the link) when
+/// too many puts are failing at once.
+pub(super) fn note_put_error(
+    put_errors: &mut HashMap<u64, String>,
+    put: u64,
+    error: String,
+) -> Result<(), String> {
+    if put_errors.len() >= 1024 && !put_errors.contains_key(&put) {
+        return Err("too many failing puts open at once".into());
+    }
+    put_errors.entry(put).or_insert(error);
+    Ok(())
+}

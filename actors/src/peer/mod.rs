@@ -1,0 +1,773 @@
+//! The transfer actor of one peer: a shell over [`PeerSession`].
+//!
+//! It owns the link to the peer. Two tasks on the node's I/O runtime serve the link: the
+//! reader decodes frames, places data and put chunks straight into their receive buffers
+//! (each chunk's payload frame is read straight into its buffer) and forwards control
+//! messages to the actor;
+//! the writer sends control frames and streams buffers in chunks from a bounded queue. Bulk
+//! bytes therefore never pass through a mailbox, and the actor never waits on a socket.
+//!
+//! Every queue here is bounded: the actor's mailbox (config `limits.mailbox`), the writer
+//! queue (sized from the session's bounds, so a peer that follows the protocol cannot fill
+//! it; one that floods us loses its link), and the session's own op queue.
+
+mod drive;
+mod inbound;
+mod ipc;
+mod link_io;
+mod outbound;
+mod staged_ring;
+
+use self::{inbound::*, ipc::*, link_io::*, staged_ring::*};
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use dashmap::DashMap;
+use ferry_transports::link::{
+    Activity, Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret,
+};
+use ferry_transports::memory::{Buffer, SharedBytes};
+use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
+use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
+use ferry_transports::tcp;
+use ferry_transports::wire::{
+    ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Layout, Message,
+    PutAck, StagedRing, WireDirection, WireReason, Written,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::allocator::{Export, PeerGone, Tier, reserve_in_tiers};
+use crate::core::exports::ExportId;
+use crate::core::ipc_setup::{
+    Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
+    SetupTransmit,
+};
+use crate::core::session::{
+    InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
+};
+use crate::data_event::DataEvent;
+use crate::error::{Error, SendError};
+use crate::timer::DeadlineTimer;
+
+/// A buffer delivered to the application, in the peer's send order.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Delivered {
+    /// The sending peer.
+    pub peer: String,
+    /// The sender's tag.
+    pub tag: u64,
+    /// The transport it came over.
+    pub transport: &'static str,
+    /// How the bytes lay at the sender (they arrive packed).
+    pub layout: Layout,
+    /// The data.
+    pub buffer: Buffer,
+    /// Counts it as on its way to the inbox until the coordinator put it there (fast-lane
+    /// records from the same peer wait for that, see [`crate::lane`]).
+    pub pending: crate::lane::Pending,
+}
+
+/// The transfer actor stopped; the coordinator forgets it.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SessionEnded {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch, so a newer session for the same peer is not forgotten.
+    pub epoch: u64,
+}
+
+/// The ipc setup with a peer settled: the coordinator routes by it, and `explain` says it.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct IpcSettled {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch.
+    pub epoch: u64,
+    /// Ok, or Bad with the reason.
+    pub outcome: SetupOutcome,
+}
+
+/// How a transfer actor is set up.
+#[derive(Clone)]
+pub struct TransferSetup {
+    /// This node's name.
+    pub node: String,
+    /// Session bounds.
+    pub limits: SessionLimits,
+    /// Bytes per data frame.
+    pub chunk: usize,
+    /// How long an inbound transfer may wait for memory.
+    pub reserve_timeout: Duration,
+    /// Where inbound transfers land, then where they spill, in order.
+    pub tiers: Vec<Tier>,
+    /// The same without device tiers: where transfers over a link land (tcp reads into
+    /// host memory).
+    pub host_tiers: Vec<Tier>,
+    /// The node's GPUs (empty without any).
+    pub gpus: crate::gpu::SharedGpus,
+    /// The link secret, which also authenticates pool requests.
+    pub secret: Secret,
+    /// How long memory a lost peer may still map stays unused (`memory.export_lease_timeout`).
+    pub lease_timeout: Duration,
+    /// Told when the peer is gone, so what it held is quarantined.
+    pub peer_gone: Vec<Recipient<PeerGone>>,
+    /// Where delivered buffers go.
+    pub deliver: Recipient<Delivered>,
+    /// Told when the actor stops.
+    pub ended: Recipient<SessionEnded>,
+    /// Told when the ipc setup with the peer settles.
+    pub settled: Recipient<IpcSettled>,
+    /// Told when the peer refuses a link this session dialed.
+    pub refused: Recipient<DialRefused>,
+    /// Regions exposed for one-sided puts, shared by every peer's reader.
+    pub exposed: Arc<DashMap<u64, ExposedRegion>>,
+    /// The node's link counters.
+    pub counters: Arc<LinkCounters>,
+    /// The node's I/O runtime.
+    pub io: tokio::runtime::Handle,
+    /// The fast lanes to same-host peers, by peer: this actor adds its peer's when the ipc
+    /// setup made one, and removes it when it stops.
+    pub lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// Where a lane's receiving thread delivers.
+    pub inbox: Arc<crate::inbox::Inbox>,
+    /// `transport.ipc.lane_max` and `lane_spin`.
+    pub lane: crate::lane::LaneSettings,
+    /// `[transport.staged]`.
+    pub staged: crate::staged::StagedSettings,
+}
+
+/// What the application asks of a peer.
+#[derive(Debug)]
+pub enum Op {
+    /// Send a buffer.
+    Send {
+        /// Application tag.
+        tag: u64,
+        /// Transport label from the route.
+        transport: String,
+        /// Direction from the route.
+        direction: ferry_transports::wire::WireDirection,
+        /// What to use instead if the transport's setup with the peer fails: the next
+        /// transport of the rule and its direction.
+        fallback: Option<(String, ferry_transports::wire::WireDirection)>,
+        /// How the bytes lie in the buffer (checked against it already).
+        layout: Layout,
+    },
+    /// Write a buffer into a region the peer exposed.
+    Put {
+        /// The region.
+        key: RegionKey,
+        /// Where in the region.
+        offset: u64,
+    },
+}
+
+/// Where a peer is, as the `peer_class` label of the transfer metrics says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerClass {
+    /// Same host (same process included).
+    SameHost,
+    /// Another host.
+    Remote,
+}
+
+impl PeerClass {
+    /// The class of a peer at `locality`.
+    pub fn of(locality: ferry_config::Locality) -> Self {
+        match locality {
+            ferry_config::Locality::Remote => Self::Remote,
+            _ => Self::SameHost,
+        }
+    }
+
+    /// The metric label: `"same_host"` or `"remote"`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::SameHost => "same_host",
+            Self::Remote => "remote",
+        }
+    }
+}
+
+/// Run `op` with `buffer`; resolves when it ended, giving the buffer back.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Buffer, SendError>")]
+pub struct Submit {
+    /// What to do.
+    pub op: Op,
+    /// The data.
+    pub buffer: Buffer,
+    /// When it must have ended.
+    pub deadline: Instant,
+    /// Where the peer is (for metrics only).
+    pub peer_class: PeerClass,
+}
+
+/// Hand the actor its link.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Attach {
+    /// The link.
+    pub link: Link,
+    /// True when this node dialed it: then nothing is sent before the peer's `Welcome`.
+    pub dialed: bool,
+}
+
+/// The peer refused the link this session dialed (another link between the two wins, or
+/// the peer is draining). The coordinator waits for the peer's own link.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DialRefused {
+    /// The peer.
+    pub peer: String,
+    /// The session's epoch.
+    pub epoch: u64,
+}
+
+/// The link could not be set up, or was replaced: fail everything.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Lost(pub String);
+
+/// Resolves once the link is up and welcomed, or with why it could not be set up.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Error>")]
+pub struct AwaitLink;
+
+/// Stop taking work; resolves once every op has ended, then closes the link.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct FromPeer(Message);
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct PutFinished {
+    put: u64,
+    error: Option<String>,
+}
+
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct LinkDown {
+    why: String,
+    /// Which of the session's links went down; a replaced link's end is ignored.
+    link: u64,
+}
+
+enum Outgoing {
+    Frame(Message),
+    Stream {
+        op: OpId,
+        what: StreamWhat,
+        bytes: SharedBytes,
+        stop: Arc<AtomicBool>,
+    },
+    Close,
+}
+
+#[derive(Clone, Copy)]
+enum StreamWhat {
+    /// A transfer's bytes, gathered from the buffer by the layout.
+    Transfer(Layout),
+    Put {
+        key: RegionKey,
+        offset: u64,
+    },
+}
+
+struct OutEntry {
+    buffer: Buffer,
+    what: StreamWhat,
+    reply: oneshot::Sender<Result<Buffer, SendError>>,
+    stop: Arc<AtomicBool>,
+    started: Instant,
+    labels: TransferLabels,
+    /// The op's span: opened at submission, closed (dropped) when the op ends.
+    span: tracing::Span,
+    /// The child span of the phase the op is in: `grant`, `copy` or `ack`.
+    phase: tracing::Span,
+}
+
+impl OutEntry {
+    /// The bytes the op moved: a layout's packed rows, else the whole buffer.
+    fn moved(&self) -> u64 {
+        let len = self.buffer.len() as u64;
+        match self.what {
+            StreamWhat::Transfer(layout) => layout.check(len).unwrap_or(len),
+            StreamWhat::Put { .. } => len,
+        }
+    }
+}
+
+/// The labels of `ferry_transfer_bytes_total`; none names a transfer or an address.
+struct TransferLabels {
+    transport: String,
+    direction: &'static str,
+    peer_class: &'static str,
+}
+
+/// The span of an inbound transfer and the child span of its phase: `reserve`, `receive`
+/// or `deliver`.
+struct InboundSpans {
+    span: tracing::Span,
+    phase: tracing::Span,
+}
+
+/// The transfer actor of one peer.
+pub struct TransferActor {
+    peer: String,
+    epoch: u64,
+    setup: TransferSetup,
+    session: PeerSession,
+    writer: Option<mpsc::Sender<Outgoing>>,
+    /// Counts the links this session has had; the current one's number.
+    link: u64,
+    /// False on a dialed link until the peer's `Welcome`: nothing is sent before it.
+    welcomed: bool,
+    regions: Arc<DashMap<u64, InboundRegion>>,
+    outbound: HashMap<OpId, OutEntry>,
+    complete: HashMap<InboundId, (Buffer, crate::lane::Pending)>,
+    /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
+    undelivered: crate::lane::Undelivered,
+    /// Spans of the inbound transfers still open (reserving, receiving or waiting for
+    /// their turn to be delivered).
+    inbound_spans: HashMap<InboundId, InboundSpans>,
+    drained: Vec<oneshot::Sender<()>>,
+    link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
+    timer: DeadlineTimer,
+    ipc: IpcState,
+    staged: StagedState,
+    /// Bytes the current link (and its staged rings) moved, for the stall clock.
+    activity: Option<Activity>,
+    /// What this peer's fast lane delivered and the application took (the inbox counts),
+    /// and both totals when this session began (it counts from there).
+    claims: (Arc<crate::inbox::Claims>, u64, u64),
+    /// The current link's reader task: ended with the link, so a peer that stopped reading
+    /// our writes cannot keep its half of the socket, or feed a lost session.
+    reader: Option<tokio::task::AbortHandle>,
+}
+
+impl TransferActor {
+    /// A session with `peer`, waiting for its link.
+    pub fn new(peer: String, epoch: u64, setup: TransferSetup) -> Self {
+        let claims = setup.inbox.claims(&peer);
+        let claims = (
+            Arc::clone(&claims),
+            claims.lane.load(Ordering::Relaxed),
+            claims.taken.load(Ordering::Relaxed),
+        );
+        Self {
+            session: PeerSession::new(setup.limits),
+            peer,
+            epoch,
+            setup,
+            writer: None,
+            link: 0,
+            welcomed: false,
+            regions: Arc::default(),
+            outbound: HashMap::new(),
+            complete: HashMap::new(),
+            undelivered: crate::lane::Undelivered::default(),
+            inbound_spans: HashMap::new(),
+            drained: Vec::new(),
+            link_waiters: Vec::new(),
+            timer: DeadlineTimer::default(),
+            staged: StagedState::default(),
+            ipc: IpcState::default(),
+            activity: None,
+            reader: None,
+            claims,
+        }
+    }
+
+    fn writer_capacity(&self) -> usize {
+        let l = self.setup.limits;
+        4 * (l.in_flight + l.inbound) + 64
+    }
+}
+
+impl Actor for TransferActor {
+    type Context = Context<Self>;
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.end_lanes();
+        self.end_staged_tx();
+        if let Some(rx) = self.staged.rx.take() {
+            rx.stop();
+        }
+        for (_, (msg, reply)) in self.ipc.waiting.drain() {
+            let _ = reply.send(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: Some(msg.buffer),
+            }));
+        }
+        // Freeing imports waits for their copies: not on the actor thread.
+        if let Some(imports) = self.ipc.imports.take() {
+            self.setup.io.spawn_blocking(move || drop(imports));
+        }
+        // Our freed buffers the peer may still map: freed after the lease timeout (a live
+        // peer's session with us ends too, which frees its imports).
+        if let Some(unmapper) = self.ipc.unmapper.take() {
+            let pending = unmapper.close();
+            // Wakes the forwarding task, which then finds the actor gone and ends.
+            unmapper.wake.notify_one();
+            for (_, done) in pending {
+                unmapper.free_later(done);
+            }
+            for (_, done) in self.ipc.unmapping.drain() {
+                unmapper.free_later(done);
+            }
+        }
+        // Buffers the peer may still be reading go to their domain's quarantine first.
+        let mut exports = Vec::new();
+        for (op, view) in self.ipc.exported.drain() {
+            crate::gpu::withdraw_in_process(&self.setup.node, &view);
+            let kind = view.lease().kind;
+            if let ferry_transports::memory::MemoryKind::Device(n) = kind
+                && let Some(gpu) = self.setup.gpus.get(n)
+            {
+                exports.push((gpu.allocator.clone(), op, view));
+            }
+        }
+        // Buffers lent to the peer for its pushes: it may still be copying into them.
+        for (id, buffer) in self.ipc.lent.drain() {
+            let view = buffer.share();
+            if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
+                && let Some(gpu) = self.setup.gpus.get(n)
+            {
+                exports.push((gpu.allocator.clone(), OpId(LENT | id.0), view));
+            }
+        }
+        // Whatever the peer held of our memory is quarantined for the lease timeout.
+        let recipients = self.setup.peer_gone.clone();
+        let peer = self.peer.clone();
+        let epoch = self.epoch;
+        actix::spawn(async move {
+            for (allocator, op, view) in exports {
+                let export = Export {
+                    id: ExportId(epoch << 40 | op.0),
+                    peer: peer.clone(),
+                    view,
+                };
+                let _ = allocator.send(export).await;
+            }
+            for recipient in recipients {
+                let _ = recipient.send(PeerGone(peer.clone())).await;
+            }
+        });
+        if let Some(reader) = self.reader.take() {
+            reader.abort();
+        }
+        if let Some(w) = self.writer.take() {
+            let _ = w.try_send(Outgoing::Close);
+        }
+        self.regions.clear();
+        let ended = SessionEnded {
+            peer: self.peer.clone(),
+            epoch: self.epoch,
+        };
+        let recipient = self.setup.ended.clone();
+        actix::spawn(async move {
+            let _ = recipient.send(ended).await;
+        });
+    }
+}
+
+impl Handler<Submit> for TransferActor {
+    type Result = ResponseFuture<Result<Buffer, SendError>>;
+
+    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
+        let (reply, rx) = oneshot::channel();
+        let wants_ipc = matches!(&msg.op, Op::Send { transport, .. } if transport == "ipc");
+        if wants_ipc {
+            let ticket = self.ipc.next_ticket;
+            self.ipc.next_ticket += 1;
+            let setup = self
+                .ipc
+                .setup
+                .get_or_insert_with(|| IpcSetup::new(SetupPolicy::DEFAULT));
+            match setup.handle_want(Instant::now(), ticket) {
+                Admission::Ready(_) => self.queue_submit(msg, reply, ctx),
+                Admission::Queued => {
+                    self.ipc.waiting.insert(ticket, (msg, reply));
+                    self.drive(ctx);
+                }
+                Admission::FallBack(_, why) => self.fall_back(msg, reply, &why, ctx),
+            }
+        } else {
+            self.queue_submit(msg, reply, ctx);
+        }
+        Box::pin(async move {
+            rx.await.unwrap_or(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: None,
+            }))
+        })
+    }
+}
+
+impl Handler<Attach> for TransferActor {
+    type Result = ();
+
+    fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
+        if let Some(old) = self.writer.take() {
+            // A link that lost a simultaneous-dial tie-break: the peer never read it.
+            let _ = old.try_send(Outgoing::Close);
+            self.session.handle_relink();
+            tracing::info!(peer = %self.peer, "moved to the peer's link");
+        }
+        self.link += 1;
+        self.ipc.peer_pid = link.peer_hello.pid;
+        self.ipc.same_host = link.peer_hello.host_id == ferry_transports::link::host_id();
+        self.session
+            .set_serves_ipc(self.ipc.same_host && !self.setup.gpus.is_empty());
+        let (tx, rx) = mpsc::channel(self.writer_capacity());
+        self.welcomed = !dialed;
+        if !dialed {
+            // We keep the link the peer dialed: say so before anything else.
+            let _ = tx.try_send(Outgoing::Frame(Message::Welcome));
+        }
+        self.writer = Some(tx);
+        let me = ctx.address();
+        let chunk = self.setup.chunk;
+        self.setup
+            .io
+            .spawn(write_loop(link.writer, rx, me.clone(), chunk, self.link));
+        let reader = ReadLoop {
+            me,
+            regions: Arc::clone(&self.regions),
+            exposed: Arc::clone(&self.setup.exposed),
+            counters: Arc::clone(&self.setup.counters),
+            link: self.link,
+        };
+        if let Some(old) = self
+            .reader
+            .replace(self.setup.io.spawn(reader.run(link.reader)).abort_handle())
+        {
+            old.abort();
+        }
+        self.activity = Some(link.activity);
+        tracing::info!(peer = %self.peer, "link up");
+        // The previous link's staging ring (if any) closes; the next staged send makes one.
+        self.end_staged_tx();
+        self.drive(ctx);
+    }
+}
+
+impl Handler<DataEvent> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, event: DataEvent, ctx: &mut Self::Context) {
+        match event {
+            DataEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
+            DataEvent::InboundFailed { id, why } => {
+                tracing::warn!(peer = %self.peer, id, "inbound transfer failed: {why}");
+                self.session
+                    .handle_reserve_failed(InboundId(id), WireReason::Unsupported, why);
+            }
+            DataEvent::StreamEnded { op, broken, link } => {
+                if let Some(why) = broken.filter(|_| link == self.link) {
+                    self.end_staged_tx();
+                    self.session
+                        .handle_link_lost(&format!("the staging ring failed: {why}"));
+                }
+                if let Some(entry) = self.outbound.get_mut(&op) {
+                    // Every byte is on its way: wait for the peer's Done (or PutAck).
+                    entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
+                }
+                self.session.handle_stream_ended(op);
+            }
+            DataEvent::PeerBroke { link, why } => {
+                if link == self.link {
+                    note_protocol_violation();
+                    self.staged.rx = None;
+                    self.session
+                        .handle_link_lost(&format!("the peer broke its staging ring: {why}"));
+                }
+            }
+        }
+        self.drive(ctx);
+    }
+}
+
+impl Handler<Lost> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, Lost(why): Lost, ctx: &mut Self::Context) {
+        self.session.handle_link_lost(&why);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<LinkDown> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: LinkDown, ctx: &mut Self::Context) {
+        if msg.link != self.link {
+            return;
+        }
+        if !self.welcomed && self.writer.is_some() {
+            // The peer closed our dial before welcoming it: nothing was sent on it.
+            return self.dial_refused(ctx);
+        }
+        if !self.session.is_lost() {
+            if msg.why == PEER_LEFT {
+                tracing::info!(peer = %self.peer, "the peer closed the link");
+            } else {
+                tracing::warn!(peer = %self.peer, why = %msg.why, "link down");
+            }
+        }
+        self.session.handle_link_lost(&msg.why);
+        self.drive(ctx);
+    }
+}
+
+impl Handler<AwaitLink> for TransferActor {
+    type Result = ResponseFuture<Result<(), Error>>;
+    fn handle(&mut self, _: AwaitLink, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.link_waiters.push(tx);
+        self.drive(ctx);
+        Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) })
+    }
+}
+
+impl Handler<Drain> for TransferActor {
+    type Result = ResponseFuture<()>;
+    fn handle(&mut self, _: Drain, ctx: &mut Self::Context) -> Self::Result {
+        self.session.handle_drain();
+        let (tx, rx) = oneshot::channel();
+        self.drained.push(tx);
+        self.drive(ctx);
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl TransferActor {
+    /// The dialed link was refused: drop it, keep every op queued, and let the coordinator
+    /// wait for the peer's own link.
+    fn dial_refused(&mut self, ctx: &mut Context<Self>) {
+        if let Some(old) = self.writer.take() {
+            let _ = old.try_send(Outgoing::Close);
+        }
+        self.link += 1;
+        tracing::info!(peer = %self.peer, "peer refused our link; waiting for its own");
+        let refused = DialRefused {
+            peer: self.peer.clone(),
+            epoch: self.epoch,
+        };
+        let recipient = self.setup.refused.clone();
+        ctx.spawn(
+            async move {
+                let _ = recipient.send(refused).await;
+            }
+            .into_actor(self),
+        );
+        self.drive(ctx);
+    }
+}
+
+impl Handler<FromPeer> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, FromPeer(msg): FromPeer, ctx: &mut Self::Context) {
+        match msg {
+            Message::Welcome if !self.welcomed => {
+                self.welcomed = true;
+                return self.drive(ctx);
+            }
+            Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
+            Message::StagedRing(StagedRing { key }) => {
+                self.attach_staged_ring(key, ctx);
+                return self.drive(ctx);
+            }
+            Message::IpcSetup(setup) => {
+                self.on_ipc_setup(setup, ctx);
+                return self.drive(ctx);
+            }
+            // We are the importer: the owner frees this buffer.
+            Message::IpcUnmap(r) => {
+                match self.ipc.imports.clone() {
+                    None => self.ipc.out.push_back(Message::IpcUnmapped(r)),
+                    Some(imports) => {
+                        // A pull may hold the cache's lock through a copy, and freeing waits
+                        // for the import's copies: neither on the actor thread.
+                        let key = r.clone();
+                        let freed = self.setup.io.spawn_blocking(move || {
+                            let unmapped = imports
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .remove(&key);
+                            drop(unmapped);
+                            tracing::debug!(buffer = key.buffer, "unmapped at the owner's request");
+                        });
+                        ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
+                            act.ipc.out.push_back(Message::IpcUnmapped(r));
+                            act.drive(ctx);
+                        }));
+                    }
+                }
+                return self.drive(ctx);
+            }
+            // We are the owner: the peer no longer maps this buffer.
+            Message::IpcUnmapped(r) => {
+                tracing::debug!(
+                    buffer = r.buffer,
+                    "the peer unmapped our buffer; freeing it"
+                );
+                self.ipc.unmapping.remove(&r);
+                return self.drive(ctx);
+            }
+            // The peer no longer reads a buffer we offered for pulling.
+            Message::Done(Done { transfer }) => {
+                self.unexport(OpId(transfer));
+            }
+            Message::Cancel(ref cancel) if cancel.by_receiver => {
+                self.unexport(OpId(cancel.transfer));
+            }
+            _ => {}
+        }
+        if let Err(violation) = self.session.handle_message(msg) {
+            tracing::warn!(peer = %self.peer, %violation, "dropping peer");
+            note_protocol_violation();
+            self.session.handle_link_lost(&violation.to_string());
+        }
+        self.drive(ctx);
+    }
+}
+
+impl Handler<PutFinished> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, msg: PutFinished, ctx: &mut Self::Context) {
+        let ack = Message::PutAck(PutAck {
+            put: msg.put,
+            error: msg.error,
+        });
+        if let Some(w) = &self.writer
+            && w.try_send(Outgoing::Frame(ack)).is_err()
+        {
+            self.session
+                .handle_link_lost("the peer sends puts faster than it reads their acks");
+        }
+        self.drive(ctx);
+    }
+}
+
+/// The static label of a transport named on the wire.
+fn transport_label(name: &str) -> &'static str {
+    name.parse::<ferry_config::TransportName>()
+        .map_or("unknown", ferry_config::TransportName::as_str)
+}
+
+fn note_protocol_violation() {
+    metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);
+}

@@ -1,0 +1,320 @@
+//! Outbound transfers: a submitted send becomes an op of the session; a granted op's
+//! bytes stream over the link or the staged ring; an ipc setup that failed falls back.
+
+use super::*;
+
+impl TransferActor {
+    pub(super) fn start_stream(&mut self, op: OpId, ctx: &mut Context<Self>) {
+        if self
+            .outbound
+            .get(&op)
+            .is_some_and(|e| e.labels.transport == "staged")
+        {
+            self.offer_staged_ring(ctx);
+            // The link is many times slower than the ring: a staged send waits a little for
+            // the peer to map a ring just offered (in order with the others waiting).
+            if self.ring_pending() || !self.staged.waiting.is_empty() {
+                self.staged.waiting.push_back(op);
+                return self.poll_staged_waiting(ctx);
+            }
+        }
+        self.stream_now(op);
+    }
+
+    /// True while our staging ring is being made or offered and not yet mapped by the
+    /// peer, for at most [`RING_PATIENCE`] since the first staged send asked for it.
+    pub(super) fn ring_pending(&self) -> bool {
+        let unmapped = self.staged.making
+            || self
+                .staged
+                .tx
+                .as_ref()
+                .is_some_and(|(tx, _)| !tx.is_attached());
+        unmapped
+            && !self.session.is_lost()
+            && self
+                .staged
+                .since
+                .is_some_and(|t| t.elapsed() < RING_PATIENCE)
+    }
+
+    /// Looks again at the staged sends waiting for the ring, a millisecond from now: they
+    /// go once it is mapped (or the wait is over: then over the link); a stopped one ends.
+    pub(super) fn poll_staged_waiting(&mut self, ctx: &mut Context<Self>) {
+        if self.staged.polling {
+            return;
+        }
+        self.staged.polling = true;
+        ctx.run_later(Duration::from_millis(1), |act, ctx| {
+            act.staged.polling = false;
+            let pending = act.ring_pending();
+            let waiting = std::mem::take(&mut act.staged.waiting);
+            for op in waiting {
+                let stopped = act
+                    .outbound
+                    .get(&op)
+                    .is_none_or(|e| e.stop.load(Ordering::Acquire));
+                if stopped {
+                    act.session.handle_stream_ended(op);
+                } else if pending {
+                    act.staged.waiting.push_back(op);
+                } else {
+                    act.stream_now(op);
+                }
+            }
+            if !act.staged.waiting.is_empty() {
+                act.poll_staged_waiting(ctx);
+            }
+            act.drive(ctx);
+        });
+    }
+
+    /// Hands a granted op's bytes to whoever moves them: our staging ring's thread, or the
+    /// link's writer.
+    pub(super) fn stream_now(&mut self, op: OpId) {
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            return;
+        };
+        // Granted (or a put, which needs no grant): the bytes start to move.
+        entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
+        // A staged transfer to a peer reading our ring goes through it; else (another
+        // host, or the ring not read yet) over the link, where the peer lands it alike.
+        if let (StreamWhat::Transfer(layout), Some((tx, _))) = (entry.what, &self.staged.tx)
+            && entry.labels.transport == "staged"
+            && tx.is_attached()
+        {
+            let job = crate::staged::Job {
+                op,
+                layout,
+                bytes: entry.buffer.share(),
+                stop: Arc::clone(&entry.stop),
+            };
+            if tx.submit(job).is_err() {
+                self.session
+                    .handle_link_lost("the staged sender thread is gone or overrun");
+                self.session.handle_stream_ended(op);
+            }
+            return;
+        }
+        let out = Outgoing::Stream {
+            op,
+            what: entry.what,
+            bytes: entry.buffer.share(),
+            stop: Arc::clone(&entry.stop),
+        };
+        let sent = match &self.writer {
+            Some(w) => w.try_send(out).is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.session
+                .handle_link_lost("the link's send queue overflowed or closed");
+            self.session.handle_stream_ended(op);
+        }
+    }
+
+    /// The peer no longer reads the buffer of `op`: its view goes.
+    pub(super) fn unexport(&mut self, op: OpId) {
+        if let Some(view) = self.ipc.exported.remove(&op) {
+            crate::gpu::withdraw_in_process(&self.setup.node, &view);
+        }
+    }
+
+    /// Queues a submission in the session; the outcome goes to `reply`.
+    pub(super) fn queue_submit(
+        &mut self,
+        msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let now = Instant::now();
+        let len = msg.buffer.len() as u64;
+        let peer_class = msg.peer_class.label();
+        let (queued, what, labels) = match msg.op {
+            Op::Send {
+                tag,
+                transport,
+                direction,
+                fallback: _,
+                layout,
+            } => {
+                // What moves: the layout's rows, packed (checked by the node already).
+                let len = match layout.check(len) {
+                    Ok(packed) => packed,
+                    Err(e) => {
+                        let _ = reply.send(Err(SendError {
+                            error: Error::Usage(format!("the buffer's layout: {e}")),
+                            buffer: Some(msg.buffer),
+                        }));
+                        return;
+                    }
+                };
+                // A node of this process reads our memory directly: a push to it is pulled
+                // (the same single peer copy, with no buffer to lend).
+                let direction = if transport == "ipc"
+                    && direction == WireDirection::Push
+                    && self.ipc.in_process()
+                {
+                    WireDirection::Pull
+                } else {
+                    direction
+                };
+                let labels = TransferLabels {
+                    transport: transport.clone(),
+                    direction: match direction {
+                        WireDirection::Push => "push",
+                        WireDirection::Pull => "pull",
+                    },
+                    peer_class,
+                };
+                let ipc = if direction == WireDirection::Pull {
+                    match crate::gpu::export_source(&msg.buffer, self.ipc.in_process()) {
+                        Ok(source) => Some(source),
+                        Err(detail) => {
+                            let _ = reply.send(Err(SendError {
+                                error: Error::Unsupported(detail),
+                                buffer: Some(msg.buffer),
+                            }));
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
+                let queued = self.session.handle_send(
+                    now,
+                    SendRequest {
+                        tag,
+                        len,
+                        source: msg.buffer.kind().to_wire(),
+                        transport,
+                        direction,
+                        ipc,
+                        layout,
+                        deadline: msg.deadline,
+                    },
+                );
+                (queued, StreamWhat::Transfer(layout), labels)
+            }
+            Op::Put { key, offset } => {
+                let queued = self.session.handle_put(
+                    now,
+                    PutRequest {
+                        len,
+                        deadline: msg.deadline,
+                    },
+                );
+                // A put always travels over the tcp link today.
+                let labels = TransferLabels {
+                    transport: "tcp".into(),
+                    direction: "put",
+                    peer_class,
+                };
+                (queued, StreamWhat::Put { key, offset }, labels)
+            }
+        };
+        let id = match queued {
+            Ok(id) => id,
+            Err(refusal) => {
+                let error = match refusal {
+                    crate::core::session::Refusal::QueueFull(_) => {
+                        Error::QueueFull(format!("peer {}: {refusal}", self.peer))
+                    }
+                    crate::core::session::Refusal::ShuttingDown => Error::ShuttingDown,
+                    other => Error::PeerLost {
+                        peer: self.peer.clone(),
+                        detail: other.to_string(),
+                    },
+                };
+                let _ = reply.send(Err(SendError {
+                    error,
+                    buffer: Some(msg.buffer),
+                }));
+                return;
+            }
+        };
+        if labels.direction == "pull" {
+            // The peer reads this buffer until it says otherwise (Done or Cancel), and may
+            // keep it mapped after: its memory is freed only once the peer unmapped it.
+            let view = msg.buffer.share();
+            if self.ipc.in_process() {
+                // The peer copies straight from our memory, which it finds here.
+                crate::gpu::offer_in_process(&self.setup.node, view.clone());
+            } else {
+                let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
+                msg.buffer.note_mapped(unmapper);
+            }
+            self.ipc.exported.insert(id, view);
+        }
+        let span = tracing::debug_span!(
+            "transfer",
+            id = id.0,
+            peer = %self.peer,
+            transport = %labels.transport,
+            direction = labels.direction,
+            bytes = len,
+        );
+        // A put needs no grant; it waits for its turn, then streams. A pull waits for the
+        // peer's copy.
+        let phase = match (what, labels.direction) {
+            (StreamWhat::Put { .. }, _) => tracing::debug_span!(parent: &span, "queued"),
+            (_, "pull") => tracing::debug_span!(parent: &span, "pull"),
+            _ => tracing::debug_span!(parent: &span, "grant"),
+        };
+        self.outbound.insert(
+            id,
+            OutEntry {
+                buffer: msg.buffer,
+                what,
+                reply,
+                stop: Arc::default(),
+                started: now,
+                labels,
+                span,
+                phase,
+            },
+        );
+        self.drive(ctx);
+    }
+
+    /// The transport's setup with the peer failed: the submission takes the rule's next
+    /// transport, or fails saying why there is none.
+    pub(super) fn fall_back(
+        &mut self,
+        mut msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        why: &SetupFailure,
+        ctx: &mut Context<Self>,
+    ) {
+        let Op::Send {
+            transport,
+            direction,
+            fallback,
+            ..
+        } = &mut msg.op
+        else {
+            return self.queue_submit(msg, reply, ctx);
+        };
+        let from = transport.clone();
+        match fallback.take() {
+            Some((next, next_direction)) => {
+                metrics::counter!("ferry_failover_total", "from" => from.clone(), "to" => next.clone())
+                    .increment(1);
+                tracing::debug!(peer = %self.peer, %from, to = %next, "falling back: {why}");
+                *transport = next;
+                *direction = next_direction;
+                self.queue_submit(msg, reply, ctx);
+            }
+            None => {
+                let _ = reply.send(Err(SendError {
+                    error: Error::NoRoute(format!(
+                        "{from} setup with peer {} failed ({why}) and the rule names no other \
+                         transport",
+                        self.peer
+                    )),
+                    buffer: Some(msg.buffer),
+                }));
+            }
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! A link's activity: every byte read from or written to its socket, counted, so that the
+//! transfers on it can tell a slow link from a stalled one.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Bytes moved over one link so far, in both directions (shared by its two halves and by
+/// whoever watches it). Only ever grows; compare two readings to see whether anything moved.
+#[derive(Debug, Clone, Default)]
+pub struct Activity(Arc<AtomicU64>);
+
+impl Activity {
+    /// Bytes moved so far.
+    pub fn bytes(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Counts `n` more bytes moved (by a channel beside the socket, such as a shared ring).
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A socket half that counts what passes through it into an [`Activity`].
+pub(crate) struct Counted<T> {
+    inner: T,
+    activity: Activity,
+}
+
+impl<T> Counted<T> {
+    pub(crate) fn new(inner: T, activity: Activity) -> Self {
+        Self { inner, activity }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let read = buf.filled().len().saturating_sub(before);
+        if read > 0 {
+            self.activity.add(read as u64);
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &polled {
+            self.activity.add(*n as u64);
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn both_directions_count_into_one_activity() {
+        let (a, b) = tokio::io::duplex(64);
+        let activity = Activity::default();
+        let mut a = Counted::new(a, activity.clone());
+        let mut b = Counted::new(b, activity.clone());
+        a.write_all(b"hello").await.expect("write");
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"hello");
+        assert_eq!(activity.bytes(), 10, "five written and five read");
+        activity.add(3);
+        assert_eq!(activity.bytes(), 13);
+    }
+}
