@@ -320,6 +320,10 @@ pub fn pull(
     mut dst: Buffer,
     express: bool,
 ) -> Result<Buffer, (Buffer, String)> {
+    // No bytes: nothing to map or copy (an empty buffer has no device memory to export).
+    if dst.is_empty() {
+        return Ok(dst);
+    }
     let result = match source.legacy {
         None => pull_pooled(source, layout, pools, imports, gpus, &mut dst, express),
         Some(buffer_id) => pull_registered(source, layout, buffer_id, imports, gpus, &mut dst),
@@ -692,6 +696,24 @@ fn finish_copy(stream: &Stream) -> Result<(), String> {
 /// # Errors
 /// When the buffer is not device memory, or the driver refuses the export.
 pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, String> {
+    if buffer.is_empty()
+        && matches!(
+            buffer.kind(),
+            ferry_transports::memory::MemoryKind::Device(_)
+        )
+    {
+        // No bytes to read, and no device memory behind an empty buffer: the receiver
+        // copies nothing (`pull` returns at once), so the export names nothing.
+        let lease = buffer.lease();
+        return Ok(IpcSource {
+            device_uuid: String::new(),
+            buffer: lease.id.0,
+            generation: lease.generation.0,
+            offset: 0,
+            export: Vec::new(),
+            legacy: None,
+        });
+    }
     let memory = buffer
         .device_memory()
         .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
@@ -774,6 +796,9 @@ pub fn pull_in_process(
     mut dst: Buffer,
     express: bool,
 ) -> Result<Buffer, (Buffer, String)> {
+    if dst.is_empty() {
+        return Ok(dst);
+    }
     let key = (exporter.to_string(), buffer_ref(source));
     // A clone of the view: the memory stays allocated through the copy whatever happens
     // to the offer meanwhile.
