@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use crate::error::ConfigError;
@@ -47,10 +47,29 @@ impl Config {
             detail: format!("cannot read: {e}"),
             source: Some(e),
         };
+        // Only a regular file: opening a FIFO would block, a device would read for ever.
+        if !std::fs::metadata(path).map_err(cannot_read)?.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
         let file = File::open(path).map_err(cannot_read)?;
-        let mode = file.metadata().map_err(cannot_read)?.permissions().mode();
-        if mode & GROUP_OR_OTHERS != 0 && !self.security.danger_secret_file_any_mode {
-            return Err(refuse(mode_problem(mode, path)));
+        let meta = file.metadata().map_err(cannot_read)?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
+        let mode = meta.permissions().mode();
+        if !self.security.danger_secret_file_any_mode {
+            if mode & GROUP_OR_OTHERS != 0 {
+                return Err(refuse(mode_problem(mode, path)));
+            }
+            // Owned by us or by root, as SSH asks of a key: a file another user owns is
+            // theirs to read and to change.
+            let me = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+            if meta.uid() != 0 && me.is_some_and(|me| me != meta.uid()) {
+                return Err(refuse(format!(
+                    "it is owned by user {}, not by this process's user or root; run chown on it",
+                    meta.uid()
+                )));
+            }
         }
         let mut secret = Vec::new();
         file.take(MAX_SECRET + 1)
@@ -207,6 +226,39 @@ mod tests {
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644))?;
         let err = with_secret(&link).read_secret().expect_err("open target");
         assert!(err.to_string().contains("mode 0644"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_what_is_not_a_regular_file() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+        assert!(made.success(), "mkfifo failed");
+        // Refused at once, without opening it (which would block).
+        let err = with_secret(&fifo).read_secret().expect_err("a fifo");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let err = with_secret(dir.path())
+            .read_secret()
+            .expect_err("a directory");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_a_file_another_user_owns() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("secret");
+        write_secret(&path, "0123456789abcdef", 0o600)?;
+        // Only root may give a file away; elsewhere there is nothing to test.
+        if std::os::unix::fs::chown(&path, Some(54_321), None).is_err() {
+            println!("skipped: cannot chown here (not root)");
+            return Ok(());
+        }
+        let err = with_secret(&path)
+            .read_secret()
+            .expect_err("another user's file");
+        assert!(err.to_string().contains("owned by user 54321"), "{err}");
         Ok(())
     }
 }
