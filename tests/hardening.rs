@@ -4,12 +4,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Scratch, eventually, patterned};
+use common::{Scratch, eventually, hand_driven_link, next_message, patterned};
 use ferry::Node;
-use ferry_transports::link::{self, Endpoint, Link, LinkCounters, LinkOptions, Secret};
+use ferry_transports::link::{Endpoint, Link};
 use ferry_transports::wire::{
     DataChunk, FrameHeader, FrameKind, Layout, Message, Offer, WireDirection, WireMemoryKind,
     WireReason,
@@ -27,28 +26,8 @@ async fn hub(scratch: &Scratch, extra: &str) -> Node {
 
 /// An authenticated link to `node` that introduces itself as "rogue", driven by hand.
 async fn rogue(scratch: &Scratch, node: &Node) -> Link {
-    let secret = Secret::new(std::fs::read(&scratch.secret).expect("secret"));
-    let opts = LinkOptions {
-        max_frame: 4 << 20,
-        handshake_timeout: Duration::from_secs(5),
-        stall_timeout: Duration::from_secs(30),
-        counters: Arc::new(LinkCounters::new()),
-    };
-    let hello = link::local_hello("rogue", vec!["tcp".into()], 4 << 20);
     let target = Endpoint::Tcp(node.tcp_addrs()[0].clone());
-    let link = link::dial(&target, &secret, hello, &opts)
-        .await
-        .expect("the rogue holds the secret");
-    assert!(
-        eventually(Duration::from_secs(5), async || {
-            node.connected_peers()
-                .await
-                .is_ok_and(|p| p.iter().any(|n| n == "rogue"))
-        })
-        .await,
-        "the node never took the rogue's link"
-    );
-    link
+    hand_driven_link(&scratch.secret, node, target, "rogue", vec!["tcp".into()]).await
 }
 
 fn offer(transfer: u64, len: u64) -> Message {
@@ -62,26 +41,6 @@ fn offer(transfer: u64, len: u64) -> Message {
         ipc: None,
         layout: Layout::Contiguous,
     })
-}
-
-/// The next message from the node that is not a ping, within `limit`; `None` when the
-/// link ended (closed or failed) first. Panics when nothing came in time.
-async fn next_message(link: &mut Link, limit: Duration) -> Option<Message> {
-    loop {
-        let frame = tokio::time::timeout(limit, link.reader.next())
-            .await
-            .unwrap_or_else(|_| panic!("nothing from the node within {limit:?}"));
-        match frame {
-            Ok(Some(frame)) => match frame.to_owned_message() {
-                Ok(Message::Ping(_) | Message::Pong(_) | Message::Welcome) => continue,
-                // The node says goodbye as it hangs up.
-                Ok(Message::Goodbye) => return None,
-                Ok(m) => return Some(m),
-                Err(e) => panic!("the node sent a bad frame: {e}"),
-            },
-            Ok(None) | Err(_) => return None,
-        }
-    }
 }
 
 /// Waits for the grant of `transfer`.

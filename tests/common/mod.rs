@@ -281,3 +281,59 @@ pub fn strided_layouts() -> Vec<(ferry::Layout, usize)> {
         ),
     ]
 }
+
+/// An authenticated link to `node` at `target` that introduces itself as `name` and
+/// announces `transports`, driven by hand (to play a hostile or broken peer). Waits until
+/// the node has taken it.
+pub async fn hand_driven_link(
+    secret: &Path,
+    node: &Node,
+    target: ferry_transports::link::Endpoint,
+    name: &str,
+    transports: Vec<String>,
+) -> ferry_transports::link::Link {
+    use ferry_transports::link::{self, LinkCounters, LinkOptions, Secret};
+    let secret = Secret::new(std::fs::read(secret).expect("secret"));
+    let opts = LinkOptions {
+        max_frame: 4 << 20,
+        handshake_timeout: Duration::from_secs(5),
+        stall_timeout: Duration::from_secs(30),
+        counters: std::sync::Arc::new(LinkCounters::new()),
+    };
+    let hello = link::local_hello(name, transports, 4 << 20);
+    let link = link::dial(&target, &secret, hello, &opts)
+        .await
+        .expect("the hand-driven peer holds the secret");
+    let taken = eventually(Duration::from_secs(5), async || {
+        node.connected_peers()
+            .await
+            .is_ok_and(|p| p.iter().any(|n| n == name))
+    })
+    .await;
+    assert!(taken, "the node never took {name}'s link");
+    link
+}
+
+/// The next message from the node on a hand-driven link that is not a ping, a pong or a
+/// welcome, within `limit`; `None` when the link ended first (closed, failed, or the node
+/// said goodbye). Panics when nothing came in time.
+pub async fn next_message(
+    link: &mut ferry_transports::link::Link,
+    limit: Duration,
+) -> Option<ferry_transports::wire::Message> {
+    use ferry_transports::wire::Message;
+    loop {
+        let frame = tokio::time::timeout(limit, link.reader.next())
+            .await
+            .unwrap_or_else(|_| panic!("nothing from the node within {limit:?}"));
+        match frame {
+            Ok(Some(frame)) => match frame.to_owned_message() {
+                Ok(Message::Ping(_) | Message::Pong(_) | Message::Welcome) => continue,
+                Ok(Message::Goodbye) => return None,
+                Ok(m) => return Some(m),
+                Err(e) => panic!("the node sent a bad frame: {e}"),
+            },
+            Ok(None) | Err(_) => return None,
+        }
+    }
+}

@@ -86,7 +86,7 @@ pub fn bind(node: &str) -> io::Result<UnixListener> {
 const REQUESTS: usize = 64;
 
 /// Answers pool requests until the listener fails; each connection in its own task, under
-/// [`REQUEST_TIMEOUT`], at most [`REQUESTS`] at once (a new one sheds the oldest).
+/// [`REQUEST_TIMEOUT`], at most 64 at once (a new one sheds the oldest).
 /// Runs on a tokio runtime.
 pub async fn serve(
     listener: UnixListener,

@@ -819,8 +819,10 @@ impl PeerSession {
     /// Memory for inbound transfer `id` was reserved, and for an ipc push lent as `target`.
     /// Returns false if the transfer was abandoned meanwhile, in which case the shell frees
     /// the memory itself (nothing was lent).
-    /// From now on, the peer must make progress at least every [`SessionLimits::stall`]
-    /// (reported with [`Self::handle_inbound_progress`]), or the transfer is ended.
+    ///
+    /// A transfer that streams (no `target`) waits on the link's stall clock from `now` on:
+    /// the link must move a byte at least every [`SessionLimits::stall`] (reported with
+    /// [`Self::handle_link_progress`]), or [`Self::handle_stall_check`] ends it.
     pub fn handle_reserved(
         &mut self,
         now: Instant,

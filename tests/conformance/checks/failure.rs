@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{Buffer, Direction, Error, Node, SendError};
-use ferry_transports::link::{self, Endpoint, Link, LinkCounters, LinkOptions, Secret};
+use ferry_transports::link::{Endpoint, Link};
 use ferry_transports::wire::Message;
 
 use super::{Baseline, assert_echo, filled, pattern};
 use crate::combos::Combo;
-use crate::common::{Scratch, eventually};
+use crate::common::{Scratch, eventually, hand_driven_link, next_message};
 use crate::pair::{Pair, Role, Tweaks, budget_key};
 
 /// The public API has no way to cancel a transfer: a dropped send future is documented to
@@ -384,48 +384,16 @@ pub async fn corrupt_frame_ends_the_link_and_its_transfer(combo: Combo, _first: 
 /// combination's transport and is driven by hand: over the Unix socket when the transport
 /// passes file descriptors, else over TCP.
 async fn rogue(scratch: &Scratch, hub: &Node, name: &str, combo: &Combo) -> Link {
-    let secret = Secret::new(std::fs::read(&scratch.secret).expect("secret"));
-    let opts = LinkOptions {
-        max_frame: 4 << 20,
-        handshake_timeout: Duration::from_secs(5),
-        stall_timeout: Duration::from_secs(30),
-        counters: Arc::new(LinkCounters::new()),
-    };
-    let hello = link::local_hello(name, vec![combo.name().to_string()], 4 << 20);
     let target = match hub.unix_path() {
         Some(path) if combo.caps.needs_fd_passing => Endpoint::Unix(path.to_path_buf()),
         _ => Endpoint::Tcp(hub.tcp_addrs()[0].clone()),
     };
-    let link = link::dial(&target, &secret, hello, &opts)
-        .await
-        .expect("the rogue holds the secret");
-    assert!(
-        eventually(Duration::from_secs(5), async || {
-            hub.connected_peers()
-                .await
-                .is_ok_and(|p| p.iter().any(|n| n == name))
-        })
-        .await,
-        "the hub never took the rogue's link"
-    );
-    link
-}
-
-/// The next message from the node that is not a ping, within `limit`; `None` when the
-/// link ended first. Panics when nothing came in time.
-async fn next_message(link: &mut Link, limit: Duration) -> Option<Message> {
-    loop {
-        let frame = tokio::time::timeout(limit, link.reader.next())
-            .await
-            .unwrap_or_else(|_| panic!("nothing from the node within {limit:?}"));
-        match frame {
-            Ok(Some(frame)) => match frame.to_owned_message() {
-                Ok(Message::Ping(_) | Message::Pong(_) | Message::Welcome) => continue,
-                Ok(Message::Goodbye) => return None,
-                Ok(m) => return Some(m),
-                Err(e) => panic!("the node sent a bad frame: {e}"),
-            },
-            Ok(None) | Err(_) => return None,
-        }
-    }
+    hand_driven_link(
+        &scratch.secret,
+        hub,
+        target,
+        name,
+        vec![combo.name().to_string()],
+    )
+    .await
 }
