@@ -351,7 +351,11 @@ impl Node {
                             limits: SessionLimits {
                                 queue: limits.peer_queue,
                                 in_flight: config.transport.tcp.pipeline_depth as usize,
-                                inbound: limits.peer_queue,
+                                // At least any sender's pipeline (its window bounds what
+                                // it has open here), whatever our own queue bound.
+                                inbound: limits
+                                    .peer_queue
+                                    .max(ferry_config::MAX_PIPELINE_DEPTH as usize),
                                 grants: limits.peer_grants,
                                 inbound_bytes: limits.peer_inbound_bytes,
                                 stall: limits.stall_timeout,

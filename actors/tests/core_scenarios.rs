@@ -1154,3 +1154,27 @@ fn a_sender_cancelling_a_queued_offer_frees_nothing_and_lets_the_next_in() {
     p.pump();
     assert_eq!(p.reserving, vec![InboundId(third.0)]);
 }
+
+#[test]
+fn a_slow_transfer_holds_the_window_so_the_peer_never_holds_more_than_it() {
+    let mut p = Pair::new(SessionLimits {
+        in_flight: 2,
+        ..LIMITS
+    });
+    p.auto_stream = false;
+    let first = p.send(1, LONG);
+    let second = p.send(2, LONG);
+    p.send(3, LONG);
+    assert_eq!(p.offers_sent(), 2);
+    // The second ends before the first: the peer still holds it (undelivered, behind the
+    // first), so no third offer yet.
+    p.finish_stream(second);
+    p.pump();
+    assert_eq!(p.outcome(second), Some(&Outcome::Completed));
+    assert_eq!(p.offers_sent(), 2, "a finished op behind a slow one freed a slot");
+    // The first ends: both are delivered, and the window moves on by two.
+    p.finish_stream(first);
+    p.pump();
+    assert_eq!(p.delivered, vec![1, 2]);
+    assert_eq!(p.offers_sent(), 3);
+}

@@ -51,3 +51,7 @@ pub use schema::{
     TransportConfig,
 };
 pub use units::{AutoSize, Budget, format_size, parse_size};
+
+/// The largest `transport.tcp.pipeline_depth`: a receiver lets each peer have at least this
+/// many transfers open, so that no sender's window is refused.
+pub const MAX_PIPELINE_DEPTH: u32 = 1024;

@@ -199,8 +199,11 @@ impl Config {
                 ),
             );
         }
-        if tcp.pipeline_depth < 1 {
-            return fail("transport.tcp.pipeline_depth", "must be at least 1");
+        if tcp.pipeline_depth < 1 || tcp.pipeline_depth > crate::MAX_PIPELINE_DEPTH {
+            return fail(
+                "transport.tcp.pipeline_depth",
+                format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
+            );
         }
         if self.transport.ipc.lane_max > 16 << 20 {
             return fail("transport.ipc.lane_max", "must be at most 16 MiB");

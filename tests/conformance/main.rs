@@ -145,9 +145,6 @@ conformance! {
     sizes_arrive_byte_exact: Scope::All;
     every_layout_arrives_packed: Scope::All;
     order_per_peer_holds_under_mixed_sizes: Scope::All;
-    #[ignore = "fails: staged through the shared ring, and ipc, refuse transfers a sender \
-                makes within its peer_queue credit (\"Protocol: more than 4 transfers open \
-                at once\")"]
     order_holds_under_backpressure: Scope::All;
     #[ignore = "fails: a dropped Node::send whose message the coordinator has not taken yet is \
                 discarded (actix skips a message whose requester is gone)"]

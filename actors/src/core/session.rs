@@ -390,11 +390,26 @@ impl PeerSession {
         Ok(id)
     }
 
+    /// Pipeline slots in use: the span of ids from the oldest op still in flight to the
+    /// next one to start, finished ops inside it included. A window that freed a slot as
+    /// each op finished would let the peer hold ever more transfers complete but not yet
+    /// delivered behind a slow one (it delivers in order); counted this way, the peer
+    /// never holds more than `in_flight` of ours open at once.
     fn in_flight(&self) -> usize {
-        self.ops
-            .values()
-            .filter(|p| !matches!(p, Phase::Waiting(_)))
-            .count()
+        let Some(oldest) = self
+            .ops
+            .iter()
+            .find(|(_, p)| !matches!(p, Phase::Waiting(_)))
+            .map(|(id, _)| id.0)
+        else {
+            return 0;
+        };
+        let next = self
+            .ops
+            .iter()
+            .find(|(_, p)| matches!(p, Phase::Waiting(_)))
+            .map_or(self.next_op, |(id, _)| id.0);
+        usize::try_from(next.saturating_sub(oldest)).unwrap_or(usize::MAX)
     }
 
     /// Starts waiting ops, in order, while pipeline slots are free.
