@@ -1171,7 +1171,11 @@ fn a_slow_transfer_holds_the_window_so_the_peer_never_holds_more_than_it() {
     p.finish_stream(second);
     p.pump();
     assert_eq!(p.outcome(second), Some(&Outcome::Completed));
-    assert_eq!(p.offers_sent(), 2, "a finished op behind a slow one freed a slot");
+    assert_eq!(
+        p.offers_sent(),
+        2,
+        "a finished op behind a slow one freed a slot"
+    );
     // The first ends: both are delivered, and the window moves on by two.
     p.finish_stream(first);
     p.pump();
