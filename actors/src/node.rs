@@ -13,14 +13,14 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use ferry_config::{Config, MemoryClass};
 use ferry_transports::cuda::{DeviceBuffer, ExternalMemory};
-use ferry_transports::link::admission::{Admission, AdmissionLimits};
+use ferry_transports::link::admission::{AdmissionLimits, Gate};
 use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Listener, Secret};
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
 };
 use ferry_transports::region::{ExposedRegion, RegionKey};
 use ferry_transports::wire::Layout;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
 use crate::coordinator::{
@@ -428,10 +428,10 @@ impl Node {
         }
         let acceptor = Acceptor {
             coordinator: coordinator.clone(),
-            admission: Arc::new(std::sync::Mutex::new(Admission::new(AdmissionLimits {
+            gate: Gate::new(AdmissionLimits {
                 total: config.limits.handshakes,
                 per_source: config.limits.handshakes_per_source,
-            }))),
+            }),
             first_byte: config.limits.first_byte_timeout,
             secret: secret.clone(),
             opts: link_opts.clone(),
@@ -914,8 +914,8 @@ impl Drop for Node {
 #[derive(Clone)]
 struct Acceptor {
     coordinator: Addr<Coordinator>,
-    /// The handshakes in progress; each holds the sender whose drop sheds it.
-    admission: Arc<std::sync::Mutex<Admission<oneshot::Sender<()>>>>,
+    /// The handshakes in progress, bounded.
+    gate: Gate,
     first_byte: Duration,
     secret: Secret,
     opts: LinkOptions,
@@ -940,19 +940,11 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                 continue;
             }
         };
-        let (shed_me, shed) = oneshot::channel::<()>();
-        // A panic under this lock leaves the bookkeeping whole (every change is one insert
-        // or remove), so a poisoned lock is still used: accepting must not stop.
-        let (id, victims) = acceptor
-            .admission
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .admit(accepted.source(), shed_me);
-        if !victims.is_empty() {
-            metrics::counter!("ferry_handshakes_shed_total").increment(victims.len() as u64);
-            tracing::debug!(%from, shed = victims.len(), "handshake bound reached: shed the oldest");
+        let (ticket, shed) = acceptor.gate.admit(accepted.source());
+        if shed > 0 {
+            metrics::counter!("ferry_handshakes_shed_total").increment(shed as u64);
+            tracing::debug!(%from, shed, "handshake bound reached: shed the oldest");
         }
-        drop(victims);
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let handshake = async {
@@ -969,15 +961,10 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                     .await
                     .map_err(|e| e.to_string())
             };
-            let result = tokio::select! {
-                result = handshake => result,
-                _ = shed => Err("shed: too many handshakes in progress".to_string()),
-            };
-            acceptor
-                .admission
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .finish(id);
+            let result = ticket
+                .run(handshake)
+                .await
+                .unwrap_or_else(|| Err("shed: too many handshakes in progress".to_string()));
             match result {
                 Ok(link) => {
                     let _ = acceptor

@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::cuda::ExportablePool;
-use crate::link::admission::{Admission, AdmissionLimits};
+use crate::link::admission::{AdmissionLimits, Gate};
 use crate::link::auth::{Role, authenticate};
 use crate::link::{LinkError, Secret, fdpass};
 
@@ -96,10 +96,10 @@ pub async fn serve(
 ) {
     // Requests in progress are bounded like link handshakes: a new one past the bound
     // sheds the oldest, so idle connections cannot hold the socket.
-    let admission = Arc::new(std::sync::Mutex::new(Admission::new(AdmissionLimits {
+    let gate = Gate::new(AdmissionLimits {
         total: REQUESTS,
         per_source: REQUESTS,
-    })));
+    });
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -108,27 +108,17 @@ pub async fn serve(
                 return;
             }
         };
-        let (shed_me, shed) = tokio::sync::oneshot::channel::<()>();
-        let id = admission
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .admit("unix", shed_me)
-            .0;
+        let (ticket, _) = gate.admit("unix");
         let secret = secret.clone();
         let pools = Arc::clone(&pools);
         let rings = Arc::clone(&rings);
-        let admission = Arc::clone(&admission);
         tokio::spawn(async move {
             let answer =
                 tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &secret, &pools, &rings));
-            let answered = tokio::select! {
-                answered = answer => answered,
-                _ = shed => Ok(Err("shed: too many pool requests in progress".to_string())),
-            };
-            admission
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .finish(id);
+            let answered = ticket
+                .run(answer)
+                .await
+                .unwrap_or_else(|| Ok(Err("shed: too many pool requests in progress".into())));
             match answered {
                 Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),

@@ -771,8 +771,9 @@ async fn a_damaged_payload_is_counted_and_ends_the_link() {
     assert_eq!(counters.frames_ok(), 2);
 }
 
-#[tokio::test]
-async fn a_frame_begun_and_left_unfinished_ends_the_link_after_the_stall_timeout() {
+/// A link accepted with a stall timeout of [`SHORT`], and the raw socket of its honest
+/// (hand-driven) dialer.
+async fn raw_peer_with_short_stall() -> (TcpStream, Link, Arc<LinkCounters>) {
     let (listener, endpoint) = tcp_listener().await;
     let mut opts = options(PATIENT);
     opts.stall_timeout = SHORT;
@@ -782,10 +783,15 @@ async fn a_frame_begun_and_left_unfinished_ends_the_link_after_the_stall_timeout
         panic!("connect")
     };
     RawDialer::honest().open(&mut stream).await;
-    let mut link = match joined(server).await {
-        Ok(l) => l,
+    match joined(server).await {
+        Ok(link) => (stream, link, counters),
         Err(e) => panic!("{e}"),
-    };
+    }
+}
+
+#[tokio::test]
+async fn a_frame_begun_and_left_unfinished_ends_the_link_after_the_stall_timeout() {
+    let (mut stream, mut link, counters) = raw_peer_with_short_stall().await;
     // Half a frame, then nothing, with the connection held open.
     let ping = frame_bytes(&Message::Ping(3));
     assert!(stream.write_all(&ping[..ping.len() / 2]).await.is_ok());
@@ -805,18 +811,7 @@ async fn a_frame_begun_and_left_unfinished_ends_the_link_after_the_stall_timeout
 
 #[tokio::test]
 async fn an_idle_link_is_not_a_stalled_one() {
-    let (listener, endpoint) = tcp_listener().await;
-    let mut opts = options(PATIENT);
-    opts.stall_timeout = SHORT;
-    let server = serve_one(listener, secret(), opts);
-    let Ok(mut stream) = TcpStream::connect(tcp_addr(&endpoint)).await else {
-        panic!("connect")
-    };
-    RawDialer::honest().open(&mut stream).await;
-    let mut link = match joined(server).await {
-        Ok(l) => l,
-        Err(e) => panic!("{e}"),
-    };
+    let (mut stream, mut link, _) = raw_peer_with_short_stall().await;
     // Quiet between frames for several stall timeouts, then a whole frame.
     let idle = tokio::time::timeout(SHORT * 4, link.reader.next()).await;
     assert!(idle.is_err(), "something arrived on an idle link: {idle:?}");
@@ -834,18 +829,7 @@ async fn an_idle_link_is_not_a_stalled_one() {
 
 #[tokio::test]
 async fn a_peer_that_stops_reading_fails_our_write_after_the_stall_timeout() {
-    let (listener, endpoint) = tcp_listener().await;
-    let mut opts = options(PATIENT);
-    opts.stall_timeout = SHORT;
-    let server = serve_one(listener, secret(), opts);
-    let Ok(mut stream) = TcpStream::connect(tcp_addr(&endpoint)).await else {
-        panic!("connect")
-    };
-    RawDialer::honest().open(&mut stream).await;
-    let mut link = match joined(server).await {
-        Ok(l) => l,
-        Err(e) => panic!("{e}"),
-    };
+    let (stream, mut link, _) = raw_peer_with_short_stall().await;
     // The peer never reads: chunks fill both socket buffers, then the write stalls.
     let chunk = vec![1u8; 512 << 10];
     let started = std::time::Instant::now();

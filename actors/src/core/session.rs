@@ -312,11 +312,11 @@ pub struct PeerSession {
     /// The link's byte count as last reported, and when it last changed (or a grant left);
     /// no time before the first grant.
     progress: (u64, Option<Instant>),
-    /// Bytes this session delivered, in all (a running total).
+    /// Bytes this session delivered, in all; and, as last reported, what the peer's fast
+    /// lane delivered and what the application took, in all (running totals). Delivered
+    /// and not taken still holds memory: it counts against the peer's share.
     delivered: u64,
-    /// Bytes the peer delivered that the application has not taken yet (they still hold
-    /// memory: they count against the peer's share).
-    unclaimed: u64,
+    claims: (u64, u64),
     /// When to look at `unclaimed` again while offers wait for room.
     recheck_at: Option<Instant>,
 }
@@ -336,7 +336,7 @@ impl PeerSession {
             draining: false,
             progress: (0, None),
             delivered: 0,
-            unclaimed: 0,
+            claims: (0, 0),
             recheck_at: None,
         }
     }
@@ -348,13 +348,19 @@ impl PeerSession {
     /// now. While some still wait, [`Self::poll_timeout`] asks to be told again shortly:
     /// taking a buffer is not an event the session sees.
     pub fn handle_claims(&mut self, lane: u64, taken: u64, now: Instant) {
-        self.unclaimed = self.delivered.saturating_add(lane).saturating_sub(taken);
+        self.claims = (lane, taken);
         self.admit_queued();
         self.recheck_at = self
             .inbound
             .values()
             .any(|op| op.phase == InPhase::Queued)
             .then_some(now + UNCLAIMED_RECHECK);
+    }
+
+    /// Bytes the peer delivered that the application has not taken yet.
+    fn unclaimed(&self) -> u64 {
+        let (lane, taken) = self.claims;
+        self.delivered.saturating_add(lane).saturating_sub(taken)
     }
 
     /// Whether ipc offers (pull or push) are accepted; refused as unsupported otherwise.
@@ -678,6 +684,9 @@ impl PeerSession {
     /// [`SessionLimits::inbound_bytes`] held by transfers not yet delivered. The first that
     /// does not fit stops the others behind it (no overtaking).
     fn admit_queued(&mut self) {
+        if !self.inbound.values().any(|op| op.phase == InPhase::Queued) {
+            return;
+        }
         let mut active = self.inbound.values().filter(|op| op.is_active()).count();
         let mut held: u64 = self
             .inbound
@@ -685,7 +694,7 @@ impl PeerSession {
             .filter(|op| op.phase != InPhase::Queued)
             .map(|op| op.len)
             .sum::<u64>()
-            .saturating_add(self.unclaimed);
+            .saturating_add(self.unclaimed());
         for op in self.inbound.values_mut() {
             if op.phase != InPhase::Queued {
                 continue;
@@ -827,7 +836,6 @@ impl PeerSession {
                 self.events.push_back(SessionEvent::Abandon(theirs));
             }
             self.deliver_ready();
-            self.admit_queued();
         }
     }
 
@@ -886,7 +894,6 @@ impl PeerSession {
                 detail,
             }));
             self.deliver_ready();
-            self.admit_queued();
         }
     }
 
@@ -935,7 +942,6 @@ impl PeerSession {
             self.events.push_back(SessionEvent::Abandon(id));
         }
         self.deliver_ready();
-        self.admit_queued();
     }
 
     /// Every byte of inbound transfer `id` has been placed. Returns false if it is not
@@ -948,7 +954,6 @@ impl PeerSession {
                 self.transmit
                     .push_back(Message::Done(Done { transfer: id.0 }));
                 self.deliver_ready();
-                self.admit_queued();
                 true
             }
             _ => false,
@@ -964,7 +969,6 @@ impl PeerSession {
             let (id, op) = entry.remove_entry();
             // Until the application takes it, it still holds memory.
             self.delivered = self.delivered.saturating_add(op.len);
-            self.unclaimed = self.unclaimed.saturating_add(op.len);
             self.events.push_back(SessionEvent::Deliver {
                 id,
                 tag: op.tag,
@@ -972,15 +976,8 @@ impl PeerSession {
                 layout: op.layout,
             });
         }
-        // What was delivered no longer holds bytes against the bound.
-        self.admit_queued_after_delivery();
-    }
-
-    /// [`Self::admit_queued`], when something may have left: cheap when nothing is queued.
-    fn admit_queued_after_delivery(&mut self) {
-        if self.inbound.values().any(|op| op.phase == InPhase::Queued) {
-            self.admit_queued();
-        }
+        // Whatever left the share (delivered, abandoned, refused) may let others in.
+        self.admit_queued();
     }
 
     /// Expires every op whose deadline is at or before `now`.

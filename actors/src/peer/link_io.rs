@@ -72,6 +72,7 @@ pub(super) async fn write_loop(
             .send(LinkDown {
                 why: e.to_string(),
                 link,
+                clean: false,
             })
             .await;
     }
@@ -198,9 +199,6 @@ pub(super) fn io_error(e: impl std::fmt::Display) -> LinkError {
     LinkError::Io(Arc::new(std::io::Error::other(e.to_string())))
 }
 
-/// Why a link ended when the peer said goodbye and closed it: a clean departure.
-pub(super) const PEER_LEFT: &str = "the peer said goodbye and closed the connection";
-
 pub(super) struct ReadLoop {
     pub(super) me: Addr<TransferActor>,
     pub(super) regions: Arc<DashMap<u64, InboundRegion>>,
@@ -214,7 +212,7 @@ impl ReadLoop {
     pub(super) async fn run(self, mut reader: LinkReader) {
         let mut put_errors: HashMap<u64, String> = HashMap::new();
         // A peer that says goodbye before it closes left on purpose.
-        let mut said_goodbye = false;
+        let (mut said_goodbye, mut clean) = (false, false);
         let mut put_bytes: Vec<u8> = Vec::new();
         let mut scratch: Vec<u8> = Vec::new();
         let why = loop {
@@ -223,7 +221,10 @@ impl ReadLoop {
             // fails at once with the reason, rather than waiting for its deadline.
             let frame = match reader.next().await {
                 Ok(Some(frame)) => frame,
-                Ok(None) if said_goodbye => break PEER_LEFT.to_string(),
+                Ok(None) if said_goodbye => {
+                    clean = true;
+                    break "the peer said goodbye and closed the connection".to_string();
+                }
                 Ok(None) => break "the peer closed the connection".to_string(),
                 Err(e) => break format!("{e}"),
             };
@@ -364,7 +365,7 @@ impl ReadLoop {
             }
         };
         let link = self.link;
-        let _ = self.me.send(LinkDown { why, link }).await;
+        let _ = self.me.send(LinkDown { why, link, clean }).await;
     }
 }
 

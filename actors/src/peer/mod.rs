@@ -261,6 +261,8 @@ struct PutFinished {
 #[rtype(result = "()")]
 struct LinkDown {
     why: String,
+    /// The peer said goodbye before it closed: it left on purpose.
+    clean: bool,
     /// Which of the session's links went down; a replaced link's end is ignored.
     link: u64,
 }
@@ -619,7 +621,7 @@ impl Handler<LinkDown> for TransferActor {
             return self.dial_refused(ctx);
         }
         if !self.session.is_lost() {
-            if msg.why == PEER_LEFT {
+            if msg.clean {
                 tracing::info!(peer = %self.peer, "the peer closed the link");
             } else {
                 tracing::warn!(peer = %self.peer, why = %msg.why, "link down");

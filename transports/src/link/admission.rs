@@ -10,6 +10,10 @@
 //! sheds this returns.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::oneshot;
 
 /// Identifies one admitted handshake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -113,6 +117,62 @@ impl<T> Admission<T> {
     }
 }
 
+/// An [`Admission`] shared by an accept loop and the tasks it spawns: each accepted
+/// connection takes a [`Ticket`] and runs its handshake under it.
+#[derive(Debug, Clone)]
+pub struct Gate(Arc<Mutex<Admission<oneshot::Sender<()>>>>);
+
+impl Gate {
+    /// A gate with these bounds.
+    pub fn new(limits: AdmissionLimits) -> Self {
+        Self(Arc::new(Mutex::new(Admission::new(limits))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Admission<oneshot::Sender<()>>> {
+        // A panic under this lock leaves the bookkeeping whole (every change is one insert
+        // or remove), so a poisoned lock is still used: accepting must not stop.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Admits a connection from `source`; returns its ticket and how many older pending
+    /// ones were shed to make room (their tickets' work ends at once).
+    pub fn admit(&self, source: &str) -> (Ticket, usize) {
+        let (shed_me, shed) = oneshot::channel();
+        let (id, victims) = self.lock().admit(source, shed_me);
+        let ticket = Ticket {
+            gate: self.clone(),
+            id,
+            shed,
+        };
+        (ticket, victims.len())
+    }
+}
+
+/// One admitted connection's place in its [`Gate`]; dropping it gives the place back.
+#[derive(Debug)]
+pub struct Ticket {
+    gate: Gate,
+    id: PendingId,
+    shed: oneshot::Receiver<()>,
+}
+
+impl Ticket {
+    /// Runs `work` (the handshake) unless the connection is shed first, then gives the
+    /// place back. `None` when it was shed.
+    pub async fn run<F: Future>(mut self, work: F) -> Option<F::Output> {
+        tokio::select! {
+            out = work => Some(out),
+            _ = &mut self.shed => None,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.gate.lock().finish(self.id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +219,26 @@ mod tests {
         assert_eq!(a.finish(second), Some(2));
         assert_eq!(a.len(), 1);
         assert!(!a.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_ticket_runs_its_work_unless_shed_and_gives_its_place_back() {
+        let gate = Gate::new(AdmissionLimits {
+            total: 1,
+            per_source: 1,
+        });
+        let (first, shed) = gate.admit("a");
+        assert_eq!(shed, 0);
+        assert_eq!(first.run(async { 7 }).await, Some(7));
+        let (old, _) = gate.admit("a");
+        let (new, shed) = gate.admit("a");
+        assert_eq!(shed, 1, "the bound sheds the older ticket");
+        assert_eq!(old.run(std::future::pending::<()>()).await, None);
+        drop(new);
+        assert!(
+            gate.lock().is_empty(),
+            "dropped tickets give their place back"
+        );
     }
 
     #[test]
