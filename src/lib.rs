@@ -34,7 +34,7 @@ pub use ferry_actors::core::budget::BudgetStats;
 pub use ferry_actors::core::route::Explanation;
 pub use ferry_actors::inbox::Received;
 pub use ferry_actors::node::Node;
-pub use ferry_actors::{Error, SendError};
+pub use ferry_actors::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};
 pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass};
 /// The CUDA layer: devices, streams, pools and copies (GPU information for tests and tools).
 pub use ferry_transports::cuda;

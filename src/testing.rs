@@ -85,19 +85,28 @@ fn peer_ordinal(devices: usize) -> usize {
     usize::from(devices >= 2)
 }
 
+/// Why a machine cannot run a GPU test.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum NoGpu {
+    #[error(
+        "no CUDA driver on this machine (libcuda.so.1 does not load): GPU tests cannot run here"
+    )]
+    NoDriver,
+    #[error("the CUDA driver does not work: {0}")]
+    Broken(String),
+    #[error("the test needs {needed} GPU(s) and the driver sees {found}")]
+    TooFew { needed: usize, found: usize },
+}
+
 /// The driver when it has at least `devices` GPUs, else why not.
-fn require(found: &CudaProbe, devices: usize) -> Result<CudaDriver, String> {
+fn require(found: &CudaProbe, devices: usize) -> Result<CudaDriver, NoGpu> {
     match found {
-        CudaProbe::NoDriver => Err(
-            "no CUDA driver on this machine (libcuda.so.1 does not load): \
-             GPU tests cannot run here"
-                .into(),
-        ),
-        CudaProbe::Failed { error, .. } => Err(format!("the CUDA driver does not work: {error}")),
-        CudaProbe::Ready(d) if d.devices.len() < devices => Err(format!(
-            "the test needs {devices} GPU(s) and the driver sees {}",
-            d.devices.len()
-        )),
+        CudaProbe::NoDriver => Err(NoGpu::NoDriver),
+        CudaProbe::Failed { error, .. } => Err(NoGpu::Broken(error.to_string())),
+        CudaProbe::Ready(d) if d.devices.len() < devices => Err(NoGpu::TooFew {
+            needed: devices,
+            found: d.devices.len(),
+        }),
         CudaProbe::Ready(d) => Ok(d.clone()),
     }
 }
@@ -116,12 +125,17 @@ mod tests {
         };
         let e = require(&CudaProbe::Ready(none.clone()), 1).err();
         assert_eq!(
-            e.as_deref(),
+            e.map(|e| e.to_string()).as_deref(),
             Some("the test needs 1 GPU(s) and the driver sees 0")
         );
         assert_eq!(require(&CudaProbe::Ready(none.clone()), 0), Ok(none));
-        let e = require(&CudaProbe::NoDriver, 1).err().unwrap_or_default();
-        assert!(e.contains("no CUDA driver"), "{e}");
+        let e = require(&CudaProbe::NoDriver, 1)
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            e.as_deref().unwrap_or_default().contains("no CUDA driver"),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -202,6 +202,9 @@ async fn put_into_a_granted_region() {
     let late = patterned(&node, 10, 4).await;
     let err = node.put("echo", key, 0, late).await.expect_err("stale key");
     assert!(matches!(err.error, Error::Refused { .. }), "{err}");
+    assert_eq!(err.kind(), ferry::ErrorKind::Refused);
+    assert_eq!(err.error.peer(), Some("echo"));
+    assert!(!err.kind().is_transient(), "a stale key stays stale");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

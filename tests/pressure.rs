@@ -242,7 +242,16 @@ async fn exhausted_tiers_make_senders_wait_and_recover_within_a_second() {
     // Exhausted: an allocation waits, then fails at its deadline with a typed error.
     let started = Instant::now();
     let err = node.alloc(MemoryKind::PinnedHost, MIB as usize).await;
-    assert!(matches!(err, Err(Error::NoMemory { .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Err(Error::NoMemory {
+                cause: ferry::NoMemoryCause::DeadlinePassed,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
     assert!(started.elapsed() >= Duration::from_secs(1), "did not wait");
     // The receives that waited as long timed out the same way at the sender; what landed
     // is all there, within both budgets.

@@ -263,6 +263,7 @@ impl Allocator {
                     return Err(Error::NoMemory {
                         kind: self.kind,
                         len,
+                        cause: crate::error::NoMemoryCause::DriverRefused,
                         detail: format!("the GPU refused the allocation: {detail}"),
                     });
                 }
@@ -407,6 +408,14 @@ impl Handler<Reserve> for Allocator {
         let refused = |e: crate::core::budget::ReserveError| Error::NoMemory {
             kind: self.kind,
             len: total,
+            cause: match e {
+                crate::core::budget::ReserveError::TooLarge { .. } => {
+                    crate::error::NoMemoryCause::LargerThanBudget
+                }
+                crate::core::budget::ReserveError::QueueFull(_) => {
+                    crate::error::NoMemoryCause::QueueFull
+                }
+            },
             detail: e.to_string(),
         };
         let result = match msg.wait {
@@ -523,6 +532,7 @@ pub async fn reserve_in_tiers(
         return Err(last_refusal.unwrap_or(Error::NoMemory {
             kind: MemoryKind::Host,
             len: total,
+            cause: crate::error::NoMemoryCause::NoTier,
             detail: "no memory tier configured".into(),
         }));
     }
@@ -543,11 +553,13 @@ pub async fn reserve_in_tiers(
         Ok(Err(_)) => Err(Error::NoMemory {
             kind: able[0].kind,
             len: total,
+            cause: crate::error::NoMemoryCause::QueueFull,
             detail: "every tier's queue was full".into(),
         }),
         Err(_) => Err(Error::NoMemory {
             kind: able[0].kind,
             len: total,
+            cause: crate::error::NoMemoryCause::DeadlinePassed,
             detail: "deadline passed while waiting for budget".into(),
         }),
     }

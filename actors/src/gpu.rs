@@ -24,6 +24,38 @@ use ferry_transports::wire::{IpcBufferRef, IpcSource, Layout, LayoutError, RowBo
 use crate::allocator::Allocator;
 use crate::core::handle_cache::{AllocationKey, HandleCache, Lookup};
 
+/// Why an ipc import, export or copy failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum IpcError {
+    /// A CUDA driver call failed at this step.
+    #[error("{step}: {source}")]
+    Driver {
+        /// What was being done.
+        step: &'static str,
+        /// The driver's error.
+        #[source]
+        source: CudaError,
+    },
+    /// What the peer sent cannot be used (a range, layout or handle that does not fit).
+    #[error("{0}")]
+    BadDescriptor(String),
+    /// The memory is gone: the peer freed it, the offer ended, the transfer stopped.
+    #[error("{0}")]
+    Gone(String),
+    /// This machine or buffer cannot do it (not device memory, a GPU not visible here).
+    #[error("{0}")]
+    Unsupported(String),
+    /// The peer's pool descriptor could not be fetched.
+    #[error("fetching the peer's pool: {0}")]
+    Fetch(String),
+}
+
+/// Maps a driver error at `step` into an [`IpcError`].
+fn at(step: &'static str) -> impl FnOnce(CudaError) -> IpcError {
+    move |source| IpcError::Driver { step, source }
+}
+
 /// One GPU of the node.
 #[derive(Clone)]
 pub struct Gpu {
@@ -97,13 +129,13 @@ impl Gpus {
     /// `CUDA_ERROR_LAUNCH_FAILED` (a fault that poisons the context) in about half of the
     /// runs of `ferry bench -b 8M -e 256M -f 2 -n 100 --window 16`; with this wait, in none
     /// of 8.
-    fn drain_copies(&self) -> Result<std::sync::RwLockWriteGuard<'_, ()>, String> {
+    fn drain_copies(&self) -> Result<std::sync::RwLockWriteGuard<'_, ()>, IpcError> {
         let quiet = self.mapping.write().unwrap_or_else(|p| p.into_inner());
         for (_, g) in &self.gpus {
             for stream in [&g.copy_stream, &g.express_stream] {
                 stream
                     .synchronize()
-                    .map_err(|e| format!("waiting for the copies in flight: {e}"))?;
+                    .map_err(at("waiting for the copies in flight"))?;
             }
         }
         Ok(quiet)
@@ -117,7 +149,7 @@ impl Gpus {
 
     /// A copy stream on `device` if the node uses it, else the first GPU's; the express
     /// stream when `express`.
-    fn copy_stream(&self, device: &Device, express: bool) -> Result<Stream, String> {
+    fn copy_stream(&self, device: &Device, express: bool) -> Result<Stream, IpcError> {
         self.gpus
             .iter()
             .find(|(_, g)| g.device.same_as(device))
@@ -129,7 +161,7 @@ impl Gpus {
                     g.copy_stream.clone()
                 }
             })
-            .ok_or_else(|| "no copy stream".to_string())
+            .ok_or_else(|| IpcError::Unsupported("this node uses no GPU: no copy stream".into()))
     }
 }
 
@@ -277,17 +309,17 @@ pub async fn import_pools(
     uuids: &[String],
     secret: &Secret,
     gpus: &Gpus,
-) -> Result<ImportedPools, String> {
+) -> Result<ImportedPools, IpcError> {
     let mut out = ImportedPools::new();
     for uuid in uuids {
         let Some(device) = gpus.visible_by_uuid(uuid).cloned() else {
-            return Err(format!(
+            return Err(IpcError::Unsupported(format!(
                 "the peer's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)"
-            ));
+            )));
         };
         let fd = fdshare::fetch(node, pid, uuid, secret)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| IpcError::Fetch(e.to_string()))?;
         let ours: Vec<Device> = gpus.gpus.iter().map(|(_, g)| g.device.clone()).collect();
         let imported = tokio::task::spawn_blocking(move || {
             let pool = ExportablePool::import_fd(&device, fd)?;
@@ -297,8 +329,8 @@ pub async fn import_pools(
             Ok::<_, CudaError>(pool)
         })
         .await
-        .map_err(|e| format!("the import task failed: {e}"))?
-        .map_err(|e| format!("importing the pool of {uuid}: {e}"))?;
+        .map_err(|e| IpcError::Gone(format!("the import task failed: {e}")))?
+        .map_err(at("importing the peer's pool"))?;
         out.insert(uuid.clone(), imported);
     }
     Ok(out)
@@ -319,7 +351,7 @@ pub fn pull(
     gpus: &Gpus,
     mut dst: Buffer,
     express: bool,
-) -> Result<Buffer, (Buffer, String)> {
+) -> Result<Buffer, (Buffer, IpcError)> {
     // No bytes: nothing to map or copy (an empty buffer has no device memory to export).
     if dst.is_empty() {
         return Ok(dst);
@@ -342,13 +374,13 @@ fn pull_pooled(
     gpus: &Gpus,
     dst: &mut Buffer,
     express: bool,
-) -> Result<(), String> {
+) -> Result<(), IpcError> {
     let len = dst.len();
     let pool = pools.get(&source.device_uuid).ok_or_else(|| {
-        format!(
+        IpcError::BadDescriptor(format!(
             "the peer's pool of {} was never imported",
             source.device_uuid
-        )
+        ))
     })?;
     let export = export_bytes(source)?;
     let (offset, end, boxes) = source_span(source, layout, len)?;
@@ -368,7 +400,7 @@ fn pull_pooled(
         drop(cache.entries.remove(&key));
         let imported = pool
             .import_pointer(export, end)
-            .map_err(|e| format!("importing the peer's buffer: {e}"))?;
+            .map_err(at("importing the peer's buffer"))?;
         tracing::debug!(
             buffer = key.buffer,
             ptr = format_args!("{:#x}", imported.device_ptr()),
@@ -396,7 +428,7 @@ fn pull_pooled(
     }
     let imported_at = started.elapsed();
     let Some((imported, last)) = cache.entries.get_mut(&key) else {
-        return Err("the import vanished".to_string());
+        return Err(IpcError::Gone("the import vanished".into()));
     };
     *last = tick;
     if express
@@ -408,16 +440,19 @@ fn pull_pooled(
         let stream = gpus.copy_stream(memory.device(), true)?;
         let _copying = gpus.copying();
         copy_and_wait(memory, &*imported, offset, len, &stream, Wait::Spin)
-            .map_err(|e| format!("copying from the peer: {e}"))?;
+            .map_err(at("copying from the peer"))?;
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
         let at = imported.device_ptr();
         let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
         drop(cache);
-        finish_copy(&stream).map_err(|e| {
-            format!(
-                "{e} (buffer {} at {at:#x}+{offset}, {len} bytes)",
-                key.buffer
+        finish_copy(&stream).inspect_err(|e| {
+            tracing::debug!(
+                error = %e,
+                buffer = key.buffer,
+                at = format_args!("{at:#x}+{offset}"),
+                bytes = len,
+                "a pull's copy failed"
             )
         })?;
     }
@@ -441,7 +476,7 @@ fn pull_registered(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     dst: &mut Buffer,
-) -> Result<(), String> {
+) -> Result<(), IpcError> {
     let len = dst.len();
     let handle = export_bytes(source)?;
     let (offset, end, boxes) = source_span(source, layout, len)?;
@@ -453,47 +488,51 @@ fn pull_registered(
         if !cache.legacy_refs.contains_key(&registration)
             && cache.legacy_refs.len() >= LEGACY_REGISTRATIONS_MAX
         {
-            return Err(format!(
+            return Err(IpcError::BadDescriptor(format!(
                 "the peer has {LEGACY_REGISTRATIONS_MAX} registrations of its own memory in \
                  use with us already; it must drop some first"
-            ));
+            )));
         }
         cache.legacy_refs.insert(registration, buffer_id);
         match cache.legacy.acquire(&key) {
             Lookup::Hit(mapping) => (key, mapping, true),
             Lookup::Invalidated => {
-                return Err(format!(
+                return Err(IpcError::Gone(format!(
                     "the peer freed the registered allocation {buffer_id}: it is never mapped again"
-                ));
+                )));
             }
             Lookup::Miss => {
                 // Opened under the lock: one open of an allocation at a time per peer (the
                 // driver maps a handle once per context).
                 let device = gpus.visible_by_uuid(&source.device_uuid).ok_or_else(|| {
-                    format!(
+                    IpcError::Unsupported(format!(
                         "the peer's GPU {} is not visible to this process",
                         source.device_uuid
-                    )
+                    ))
                 })?;
                 // Mapped with no copy in flight, as pool memory is (not seen to fault here,
                 // but the same kind of mapping change).
                 let quiet = gpus.drain_copies()?;
                 let opened = IpcMapping::open(device, handle)
-                    .map_err(|e| format!("opening the peer's legacy IPC handle: {e}"))?;
+                    .map_err(at("opening the peer's legacy IPC handle"))?;
                 // A legacy mapping is read through each copying context's peer access (pool
                 // memory has its own access setting, granted when imported): enabled once
                 // here, for every GPU of ours that can reach the allocation's.
                 for (_, ours) in &gpus.gpus {
                     if peer_access(&ours.device, device).unwrap_or(false) {
                         enable_peer_access(&ours.device, device)
-                            .map_err(|e| format!("enabling peer access for the copy: {e}"))?;
+                            .map_err(at("enabling peer access for the copy"))?;
                     }
                 }
                 drop(quiet);
                 let mapping = cache
                     .legacy
                     .insert(key.clone(), Arc::new(opened))
-                    .map_err(|_| format!("the peer freed the registered allocation {buffer_id}"))?;
+                    .map_err(|_| {
+                        IpcError::Gone(format!(
+                            "the peer freed the registered allocation {buffer_id}"
+                        ))
+                    })?;
                 (key, mapping, false)
             }
         }
@@ -501,10 +540,10 @@ fn pull_registered(
     let opened_at = started.elapsed();
     let copied = (|| {
         if end > mapping.len() {
-            return Err(format!(
+            return Err(IpcError::BadDescriptor(format!(
                 "the peer claims bytes up to {end} in an allocation of {}",
                 mapping.len()
-            ));
+            )));
         }
         let stream = queue_copy(dst, &*mapping, offset, boxes.as_deref(), gpus, false)?;
         finish_copy(&stream)
@@ -546,26 +585,28 @@ pub fn push(
     source: &SharedBytes,
     layout: &Layout,
     stop: &std::sync::atomic::AtomicBool,
-) -> Result<(), String> {
+) -> Result<(), IpcError> {
     if target.legacy.is_some() {
-        return Err("the receiver lent memory that is not from its pool".into());
+        return Err(IpcError::BadDescriptor(
+            "the receiver lent memory that is not from its pool".into(),
+        ));
     }
     let memory = source
         .device_memory()
-        .ok_or_else(|| "only device memory is pushed over ipc".to_string())?;
+        .ok_or_else(|| IpcError::Unsupported("only device memory is pushed over ipc".into()))?;
     // What moves: the layout's rows, packed (the whole buffer when contiguous).
     let len = usize::try_from(
         layout
             .check(source.len() as u64)
-            .map_err(|e| format!("the buffer's layout: {e}"))?,
+            .map_err(|e| IpcError::BadDescriptor(format!("the buffer's layout: {e}")))?,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| IpcError::Unsupported(e.to_string()))?;
     let boxes = match layout {
         Layout::Contiguous => None,
         strided => Some(
             strided
                 .boxes(source.len() as u64, 0, len as u64)
-                .map_err(|e| format!("the buffer's layout: {e}"))?,
+                .map_err(|e| IpcError::BadDescriptor(format!("the buffer's layout: {e}")))?,
         ),
     };
     let export = export_bytes(target)?;
@@ -575,10 +616,12 @@ pub fn push(
         let _quiet = gpus.drain_copies()?;
         // The transfer may have ended while this waited for the copies: nothing is written.
         if stop.load(std::sync::atomic::Ordering::Acquire) {
-            return Err("the transfer ended before its copy started".into());
+            return Err(IpcError::Gone(
+                "the transfer ended before its copy started".into(),
+            ));
         }
         pool.import_pointer(export, end)
-            .map_err(|e| format!("importing the receiver's buffer: {e}"))?
+            .map_err(at("importing the receiver's buffer"))?
     };
     let imported_at = started.elapsed();
     let stream = gpus.copy_stream(memory.device(), false)?;
@@ -588,11 +631,11 @@ pub fn push(
             None => copy_async(&mut imported, offset, memory, 0, len, &stream),
             Some(boxes) => copy_boxes_async(&mut imported, offset, memory, 0, boxes, &stream),
         }
-        .map_err(|e| format!("copying into the receiver's buffer: {e}"))?;
+        .map_err(at("copying into the receiver's buffer"))?;
     }
     stream
         .synchronize()
-        .map_err(|e| format!("finishing the copy into the receiver's buffer: {e}"))?;
+        .map_err(at("finishing the copy into the receiver's buffer"))?;
     let copied_at = started.elapsed();
     // Freed now (the copy has completed): the receiver may free its buffer once told. Not
     // under the mapping lock, as the owner-requested unmaps of pulled buffers are not: the
@@ -609,23 +652,24 @@ pub fn push(
     Ok(())
 }
 
-fn export_bytes(source: &IpcSource) -> Result<&[u8; POINTER_EXPORT_LEN], String> {
+fn export_bytes(source: &IpcSource) -> Result<&[u8; POINTER_EXPORT_LEN], IpcError> {
     source
         .export
         .as_slice()
         .try_into()
-        .map_err(|_| format!("an export of {} bytes", source.export.len()))
+        .map_err(|_| IpcError::BadDescriptor(format!("an export of {} bytes", source.export.len())))
 }
 
-fn end_of(offset: usize, len: usize) -> Result<usize, String> {
+fn end_of(offset: usize, len: usize) -> Result<usize, IpcError> {
     offset
         .checked_add(len)
-        .ok_or_else(|| "offset and length overflow".to_string())
+        .ok_or_else(|| IpcError::BadDescriptor("offset and length overflow".into()))
 }
 
 /// The source's offset and the end of `len` bytes from it.
-fn source_range(source: &IpcSource, len: usize) -> Result<(usize, usize), String> {
-    let offset = usize::try_from(source.offset).map_err(|e| e.to_string())?;
+fn source_range(source: &IpcSource, len: usize) -> Result<(usize, usize), IpcError> {
+    let offset = usize::try_from(source.offset)
+        .map_err(|_| IpcError::BadDescriptor(format!("offset {}", source.offset)))?;
     Ok((offset, end_of(offset, len)?))
 }
 
@@ -635,14 +679,15 @@ fn source_span(
     source: &IpcSource,
     layout: &Layout,
     len: usize,
-) -> Result<(usize, usize, Option<Vec<RowBox>>), String> {
+) -> Result<(usize, usize, Option<Vec<RowBox>>), IpcError> {
     let (offset, end) = source_range(source, len)?;
-    let bad = |e: LayoutError| format!("the offer's layout: {e}");
+    let bad = |e: LayoutError| IpcError::BadDescriptor(format!("the offer's layout: {e}"));
     match layout.extent().map_err(bad)? {
         None => Ok((offset, end, None)),
         Some(span) => {
             let boxes = layout.boxes(span, 0, len as u64).map_err(bad)?;
-            let span = usize::try_from(span).map_err(|e| e.to_string())?;
+            let span = usize::try_from(span)
+                .map_err(|_| IpcError::BadDescriptor(format!("a span of {span} bytes")))?;
             Ok((offset, end_of(offset, span)?, Some(boxes)))
         }
     }
@@ -658,7 +703,7 @@ fn queue_copy(
     boxes: Option<&[RowBox]>,
     gpus: &Gpus,
     express: bool,
-) -> Result<Stream, String> {
+) -> Result<Stream, IpcError> {
     let len = dst.len();
     let device = dst
         .device_memory()
@@ -672,21 +717,21 @@ fn queue_copy(
         (None, boxes) => {
             let host = dst
                 .as_mut_slice()
-                .ok_or_else(|| "the landing buffer is shared".to_string())?;
+                .ok_or_else(|| IpcError::Gone("the landing buffer is shared".into()))?;
             match boxes {
                 None => copy_to_host(host, src, offset, &stream),
                 Some(boxes) => copy_boxes_to_host(host, src, offset, boxes, &stream),
             }
         }
     }
-    .map_err(|e| format!("copying from the peer: {e}"))?;
+    .map_err(at("copying from the peer"))?;
     Ok(stream)
 }
 
-fn finish_copy(stream: &Stream) -> Result<(), String> {
+fn finish_copy(stream: &Stream) -> Result<(), IpcError> {
     stream
         .synchronize()
-        .map_err(|e| format!("finishing the copy from the peer: {e}"))
+        .map_err(at("finishing the copy from the peer"))
 }
 
 /// The export of a buffer for an ipc pull: its device's UUID, its lease and the pointer
@@ -695,7 +740,7 @@ fn finish_copy(stream: &Stream) -> Result<(), String> {
 ///
 /// # Errors
 /// When the buffer is not device memory, or the driver refuses the export.
-pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, String> {
+pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, IpcError> {
     if buffer.is_empty()
         && matches!(
             buffer.kind(),
@@ -714,21 +759,21 @@ pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, Str
             legacy: None,
         });
     }
-    let memory = buffer
-        .device_memory()
-        .ok_or_else(|| format!("{} memory cannot cross ipc", buffer.kind()))?;
+    let memory = buffer.device_memory().ok_or_else(|| {
+        IpcError::Unsupported(format!("{} memory cannot cross ipc", buffer.kind()))
+    })?;
     let started = std::time::Instant::now();
     let (export, offset, legacy) = if in_process {
         ([0; POINTER_EXPORT_LEN], 0, None)
     } else if memory.is_external() {
         let legacy = memory
             .export_legacy()
-            .map_err(|e| format!("exporting the registered memory: {e}"))?;
+            .map_err(at("exporting the registered memory"))?;
         (legacy.handle, legacy.offset, Some(legacy.buffer_id))
     } else {
         let export = memory
             .export_pointer()
-            .map_err(|e| format!("exporting the buffer: {e}"))?;
+            .map_err(at("exporting the buffer"))?;
         (export, 0, None)
     };
     tracing::trace!(
@@ -795,7 +840,7 @@ pub fn pull_in_process(
     gpus: &Gpus,
     mut dst: Buffer,
     express: bool,
-) -> Result<Buffer, (Buffer, String)> {
+) -> Result<Buffer, (Buffer, IpcError)> {
     if dst.is_empty() {
         return Ok(dst);
     }
@@ -803,12 +848,15 @@ pub fn pull_in_process(
     // A clone of the view: the memory stays allocated through the copy whatever happens
     // to the offer meanwhile.
     let Some(view) = IN_PROCESS.get(&key).map(|v| v.clone()) else {
-        return Err((dst, format!("{exporter} no longer offers that buffer")));
+        return Err((
+            dst,
+            IpcError::Gone(format!("{exporter} no longer offers that buffer")),
+        ));
     };
     let result = (|| {
-        let memory = view
-            .device_memory()
-            .ok_or_else(|| "the offered buffer is not device memory".to_string())?;
+        let memory = view.device_memory().ok_or_else(|| {
+            IpcError::Unsupported("the offered buffer is not device memory".into())
+        })?;
         let (offset, _, boxes) = source_span(source, layout, dst.len())?;
         let stream = queue_copy(&mut dst, memory, offset, boxes.as_deref(), gpus, express)?;
         finish_copy(&stream)

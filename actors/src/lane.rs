@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_transports::link::ring::Ring;
+use ferry_transports::link::ring::{ConsumerRefused, Ring};
 use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
 use ferry_transports::wire::{LaneRecord, Layout};
 use tokio::sync::{Notify, oneshot};
@@ -224,7 +224,7 @@ impl Drop for Pending {
 
 // ---- sender ----
 
-type Completion = oneshot::Sender<Result<Buffer, (Buffer, String)>>;
+type Completion = oneshot::Sender<Result<Buffer, (Buffer, ConsumerRefused)>>;
 
 struct Waiter {
     seq: u64,
@@ -316,7 +316,7 @@ impl LaneTx {
         let started = Instant::now();
         let source = match crate::gpu::export_source(&buffer, false) {
             Ok(s) => s,
-            Err(why) => return fail(Error::Unsupported(why), Some(buffer)),
+            Err(why) => return fail(Error::unsupported(why.to_string()), Some(buffer)),
         };
         let record = LaneRecord {
             tag,
@@ -325,7 +325,7 @@ impl LaneTx {
         };
         let record = match record.encode() {
             Ok(r) => r,
-            Err(why) => return fail(Error::Unsupported(why), Some(buffer)),
+            Err(why) => return fail(Error::unsupported(why.to_string()), Some(buffer)),
         };
         buffer.note_mapped(Arc::clone(&self.unmapper));
         let deadline = tokio::time::Instant::from_std(deadline);
@@ -366,9 +366,9 @@ impl LaneTx {
         match tokio::time::timeout_at(deadline, done).await {
             Ok(Ok(Ok(buffer))) => Ok(buffer),
             Ok(Ok(Err((buffer, why)))) => fail(
-                Error::Refused {
+                Error::Transport {
                     peer: self.peer.clone(),
-                    detail: why,
+                    detail: format!("the peer did not take it: {why}"),
                 },
                 Some(buffer),
             ),
@@ -461,7 +461,9 @@ impl LaneTx {
         };
         for w in waiting {
             if give_back {
-                let _ = w.done.send(Err((w.buffer, why.to_string())));
+                let _ = w
+                    .done
+                    .send(Err((w.buffer, ConsumerRefused(why.to_string()))));
             }
             // Otherwise the buffer is dropped with `done`: the peer may still read it; it
             // is freed once the peer unmapped it or its lease timed out.
@@ -512,15 +514,14 @@ impl LaneRx {
     ///
     /// # Errors
     /// When the thread cannot start.
-    pub fn start(ring: Ring, cx: RxContext) -> Result<LaneRx, String> {
+    pub fn start(ring: Ring, cx: RxContext) -> std::io::Result<LaneRx> {
         let ring = Arc::new(ring);
         let stop = Arc::new(AtomicBool::new(false));
         let (r, s) = (Arc::clone(&ring), Arc::clone(&stop));
         let ahead = Ahead::default();
         std::thread::Builder::new()
             .name("ferry-lane-rx".into())
-            .spawn(move || receive(&r, &s, &cx, &ahead))
-            .map_err(|e| format!("cannot start the lane thread: {e}"))?;
+            .spawn(move || receive(&r, &s, &cx, &ahead))?;
         ring.attach();
         Ok(LaneRx { stop })
     }
@@ -577,8 +578,9 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
         }
         let outcome = match ring.read(tail, &mut record) {
             Ok(()) => take(&record, cx, ahead, stop),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(TakeError::BadRecord(e.to_string())),
         };
+        let outcome = outcome.map_err(|why| why.to_string());
         if let Err(why) = &outcome {
             tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
             metrics::counter!("ferry_pull_failures_total").increment(1);
@@ -590,16 +592,36 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
     ring.close();
 }
 
+/// Why a lane record was not taken (its words go back to the sender in the ring).
+#[derive(Debug, thiserror::Error)]
+enum TakeError {
+    /// The record is not one (or asks for more than the lane carries).
+    #[error("a bad lane record: {0}")]
+    BadRecord(String),
+    /// No memory to land it in.
+    #[error(transparent)]
+    Memory(#[from] Error),
+    /// The reservation granted nothing.
+    #[error("no memory granted")]
+    NoneGranted,
+    /// The pull failed.
+    #[error(transparent)]
+    Pull(#[from] crate::gpu::IpcError),
+    /// This end stopped.
+    #[error("the receiver stopped")]
+    Stopped,
+}
+
 /// Pulls one record's buffer and delivers it.
-fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Result<(), String> {
+fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Result<(), TakeError> {
     let started = Instant::now();
-    let record = LaneRecord::decode(bytes).map_err(|e| format!("a bad lane record: {e}"))?;
+    let record = LaneRecord::decode(bytes).map_err(|e| TakeError::BadRecord(e.to_string()))?;
     let len = usize::try_from(record.len).unwrap_or(usize::MAX);
     if len == 0 || len > cx.settings.max {
-        return Err(format!(
+        return Err(TakeError::BadRecord(format!(
             "a lane record of {len} bytes (this node takes 1 to {})",
             cx.settings.max
-        ));
+        )));
     }
     let ready = ahead.ready.lock().unwrap_or_else(|p| p.into_inner()).pop();
     let mut dst = match ready {
@@ -611,12 +633,12 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
             let want = cx.settings.max as u64;
             let got = cx
                 .io
-                .block_on(reserve_in_tiers(&cx.tiers, &[want], deadline))
-                .map_err(|e| e.to_string())?;
-            got.into_iter().next().ok_or("no memory granted")?
+                .block_on(reserve_in_tiers(&cx.tiers, &[want], deadline))?;
+            got.into_iter().next().ok_or(TakeError::NoneGranted)?
         }
     };
-    dst.truncate(len).map_err(|e| e.to_string())?;
+    dst.truncate(len)
+        .map_err(|e| TakeError::BadRecord(e.to_string()))?;
     let reserved = started.elapsed();
     let buffer = crate::gpu::pull(
         &record.source,
@@ -632,7 +654,7 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
     // Slow transfers that completed before this record go first.
     while !cx.undelivered.is_clear() {
         if stop.load(Ordering::SeqCst) {
-            return Err("the receiver stopped".into());
+            return Err(TakeError::Stopped);
         }
         std::thread::yield_now();
     }

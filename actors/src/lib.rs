@@ -16,4 +16,4 @@ pub mod peer;
 pub mod staged;
 pub mod timer;
 
-pub use error::{Error, SendError};
+pub use error::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};

@@ -97,7 +97,7 @@ fn open_gpus(
                 CudaProbe::Ready(_) => String::new(),
             };
             return match named {
-                Some(list) if !list.is_empty() => Err(Error::Config(format!(
+                Some(list) if !list.is_empty() => Err(Error::config(format!(
                     "gpu.devices names GPUs {list:?}, but {why}"
                 ))),
                 _ => {
@@ -107,12 +107,12 @@ fn open_gpus(
             };
         }
     };
-    let visible = Device::all().map_err(|e| Error::Start(format!("opening the GPUs: {e}")))?;
+    let visible = Device::all().map_err(|e| Error::start("opening the GPUs", e))?;
     let wanted: Vec<u32> = named.unwrap_or_else(|| (0..visible.len() as u32).collect());
     let mut out = Vec::new();
     for ordinal in wanted {
         let Some(device) = visible.get(ordinal as usize).cloned() else {
-            return Err(Error::Config(format!(
+            return Err(Error::config(format!(
                 "gpu.devices names GPU {ordinal}, but this process sees {} GPU(s)",
                 visible.len()
             )));
@@ -122,9 +122,10 @@ fn open_gpus(
             .get(ordinal as usize)
             .map_or(0, |d| d.total_memory);
         let (pool, streams) = crate::gpu::open_pool(&device).map_err(|e| {
-            Error::Start(format!(
-                "GPU {ordinal}: cannot create an exportable memory pool: {e}"
-            ))
+            Error::start(
+                format!("GPU {ordinal}: cannot create an exportable memory pool"),
+                e,
+            )
         })?;
         // Every GPU we use may read this pool (a transfer between two GPUs of the node).
         for other in &visible {
@@ -163,13 +164,8 @@ impl Node {
     /// [`Error::Config`] for an invalid configuration or a missing secret (without
     /// `security.danger_insecure`), [`Error::Start`] when a listener cannot bind.
     pub async fn start(config: Config) -> Result<Self, Error> {
-        config
-            .validate()
-            .map_err(|e| Error::Config(e.to_string()))?;
-        let secret = match config
-            .read_secret()
-            .map_err(|e| Error::Config(e.to_string()))?
-        {
+        config.validate()?;
+        let secret = match config.read_secret()? {
             Some(bytes) => Secret::new(bytes),
             None => {
                 tracing::warn!(
@@ -185,7 +181,7 @@ impl Node {
             .thread_name("ferry-io")
             .enable_all()
             .build()
-            .map_err(|e| Error::Start(format!("cannot start the I/O runtime: {e}")))?;
+            .map_err(|e| Error::start("cannot start the I/O runtime", e))?;
 
         // Bind every listener before anything else runs, so a bad address fails start-up.
         let mut listeners = Vec::new();
@@ -196,23 +192,23 @@ impl Node {
             });
             let listener = bind
                 .await
-                .map_err(|e| Error::Start(e.to_string()))?
-                .map_err(|e| Error::Start(format!("cannot listen on {addr}: {e}")))?;
+                .map_err(|e| Error::start("the listener's task", e))?
+                .map_err(|e| Error::start(format!("cannot listen on {addr}"), e))?;
             listeners.push(listener);
         }
         let mut unix_path = None;
         if let Some(dir) = &config.node.socket_dir {
             let path = dir.join(format!("{}.sock", config.node.name));
             std::fs::create_dir_all(dir)
-                .map_err(|e| Error::Start(format!("cannot create {}: {e}", dir.display())))?;
+                .map_err(|e| Error::start(format!("cannot create {}", dir.display()), e))?;
             let bind = io.spawn({
                 let path = path.clone();
                 async move { Listener::bind_unix(&path).await }
             });
             let listener = bind
                 .await
-                .map_err(|e| Error::Start(e.to_string()))?
-                .map_err(|e| Error::Start(format!("cannot listen on {}: {e}", path.display())))?;
+                .map_err(|e| Error::start("the listener's task", e))?
+                .map_err(|e| Error::start(format!("cannot listen on {}", path.display()), e))?;
             listeners.push(listener);
             unix_path = Some(path);
         }
@@ -400,18 +396,21 @@ impl Node {
                     let _ = tx.send(started);
                     let _ = system.run();
                 })
-                .map_err(|e| Error::Start(format!("cannot start the actor thread: {e}")))?
+                .map_err(|e| Error::start("cannot start the actor thread", e))?
         };
         let (coordinator, host, pinned, gpus, receives, system) = rx
             .await
-            .map_err(|_| Error::Start("the actor system did not start".into()))?;
+            .map_err(|e| Error::start("the actor system did not start", e))?;
 
         {
             // Same-host peers fetch our pools' descriptors here (the ipc transport), and our
             // staging rings (the staged transport, with or without GPUs).
             let name = config.node.name.clone();
             let bound = io.spawn(async move { ferry_transports::fdshare::bind(&name) });
-            match bound.await.map_err(|e| Error::Start(e.to_string()))? {
+            match bound
+                .await
+                .map_err(|e| Error::start("the pool socket's task", e))?
+            {
                 Ok(listener) => {
                     io.spawn(ferry_transports::fdshare::serve(
                         listener,
@@ -506,12 +505,12 @@ impl Node {
             MemoryKind::Host => Ok(&self.host),
             MemoryKind::PinnedHost => Ok(&self.pinned),
             MemoryKind::Device(n) => self.gpus.get(n).map(|g| &g.allocator).ok_or_else(|| {
-                Error::Unsupported(format!(
+                Error::unsupported(format!(
                     "GPU {n} is not one of this node's GPUs ({:?}; see gpu.devices)",
                     self.gpus
                 ))
             }),
-            other => Err(Error::Unsupported(format!(
+            other => Err(Error::unsupported(format!(
                 "{other} memory is not served here"
             ))),
         }
@@ -559,7 +558,7 @@ impl Node {
     pub fn register_external(&self, memory: ExternalMemory) -> Result<Buffer, Error> {
         let n = memory.device();
         let gpu = self.gpus.get(n).ok_or_else(|| {
-            Error::Unsupported(format!(
+            Error::unsupported(format!(
                 "GPU {n} is not one of this node's GPUs ({:?}; see gpu.devices)",
                 self.gpus
             ))
@@ -996,16 +995,21 @@ impl MemoryHome for NodeMemory {
         kind: MemoryKind,
         len: u64,
         deadline: Instant,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Buffer, String>> + Send>> {
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<Buffer, ferry_transports::memory::ReserveError>>
+                + Send,
+        >,
+    > {
         let tier = self.tiers.iter().find(|t| t.kind == kind).cloned();
         Box::pin(async move {
             let Some(tier) = tier else {
-                return Err(format!("no {kind} memory domain on this node"));
+                return Err(
+                    Error::unsupported(format!("no {kind} memory domain on this node")).into(),
+                );
             };
-            let mut got = reserve_in_tiers(&[tier], &[len], deadline)
-                .await
-                .map_err(|e| e.to_string())?;
-            got.pop().ok_or_else(|| "nothing granted".to_string())
+            let mut got = reserve_in_tiers(&[tier], &[len], deadline).await?;
+            got.pop().ok_or_else(|| "nothing granted".into())
         })
     }
 }

@@ -88,7 +88,7 @@ impl StagedTx {
         device: Option<ferry_transports::cuda::Device>,
         (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
-    ) -> Result<StagedTx, String> {
+    ) -> std::io::Result<StagedTx> {
         staging.set_stall_timeout(Some(stall));
         let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(depth.max(1));
         let ring = Arc::clone(staging.ring());
@@ -125,8 +125,7 @@ impl StagedTx {
                 }
                 // Closes the ring.
                 drop(staging);
-            })
-            .map_err(|e| e.to_string())?;
+            })?;
         Ok(StagedTx { jobs, ring })
     }
 
@@ -166,12 +165,12 @@ fn send_job(
         // A chunk copied into the ring is progress on the link, as a chunk written is.
         activity.add(slot.len() as u64);
         if contiguous {
-            let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
+            let offset = usize::try_from(offset)?;
             job.bytes.read(offset, slot)
         } else {
             job.bytes.read_packed(&job.layout, offset, slot)
         }
-        .map_err(|e| e.to_string())
+        .map_err(Into::into)
     })
 }
 
@@ -194,7 +193,7 @@ impl StagedRx {
         (regions, activity): (Arc<DashMap<u64, InboundRegion>>, Activity),
         (me, link): (Recipient<DataEvent>, u64),
         io: tokio::runtime::Handle,
-    ) -> Result<StagedRx, String> {
+    ) -> std::io::Result<StagedRx> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let peer = peer.to_string();
@@ -217,7 +216,7 @@ impl StagedRx {
                             len: header.len,
                         };
                         activity.add(bytes.len() as u64);
-                        land(&regions, &chunk, bytes, &me, &io)
+                        land(&regions, &chunk, bytes, &me, &io).map_err(Into::into)
                     });
                     match landed {
                         Ok(_) => {}
@@ -231,8 +230,7 @@ impl StagedRx {
                     tracing::warn!(peer, "the peer's staging ring broke: {why}");
                     let _ = io.block_on(me.send(DataEvent::PeerBroke { link, why }));
                 }
-            })
-            .map_err(|e| e.to_string())?;
+            })?;
         Ok(StagedRx { stop })
     }
 
@@ -257,13 +255,13 @@ fn land(
     bytes: &[u8],
     me: &Recipient<DataEvent>,
     io: &tokio::runtime::Handle,
-) -> Result<(), String> {
+) -> Result<(), ferry_transports::region::PlaceError> {
     let id = chunk.transfer;
     // Lent out of the map while the bytes are copied, so the map is never locked across
     // a copy (the link's reader may land a chunk of another transfer meanwhile).
     let mut landing = match regions.get_mut(&id).map(|mut r| r.lend(chunk)) {
         Some(Ok(landing)) => landing,
-        Some(Err(e)) => return Err(format!("protocol violation: {e}")),
+        Some(Err(e)) => return Err(e),
         None => return Ok(()),
     };
     if let Err(e) = landing.write(bytes) {

@@ -22,9 +22,9 @@ pub enum PeerAddress {
 }
 
 impl FromStr for PeerAddress {
-    type Err = String;
+    type Err = crate::ParseError;
 
-    fn from_str(text: &str) -> Result<Self, String> {
+    fn from_str(text: &str) -> Result<Self, crate::ParseError> {
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
                 return Err("a unix address needs a path, as in \"unix:/run/ferry/b.sock\"".into());
@@ -86,7 +86,7 @@ impl<'de> Deserialize<'de> for PeerAddress {
 }
 
 /// Splits `"host:port"` or `"[v6]:port"` into the host (brackets removed) and the port.
-fn split_host_port(text: &str) -> Result<(&str, u16), String> {
+fn split_host_port(text: &str) -> Result<(&str, u16), crate::ParseError> {
     let (host, port) = if let Some(rest) = text.strip_prefix('[') {
         let (host, port) = rest.split_once("]:").ok_or("expected \"[IPv6]:port\"")?;
         host.parse::<std::net::Ipv6Addr>()
@@ -109,13 +109,13 @@ fn split_host_port(text: &str) -> Result<(&str, u16), String> {
 }
 
 /// Checks a peer's `"host:port"`: a host name or IP address and a port other than 0.
-pub(crate) fn check_peer_host_port(text: &str) -> Result<(), String> {
+pub(crate) fn check_peer_host_port(text: &str) -> Result<(), crate::ParseError> {
     let (host, port) = split_host_port(text)?;
     let name_like = host
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
     if !name_like && host.parse::<IpAddr>().is_err() {
-        return Err(format!("{host:?} is neither a host name nor an IP address"));
+        return Err(format!("{host:?} is neither a host name nor an IP address").into());
     }
     if port == 0 {
         return Err("port 0 cannot be dialed".into());
@@ -135,7 +135,7 @@ pub(crate) enum ListenAddress {
 /// Parses `"IP:port"`, `"[IPv6]:port"` or `"localhost:port"`. Port 0 asks for an ephemeral
 /// port. Host names other than `localhost` are refused: a listener binds to what the file
 /// says, not to whatever a name resolves to today.
-pub(crate) fn parse_listen(text: &str) -> Result<ListenAddress, String> {
+pub(crate) fn parse_listen(text: &str) -> Result<ListenAddress, crate::ParseError> {
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(ListenAddress::Ip(addr));
     }

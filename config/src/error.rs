@@ -112,3 +112,29 @@ impl ConfigError {
         }
     }
 }
+
+/// Why one value's text could not be read (a size, an address, a name): the words for the
+/// message, which the loader wraps in a [`ConfigError::Invalid`] naming the key and layer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+impl From<String> for ParseError {
+    fn from(text: String) -> Self {
+        Self(text)
+    }
+}
+
+impl From<&str> for ParseError {
+    fn from(text: &str) -> Self {
+        Self(text.to_string())
+    }
+}
+
+impl std::ops::Deref for ParseError {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}

@@ -42,7 +42,7 @@ mod units;
 mod validate;
 
 pub use address::PeerAddress;
-pub use error::{ConfigError, Origin};
+pub use error::{ConfigError, Origin, ParseError};
 pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{

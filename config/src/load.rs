@@ -531,7 +531,7 @@ fn env_layers(mut vars: Vec<(String, String)>) -> Result<Vec<Layer>, ConfigError
             let key = env_key(&name).map_err(|detail| ConfigError::Invalid {
                 key: name.clone(),
                 origin: Origin::Env(name.clone()),
-                detail,
+                detail: detail.to_string(),
             })?;
             key_layer(Origin::Env(name), &key, &value)
         })
@@ -539,7 +539,7 @@ fn env_layers(mut vars: Vec<(String, String)>) -> Result<Vec<Layer>, ConfigError
 }
 
 /// `FERRY__LIMITS__MAILBOX` → `limits.mailbox`.
-fn env_key(name: &str) -> Result<String, String> {
+fn env_key(name: &str) -> Result<String, crate::ParseError> {
     let rest = name.strip_prefix(ENV_PREFIX).unwrap_or(name);
     let parts: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
     if parts.iter().all(|part| is_key_part(part)) {

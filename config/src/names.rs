@@ -32,16 +32,16 @@ macro_rules! config_names {
         }
 
         impl ::std::str::FromStr for $ty {
-            type Err = String;
+            type Err = crate::ParseError;
 
             /// Parses the configuration spelling (exact, case-sensitive).
-            fn from_str(text: &str) -> Result<Self, String> {
+            fn from_str(text: &str) -> Result<Self, crate::ParseError> {
                 match text {
                     $($name => Ok($ty::$variant),)*
                     _ => Err(format!(
                         "unknown variant `{text}`, expected one of {}",
                         $ty::NAMES.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
-                    )),
+                    ).into()),
                 }
             }
         }

@@ -36,7 +36,7 @@ const UNITS: &[(&str, &str, u64)] = &[
 /// # Errors
 ///
 /// A message saying what is wrong with the text (it does not repeat the text).
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, crate::ParseError> {
     let text = text.trim();
     let unit_start = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -59,11 +59,12 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
             "unit {unit:?} is ambiguous; write {}iB (powers of 1024) or {}B (powers of 1000)",
             unit.to_ascii_uppercase(),
             unit.to_ascii_uppercase()
-        ));
+        )
+        .into());
     } else {
-        return Err(format!(
-            "unknown unit {unit:?}; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB"
-        ));
+        return Err(
+            format!("unknown unit {unit:?}; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB").into(),
+        );
     };
     let too_large = || "too large (the limit is 16 EiB)".to_string();
     // Digits only from here on, so the parses fail only on overflow.
@@ -83,7 +84,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         }
         bytes += scaled / denominator;
     }
-    u64::try_from(bytes).map_err(|_| too_large())
+    u64::try_from(bytes).map_err(|_| too_large().into())
 }
 
 /// Prints a size in the shortest exact form [`parse_size`] reads back: `"1 MiB"`, `"1536 KiB"`,
@@ -263,10 +264,10 @@ impl Budget {
 }
 
 impl FromStr for Budget {
-    type Err = String;
+    type Err = crate::ParseError;
 
     /// Parses `"80%"` or a size ([`parse_size`]).
-    fn from_str(text: &str) -> Result<Self, String> {
+    fn from_str(text: &str) -> Result<Self, crate::ParseError> {
         let text = text.trim();
         match text.strip_suffix('%') {
             Some(number) => {

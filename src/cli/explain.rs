@@ -70,11 +70,11 @@ fn parse_bytes(text: &str) -> Result<u64, String> {
         }
         _ => t.to_string(),
     };
-    parse_size(&expanded)
+    parse_size(&expanded).map_err(|e| e.0)
 }
 
 fn parse_memory(text: &str) -> Result<MemoryClass, String> {
-    text.parse()
+    text.parse().map_err(|e: ferry_config::ParseError| e.0)
 }
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {

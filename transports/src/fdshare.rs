@@ -115,10 +115,11 @@ pub async fn serve(
         tokio::spawn(async move {
             let answer =
                 tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &secret, &pools, &rings));
-            let answered = ticket
-                .run(answer)
-                .await
-                .unwrap_or_else(|| Ok(Err("shed: too many pool requests in progress".into())));
+            let answered = ticket.run(answer).await.unwrap_or_else(|| {
+                Ok(Err(AnswerError::Refused(
+                    "shed: too many pool requests in progress".into(),
+                )))
+            });
             match answered {
                 Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),
@@ -133,20 +134,17 @@ async fn answer(
     secret: &Secret,
     pools: &DashMap<String, ExportablePool>,
     rings: &DashMap<String, Arc<crate::link::ring::Ring>>,
-) -> Result<String, String> {
+) -> Result<String, AnswerError> {
     let (mut r, mut w) = stream.split();
-    authenticate(&mut r, &mut w, Role::Acceptor, secret, "pool request")
-        .await
-        .map_err(|e| e.to_string())?;
-    let len = stream.read_u16_le().await.map_err(|e| e.to_string())?;
+    authenticate(&mut r, &mut w, Role::Acceptor, secret, "pool request").await?;
+    let len = stream.read_u16_le().await?;
     if len > 256 {
-        return Err(format!("a device name of {len} bytes"));
+        return Err(AnswerError::Refused(format!(
+            "a device name of {len} bytes"
+        )));
     }
     let mut uuid = vec![0u8; usize::from(len)];
-    stream
-        .read_exact(&mut uuid)
-        .await
-        .map_err(|e| e.to_string())?;
+    stream.read_exact(&mut uuid).await?;
     let uuid = String::from_utf8_lossy(&uuid).into_owned();
     let exported = match (pools.get(&uuid), rings.get(&uuid)) {
         (Some(pool), _) => pool.export_fd().map_err(|e| e.to_string()),
@@ -161,8 +159,8 @@ async fn answer(
         Err(why) => {
             let mut reply = b"-".to_vec();
             reply.extend_from_slice(why.as_bytes());
-            stream.write_all(&reply).await.map_err(|e| e.to_string())?;
-            Err(why)
+            stream.write_all(&reply).await?;
+            Err(AnswerError::Refused(why))
         }
     }
 }
@@ -171,11 +169,24 @@ async fn send_with_fd(
     stream: &UnixStream,
     fd: std::os::fd::BorrowedFd<'_>,
     payload: &[u8],
-) -> Result<(), String> {
+) -> io::Result<()> {
     stream
         .async_io(Interest::WRITABLE, || fdpass::send_fd(stream, fd, payload))
         .await
-        .map_err(|e| e.to_string())
+}
+
+/// Why a pool request was not answered with a descriptor.
+#[derive(Debug, thiserror::Error)]
+enum AnswerError {
+    /// The requester did not authenticate.
+    #[error(transparent)]
+    Auth(#[from] crate::link::LinkError),
+    /// The socket failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// Nothing of that name to give (told to the requester).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Fetches the pool of device `uuid` (or the lane ring under that key) from the same-host

@@ -61,6 +61,9 @@ pub enum PlaceError {
     /// The buffer is lent out for another chunk, or a view of it is still alive.
     #[error("the receive buffer is busy with another chunk")]
     Busy,
+    /// No region of that id is exposed (withdrawn, or never exposed).
+    #[error("region {0} is not exposed")]
+    NotExposed(u64),
 }
 
 /// A receive buffer being filled by data chunks.

@@ -89,6 +89,9 @@ pub enum StagedError {
     Stalled(Duration),
 }
 
+/// Why a chunk could not be copied in or out (the caller's error, kept as the source).
+pub type ChunkError = Box<dyn std::error::Error + Send + Sync>;
+
 /// One chunk's header, as it sits in its slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkHeader {
@@ -206,7 +209,7 @@ impl StagingTx {
         len: u64,
         stop: &AtomicBool,
         spin: Duration,
-        mut fill: impl FnMut(u64, &mut [u8]) -> Result<(), String>,
+        mut fill: impl FnMut(u64, &mut [u8]) -> Result<(), ChunkError>,
     ) -> Result<(), StagedError> {
         let len = usize::try_from(len).map_err(|e| StagedError::Copy(e.to_string()))?;
         for (offset, n) in crate::region::chunks(len, self.chunk()) {
@@ -219,9 +222,9 @@ impl StagingTx {
             let filled = self.ring.fill(self.next, self.reaped, |slot| {
                 header.write(slot);
                 fill(offset as u64, &mut slot[CHUNK_HEADER..CHUNK_HEADER + n])?;
-                Ok::<usize, String>(CHUNK_HEADER + n)
+                Ok::<usize, ChunkError>(CHUNK_HEADER + n)
             })?;
-            filled.map_err(StagedError::Copy)?;
+            filled.map_err(|e| StagedError::Copy(e.to_string()))?;
             self.next += 1;
         }
         // Published into a ring the receiver has left: nobody will land it.
@@ -261,7 +264,7 @@ impl StagingTx {
             }
             self.reaped = tail;
             if let Some(why) = refused {
-                return Err(StagedError::Landing(why));
+                return Err(StagedError::Landing(why.0));
             }
             if self.next - self.reaped < slots {
                 return Ok(());
@@ -338,7 +341,7 @@ impl StagingRx {
     pub fn next(
         &mut self,
         spin: Duration,
-        land: impl FnOnce(ChunkHeader, &[u8]) -> Result<(), String>,
+        land: impl FnOnce(ChunkHeader, &[u8]) -> Result<(), ChunkError>,
     ) -> Result<bool, StagedError> {
         let started = Instant::now();
         loop {
@@ -368,6 +371,7 @@ impl StagingRx {
                 Ok(true)
             }
             Err(why) => {
+                let why = why.to_string();
                 self.ring.finish(seq, Err(&why));
                 Err(StagedError::Landing(why))
             }
@@ -632,7 +636,7 @@ mod tests {
                     for (t, (layout, src)) in sources.iter().enumerate() {
                         let packed = layout.check(src.len() as u64).expect("fits");
                         tx.send(t as u64, packed, &stop, Duration::ZERO, |offset, dst| {
-                            layout.gather(src, offset, dst).map_err(|e| e.to_string())
+                            layout.gather(src, offset, dst).map_err(Into::into)
                         })
                         .expect("send");
                     }

@@ -62,9 +62,10 @@ impl TransferActor {
                         tracing::debug!(parent: &spans.span, error = %e, "no memory");
                     }
                     let reason = match &e {
-                        Error::NoMemory { detail, .. } if detail.contains("deadline") => {
-                            WireReason::DeadlineExceeded
-                        }
+                        Error::NoMemory {
+                            cause: crate::error::NoMemoryCause::DeadlinePassed,
+                            ..
+                        } => WireReason::DeadlineExceeded,
                         Error::NoMemory { .. } => WireReason::TooLarge,
                         _ => WireReason::ShuttingDown,
                     };

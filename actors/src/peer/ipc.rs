@@ -2,6 +2,7 @@
 //! the peer lends, the unmap protocol, the lazy setup and the fast lane.
 
 use super::*;
+use crate::gpu::IpcError;
 
 impl TransferActor {
     /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
@@ -45,7 +46,7 @@ impl TransferActor {
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
                 Ok(Err((_buffer, why))) => Err(why),
-                Err(e) => Err(format!("the pull task failed: {e}")),
+                Err(e) => Err(IpcError::Gone(format!("the pull task failed: {e}"))),
             };
             act.pull_ended(id, pulled, ctx);
         }));
@@ -56,7 +57,7 @@ impl TransferActor {
     pub(super) fn pull_ended(
         &mut self,
         id: InboundId,
-        pulled: Result<Buffer, String>,
+        pulled: Result<Buffer, IpcError>,
         ctx: &mut Context<Self>,
     ) {
         self.ipc.pulling.remove(&id);
@@ -73,7 +74,7 @@ impl TransferActor {
                 tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
                 metrics::counter!("ferry_pull_failures_total").increment(1);
                 self.session
-                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+                    .handle_reserve_failed(id, WireReason::Unsupported, why.to_string());
             }
         }
         self.drive(ctx);
@@ -85,9 +86,11 @@ impl TransferActor {
         let target = match crate::gpu::export_source(&buffer, false) {
             Ok(target) => target,
             Err(why) => {
-                return self
-                    .session
-                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+                return self.session.handle_reserve_failed(
+                    id,
+                    WireReason::Unsupported,
+                    why.to_string(),
+                );
             }
         };
         // False: abandoned meanwhile, nothing lent; the buffer is freed here.
@@ -147,11 +150,11 @@ impl TransferActor {
     /// imported, copied into and freed; then the peer hears `Written`.
     pub(super) fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
         let Some(entry) = self.outbound.get_mut(&op) else {
-            return self.written(op, Err("the transfer ended".into()), ctx);
+            return self.written(op, Err(IpcError::Gone("the transfer ended".into())), ctx);
         };
         if let Some(why) = self.session.lost_reason() {
             // The grant was read just before the link went: no copy on a dead link.
-            let why = format!("the link is gone: {why}");
+            let why = IpcError::Gone(format!("the link is gone: {why}"));
             return self.written(op, Err(why), ctx);
         }
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
@@ -172,21 +175,20 @@ impl TransferActor {
                 let mut pools = pools.lock().await;
                 if !pools.contains_key(&target.device_uuid) {
                     let uuids = std::slice::from_ref(&target.device_uuid);
-                    let fetched = crate::gpu::import_pools(&peer, pid, uuids, &secret, &gpus)
-                        .await
-                        .map_err(|e| format!("importing the receiver's pool: {e}"))?;
+                    let fetched =
+                        crate::gpu::import_pools(&peer, pid, uuids, &secret, &gpus).await?;
                     pools.extend(fetched);
                 }
                 pools
                     .get(&target.device_uuid)
                     .cloned()
-                    .ok_or_else(|| "the receiver's pool was not imported".to_string())?
+                    .ok_or_else(|| IpcError::Gone("the receiver's pool was not imported".into()))?
             };
             io.spawn_blocking(move || {
                 crate::gpu::push(&target, &pool, &gpus, &source, &layout, &stop)
             })
             .await
-            .map_err(|e| format!("the push task failed: {e}"))?
+            .map_err(|e| IpcError::Gone(format!("the push task failed: {e}")))?
         };
         ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
             act.written(op, pushed, ctx);
@@ -198,12 +200,12 @@ impl TransferActor {
     pub(super) fn written(
         &mut self,
         op: OpId,
-        pushed: Result<(), String>,
+        pushed: Result<(), IpcError>,
         ctx: &mut Context<Self>,
     ) {
         let frame = Message::Written(Written {
             transfer: op.0,
-            error: pushed.as_ref().err().cloned(),
+            error: pushed.as_ref().err().map(ToString::to_string),
         });
         let sent = self
             .writer
@@ -219,7 +221,7 @@ impl TransferActor {
             Err(why) => {
                 tracing::warn!(peer = %self.peer, id = op.0, "push failed: {why}");
                 metrics::counter!("ferry_push_failures_total").increment(1);
-                self.session.handle_write_failed(op, why);
+                self.session.handle_write_failed(op, why.to_string());
             }
         }
         self.drive(ctx);
@@ -473,7 +475,7 @@ impl TransferActor {
                 let import = async move {
                     let pools =
                         crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await?;
-                    Ok::<_, String>((pools, fetch_lane(&peer, pid, lane, &secret).await))
+                    Ok::<_, IpcError>((pools, fetch_lane(&peer, pid, lane, &secret).await))
                 };
                 ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
                     act.ipc.importing = false;
@@ -487,7 +489,7 @@ impl TransferActor {
                         }
                         Err(why) => {
                             tracing::warn!(peer = %act.peer, "cannot import the peer's pools: {why}");
-                            Some(why)
+                            Some(why.to_string())
                         }
                     };
                     act.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {

@@ -319,7 +319,7 @@ impl ReadLoop {
                         }
                         Err(e) => {
                             if let Err(why) = note_put_error(&mut put_errors, put, e) {
-                                break why;
+                                break why.to_string();
                             }
                             reader.discard_payload(chunk.len).await
                         }
@@ -333,7 +333,7 @@ impl ReadLoop {
                     if let Err(e) = placed
                         && let Err(why) = note_put_error(&mut put_errors, put, e)
                     {
-                        break why;
+                        break why.to_string();
                     }
                     if chunk.last {
                         let error = put_errors.remove(&put);
@@ -376,26 +376,28 @@ pub(super) fn exposed_destination(
     exposed: &DashMap<u64, ExposedRegion>,
     chunk: &ferry_transports::wire::PutChunk,
     place: impl FnOnce(&mut [u8]),
-) -> Result<(), String> {
+) -> Result<(), region::PlaceError> {
     let Some(mut region) = exposed.get_mut(&chunk.region) else {
-        return Err(format!("region {} is not exposed", chunk.region));
+        return Err(region::PlaceError::NotExposed(chunk.region));
     };
-    region
-        .destination(chunk)
-        .map(place)
-        .map_err(|e| e.to_string())
+    region.destination(chunk).map(place)
 }
+
+/// Too many puts failing at once: the peer is flooding us with bad puts.
+#[derive(Debug, thiserror::Error)]
+#[error("too many failing puts open at once")]
+pub(super) struct TooManyFailingPuts;
 
 /// Remembers the first error of `put`, reported in its ack; fails (ending the link) when
 /// too many puts are failing at once.
 pub(super) fn note_put_error(
     put_errors: &mut HashMap<u64, String>,
     put: u64,
-    error: String,
-) -> Result<(), String> {
+    error: region::PlaceError,
+) -> Result<(), TooManyFailingPuts> {
     if put_errors.len() >= 1024 && !put_errors.contains_key(&put) {
-        return Err("too many failing puts open at once".into());
+        return Err(TooManyFailingPuts);
     }
-    put_errors.entry(put).or_insert(error);
+    put_errors.entry(put).or_insert_with(|| error.to_string());
     Ok(())
 }

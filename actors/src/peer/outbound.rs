@@ -172,7 +172,7 @@ impl TransferActor {
                         Ok(source) => Some(source),
                         Err(detail) => {
                             let _ = reply.send(Err(SendError {
-                                error: Error::Unsupported(detail),
+                                error: Error::unsupported(detail.to_string()),
                                 buffer: Some(msg.buffer),
                             }));
                             return;

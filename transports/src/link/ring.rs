@@ -49,6 +49,11 @@ const SLOT_HEADER: usize = 8;
 /// Largest lane ring accepted from a peer.
 pub const LANE_MAX_MAP: usize = 64 << 20;
 
+/// The consumer's reason for not taking a record, in its words (from the slot).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConsumerRefused(pub String);
+
 /// Why a ring could not be made, opened or read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -379,7 +384,7 @@ impl Ring {
 
     /// The outcome the consumer wrote for record `seq` (finished: below `tail`): `Ok`, or
     /// its reason (at most a slot's room, lossy UTF-8).
-    pub fn outcome(&self, seq: u64) -> Result<(), String> {
+    pub fn outcome(&self, seq: u64) -> Result<(), ConsumerRefused> {
         let off = self.slot_off(seq);
         if self.u32_at(off + 4).load(Ordering::Acquire) == 0 {
             return Ok(());
@@ -387,7 +392,7 @@ impl Ring {
         let len = (self.u32_at(off).load(Ordering::Acquire) as usize).min(self.room());
         let mut why = Vec::new();
         self.copy_out(off + SLOT_HEADER, &mut why, len);
-        Err(String::from_utf8_lossy(&why).into_owned())
+        Err(ConsumerRefused(String::from_utf8_lossy(&why).into_owned()))
     }
 
     /// Parks the producer until the consumer finishes a record (`tail` moves past
@@ -635,7 +640,10 @@ mod tests {
             let outcome = if seq % 3 == 0 { Err("no room") } else { Ok(()) };
             c.finish(seq, outcome);
             assert_eq!(p.tail(seq).expect("tail"), seq + 1);
-            assert_eq!(p.outcome(seq), outcome.map_err(str::to_string));
+            assert_eq!(
+                p.outcome(seq),
+                outcome.map_err(|w| ConsumerRefused(w.to_string()))
+            );
         }
     }
 

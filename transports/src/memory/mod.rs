@@ -99,8 +99,11 @@ pub trait MemoryHome: Send + Sync + 'static {
         kind: MemoryKind,
         len: u64,
         deadline: Instant,
-    ) -> Pin<Box<dyn Future<Output = Result<Buffer, String>> + Send>>;
+    ) -> Pin<Box<dyn Future<Output = Result<Buffer, ReserveError>> + Send>>;
 }
+
+/// Why a [`MemoryHome`] could not reserve a buffer (its own error, kept as the source).
+pub type ReserveError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A promotion that did not happen; the buffer is given back untouched.
 #[derive(Debug, thiserror::Error)]
@@ -326,7 +329,7 @@ impl Buffer {
                 }
                 Err(e) => Err(fail(self, e.to_string())),
             },
-            Err(reason) => Err(fail(self, reason)),
+            Err(reason) => Err(fail(self, reason.to_string())),
         }
     }
 

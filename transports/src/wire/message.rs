@@ -123,20 +123,18 @@ impl LaneRecord {
     ///
     /// # Errors
     /// rkyv's, as text (it does not fail for a record of this shape).
-    pub fn encode(&self) -> Result<Vec<u8>, String> {
-        rkyv::to_bytes::<rkyv::rancor::Error>(self)
-            .map(|b| b.to_vec())
-            .map_err(|e| e.to_string())
+    pub fn encode(&self) -> Result<Vec<u8>, rkyv::rancor::Error> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self).map(|b| b.to_vec())
     }
 
     /// A record from a slot's bytes, validated first (the other process wrote them).
     ///
     /// # Errors
     /// Why the bytes are not a record.
-    pub fn decode(bytes: &[u8]) -> Result<LaneRecord, String> {
+    pub fn decode(bytes: &[u8]) -> Result<LaneRecord, rkyv::rancor::Error> {
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
-        rkyv::from_bytes::<LaneRecord, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+        rkyv::from_bytes::<LaneRecord, rkyv::rancor::Error>(&aligned)
     }
 }
 
