@@ -35,7 +35,7 @@ pub use ferry_actors::core::route::Explanation;
 pub use ferry_actors::inbox::Received;
 pub use ferry_actors::node::Node;
 pub use ferry_actors::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};
-pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass};
+pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass, TransportName};
 /// The CUDA layer: devices, streams, pools and copies (GPU information for tests and tools).
 pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;

@@ -27,7 +27,14 @@ async fn hub(scratch: &Scratch, extra: &str) -> Node {
 /// An authenticated link to `node` that introduces itself as "rogue", driven by hand.
 async fn rogue(scratch: &Scratch, node: &Node) -> Link {
     let target = Endpoint::Tcp(node.tcp_addrs()[0].clone());
-    hand_driven_link(&scratch.secret, node, target, "rogue", vec!["tcp".into()]).await
+    hand_driven_link(
+        &scratch.secret,
+        node,
+        target,
+        "rogue",
+        vec![ferry::TransportName::Tcp],
+    )
+    .await
 }
 
 fn offer(transfer: u64, len: u64) -> Message {
@@ -36,7 +43,7 @@ fn offer(transfer: u64, len: u64) -> Message {
         tag: transfer,
         len,
         source: WireMemoryKind::Host,
-        transport: "tcp".into(),
+        transport: ferry_transports::wire::WireTransport::Tcp,
         direction: WireDirection::Push,
         ipc: None,
         layout: Layout::Contiguous,

@@ -280,7 +280,7 @@ async fn hostile_input_is_rejected_and_counted_while_others_are_served() {
         drop(raw);
         // 2. The wrong secret.
         let wrong = Secret::new(b"not the secret at all, no".to_vec());
-        let hello = link::local_hello("intruder", vec!["tcp".into()], 4 << 20);
+        let hello = link::local_hello("intruder", vec![ferry::TransportName::Tcp], 4 << 20);
         let refused = link::dial(&Endpoint::Tcp(target.clone()), &wrong, hello, &opts).await;
         assert!(refused.is_err(), "wrong secret accepted");
 
@@ -296,7 +296,11 @@ async fn hostile_input_is_rejected_and_counted_while_others_are_served() {
         // A truncated frame is only truncated if the connection ends after it: send it once.
         let cases = [(garbage, 4), (flipped, 4), (oversized, 4), (truncated, 1)];
         for (i, (bad, times)) in cases.into_iter().enumerate() {
-            let hello = link::local_hello(format!("rogue{i}"), vec!["tcp".into()], 4 << 20);
+            let hello = link::local_hello(
+                format!("rogue{i}"),
+                vec![ferry::TransportName::Tcp],
+                4 << 20,
+            );
             let mut l = link::dial(&Endpoint::Tcp(target.clone()), &secret, hello, &opts)
                 .await
                 .expect("authenticated dial");

@@ -122,7 +122,7 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
         stall_timeout: Duration::from_secs(2),
         counters: Arc::new(LinkCounters::new()),
     };
-    let hello = link::local_hello("rogue", vec!["tcp".into()], 4 << 20);
+    let hello = link::local_hello("rogue", vec![ferry::TransportName::Tcp], 4 << 20);
     let mut rogue = link::dial(&Endpoint::Tcp(echo.addr.clone()), &secret, hello, &opts)
         .await
         .expect("authenticated dial");

@@ -272,7 +272,9 @@ impl Coordinator {
         failed: Option<ferry_config::TransportName>,
     ) -> Explanation {
         let hello = self.sessions.get(peer).and_then(|s| s.hello.as_ref());
-        let offers = hello.map(|h| h.transports.as_slice());
+        let offers: Option<Vec<ferry_config::TransportName>> =
+            hello.map(|h| h.transports.iter().map(|&t| t.into()).collect());
+        let offers = offers.as_deref();
         // Before the first link to the peer there is no hello: `destination` assumes host.
         let receives = hello.map(|h| memory_class(MemoryKind::from_wire(h.receives)));
         let (dst, dst_from) = route::destination(dst, receives);
@@ -287,7 +289,7 @@ impl Coordinator {
             &|t| {
                 if Some(t) == failed {
                     Some(bad.clone())
-                } else if t == ferry_config::TransportName::Ipc {
+                } else if ferry_transports::registry::declared(t).per_peer_setup {
                     settled.clone()
                 } else {
                     None
@@ -639,16 +641,17 @@ impl Handler<SendTo> for Coordinator {
             ferry_config::Direction::Pull => WireDirection::Pull,
         };
         // If the chosen transport's setup with the peer fails, the next of the rule.
-        let fallback = (route.transport == ferry_config::TransportName::Ipc)
+        let fallback = ferry_transports::registry::declared(route.transport)
+            .per_peer_setup
             .then(|| {
                 self.route(&msg.peer, bytes, src, None, Some(route.transport))
                     .chosen
             })
             .flatten()
-            .map(|r| (r.transport.as_str().to_string(), wire(r.direction)));
+            .map(|r| (r.transport, wire(r.direction)));
         let op = Op::Send {
             tag: msg.tag,
-            transport: route.transport.as_str().to_string(),
+            transport: route.transport,
             direction: wire(route.direction),
             fallback,
             layout: msg.layout,

@@ -9,6 +9,7 @@ use ferry_actors::core::session::{
     FailKind, InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent,
     SessionLimits,
 };
+use ferry_config::TransportName;
 use ferry_transports::wire::{Layout, Message, WireDirection, WireMemoryKind, WireReason};
 use proptest::prelude::*;
 
@@ -72,7 +73,7 @@ impl Pair {
             tag,
             len: 100,
             source: WireMemoryKind::Host,
-            transport: "tcp".into(),
+            transport: TransportName::Tcp,
             direction: WireDirection::Push,
             ipc: None,
             layout: Layout::Contiguous,
@@ -462,7 +463,7 @@ fn protocol_violations_are_errors() {
             tag: 0,
             len: 1,
             source: WireMemoryKind::Host,
-            transport: "tcp".into(),
+            transport: TransportName::Tcp.into(),
             direction: WireDirection::Push,
             ipc: None,
             layout: Layout::Contiguous,
@@ -556,7 +557,7 @@ fn a_cancel_says_whose_transfer_it_names() {
                 tag: 1,
                 len: 10,
                 source: WireMemoryKind::Host,
-                transport: "tcp".into(),
+                transport: TransportName::Tcp,
                 direction: WireDirection::Push,
                 ipc: None,
                 layout: Layout::Contiguous,
@@ -598,7 +599,7 @@ struct Push {
 impl Push {
     fn new() -> Self {
         let mut b = PeerSession::new(LIMITS);
-        b.set_serves_ipc(true);
+        b.set_serves(TransportName::Ipc, true);
         Self {
             now: Instant::now(),
             a: PeerSession::new(LIMITS),
@@ -627,7 +628,7 @@ impl Push {
                     tag: 3,
                     len: 4096,
                     source: WireMemoryKind::Device(0),
-                    transport: "ipc".into(),
+                    transport: TransportName::Ipc,
                     direction: WireDirection::Push,
                     ipc: None,
                     layout: Layout::Contiguous,
@@ -778,14 +779,14 @@ fn a_grant_that_crosses_a_cancel_gives_the_lent_buffer_back() {
 fn push_offers_and_lending_grants_are_checked() {
     // A receiver without ipc refuses a push as unsupported.
     let mut p = Push::new();
-    p.b.set_serves_ipc(false);
+    p.b.set_serves(TransportName::Ipc, false);
     let _ = p.a.handle_send(
         p.now,
         SendRequest {
             tag: 1,
             len: 8,
             source: WireMemoryKind::Device(0),
-            transport: "ipc".into(),
+            transport: TransportName::Ipc,
             direction: WireDirection::Push,
             ipc: None,
             layout: Layout::Contiguous,
@@ -807,7 +808,7 @@ fn push_offers_and_lending_grants_are_checked() {
                 tag: 1,
                 len: 8,
                 source: WireMemoryKind::Host,
-                transport: "tcp".into(),
+                transport: TransportName::Tcp,
                 direction: WireDirection::Push,
                 ipc: None,
                 layout: Layout::Contiguous,
@@ -856,7 +857,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
         tag: 0,
         len: 8,
         source: WireMemoryKind::Host,
-        transport: "tcp".into(),
+        transport: TransportName::Tcp.into(),
         direction: WireDirection::Push,
         ipc: None,
         layout: Layout::Contiguous,
@@ -867,7 +868,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
 
 #[test]
 fn offers_whose_layout_does_not_match_are_refused() {
-    let offer = |len, transport: &str, layout| {
+    let offer = |len, transport: TransportName, layout| {
         Message::Offer(ferry_transports::wire::Offer {
             transfer: 1,
             tag: 0,
@@ -891,13 +892,13 @@ fn offers_whose_layout_does_not_match_are_refused() {
     };
     for (msg, why) in [
         (
-            offer(399, "tcp", rows),
+            offer(399, TransportName::Tcp, rows),
             "packs 400 bytes, the offer says 399",
         ),
-        (offer(400, "tcp", bad), "smaller than a row"),
+        (offer(400, TransportName::Tcp, bad), "smaller than a row"),
     ] {
         let mut s = PeerSession::new(LIMITS);
-        s.set_serves_ipc(true);
+        s.set_serves(TransportName::Ipc, true);
         s.handle_message(msg).expect("refused, not a violation");
         match s.poll_transmit() {
             Some(Message::Cancel(c)) => assert!(c.detail.contains(why), "{}", c.detail),
@@ -906,7 +907,8 @@ fn offers_whose_layout_does_not_match_are_refused() {
         assert_eq!(s.poll_event(), None);
     }
     let mut s = PeerSession::new(LIMITS);
-    s.handle_message(offer(400, "tcp", rows)).expect("valid");
+    s.handle_message(offer(400, TransportName::Tcp, rows))
+        .expect("valid");
     assert!(matches!(
         s.poll_event(),
         Some(SessionEvent::Reserve { len: 400, .. })
@@ -919,12 +921,12 @@ fn offers_whose_layout_does_not_match_are_refused() {
 #[test]
 fn staged_offers_reserve_for_staging_and_stream() {
     let mut p = Push::new();
-    p.b.set_serves_ipc(false);
+    p.b.set_serves(TransportName::Ipc, false);
     let request = |direction, ipc| SendRequest {
         tag: 1,
         len: 4096,
         source: WireMemoryKind::Device(0),
-        transport: "staged".into(),
+        transport: TransportName::Staged,
         direction,
         ipc,
         layout: Layout::Contiguous,

@@ -653,7 +653,7 @@ pub(crate) mod tests {
         let e = choose(
             &[rule("x", vec![TransportName::Ipc, TransportName::Tcp])],
             &catalog(),
-            Some(&["ipc".to_string()]),
+            Some(&[TransportName::Ipc]),
             query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
         );
         let kinds: Vec<_> = e.skipped.iter().map(|(t, w)| skip(*t, w).kind).collect();

@@ -290,7 +290,7 @@ pub async fn hand_driven_link(
     node: &Node,
     target: ferry_transports::link::Endpoint,
     name: &str,
-    transports: Vec<String>,
+    transports: Vec<ferry::TransportName>,
 ) -> ferry_transports::link::Link {
     use ferry_transports::link::{self, LinkCounters, LinkOptions, Secret};
     let secret = Secret::new(std::fs::read(secret).expect("secret"));

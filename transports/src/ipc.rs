@@ -23,6 +23,8 @@ pub fn capabilities() -> Capabilities {
         directions: &[Direction::Pull, Direction::Push],
         needs_fd_passing: true,
         one_sided_put: false,
+        carrier: crate::transport::Carrier::Memory,
+        per_peer_setup: true,
     }
 }
 

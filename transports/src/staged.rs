@@ -56,6 +56,8 @@ pub fn capabilities() -> Capabilities {
         directions: &[Direction::Push],
         needs_fd_passing: false,
         one_sided_put: false,
+        carrier: crate::transport::Carrier::Ring,
+        per_peer_setup: false,
     }
 }
 

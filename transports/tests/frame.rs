@@ -9,8 +9,8 @@ use std::task::{Context, Poll, Waker};
 use ferry_transports::wire::{
     Cancel, DataChunk, Done, Frame, FrameError, FrameHeader, FrameKind, FrameReader, Grant,
     HEADER_LEN, Hello, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError,
-    WireDirection, WireMemoryKind, WireReason, decode, encode, encode_payload, parse_header,
-    read_frame,
+    WireDirection, WireMemoryKind, WireReason, WireTransport, decode, encode, encode_payload,
+    parse_header, read_frame,
 };
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
@@ -22,7 +22,7 @@ fn hello() -> Hello {
         version: PROTOCOL_VERSION,
         host_id: "0123456789abcdef".into(),
         pid: 4242,
-        transports: vec!["tcp".into(), "ipc".into()],
+        transports: vec![WireTransport::Tcp, WireTransport::Ipc],
         max_frame: CAP,
         receives: WireMemoryKind::Device(1),
     }
@@ -87,7 +87,7 @@ fn corpus() -> Vec<Item> {
             tag: 0xfeed,
             len: 1 << 30,
             source: WireMemoryKind::Device(3),
-            transport: "ipc".into(),
+            transport: WireTransport::Ipc,
             direction: WireDirection::Pull,
             ipc: Some(ferry_transports::wire::IpcSource {
                 device_uuid: "GPU-0".into(),

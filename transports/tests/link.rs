@@ -63,7 +63,11 @@ fn serve_one(
 ) -> JoinHandle<Result<Link, LinkError>> {
     tokio::spawn(async move {
         let (accepted, _peer) = listener.accept().await?;
-        let hello = local_hello("server", vec!["tcp".into()], opts.max_frame);
+        let hello = local_hello(
+            "server",
+            vec![ferry_config::TransportName::Tcp],
+            opts.max_frame,
+        );
         accept_handshake(accepted, &secret, hello, &opts).await
     })
 }
@@ -89,7 +93,14 @@ async fn connected_pair_counted(
     let counters = server_opts.counters.clone();
     let server = serve_one(listener, secret(), server_opts);
     let client_opts = options(PATIENT);
-    let hello = local_hello("client", vec!["tcp".into(), "ipc".into()], CAP);
+    let hello = local_hello(
+        "client",
+        vec![
+            ferry_config::TransportName::Tcp,
+            ferry_config::TransportName::Ipc,
+        ],
+        CAP,
+    );
     let client = dial(&endpoint, &secret(), hello, &client_opts).await;
     let server = joined(server).await;
     match (client, server) {
@@ -101,7 +112,13 @@ async fn connected_pair_counted(
 fn check_hellos(client: &Link, server: &Link) {
     assert_eq!(client.peer_hello.node, "server");
     assert_eq!(server.peer_hello.node, "client");
-    assert_eq!(server.peer_hello.transports, vec!["tcp", "ipc"]);
+    assert_eq!(
+        server.peer_hello.transports,
+        vec![
+            ferry_transports::wire::WireTransport::Tcp,
+            ferry_transports::wire::WireTransport::Ipc
+        ]
+    );
     assert_eq!(server.peer_hello.version, PROTOCOL_VERSION);
     assert_eq!(server.peer_hello.host_id, host_id());
     assert_eq!(server.peer_hello.pid, std::process::id());

@@ -140,7 +140,7 @@ impl std::fmt::Display for Explanation {
 pub fn choose(
     rules: &[Rule],
     catalog: &[(Capabilities, Viability)],
-    peer_offers: Option<&[String]>,
+    peer_offers: Option<&[TransportName]>,
     query: RouteQuery,
 ) -> Explanation {
     choose_with_setup(rules, catalog, peer_offers, &|_| None, query)
@@ -153,7 +153,7 @@ pub fn choose(
 pub fn choose_with_setup(
     rules: &[Rule],
     catalog: &[(Capabilities, Viability)],
-    peer_offers: Option<&[String]>,
+    peer_offers: Option<&[TransportName]>,
     setup: &dyn Fn(TransportName) -> Option<SetupOutcome>,
     query: RouteQuery,
 ) -> Explanation {
@@ -183,9 +183,7 @@ pub fn choose_with_setup(
                     rule.direction,
                 )
                 .and_then(|()| match peer_offers {
-                    Some(list) if !list.iter().any(|t| t == name.as_str()) => {
-                        Err(Unsuitable::PeerLacks)
-                    }
+                    Some(list) if !list.contains(&name) => Err(Unsuitable::PeerLacks),
                     _ => Ok(()),
                 })
                 .and_then(|()| match setup(name) {
@@ -267,7 +265,7 @@ mod tests {
             Some((TransportName::Tcp, Direction::Push))
         );
         let rules = vec![rule("push", vec![TransportName::Tcp], Direction::Push)];
-        let e = choose(&rules, &catalog(), Some(&["ipc".to_string()]), HOST);
+        let e = choose(&rules, &catalog(), Some(&[TransportName::Ipc]), HOST);
         assert_eq!(e.skipped[0].1, Unsuitable::PeerLacks);
     }
 

@@ -19,6 +19,9 @@
 //! grant lent stays lent until then, even when the transfer is abandoned meanwhile (the
 //! shell keeps it: the peer may still be copying into it).
 
+use ferry_config::TransportName;
+use ferry_transports::registry;
+use ferry_transports::transport::Carrier;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -111,7 +114,7 @@ pub struct SendRequest {
     /// Where they are.
     pub source: WireMemoryKind,
     /// Transport chosen by the route.
-    pub transport: String,
+    pub transport: TransportName,
     /// Direction chosen by the route.
     pub direction: WireDirection,
     /// For a pulled (ipc) transfer: where the peer reads the bytes.
@@ -179,7 +182,7 @@ pub enum SessionEvent {
         /// Its tag.
         tag: u64,
         /// The transport it came over, as the offer named it.
-        transport: String,
+        transport: TransportName,
         /// How the bytes lay at the sender (they arrive packed).
         layout: Layout,
     },
@@ -275,7 +278,7 @@ enum InPhase {
 #[derive(Debug)]
 struct InboundOp {
     tag: u64,
-    transport: String,
+    transport: TransportName,
     layout: Layout,
     phase: InPhase,
     /// Bytes reserved for it (its packed length).
@@ -299,9 +302,10 @@ impl InboundOp {
 #[derive(Debug)]
 pub struct PeerSession {
     limits: SessionLimits,
-    /// True when this node can take ipc transfers (pull from the peer's device memory, or
-    /// lend its own for a push).
-    serves_ipc: bool,
+    /// The transports that move bytes straight between the two processes' memory
+    /// ([`Carrier::Memory`]) this node takes from this peer now (their per-peer setup
+    /// succeeded); offers over any other such transport are refused as unsupported.
+    serves_memory: Vec<TransportName>,
     next_op: u64,
     ops: BTreeMap<OpId, Phase>,
     inbound: BTreeMap<InboundId, InboundOp>,
@@ -326,7 +330,7 @@ impl PeerSession {
     pub fn new(limits: SessionLimits) -> Self {
         Self {
             limits,
-            serves_ipc: false,
+            serves_memory: Vec::new(),
             next_op: 1,
             ops: BTreeMap::new(),
             inbound: BTreeMap::new(),
@@ -363,9 +367,14 @@ impl PeerSession {
         self.delivered.saturating_add(lane).saturating_sub(taken)
     }
 
-    /// Whether ipc offers (pull or push) are accepted; refused as unsupported otherwise.
-    pub fn set_serves_ipc(&mut self, serves: bool) {
-        self.serves_ipc = serves;
+    /// Whether offers over `transport`, a [`Carrier::Memory`] transport (pull or push), are
+    /// accepted; they are refused as unsupported otherwise. Link and ring transports are
+    /// always taken.
+    pub fn set_serves(&mut self, transport: TransportName, serves: bool) {
+        self.serves_memory.retain(|t| *t != transport);
+        if serves {
+            self.serves_memory.push(transport);
+        }
     }
 
     /// Queues a transfer; it is offered in order once a pipeline slot is free.
@@ -445,7 +454,7 @@ impl PeerSession {
                         tag: req.tag,
                         len: req.len,
                         source: req.source,
-                        transport: req.transport.clone(),
+                        transport: req.transport.into(),
                         direction: req.direction,
                         ipc: req.ipc.clone(),
                         layout: req.layout,
@@ -613,6 +622,8 @@ impl PeerSession {
                 offer.transfer
             )));
         }
+        let transport = TransportName::from(offer.transport);
+        let carrier = registry::carrier(transport);
         let refuse = if self.draining {
             Some((
                 WireReason::ShuttingDown,
@@ -625,21 +636,14 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
-        } else if !((offer.transport == "tcp" || offer.transport == "staged")
-            && offer.direction == WireDirection::Push
-            && offer.ipc.is_none()
-            || offer.transport == "ipc"
-                && self.serves_ipc
-                && match offer.direction {
-                    WireDirection::Pull => offer.ipc.is_some(),
-                    WireDirection::Push => offer.ipc.is_none(),
-                })
+        } else if !(carrier.fits(offer.direction, offer.ipc.is_some())
+            && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
         {
             Some((
                 WireReason::Unsupported,
                 format!(
-                    "transport {} with direction {:?} is not served here",
-                    offer.transport, offer.direction
+                    "transport {transport} with direction {:?} is not served here",
+                    offer.direction
                 ),
             ))
         } else {
@@ -654,20 +658,20 @@ impl PeerSession {
             }));
             return Ok(());
         }
-        let push = offer.transport == "ipc" && offer.direction == WireDirection::Push;
+        let push = carrier.push_lends() && offer.direction == WireDirection::Push;
         let reserve = SessionEvent::Reserve {
             id,
             len: offer.len,
             pull: offer.ipc,
             push,
-            staged: offer.transport == "staged",
+            staged: carrier == Carrier::Ring,
             layout: offer.layout,
         };
         self.inbound.insert(
             id,
             InboundOp {
                 tag: offer.tag,
-                transport: offer.transport.clone(),
+                transport,
                 layout: offer.layout,
                 phase: InPhase::Queued,
                 len: offer.len,
@@ -722,7 +726,8 @@ impl PeerSession {
         let id = OpId(grant.transfer);
         match self.ops.remove(&id) {
             Some(Phase::AwaitGrant(req)) => {
-                let pushes = req.transport == "ipc" && req.direction == WireDirection::Push;
+                let pushes = registry::carrier(req.transport).push_lends()
+                    && req.direction == WireDirection::Push;
                 if grant.target.is_some() && !pushes {
                     let why = format!(
                         "grant for transfer {} lends a buffer to a transfer over {} ({:?})",

@@ -133,7 +133,7 @@ impl TransferActor {
                     let delivered = Delivered {
                         peer: self.peer.clone(),
                         tag,
-                        transport: transport_label(&transport),
+                        transport: transport.as_str(),
                         layout,
                         buffer,
                         pending,
@@ -235,7 +235,7 @@ impl TransferActor {
                 direction,
                 peer_class,
             } = &entry.labels;
-            metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.clone(),
+            metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.as_str(),
                 "direction" => *direction, "peer_class" => *peer_class)
             .increment(entry.moved());
             metrics::histogram!("ferry_transfer_duration_seconds")

@@ -150,13 +150,16 @@ pub enum Op {
     Send {
         /// Application tag.
         tag: u64,
-        /// Transport label from the route.
-        transport: String,
+        /// Transport from the route.
+        transport: ferry_config::TransportName,
         /// Direction from the route.
         direction: ferry_transports::wire::WireDirection,
         /// What to use instead if the transport's setup with the peer fails: the next
         /// transport of the rule and its direction.
-        fallback: Option<(String, ferry_transports::wire::WireDirection)>,
+        fallback: Option<(
+            ferry_config::TransportName,
+            ferry_transports::wire::WireDirection,
+        )>,
         /// How the bytes lie in the buffer (checked against it already).
         layout: Layout,
     },
@@ -314,7 +317,7 @@ impl OutEntry {
 
 /// The labels of `ferry_transfer_bytes_total`; none names a transfer or an address.
 struct TransferLabels {
-    transport: String,
+    transport: ferry_config::TransportName,
     direction: &'static str,
     peer_class: &'static str,
 }
@@ -491,7 +494,9 @@ impl Handler<Submit> for TransferActor {
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
         let (reply, rx) = oneshot::channel();
-        let wants_ipc = matches!(&msg.op, Op::Send { transport, .. } if transport == "ipc");
+        // A transport that needs a setup with the peer first (today ipc's pool import).
+        let wants_ipc = matches!(&msg.op, Op::Send { transport, .. }
+            if ferry_transports::registry::declared(*transport).per_peer_setup);
         if wants_ipc {
             let ticket = self.ipc.next_ticket;
             self.ipc.next_ticket += 1;
@@ -532,8 +537,10 @@ impl Handler<Attach> for TransferActor {
         self.link += 1;
         self.ipc.peer_pid = link.peer_hello.pid;
         self.ipc.same_host = link.peer_hello.host_id == ferry_transports::link::host_id();
-        self.session
-            .set_serves_ipc(self.ipc.same_host && !self.setup.gpus.is_empty());
+        self.session.set_serves(
+            ferry_config::TransportName::Ipc,
+            self.ipc.same_host && !self.setup.gpus.is_empty(),
+        );
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -765,10 +772,6 @@ impl Handler<PutFinished> for TransferActor {
 }
 
 /// The static label of a transport named on the wire.
-fn transport_label(name: &str) -> &'static str {
-    name.parse::<ferry_config::TransportName>()
-        .map_or("unknown", ferry_config::TransportName::as_str)
-}
 
 fn note_protocol_violation() {
     metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);

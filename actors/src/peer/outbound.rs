@@ -2,13 +2,15 @@
 //! bytes stream over the link or the staged ring; an ipc setup that failed falls back.
 
 use super::*;
+use ferry_transports::registry;
+use ferry_transports::transport::Carrier;
 
 impl TransferActor {
     pub(super) fn start_stream(&mut self, op: OpId, ctx: &mut Context<Self>) {
         if self
             .outbound
             .get(&op)
-            .is_some_and(|e| e.labels.transport == "staged")
+            .is_some_and(|e| registry::carrier(e.labels.transport) == Carrier::Ring)
         {
             self.offer_staged_ring(ctx);
             // The link is many times slower than the ring: a staged send waits a little for
@@ -80,7 +82,7 @@ impl TransferActor {
         // A staged transfer to a peer reading our ring goes through it; else (another
         // host, or the ring not read yet) over the link, where the peer lands it alike.
         if let (StreamWhat::Transfer(layout), Some((tx, _))) = (entry.what, &self.staged.tx)
-            && entry.labels.transport == "staged"
+            && registry::carrier(entry.labels.transport) == Carrier::Ring
             && tx.is_attached()
         {
             let job = crate::staged::Job {
@@ -151,7 +153,7 @@ impl TransferActor {
                 };
                 // A node of this process reads our memory directly: a push to it is pulled
                 // (the same single peer copy, with no buffer to lend).
-                let direction = if transport == "ipc"
+                let direction = if registry::carrier(transport) == Carrier::Memory
                     && direction == WireDirection::Push
                     && self.ipc.in_process()
                 {
@@ -206,7 +208,7 @@ impl TransferActor {
                 );
                 // A put always travels over the tcp link today.
                 let labels = TransferLabels {
-                    transport: "tcp".into(),
+                    transport: ferry_config::TransportName::Tcp,
                     direction: "put",
                     peer_class,
                 };
@@ -295,10 +297,10 @@ impl TransferActor {
         else {
             return self.queue_submit(msg, reply, ctx);
         };
-        let from = transport.clone();
+        let from = *transport;
         match fallback.take() {
             Some((next, next_direction)) => {
-                metrics::counter!("ferry_failover_total", "from" => from.clone(), "to" => next.clone())
+                metrics::counter!("ferry_failover_total", "from" => from.as_str(), "to" => next.as_str())
                     .increment(1);
                 tracing::debug!(peer = %self.peer, %from, to = %next, "falling back: {why}");
                 *transport = next;

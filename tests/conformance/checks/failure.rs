@@ -388,12 +388,5 @@ async fn rogue(scratch: &Scratch, hub: &Node, name: &str, combo: &Combo) -> Link
         Some(path) if combo.caps.needs_fd_passing => Endpoint::Unix(path.to_path_buf()),
         _ => Endpoint::Tcp(hub.tcp_addrs()[0].clone()),
     };
-    hand_driven_link(
-        &scratch.secret,
-        hub,
-        target,
-        name,
-        vec![combo.name().to_string()],
-    )
-    .await
+    hand_driven_link(&scratch.secret, hub, target, name, vec![combo.caps.name]).await
 }

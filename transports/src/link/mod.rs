@@ -553,13 +553,17 @@ impl LinkWriter {
 /// the transports we serve and our frame cap. It says we receive into host memory, which
 /// every node can take; a node that receives elsewhere sets [`Hello::receives`] (ferry's
 /// nodes do, in one place: `ferry_actors::coordinator::node_hello`).
-pub fn local_hello(node: impl Into<String>, transports: Vec<String>, max_frame: u32) -> Hello {
+pub fn local_hello(
+    node: impl Into<String>,
+    transports: Vec<ferry_config::TransportName>,
+    max_frame: u32,
+) -> Hello {
     Hello {
         node: node.into(),
         version: PROTOCOL_VERSION,
         host_id: host_id(),
         pid: std::process::id(),
-        transports,
+        transports: transports.into_iter().map(Into::into).collect(),
         max_frame,
         receives: crate::wire::WireMemoryKind::Host,
     }

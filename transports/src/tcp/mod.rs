@@ -28,6 +28,8 @@ pub fn capabilities() -> Capabilities {
         directions: &[Direction::Push],
         needs_fd_passing: false,
         one_sided_put: true,
+        carrier: crate::transport::Carrier::Link,
+        per_peer_setup: false,
     }
 }
 

@@ -22,6 +22,46 @@ pub struct Capabilities {
     pub needs_fd_passing: bool,
     /// True when it can write into a region the peer granted without a matching receive.
     pub one_sided_put: bool,
+    /// How its bytes travel once the receiver has memory: what a session checks an offer
+    /// against (never the transport's name).
+    pub carrier: Carrier,
+    /// True when it needs a setup with each peer before its first transfer (the lazy setup
+    /// machine runs it; routing skips it while that setup has failed).
+    pub per_peer_setup: bool,
+}
+
+/// How a transport's bytes travel between the two nodes once the receiver has memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Carrier {
+    /// Streamed over the control link in chunks, pushed by the sender.
+    Link,
+    /// Through a staging ring shared by the two processes on one host, else over the link
+    /// as [`Carrier::Link`]; pushed by the sender.
+    Ring,
+    /// Straight between the two processes' memory: on a pull the receiver reads the buffer
+    /// the offer describes; on a push the sender writes into the buffer the grant lends.
+    Memory,
+}
+
+impl Carrier {
+    /// Whether an offer with `direction`, which describes a source buffer when
+    /// `has_source`, is well formed for this carrier.
+    pub fn fits(self, direction: crate::wire::WireDirection, has_source: bool) -> bool {
+        use crate::wire::WireDirection::{Pull, Push};
+        match self {
+            Self::Link | Self::Ring => direction == Push && !has_source,
+            Self::Memory => match direction {
+                Pull => has_source,
+                Push => !has_source,
+            },
+        }
+    }
+
+    /// Whether a push over this carrier borrows a buffer the receiver lends in its grant.
+    pub fn push_lends(self) -> bool {
+        self == Self::Memory
+    }
 }
 
 /// Whether a transport can run on this machine, and if not, why.

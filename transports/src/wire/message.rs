@@ -8,11 +8,12 @@
 //! a chunk, and the chunk's bytes follow it as one raw [`FrameKind::Payload`] frame, so
 //! neither side copies them through an archive.
 
+use ferry_config::TransportName;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,6 +37,54 @@ pub enum WireDirection {
     Pull,
 }
 
+/// A transport, by name, as it travels on the wire (a closed set: a peer that sends another
+/// value breaks the protocol; both ends must speak the same [`PROTOCOL_VERSION`]).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum WireTransport {
+    /// `tcp`.
+    Tcp,
+    /// `ipc`.
+    Ipc,
+    /// `staged`.
+    Staged,
+    /// `ucx`.
+    Ucx,
+}
+
+impl From<TransportName> for WireTransport {
+    fn from(name: TransportName) -> Self {
+        match name {
+            TransportName::Tcp => Self::Tcp,
+            TransportName::Ipc => Self::Ipc,
+            TransportName::Staged => Self::Staged,
+            TransportName::Ucx => Self::Ucx,
+        }
+    }
+}
+
+impl From<WireTransport> for TransportName {
+    fn from(name: WireTransport) -> Self {
+        match name {
+            WireTransport::Tcp => Self::Tcp,
+            WireTransport::Ipc => Self::Ipc,
+            WireTransport::Staged => Self::Staged,
+            WireTransport::Ucx => Self::Ucx,
+        }
+    }
+}
+
+impl From<&ArchivedWireTransport> for WireTransport {
+    fn from(name: &ArchivedWireTransport) -> Self {
+        match name {
+            ArchivedWireTransport::Tcp => Self::Tcp,
+            ArchivedWireTransport::Ipc => Self::Ipc,
+            ArchivedWireTransport::Staged => Self::Staged,
+            ArchivedWireTransport::Ucx => Self::Ucx,
+        }
+    }
+}
+
 /// A node's greeting, the first frame on every link after authentication.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
@@ -48,8 +97,8 @@ pub struct Hello {
     pub host_id: String,
     /// Process id of the sender (same-host peers use it in diagnostics).
     pub pid: u32,
-    /// Transports the sender can serve, by name (`"tcp"`, `"ipc"`, ...).
-    pub transports: Vec<String>,
+    /// Transports the sender can serve.
+    pub transports: Vec<WireTransport>,
     /// The largest frame the sender accepts, in bytes.
     pub max_frame: u32,
     /// Where the sender lands the buffers it receives, by default: its
@@ -73,7 +122,7 @@ pub struct Offer {
     /// Where the bytes live at the sender.
     pub source: WireMemoryKind,
     /// Transport chosen by the sender's route rules.
-    pub transport: String,
+    pub transport: WireTransport,
     /// Who moves the bytes.
     pub direction: WireDirection,
     /// For an ipc pull: where the receiver reads the bytes from.
