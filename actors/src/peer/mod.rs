@@ -771,7 +771,6 @@ impl Handler<PutFinished> for TransferActor {
     }
 }
 
-/// The static label of a transport named on the wire.
 
 fn note_protocol_violation() {
     metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);

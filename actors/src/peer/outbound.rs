@@ -162,7 +162,7 @@ impl TransferActor {
                     direction
                 };
                 let labels = TransferLabels {
-                    transport: transport.clone(),
+                    transport,
                     direction: match direction {
                         WireDirection::Push => "push",
                         WireDirection::Pull => "pull",
