@@ -771,7 +771,6 @@ impl Handler<PutFinished> for TransferActor {
     }
 }
 
-
 fn note_protocol_violation() {
     metrics::counter!("ferry_frames_rejected_total", "reason" => "protocol").increment(1);
 }
