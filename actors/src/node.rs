@@ -346,7 +346,7 @@ impl Node {
                         let transfer = TransferSetupBase {
                             limits: SessionLimits {
                                 queue: limits.peer_queue,
-                                in_flight: config.transport.tcp.pipeline_depth as usize,
+                                in_flight: limits.pipeline_depth as usize,
                                 // At least any sender's pipeline (its window bounds what
                                 // it has open here), whatever our own queue bound.
                                 inbound: limits
@@ -375,11 +375,9 @@ impl Node {
                                 slots: config.transport.staged.slots,
                                 chunk: config.transport.staged.chunk,
                                 shared_memory: config.transport.staged.shared_memory,
-                                spin: config
-                                    .transport
-                                    .ipc
-                                    .lane_spin
-                                    .max(crate::staged::STAGED_SPIN),
+                                link_chunk: usize::try_from(config.transport.staged.link_chunk)
+                                    .unwrap_or(1 << 20),
+                                spin: config.transport.staged.spin,
                             },
                         };
                         let coordinator = Coordinator::new(CoordinatorSetup {

@@ -27,12 +27,6 @@ use ferry_transports::wire::{DataChunk, Layout};
 use crate::core::session::OpId;
 use crate::data_event::DataEvent;
 
-/// How long a staged thread spins for its next slot or chunk before it parks on the ring's
-/// futex (`transport.ipc.lane_spin` when that is longer). Longer than a chunk's copy
-/// (16 MiB: about 300 µs at 55 GB/s), so that a busy transfer never pays a futex wake-up
-/// per chunk; a thread with nothing to do parks after it.
-pub const STAGED_SPIN: Duration = Duration::from_millis(2);
-
 /// `[transport.staged]`, as the actors use it.
 #[derive(Debug, Clone, Copy)]
 pub struct StagedSettings {
@@ -42,7 +36,10 @@ pub struct StagedSettings {
     pub chunk: AutoSize,
     /// Whether same-host peers share the slots.
     pub shared_memory: bool,
-    /// How long a staged thread spins for its next chunk or slot before it parks.
+    /// Bytes per data frame when the chunks go over the link.
+    pub link_chunk: usize,
+    /// How long a staged thread spins for its next chunk or slot before it parks (longer
+    /// than a chunk's copy, so that a busy transfer never pays a futex wake-up per chunk).
     pub spin: Duration,
 }
 

@@ -52,6 +52,6 @@ pub use schema::{
 };
 pub use units::{AutoSize, Budget, format_size, parse_size};
 
-/// The largest `transport.tcp.pipeline_depth`: a receiver lets each peer have at least this
+/// The largest `limits.pipeline_depth`: a receiver lets each peer have at least this
 /// many transfers open, so that no sender's window is refused.
 pub const MAX_PIPELINE_DEPTH: u32 = 1024;

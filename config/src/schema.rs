@@ -213,15 +213,12 @@ pub struct TcpTuning {
     /// `limits.max_frame` at most.
     #[serde(with = "size")]
     pub chunk_size: u64,
-    /// Chunks in flight per transfer before waiting for credit. Default 8, at least 1.
-    pub pipeline_depth: u32,
 }
 
 impl Default for TcpTuning {
     fn default() -> Self {
         TcpTuning {
             chunk_size: 1 << 20,
-            pipeline_depth: 8,
         }
     }
 }
@@ -275,6 +272,16 @@ pub struct StagedTuning {
     /// copy out and one copy in, without the socket. Default true; false sends every
     /// chunk over the link, as to another host.
     pub shared_memory: bool,
+    /// Payload bytes per data frame when the chunks go over the link (another host, or
+    /// `shared_memory = false`). Default `"1 MiB"`; at least 4 KiB, and 64 KiB less than
+    /// `limits.max_frame` at most.
+    #[serde(with = "size")]
+    pub link_chunk: u64,
+    /// How long a staging thread spins for the next chunk or free slot before it sleeps on
+    /// a futex. Longer than one chunk's copy, so a busy transfer never pays a wake-up per
+    /// chunk. Default `"2ms"`; at most 100 ms.
+    #[serde(with = "duration")]
+    pub spin: Duration,
 }
 
 impl Default for StagedTuning {
@@ -283,6 +290,8 @@ impl Default for StagedTuning {
             slots: 8,
             chunk: AutoSize::Auto,
             shared_memory: true,
+            link_chunk: 1 << 20,
+            spin: Duration::from_millis(2),
         }
     }
 }
@@ -334,6 +343,10 @@ pub struct LimitsConfig {
     /// Inbound transfers of one peer being reserved or received at once (outstanding
     /// grants); later offers wait their turn. Default 64, at least 1.
     pub peer_grants: usize,
+    /// Transfers this node has open with one peer at once, over any transport: offered
+    /// and not yet ended, counted from the oldest still open. Later sends wait in the
+    /// peer's queue (`peer_queue`). Default 8; 1 to 1024.
+    pub pipeline_depth: u32,
 }
 
 impl Default for LimitsConfig {
@@ -352,6 +365,7 @@ impl Default for LimitsConfig {
             first_byte_timeout: Duration::from_secs(1),
             peer_inbound_bytes: 4 << 30,
             peer_grants: 64,
+            pipeline_depth: 8,
         }
     }
 }

@@ -199,9 +199,10 @@ impl Config {
                 ),
             );
         }
-        if tcp.pipeline_depth < 1 || tcp.pipeline_depth > crate::MAX_PIPELINE_DEPTH {
+        if self.limits.pipeline_depth < 1 || self.limits.pipeline_depth > crate::MAX_PIPELINE_DEPTH
+        {
             return fail(
-                "transport.tcp.pipeline_depth",
+                "limits.pipeline_depth",
                 format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
             );
         }
@@ -212,6 +213,18 @@ impl Config {
             return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }
         let staged = &self.transport.staged;
+        if staged.link_chunk < MIN_CHUNK {
+            return fail(
+                "transport.staged.link_chunk",
+                format!(
+                    "{} is below the minimum of 4 KiB",
+                    format_size(staged.link_chunk)
+                ),
+            );
+        }
+        if staged.spin > std::time::Duration::from_millis(100) {
+            return fail("transport.staged.spin", "must be at most 100ms");
+        }
         if !(2..=64).contains(&staged.slots) {
             return fail(
                 "transport.staged.slots",
@@ -299,16 +312,23 @@ impl Config {
                 ),
             );
         }
-        let chunk = self.transport.tcp.chunk_size;
-        if chunk.saturating_add(FRAME_OVERHEAD) > limits.max_frame {
-            return Err(Violation {
-                keys: vec!["transport.tcp.chunk_size".into(), "limits.max_frame".into()],
-                detail: format!(
-                    "transport.tcp.chunk_size ({}) plus 64 KiB of framing must fit in limits.max_frame ({}); lower the chunk size or raise limits.max_frame",
-                    format_size(chunk),
-                    format_size(limits.max_frame)
-                ),
-            });
+        for (key, chunk) in [
+            ("transport.tcp.chunk_size", self.transport.tcp.chunk_size),
+            (
+                "transport.staged.link_chunk",
+                self.transport.staged.link_chunk,
+            ),
+        ] {
+            if chunk.saturating_add(FRAME_OVERHEAD) > limits.max_frame {
+                return Err(Violation {
+                    keys: vec![key.into(), "limits.max_frame".into()],
+                    detail: format!(
+                        "{key} ({}) plus 64 KiB of framing must fit in limits.max_frame ({}); lower the chunk size or raise limits.max_frame",
+                        format_size(chunk),
+                        format_size(limits.max_frame)
+                    ),
+                });
+            }
         }
         for (key, value) in [
             ("limits.default_deadline", limits.default_deadline),
@@ -451,6 +471,19 @@ mod tests {
                 "node.listen[0]",
             ),
             (|c| c.node.socket_dir = Some("".into()), "node.socket_dir"),
+            (
+                |c| c.transport.staged.link_chunk = 1024,
+                "transport.staged.link_chunk",
+            ),
+            (
+                |c| c.transport.staged.link_chunk = 4 << 20,
+                "transport.staged.link_chunk",
+            ),
+            (
+                |c| c.transport.staged.spin = std::time::Duration::from_secs(1),
+                "transport.staged.spin",
+            ),
+            (|c| c.limits.pipeline_depth = 1025, "limits.pipeline_depth"),
             (|c| c.memory.host = Budget::Bytes(0), "memory.host"),
             (
                 |c| c.transport.tcp.chunk_size = 1024,
@@ -460,10 +493,7 @@ mod tests {
                 |c| c.transport.tcp.chunk_size = 4 << 20,
                 "transport.tcp.chunk_size",
             ),
-            (
-                |c| c.transport.tcp.pipeline_depth = 0,
-                "transport.tcp.pipeline_depth",
-            ),
+            (|c| c.limits.pipeline_depth = 0, "limits.pipeline_depth"),
             (|c| c.transport.rules.clear(), "transport.rules"),
             (
                 |c| c.transport.rules[0].transports.clear(),

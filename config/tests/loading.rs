@@ -312,6 +312,11 @@ fn unknown_keys_are_named() {
     let err = expect_bad("bogus = 1\n", "bogus");
     assert!(err.to_string().contains("unknown field `bogus`"), "{err}");
     expect_bad("[limits]\nmailboxx = 3\n", "limits.mailboxx");
+    // Moved to `limits.pipeline_depth`: the old key is refused, not silently ignored.
+    expect_bad(
+        "[transport.tcp]\npipeline_depth = 8\n",
+        "transport.tcp.pipeline_depth",
+    );
     expect_bad(
         "[transport.tcp]\nchunk = \"1 MiB\"\n",
         "transport.tcp.chunk",

@@ -8,7 +8,6 @@ pub(super) async fn write_loop(
     mut writer: LinkWriter,
     mut rx: mpsc::Receiver<Outgoing>,
     me: Addr<TransferActor>,
-    chunk: usize,
     link: u64,
 ) {
     let mut failure: Option<LinkError> = None;
@@ -31,6 +30,7 @@ pub(super) async fn write_loop(
                 what,
                 bytes,
                 stop,
+                chunk,
             } => {
                 let result = stream(&mut writer, op, what, &bytes, &stop, chunk).await;
                 drop(bytes);

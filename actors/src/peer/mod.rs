@@ -277,6 +277,8 @@ enum Outgoing {
         what: StreamWhat,
         bytes: SharedBytes,
         stop: Arc<AtomicBool>,
+        /// Bytes per data frame.
+        chunk: usize,
     },
     Close,
 }
@@ -549,10 +551,9 @@ impl Handler<Attach> for TransferActor {
         }
         self.writer = Some(tx);
         let me = ctx.address();
-        let chunk = self.setup.chunk;
         self.setup
             .io
-            .spawn(write_loop(link.writer, rx, me.clone(), chunk, self.link));
+            .spawn(write_loop(link.writer, rx, me.clone(), self.link));
         let reader = ReadLoop {
             me,
             regions: Arc::clone(&self.regions),

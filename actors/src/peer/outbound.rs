@@ -98,11 +98,22 @@ impl TransferActor {
             }
             return;
         }
+        // Each transport's own frame size: staged chunks over the link are sized by
+        // `[transport.staged]`, tcp's and puts' by `[transport.tcp]`.
+        let chunk = match entry.what {
+            StreamWhat::Transfer(_)
+                if registry::carrier(entry.labels.transport) == Carrier::Ring =>
+            {
+                self.setup.staged.link_chunk
+            }
+            _ => self.setup.chunk,
+        };
         let out = Outgoing::Stream {
             op,
             what: entry.what,
             bytes: entry.buffer.share(),
             stop: Arc::clone(&entry.stop),
+            chunk,
         };
         let sent = match &self.writer {
             Some(w) => w.try_send(out).is_ok(),
