@@ -464,6 +464,131 @@ impl Coordinator {
     }
 }
 
+#[derive(Clone, Copy)]
+enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every metric ferry records: kind, name, unit and help text.
+const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
+    (
+        MetricKind::Counter,
+        "ferry_transfer_bytes_total",
+        Some(metrics::Unit::Bytes),
+        "Bytes of completed outbound transfers and puts, by transport, direction (push, pull, put) and peer_class (same_host, remote)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_transfers_total",
+        None,
+        "Outbound transfers and puts that ended, by status (completed, failed, cancelled)",
+    ),
+    (
+        MetricKind::Histogram,
+        "ferry_transfer_duration_seconds",
+        Some(metrics::Unit::Seconds),
+        "Time from submission to completion of completed outbound transfers and puts",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_failover_total",
+        None,
+        "Transfers routed past a transport whose connection setup failed, onto the next one, by transport (from, to)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_ipc_setup_total",
+        None,
+        "Lazy ipc setups with a peer that ended, by outcome (ok, bad)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_pull_failures_total",
+        None,
+        "ipc pulls that failed after memory was reserved (import or copy refused)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_push_failures_total",
+        None,
+        "ipc pushes whose copy into the peer's lent buffer failed (import or copy refused)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_device_alloc_failures_total",
+        None,
+        "Device allocations the budget allowed but the GPU refused (another process filled it)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_spill_bytes_total",
+        Some(metrics::Unit::Bytes),
+        "Bytes received into a lower memory tier because the wanted domain was full",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_frames_rejected_total",
+        None,
+        "Frames refused from peers, by reason (crc, too_long, bad_magic, protocol, ...)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_auth_failures_total",
+        None,
+        "Connections refused at the handshake (wrong secret, bad preamble, version, timeout)",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_memory_budget_bytes",
+        Some(metrics::Unit::Bytes),
+        "Budget of a memory domain",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_memory_granted_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes of a memory domain granted to buffers now",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_memory_free_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes of a memory domain's budget not granted now",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_reservations_waiting",
+        None,
+        "Reservations waiting for a memory domain's budget",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_memory_exported_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes of a memory domain held by live peers",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_memory_quarantined_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes of a memory domain held by dead peers until their lease times out",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_promoted_bytes_total",
+        Some(metrics::Unit::Bytes),
+        "Bytes moved back to a faster memory tier",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_staged_ring_chunks_total",
+        None,
+        "Staged chunks received through a same-host peer's shared-memory ring (not the link)",
+    ),
+];
+
 /// Gives every metric ferry records its help text and unit, and registers at 0 the
 /// counters that may not move for a long time (or at all yet), so dashboards and alerts see
 /// a series from the start. A binary that installs a metrics exporter calls it once, after
@@ -471,94 +596,16 @@ impl Coordinator {
 ///
 /// Labels never name a transfer or an address, so the number of series stays small.
 pub fn describe_metrics() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(
-        "ferry_transfer_bytes_total",
-        Unit::Bytes,
-        "Bytes of completed outbound transfers and puts, by transport, direction (push, pull, \
-         put) and peer_class (same_host, remote)"
-    );
-    describe_counter!(
-        "ferry_transfers_total",
-        "Outbound transfers and puts that ended, by status (completed, failed, cancelled)"
-    );
-    describe_histogram!(
-        "ferry_transfer_duration_seconds",
-        Unit::Seconds,
-        "Time from submission to completion of completed outbound transfers and puts"
-    );
-    describe_counter!(
-        "ferry_failover_total",
-        "Transfers routed past a transport whose connection setup failed, onto the next one, \
-         by transport (from, to)"
-    );
-    describe_counter!(
-        "ferry_ipc_setup_total",
-        "Lazy ipc setups with a peer that ended, by outcome (ok, bad)"
-    );
-    describe_counter!(
-        "ferry_pull_failures_total",
-        "ipc pulls that failed after memory was reserved (import or copy refused)"
-    );
-    describe_counter!(
-        "ferry_push_failures_total",
-        "ipc pushes whose copy into the peer's lent buffer failed (import or copy refused)"
-    );
-    describe_counter!(
-        "ferry_device_alloc_failures_total",
-        "Device allocations the budget allowed but the GPU refused (another process filled it)"
-    );
-    describe_counter!(
-        "ferry_spill_bytes_total",
-        Unit::Bytes,
-        "Bytes received into a lower memory tier because the wanted domain was full"
-    );
-    describe_counter!(
-        "ferry_frames_rejected_total",
-        "Frames refused from peers, by reason (crc, too_long, bad_magic, protocol, ...)"
-    );
-    describe_counter!(
-        "ferry_auth_failures_total",
-        "Connections refused at the handshake (wrong secret, bad preamble, version, timeout)"
-    );
-    describe_gauge!(
-        "ferry_memory_budget_bytes",
-        Unit::Bytes,
-        "Budget of a memory domain"
-    );
-    describe_gauge!(
-        "ferry_memory_granted_bytes",
-        Unit::Bytes,
-        "Bytes of a memory domain granted to buffers now"
-    );
-    describe_gauge!(
-        "ferry_memory_free_bytes",
-        Unit::Bytes,
-        "Bytes of a memory domain's budget not granted now"
-    );
-    describe_gauge!(
-        "ferry_reservations_waiting",
-        "Reservations waiting for a memory domain's budget"
-    );
-    describe_gauge!(
-        "ferry_memory_exported_bytes",
-        Unit::Bytes,
-        "Bytes of a memory domain held by live peers"
-    );
-    describe_gauge!(
-        "ferry_memory_quarantined_bytes",
-        Unit::Bytes,
-        "Bytes of a memory domain held by dead peers until their lease times out"
-    );
-    describe_counter!(
-        "ferry_promoted_bytes_total",
-        Unit::Bytes,
-        "Bytes moved back to a faster memory tier"
-    );
-    describe_counter!(
-        "ferry_staged_ring_chunks_total",
-        "Staged chunks received through a same-host peer's shared-memory ring (not the link)"
-    );
+    for &(kind, name, unit, help) in METRICS {
+        match (kind, unit) {
+            (MetricKind::Counter, Some(u)) => metrics::describe_counter!(name, u, help),
+            (MetricKind::Counter, None) => metrics::describe_counter!(name, help),
+            (MetricKind::Gauge, Some(u)) => metrics::describe_gauge!(name, u, help),
+            (MetricKind::Gauge, None) => metrics::describe_gauge!(name, help),
+            (MetricKind::Histogram, Some(u)) => metrics::describe_histogram!(name, u, help),
+            (MetricKind::Histogram, None) => metrics::describe_histogram!(name, help),
+        }
+    }
     for status in ["completed", "failed", "cancelled"] {
         metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
     }

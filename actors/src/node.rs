@@ -165,16 +165,7 @@ impl Node {
     /// `security.danger_insecure`), [`Error::Start`] when a listener cannot bind.
     pub async fn start(config: Config) -> Result<Self, Error> {
         config.validate()?;
-        let secret = match config.read_secret()? {
-            Some(bytes) => Secret::new(bytes),
-            None => {
-                tracing::warn!(
-                    "SECURITY: security.danger_insecure is set: peers are not authenticated; \
-                     anyone who can reach this node's listeners can send to it"
-                );
-                Secret::insecure()
-            }
-        };
+        let secret = node_secret(&config)?;
         let config = Arc::new(config);
         let io = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -182,36 +173,8 @@ impl Node {
             .enable_all()
             .build()
             .map_err(|e| Error::start("cannot start the I/O runtime", e))?;
-
         // Bind every listener before anything else runs, so a bad address fails start-up.
-        let mut listeners = Vec::new();
-        for addr in &config.node.listen {
-            let bind = io.spawn({
-                let addr = addr.clone();
-                async move { Listener::bind_tcp(&addr).await }
-            });
-            let listener = bind
-                .await
-                .map_err(|e| Error::start("the listener's task", e))?
-                .map_err(|e| Error::start(format!("cannot listen on {addr}"), e))?;
-            listeners.push(listener);
-        }
-        let mut unix_path = None;
-        if let Some(dir) = &config.node.socket_dir {
-            let path = dir.join(format!("{}.sock", config.node.name));
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Error::start(format!("cannot create {}", dir.display()), e))?;
-            let bind = io.spawn({
-                let path = path.clone();
-                async move { Listener::bind_unix(&path).await }
-            });
-            let listener = bind
-                .await
-                .map_err(|e| Error::start("the listener's task", e))?
-                .map_err(|e| Error::start(format!("cannot listen on {}", path.display()), e))?;
-            listeners.push(listener);
-            unix_path = Some(path);
-        }
+        let (listeners, unix_path) = bind_listeners(&io, &config).await?;
         let tcp_addrs = listeners
             .iter()
             .filter_map(|l| match l.endpoint() {
@@ -227,213 +190,41 @@ impl Node {
             stall_timeout: config.limits.stall_timeout,
             counters: Arc::clone(&counters),
         };
-        let exposed: Arc<DashMap<u64, ExposedRegion>> = Arc::default();
-        let inbox = Arc::new(Inbox::new(
-            config.limits.peer_queue,
-            config.transport.ipc.recv_spin,
-        ));
-        let (opened_gpus, visible_gpus) = open_gpus(&config)?;
-        let host_budget = config.memory.host.resolve(total_memory());
-        let pinned_budget = config.memory.pinned.resolve(total_memory());
-        let coordinator_secret = secret.clone();
-        let gpu_pools: ferry_transports::fdshare::PoolDirectory = Arc::default();
-        let lane_rings: ferry_transports::fdshare::RingDirectory = Arc::default();
-        let lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>> = Arc::default();
-        let lane = crate::lane::LaneSettings {
-            max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
-            spin: config.transport.ipc.lane_spin,
+        let (opened, visible) = open_gpus(&config)?;
+        let shared = Shared {
+            exposed: Arc::default(),
+            inbox: Arc::new(Inbox::new(
+                config.limits.peer_queue,
+                config.transport.ipc.recv_spin,
+            )),
+            gpu_pools: Arc::default(),
+            lane_rings: Arc::default(),
+            lanes: Arc::default(),
         };
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let thread = {
-            let config = Arc::clone(&config);
-            let exposed = Arc::clone(&exposed);
-            let inbox = Arc::clone(&inbox);
-            let link_opts = link_opts.clone();
-            let io_handle = io.handle().clone();
-            let gpu_pools = Arc::clone(&gpu_pools);
-            let lane_rings = Arc::clone(&lane_rings);
-            let lanes = Arc::clone(&lanes);
-            std::thread::Builder::new()
-                .name(format!("ferry-{}", config.node.name))
-                .spawn(move || {
-                    let system = System::new();
-                    let started = system.block_on(async move {
-                        let limits = &config.limits;
-                        let mailbox = limits.mailbox;
-                        let queue = limits.reservation_queue;
-                        let lease = config.memory.export_lease_timeout;
-                        let domain = |kind, budget| {
-                            Allocator::create(move |ctx| {
-                                ctx.set_mailbox_capacity(mailbox);
-                                Allocator::new(kind, budget, queue, lease)
-                            })
-                        };
-                        let host = domain(MemoryKind::Host, host_budget);
-                        let pinned = domain(MemoryKind::PinnedHost, pinned_budget);
-                        let gpus = crate::gpu::Gpus {
-                            gpus: opened_gpus
-                                .into_iter()
-                                .map(|g| {
-                                    let kind = MemoryKind::Device(g.ordinal);
-                                    let pool = crate::allocator::DevicePool {
-                                        pool: g.pool.clone(),
-                                        stream: g.streams.alloc,
-                                    };
-                                    let budget = g.budget;
-                                    let allocator = Allocator::create(move |ctx| {
-                                        ctx.set_mailbox_capacity(mailbox);
-                                        Allocator::new(kind, budget, queue, lease).with_device(pool)
-                                    });
-                                    gpu_pools.insert(g.device.uuid().to_string(), g.pool);
-                                    let gpu = crate::gpu::Gpu {
-                                        device: g.device,
-                                        allocator,
-                                        copy_stream: g.streams.copy,
-                                        express_stream: g.streams.express,
-                                    };
-                                    (g.ordinal, gpu)
-                                })
-                                .collect(),
-                            visible: visible_gpus,
-                            pools: Arc::clone(&gpu_pools),
-                            rings: Arc::clone(&lane_rings),
-                            mapping: Arc::default(),
-                        };
-                        let gpus = Arc::new(gpus);
-                        let mut all_tiers = vec![
-                            tier(MemoryKind::Host, &host),
-                            tier(MemoryKind::PinnedHost, &pinned),
-                        ];
-                        for (n, gpu) in &gpus.gpus {
-                            all_tiers.push(tier(MemoryKind::Device(*n), &gpu.allocator));
-                        }
-                        let home = Arc::new(NodeMemory { tiers: all_tiers });
-                        for a in [&host, &pinned]
-                            .into_iter()
-                            .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
-                        {
-                            let _ = a.send(SetHome(home.clone())).await;
-                        }
-                        // The receive tiers: where receives land, then where they spill.
-                        let receive_tiers: Vec<Tier> = std::iter::once(config.memory.receive_into)
-                            .chain(config.memory.spill.iter().copied())
-                            .map(|class| match class {
-                                MemoryClass::Host => tier(MemoryKind::Host, &host),
-                                MemoryClass::Pinned => tier(MemoryKind::PinnedHost, &pinned),
-                                MemoryClass::Device => match gpus.gpus.first() {
-                                    Some((n, g)) => tier(MemoryKind::Device(*n), &g.allocator),
-                                    None => {
-                                        tracing::warn!(
-                                            "memory.receive_into is \"device\" but this node \
-                                             has no GPU: receiving into host memory"
-                                        );
-                                        tier(MemoryKind::Host, &host)
-                                    }
-                                },
-                            })
-                            .collect();
-                        // Where receives land first: what every hello of this node tells
-                        // peers, who route their sends for it.
-                        let receives = receive_tiers.first().map_or(MemoryKind::Host, |t| t.kind);
-                        let mut host_tiers: Vec<Tier> = receive_tiers
-                            .iter()
-                            .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
-                            .cloned()
-                            .collect();
-                        if host_tiers.is_empty() {
-                            host_tiers.push(tier(MemoryKind::Host, &host));
-                        }
-                        let transfer = TransferSetupBase {
-                            limits: SessionLimits {
-                                queue: limits.peer_queue,
-                                in_flight: limits.pipeline_depth as usize,
-                                // At least any sender's pipeline (its window bounds what
-                                // it has open here), whatever our own queue bound.
-                                inbound: limits
-                                    .peer_queue
-                                    .max(ferry_config::MAX_PIPELINE_DEPTH as usize),
-                                grants: limits.peer_grants,
-                                inbound_bytes: limits.peer_inbound_bytes,
-                                stall: limits.stall_timeout,
-                            },
-                            chunk: usize::try_from(config.transport.tcp.chunk_size)
-                                .unwrap_or(1 << 20),
-                            reserve_timeout: limits.default_deadline,
-                            tiers: receive_tiers,
-                            host_tiers,
-                            gpus: Arc::clone(&gpus),
-                            peer_gone: [&host, &pinned]
-                                .into_iter()
-                                .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
-                                .map(|a| a.clone().recipient())
-                                .collect(),
-                            exposed,
-                            io: io_handle,
-                            lanes,
-                            lane,
-                            staged: crate::staged::StagedSettings {
-                                slots: config.transport.staged.slots,
-                                chunk: config.transport.staged.chunk,
-                                shared_memory: config.transport.staged.shared_memory,
-                                link_chunk: usize::try_from(config.transport.staged.link_chunk)
-                                    .unwrap_or(1 << 20),
-                                spin: config.transport.staged.spin,
-                            },
-                        };
-                        let coordinator = Coordinator::new(CoordinatorSetup {
-                            config: Arc::clone(&config),
-                            secret: coordinator_secret,
-                            link: link_opts,
-                            transfer,
-                            inbox,
-                            receives,
-                        })
-                        .start();
-                        (coordinator, host, pinned, gpus, receives, System::current())
-                    });
-                    let _ = tx.send(started);
-                    let _ = system.run();
-                })
-                .map_err(|e| Error::start("cannot start the actor thread", e))?
-        };
-        let (coordinator, host, pinned, gpus, receives, system) = rx
+        let (thread, rx) = spawn_actors(ActorParts {
+            config: Arc::clone(&config),
+            secret: secret.clone(),
+            link: link_opts.clone(),
+            io: io.handle().clone(),
+            opened,
+            visible,
+            shared: shared.clone(),
+        })?;
+        let started = rx
             .await
             .map_err(|e| Error::start("the actor system did not start", e))?;
-
-        {
-            // Same-host peers fetch our pools' descriptors here (the ipc transport), and our
-            // staging rings (the staged transport, with or without GPUs).
-            let name = config.node.name.clone();
-            let bound = io.spawn(async move { ferry_transports::fdshare::bind(&name) });
-            match bound
-                .await
-                .map_err(|e| Error::start("the pool socket's task", e))?
-            {
-                Ok(listener) => {
-                    io.spawn(ferry_transports::fdshare::serve(
-                        listener,
-                        secret.clone(),
-                        Arc::clone(&gpu_pools),
-                        Arc::clone(&lane_rings),
-                    ));
-                }
-                Err(e) => tracing::warn!(
-                    "cannot open the fd-sharing socket ({e}): same-host peers cannot use ipc with \
-                     us, and our staged sends to them go over the link"
-                ),
-            }
-        }
+        serve_fd_sharing(&io, &config.node.name, &secret, &shared).await?;
         let acceptor = Acceptor {
-            coordinator: coordinator.clone(),
+            coordinator: started.coordinator.clone(),
             gate: Gate::new(AdmissionLimits {
                 total: config.limits.handshakes,
                 per_source: config.limits.handshakes_per_source,
             }),
             first_byte: config.limits.first_byte_timeout,
-            secret: secret.clone(),
-            opts: link_opts.clone(),
+            secret,
+            opts: link_opts,
             node: config.node.name.clone(),
-            receives,
+            receives: started.receives,
         };
         for listener in listeners {
             io.spawn(accept_loop(listener, acceptor.clone()));
@@ -442,21 +233,21 @@ impl Node {
         Ok(Self {
             name: config.node.name.clone(),
             config,
-            coordinator,
-            inbox,
-            host,
-            pinned,
-            gpus,
-            receives,
+            coordinator: started.coordinator,
+            inbox: shared.inbox,
+            host: started.host,
+            pinned: started.pinned,
+            gpus: started.gpus,
+            receives: started.receives,
             credit: DashMap::new(),
-            lanes,
+            lanes: shared.lanes,
             order: DashMap::new(),
-            exposed,
+            exposed: shared.exposed,
             next_region: AtomicU64::new(1),
             counters,
             tcp_addrs,
             unix_path,
-            system,
+            system: started.system,
             thread: Some(thread),
             io: Some(io),
         })
@@ -972,6 +763,323 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                 Err(e) => tracing::warn!(%from, error = %e, "connection refused"),
             }
         });
+    }
+}
+
+/// The link secret `config` names (read and checked), or the insecure one with a warning.
+fn node_secret(config: &Config) -> Result<Secret, Error> {
+    Ok(match config.read_secret()? {
+        Some(bytes) => Secret::new(bytes),
+        None => {
+            tracing::warn!(
+                "SECURITY: security.danger_insecure is set: peers are not authenticated; \
+                 anyone who can reach this node's listeners can send to it"
+            );
+            Secret::insecure()
+        }
+    })
+}
+
+/// Binds every configured listener on `io`: the tcp addresses, then the Unix socket in
+/// `node.socket_dir` (returned with its path).
+async fn bind_listeners(
+    io: &tokio::runtime::Runtime,
+    config: &Config,
+) -> Result<(Vec<Listener>, Option<PathBuf>), Error> {
+    let mut listeners = Vec::new();
+    for addr in &config.node.listen {
+        let bind = io.spawn({
+            let addr = addr.clone();
+            async move { Listener::bind_tcp(&addr).await }
+        });
+        let listener = bind
+            .await
+            .map_err(|e| Error::start("the listener's task", e))?
+            .map_err(|e| Error::start(format!("cannot listen on {addr}"), e))?;
+        listeners.push(listener);
+    }
+    let Some(dir) = &config.node.socket_dir else {
+        return Ok((listeners, None));
+    };
+    let path = dir.join(format!("{}.sock", config.node.name));
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::start(format!("cannot create {}", dir.display()), e))?;
+    let bind = io.spawn({
+        let path = path.clone();
+        async move { Listener::bind_unix(&path).await }
+    });
+    let listener = bind
+        .await
+        .map_err(|e| Error::start("the listener's task", e))?
+        .map_err(|e| Error::start(format!("cannot listen on {}", path.display()), e))?;
+    listeners.push(listener);
+    Ok((listeners, Some(path)))
+}
+
+/// Opens the fd-sharing socket where same-host peers fetch our pools' descriptors (the ipc
+/// transport) and our staging rings (the staged transport, with or without GPUs). A socket
+/// that cannot open only costs those transports, with a warning.
+async fn serve_fd_sharing(
+    io: &tokio::runtime::Runtime,
+    name: &str,
+    secret: &Secret,
+    shared: &Shared,
+) -> Result<(), Error> {
+    let bound = io.spawn({
+        let name = name.to_string();
+        async move { ferry_transports::fdshare::bind(&name) }
+    });
+    match bound
+        .await
+        .map_err(|e| Error::start("the pool socket's task", e))?
+    {
+        Ok(listener) => {
+            io.spawn(ferry_transports::fdshare::serve(
+                listener,
+                secret.clone(),
+                Arc::clone(&shared.gpu_pools),
+                Arc::clone(&shared.lane_rings),
+            ));
+        }
+        Err(e) => tracing::warn!(
+            "cannot open the fd-sharing socket ({e}): same-host peers cannot use ipc with \
+             us, and our staged sends to them go over the link"
+        ),
+    }
+    Ok(())
+}
+
+/// What the node's handles and its actors share.
+#[derive(Clone)]
+struct Shared {
+    exposed: Arc<DashMap<u64, ExposedRegion>>,
+    inbox: Arc<Inbox>,
+    gpu_pools: ferry_transports::fdshare::PoolDirectory,
+    lane_rings: ferry_transports::fdshare::RingDirectory,
+    lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+}
+
+/// What the actor thread is started with.
+struct ActorParts {
+    config: Arc<Config>,
+    secret: Secret,
+    link: LinkOptions,
+    io: tokio::runtime::Handle,
+    opened: Vec<OpenedGpu>,
+    visible: Vec<ferry_transports::cuda::Device>,
+    shared: Shared,
+}
+
+/// The actors, as the node's handle holds them.
+struct Started {
+    coordinator: Addr<Coordinator>,
+    host: Addr<Allocator>,
+    pinned: Addr<Allocator>,
+    gpus: crate::gpu::SharedGpus,
+    receives: MemoryKind,
+    system: System,
+}
+
+/// Starts the actor thread: its actix system runs the allocators and the coordinator,
+/// which are sent back on the returned channel once started.
+fn spawn_actors(
+    parts: ActorParts,
+) -> Result<
+    (
+        std::thread::JoinHandle<()>,
+        tokio::sync::oneshot::Receiver<Started>,
+    ),
+    Error,
+> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name(format!("ferry-{}", parts.config.node.name))
+        .spawn(move || {
+            let system = System::new();
+            let started = system.block_on(start_actors(parts));
+            let _ = tx.send(started);
+            let _ = system.run();
+        })
+        .map_err(|e| Error::start("cannot start the actor thread", e))?;
+    Ok((thread, rx))
+}
+
+/// Starts the memory domains and the coordinator (on the actor thread).
+async fn start_actors(parts: ActorParts) -> Started {
+    let ActorParts {
+        config,
+        secret,
+        link,
+        io,
+        opened,
+        visible,
+        shared,
+    } = parts;
+    let limits = &config.limits;
+    let (mailbox, queue) = (limits.mailbox, limits.reservation_queue);
+    let lease = config.memory.export_lease_timeout;
+    let domain = |kind, budget| {
+        Allocator::create(move |ctx| {
+            ctx.set_mailbox_capacity(mailbox);
+            Allocator::new(kind, budget, queue, lease)
+        })
+    };
+    let host = domain(MemoryKind::Host, config.memory.host.resolve(total_memory()));
+    let pinned = domain(
+        MemoryKind::PinnedHost,
+        config.memory.pinned.resolve(total_memory()),
+    );
+    let gpus = Arc::new(start_gpus(opened, visible, &config, &shared));
+    let mut all_tiers = vec![
+        tier(MemoryKind::Host, &host),
+        tier(MemoryKind::PinnedHost, &pinned),
+    ];
+    for (n, gpu) in &gpus.gpus {
+        all_tiers.push(tier(MemoryKind::Device(*n), &gpu.allocator));
+    }
+    let home = Arc::new(NodeMemory { tiers: all_tiers });
+    let domains: Vec<&Addr<Allocator>> = [&host, &pinned]
+        .into_iter()
+        .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
+        .collect();
+    for a in &domains {
+        let _ = a.send(SetHome(home.clone())).await;
+    }
+    let receive_tiers = receive_tiers(&config, &host, &pinned, &gpus);
+    // Where receives land first: what every hello of this node tells peers, who route
+    // their sends for it.
+    let receives = receive_tiers.first().map_or(MemoryKind::Host, |t| t.kind);
+    let mut host_tiers: Vec<Tier> = receive_tiers
+        .iter()
+        .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
+        .cloned()
+        .collect();
+    if host_tiers.is_empty() {
+        host_tiers.push(tier(MemoryKind::Host, &host));
+    }
+    let transfer = TransferSetupBase {
+        limits: session_limits(limits),
+        chunk: usize::try_from(config.transport.tcp.chunk_size).unwrap_or(1 << 20),
+        reserve_timeout: limits.default_deadline,
+        tiers: receive_tiers,
+        host_tiers,
+        gpus: Arc::clone(&gpus),
+        peer_gone: domains.iter().map(|a| (*a).clone().recipient()).collect(),
+        exposed: shared.exposed,
+        io,
+        lanes: shared.lanes,
+        lane: crate::lane::LaneSettings {
+            max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
+            spin: config.transport.ipc.lane_spin,
+        },
+        staged: crate::staged::StagedSettings {
+            slots: config.transport.staged.slots,
+            chunk: config.transport.staged.chunk,
+            shared_memory: config.transport.staged.shared_memory,
+            link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
+            spin: config.transport.staged.spin,
+        },
+    };
+    let coordinator = Coordinator::new(CoordinatorSetup {
+        config: Arc::clone(&config),
+        secret,
+        link,
+        transfer,
+        inbox: shared.inbox,
+        receives,
+    })
+    .start();
+    Started {
+        coordinator,
+        host,
+        pinned,
+        gpus,
+        receives,
+        system: System::current(),
+    }
+}
+
+/// One allocator per opened GPU (its pool registered at the fd-sharing socket), with the
+/// GPU's copy streams.
+fn start_gpus(
+    opened: Vec<OpenedGpu>,
+    visible: Vec<ferry_transports::cuda::Device>,
+    config: &Config,
+    shared: &Shared,
+) -> crate::gpu::Gpus {
+    let (mailbox, queue) = (config.limits.mailbox, config.limits.reservation_queue);
+    let lease = config.memory.export_lease_timeout;
+    let gpus = opened
+        .into_iter()
+        .map(|g| {
+            let kind = MemoryKind::Device(g.ordinal);
+            let pool = crate::allocator::DevicePool {
+                pool: g.pool.clone(),
+                stream: g.streams.alloc,
+            };
+            let budget = g.budget;
+            let allocator = Allocator::create(move |ctx| {
+                ctx.set_mailbox_capacity(mailbox);
+                Allocator::new(kind, budget, queue, lease).with_device(pool)
+            });
+            shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
+            let gpu = crate::gpu::Gpu {
+                device: g.device,
+                allocator,
+                copy_stream: g.streams.copy,
+                express_stream: g.streams.express,
+            };
+            (g.ordinal, gpu)
+        })
+        .collect();
+    crate::gpu::Gpus {
+        gpus,
+        visible,
+        pools: Arc::clone(&shared.gpu_pools),
+        rings: Arc::clone(&shared.lane_rings),
+        mapping: Arc::default(),
+    }
+}
+
+/// The receive tiers: where receives land (`memory.receive_into`), then where they spill.
+fn receive_tiers(
+    config: &Config,
+    host: &Addr<Allocator>,
+    pinned: &Addr<Allocator>,
+    gpus: &crate::gpu::Gpus,
+) -> Vec<Tier> {
+    std::iter::once(config.memory.receive_into)
+        .chain(config.memory.spill.iter().copied())
+        .map(|class| match class {
+            MemoryClass::Host => tier(MemoryKind::Host, host),
+            MemoryClass::Pinned => tier(MemoryKind::PinnedHost, pinned),
+            MemoryClass::Device => match gpus.gpus.first() {
+                Some((n, g)) => tier(MemoryKind::Device(*n), &g.allocator),
+                None => {
+                    tracing::warn!(
+                        "memory.receive_into is \"device\" but this node has no GPU: \
+                         receiving into host memory"
+                    );
+                    tier(MemoryKind::Host, host)
+                }
+            },
+        })
+        .collect()
+}
+
+/// The per-peer session bounds `[limits]` sets.
+fn session_limits(limits: &ferry_config::LimitsConfig) -> SessionLimits {
+    SessionLimits {
+        queue: limits.peer_queue,
+        in_flight: limits.pipeline_depth as usize,
+        // At least any sender's pipeline (its window bounds what it has open here),
+        // whatever our own queue bound.
+        inbound: limits
+            .peer_queue
+            .max(ferry_config::MAX_PIPELINE_DEPTH as usize),
+        grants: limits.peer_grants,
+        inbound_bytes: limits.peer_inbound_bytes,
+        stall: limits.stall_timeout,
     }
 }
 

@@ -212,6 +212,11 @@ impl Config {
         if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
             return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }
+        self.check_staged()?;
+        self.check_rules()
+    }
+
+    fn check_staged(&self) -> Result<(), Violation> {
         let staged = &self.transport.staged;
         if staged.link_chunk < MIN_CHUNK {
             return fail(
@@ -252,6 +257,10 @@ impl Config {
                 );
             }
         }
+        Ok(())
+    }
+
+    fn check_rules(&self) -> Result<(), Violation> {
         let rules = &self.transport.rules;
         if rules.is_empty() {
             return fail(

@@ -125,68 +125,83 @@ impl TransferActor {
                 tag,
                 transport,
                 layout,
-            } => {
-                if let Some(spans) = self.inbound_spans.remove(&id) {
-                    tracing::debug!(parent: &spans.span, tag, "delivered");
-                }
-                if let Some((buffer, pending)) = self.complete.remove(&id) {
-                    let delivered = Delivered {
-                        peer: self.peer.clone(),
-                        tag,
-                        transport: transport.as_str(),
-                        layout,
-                        buffer,
-                        pending,
-                    };
-                    // Queued in the coordinator's mailbox (first in, first out) when it has
-                    // room. When it is full, queued at once all the same through a fresh
-                    // sender (the shared one, parked, would hold it until polled, and held
-                    // deliveries are polled newest first), and this actor waits until the
-                    // coordinator took it before handling anything else: the order is kept
-                    // and the mailbox overruns by at most one session batch. The
-                    // coordinator never waits on us.
-                    match self.setup.deliver.try_send(delivered) {
-                        Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
-                        Err(actix::prelude::SendError::Full(delivered)) => {
-                            let send = self.setup.deliver.clone().send(delivered);
-                            ctx.wait(
-                                async move {
-                                    let _ = send.await;
-                                }
-                                .into_actor(self),
-                            );
-                        }
+            } => self.deliver(id, tag, transport, layout, ctx),
+            SessionEvent::Abandon(id) => self.abandon(id, ctx),
+        }
+    }
+
+    /// Inbound transfer `id` is complete and it is its turn: to the coordinator, which
+    /// puts it in the inbox.
+    fn deliver(
+        &mut self,
+        id: InboundId,
+        tag: u64,
+        transport: ferry_config::TransportName,
+        layout: Layout,
+        ctx: &mut Context<Self>,
+    ) {
+        if let Some(spans) = self.inbound_spans.remove(&id) {
+            tracing::debug!(parent: &spans.span, tag, "delivered");
+        }
+        let Some((buffer, pending)) = self.complete.remove(&id) else {
+            return;
+        };
+        let delivered = Delivered {
+            peer: self.peer.clone(),
+            tag,
+            transport: transport.as_str(),
+            layout,
+            buffer,
+            pending,
+        };
+        // Queued in the coordinator's mailbox (first in, first out) when it has room. When
+        // it is full, queued at once all the same through a fresh sender (the shared one,
+        // parked, would hold it until polled, and held deliveries are polled newest first),
+        // and this actor waits until the coordinator took it before handling anything
+        // else: the order is kept and the mailbox overruns by at most one session batch.
+        // The coordinator never waits on us.
+        match self.setup.deliver.try_send(delivered) {
+            Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
+            Err(actix::prelude::SendError::Full(delivered)) => {
+                let send = self.setup.deliver.clone().send(delivered);
+                ctx.wait(
+                    async move {
+                        let _ = send.await;
                     }
-                }
+                    .into_actor(self),
+                );
             }
-            SessionEvent::Abandon(id) => {
-                if let Some(spans) = self.inbound_spans.remove(&id) {
-                    tracing::debug!(parent: &spans.span, "abandoned");
-                }
-                self.regions.remove(&id.0);
-                self.complete.remove(&id);
-                if self.ipc.lent.contains_key(&id) {
-                    // The peer may be copying into it: kept until it says Written.
-                    self.ipc.lent_abandoned.insert(id);
-                    if self.ipc.lent_abandoned.len() > self.setup.limits.inbound {
-                        tracing::warn!(
-                            peer = %self.peer,
-                            "the peer keeps more abandoned lent buffers than it may have \
-                             transfers open; dropping the link"
-                        );
-                        self.session
-                            .handle_link_lost("the peer kept too many abandoned lent buffers");
-                    }
-                    self.watch_lent(id, ctx);
-                }
-                if self.ipc.sources.remove(&id).is_some() {
-                    if self.ipc.pulling.contains(&id) {
-                        self.ipc.abandoned.insert(id);
-                    } else {
-                        // Never imported: the peer may let go of its buffer now.
-                        self.release_to_peer(id);
-                    }
-                }
+        }
+    }
+
+    /// Inbound transfer `id` was abandoned: what was reserved for it goes, except a buffer
+    /// lent to the peer (kept until it says `Written`) or one being pulled into.
+    fn abandon(&mut self, id: InboundId, ctx: &mut Context<Self>) {
+        if let Some(spans) = self.inbound_spans.remove(&id) {
+            tracing::debug!(parent: &spans.span, "abandoned");
+        }
+        self.regions.remove(&id.0);
+        self.complete.remove(&id);
+        if self.ipc.lent.contains_key(&id) {
+            // The peer may be copying into it: kept until it says Written.
+            self.ipc.lent_abandoned.insert(id);
+            if self.ipc.lent_abandoned.len() > self.setup.limits.inbound {
+                tracing::warn!(
+                    peer = %self.peer,
+                    "the peer keeps more abandoned lent buffers than it may have \
+                     transfers open; dropping the link"
+                );
+                self.session
+                    .handle_link_lost("the peer kept too many abandoned lent buffers");
+            }
+            self.watch_lent(id, ctx);
+        }
+        if self.ipc.sources.remove(&id).is_some() {
+            if self.ipc.pulling.contains(&id) {
+                self.ipc.abandoned.insert(id);
+            } else {
+                // Never imported: the peer may let go of its buffer now.
+                self.release_to_peer(id);
             }
         }
     }

@@ -207,14 +207,26 @@ pub(super) struct ReadLoop {
     pub(super) link: u64,
 }
 
+/// What the reader keeps between frames.
+#[derive(Default)]
+struct ReadState {
+    /// The first error of each put still arriving.
+    put_errors: HashMap<u64, String>,
+    /// A put chunk's bytes, before they are placed.
+    put_bytes: Vec<u8>,
+    /// A chunk bound for device memory, before its copy in.
+    scratch: Vec<u8>,
+}
+
+/// Why the reader stops: the reason the link ends with.
+type Stop = String;
+
 impl ReadLoop {
     /// Reads until the link ends; a peer that breaks the protocol is dropped.
     pub(super) async fn run(self, mut reader: LinkReader) {
-        let mut put_errors: HashMap<u64, String> = HashMap::new();
+        let mut state = ReadState::default();
         // A peer that says goodbye before it closes left on purpose.
         let (mut said_goodbye, mut clean) = (false, false);
-        let mut put_bytes: Vec<u8> = Vec::new();
-        let mut scratch: Vec<u8> = Vec::new();
         let why = loop {
             // Any frame that fails its checks ends the link: on a byte stream, the bytes
             // around a bad frame cannot be trusted either, and every transfer on the link
@@ -236,136 +248,154 @@ impl ReadLoop {
                 }
             };
             said_goodbye |= matches!(msg, ArchivedMessage::Goodbye);
-            match msg {
+            let handled = match msg {
                 ArchivedMessage::Data(chunk) => {
                     let chunk = ferry_transports::wire::DataChunk::from(chunk);
-                    let id = chunk.transfer;
-                    // The buffer is lent out of the map while its bytes arrive, so the map
-                    // is never locked across a socket read.
-                    let lent = self.regions.get_mut(&id).map(|mut r| r.lend(&chunk));
-                    let mut landing = match lent {
-                        Some(Ok(landing)) => landing,
-                        Some(Err(e)) => {
-                            note_protocol_violation();
-                            break format!("protocol violation: {e}");
-                        }
-                        // A chunk of a transfer cancelled meanwhile: read past its bytes.
-                        None => match reader.discard_payload(chunk.len).await {
-                            Ok(()) => continue,
-                            Err(e) => break format!("{e}"),
-                        },
-                    };
-                    // Host memory takes the bytes straight from the socket; device memory
-                    // (a staged transfer from another host) through `scratch`, then one
-                    // host-to-device copy.
-                    let received = if landing.is_host() {
-                        reader.read_payload_into(landing.destination()).await
-                    } else {
-                        // Never larger than a frame (the payload's own header says the same
-                        // before a byte is read; checked first so that a lying header
-                        // allocates nothing).
-                        if chunk.len > reader.max_frame() {
-                            note_protocol_violation();
-                            break format!(
-                                "protocol violation: a chunk of {} bytes, past the largest frame",
-                                chunk.len
-                            );
-                        }
-                        scratch.resize(chunk.len as usize, 0);
-                        reader.read_payload_into(&mut scratch[..]).await
-                    };
-                    if let Err(e) = received {
-                        // Damaged bytes may now be in the buffer: the transfer must not be
-                        // delivered. Dropping the link fails it at both ends and frees the
-                        // buffer (the peer sees it lost; nothing is retried here).
-                        break format!("chunk of transfer {id} not received: {e}");
-                    }
-                    // A host-to-device copy waits for the copy engine: the runtime's other
-                    // worker takes this one's tasks meanwhile.
-                    if !landing.is_host()
-                        && let Err(e) = tokio::task::block_in_place(|| {
-                            landing.write(&scratch[..chunk.len as usize])
-                        })
-                    {
-                        // Not the peer's fault, but the transfer cannot complete; like a
-                        // damaged chunk, it fails at both ends.
-                        break format!("copying a chunk of transfer {id} in: {e}");
-                    }
-                    if let Some(buffer) = restore_landing(&self.regions, id, landing)
-                        && self
-                            .me
-                            .send(DataEvent::InboundDone { id, buffer })
-                            .await
-                            .is_err()
-                    {
-                        break "node stopped".into();
-                    }
+                    self.on_data(&mut reader, &chunk, &mut state.scratch).await
                 }
                 ArchivedMessage::Put(chunk) => {
                     let chunk = ferry_transports::wire::PutChunk::from(chunk);
-                    let put = chunk.put;
-                    let len = chunk.len as usize;
-                    // Where the bytes go is checked before they are read; a refused put's
-                    // bytes are read past. Accepted ones land in `put_bytes` first: the
-                    // exposed map is shared with every peer and with `withdraw`, so it is
-                    // not locked across a socket read, and damaged bytes never reach it.
-                    let checked = exposed_destination(&self.exposed, &chunk, |_| ());
-                    let received = match checked {
-                        Ok(()) => {
-                            if put_bytes.len() < len {
-                                put_bytes.resize(len, 0);
-                            }
-                            reader.read_payload_into(&mut put_bytes[..len]).await
-                        }
-                        Err(e) => {
-                            if let Err(why) = note_put_error(&mut put_errors, put, e) {
-                                break why.to_string();
-                            }
-                            reader.discard_payload(chunk.len).await
-                        }
-                    };
-                    let placed = match received {
-                        Ok(()) => exposed_destination(&self.exposed, &chunk, |dst| {
-                            dst.copy_from_slice(&put_bytes[..len])
-                        }),
-                        Err(e) => break format!("{e}"),
-                    };
-                    if let Err(e) = placed
-                        && let Err(why) = note_put_error(&mut put_errors, put, e)
-                    {
-                        break why.to_string();
-                    }
-                    if chunk.last {
-                        let error = put_errors.remove(&put);
-                        if self.me.send(PutFinished { put, error }).await.is_err() {
-                            break "node stopped".into();
-                        }
-                    }
+                    self.on_put(&mut reader, &chunk, &mut state).await
                 }
-                _ => {
-                    let owned = match frame.to_owned_message() {
-                        Ok(m) => m,
-                        Err(e) => break format!("undecodable frame: {e}"),
-                    };
-                    // Queued without waiting for the actor to handle it when its mailbox
-                    // has room (first in, first out, so frames keep their order); a full
-                    // mailbox makes the reader wait, and with it the socket. Data chunks
-                    // never depend on a control frame still queued: a chunk's region exists
-                    // before the grant that lets the peer send it.
-                    match self.me.try_send(FromPeer(owned)) {
-                        Ok(()) => {}
-                        Err(actix::prelude::SendError::Full(msg)) => {
-                            if self.me.send(msg).await.is_err() {
-                                break "node stopped".into();
-                            }
-                        }
-                        Err(actix::prelude::SendError::Closed(_)) => break "node stopped".into(),
-                    }
-                }
+                _ => match frame.to_owned_message() {
+                    Ok(owned) => self.forward(owned).await,
+                    Err(e) => Err(format!("undecodable frame: {e}")),
+                },
+            };
+            if let Err(why) = handled {
+                break why;
             }
         };
         let link = self.link;
         let _ = self.me.send(LinkDown { why, link, clean }).await;
+    }
+
+    /// Reads a data chunk's payload into its transfer's buffer (device memory through
+    /// `scratch`, then one host-to-device copy); the transfer is done with its last byte.
+    async fn on_data(
+        &self,
+        reader: &mut LinkReader,
+        chunk: &ferry_transports::wire::DataChunk,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), Stop> {
+        let id = chunk.transfer;
+        // The buffer is lent out of the map while its bytes arrive, so the map is never
+        // locked across a socket read.
+        let lent = self.regions.get_mut(&id).map(|mut r| r.lend(chunk));
+        let mut landing = match lent {
+            Some(Ok(landing)) => landing,
+            Some(Err(e)) => {
+                note_protocol_violation();
+                return Err(format!("protocol violation: {e}"));
+            }
+            // A chunk of a transfer cancelled meanwhile: read past its bytes.
+            None => {
+                return reader
+                    .discard_payload(chunk.len)
+                    .await
+                    .map_err(|e| e.to_string());
+            }
+        };
+        // Host memory takes the bytes straight from the socket; device memory (a staged
+        // transfer from another host) through `scratch`, then one host-to-device copy.
+        let received = if landing.is_host() {
+            reader.read_payload_into(landing.destination()).await
+        } else {
+            // Never larger than a frame (the payload's own header says the same before a
+            // byte is read; checked first so that a lying header allocates nothing).
+            if chunk.len > reader.max_frame() {
+                note_protocol_violation();
+                return Err(format!(
+                    "protocol violation: a chunk of {} bytes, past the largest frame",
+                    chunk.len
+                ));
+            }
+            scratch.resize(chunk.len as usize, 0);
+            reader.read_payload_into(&mut scratch[..]).await
+        };
+        if let Err(e) = received {
+            // Damaged bytes may now be in the buffer: the transfer must not be delivered.
+            // Dropping the link fails it at both ends and frees the buffer (the peer sees it
+            // lost; nothing is retried here).
+            return Err(format!("chunk of transfer {id} not received: {e}"));
+        }
+        // A host-to-device copy waits for the copy engine: the runtime's other worker
+        // takes this one's tasks meanwhile.
+        if !landing.is_host()
+            && let Err(e) =
+                tokio::task::block_in_place(|| landing.write(&scratch[..chunk.len as usize]))
+        {
+            // Not the peer's fault, but the transfer cannot complete; like a damaged
+            // chunk, it fails at both ends.
+            return Err(format!("copying a chunk of transfer {id} in: {e}"));
+        }
+        if let Some(buffer) = restore_landing(&self.regions, id, landing)
+            && self
+                .me
+                .send(DataEvent::InboundDone { id, buffer })
+                .await
+                .is_err()
+        {
+            return Err("node stopped".into());
+        }
+        Ok(())
+    }
+
+    /// Reads a put chunk into the exposed region it names. Where the bytes go is checked
+    /// before they are read; a refused put's bytes are read past. Accepted ones land in
+    /// `put_bytes` first: the exposed map is shared with every peer and with `withdraw`, so
+    /// it is not locked across a socket read, and damaged bytes never reach it.
+    async fn on_put(
+        &self,
+        reader: &mut LinkReader,
+        chunk: &ferry_transports::wire::PutChunk,
+        state: &mut ReadState,
+    ) -> Result<(), Stop> {
+        let put = chunk.put;
+        let len = chunk.len as usize;
+        let received = match exposed_destination(&self.exposed, chunk, |_| ()) {
+            Ok(()) => {
+                if state.put_bytes.len() < len {
+                    state.put_bytes.resize(len, 0);
+                }
+                reader.read_payload_into(&mut state.put_bytes[..len]).await
+            }
+            Err(e) => {
+                note_put_error(&mut state.put_errors, put, e).map_err(|e| e.to_string())?;
+                reader.discard_payload(chunk.len).await
+            }
+        };
+        received.map_err(|e| e.to_string())?;
+        let placed = exposed_destination(&self.exposed, chunk, |dst| {
+            dst.copy_from_slice(&state.put_bytes[..len])
+        });
+        if let Err(e) = placed {
+            note_put_error(&mut state.put_errors, put, e).map_err(|e| e.to_string())?;
+        }
+        if chunk.last {
+            let error = state.put_errors.remove(&put);
+            if self.me.send(PutFinished { put, error }).await.is_err() {
+                return Err("node stopped".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands a control frame to the actor: queued without waiting for the actor to handle
+    /// it when its mailbox has room (first in, first out, so frames keep their order); a
+    /// full mailbox makes the reader wait, and with it the socket. Data chunks never depend
+    /// on a control frame still queued: a chunk's region exists before the grant that lets
+    /// the peer send it.
+    async fn forward(&self, owned: Message) -> Result<(), Stop> {
+        match self.me.try_send(FromPeer(owned)) {
+            Ok(()) => Ok(()),
+            Err(actix::prelude::SendError::Full(msg)) => self
+                .me
+                .send(msg)
+                .await
+                .map_err(|_| "node stopped".to_string()),
+            Err(actix::prelude::SendError::Closed(_)) => Err("node stopped".into()),
+        }
     }
 }
 

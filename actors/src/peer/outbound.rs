@@ -143,72 +143,14 @@ impl TransferActor {
         let now = Instant::now();
         let len = msg.buffer.len() as u64;
         let peer_class = msg.peer_class.label();
-        let (queued, what, labels) = match msg.op {
+        let queued = match msg.op {
             Op::Send {
                 tag,
                 transport,
                 direction,
                 fallback: _,
                 layout,
-            } => {
-                // What moves: the layout's rows, packed (checked by the node already).
-                let len = match layout.check(len) {
-                    Ok(packed) => packed,
-                    Err(e) => {
-                        let _ = reply.send(Err(SendError {
-                            error: Error::Usage(format!("the buffer's layout: {e}")),
-                            buffer: Some(msg.buffer),
-                        }));
-                        return;
-                    }
-                };
-                // A node of this process reads our memory directly: a push to it is pulled
-                // (the same single peer copy, with no buffer to lend).
-                let direction = if registry::carrier(transport) == Carrier::Memory
-                    && direction == WireDirection::Push
-                    && self.ipc.in_process()
-                {
-                    WireDirection::Pull
-                } else {
-                    direction
-                };
-                let labels = TransferLabels {
-                    transport,
-                    direction: match direction {
-                        WireDirection::Push => "push",
-                        WireDirection::Pull => "pull",
-                    },
-                    peer_class,
-                };
-                let ipc = if direction == WireDirection::Pull {
-                    match crate::gpu::export_source(&msg.buffer, self.ipc.in_process()) {
-                        Ok(source) => Some(source),
-                        Err(detail) => {
-                            let _ = reply.send(Err(SendError {
-                                error: Error::unsupported(detail.to_string()),
-                                buffer: Some(msg.buffer),
-                            }));
-                            return;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let queued = self.session.handle_send(
-                    now,
-                    SendRequest {
-                        tag,
-                        len,
-                        source: msg.buffer.kind().to_wire(),
-                        transport,
-                        direction,
-                        ipc,
-                        layout,
-                        deadline: msg.deadline,
-                    },
-                );
-                (queued, StreamWhat::Transfer(layout), labels)
-            }
+            } => self.queue_send(now, &msg, (tag, transport, direction, layout), peer_class),
             Op::Put { key, offset } => {
                 let queued = self.session.handle_put(
                     now,
@@ -223,22 +165,12 @@ impl TransferActor {
                     direction: "put",
                     peer_class,
                 };
-                (queued, StreamWhat::Put { key, offset }, labels)
+                Ok((queued, StreamWhat::Put { key, offset }, labels))
             }
         };
-        let id = match queued {
-            Ok(id) => id,
-            Err(refusal) => {
-                let error = match refusal {
-                    crate::core::session::Refusal::QueueFull(_) => {
-                        Error::QueueFull(format!("peer {}: {refusal}", self.peer))
-                    }
-                    crate::core::session::Refusal::ShuttingDown => Error::ShuttingDown,
-                    other => Error::PeerLost {
-                        peer: self.peer.clone(),
-                        detail: other.to_string(),
-                    },
-                };
+        let (queued, what, labels) = match queued {
+            Ok(q) => q,
+            Err(error) => {
                 let _ = reply.send(Err(SendError {
                     error,
                     buffer: Some(msg.buffer),
@@ -246,26 +178,134 @@ impl TransferActor {
                 return;
             }
         };
-        if labels.direction == "pull" {
-            // The peer reads this buffer until it says otherwise (Done or Cancel), and may
-            // keep it mapped after: its memory is freed only once the peer unmapped it.
-            let view = msg.buffer.share();
-            if self.ipc.in_process() {
-                // The peer copies straight from our memory, which it finds here.
-                crate::gpu::offer_in_process(&self.setup.node, view.clone());
-            } else {
-                let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
-                msg.buffer.note_mapped(unmapper);
+        let id = match queued {
+            Ok(id) => id,
+            Err(refusal) => {
+                let _ = reply.send(Err(SendError {
+                    error: self.refusal_error(refusal),
+                    buffer: Some(msg.buffer),
+                }));
+                return;
             }
-            self.ipc.exported.insert(id, view);
+        };
+        if labels.direction == "pull" {
+            self.lend_for_pull(id, &msg.buffer, ctx);
         }
+        self.track(id, msg.buffer, what, labels, reply, now);
+        self.drive(ctx);
+    }
+
+    /// Checks a send and queues it in the session: the session's answer, what streams
+    /// and the transfer's labels; or why it cannot go (the buffer goes back).
+    fn queue_send(
+        &mut self,
+        now: Instant,
+        msg: &Submit,
+        (tag, transport, direction, layout): (
+            u64,
+            ferry_config::TransportName,
+            WireDirection,
+            Layout,
+        ),
+        peer_class: &'static str,
+    ) -> Result<
+        (
+            Result<OpId, crate::core::session::Refusal>,
+            StreamWhat,
+            TransferLabels,
+        ),
+        Error,
+    > {
+        // What moves: the layout's rows, packed (checked by the node already).
+        let len = layout
+            .check(msg.buffer.len() as u64)
+            .map_err(|e| Error::Usage(format!("the buffer's layout: {e}")))?;
+        // A node of this process reads our memory directly: a push to it is pulled (the
+        // same single peer copy, with no buffer to lend).
+        let direction = if registry::carrier(transport) == Carrier::Memory
+            && direction == WireDirection::Push
+            && self.ipc.in_process()
+        {
+            WireDirection::Pull
+        } else {
+            direction
+        };
+        let labels = TransferLabels {
+            transport,
+            direction: match direction {
+                WireDirection::Push => "push",
+                WireDirection::Pull => "pull",
+            },
+            peer_class,
+        };
+        let ipc = match direction {
+            WireDirection::Pull => Some(
+                crate::gpu::export_source(&msg.buffer, self.ipc.in_process())
+                    .map_err(|e| Error::unsupported(e.to_string()))?,
+            ),
+            WireDirection::Push => None,
+        };
+        let queued = self.session.handle_send(
+            now,
+            SendRequest {
+                tag,
+                len,
+                source: msg.buffer.kind().to_wire(),
+                transport,
+                direction,
+                ipc,
+                layout,
+                deadline: msg.deadline,
+            },
+        );
+        Ok((queued, StreamWhat::Transfer(layout), labels))
+    }
+
+    /// The error a send the session refused ends with.
+    fn refusal_error(&self, refusal: crate::core::session::Refusal) -> Error {
+        match refusal {
+            crate::core::session::Refusal::QueueFull(_) => {
+                Error::QueueFull(format!("peer {}: {refusal}", self.peer))
+            }
+            crate::core::session::Refusal::ShuttingDown => Error::ShuttingDown,
+            other => Error::PeerLost {
+                peer: self.peer.clone(),
+                detail: other.to_string(),
+            },
+        }
+    }
+
+    /// The peer reads `buffer` (op `id`) until it says otherwise (Done or Cancel), and may
+    /// keep it mapped after: its memory is freed only once the peer unmapped it.
+    fn lend_for_pull(&mut self, id: OpId, buffer: &Buffer, ctx: &mut Context<Self>) {
+        let view = buffer.share();
+        if self.ipc.in_process() {
+            // The peer copies straight from our memory, which it finds here.
+            crate::gpu::offer_in_process(&self.setup.node, view.clone());
+        } else {
+            let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
+            buffer.note_mapped(unmapper);
+        }
+        self.ipc.exported.insert(id, view);
+    }
+
+    /// Keeps op `id`'s buffer and reply until it ends, with its spans.
+    fn track(
+        &mut self,
+        id: OpId,
+        buffer: Buffer,
+        what: StreamWhat,
+        labels: TransferLabels,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        now: Instant,
+    ) {
         let span = tracing::debug_span!(
             "transfer",
             id = id.0,
             peer = %self.peer,
             transport = %labels.transport,
             direction = labels.direction,
-            bytes = len,
+            bytes = buffer.len() as u64,
         );
         // A put needs no grant; it waits for its turn, then streams. A pull waits for the
         // peer's copy.
@@ -277,7 +317,7 @@ impl TransferActor {
         self.outbound.insert(
             id,
             OutEntry {
-                buffer: msg.buffer,
+                buffer,
                 what,
                 reply,
                 stop: Arc::default(),
@@ -287,7 +327,6 @@ impl TransferActor {
                 phase,
             },
         );
-        self.drive(ctx);
     }
 
     /// The transport's setup with the peer failed: the submission takes the rule's next
