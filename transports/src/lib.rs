@@ -9,7 +9,10 @@
 //! built yet". It makes no decisions about which transfer runs when; that is
 //! `ferry-actors`' job.
 //!
-//! Only [`cuda`], and in [`link`] the descriptor passing (`link::fdpass`) and the
+//! [`ucx`] holds the engine of the coming ucx transport (one UCX worker on its own thread);
+//! it is not wired into the registry yet.
+//!
+//! Only [`cuda`], [`ucx`], and in [`link`] the descriptor passing (`link::fdpass`) and the
 //! shared-memory ring (`link::ring`), may use `unsafe` (each opts in with
 //! `#[allow(unsafe_code)]`); everything else is denied it.
 #![deny(unsafe_code)]
@@ -23,4 +26,5 @@ pub mod registry;
 pub mod staged;
 pub mod tcp;
 pub mod transport;
+pub mod ucx;
 pub mod wire;
