@@ -219,7 +219,7 @@ fn doctor_default_config_passes_and_says_no_cuda() {
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{}", said(&out));
     assert!(
-        text.contains("rule #2 host") && text.contains("uses tcp"),
+        text.contains("rule #3 host") && text.contains("uses tcp"),
         "{text}"
     );
     assert!(

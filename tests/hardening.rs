@@ -46,6 +46,7 @@ fn offer(transfer: u64, len: u64) -> Message {
         transport: ferry_transports::wire::WireTransport::Tcp,
         direction: WireDirection::Push,
         ipc: None,
+        ucx: None,
         layout: Layout::Contiguous,
     })
 }

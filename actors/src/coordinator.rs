@@ -145,10 +145,20 @@ pub struct CoordinatorSetup {
 /// The hello this node greets a peer with, on links it dials and links it accepts alike:
 /// its name, the transports viable here, its frame cap, and `receives`, where it lands
 /// received buffers by default, which its peers route their sends for.
-pub(crate) fn node_hello(node: &str, receives: MemoryKind, max_frame: u32) -> Hello {
+pub(crate) fn node_hello(
+    node: &str,
+    receives: MemoryKind,
+    max_frame: u32,
+    transports: &NodeTransports,
+) -> Hello {
     Hello {
         receives: receives.to_wire(),
-        ..link::local_hello(node, ferry_transports::registry::viable_names(), max_frame)
+        ucx_address: transports
+            .ucx
+            .as_ref()
+            .map(|e| e.address())
+            .unwrap_or_default(),
+        ..link::local_hello(node, transports.served(), max_frame)
     }
 }
 
@@ -179,6 +189,50 @@ pub struct TransferSetupBase {
     pub lane: crate::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
+    /// The transports this node serves: the registry's, with what the configuration turned
+    /// off marked not viable (with why), and the UCX engine when it serves ucx.
+    pub transports: NodeTransports,
+}
+
+/// The transports a node serves, as its hello announces them and its routes choose.
+#[derive(Clone)]
+pub struct NodeTransports {
+    /// Each transport's declaration and whether this node can use it.
+    pub catalog: Vec<(Capabilities, Viability)>,
+    /// The UCX engine, when this node serves ucx.
+    pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
+}
+
+impl NodeTransports {
+    /// The registry's transports with ucx as `ucx` says: served with its engine, or not
+    /// viable for the reason given.
+    pub fn new(ucx: Result<Arc<ferry_transports::ucx::Engine>, String>) -> Self {
+        let mut catalog = ferry_transports::registry::catalog();
+        let (engine, why_not) = match ucx {
+            Ok(engine) => (Some(engine), None),
+            Err(why) => (None, Some(why)),
+        };
+        if let Some(why) = why_not {
+            for (caps, viability) in &mut catalog {
+                if caps.name == ferry_config::TransportName::Ucx {
+                    *viability = Viability::NotViable(why.clone());
+                }
+            }
+        }
+        Self {
+            catalog,
+            ucx: engine,
+        }
+    }
+
+    /// The names of the transports this node serves.
+    pub fn served(&self) -> Vec<ferry_config::TransportName> {
+        self.catalog
+            .iter()
+            .filter(|(_, v)| *v == Viability::Viable)
+            .map(|(c, _)| c.name)
+            .collect()
+    }
 }
 
 /// The coordinator actor.
@@ -197,9 +251,9 @@ impl Coordinator {
     pub fn new(setup: CoordinatorSetup) -> Self {
         Self {
             inbox: Arc::clone(&setup.inbox),
+            catalog: setup.transfer.transports.catalog.clone(),
             setup,
             host_id: link::host_id(),
-            catalog: ferry_transports::registry::catalog(),
             sessions: HashMap::new(),
             next_epoch: 1,
             draining: false,
@@ -211,7 +265,12 @@ impl Coordinator {
     }
 
     fn hello(&self) -> Hello {
-        node_hello(self.name(), self.setup.receives, self.setup.link.max_frame)
+        node_hello(
+            self.name(),
+            self.setup.receives,
+            self.setup.link.max_frame,
+            &self.setup.transfer.transports,
+        )
     }
 
     fn peer_address(&self, peer: &str) -> Option<PeerAddress> {
@@ -329,6 +388,7 @@ impl Coordinator {
             inbox: Arc::clone(&self.inbox),
             lane: base.lane,
             staged: base.staged,
+            ucx: base.transports.ucx,
         }
     }
 

@@ -225,6 +225,7 @@ impl Node {
             opts: link_opts,
             node: config.node.name.clone(),
             receives: started.receives,
+            transports: started.transports,
         };
         for listener in listeners {
             io.spawn(accept_loop(listener, acceptor.clone()));
@@ -710,6 +711,8 @@ struct Acceptor {
     node: String,
     /// Where the node lands received buffers by default, for its hello.
     receives: MemoryKind,
+    /// The transports the node serves, for its hello.
+    transports: crate::coordinator::NodeTransports,
 }
 
 /// Accepts connections as fast as they come and runs each handshake in its own task, so a
@@ -744,6 +747,7 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                     &acceptor.node,
                     acceptor.receives,
                     acceptor.opts.max_frame,
+                    &acceptor.transports,
                 );
                 link::accept_handshake(accepted, &acceptor.secret, hello, &acceptor.opts)
                     .await
@@ -877,6 +881,7 @@ struct Started {
     pinned: Addr<Allocator>,
     gpus: crate::gpu::SharedGpus,
     receives: MemoryKind,
+    transports: crate::coordinator::NodeTransports,
     system: System,
 }
 
@@ -957,6 +962,7 @@ async fn start_actors(parts: ActorParts) -> Started {
     if host_tiers.is_empty() {
         host_tiers.push(tier(MemoryKind::Host, &host));
     }
+    let transports = crate::coordinator::NodeTransports::new(start_ucx(&config));
     let transfer = TransferSetupBase {
         limits: session_limits(limits),
         chunk: usize::try_from(config.transport.tcp.chunk_size).unwrap_or(1 << 20),
@@ -979,6 +985,7 @@ async fn start_actors(parts: ActorParts) -> Started {
             link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
             spin: config.transport.staged.spin,
         },
+        transports: transports.clone(),
     };
     let coordinator = Coordinator::new(CoordinatorSetup {
         config: Arc::clone(&config),
@@ -995,8 +1002,46 @@ async fn start_actors(parts: ActorParts) -> Started {
         pinned,
         gpus,
         receives,
+        transports,
         system: System::current(),
     }
+}
+
+/// The UCX engine `[transport.ucx]` asks for, or why this node does not serve ucx.
+fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::Engine>, String> {
+    use ferry_config::UcxMode;
+    let ucx = &config.transport.ucx;
+    match ucx.enabled {
+        UcxMode::Off => return Err("transport.ucx.enabled is \"off\"".into()),
+        UcxMode::Auto if !has_rdma_device() => {
+            return Err(
+                "no RDMA device here (transport.ucx.enabled is \"auto\"; \"on\" uses UCX over tcp)"
+                    .into(),
+            );
+        }
+        UcxMode::Auto | UcxMode::On => {}
+    }
+    let mut settings = ferry_transports::ucx::UcxSettings::default();
+    settings.library = ucx.library.clone();
+    settings.tls = ucx.tls.clone();
+    settings.progress_spin = ucx.progress_spin;
+    settings.op_timeout = ucx.op_timeout;
+    settings.name = Some(config.node.name.clone());
+    match ferry_transports::ucx::Engine::start(&settings) {
+        Ok(engine) => {
+            tracing::info!(version = %engine.ucx_version(), "ucx transport ready");
+            Ok(Arc::new(engine))
+        }
+        Err(e) => {
+            tracing::warn!("the ucx transport is off: {e}");
+            Err(format!("UCX did not start: {e}"))
+        }
+    }
+}
+
+/// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.
+fn has_rdma_device() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
 /// One allocator per opened GPU (its pool registered at the fd-sharing socket), with the

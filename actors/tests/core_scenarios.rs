@@ -76,6 +76,7 @@ impl Pair {
             transport: TransportName::Tcp,
             direction: WireDirection::Push,
             ipc: None,
+            ucx: None,
             layout: Layout::Contiguous,
             deadline: self.now + ttl,
         }
@@ -466,6 +467,7 @@ fn protocol_violations_are_errors() {
             transport: TransportName::Tcp.into(),
             direction: WireDirection::Push,
             ipc: None,
+            ucx: None,
             layout: Layout::Contiguous,
         })
     };
@@ -479,6 +481,7 @@ fn protocol_violations_are_errors() {
         transports: vec![],
         max_frame: 0,
         receives: ferry_transports::wire::WireMemoryKind::Host,
+        ucx_address: Vec::new(),
     });
     assert!(s.handle_message(hello).is_err());
 }
@@ -560,6 +563,7 @@ fn a_cancel_says_whose_transfer_it_names() {
                 transport: TransportName::Tcp,
                 direction: WireDirection::Push,
                 ipc: None,
+                ucx: None,
                 layout: Layout::Contiguous,
                 deadline: now + Duration::from_secs(60),
             },
@@ -631,6 +635,7 @@ impl Push {
                     transport: TransportName::Ipc,
                     direction: WireDirection::Push,
                     ipc: None,
+                    ucx: None,
                     layout: Layout::Contiguous,
                     deadline: self.now + Duration::from_secs(5),
                 },
@@ -789,6 +794,7 @@ fn push_offers_and_lending_grants_are_checked() {
             transport: TransportName::Ipc,
             direction: WireDirection::Push,
             ipc: None,
+            ucx: None,
             layout: Layout::Contiguous,
             deadline: p.now + Duration::from_secs(1),
         },
@@ -811,6 +817,7 @@ fn push_offers_and_lending_grants_are_checked() {
                 transport: TransportName::Tcp,
                 direction: WireDirection::Push,
                 ipc: None,
+                ucx: None,
                 layout: Layout::Contiguous,
                 deadline: Instant::now() + Duration::from_secs(1),
             },
@@ -860,6 +867,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
         transport: TransportName::Tcp.into(),
         direction: WireDirection::Push,
         ipc: None,
+        ucx: None,
         layout: Layout::Contiguous,
     });
     let err = s.handle_message(offer).expect_err("a huge id");
@@ -877,6 +885,7 @@ fn offers_whose_layout_does_not_match_are_refused() {
             transport: transport.into(),
             direction: WireDirection::Push,
             ipc: None,
+            ucx: None,
             layout,
         })
     };
@@ -929,6 +938,7 @@ fn staged_offers_reserve_for_staging_and_stream() {
         transport: TransportName::Staged,
         direction,
         ipc,
+        ucx: None,
         layout: Layout::Contiguous,
         deadline: p.now + Duration::from_secs(1),
     };

@@ -18,10 +18,11 @@
 //! )?;
 //! let (index, rule) = config
 //!     .transport
-//!     .first_match(Locality::Remote, MemoryClass::Host, MemoryClass::Host, 4096)
+//!     .first_match(Locality::SameHost, MemoryClass::Host, MemoryClass::Host, 4096)
 //!     .expect("the default \"host\" rule matches everything");
-//! // The default "gpu" and "remote-gpu" rules (0 and 1) take only device memory.
-//! assert_eq!((index, rule.name.as_str()), (2, "host"));
+//! // The default "gpu" rule (0) takes only device memory, "remote-gpu" and "remote-host"
+//! // (1 and 2) only other hosts.
+//! assert_eq!((index, rule.name.as_str()), (3, "host"));
 //! # Ok::<(), ferry_config::ConfigError>(())
 //! ```
 //!
@@ -48,7 +49,7 @@ pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
     Config, DiscoveryConfig, DiscoveryMode, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
     NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
-    TransportConfig,
+    TransportConfig, UcxMode, UcxTuning,
 };
 pub use units::{AutoSize, Budget, format_size, parse_size};
 

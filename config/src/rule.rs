@@ -114,8 +114,9 @@ impl Rule {
         }
     }
 
-    /// The default's second rule, `"remote-gpu"`: device memory to another host, staged
-    /// through pinned host memory over the link, else tcp.
+    /// The default's second rule, `"remote-gpu"`: device memory to another host over ucx
+    /// (GPUDirect RDMA where the machine has it), else staged through pinned host memory
+    /// over the link, else tcp.
     pub fn remote_gpu() -> Rule {
         Rule {
             name: "remote-gpu".into(),
@@ -124,7 +125,26 @@ impl Rule {
             dst: Vec::new(),
             min_bytes: 0,
             max_bytes: None,
-            transports: vec![TransportName::Staged, TransportName::Tcp],
+            transports: vec![
+                TransportName::Ucx,
+                TransportName::Staged,
+                TransportName::Tcp,
+            ],
+            direction: None,
+        }
+    }
+
+    /// The default's third rule, `"remote-host"`: host memory to another host over ucx
+    /// (pulled, RDMA where the machine has it), else tcp.
+    pub fn remote_host() -> Rule {
+        Rule {
+            name: "remote-host".into(),
+            locality: vec![Locality::Remote],
+            src: Vec::new(),
+            dst: Vec::new(),
+            min_bytes: 0,
+            max_bytes: None,
+            transports: vec![TransportName::Ucx, TransportName::Tcp],
             direction: None,
         }
     }

@@ -169,6 +169,8 @@ pub struct TransportConfig {
     pub ipc: IpcTuning,
     /// Tuning of the staged transport.
     pub staged: StagedTuning,
+    /// The ucx transport.
+    pub ucx: UcxTuning,
     /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
     /// memory to a same-host peer over ipc (pull), falling back to staged, then tcp;
     /// `"remote-gpu"`, device memory to another host over staged, else tcp; then `"host"`,
@@ -183,7 +185,13 @@ impl Default for TransportConfig {
             tcp: TcpTuning::default(),
             ipc: IpcTuning::default(),
             staged: StagedTuning::default(),
-            rules: vec![Rule::same_host_gpu(), Rule::remote_gpu(), Rule::catch_all()],
+            ucx: UcxTuning::default(),
+            rules: vec![
+                Rule::same_host_gpu(),
+                Rule::remote_gpu(),
+                Rule::remote_host(),
+                Rule::catch_all(),
+            ],
         }
     }
 }
@@ -294,6 +302,56 @@ impl Default for StagedTuning {
             spin: Duration::from_millis(2),
         }
     }
+}
+
+/// `[transport.ucx]`: the ucx transport (UCX's UCP, loaded at run time; RDMA where the
+/// machine has it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UcxTuning {
+    /// Whether this node serves ucx: `"auto"` (the default) when UCX loads and the machine
+    /// has an RDMA device (`/sys/class/infiniband`); `"on"` whenever UCX loads (over tcp
+    /// too: UCX emulates its reads there, slower than ferry's own tcp); `"off"` never.
+    pub enabled: UcxMode,
+    /// The `libucp.so` to load. Default: the environment variable `FERRY_UCX_LIBRARY`,
+    /// else the system's `libucp.so.0`. Both ends must load the same UCX build.
+    pub library: Option<PathBuf>,
+    /// UCX's transport list (`UCX_TLS`), e.g. `"rc,cuda_copy,cuda_ipc,tcp"`. Default:
+    /// UCX's own choice. It must include `tcp` or an RDMA transport (`rc`, `dc`, `ud`):
+    /// ferry needs UCX to notice a dead peer.
+    pub tls: Option<String>,
+    /// How long UCX's progress thread polls after the last operation before it sleeps.
+    /// Default `"50us"`; at most 10 ms.
+    #[serde(with = "duration")]
+    pub progress_spin: Duration,
+    /// The longest one UCX read may take before the peer's endpoint is closed and its
+    /// transfers fail. Default `"30s"`; at least 100 ms.
+    #[serde(with = "duration")]
+    pub op_timeout: Duration,
+}
+
+impl Default for UcxTuning {
+    fn default() -> Self {
+        UcxTuning {
+            enabled: UcxMode::Auto,
+            library: None,
+            tls: None,
+            progress_spin: Duration::from_micros(50),
+            op_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Whether a node serves the ucx transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum UcxMode {
+    /// When UCX loads and the machine has an RDMA device.
+    #[default]
+    Auto,
+    /// Whenever UCX loads.
+    On,
+    /// Never.
+    Off,
 }
 
 /// `[limits]`: bounds on frames, queues and waits.
@@ -424,6 +482,7 @@ pub enum LogFormat {
 
 config_names! {
     DiscoveryMode { Static => "static" }
+    UcxMode { Auto => "auto", On => "on", Off => "off" }
     LogFormat { Text => "text", Json => "json" }
 }
 

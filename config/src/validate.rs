@@ -230,6 +230,29 @@ impl Config {
         if staged.spin > std::time::Duration::from_millis(100) {
             return fail("transport.staged.spin", "must be at most 100ms");
         }
+        let ucx = &self.transport.ucx;
+        if ucx.progress_spin > std::time::Duration::from_millis(10) {
+            return fail("transport.ucx.progress_spin", "must be at most 10ms");
+        }
+        if ucx.op_timeout < std::time::Duration::from_millis(100) {
+            return fail("transport.ucx.op_timeout", "must be at least 100ms");
+        }
+        if let Some(tls) = &ucx.tls {
+            let reaches = tls.split(',').map(str::trim).any(|t| {
+                matches!(
+                    t,
+                    "all" | "tcp" | "rc" | "rc_x" | "rc_v" | "dc" | "dc_x" | "ud" | "ud_x" | "ib"
+                )
+            });
+            if !reaches {
+                return fail(
+                    "transport.ucx.tls",
+                    format!(
+                        "{tls:?} has no transport that notices a dead peer: include tcp or an RDMA transport (rc, dc, ud)"
+                    ),
+                );
+            }
+        }
         if !(2..=64).contains(&staged.slots) {
             return fail(
                 "transport.staged.slots",
@@ -521,7 +544,7 @@ mod tests {
             ),
             (
                 |c| c.transport.rules.push(c.transport.rules[0].clone()),
-                "transport.rules[3].name",
+                "transport.rules[4].name",
             ),
             (|c| c.transport.staged.slots = 1, "transport.staged.slots"),
             (

@@ -177,7 +177,11 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     let mut out = cuda_findings(&facts.cuda, &facts.pool_export, &named);
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
-    out.push(ucx_finding(&facts.ucx, named.contains(&TransportName::Ucx)));
+    // UCX matters where a rule names ucx and the node would serve it: "on", or "auto"
+    // (which serves it on RDMA machines).
+    let ucx_wanted = named.contains(&TransportName::Ucx)
+        && config.transport.ucx.enabled != ferry_config::UcxMode::Off;
+    out.push(ucx_finding(&facts.ucx, ucx_wanted));
     out.extend(config_findings(config, &facts.transports));
     out
 }
@@ -736,7 +740,7 @@ mod tests {
     fn healthy_machine_default_config_blocks_nothing() {
         let findings = diagnose(&healthy(), &config(""));
         assert!(findings.iter().all(|f| !f.blocks), "{findings:#?}");
-        assert_eq!(find(&findings, "rule #2 host").status, Status::Ok);
+        assert_eq!(find(&findings, "rule #3 host").status, Status::Ok);
         assert_eq!(find(&findings, "/dev/shm").status, Status::Ok);
         assert_eq!(find(&findings, "memlock").status, Status::Ok);
     }
@@ -802,7 +806,8 @@ mod tests {
 
     #[test]
     fn ucx_absent_is_skipped_unless_a_rule_names_it() {
-        let f = diagnose(&healthy(), &config(""));
+        let off = config("[transport.ucx]\nenabled = \"off\"\n");
+        let f = diagnose(&healthy(), &off);
         let u = find(&f, "ucx");
         assert_eq!(u.status, Status::Skipped);
         assert!(u.found.contains("UCX not found"));

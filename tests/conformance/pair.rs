@@ -208,8 +208,15 @@ impl Pair {
             .send(&self.peer, WARM_UP, one)
             .await
             .unwrap_or_else(|e| panic!("{}: warm-up send: {e}", self.combo));
-        let echo = self.recv(Some(WARM_UP)).await.buffer;
-        release(&self.node, vec![one, echo]).await;
+        let echo = self.recv(Some(WARM_UP)).await;
+        // The echo came back over the transport under test: its rule names it first.
+        assert_eq!(
+            echo.transport,
+            self.combo.name(),
+            "{}: the echo came back over another transport",
+            self.combo
+        );
+        release(&self.node, vec![one, echo.buffer]).await;
         if let Far::InProcess { seen, .. } = &self.far {
             seen.lock().expect("seen").clear();
         }
@@ -382,6 +389,10 @@ fn side_toml(
         "[transport.tcp]\nchunk_size = \"{CHUNK} B\"\n\n\
          [transport.staged]\nchunk = \"{CHUNK} B\"\nslots = 3\nshared_memory = {shared}\n\n"
     ));
+    // ucx serves only where asked (it is "auto" by default: RDMA machines only).
+    if combo.transport() == TransportName::Ucx {
+        extra.push_str("[transport.ucx]\nenabled = \"on\"\n\n");
+    }
     // The fast lane pulls whatever the rule says: off for a pushing combination.
     if combo.direction == ferry::Direction::Push {
         extra.push_str("[transport.ipc]\nlane_max = 0\n\n");

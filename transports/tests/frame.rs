@@ -25,6 +25,7 @@ fn hello() -> Hello {
         transports: vec![WireTransport::Tcp, WireTransport::Ipc],
         max_frame: CAP,
         receives: WireMemoryKind::Device(1),
+        ucx_address: vec![3; 40],
     }
 }
 
@@ -96,6 +97,10 @@ fn corpus() -> Vec<Item> {
                 offset: 0,
                 export: vec![7; 64],
                 legacy: Some(3),
+            }),
+            ucx: Some(ferry_transports::wire::UcxSource {
+                address: 0x7f00_0000_1000,
+                rkey: vec![5; 30],
             }),
             layout: ferry_transports::wire::Layout::Strided3D {
                 depth: 2,

@@ -26,8 +26,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use ferry_transports::wire::{
-    Cancel, Done, Grant, IpcSource, Layout, Message, Offer, WireDirection, WireMemoryKind,
-    WireReason, Written,
+    Cancel, Done, Grant, IpcSource, Layout, Message, Offer, UcxSource, WireDirection,
+    WireMemoryKind, WireReason, Written,
 };
 
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
@@ -119,6 +119,8 @@ pub struct SendRequest {
     pub direction: WireDirection,
     /// For a pulled (ipc) transfer: where the peer reads the bytes.
     pub ipc: Option<IpcSource>,
+    /// For a ucx pull: where the peer reads the bytes.
+    pub ucx: Option<UcxSource>,
     /// How the bytes lie in the buffer (`len` is their packed length).
     pub layout: Layout,
     /// When it must have ended.
@@ -132,6 +134,15 @@ pub struct PutRequest {
     pub len: u64,
     /// When it must have ended.
     pub deadline: Instant,
+}
+
+/// Where a pulled transfer's bytes are read from, by the transport that reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullSource {
+    /// The sender's exported device buffer (ipc).
+    Ipc(IpcSource),
+    /// The sender's registered buffer (ucx).
+    Ucx(UcxSource),
 }
 
 /// What the shell must do.
@@ -155,7 +166,7 @@ pub enum SessionEvent {
         len: u64,
         /// For a pulled transfer: where to read the bytes once reserved
         /// ([`PeerSession::handle_reserved_pull`]).
-        pull: Option<IpcSource>,
+        pull: Option<PullSource>,
         /// An ipc push: reserve device memory where possible and lend it in the grant.
         push: bool,
         /// A staged push: reserve device memory where possible; the chunks come through
@@ -457,6 +468,7 @@ impl PeerSession {
                         transport: req.transport.into(),
                         direction: req.direction,
                         ipc: req.ipc.clone(),
+                        ucx: req.ucx.clone(),
                         layout: req.layout,
                     }));
                     // A pull needs no grant: the peer reads, then says Done.
@@ -624,6 +636,14 @@ impl PeerSession {
         }
         let transport = TransportName::from(offer.transport);
         let carrier = registry::carrier(transport);
+        // What a pull reads: the source of the offer's own transport (a source of another
+        // transport, or two, is refused as unsupported, like any offer not served here).
+        let (pull, foreign_source) = match (offer.ipc.clone(), offer.ucx.clone(), transport) {
+            (None, None, _) => (None, false),
+            (Some(ipc), None, TransportName::Ipc) => (Some(PullSource::Ipc(ipc)), false),
+            (None, Some(ucx), TransportName::Ucx) => (Some(PullSource::Ucx(ucx)), false),
+            _ => (None, true),
+        };
         let refuse = if self.draining {
             Some((
                 WireReason::ShuttingDown,
@@ -636,8 +656,9 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
-        } else if !(carrier.fits(offer.direction, offer.ipc.is_some())
-            && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
+        } else if foreign_source
+            || !(carrier.fits(offer.direction, pull.is_some())
+                && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
         {
             Some((
                 WireReason::Unsupported,
@@ -662,7 +683,7 @@ impl PeerSession {
         let reserve = SessionEvent::Reserve {
             id,
             len: offer.len,
-            pull: offer.ipc,
+            pull,
             push,
             staged: carrier == Carrier::Ring,
             layout: offer.layout,

@@ -2,6 +2,7 @@
 //! on the link, its deadlines a timer.
 
 use super::*;
+use crate::core::session::PullSource;
 
 impl TransferActor {
     /// Carries out everything the session asks for.
@@ -108,8 +109,12 @@ impl TransferActor {
                 let phase = tracing::debug_span!(parent: &span, "reserve");
                 self.inbound_spans.insert(id, InboundSpans { span, phase });
                 let landing = match (pull, push) {
-                    (Some(source), _) => {
+                    (Some(PullSource::Ipc(source)), _) => {
                         self.ipc.sources.insert(id, (source, layout));
+                        Landing::Pull
+                    }
+                    (Some(PullSource::Ucx(source)), _) => {
+                        self.ucx.sources.insert(id, (source, layout));
                         Landing::Pull
                     }
                     (None, true) => Landing::Push,
@@ -196,7 +201,8 @@ impl TransferActor {
             }
             self.watch_lent(id, ctx);
         }
-        if self.ipc.sources.remove(&id).is_some() {
+        let ucx = self.ucx.sources.remove(&id).is_some();
+        if self.ipc.sources.remove(&id).is_some() || ucx {
             if self.ipc.pulling.contains(&id) {
                 self.ipc.abandoned.insert(id);
             } else {

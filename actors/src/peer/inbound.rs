@@ -30,10 +30,13 @@ impl TransferActor {
                         tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
                     }
                     if how == Landing::Pull {
-                        if act.session.handle_reserved_pull(id) {
-                            act.start_pull(id, buffer, ctx);
-                        } else {
+                        if !act.session.handle_reserved_pull(id) {
                             act.ipc.sources.remove(&id);
+                            act.ucx.sources.remove(&id);
+                        } else if act.ucx.sources.contains_key(&id) {
+                            act.start_ucx_pull(id, buffer, ctx);
+                        } else {
+                            act.start_pull(id, buffer, ctx);
                         }
                         return act.drive(ctx);
                     }
@@ -58,6 +61,7 @@ impl TransferActor {
                 }
                 Err(e) => {
                     act.ipc.sources.remove(&id);
+                    act.ucx.sources.remove(&id);
                     if let Some(spans) = act.inbound_spans.remove(&id) {
                         tracing::debug!(parent: &spans.span, error = %e, "no memory");
                     }

@@ -38,15 +38,15 @@ impl TransferActor {
             }
         };
         if inline {
-            let pulled = copy(true).map_err(|(_, why)| why);
+            let pulled = copy(true).map_err(|(_, why)| PullError::from(why));
             return self.pull_ended(id, pulled, ctx);
         }
         let copy = self.setup.io.spawn_blocking(move || copy(false));
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
-                Ok(Err((_buffer, why))) => Err(why),
-                Err(e) => Err(IpcError::Gone(format!("the pull task failed: {e}"))),
+                Ok(Err((_buffer, why))) => Err(PullError::from(why)),
+                Err(e) => Err(PullError::Task(e.to_string())),
             };
             act.pull_ended(id, pulled, ctx);
         }));
@@ -57,7 +57,7 @@ impl TransferActor {
     pub(super) fn pull_ended(
         &mut self,
         id: InboundId,
-        pulled: Result<Buffer, IpcError>,
+        pulled: Result<Buffer, PullError>,
         ctx: &mut Context<Self>,
     ) {
         self.ipc.pulling.remove(&id);
@@ -68,6 +68,7 @@ impl TransferActor {
             return self.drive(ctx);
         }
         self.ipc.sources.remove(&id);
+        self.ucx.sources.remove(&id);
         match pulled {
             Ok(buffer) => self.completed(id, buffer),
             Err(why) => {

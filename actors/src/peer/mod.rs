@@ -17,8 +17,9 @@ mod ipc;
 mod link_io;
 mod outbound;
 mod staged_ring;
+mod ucx;
 
-use self::{inbound::*, ipc::*, link_io::*, staged_ring::*};
+use self::{inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -141,6 +142,8 @@ pub struct TransferSetup {
     pub lane: crate::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
+    /// The node's UCX engine, when it serves ucx.
+    pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
 }
 
 /// What the application asks of a peer.
@@ -354,6 +357,7 @@ pub struct TransferActor {
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
     ipc: IpcState,
+    ucx: UcxState,
     staged: StagedState,
     /// Bytes the current link (and its staged rings) moved, for the stall clock.
     activity: Option<Activity>,
@@ -392,6 +396,7 @@ impl TransferActor {
             timer: DeadlineTimer::default(),
             staged: StagedState::default(),
             ipc: IpcState::default(),
+            ucx: UcxState::default(),
             activity: None,
             reader: None,
             claims,
@@ -436,6 +441,8 @@ impl Actor for TransferActor {
                 unmapper.free_later(done);
             }
         }
+        // Registrations for the peer's UCX reads: unmapped (off this thread).
+        self.unexport_all_ucx();
         // Buffers the peer may still be reading go to their domain's quarantine first.
         let mut exports = Vec::new();
         for (op, view) in self.ipc.exported.drain() {
@@ -543,6 +550,7 @@ impl Handler<Attach> for TransferActor {
             ferry_config::TransportName::Ipc,
             self.ipc.same_host && !self.setup.gpus.is_empty(),
         );
+        self.attach_ucx(&link.peer_hello.ucx_address);
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {

@@ -131,12 +131,31 @@ impl TransferActor {
         if let Some(view) = self.ipc.exported.remove(&op) {
             crate::gpu::withdraw_in_process(&self.setup.node, &view);
         }
+        self.unexport_ucx(op);
     }
 
-    /// Queues a submission in the session; the outcome goes to `reply`.
+    /// Queues a submission in the session; the outcome goes to `reply`. A send over ucx
+    /// has its buffer registered with UCX first.
     pub(super) fn queue_submit(
         &mut self,
         msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let over_ucx = matches!(&msg.op, Op::Send { transport, .. }
+            if *transport == ferry_config::TransportName::Ucx);
+        if over_ucx {
+            return self.submit_ucx(msg, reply, ctx);
+        }
+        self.queue_submit_with(msg, None, reply, ctx);
+    }
+
+    /// Queues a submission in the session, with its buffer's UCX registration when it goes
+    /// over ucx.
+    pub(super) fn queue_submit_with(
+        &mut self,
+        msg: Submit,
+        exported: Option<ferry_transports::ucx::Exported>,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
@@ -150,7 +169,13 @@ impl TransferActor {
                 direction,
                 fallback: _,
                 layout,
-            } => self.queue_send(now, &msg, (tag, transport, direction, layout), peer_class),
+            } => self.queue_send(
+                now,
+                &msg,
+                (tag, transport, direction, layout),
+                exported.as_ref(),
+                peer_class,
+            ),
             Op::Put { key, offset } => {
                 let queued = self.session.handle_put(
                     now,
@@ -188,7 +213,10 @@ impl TransferActor {
                 return;
             }
         };
-        if labels.direction == "pull" {
+        if let Some(exported) = exported {
+            // The peer reads it with UCX until it says Done or Cancel.
+            self.ucx.exported.insert(id, exported);
+        } else if labels.direction == "pull" {
             self.lend_for_pull(id, &msg.buffer, ctx);
         }
         self.track(id, msg.buffer, what, labels, reply, now);
@@ -207,6 +235,7 @@ impl TransferActor {
             WireDirection,
             Layout,
         ),
+        exported: Option<&ferry_transports::ucx::Exported>,
         peer_class: &'static str,
     ) -> Result<
         (
@@ -238,12 +267,17 @@ impl TransferActor {
             },
             peer_class,
         };
-        let ipc = match direction {
-            WireDirection::Pull => Some(
-                crate::gpu::export_source(&msg.buffer, self.ipc.in_process())
-                    .map_err(|e| Error::unsupported(e.to_string()))?,
+        // What a pull reads: the UCX registration, or the ipc export.
+        let (ipc, ucx) = match (direction, exported) {
+            (WireDirection::Pull, Some(exported)) => (None, Some(exported.source())),
+            (WireDirection::Pull, None) => (
+                Some(
+                    crate::gpu::export_source(&msg.buffer, self.ipc.in_process())
+                        .map_err(|e| Error::unsupported(e.to_string()))?,
+                ),
+                None,
             ),
-            WireDirection::Push => None,
+            (WireDirection::Push, _) => (None, None),
         };
         let queued = self.session.handle_send(
             now,
@@ -254,6 +288,7 @@ impl TransferActor {
                 transport,
                 direction,
                 ipc,
+                ucx,
                 layout,
                 deadline: msg.deadline,
             },

@@ -566,6 +566,7 @@ pub fn local_hello(
         transports: transports.into_iter().map(Into::into).collect(),
         max_frame,
         receives: crate::wire::WireMemoryKind::Host,
+        ucx_address: Vec::new(),
     }
 }
 

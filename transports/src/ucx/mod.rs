@@ -11,8 +11,8 @@
 //! - [`Engine::register`] maps memory for peers; its [`Registration::rkey`] and
 //!   [`Registration::address`] travel to them over ferry's link.
 //!
-//! It moves bytes; it does not decide which transfer runs when, and it is not yet wired
-//! into the transport registry.
+//! It moves bytes; it does not decide which transfer runs when. [`capabilities`] is its
+//! line in the registry; [`Engine::export`] and [`UcxPeer::get_into`] take ferry's buffers.
 //!
 //! # Threading model
 //!
@@ -48,6 +48,7 @@
 //! each block says why it is sound.
 #![allow(unsafe_code)]
 
+mod buffers;
 mod engine;
 mod envelope;
 mod error;
@@ -59,6 +60,7 @@ mod thread;
 mod ucp;
 mod wake;
 
+pub use buffers::{Exported, capabilities, key_of, viability};
 pub use engine::{Engine, Registration, UcxPeer};
 pub use envelope::{EnvelopeError, EnvelopeKind};
 pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};

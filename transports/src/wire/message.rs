@@ -107,6 +107,9 @@ pub struct Hello {
     /// the sender with this as the destination memory class. Transports that cannot land
     /// there (tcp, for device memory) land in the sender's first host tier instead.
     pub receives: WireMemoryKind,
+    /// The sender's UCX worker address (the ucx transport's envelope), empty when it does
+    /// not serve ucx. A peer connects its UCX endpoint to it on its first ucx transfer.
+    pub ucx_address: Vec<u8>,
 }
 
 /// The sender proposes a transfer.
@@ -127,9 +130,22 @@ pub struct Offer {
     pub direction: WireDirection,
     /// For an ipc pull: where the receiver reads the bytes from.
     pub ipc: Option<IpcSource>,
+    /// For a ucx pull: where the receiver reads the bytes from.
+    pub ucx: Option<UcxSource>,
     /// How the bytes lie in the sender's buffer; they travel packed, and `len` is their
     /// packed length.
     pub layout: crate::wire::Layout,
+}
+
+/// Where a ucx pull reads a buffer: its address in the sender's process and the packed
+/// remote key of its registration (in the ucx transport's envelope).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct UcxSource {
+    /// The buffer's address at the sender.
+    pub address: u64,
+    /// The registration's packed remote key.
+    pub rkey: Vec<u8>,
 }
 
 /// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the

@@ -1,0 +1,170 @@
+//! The ucx transport's part of a peer: the endpoint to the peer's UCX worker (connected on
+//! the first pull from it, from the address in its hello), our buffers registered for the
+//! peer to read until it lets go, and pulls out of the peer's.
+//!
+//! Every UCX call that waits (registering, unregistering, connecting, the reads) runs off
+//! the actor thread: registrations on a blocking thread while this actor's mailbox waits
+//! (sends keep their order), reads as tasks on the node's I/O runtime.
+
+use super::*;
+use ferry_transports::ucx::{Engine, Exported, UcxPeer, UcxTransportError};
+use ferry_transports::wire::UcxSource;
+
+/// The ucx state of one peer.
+#[derive(Default)]
+pub(super) struct UcxState {
+    /// The peer's UCX worker address, from its hello (empty: it does not serve ucx).
+    pub(super) address: Vec<u8>,
+    /// Our endpoint to the peer's worker, made by the first pull on this link.
+    pub(super) endpoint: Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
+    /// Pull offers from the peer, with the layout of the bytes in its buffer, by inbound
+    /// transfer, until the pull ends.
+    pub(super) sources: HashMap<InboundId, (UcxSource, Layout)>,
+    /// Our buffers registered for the peer to read, until it says `Done` or `Cancel`, or
+    /// the link goes.
+    pub(super) exported: HashMap<OpId, Exported>,
+}
+
+/// Why a pull failed, by the transport that pulled.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum PullError {
+    /// The ipc copy.
+    #[error(transparent)]
+    Ipc(#[from] crate::gpu::IpcError),
+    /// The UCX read.
+    #[error(transparent)]
+    Ucx(#[from] UcxTransportError),
+    /// The task that ran it.
+    #[error("the pull task failed: {0}")]
+    Task(String),
+}
+
+impl TransferActor {
+    /// The node's UCX engine, when this node serves ucx.
+    fn engine(&self) -> Option<&Arc<Engine>> {
+        self.setup.ucx.as_ref()
+    }
+
+    /// A new link: the peer's (maybe new) worker address, and whether we take its ucx
+    /// offers (both ends serve ucx).
+    pub(super) fn attach_ucx(&mut self, peer_address: &[u8]) {
+        self.ucx.address = peer_address.to_vec();
+        // A peer that reconnects may be a new process: a fresh endpoint on first use.
+        self.ucx.endpoint = Arc::default();
+        self.session.set_serves(
+            ferry_config::TransportName::Ucx,
+            self.engine().is_some() && !self.ucx.address.is_empty(),
+        );
+    }
+
+    /// A send over ucx: its buffer is registered on a blocking thread while this actor's
+    /// mailbox waits (later sends queue behind it, in order), then it is queued with the
+    /// registration's key in its offer.
+    pub(super) fn submit_ucx(
+        &mut self,
+        msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(engine) = self.engine().cloned() else {
+            let _ = reply.send(Err(SendError {
+                error: Error::unsupported("this node does not serve ucx (transport.ucx.enabled)"),
+                buffer: Some(msg.buffer),
+            }));
+            return;
+        };
+        let view = msg.buffer.share();
+        let registered = self.setup.io.spawn_blocking(move || engine.export(view));
+        ctx.wait(registered.into_actor(self).map(move |joined, act, ctx| {
+            let exported = match joined {
+                Ok(Ok(exported)) => exported,
+                Ok(Err(e)) => {
+                    let _ = reply.send(Err(SendError {
+                        error: Error::Unsupported {
+                            detail: format!("cannot register the buffer with UCX: {e}"),
+                            source: None,
+                        },
+                        buffer: Some(msg.buffer),
+                    }));
+                    return;
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(SendError {
+                        error: Error::ShuttingDown,
+                        buffer: Some(msg.buffer),
+                    }));
+                    tracing::warn!("the UCX registration task failed: {e}");
+                    return;
+                }
+            };
+            act.queue_submit_with(msg, Some(exported), reply, ctx);
+        }));
+    }
+
+    /// The peer no longer reads op `op`'s buffer: its registration goes (unmapped on a
+    /// blocking thread; the buffer is freed after it).
+    pub(super) fn unexport_ucx(&mut self, op: OpId) {
+        if let Some(exported) = self.ucx.exported.remove(&op) {
+            self.setup.io.spawn_blocking(move || drop(exported));
+        }
+    }
+
+    /// Every registration goes with the link (the peer can no longer read them).
+    pub(super) fn unexport_all_ucx(&mut self) {
+        let all: Vec<Exported> = self.ucx.exported.drain().map(|(_, e)| e).collect();
+        if !all.is_empty() {
+            self.setup.io.spawn_blocking(move || drop(all));
+        }
+    }
+
+    /// Reads pulled transfer `id` out of the peer's registered buffer into `buffer`, as a
+    /// task on the I/O runtime; the result comes back to the session.
+    pub(super) fn start_ucx_pull(
+        &mut self,
+        id: InboundId,
+        buffer: Buffer,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some((source, layout)) = self.ucx.sources.get(&id).cloned() else {
+            return;
+        };
+        let Some(engine) = self.engine().cloned() else {
+            return self.pull_ended(
+                id,
+                Err(PullError::Task("this node does not serve ucx".into())),
+                ctx,
+            );
+        };
+        self.ipc.pulling.insert(id);
+        if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+        }
+        let endpoint = Arc::clone(&self.ucx.endpoint);
+        let address = self.ucx.address.clone();
+        let pull = self.setup.io.spawn(async move {
+            let peer = endpoint
+                .get_or_try_init(|| async {
+                    tokio::task::spawn_blocking(move || engine.connect(address))
+                        .await
+                        .map_err(|e| PullError::Task(e.to_string()))?
+                        .map(Arc::new)
+                        .map_err(PullError::from)
+                })
+                .await;
+            let peer = match peer {
+                Ok(peer) => Arc::clone(peer),
+                Err(e) => return (buffer, Err(e)),
+            };
+            let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
+            (buffer, got.map_err(PullError::from))
+        });
+        ctx.spawn(pull.into_actor(self).map(move |joined, act, ctx| {
+            let pulled = match joined {
+                Ok((buffer, Ok(()))) => Ok(buffer),
+                Ok((_buffer, Err(e))) => Err(e),
+                Err(e) => Err(PullError::Task(e.to_string())),
+            };
+            act.pull_ended(id, pulled, ctx);
+        }));
+    }
+}

@@ -1,0 +1,230 @@
+//! ferry's buffers through the engine, without `unsafe` at the caller: a registration that
+//! keeps its buffer's memory allocated for as long as peers may read it, and a get that
+//! owns the buffer it lands in until UCX is done with it.
+
+use ferry_config::{Direction, Locality, MemoryClass, TransportName};
+
+use super::{Engine, Operation, Registration, RemoteKey, UcxPeer, UcxTransportError};
+use crate::cuda::DeviceMemory;
+use crate::memory::{Buffer, SharedBytes};
+use crate::transport::{Capabilities, Carrier, Viability};
+use crate::wire::{Layout, UcxSource};
+
+/// The ucx transport's declaration: host memory of a peer on another host (or this one),
+/// and device memory too where the loaded UCX moves CUDA memory (a UCX built with CUDA, on
+/// a machine with a driver), pulled by the receiver (`ucp_get`) out of the sender's
+/// registered buffer. Pull only: under UCX 1.13 over tcp, a peer that dies while it writes
+/// into our memory aborts this process inside UCX (the put handler meets the failed
+/// endpoint), and reads survive it.
+pub fn capabilities() -> Capabilities {
+    const ANY: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
+    const HOST: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned];
+    let kinds = if probe().is_ok_and(|p| p.cuda) {
+        ANY
+    } else {
+        HOST
+    };
+    Capabilities {
+        name: TransportName::Ucx,
+        sources: kinds,
+        memory: kinds,
+        localities: &[Locality::SameHost, Locality::Remote],
+        directions: &[Direction::Pull],
+        needs_fd_passing: false,
+        one_sided_put: false,
+        carrier: Carrier::Memory,
+        per_peer_setup: false,
+    }
+}
+
+/// What the UCX this process loads can do.
+#[derive(Debug, Clone)]
+struct Probe {
+    /// It moves CUDA device memory.
+    cuda: bool,
+}
+
+/// Loads UCX (`FERRY_UCX_LIBRARY`, else the system's `libucp.so.0`) and asks a context
+/// which memory it moves; once per process.
+fn probe() -> Result<Probe, String> {
+    static PROBE: std::sync::OnceLock<Result<Probe, String>> = std::sync::OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let ucx = ucx_sys::Ucx::load(None).map_err(|e| format!("UCX does not load: {e}"))?;
+            let cuda = ucx
+                .context()
+                .features(ucx_sys::Features::RMA)
+                .build()
+                .and_then(|c| c.info())
+                .is_ok_and(|i| i.memory_types.contains(&ucx_sys::MemoryType::Cuda));
+            Ok(Probe { cuda })
+        })
+        .clone()
+}
+
+/// Whether UCX loads in this process. Whether a node uses it is its configuration's say
+/// (`transport.ucx.enabled`).
+pub fn viability() -> Viability {
+    match probe() {
+        Ok(_) => Viability::Viable,
+        Err(why) => Viability::NotViable(why),
+    }
+}
+
+/// Where a buffer's bytes are: host memory's address, or device memory's (UCX finds out
+/// which from the address).
+fn span_of(bytes: &SharedBytes) -> Result<(*mut u8, usize), UcxTransportError> {
+    if let Some(host) = bytes.as_slice() {
+        return Ok((host.as_ptr().cast_mut(), host.len()));
+    }
+    if let Some(device) = bytes.device_memory() {
+        return Ok((device.device_ptr() as *mut u8, device.len()));
+    }
+    Err(UcxTransportError::Misuse(
+        "only host and device buffers can be registered",
+    ))
+}
+
+/// A buffer registered for peers to read: the view keeps its memory allocated until the
+/// registration is gone (dropped first: fields drop in order).
+#[derive(Debug)]
+pub struct Exported {
+    registration: Registration,
+    _view: SharedBytes,
+}
+
+impl Exported {
+    /// What the receiver needs to pull it: the address and the packed key.
+    pub fn source(&self) -> UcxSource {
+        UcxSource {
+            address: self.registration.address(),
+            rkey: self.registration.rkey().to_vec(),
+        }
+    }
+}
+
+impl Engine {
+    /// Registers `view`'s memory for peers to read.
+    ///
+    /// # Errors
+    /// As [`Engine::register`]; [`UcxTransportError::Misuse`] for memory of no kind UCX
+    /// can read.
+    pub fn export(&self, view: SharedBytes) -> Result<Exported, UcxTransportError> {
+        let (ptr, len) = span_of(&view)?;
+        // SAFETY: `view` keeps the memory allocated (it is a share of the buffer, which is
+        // freed only when its last share goes), and `Exported` holds it until after the
+        // registration was dropped, which unmaps before it returns. Peers only read it.
+        let registration = unsafe { self.register(ptr, len) }?;
+        Ok(Exported {
+            registration,
+            _view: view,
+        })
+    }
+}
+
+/// Most gets of one strided pull in UCX at once.
+const ROWS_IN_FLIGHT: usize = 512;
+
+impl UcxPeer {
+    /// Reads the peer's bytes described by `source` (its registered buffer; `layout`'s
+    /// rows, packed, or `dst.len()` bytes from its start) into `dst`, and gives `dst` back
+    /// with the outcome. If this future is dropped early, the drop waits until UCX no
+    /// longer writes into `dst` (bounded by the engine's operation timeout).
+    pub async fn get_into(
+        &self,
+        mut dst: Buffer,
+        source: &UcxSource,
+        layout: &Layout,
+    ) -> (Buffer, Result<(), UcxTransportError>) {
+        let got = self.get_rows(&mut dst, source, layout).await;
+        (dst, got)
+    }
+
+    async fn get_rows(
+        &self,
+        dst: &mut Buffer,
+        source: &UcxSource,
+        layout: &Layout,
+    ) -> Result<(), UcxTransportError> {
+        let len = dst.len();
+        if len == 0 {
+            return Ok(());
+        }
+        let rkey = self.remote_key(source.rkey.clone())?;
+        // (offset at the peer, offset here, bytes)
+        let rows: Vec<(u64, u64, u64)> = match layout.extent() {
+            Ok(None) => vec![(0, 0, len as u64)],
+            Ok(Some(span)) => layout
+                .boxes(span, 0, len as u64)
+                .map_err(|_| UcxTransportError::Misuse("the offer's layout does not fit"))?
+                .iter()
+                .flat_map(|b| b.rows().collect::<Vec<_>>())
+                .collect(),
+            Err(_) => return Err(UcxTransportError::Misuse("the offer's layout is invalid")),
+        };
+        for batch in rows.chunks(ROWS_IN_FLIGHT) {
+            let ops = self.start_gets(dst, source.address, &rkey, batch)?;
+            let mut first_error = None;
+            for op in ops {
+                if let Err(e) = op.await {
+                    first_error.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first_error {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts one get per row of `batch` (offset at the peer from `remote`, offset in
+    /// `dst`, bytes). On an error, the gets started so far are waited for (by their drop)
+    /// before it returns.
+    fn start_gets(
+        &self,
+        dst: &mut Buffer,
+        remote: u64,
+        rkey: &RemoteKey,
+        batch: &[(u64, u64, u64)],
+    ) -> Result<Vec<Operation>, UcxTransportError> {
+        let (base, room) = landing_of(dst)?;
+        let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
+        for &(theirs, ours, bytes) in batch {
+            if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
+                return Err(UcxTransportError::Misuse(
+                    "a row past the end of the landing buffer",
+                ));
+            }
+            let at = remote
+                .checked_add(theirs)
+                .ok_or(UcxTransportError::Misuse("a remote address overflows"))?;
+            // SAFETY: the row lies inside `dst` (checked above), which the caller borrows
+            // mutably until every operation returned here has completed: `get_rows` awaits
+            // each, and if its future is dropped, `Operation`'s drop waits for UCX to let
+            // go of the memory before the borrow (and the buffer) can end.
+            let op = unsafe { self.get(base.add(ours as usize), bytes as usize, at, rkey) }?;
+            ops.push(op);
+        }
+        Ok(ops)
+    }
+}
+
+/// Where `dst`'s bytes go: host memory's address, or device memory's.
+fn landing_of(dst: &mut Buffer) -> Result<(*mut u8, usize), UcxTransportError> {
+    let len = dst.len();
+    if let Some(memory) = dst.device_memory_mut() {
+        return Ok((memory.device_ptr() as *mut u8, len));
+    }
+    match dst.as_mut_slice() {
+        Some(host) => Ok((host.as_mut_ptr(), host.len())),
+        None => Err(UcxTransportError::Misuse(
+            "the landing buffer is shared: it cannot be written",
+        )),
+    }
+}
+
+/// A checked remote key for `source`, to use with [`UcxPeer::forget_rkey`] once the
+/// peer's registration is gone.
+pub fn key_of(peer: &UcxPeer, source: &UcxSource) -> Result<RemoteKey, UcxTransportError> {
+    peer.remote_key(source.rkey.clone())
+}
