@@ -71,7 +71,10 @@ fn host_sweep_reports_every_size_next_to_its_baseline() {
 fn bench_refuses_what_is_not_built_with_a_reason() {
     for (args, needle) in [
         (vec!["--transport", "ipc"], "add --memory device"),
-        (vec!["--transport", "carrier-pigeon"], "tcp, ipc or staged"),
+        (
+            vec!["--transport", "carrier-pigeon"],
+            "tcp, ipc, staged or ucx",
+        ),
         (vec!["--memory", "shared"], "host or device"),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
         // Both local nodes take the rule, and tcp cannot pull.
@@ -197,6 +200,61 @@ fn both_directions_and_the_pair_matrix() {
 
 /// `--transport staged` on host memory, through the shared ring and over the link: every
 /// row next to the raw socket's, and the route says staged.
+/// `--transport ucx` measures ferry over UCX next to UCX's own read loop between the same
+/// two processes; skipped (saying so) where UCX does not load, unless FERRY_UCX_TESTS=1.
+#[test]
+fn ucx_bench_runs_next_to_ucx_s_own_read_loop() {
+    if ucx_sys::Ucx::load(None).is_err() {
+        assert_ne!(
+            std::env::var("FERRY_UCX_TESTS").as_deref(),
+            Ok("1"),
+            "FERRY_UCX_TESTS=1 but UCX does not load"
+        );
+        println!("skipped: UCX does not load here (set FERRY_UCX_TESTS=1 to require it)");
+        return;
+    }
+    let out = Command::new(common::ferry_bin())
+        .args([
+            "bench",
+            "--transport",
+            "ucx",
+            "-b",
+            "4K",
+            "-e",
+            "1M",
+            "-f",
+            "16",
+            "-n",
+            "8",
+            "-w",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("chose ucx"), "{stdout}");
+    assert!(stdout.contains("UCX's own ucp_get loop"), "{stdout}");
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.split_whitespace().count() > 4)
+        .skip(1)
+        .collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    for row in rows {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        let base: f64 = cols[3].parse().expect("baseline figure");
+        assert!(base > 0.0, "no baseline: {row}");
+        assert_eq!(cols.last(), Some(&"0"), "wrong transfers: {row}");
+    }
+}
+
 #[test]
 fn staged_host_bench_runs_next_to_a_raw_socket() {
     for shared in ["true", "false"] {

@@ -15,6 +15,7 @@
 mod pattern;
 mod peer;
 mod report;
+mod ucx_raw;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -212,7 +213,8 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
              GPU); add --memory device"
         ),
         "staged" => {}
-        other => bail!("--transport {other}: tcp, ipc or staged"),
+        "ucx" => {}
+        other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
     }
     if let Some((row, _)) = strided(&args.layout)? {
         if !args.no_check {
@@ -295,9 +297,15 @@ fn layout_for(args: &Args, size: u64) -> anyhow::Result<(ferry::Layout, u64)> {
 /// over the measured transport, in that direction; anything else (the bench's own
 /// host-memory messages, unless the bench's memory is host memory) over tcp.
 fn direction_rule(args: &Args) -> String {
-    if args.direction.is_none() && args.transport != "staged" {
+    if args.direction.is_none() && args.transport != "staged" && args.transport != "ucx" {
         return String::new();
     }
+    // Both nodes serve ucx for a ucx bench, whatever the machine (over tcp without RDMA).
+    let ucx = if args.transport == "ucx" {
+        "\n[transport.ucx]\nenabled = \"on\"\n"
+    } else {
+        ""
+    };
     let direction = args
         .direction
         .as_ref()
@@ -305,7 +313,7 @@ fn direction_rule(args: &Args) -> String {
         .unwrap_or_default();
     format!(
         "\n[[transport.rules]]\nname = \"bench\"\nsrc = [\"{}\"]\ntransports = [\"{}\"]\n\
-         {direction}\n[[transport.rules]]\nname = \"host\"\ntransports = [\"tcp\"]\n",
+         {direction}\n[[transport.rules]]\nname = \"host\"\ntransports = [\"tcp\"]\n{ucx}",
         args.memory, args.transport
     )
 }
@@ -361,12 +369,19 @@ enum Baseline {
     /// The staged transport's limit: the slower of a raw copy from our GPU into pinned
     /// host memory and one from pinned host memory into theirs, in this process.
     Staging(GpuPair),
+    /// UCX's own read loop from the peer's registered host buffer (the ucx transport).
+    Ucx(Arc<ucx_raw::Reader>),
 }
 
 impl Baseline {
     fn label(&self, bidir: bool) -> String {
         match self {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
+            Baseline::Ucx(_) => {
+                "UCX's own ucp_get loop between the same two processes (ferry's engine, none \
+                 of its protocol), host memory"
+                    .into()
+            }
             Baseline::Copy(g) => format!(
                 "raw cuMemcpyAsync GPU{} -> GPU{} in one process{}",
                 g.ours,
@@ -460,6 +475,10 @@ async fn start_local(
         .arg("--serve-peer")
         .arg(&peer_cfg)
         .args(args.no_check.then_some("--no-check"))
+        .envs(
+            (args.transport == "ucx" && !args.no_baseline)
+                .then(|| (ucx_raw::BYTES_ENV, args.max.to_string())),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
@@ -496,12 +515,17 @@ async fn start_local(
     let bench_cfg = local.dir.path().join("bench.toml");
     std::fs::write(&bench_cfg, &text).context("cannot write the bench config")?;
     let node = Node::start(bench_config(&bench_cfg, overrides)?).await?;
+    let ucx = match field("ucx") {
+        Some(f) => Some(Arc::new(ucx_raw::Reader::connect(node.config(), &f)?)),
+        None => None,
+    };
     let target = Target {
         name: "bench-peer".into(),
-        baseline: Some(match gpus {
-            Some(g) if args.transport == "staged" => Baseline::Staging(g),
-            Some(g) => Baseline::Copy(g),
-            None => Baseline::Socket(baseline),
+        baseline: Some(match (gpus, ucx) {
+            (_, Some(reader)) => Baseline::Ucx(reader),
+            (Some(g), None) if args.transport == "staged" => Baseline::Staging(g),
+            (Some(g), None) => Baseline::Copy(g),
+            (None, None) => Baseline::Socket(baseline),
         }),
         local: Some(local),
         memory: gpus.map_or(MemoryKind::Host, |g| MemoryKind::Device(g.ours)),
@@ -921,6 +945,11 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
         }
+        (Some(Baseline::Ucx(reader)), false) => Some(
+            reader
+                .measure(node, size, args.iters, warmup, window)
+                .await?,
+        ),
         (Some(Baseline::Copy(gpus)), false) if layout != ferry::Layout::Contiguous => {
             let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
             let (raw, per_row) = tokio::task::spawn_blocking(move || {

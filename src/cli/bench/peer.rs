@@ -55,10 +55,15 @@ pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
         .context("cannot bind the baseline socket")?;
     let raw_addr = raw.local_addr()?;
     tokio::spawn(raw_server(raw));
+    // Kept for the process's life: the ucx baseline's engine and registered buffer.
+    let ucx = super::ucx_raw::serve(&node).await?;
     println!(
-        "ferry bench peer: ready node={} tcp={} baseline={raw_addr}",
+        "ferry bench peer: ready node={} tcp={} baseline={raw_addr}{}",
         node.name(),
-        node.tcp_addrs().join(",")
+        node.tcp_addrs().join(","),
+        ucx.as_ref()
+            .map(|u| format!(" {}", u.field))
+            .unwrap_or_default()
     );
     // The GPU that device-memory send-backs come from: the first the node uses (GPU 0 when
     // gpu.devices is omitted: every GPU); none with gpu.devices = [].

@@ -1,0 +1,150 @@
+//! The ucx bench's baseline: UCX's own read loop between the same two processes, through
+//! ferry's UCX engine but none of ferry's protocol. The peer registers one host buffer and
+//! says where it is on its ready line; the bench reads it with `window` gets in flight.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use ferry::{Buffer, Layout, MemoryKind, Node};
+use ferry_transports::ucx::{Engine, Exported, UcxPeer, UcxSettings};
+use ferry_transports::wire::UcxSource;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+
+/// The environment variable through which the bench tells its peer how large a buffer to
+/// register for the baseline.
+pub const BYTES_ENV: &str = "FERRY_BENCH_UCX_BYTES";
+
+/// The engine settings a node's `[transport.ucx]` gives.
+fn settings(config: &ferry::Config) -> UcxSettings {
+    let ucx = &config.transport.ucx;
+    let mut s = UcxSettings::default();
+    s.library = ucx.library.clone();
+    s.tls = ucx.tls.clone();
+    s.progress_spin = ucx.progress_spin;
+    s.op_timeout = ucx.op_timeout;
+    s
+}
+
+/// The peer's half: an engine of its own and one registered host buffer, kept for the
+/// process's life, described as `ucx=ADDRESS/RKEY/AT` (hex) for the ready line.
+pub struct Served {
+    _exported: Exported,
+    _engine: Engine,
+    /// The ready line's field.
+    pub field: String,
+}
+
+/// Starts the peer's baseline when the bench asked for one ([`BYTES_ENV`]).
+pub async fn serve(node: &Node) -> anyhow::Result<Option<Served>> {
+    let Some(bytes) = std::env::var(BYTES_ENV).ok() else {
+        return Ok(None);
+    };
+    let bytes: usize = bytes.parse().context("FERRY_BENCH_UCX_BYTES")?;
+    let engine = Engine::start(&settings(node.config())).context("the baseline's UCX engine")?;
+    let buffer = node.alloc(MemoryKind::Host, bytes.max(1)).await?;
+    let exported = engine
+        .export(buffer.share())
+        .context("registering the baseline buffer")?;
+    let source = exported.source();
+    let field = format!(
+        "ucx={}/{}/{:x}",
+        hex(&engine.address()),
+        hex(&source.rkey),
+        source.address
+    );
+    Ok(Some(Served {
+        _exported: exported,
+        _engine: engine,
+        field,
+    }))
+}
+
+/// The bench's half: its own engine, connected to the peer's.
+pub struct Reader {
+    _engine: Engine,
+    peer: Arc<UcxPeer>,
+    source: UcxSource,
+}
+
+impl Reader {
+    /// Connects to the peer described by its ready line's `ucx=` field.
+    pub fn connect(config: &ferry::Config, field: &str) -> anyhow::Result<Reader> {
+        let mut parts = field.split('/');
+        let (Some(address), Some(rkey), Some(at)) = (parts.next(), parts.next(), parts.next())
+        else {
+            anyhow::bail!("the bench peer's ucx field is malformed: {field:?}");
+        };
+        let engine = Engine::start(&settings(config)).context("the baseline's UCX engine")?;
+        let peer = engine
+            .connect(unhex(address)?)
+            .context("connecting to the peer's baseline")?;
+        Ok(Reader {
+            _engine: engine,
+            peer: Arc::new(peer),
+            source: UcxSource {
+                address: u64::from_str_radix(at, 16).context("the baseline buffer's address")?,
+                rkey: unhex(rkey)?,
+            },
+        })
+    }
+
+    /// GB/s of `iters` reads of `size` bytes with up to `window` in flight, after `warmup`.
+    pub async fn measure(
+        &self,
+        node: &Node,
+        size: u64,
+        iters: u64,
+        warmup: u64,
+        window: u64,
+    ) -> anyhow::Result<f64> {
+        let len = usize::try_from(size)?;
+        let mut free: Vec<Buffer> = Vec::new();
+        for _ in 0..window {
+            free.push(node.alloc(MemoryKind::Host, len).await?);
+        }
+        self.run(&mut free, warmup).await?;
+        let started = Instant::now();
+        self.run(&mut free, iters).await?;
+        Ok((size * iters) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9)
+    }
+
+    async fn run(&self, free: &mut Vec<Buffer>, count: u64) -> anyhow::Result<()> {
+        let mut flying = FuturesUnordered::new();
+        let mut started = 0;
+        while started < count || !flying.is_empty() {
+            while started < count
+                && let Some(buffer) = free.pop()
+            {
+                let (peer, source) = (Arc::clone(&self.peer), self.source.clone());
+                flying
+                    .push(async move { peer.get_into(buffer, &source, &Layout::Contiguous).await });
+                started += 1;
+            }
+            if let Some((buffer, got)) = flying.next().await {
+                got.context("a baseline read")?;
+                free.push(buffer);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        anyhow::bail!("odd hex length");
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| {
+            text.get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .context("bad hex")
+        })
+        .collect()
+}
