@@ -213,7 +213,11 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
              GPU); add --memory device"
         ),
         "staged" => {}
-        "ucx" => {}
+        "ucx" if args.memory == "host" => {}
+        "ucx" => bail!(
+            "--transport ucx moves host memory only for now (device memory over UCX is not \
+             declared: see docs/ARCHITECTURE.md, the ucx transport); use --memory host"
+        ),
         other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
     }
     if let Some((row, _)) = strided(&args.layout)? {

@@ -11,23 +11,22 @@ use crate::transport::{Capabilities, Carrier, Viability};
 use crate::wire::{Layout, UcxSource};
 
 /// The ucx transport's declaration: host memory of a peer on another host (or this one),
-/// and device memory too where the loaded UCX moves CUDA memory (a UCX built with CUDA, on
-/// a machine with a driver), pulled by the receiver (`ucp_get`) out of the sender's
-/// registered buffer. Pull only: under UCX 1.13 over tcp, a peer that dies while it writes
-/// into our memory aborts this process inside UCX (the put handler meets the failed
-/// endpoint), and reads survive it.
+/// pulled by the receiver (`ucp_get`) out of the sender's registered buffer.
+///
+/// Pull only: under UCX 1.13 over tcp, a peer that dies while it writes into our memory
+/// aborts this process inside UCX (the put handler meets the failed endpoint).
+///
+/// Host memory only, for now: with the `libucx-cu13` 1.22 wheel (which moves CUDA memory)
+/// on a one-GPU H100, a device-memory bench segfaulted and a reader killed mid-read made
+/// UCX abort the process it read from (`ucp_request.inl: unexpected error: Endpoint
+/// timeout`); docs/PERFORMANCE.md, "ucx". [`Probe`] still records what the loaded UCX can
+/// do, for the day device memory is declared.
 pub fn capabilities() -> Capabilities {
-    const ANY: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
     const HOST: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned];
-    let kinds = if probe().is_ok_and(|p| p.cuda) {
-        ANY
-    } else {
-        HOST
-    };
     Capabilities {
         name: TransportName::Ucx,
-        sources: kinds,
-        memory: kinds,
+        sources: HOST,
+        memory: HOST,
         localities: &[Locality::SameHost, Locality::Remote],
         directions: &[Direction::Pull],
         needs_fd_passing: false,
@@ -35,6 +34,12 @@ pub fn capabilities() -> Capabilities {
         carrier: Carrier::Memory,
         per_peer_setup: false,
     }
+}
+
+/// Whether the UCX this process loads moves CUDA device memory (its context lists the CUDA
+/// memory type); `false` when it does not load.
+pub fn moves_cuda() -> bool {
+    probe().is_ok_and(|p| p.cuda)
 }
 
 /// What the UCX this process loads can do.
