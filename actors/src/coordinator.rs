@@ -225,6 +225,20 @@ impl NodeTransports {
         }
     }
 
+    /// Why this node cannot use ucx with a peer that sent `peer_address` in its hello
+    /// (another UCX release, or bytes that are not an address); `None` when it can, or
+    /// when either end does not serve ucx (routing says that on its own).
+    pub fn ucx_mismatch(&self, peer_address: &[u8]) -> Option<String> {
+        let engine = self.ucx.as_ref()?;
+        if peer_address.is_empty() {
+            return None;
+        }
+        engine
+            .check_address(peer_address)
+            .err()
+            .map(|e| format!("the peer's UCX cannot be used: {e}"))
+    }
+
     /// The names of the transports this node serves.
     pub fn served(&self) -> Vec<ferry_config::TransportName> {
         self.catalog
@@ -341,6 +355,14 @@ impl Coordinator {
             crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
         );
         let settled = self.sessions.get(peer).and_then(|s| s.ipc.clone());
+        // A peer on another UCX release: its addresses and keys do not unpack here.
+        let ucx_mismatch = hello
+            .and_then(|h| self.setup.transfer.transports.ucx_mismatch(&h.ucx_address))
+            .map(|why| {
+                crate::core::ipc_setup::SetupOutcome::Bad(
+                    crate::core::ipc_setup::SetupFailure::PeerRefused(why),
+                )
+            });
         route::choose_with_setup(
             &self.setup.config.transport.rules,
             &self.catalog,
@@ -348,6 +370,8 @@ impl Coordinator {
             &|t| {
                 if Some(t) == failed {
                     Some(bad.clone())
+                } else if t == ferry_config::TransportName::Ucx && ucx_mismatch.is_some() {
+                    ucx_mismatch.clone()
                 } else if ferry_transports::registry::declared(t).per_peer_setup {
                     settled.clone()
                 } else {

@@ -1024,6 +1024,12 @@ fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::Engine>, Stri
     let mut settings = ferry_transports::ucx::UcxSettings::default();
     settings.library = ucx.library.clone();
     settings.tls = ucx.tls.clone();
+    settings.options = ucx
+        .net_devices
+        .iter()
+        .map(|d| ("NET_DEVICES".to_string(), d.clone()))
+        .chain(ucx.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+        .collect();
     settings.progress_spin = ucx.progress_spin;
     settings.op_timeout = ucx.op_timeout;
     settings.name = Some(config.node.name.clone());

@@ -320,6 +320,13 @@ pub struct UcxTuning {
     /// UCX's own choice. It must include `tcp` or an RDMA transport (`rc`, `dc`, `ud`):
     /// ferry needs UCX to notice a dead peer.
     pub tls: Option<String>,
+    /// The network devices UCX may use (`UCX_NET_DEVICES`), e.g. `"mlx5_0:1"` or `"lo"`.
+    /// Default: UCX's own choice (all).
+    pub net_devices: Option<String>,
+    /// Further UCX settings, each named without its `UCX_` prefix (`RNDV_THRESH = "64k"`).
+    /// An unknown name or bad value keeps ucx from starting (the log and `ferry explain`
+    /// say why). Default none.
+    pub env: std::collections::BTreeMap<String, String>,
     /// How long UCX's progress thread polls after the last operation before it sleeps.
     /// Default `"50us"`; at most 10 ms.
     #[serde(with = "duration")]
@@ -336,6 +343,8 @@ impl Default for UcxTuning {
             enabled: UcxMode::Auto,
             library: None,
             tls: None,
+            net_devices: None,
+            env: std::collections::BTreeMap::new(),
             progress_spin: Duration::from_micros(50),
             op_timeout: Duration::from_secs(30),
         }

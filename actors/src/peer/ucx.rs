@@ -51,10 +51,13 @@ impl TransferActor {
         self.ucx.address = peer_address.to_vec();
         // A peer that reconnects may be a new process: a fresh endpoint on first use.
         self.ucx.endpoint = Arc::default();
-        self.session.set_serves(
-            ferry_config::TransportName::Ucx,
-            self.engine().is_some() && !self.ucx.address.is_empty(),
-        );
+        // Another UCX release's keys do not unpack here: its offers are refused as
+        // unsupported (its routes skip ucx for the same reason, in its coordinator).
+        let compatible = self.engine().is_some_and(|e| {
+            !self.ucx.address.is_empty() && e.check_address(&self.ucx.address).is_ok()
+        });
+        self.session
+            .set_serves(ferry_config::TransportName::Ucx, compatible);
     }
 
     /// A send over ucx: its buffer is registered on a blocking thread while this actor's

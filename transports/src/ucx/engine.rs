@@ -88,6 +88,23 @@ impl Engine {
         self.ucx.version()
     }
 
+    /// Checks a peer's worker address without connecting: what it is, its length, its
+    /// CRC32C and the UCX release that made it (peers must load the same UCX build).
+    ///
+    /// # Errors
+    ///
+    /// [`UcxTransportError::InvalidAddress`] naming the failed check (for another release:
+    /// both versions).
+    pub fn check_address(&self, peer_worker_address: &[u8]) -> Result<(), UcxTransportError> {
+        envelope::open(
+            EnvelopeKind::WorkerAddress,
+            self.ucx.version(),
+            peer_worker_address,
+        )
+        .map(|_| ())
+        .map_err(UcxTransportError::InvalidAddress)
+    }
+
     /// Creates an endpoint to the peer whose [`Engine::address`] this is, in error
     /// handling mode PEER: if the peer dies, every operation to it fails (within about a
     /// second over tcp; see [`UcxSettings::op_timeout`] for a peer that hangs). Blocks
@@ -105,6 +122,8 @@ impl Engine {
     /// [`UcxTransportError::Connect`] when UCX refuses the address (e.g.
     /// `UCS_ERR_UNREACHABLE`: no allowed transport reaches the peer);
     /// [`UcxTransportError::EngineStopped`].
+    ///
+    /// [`Engine::check_address`] runs the same checks without connecting.
     pub fn connect(&self, peer_worker_address: Vec<u8>) -> Result<UcxPeer, UcxTransportError> {
         let opened = envelope::open(
             EnvelopeKind::WorkerAddress,
@@ -441,5 +460,44 @@ impl Drop for Registration {
             }
             Err(_) => self.shared.wait_finished(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer on another UCX release is named as such before anything connects; our own
+    /// address passes. Skips (saying so) where UCX does not load, unless FERRY_UCX_TESTS=1.
+    #[test]
+    fn another_ucx_release_is_refused_by_name() {
+        let engine = match Engine::start(&UcxSettings::default()) {
+            Ok(engine) => engine,
+            Err(e) => {
+                assert_ne!(
+                    std::env::var("FERRY_UCX_TESTS").as_deref(),
+                    Ok("1"),
+                    "FERRY_UCX_TESTS=1 but UCX does not start: {e}"
+                );
+                println!("skipped: UCX does not start here: {e}");
+                return;
+            }
+        };
+        engine
+            .check_address(&engine.address())
+            .expect("our own address");
+        let ours = engine.ucx_version();
+        let other = Version {
+            major: ours.major,
+            minor: ours.minor + 1,
+            release: 0,
+        };
+        let foreign = envelope::seal(EnvelopeKind::WorkerAddress, other, "peer", &[1, 2, 3]);
+        let err = engine.check_address(&foreign).expect_err("another release");
+        let text = err.to_string();
+        assert!(
+            text.contains(&other.to_string()) && text.contains(&ours.to_string()),
+            "{text}"
+        );
     }
 }
