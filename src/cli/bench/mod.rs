@@ -684,10 +684,12 @@ async fn orchestrate(
     if let Some(path) = &args.plot {
         report::plot(path, &header, &records)?;
     }
-    drop(target.local);
+    // Our node leaves first (a clean goodbye), then the local peer stops: neither logs a
+    // lost link under the table.
     if let Ok(node) = Arc::try_unwrap(node) {
         node.shutdown().await;
     }
+    drop(target.local);
     if wrong > 0 {
         eprintln!("ferry bench: {wrong} transfers arrived wrong");
         return Ok(ExitCode::FAILURE);
