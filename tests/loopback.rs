@@ -412,3 +412,43 @@ async fn recv_is_cancel_safe() {
         (0..60).filter(|t| !got.contains(t)).collect::<Vec<_>>()
     );
 }
+
+/// A peer's locality comes from the host identity in its hello (`node.host_id`, else the
+/// machine's), not from its address: an echo on loopback that says another `host_id` is
+/// remote, one that says ours is same-host. (Across network namespaces: `multihost.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_id_in_the_hello_decides_locality() {
+    use ferry_config::Locality;
+    for (echo_host, want) in [
+        ("loopback-host-b", Locality::Remote),
+        ("loopback-host-a", Locality::SameHost),
+    ] {
+        let scratch = Scratch::new();
+        let echo_toml = scratch
+            .toml("echo", &[], "")
+            .replace("[node]\n", &format!("[node]\nhost_id = \"{echo_host}\"\n"));
+        let echo = Served::start(&scratch.write("echo.toml", &echo_toml), "echo");
+        let mut config = scratch.config("test", &[("echo", &echo.addr)], "");
+        config.node.host_id = Some("loopback-host-a".into());
+        let node = Node::start(config).await.expect("node starts");
+        assert_eq!(node.host_id(), "loopback-host-a");
+        // Before the hello, a loopback address says same-host.
+        let before = node
+            .explain("echo", 1 << 20, ferry::MemoryClass::Host, None)
+            .await
+            .expect("explain");
+        assert_eq!(before.query.locality, Locality::SameHost);
+        node.connect("echo").await.expect("connect");
+        let after = node
+            .explain("echo", 1 << 20, ferry::MemoryClass::Host, None)
+            .await
+            .expect("explain");
+        assert_eq!(after.query.locality, want, "echo says {echo_host}: {after}");
+        // And the bytes still cross, whatever the answer.
+        let buffer = patterned(&node, 100_000, 9).await;
+        let crc = crc32c::crc32c(buffer.as_slice().expect("host"));
+        drop(node.send("echo", 9, buffer).await.expect("send"));
+        let got = node.recv(Some("echo"), Some(9)).await.expect("echo back");
+        assert_eq!(crc32c::crc32c(got.buffer.as_slice().expect("host")), crc);
+    }
+}

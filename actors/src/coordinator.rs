@@ -143,15 +143,18 @@ pub struct CoordinatorSetup {
 }
 
 /// The hello this node greets a peer with, on links it dials and links it accepts alike:
-/// its name, the transports viable here, its frame cap, and `receives`, where it lands
-/// received buffers by default, which its peers route their sends for.
+/// its name, its host identity (`host_id`, see [`crate::node::host_identity`]), the
+/// transports viable here, its frame cap, and `receives`, where it lands received buffers
+/// by default, which its peers route their sends for.
 pub(crate) fn node_hello(
     node: &str,
+    host_id: &str,
     receives: MemoryKind,
     max_frame: u32,
     transports: &NodeTransports,
 ) -> Hello {
     Hello {
+        host_id: host_id.to_owned(),
         receives: receives.to_wire(),
         ucx_address: transports
             .ucx
@@ -192,6 +195,8 @@ pub struct TransferSetupBase {
     /// The transports this node serves: the registry's, with what the configuration turned
     /// off marked not viable (with why), and the UCX engine when it serves ucx.
     pub transports: NodeTransports,
+    /// This node's host identity: a peer whose hello says the same is on this host.
+    pub host_id: Arc<str>,
 }
 
 /// The transports a node serves, as its hello announces them and its routes choose.
@@ -252,7 +257,6 @@ impl NodeTransports {
 /// The coordinator actor.
 pub struct Coordinator {
     setup: CoordinatorSetup,
-    host_id: String,
     catalog: Vec<(Capabilities, Viability)>,
     sessions: HashMap<String, Session>,
     next_epoch: u64,
@@ -267,7 +271,6 @@ impl Coordinator {
             inbox: Arc::clone(&setup.inbox),
             catalog: setup.transfer.transports.catalog.clone(),
             setup,
-            host_id: link::host_id(),
             sessions: HashMap::new(),
             next_epoch: 1,
             draining: false,
@@ -281,6 +284,7 @@ impl Coordinator {
     fn hello(&self) -> Hello {
         node_hello(
             self.name(),
+            &self.setup.transfer.host_id,
             self.setup.receives,
             self.setup.link.max_frame,
             &self.setup.transfer.transports,
@@ -299,7 +303,7 @@ impl Coordinator {
     /// Where `peer` is: from its hello when connected, else from its configured address.
     fn locality(&self, peer: &str) -> Locality {
         if let Some(hello) = self.sessions.get(peer).and_then(|s| s.hello.as_ref()) {
-            return if hello.host_id == self.host_id {
+            return if *hello.host_id == *self.setup.transfer.host_id {
                 Locality::SameHost
             } else {
                 Locality::Remote
@@ -392,6 +396,7 @@ impl Coordinator {
         let base = self.setup.transfer.clone();
         TransferSetup {
             node: self.setup.config.node.name.clone(),
+            host_id: base.host_id,
             limits: base.limits,
             chunk: base.chunk,
             reserve_timeout: base.reserve_timeout,

@@ -44,6 +44,8 @@ pub struct Node {
     gpus: crate::gpu::SharedGpus,
     /// Where received buffers land first (said in every hello).
     receives: MemoryKind,
+    /// The host identity said in every hello (see [`host_identity`]).
+    host_id: Arc<str>,
     /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
     credit: DashMap<String, Arc<Semaphore>>,
     /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
@@ -226,6 +228,7 @@ impl Node {
             node: config.node.name.clone(),
             receives: started.receives,
             transports: started.transports,
+            host_id: Arc::clone(&started.host_id),
         };
         for listener in listeners {
             io.spawn(accept_loop(listener, acceptor.clone()));
@@ -240,6 +243,7 @@ impl Node {
             pinned: started.pinned,
             gpus: started.gpus,
             receives: started.receives,
+            host_id: started.host_id,
             credit: DashMap::new(),
             lanes: shared.lanes,
             order: DashMap::new(),
@@ -264,6 +268,12 @@ impl Node {
     /// The node's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The host identity this node tells its peers: `node.host_id`, else the machine's
+    /// (see [`host_identity`]). A peer that says the same is same-host, any other remote.
+    pub fn host_id(&self) -> &str {
+        &self.host_id
     }
 
     /// The configuration the node runs with.
@@ -713,6 +723,8 @@ struct Acceptor {
     receives: MemoryKind,
     /// The transports the node serves, for its hello.
     transports: crate::coordinator::NodeTransports,
+    /// The node's host identity, for its hello.
+    host_id: Arc<str>,
 }
 
 /// Accepts connections as fast as they come and runs each handshake in its own task, so a
@@ -745,6 +757,7 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                     .map_err(|e| format!("silent connection closed: {e}"))?;
                 let hello = crate::coordinator::node_hello(
                     &acceptor.node,
+                    &acceptor.host_id,
                     acceptor.receives,
                     acceptor.opts.max_frame,
                     &acceptor.transports,
@@ -882,6 +895,7 @@ struct Started {
     gpus: crate::gpu::SharedGpus,
     receives: MemoryKind,
     transports: crate::coordinator::NodeTransports,
+    host_id: Arc<str>,
     system: System,
 }
 
@@ -963,6 +977,7 @@ async fn start_actors(parts: ActorParts) -> Started {
         host_tiers.push(tier(MemoryKind::Host, &host));
     }
     let transports = crate::coordinator::NodeTransports::new(start_ucx(&config));
+    let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),
         chunk: usize::try_from(config.transport.tcp.chunk_size).unwrap_or(1 << 20),
@@ -986,6 +1001,7 @@ async fn start_actors(parts: ActorParts) -> Started {
             spin: config.transport.staged.spin,
         },
         transports: transports.clone(),
+        host_id: Arc::clone(&host_id),
     };
     let coordinator = Coordinator::new(CoordinatorSetup {
         config: Arc::clone(&config),
@@ -1003,7 +1019,21 @@ async fn start_actors(parts: ActorParts) -> Started {
         gpus,
         receives,
         transports,
+        host_id,
         system: System::current(),
+    }
+}
+
+/// The host identity a node with `config` tells its peers, and compares theirs with to
+/// decide whether a peer is on its host: `node.host_id` when set, else the machine's
+/// ([`link::host_id`]: `/etc/machine-id`, else the boot id, else the host name). Containers
+/// and network namespaces of one machine share the latter; set `node.host_id` where they
+/// must count as different hosts, or the same one where they do not share it. Reads a few
+/// small files; never fails.
+pub fn host_identity(config: &Config) -> Arc<str> {
+    match &config.node.host_id {
+        Some(id) => Arc::from(id.as_str()),
+        None => Arc::from(link::host_id()),
     }
 }
 

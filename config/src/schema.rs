@@ -54,6 +54,13 @@ pub struct NodeConfig {
     pub socket_dir: Option<PathBuf>,
     /// Allow listening on `0.0.0.0` or `[::]` (every interface). Default false.
     pub danger_listen_any: bool,
+    /// What this node tells peers its host is: two nodes with the same host identity are
+    /// same-host (ipc and the staged ring may be used between them), any others remote.
+    /// 1 to 255 printable ASCII characters, no spaces. `None` (default): the machine's
+    /// identity (`/etc/machine-id`, else the boot id, else the host name), which every
+    /// container and network namespace of one machine shares.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_id: Option<String>,
 }
 
 impl Default for NodeConfig {
@@ -63,6 +70,7 @@ impl Default for NodeConfig {
             listen: vec!["127.0.0.1:7070".into()],
             socket_dir: None,
             danger_listen_any: false,
+            host_id: None,
         }
     }
 }

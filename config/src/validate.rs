@@ -113,6 +113,11 @@ impl Config {
                 "must not be empty; leave it out for no Unix listener",
             );
         }
+        if let Some(id) = &node.host_id {
+            if let Some(problem) = host_id_problem(id) {
+                return fail("node.host_id", problem);
+            }
+        }
         Ok(())
     }
 
@@ -443,6 +448,25 @@ fn name_problem(name: &str) -> String {
     }
 }
 
+/// Longest `node.host_id`, in bytes.
+const MAX_HOST_ID: usize = 255;
+
+/// What is wrong with a `node.host_id`, if anything: it travels in every hello and is
+/// compared byte for byte, so it is kept to printable ASCII without spaces.
+fn host_id_problem(id: &str) -> Option<String> {
+    if id.is_empty() {
+        Some("must not be empty; leave it out to use this machine's identity".into())
+    } else if id.len() > MAX_HOST_ID {
+        Some(format!("is {} bytes long; at most {MAX_HOST_ID}", id.len()))
+    } else if !id.bytes().all(|b| b.is_ascii_graphic()) {
+        Some(format!(
+            "{id:?} may contain only printable ASCII characters, no spaces"
+        ))
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,6 +493,19 @@ mod tests {
         assert!(config.validate().is_ok());
         config.transport.ipc.recv_spin = std::time::Duration::from_micros(1001);
         assert_eq!(key_of(&config), "transport.ipc.recv_spin");
+    }
+
+    #[test]
+    fn host_ids_that_pass() {
+        for id in [
+            "0123456789abcdef0123456789abcdef".to_string(),
+            "gpu-node-7.rack_2:a100".to_string(),
+            "x".repeat(255),
+        ] {
+            let mut config = valid();
+            config.node.host_id = Some(id.clone());
+            assert!(config.validate().is_ok(), "{id:?} refused");
+        }
     }
 
     #[test]
@@ -503,6 +540,10 @@ mod tests {
                 "node.listen[0]",
             ),
             (|c| c.node.socket_dir = Some("".into()), "node.socket_dir"),
+            (|c| c.node.host_id = Some("".into()), "node.host_id"),
+            (|c| c.node.host_id = Some("rack 1".into()), "node.host_id"),
+            (|c| c.node.host_id = Some("é".into()), "node.host_id"),
+            (|c| c.node.host_id = Some("x".repeat(256)), "node.host_id"),
             (
                 |c| c.transport.staged.link_chunk = 1024,
                 "transport.staged.link_chunk",

@@ -587,6 +587,8 @@ fn environment_values_take_the_fields_type() -> TestResult {
             "[\"127.0.0.1:1\", \"[::1]:2\"]".into(),
         ),
         ("FERRY__NODE__SOCKET_DIR".into(), "/run/x".into()),
+        // Digits only, with a leading zero: it stays a string, kept as written.
+        ("FERRY__NODE__HOST_ID".into(), "0123".into()),
         ("FERRY__TRANSPORT__TCP__CHUNK_SIZE".into(), "512KiB".into()),
         ("FERRY__LIMITS__CONNECT_TIMEOUT".into(), "250ms".into()),
         ("FERRY__MEMORY__HOST".into(), "10%".into()),
@@ -600,6 +602,7 @@ fn environment_values_take_the_fields_type() -> TestResult {
     assert_eq!(config.node.name, "from-env");
     assert_eq!(config.node.listen, ["127.0.0.1:1", "[::1]:2"]);
     assert_eq!(config.node.socket_dir, Some("/run/x".into()));
+    assert_eq!(config.node.host_id.as_deref(), Some("0123"));
     assert_eq!(config.transport.tcp.chunk_size, 512 << 10);
     assert_eq!(config.limits.connect_timeout, Duration::from_millis(250));
     assert_eq!(config.memory.host, Budget::Percent(10.0));

@@ -100,6 +100,8 @@ pub struct IpcSettled {
 pub struct TransferSetup {
     /// This node's name.
     pub node: String,
+    /// This node's host identity: a peer whose hello says the same is on this host.
+    pub host_id: Arc<str>,
     /// Session bounds.
     pub limits: SessionLimits,
     /// Bytes per data frame.
@@ -545,7 +547,7 @@ impl Handler<Attach> for TransferActor {
         }
         self.link += 1;
         self.ipc.peer_pid = link.peer_hello.pid;
-        self.ipc.same_host = link.peer_hello.host_id == ferry_transports::link::host_id();
+        self.ipc.same_host = *link.peer_hello.host_id == *self.setup.host_id;
         self.session.set_serves(
             ferry_config::TransportName::Ipc,
             self.ipc.same_host && !self.setup.gpus.is_empty(),

@@ -570,9 +570,12 @@ pub fn local_hello(
     }
 }
 
-/// Identifies this host, so that peers can tell same-host links from remote ones: the
+/// Identifies this machine, so that peers can tell same-host links from remote ones: the
 /// contents of `/etc/machine-id`, else `/proc/sys/kernel/random/boot_id`, else the host
-/// name, else `"unknown"`. Reads a few small files; never fails.
+/// name, else `"unknown"`. Every network namespace of the machine (and every container that
+/// shares its `/etc/machine-id` or has none) reads the same. A node says `node.host_id`
+/// instead when it is set (`ferry_actors::node::host_identity`). Reads a few small files;
+/// never fails.
 pub fn host_id() -> String {
     let read = |path: &str| {
         std::fs::read_to_string(path)
