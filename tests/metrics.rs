@@ -1,6 +1,8 @@
 //! The Prometheus endpoint of a real `ferry serve`: it is scraped after transfers and holds
 //! the transfer counters, the memory gauges and the frames it rejected; a bad
-//! `telemetry.metrics_listen` is refused before anything starts.
+//! `telemetry.metrics_listen` is refused before anything starts. Beside it, the health
+//! probes: `/healthz` while the process runs, `/readyz` once the node started and until a
+//! stop is asked for.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Scratch, Served, eventually, patterned};
+use common::{Scratch, Served, eventually, http_get, patterned};
 use ferry::Node;
 use ferry_transports::link::{self, Endpoint, LinkCounters, LinkOptions, Secret};
 
@@ -317,4 +319,101 @@ fn json_logs_go_to_stderr_and_the_ready_line_to_stdout() {
             "not a JSON log line: {l:?}"
         );
     }
+}
+
+#[test]
+fn health_endpoints_of_a_running_node() {
+    let scratch = Scratch::new();
+    let cfg = scratch.write(
+        "n.toml",
+        &scratch.toml("n", &[], "[telemetry]\nmetrics_listen = \"localhost:0\"\n"),
+    );
+    let (_served, addr) = serve_with_metrics(&cfg, "echo");
+    // The ready line is printed once the node started: ready from then on.
+    assert_eq!(http_get(&addr, "/healthz"), Some((200, "ok\n".into())));
+    assert_eq!(http_get(&addr, "/readyz"), Some((200, "ready\n".into())));
+    assert_eq!(
+        http_get(&addr, "/readyz?full=1"),
+        Some((200, "ready\n".into()))
+    );
+    let ask = |request: &[u8]| {
+        let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s.write_all(request).expect("request");
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    };
+    for path in ["/healthz", "/readyz"] {
+        let answer = ask(format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 405"), "POST {path}: {answer}");
+    }
+    let answer = ask(b"GET /health HTTP/1.1\r\n\r\n");
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    assert!(
+        answer.contains("/readyz"),
+        "the 404 names the paths: {answer}"
+    );
+}
+
+/// After SIGTERM, `/readyz` answers 503 `draining` while `/healthz` still answers 200, for
+/// as long as the node drains: here until the echo of a buffer the peer has no memory for
+/// ends by its deadline (`limits.default_deadline = 3s`); then the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_draining_after_sigterm_until_the_process_exits_0() {
+    let scratch = Scratch::new();
+    let cfg = scratch.write(
+        "s.toml",
+        &scratch.toml(
+            "s",
+            &[],
+            "[telemetry]\nmetrics_listen = \"localhost:0\"\n\n[limits]\ndefault_deadline = \"3s\"\n",
+        ),
+    );
+    let (mut served, addr) = serve_with_metrics(&cfg, "echo");
+    // t may hold 4 MiB: it keeps the 3 MiB it sent, so the echo of them waits for room.
+    let node =
+        Node::start(scratch.config("t", &[("s", &served.addr)], "[memory]\nhost = \"4MiB\"\n"))
+            .await
+            .expect("node starts");
+    let buffer = patterned(&node, 3 << 20, 1).await;
+    let held = node.send("s", 1, buffer).await.expect("send");
+    let echo_waits = eventually(Duration::from_secs(5), async || {
+        node.host_memory().await.is_ok_and(|m| m.waiting > 0)
+    })
+    .await;
+    assert!(echo_waits, "the echo never waited for t's memory");
+
+    nix::sys::signal::kill(served.pid(), nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let signalled = std::time::Instant::now();
+    let probe = addr.clone();
+    let draining = eventually(Duration::from_secs(2), async || {
+        let a = probe.clone();
+        tokio::task::spawn_blocking(move || http_get(&a, "/readyz"))
+            .await
+            .ok()
+            .flatten()
+            == Some((503, "draining\n".into()))
+    })
+    .await;
+    assert!(draining, "/readyz never said draining");
+    let live = tokio::task::spawn_blocking(move || http_get(&addr, "/healthz"))
+        .await
+        .expect("probe");
+    assert_eq!(live, Some((200, "ok\n".into())), "not live while draining");
+
+    let status = loop {
+        if let Some(status) = served.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(8),
+            "serve did not exit after its drain"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+    drop(held);
+    node.shutdown().await;
 }

@@ -1,7 +1,12 @@
-//! The Prometheus endpoint of `ferry serve` (`telemetry.metrics_listen`).
+//! The Prometheus and health endpoints of `ferry serve` (`telemetry.metrics_listen`).
 //!
 //! The library records through the `metrics` facade only; this module installs the
 //! Prometheus recorder for the process and serves its text rendering at `GET /metrics`.
+//! Beside it, for probes (Kubernetes' liveness and readiness): `GET /healthz` answers 200
+//! whenever the process's event loop runs (this answer is made on it), and `GET /readyz`
+//! answers 200 once the node started (its listeners bound, its GPUs opened, its
+//! configuration valid) and 503 before that and from the moment a stop is asked for (while
+//! the node drains); see [`Health`].
 //! The listener is a few lines over tokio rather than the exporter's hyper listener, so it
 //! binds before the node starts (a bad address fails start-up), supports port 0, and
 //! reports the address it really bound for the ready line.
@@ -13,6 +18,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -34,13 +40,56 @@ const DURATION_BUCKETS: [f64; 15] = [
     1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0,
 ];
 
+/// Content type of the Prometheus text format.
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// Content type of every other answer.
+const PLAIN_TEXT: &str = "text/plain; charset=utf-8";
+
+/// Where the served node is in its life, as `/readyz` reports it. Starts as starting;
+/// `ferry serve` marks it ready once the node started and draining once a stop was asked
+/// for. Shared between the server task and `ferry serve`; lock-free.
+#[derive(Debug, Default)]
+pub struct Health {
+    phase: AtomicU8,
+}
+
+/// The phases of [`Health`], in the order they come.
+const STARTING: u8 = 0;
+const READY: u8 = 1;
+const DRAINING: u8 = 2;
+
+impl Health {
+    /// The node started: listeners bound, GPUs opened, configuration valid.
+    pub fn set_ready(&self) {
+        // Never back from draining to ready.
+        let _ = self
+            .phase
+            .compare_exchange(STARTING, READY, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// A stop was asked for: the node takes no new work and drains.
+    pub fn set_draining(&self) {
+        self.phase.store(DRAINING, Ordering::Release);
+    }
+
+    /// `/readyz`'s answer: its status line and body.
+    fn readiness(&self) -> (&'static str, &'static str) {
+        match self.phase.load(Ordering::Acquire) {
+            READY => ("200 OK", "ready\n"),
+            DRAINING => ("503 Service Unavailable", "draining\n"),
+            _ => ("503 Service Unavailable", "starting\n"),
+        }
+    }
+}
+
 /// Binds `listen` (`"IP:port"` or `"localhost:port"`, port 0 for any), installs the
 /// Prometheus recorder as the process's global recorder, describes ferry's metrics and
-/// serves them on the current tokio runtime. Returns the address it bound.
+/// serves them, with `/healthz` and `/readyz` (answered from `health`), on the current
+/// tokio runtime. Returns the address it bound.
 ///
 /// Call it once per process, before the node starts, so that nothing the node records is
 /// lost. Fails if the address cannot be bound or a recorder is already installed.
-pub async fn start(listen: &str) -> anyhow::Result<SocketAddr> {
+pub async fn start(listen: &str, health: Arc<Health>) -> anyhow::Result<SocketAddr> {
     let addr = parse(listen)?;
     let listener = TcpListener::bind(addr)
         .await
@@ -64,7 +113,7 @@ pub async fn start(listen: &str) -> anyhow::Result<SocketAddr> {
             upkeep.run_upkeep();
         }
     });
-    tokio::spawn(serve(listener, handle));
+    tokio::spawn(serve(listener, handle, health));
     tracing::info!(%bound, "metrics endpoint listening");
     Ok(bound)
 }
@@ -88,7 +137,7 @@ fn parse(listen: &str) -> anyhow::Result<SocketAddr> {
     }
 }
 
-async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+async fn serve(listener: TcpListener, handle: PrometheusHandle, health: Arc<Health>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
@@ -104,20 +153,31 @@ async fn serve(listener: TcpListener, handle: PrometheusHandle) {
             }
         };
         let handle = handle.clone();
+        let health = Arc::clone(&health);
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &handle)).await;
+            let _ = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &handle, &health)).await;
             drop(permit);
         });
     }
 }
 
 /// Reads one request head and writes one response.
-async fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+async fn answer(
+    mut stream: TcpStream,
+    handle: &PrometheusHandle,
+    health: &Health,
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
         if head.len() >= MAX_REQUEST {
-            return respond(&mut stream, "431 Request Header Fields Too Large", "").await;
+            return respond(
+                &mut stream,
+                "431 Request Header Fields Too Large",
+                PLAIN_TEXT,
+                "",
+            )
+            .await;
         }
         let n = stream.read(&mut chunk).await?;
         if n == 0 {
@@ -136,16 +196,31 @@ async fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Re
     match (method, path) {
         ("GET", "/metrics") => {
             handle.run_upkeep();
-            respond(&mut stream, "200 OK", &handle.render()).await
+            respond(&mut stream, "200 OK", PROMETHEUS_TEXT, &handle.render()).await
         }
-        (_, "/metrics") => respond(&mut stream, "405 Method Not Allowed", "").await,
-        _ => respond(&mut stream, "404 Not Found", "try /metrics\n").await,
+        ("GET", "/healthz") => respond(&mut stream, "200 OK", PLAIN_TEXT, "ok\n").await,
+        ("GET", "/readyz") => {
+            let (status, body) = health.readiness();
+            respond(&mut stream, status, PLAIN_TEXT, body).await
+        }
+        (_, "/metrics" | "/healthz" | "/readyz") => {
+            respond(&mut stream, "405 Method Not Allowed", PLAIN_TEXT, "").await
+        }
+        _ => {
+            let hint = "try /metrics, /healthz or /readyz\n";
+            respond(&mut stream, "404 Not Found", PLAIN_TEXT, hint).await
+        }
     }
 }
 
-async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+async fn respond(
+    stream: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    body: &str,
+) -> std::io::Result<()> {
     let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
@@ -157,6 +232,47 @@ async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `GET path` over a real socket to `addr`: the whole answer.
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let request = format!("GET {path} HTTP/1.1\r\nHost: ferry\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.expect("read");
+        answer
+    }
+
+    #[tokio::test]
+    async fn readiness_follows_the_phase_and_liveness_is_always_ok() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let health = Arc::new(Health::default());
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        tokio::spawn(serve(listener, handle, Arc::clone(&health)));
+        let expect = async |path: &str, status: &str, body: &str| {
+            let answer = get(addr, path).await;
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}")),
+                "{path}: {answer}"
+            );
+            assert!(
+                answer.ends_with(&format!("\r\n\r\n{body}")),
+                "{path}: {answer}"
+            );
+        };
+        expect("/readyz", "503", "starting\n").await;
+        expect("/healthz", "200", "ok\n").await;
+        health.set_ready();
+        expect("/readyz", "200", "ready\n").await;
+        expect("/readyz?verbose", "200", "ready\n").await;
+        health.set_draining();
+        expect("/readyz", "503", "draining\n").await;
+        expect("/healthz", "200", "ok\n").await;
+        // Draining is final.
+        health.set_ready();
+        expect("/readyz", "503", "draining\n").await;
+    }
 
     #[test]
     fn listen_addresses() {

@@ -1,4 +1,8 @@
 //! `ferry serve`: run a node until SIGTERM or Ctrl-C, then drain and exit 0.
+//!
+//! Draining: `/readyz` turns 503 at once, the role takes no new buffer, the buffers it is
+//! handling finish (each send ends by its deadline), then the node drains its transfers
+//! ([`Node::shutdown`]) and the process exits 0.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,6 +13,8 @@ use anyhow::Context;
 use ferry::echo::{self, TAG_EXPOSE, TAG_WITHDRAW};
 use ferry::{MemoryKind, Node, Received};
 use tokio::sync::Semaphore;
+
+use super::metrics_http::Health;
 
 /// What a served node does with the buffers it receives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,11 +84,13 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
 async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     // Install the handlers before announcing readiness, so an early SIGTERM drains too.
     let stop = StopSignals::install()?;
+    let health = Arc::new(Health::default());
     // The recorder goes in before the node starts, so nothing it records is lost.
     let metrics = match &config.telemetry.metrics_listen {
-        Some(listen) => Some(super::metrics_http::start(listen).await?),
+        Some(listen) => Some(super::metrics_http::start(listen, Arc::clone(&health)).await?),
         None => None,
     };
+    let drain_limit = config.limits.default_deadline + DRAIN_MARGIN;
     let node = Arc::new(Node::start(config).await?);
     let mut endpoints: Vec<String> = node
         .tcp_addrs()
@@ -95,19 +103,29 @@ async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     if let Some(addr) = metrics {
         endpoints.push(format!("metrics http://{addr}/metrics"));
     }
+    health.set_ready();
     // The ready line: scripts and tests wait for it.
     println!(
         "ferry serve: node {} ready on {}",
         node.name(),
         endpoints.join(", ")
     );
-    let worker = (role != Role::None).then(|| tokio::spawn(run_role(Arc::clone(&node), role)));
+    let slots = Arc::new(Semaphore::new(ROLE_CONCURRENCY));
+    let worker = (role != Role::None)
+        .then(|| tokio::spawn(run_role(Arc::clone(&node), role, Arc::clone(&slots))));
 
     stop.wait().await?;
+    health.set_draining();
     tracing::info!("stop requested: draining");
     if let Some(w) = worker {
         w.abort();
         let _ = w.await;
+    }
+    // The buffers the role is handling finish first (each send ends by its deadline, so
+    // within `limits.default_deadline`); each holds the node until then.
+    let handled = tokio::time::timeout(drain_limit, slots.acquire_many(ROLE_CONCURRENCY as u32));
+    if !matches!(handled.await, Ok(Ok(_))) {
+        tracing::warn!("drain: the role's buffers did not finish in time");
     }
     match Arc::try_unwrap(node) {
         Ok(node) => node.shutdown().await,
@@ -115,6 +133,10 @@ async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// How much longer than `limits.default_deadline` the role's buffers may take to finish
+/// once a stop is asked for.
+const DRAIN_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// SIGTERM and SIGINT, caught from the moment of installation.
 struct StopSignals {
@@ -140,8 +162,9 @@ impl StopSignals {
     }
 }
 
-async fn run_role(node: Arc<Node>, role: Role) {
-    let slots = Arc::new(Semaphore::new(ROLE_CONCURRENCY));
+/// Receives buffers and handles them as `role` says, `ROLE_CONCURRENCY` at once: each
+/// handling holds a permit of `slots` until it ended.
+async fn run_role(node: Arc<Node>, role: Role, slots: Arc<Semaphore>) {
     loop {
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
             return;
@@ -159,6 +182,8 @@ async fn run_role(node: Arc<Node>, role: Role) {
             if let Err(e) = handle(&node, &role, received).await {
                 tracing::warn!(error = %e, "role could not handle a buffer");
             }
+            // The node first: a drain that got every permit back then owns it alone.
+            drop(node);
             drop(permit);
         });
         // Polled once here, before the next buffer is received: a send's place in its

@@ -199,17 +199,28 @@ pub fn ferry_bin() -> PathBuf {
         .unwrap_or(built)
 }
 
-/// The value of the sample `series` (name and labels as rendered) at a node's Prometheus
-/// endpoint, if it answers and has it.
-pub fn metric(addr: &str, series: &str) -> Option<f64> {
+/// `GET path` at `addr` (one HTTP/1.1 request, 5 s at most): the status code and the body,
+/// or `None` when nothing answered.
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\r\n")
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .ok()?;
     let mut answer = String::new();
     stream.read_to_string(&mut answer).ok()?;
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    Some((status, body.to_string()))
+}
+
+/// The value of the sample `series` (name and labels as rendered) at a node's Prometheus
+/// endpoint, if it answers and has it.
+pub fn metric(addr: &str, series: &str) -> Option<f64> {
+    let (_, answer) = http_get(addr, "/metrics")?;
     answer.lines().find_map(|l| {
         l.strip_prefix(series)?
             .strip_prefix(' ')?
