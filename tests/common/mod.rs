@@ -98,10 +98,18 @@ impl Served {
     /// Starts `ferry serve --config FILE --role ROLE` and waits (10 s at most) for its ready
     /// line.
     pub fn start(config: &Path, role: &str) -> Self {
-        let mut child = Command::new(ferry_bin())
+        let mut command = Command::new(ferry_bin());
+        command
             .args(["serve", "--config"])
             .arg(config)
-            .args(["--role", role])
+            .args(["--role", role]);
+        Self::spawn(command)
+    }
+
+    /// Runs `command`, a `ferry serve` command line (perhaps behind a wrapper such as `ip
+    /// netns exec`), with warnings logged, and waits (10 s at most) for its ready line.
+    pub fn spawn(mut command: Command) -> Self {
+        let mut child = command
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
