@@ -1,0 +1,657 @@
+//! `ferry.Node`: a ferry node owned by a Python object, with the tokio runtime its futures
+//! run on.
+//!
+//! Blocking methods run their future on the calling thread (`Handle::block_on`) with the
+//! GIL released, in slices of [`SLICE`] between which pending signals are checked, so that
+//! Ctrl-C interrupts a long `recv`. The `a*` methods run it as a task and resolve an
+//! asyncio future ([`crate::asyncio`]). Every operation holds the node through an `Arc`;
+//! `close` wakes the receives waiting, waits for the other operations to end, then shuts
+//! the node down.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use ferry::{Config, Error, Layout, MemoryClass, MemoryKind};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+
+use crate::asyncio::{self, OnCancel};
+use crate::buffer::{Arrival, Buffer};
+use crate::convert::{self, DomainCounters};
+use crate::errors::{closed, to_py, usage};
+use crate::source::{self, Keep, Sent};
+
+/// How long a blocking call waits between two checks for signals (Ctrl-C).
+const SLICE: Duration = Duration::from_millis(100);
+
+/// The default bound on asynchronous operations in flight on one `Node` object.
+const DEFAULT_MAX_PENDING: usize = 1024;
+
+/// What the Python object owns.
+struct Core {
+    /// The runtime the node's futures run on: the node's own timers and the asyncio
+    /// flavour's tasks. Shut down (in the background) by `close` or when collected.
+    runtime: Mutex<Option<Runtime>>,
+    handle: Handle,
+    /// The node; `None` once closed.
+    node: Mutex<Option<Arc<ferry::Node>>>,
+    /// Set by `close`: receives waiting end with `ShuttingDown`.
+    closing: watch::Sender<bool>,
+    name: String,
+    addresses: Vec<String>,
+    receive_class: MemoryClass,
+    default_deadline: Duration,
+    /// Bounds the asynchronous operations in flight.
+    pending: Arc<Semaphore>,
+    max_pending: usize,
+}
+
+impl Core {
+    fn node(&self) -> PyResult<Arc<ferry::Node>> {
+        self.node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or_else(closed)
+    }
+
+    /// Runs `op` on this thread with the GIL released, checking for signals every
+    /// [`SLICE`]. Interrupted (`KeyboardInterrupt`...), the operation is dropped when
+    /// `on_cancel` says so (it is cancel safe), else it finishes as a task and `leftover`
+    /// (what must outlive it) goes with it.
+    fn block<T, F>(&self, py: Python<'_>, op: F, on_cancel: OnCancel) -> PyResult<T>
+    where
+        F: Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let mut op = Box::pin(op);
+        loop {
+            let handle = &self.handle;
+            // The timer is made inside the runtime's context (`block_on`), which it needs.
+            let slice = py.detach(|| {
+                handle.block_on(async { tokio::time::timeout(SLICE, op.as_mut()).await })
+            });
+            match slice {
+                Ok(output) => return Ok(output),
+                Err(_) => {
+                    if let Err(signal) = py.check_signals() {
+                        if on_cancel == OnCancel::Finish {
+                            // Its Keep (inside the output) drops when the task ends.
+                            self.handle.spawn(op);
+                        }
+                        return Err(signal);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A permit for one more asynchronous operation, or `QueueFull`.
+    fn permit(&self) -> PyResult<OwnedSemaphorePermit> {
+        Arc::clone(&self.pending).try_acquire_owned().map_err(|_| {
+            to_py(&Error::QueueFull(format!(
+                "{} asynchronous operations are in flight on this Node (max_pending)",
+                self.max_pending
+            )))
+        })
+    }
+
+    fn arrival(&self, got: ferry::Received) -> Buffer {
+        let spilled = convert::class_of(got.buffer.kind()) != self.receive_class;
+        Buffer::received(
+            got.buffer,
+            Arrival {
+                peer: got.peer,
+                tag: got.tag,
+                transport: got.transport,
+                layout: got.layout,
+                spilled,
+            },
+        )
+    }
+
+    /// The future of a receive: the oldest matching buffer, `DeadlineExceeded` after
+    /// `timeout`, `ShuttingDown` when the node is closed meanwhile.
+    fn recv_op(
+        &self,
+        peer: Option<String>,
+        tag: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = Result<ferry::Received, Error>> + Send + 'static> {
+        let node = self.node()?;
+        let timeout = timeout.map(duration).transpose()?;
+        let mut closing = self.closing.subscribe();
+        Ok(async move {
+            let recv = node.recv(peer.as_deref(), tag);
+            let bounded = async {
+                match timeout {
+                    Some(t) => tokio::time::timeout(t, recv)
+                        .await
+                        .unwrap_or(Err(Error::DeadlineExceeded)),
+                    None => recv.await,
+                }
+            };
+            tokio::select! {
+                got = bounded => got,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            }
+        })
+    }
+
+    /// Sends `obj`: the plan (with the GIL), then the future that moves the bytes, which
+    /// yields the plan's [`Keep`] back with its result.
+    fn send_op(
+        &self,
+        peer: String,
+        tag: u64,
+        obj: &Bound<'_, PyAny>,
+        layout: Layout,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = (Sent, Keep)> + Send + 'static> {
+        let node = self.node()?;
+        let deadline = timeout
+            .map(duration)
+            .transpose()?
+            .map(|t| Instant::now() + t);
+        let (plan, keep) = source::plan(obj)?;
+        Ok(async move {
+            let sent = source::run_send(node, peer, tag, plan, layout, deadline).await;
+            (sent, keep)
+        })
+    }
+}
+
+/// The outcome of a send, with the GIL: its error raised, its `Keep` dropped (or leaked
+/// when a peer may still read the memory).
+fn finish_send((sent, keep): (Sent, Keep)) -> PyResult<()> {
+    if sent.keep_forever {
+        std::mem::forget(keep);
+    } else {
+        drop(keep);
+    }
+    sent.result.map_err(|e| to_py(&e))
+}
+
+fn duration(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds.max(0.0))
+        .map_err(|_| usage(format!("{seconds} is not a duration in seconds")))
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        let _ = self.closing.send(true);
+        let node = self
+            .node
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(node);
+        let runtime = self
+            .runtime
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(runtime) = runtime {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// A ferry node: sends and receives buffers by peer name and tag.
+///
+/// ``Node(config)`` starts a node from a configuration: TOML text (``str``) or a ``dict``
+/// of the same tables; ``Node(config_file=path)`` reads a ``.toml`` or ``.yaml`` file
+/// instead (alone: no system file, no environment). Every key is in ferry's
+/// ``docs/CONFIG.md``; peers authenticate with a shared secret
+/// (``[security] secret_file``, mode 0600) unless ``danger_insecure = true``.
+///
+/// Use it as a context manager, or call ``close()``::
+///
+///     with ferry.Node(config) as node:
+///         node.send("b", 1, numpy_array)
+///         got = node.recv("b", 2, timeout=5.0)
+///         array = numpy.frombuffer(got, dtype=numpy.float32)
+///
+/// Blocking methods release the GIL while they wait and can be interrupted with Ctrl-C;
+/// every blocking method has an ``a``-prefixed coroutine twin for asyncio (``asend``,
+/// ``arecv``). A ``Node`` may be used from several threads at once.
+///
+/// ``max_pending`` bounds the asynchronous operations in flight on this object; one more
+/// raises ``QueueFull``.
+#[pyclass(frozen, module = "ferry", name = "Node")]
+pub struct Node {
+    core: Arc<Core>,
+}
+
+#[pymethods]
+impl Node {
+    #[new]
+    #[pyo3(
+        signature = (config=None, *, config_file=None, max_pending=DEFAULT_MAX_PENDING),
+        text_signature = "(config=None, *, config_file=None, max_pending=1024)"
+    )]
+    fn new(
+        py: Python<'_>,
+        config: Option<&Bound<'_, PyAny>>,
+        config_file: Option<&Bound<'_, PyAny>>,
+        max_pending: usize,
+    ) -> PyResult<Self> {
+        let config = load_config(py, config, config_file)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ferry-python")
+            .enable_all()
+            .build()
+            .map_err(|e| to_py(&Error::start("cannot start the binding's runtime", e)))?;
+        let handle = runtime.handle().clone();
+        let default_deadline = config.limits.default_deadline;
+        // Started outside any tokio context (`Node::start` works from any executor): when
+        // it fails after building its I/O runtime, it drops that runtime, which tokio
+        // refuses (a panic) inside an asynchronous context such as `block_on`.
+        let node = py
+            .detach(|| futures::executor::block_on(ferry::Node::start(config)))
+            .map_err(|e| to_py(&e))?;
+        let (closing, _) = watch::channel(false);
+        let core = Core {
+            name: node.name().to_string(),
+            addresses: node.tcp_addrs().to_vec(),
+            receive_class: node.receive_class(),
+            node: Mutex::new(Some(Arc::new(node))),
+            runtime: Mutex::new(Some(runtime)),
+            handle,
+            closing,
+            default_deadline,
+            pending: Arc::new(Semaphore::new(max_pending.max(1))),
+            max_pending: max_pending.max(1),
+        };
+        Ok(Self {
+            core: Arc::new(core),
+        })
+    }
+
+    /// The node's name (``node.name`` in the configuration).
+    #[getter]
+    fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// The TCP addresses the node listens on, with the actual port where ``:0`` was asked.
+    #[getter]
+    fn addresses(&self) -> Vec<String> {
+        self.core.addresses.clone()
+    }
+
+    /// The memory class received buffers land in first: ``"host"``, ``"pinned"`` or
+    /// ``"device"`` (``memory.receive_into`` as it resolved on this machine).
+    #[getter]
+    fn receive_into(&self) -> &'static str {
+        convert::class_label(self.core.receive_class)
+    }
+
+    /// True once ``close()`` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.core
+            .node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// Sends ``obj`` to ``peer`` under ``tag`` and returns once the peer holds every byte.
+    ///
+    /// ``obj`` may be a ``ferry.Buffer`` (sent as it is, no copy; it stays usable after),
+    /// any C-contiguous object with the buffer protocol (``bytes``, ``bytearray``,
+    /// ``numpy.ndarray``...) or a host tensor with ``__dlpack__`` (copied once into a host
+    /// buffer of ferry's pool), or a CUDA tensor with ``__dlpack__`` or
+    /// ``__cuda_array_interface__`` (registered in place, no copy: the peer reads it; the
+    /// tensor must not be written until ``send`` returns).
+    ///
+    /// Buffers to one peer arrive in the order their sends were made. ``timeout``
+    /// (seconds) replaces the node's ``limits.default_deadline``.
+    ///
+    /// Raises ``PeerUnreachable``, ``PeerLost``, ``Refused`` (``.reason``),
+    /// ``DeadlineExceeded``, ``NoMemory``, ``NoRoute``, ``UsageError`` (an object that
+    /// cannot be sent, a ``Buffer`` with live views) or ``ShuttingDown``.
+    #[pyo3(signature = (peer, tag, obj, *, timeout=None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        tag: u64,
+        obj: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let op = self
+            .core
+            .send_op(peer, tag, obj, Layout::Contiguous, timeout)?;
+        let out = self.core.block(py, op, OnCancel::Finish)?;
+        finish_send(out)
+    }
+
+    /// Sends part of ``obj``: ``rows`` rows of ``row_bytes`` bytes, ``pitch`` bytes apart
+    /// (and, with ``depth``, that many planes of ``plane_rows`` rows each). The peer
+    /// receives the rows packed, with the layout in ``Buffer.layout``. ``obj`` is anything
+    /// ``send`` takes; a layout that does not fit it raises ``UsageError`` before anything
+    /// moves. The deadline is the node's default.
+    #[pyo3(signature = (peer, tag, obj, *, rows, row_bytes, pitch, depth=None, plane_rows=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send_layout(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        tag: u64,
+        obj: &Bound<'_, PyAny>,
+        rows: u64,
+        row_bytes: u64,
+        pitch: u64,
+        depth: Option<u64>,
+        plane_rows: Option<u64>,
+    ) -> PyResult<()> {
+        let layout = convert::layout_of(rows, row_bytes, pitch, depth, plane_rows);
+        let op = self.core.send_op(peer, tag, obj, layout, None)?;
+        let out = self.core.block(py, op, OnCancel::Finish)?;
+        finish_send(out)
+    }
+
+    /// Receives the oldest buffer from ``peer`` (any peer when ``None``) under ``tag`` (any
+    /// tag when ``None``), waiting for one up to ``timeout`` seconds (forever when
+    /// ``None``). Returns a ``ferry.Buffer``, whose ``peer`` and ``tag`` say which.
+    ///
+    /// Raises ``DeadlineExceeded`` after ``timeout``, ``ShuttingDown`` when the node is
+    /// closed meanwhile, ``QueueFull`` when too many receives wait on the node. Interrupted
+    /// (Ctrl-C), nothing is lost: a buffer that arrives later goes to the next receive.
+    #[pyo3(signature = (peer=None, tag=None, *, timeout=None))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        peer: Option<String>,
+        tag: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Buffer> {
+        let op = self.core.recv_op(peer, tag, timeout)?;
+        let got = self.core.block(py, op, OnCancel::Abort)?;
+        got.map(|got| self.core.arrival(got)).map_err(|e| to_py(&e))
+    }
+
+    /// Coroutine twin of ``send``: ``await node.asend(peer, tag, obj)``.
+    ///
+    /// Cancelling the awaiting task does not stop the transfer (it runs to its end, and
+    /// registered GPU memory is unregistered before the tensor is let go).
+    #[pyo3(signature = (peer, tag, obj, *, timeout=None))]
+    fn asend<'py>(
+        &self,
+        py: Python<'py>,
+        peer: String,
+        tag: u64,
+        obj: &Bound<'py, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let permit = self.core.permit()?;
+        let op = self
+            .core
+            .send_op(peer, tag, obj, Layout::Contiguous, timeout)?;
+        let op = async move {
+            let out = op.await;
+            drop(permit);
+            out
+        };
+        asyncio::spawn(py, &self.core.handle, op, OnCancel::Finish, |py, out| {
+            finish_send(out).map(|()| py.None())
+        })
+    }
+
+    /// Coroutine twin of ``recv``: ``got = await node.arecv(peer, tag, timeout=...)``.
+    /// Cancelling the awaiting task cancels the receive; nothing is lost.
+    #[pyo3(signature = (peer=None, tag=None, *, timeout=None))]
+    fn arecv<'py>(
+        &self,
+        py: Python<'py>,
+        peer: Option<String>,
+        tag: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let permit = self.core.permit()?;
+        let op = self.core.recv_op(peer, tag, timeout)?;
+        let op = async move {
+            let out = op.await;
+            drop(permit);
+            out
+        };
+        let core = Arc::clone(&self.core);
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Abort,
+            move |py, got| {
+                let got = got.map_err(|e| to_py(&e))?;
+                Ok(Py::new(py, core.arrival(got))?.into_any())
+            },
+        )
+    }
+
+    /// Allocates ``nbytes`` of ``kind`` memory from ferry's pool — ``"host"``,
+    /// ``"pinned"``, ``"cuda"`` / ``"cuda:N"`` — waiting for budget up to the default
+    /// deadline. Fill it in place (``numpy.frombuffer(buf, dtype)[:] = ...`` for host
+    /// memory, ``torch.from_dlpack(buf)`` for device memory), drop the views, and send it
+    /// without a copy.
+    ///
+    /// Raises ``NoMemory`` (``.cause``) when it does not fit in time, ``Unsupported`` for a
+    /// GPU this node does not use.
+    fn alloc(&self, py: Python<'_>, kind: &str, nbytes: usize) -> PyResult<Buffer> {
+        let kind = convert::parse_kind(kind)?;
+        let node = self.core.node()?;
+        let op = async move { node.alloc(kind, nbytes).await };
+        let buffer = self.core.block(py, op, OnCancel::Abort)?;
+        buffer.map(Buffer::allocated).map_err(|e| to_py(&e))
+    }
+
+    /// How a transfer of ``nbytes`` from ``src`` memory here (``"host"``, ``"pinned"``,
+    /// ``"device"``) to ``peer`` would be routed, and why: a dict with the ``rule`` that
+    /// matched, the ``transport`` chosen (``None``: no route), the transports ``skipped``
+    /// with their reasons, where the bytes would ``land``, and the whole in words
+    /// (``summary``). ``dst`` asks what-if for the memory at the peer's end; ``None`` takes
+    /// what the peer said it receives into.
+    #[pyo3(signature = (peer, nbytes, src="host", dst=None))]
+    fn explain<'py>(
+        &self,
+        py: Python<'py>,
+        peer: String,
+        nbytes: u64,
+        src: &str,
+        dst: Option<&str>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let src = convert::parse_class(src)?;
+        let dst = dst.map(convert::parse_class).transpose()?;
+        let node = self.core.node()?;
+        let op = async move { node.explain(&peer, nbytes, src, dst).await };
+        let explanation = self
+            .core
+            .block(py, op, OnCancel::Abort)?
+            .map_err(|e| to_py(&e))?;
+        convert::explanation_dict(py, &explanation)
+    }
+
+    /// Memory counters per domain: ``{"host": {...}, "pinned": {...}, "cuda:0": {...}}``,
+    /// each with ``capacity``, ``granted``, ``free``, ``waiting``, ``peak_waiting``,
+    /// ``exported`` and ``quarantined`` (bytes, or counts for the waits). With ``kind``,
+    /// that domain's dict alone. Every buffer given back shows as ``granted`` going down.
+    #[pyo3(signature = (kind=None))]
+    fn memory<'py>(&self, py: Python<'py>, kind: Option<&str>) -> PyResult<Bound<'py, PyAny>> {
+        let single = kind.is_some();
+        let kinds = match kind {
+            Some(kind) => vec![convert::parse_kind(kind)?],
+            None => domains(),
+        };
+        let node = self.core.node()?;
+        let op = async move {
+            let mut out = Vec::new();
+            for kind in kinds {
+                out.push((kind, node.memory(kind).await));
+            }
+            out
+        };
+        let stats = self.core.block(py, op, OnCancel::Abort)?;
+        let all = PyDict::new(py);
+        for (kind, stats) in stats {
+            let stats = match stats {
+                Ok(stats) => stats,
+                // A GPU the node does not use, when listing every domain.
+                Err(e) if e.kind() == ferry::ErrorKind::Unsupported && !single => {
+                    continue;
+                }
+                Err(e) => return Err(to_py(&e)),
+            };
+            let counters = DomainCounters {
+                capacity: stats.budget.capacity,
+                granted: stats.budget.granted,
+                waiting: stats.budget.waiting,
+                peak_waiting: stats.budget.peak_waiting,
+                exported: stats.exports.exported,
+                quarantined: stats.exports.quarantined,
+            }
+            .to_dict(py)?;
+            if single {
+                return Ok(counters.into_any());
+            }
+            all.set_item(convert::kind_label(kind), counters)?;
+        }
+        Ok(all.into_any())
+    }
+
+    /// Connects to ``peer`` now (else the first send does), returning once the link is up.
+    /// Raises ``PeerUnreachable`` with the reason.
+    fn connect(&self, py: Python<'_>, peer: String) -> PyResult<()> {
+        let node = self.core.node()?;
+        let op = async move { node.connect(&peer).await };
+        self.core
+            .block(py, op, OnCancel::Abort)?
+            .map_err(|e| to_py(&e))
+    }
+
+    /// The peers with a live link.
+    fn connected_peers(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let node = self.core.node()?;
+        let op = async move { node.connected_peers().await };
+        self.core
+            .block(py, op, OnCancel::Abort)?
+            .map_err(|e| to_py(&e))
+    }
+
+    /// Stops the node: receives waiting end with ``ShuttingDown``, transfers in flight
+    /// end (each within its deadline), links close, threads stop. Buffers already received
+    /// stay valid. Calling it again does nothing.
+    fn close(&self, py: Python<'_>) {
+        let _ = self.core.closing.send(true);
+        let node = self
+            .core
+            .node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(node) = node {
+            let limit = self.core.default_deadline + Duration::from_secs(1);
+            let handle = &self.core.handle;
+            py.detach(|| {
+                handle.block_on(async move {
+                    let until = tokio::time::Instant::now() + limit;
+                    let mut node = node;
+                    // Operations in flight hold the node: wait for them to end.
+                    loop {
+                        match Arc::try_unwrap(node) {
+                            Ok(node) => return node.shutdown().await,
+                            Err(shared) if tokio::time::Instant::now() >= until => {
+                                // The last operation to end stops it (`Drop`).
+                                drop(shared);
+                                return;
+                            }
+                            Err(shared) => {
+                                node = shared;
+                                tokio::time::sleep(Duration::from_millis(2)).await;
+                            }
+                        }
+                    }
+                })
+            });
+        }
+        let runtime = self
+            .core
+            .runtime
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(runtime) = runtime {
+            runtime.shutdown_background();
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.Node {:?} on {}{}>",
+            self.core.name,
+            self.core.addresses.join(", "),
+            if self.closed() { ", closed" } else { "" }
+        )
+    }
+}
+
+/// Every domain a node may have: host, pinned, and each GPU the driver shows.
+fn domains() -> Vec<MemoryKind> {
+    let mut kinds = vec![MemoryKind::Host, MemoryKind::PinnedHost];
+    if let ferry::cuda::CudaProbe::Ready(driver) = ferry::cuda::probe() {
+        kinds.extend((0..driver.devices.len() as u32).map(MemoryKind::Device));
+    }
+    kinds
+}
+
+/// The configuration from the constructor's arguments: exactly one of `config` (TOML text
+/// or a dict) and `config_file` (a path).
+fn load_config(
+    py: Python<'_>,
+    config: Option<&Bound<'_, PyAny>>,
+    config_file: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Config> {
+    let loaded = match (config, config_file) {
+        (Some(_), Some(_)) => {
+            return Err(usage("give config or config_file, not both"));
+        }
+        (None, None) => return Err(usage("give a config (TOML text or dict) or a config_file")),
+        (Some(config), None) => {
+            let text = if let Ok(text) = config.cast::<PyString>() {
+                text.to_string()
+            } else if let Ok(dict) = config.cast::<PyDict>() {
+                convert::dict_to_toml(dict)?
+            } else {
+                return Err(usage(format!(
+                    "config is TOML text or a dict, not {}",
+                    config.get_type().name()?
+                )));
+            };
+            py.detach(|| Config::from_toml_str(&text))
+        }
+        (None, Some(path)) => {
+            let path: std::path::PathBuf = path.extract()?;
+            py.detach(|| ferry_config::load(&ferry::LoadOptions::only_file(path)))
+        }
+    };
+    loaded.map_err(|e| to_py(&Error::from(e)))
+}

@@ -1,0 +1,310 @@
+//! What `send` makes of a Python object: a ferry buffer sent as it is, host bytes copied
+//! once into a ferry buffer, or a GPU tensor registered in place.
+//!
+//! The decision and every Python call happen with the GIL held ([`plan`]); the bytes move
+//! without it ([`run_send`]). What keeps the object's memory valid meanwhile (its exported
+//! buffer, its consumed DLPack tensor, a reference to it) travels beside the operation as a
+//! [`Keep`] and is dropped only after it ended.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferry::cuda::ExternalMemory;
+use ferry::{Error, Layout, MemoryKind, SendError};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::buffer::{Buffer, State};
+use crate::dlpack::{self, Place};
+use crate::errors::usage;
+
+/// What the bytes are and how they get into a ferry buffer.
+pub(crate) enum Plan {
+    /// A `ferry.Buffer`, taken out of its object; put back into `state` when the send ends.
+    Ferry {
+        state: Arc<State>,
+        buffer: ferry::Buffer,
+    },
+    /// Host memory at `ptr`, copied into a host buffer of ferry's pool.
+    Host { ptr: usize, len: usize },
+    /// GPU memory at `ptr` on `device`, registered in place (`register_external`) once
+    /// the producer's pending work on `stream` completed.
+    Device {
+        ptr: u64,
+        len: usize,
+        device: u32,
+        stream: Option<usize>,
+    },
+}
+
+/// Holds the memory a [`Plan`] points at valid until dropped (with the GIL: each variant's
+/// drop attaches if it needs to).
+pub(crate) enum Keep {
+    Nothing,
+    Exported(#[allow(dead_code)] PyUntypedBuffer),
+    DlPack(#[allow(dead_code)] dlpack::Imported),
+    Object(#[allow(dead_code)] Py<PyAny>),
+}
+
+/// How a send ended, with what the binding must do after.
+pub(crate) struct Sent {
+    pub result: Result<(), Error>,
+    /// The memory may still be read by a peer (the registration did not end in time):
+    /// never free it. The caller leaks the [`Keep`].
+    pub keep_forever: bool,
+}
+
+/// Decides how to send `obj`. Order: a `ferry.Buffer`; a CUDA tensor (`__dlpack__` on a
+/// CUDA device, or `__cuda_array_interface__`); anything with the buffer protocol (bytes,
+/// bytearray, memoryview, numpy arrays); a host tensor with `__dlpack__` (torch CPU
+/// tensors); `__array_interface__`.
+pub(crate) fn plan(obj: &Bound<'_, PyAny>) -> PyResult<(Plan, Keep)> {
+    if let Ok(buffer) = obj.cast::<Buffer>() {
+        let this = buffer.get();
+        let state = Arc::clone(this.state());
+        let buffer = this.take()?;
+        return Ok((Plan::Ferry { state, buffer }, Keep::Nothing));
+    }
+    let dlpack_device = dlpack_device(obj)?;
+    if let Some((2, _)) = dlpack_device {
+        let imported = dlpack::import(obj, true)?;
+        let Place::Cuda(device) = imported.place else {
+            return Err(usage(
+                "the tensor said it is on a GPU, but exported host memory",
+            ));
+        };
+        let plan = Plan::Device {
+            ptr: imported.ptr as u64,
+            len: imported.len,
+            device,
+            stream: None,
+        };
+        return Ok((plan, Keep::DlPack(imported)));
+    }
+    if let Ok(cai) = obj.getattr("__cuda_array_interface__") {
+        return cuda_array_interface(obj, &cai.cast_into::<PyDict>()?);
+    }
+    if let Ok(exported) = PyUntypedBuffer::get(obj) {
+        if !exported.is_c_contiguous() {
+            return Err(usage(
+                "the object is not C-contiguous: send numpy.ascontiguousarray(x), or use \
+                 send_layout",
+            ));
+        }
+        let plan = Plan::Host {
+            ptr: exported.buf_ptr() as usize,
+            len: exported.len_bytes(),
+        };
+        return Ok((plan, Keep::Exported(exported)));
+    }
+    if dlpack_device.is_some() {
+        let imported = dlpack::import(obj, false)?;
+        let plan = Plan::Host {
+            ptr: imported.ptr,
+            len: imported.len,
+        };
+        return Ok((plan, Keep::DlPack(imported)));
+    }
+    if let Ok(interface) = obj.getattr("__array_interface__") {
+        let interface = interface.cast_into::<PyDict>()?;
+        let (ptr, len) = described(&interface, "__array_interface__")?;
+        let plan = Plan::Host {
+            ptr: ptr as usize,
+            len,
+        };
+        return Ok((plan, Keep::Object(obj.clone().unbind())));
+    }
+    Err(usage(format!(
+        "cannot send a {}: send bytes-like objects, numpy arrays, tensors with __dlpack__ or \
+         __cuda_array_interface__, or a ferry.Buffer",
+        obj.get_type().name()?
+    )))
+}
+
+/// `obj.__dlpack_device__()`, when it has one.
+fn dlpack_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<(i32, i32)>> {
+    if !obj.hasattr("__dlpack__")? {
+        return Ok(None);
+    }
+    match obj.call_method0("__dlpack_device__") {
+        Ok(device) => {
+            let (kind, id): (i32, i32) = device.extract()?;
+            Ok(Some((kind, id)))
+        }
+        Err(_) => Ok(None),
+    }
+}
+
+/// The address and byte length of an array interface (`__array_interface__` or
+/// `__cuda_array_interface__`), which must be C-contiguous.
+fn described(interface: &Bound<'_, PyDict>, name: &str) -> PyResult<(u64, usize)> {
+    let missing = |key: &str| usage(format!("{name} has no {key:?}"));
+    let (ptr, _readonly): (u64, bool) = interface
+        .get_item("data")?
+        .ok_or_else(|| missing("data"))?
+        .extract()?;
+    let shape: Vec<i64> = interface
+        .get_item("shape")?
+        .ok_or_else(|| missing("shape"))?
+        .extract()?;
+    let typestr: String = interface
+        .get_item("typestr")?
+        .ok_or_else(|| missing("typestr"))?
+        .extract()?;
+    let item: usize = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| usage(format!("{name}: cannot read the type {typestr:?}")))?;
+    let strides: Option<Vec<i64>> = match interface.get_item("strides")? {
+        Some(s) if !s.is_none() => Some(s.extract()?),
+        _ => None,
+    };
+    let strides = strides.map(|bytes| {
+        bytes
+            .iter()
+            .map(|b| b / i64::try_from(item.max(1)).unwrap_or(1))
+            .collect::<Vec<_>>()
+    });
+    if !dlpack::c_contiguous(&shape, strides.as_deref()) {
+        return Err(usage(format!(
+            "the {name} array is not C-contiguous: send a contiguous copy, or use send_layout"
+        )));
+    }
+    let count = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?))
+        .ok_or_else(|| usage(format!("{name}: invalid shape {shape:?}")))?;
+    let len = count
+        .checked_mul(item)
+        .ok_or_else(|| usage(format!("{name}: too large")))?;
+    Ok((ptr, len))
+}
+
+fn cuda_array_interface(
+    obj: &Bound<'_, PyAny>,
+    interface: &Bound<'_, PyDict>,
+) -> PyResult<(Plan, Keep)> {
+    let (ptr, len) = described(interface, "__cuda_array_interface__")?;
+    let device = crate::gpu::device_of_pointer(ptr).map_err(|e| {
+        usage(format!(
+            "cannot tell which GPU holds the __cuda_array_interface__ memory: {e}"
+        ))
+    })?;
+    // Version 3 names the stream the producer writes on; `None` there means no
+    // synchronisation is needed. Without the key (version 2), the legacy default stream.
+    let stream = match interface.get_item("stream")? {
+        Some(s) if s.is_none() => Some(0),
+        Some(s) => Some(s.extract::<usize>()?),
+        None => None,
+    };
+    let plan = Plan::Device {
+        ptr,
+        len,
+        device,
+        stream,
+    };
+    Ok((plan, Keep::Object(obj.clone().unbind())))
+}
+
+/// Sends what `plan` describes to `peer` under `tag` (with `layout`, until `deadline`):
+/// the ferry buffer as it is, host bytes after one copy into a ferry host buffer, GPU
+/// memory registered for the time of the send.
+///
+/// The memory `plan` points at must stay valid until this ends (its [`Keep`]).
+pub(crate) async fn run_send(
+    node: Arc<ferry::Node>,
+    peer: String,
+    tag: u64,
+    plan: Plan,
+    layout: Layout,
+    deadline: Option<Instant>,
+) -> Sent {
+    let send = async |buffer: ferry::Buffer| -> Result<ferry::Buffer, SendError> {
+        match (layout, deadline) {
+            (Layout::Contiguous, Some(deadline)) => {
+                node.send_by(&peer, tag, buffer, deadline).await
+            }
+            (Layout::Contiguous, None) => node.send(&peer, tag, buffer).await,
+            (layout, _) => node.send_layout(&peer, tag, buffer, layout).await,
+        }
+    };
+    let done = |result: Result<(), Error>| Sent {
+        result,
+        keep_forever: false,
+    };
+    match plan {
+        Plan::Ferry { state, buffer } => match send(buffer).await {
+            Ok(buffer) => {
+                state.lock().buffer = Some(buffer);
+                done(Ok(()))
+            }
+            Err(SendError { error, buffer }) => {
+                if let Some(buffer) = buffer {
+                    state.lock().buffer = Some(buffer);
+                }
+                done(Err(error))
+            }
+        },
+        Plan::Host { ptr, len } => {
+            let mut buffer = match node.alloc(MemoryKind::Host, len).await {
+                Ok(buffer) => buffer,
+                Err(e) => return done(Err(e)),
+            };
+            let Some(target) = buffer.as_mut_slice() else {
+                return done(Err(Error::Usage("a fresh buffer is shared".into())));
+            };
+            if len > 0 {
+                // SAFETY: `ptr..ptr+len` is the memory of an exported buffer, a consumed
+                // DLPack tensor or an array whose object is held (the plan's `Keep`, which
+                // the caller drops only after this future ended): valid and not freed
+                // while we read it. A concurrent writer in Python could change bytes under
+                // the copy, as with any copy of a shared array; it cannot free them.
+                let source = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+                target.copy_from_slice(source);
+            }
+            done(send(buffer).await.map(drop).map_err(|e| e.error))
+        }
+        Plan::Device {
+            ptr,
+            len,
+            device,
+            stream,
+        } => {
+            if let Err(e) = crate::gpu::settle(device, stream) {
+                return done(Err(Error::unsupported(format!(
+                    "waiting for the tensor's producer: {e}"
+                ))));
+            }
+            // SAFETY: the plan's `Keep` holds the tensor (its DLPack export or its object)
+            // until this future ended, and it ends only after `unregister_external`
+            // answered that no copy and no peer uses the memory; when it does not answer
+            // in time, `keep_forever` tells the caller never to let the tensor go.
+            let memory = unsafe { ExternalMemory::new(ptr, len, device) };
+            let registered = match node.register_external(memory) {
+                Ok(buffer) => buffer,
+                Err(e) => return done(Err(e)),
+            };
+            let (result, back) = match send(registered).await {
+                Ok(buffer) => (Ok(()), Some(buffer)),
+                Err(SendError { error, buffer }) => (Err(error), buffer),
+            };
+            let Some(back) = back else {
+                // The node stopped while holding it; it was dropped, and its release
+                // cannot be awaited: keep the tensor.
+                return Sent {
+                    result,
+                    keep_forever: true,
+                };
+            };
+            match node.unregister_external(back).await {
+                Ok(()) => done(result),
+                Err(e) => Sent {
+                    result: result.and(Err(e)),
+                    keep_forever: true,
+                },
+            }
+        }
+    }
+}

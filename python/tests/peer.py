@@ -1,0 +1,30 @@
+"""A ferry node in a process of its own, for the tests: ``python peer.py CONFIG PARENT``.
+
+It starts a node from the configuration file CONFIG, greets PARENT (a peer of that file)
+with a buffer under ``HELLO`` so that PARENT can send to it over the link this opens, prints
+``ready`` on stdout, then sends every buffer it receives back to its sender under the same
+tag (the received buffer itself: no copy), until it receives one under ``STOP``.
+"""
+
+import sys
+
+import ferry
+
+HELLO = 2**63 - 1
+STOP = 2**63 - 2
+
+
+def main() -> None:
+    config, parent = sys.argv[1], sys.argv[2]
+    with ferry.Node(config_file=config) as node:
+        node.send(parent, HELLO, b"hello")
+        print("ready", flush=True)
+        while True:
+            got = node.recv()
+            if got.tag == STOP:
+                break
+            node.send(got.peer, got.tag, got)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Reference lifetimes: a received buffer stays put while a view or DLPack consumer holds
+it, and goes back to the pool when the last one lets go."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ferry
+from conftest import eventually, granted
+
+SIZE = 1 << 20
+
+
+def receive(node, echo, tag, fill):
+    node.send(echo.name, tag, np.full(SIZE, fill, dtype=np.uint8))
+    return node.recv(echo.name, tag, timeout=10.0)
+
+
+def test_a_numpy_view_keeps_the_buffer(node, echo):
+    got = receive(node, echo, 1, 1)
+    view = np.asarray(got)
+    del got
+    gc.collect()
+    assert granted(node) >= SIZE, "the view's memory went back to the pool"
+    # More traffic while the view is held: its bytes are never reused.
+    for i in range(20):
+        del_me = receive(node, echo, 100 + i, 200)
+        del del_me
+    assert (view == 1).all()
+    del view
+    assert eventually(lambda: granted(node) == 0), node.memory("host")
+
+
+def test_a_dlpack_consumer_keeps_the_buffer(node, echo):
+    got = receive(node, echo, 2, 2)
+    consumer = np.from_dlpack(got)
+    del got
+    gc.collect()
+    for i in range(20):
+        other = receive(node, echo, 200 + i, 100)
+        del other
+    assert granted(node) >= SIZE
+    assert (consumer == 2).all() and consumer.shape == (SIZE,)
+    del consumer
+    assert eventually(lambda: granted(node) == 0), node.memory("host")
+
+
+def test_an_unconsumed_capsule_gives_the_buffer_back(node, echo):
+    got = receive(node, echo, 3, 3)
+    capsule = got.__dlpack__()
+    versioned = got.__dlpack__(max_version=(1, 0))
+    del got, capsule, versioned
+    gc.collect()
+    assert eventually(lambda: granted(node) == 0), node.memory("host")
+
+
+def test_a_buffer_with_views_is_neither_sent_nor_released(node, echo):
+    got = receive(node, echo, 4, 4)
+    view = memoryview(got)
+    with pytest.raises(ferry.UsageError, match="live view"):
+        node.send(echo.name, 5, got)
+    with pytest.raises(ferry.UsageError, match="live view"):
+        got.release()
+    view.release()
+    got.release()
+    assert got.released
+    with pytest.raises(BufferError):
+        memoryview(got)
+    with pytest.raises(ferry.UsageError):
+        node.send(echo.name, 5, got)
+    assert eventually(lambda: granted(node) == 0)
+
+
+def test_with_block_releases_at_its_end(node, echo):
+    with receive(node, echo, 6, 6) as got:
+        assert got.tobytes()[:1] == b"\x06"
+        assert granted(node) >= SIZE
+    assert got.released
+    assert eventually(lambda: granted(node) == 0)
+
+
+def test_dlpack_device_and_refusals(node, echo):
+    got = receive(node, echo, 7, 7)
+    assert got.__dlpack_device__() == (1, 0)
+    with pytest.raises(BufferError):
+        got.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        got.__dlpack__(dl_device=(2, 0))
