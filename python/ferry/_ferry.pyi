@@ -1,0 +1,192 @@
+"""Type stubs of the extension module ``ferry._ferry`` (re-exported by ``ferry``)."""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import Any, Awaitable, List, Literal, Mapping, Optional, Tuple, TypedDict, Union
+
+__version__: str
+
+#: A memory kind: ``"host"``, ``"pinned"``, ``"cuda"`` / ``"device"`` (GPU 0), ``"cuda:N"``.
+MemoryKindName = str
+#: A memory class of route rules: ``"host"``, ``"pinned"`` or ``"device"``.
+MemoryClassName = Literal["host", "pinned", "device"]
+#: What ``send`` takes: a ``Buffer``, a C-contiguous object with the buffer protocol, or a
+#: tensor with ``__dlpack__`` / ``__cuda_array_interface__`` / ``__array_interface__``.
+Sendable = Any
+
+class Layout(TypedDict, total=False):
+    """How the rows of a buffer sent with ``send_layout`` lay at the sender."""
+
+    rows: int
+    row_bytes: int
+    pitch: int
+    depth: int
+    plane_rows: int
+
+class Explanation(TypedDict):
+    """``Node.explain``'s answer."""
+
+    summary: str
+    bytes: int
+    locality: Literal["same-process", "same-host", "remote"]
+    src: MemoryClassName
+    dst: MemoryClassName
+    dst_from: str
+    rule: Optional[str]
+    rule_index: Optional[int]
+    skipped: List[Tuple[str, str]]
+    transport: Optional[str]
+    direction: Optional[Literal["push", "pull"]]
+    landing: Optional[MemoryClassName]
+
+class MemoryStats(TypedDict):
+    """One memory domain's counters (``Node.memory``)."""
+
+    capacity: int
+    granted: int
+    free: int
+    waiting: int
+    peak_waiting: int
+    exported: int
+    quarantined: int
+
+class Buffer:
+    """A ferry buffer: memory from ferry's pools, on the host or a GPU.
+
+    Views (``memoryview``, ``numpy.asarray``, ``numpy.from_dlpack``, ``torch.from_dlpack``)
+    are zero-copy and one-dimensional ``uint8``. The memory returns to ferry's pool when the
+    last reference and the last view are gone, or with ``release()``.
+    """
+
+    @property
+    def nbytes(self) -> int:
+        """Length in bytes."""
+    @property
+    def kind(self) -> str:
+        """``"host"``, ``"pinned"`` or ``"cuda:N"``."""
+    @property
+    def device(self) -> Optional[int]:
+        """The GPU's CUDA ordinal, or ``None`` for host memory."""
+    @property
+    def peer(self) -> Optional[str]:
+        """The sender (``None`` for a buffer from ``alloc``)."""
+    @property
+    def tag(self) -> Optional[int]:
+        """The tag it was sent under (``None`` for a buffer from ``alloc``)."""
+    @property
+    def transport(self) -> Optional[str]:
+        """The transport that carried it (``"tcp"``, ``"ipc"``, ``"staged"``, ``"ucx"``)."""
+    @property
+    def spilled(self) -> bool:
+        """True when it landed in another memory tier than the node receives into."""
+    @property
+    def layout(self) -> Optional[Layout]:
+        """The sender's layout, for a buffer sent with ``send_layout``."""
+    @property
+    def released(self) -> bool:
+        """True once released (or while being sent)."""
+    def release(self) -> None:
+        """Gives the memory back now; ``UsageError`` while views of it are alive."""
+    def tobytes(self) -> bytes:
+        """A copy of the bytes, whatever memory they live in."""
+    def __len__(self) -> int: ...
+    def __enter__(self) -> Buffer: ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule of the bytes (zero-copy)."""
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """``(1, 0)`` for host memory, ``(2, N)`` for GPU N."""
+
+class Node:
+    """A ferry node: sends and receives buffers by peer name and tag.
+
+    ``Node(config)`` with TOML text or a dict, or ``Node(config_file=path)``; use it as a
+    context manager or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        config: Union[str, Mapping[str, Any], None] = None,
+        *,
+        config_file: Union[str, os.PathLike[str], None] = None,
+        max_pending: int = 1024,
+    ) -> None: ...
+    @property
+    def name(self) -> str:
+        """The node's name."""
+    @property
+    def addresses(self) -> List[str]:
+        """The TCP addresses it listens on."""
+    @property
+    def receive_into(self) -> MemoryClassName:
+        """The memory class received buffers land in first."""
+    @property
+    def closed(self) -> bool:
+        """True once closed."""
+    def send(self, peer: str, tag: int, obj: Sendable, *, timeout: Optional[float] = None) -> None:
+        """Sends ``obj``; returns once the peer holds every byte."""
+    def send_layout(
+        self,
+        peer: str,
+        tag: int,
+        obj: Sendable,
+        *,
+        rows: int,
+        row_bytes: int,
+        pitch: int,
+        depth: Optional[int] = None,
+        plane_rows: Optional[int] = None,
+    ) -> None:
+        """Sends rows of ``obj`` at a pitch (planes of them with ``depth``), packed."""
+    def recv(
+        self, peer: Optional[str] = None, tag: Optional[int] = None, *, timeout: Optional[float] = None
+    ) -> Buffer:
+        """The oldest matching buffer, waiting up to ``timeout`` seconds."""
+    def asend(
+        self, peer: str, tag: int, obj: Sendable, *, timeout: Optional[float] = None
+    ) -> Awaitable[None]:
+        """Coroutine twin of ``send``."""
+    def arecv(
+        self, peer: Optional[str] = None, tag: Optional[int] = None, *, timeout: Optional[float] = None
+    ) -> Awaitable[Buffer]:
+        """Coroutine twin of ``recv``."""
+    def alloc(self, kind: MemoryKindName, nbytes: int) -> Buffer:
+        """``nbytes`` of ``kind`` memory from ferry's pool, to fill in place and send."""
+    def explain(
+        self, peer: str, nbytes: int, src: MemoryClassName = "host", dst: Optional[MemoryClassName] = None
+    ) -> Explanation:
+        """How a transfer would be routed, and why."""
+    def memory(self, kind: Optional[MemoryKindName] = None) -> Any:
+        """``Dict[str, MemoryStats]`` by domain, or one ``MemoryStats`` with ``kind``."""
+    def connect(self, peer: str) -> None:
+        """Connects to ``peer`` now."""
+    def connected_peers(self) -> List[str]:
+        """Peers with a live link."""
+    def close(self) -> None:
+        """Stops the node; idempotent."""
+    def __enter__(self) -> Node: ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+def _error_kinds() -> List[str]: ...
+
+__all__ = ["Node", "Buffer"]
