@@ -15,12 +15,17 @@ use pyo3::prelude::*;
 use tokio::runtime::Handle;
 use tokio::task::AbortHandle;
 
-/// Resolves the asyncio future with the outcome, unless it was cancelled meanwhile. Called
-/// by the event loop, on its thread.
+/// What to do with a value whose asyncio future was cancelled after the operation had
+/// completed (a receive that got a buffer): give it back.
+pub(crate) type Unclaimed = Box<dyn FnOnce(Python<'_>, Py<PyAny>) + Send>;
+
+/// Resolves the asyncio future with the outcome, unless it was cancelled meanwhile (then
+/// a value goes to `unclaimed`). Called by the event loop, on its thread.
 #[pyclass(frozen)]
 struct Resolve {
     future: Py<PyAny>,
     outcome: Mutex<Option<PyResult<Py<PyAny>>>>,
+    unclaimed: Mutex<Option<Unclaimed>>,
 }
 
 #[pymethods]
@@ -33,6 +38,14 @@ impl Resolve {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if future.call_method0("done")?.is_truthy()? {
+            let unclaimed = self
+                .unclaimed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let (Some(Ok(value)), Some(unclaimed)) = (outcome, unclaimed) {
+                unclaimed(py, value);
+            }
             return Ok(());
         }
         match outcome {
@@ -70,7 +83,8 @@ pub(crate) enum OnCancel {
 }
 
 /// Runs `op` on `runtime` and returns an asyncio future of the running loop that resolves
-/// with `finish(op's output)`, which runs with the GIL on the runtime's thread.
+/// with `finish(op's output)`, which runs with the GIL on the runtime's thread. A value
+/// that finds the future cancelled goes to `unclaimed`, when given.
 ///
 /// # Errors
 /// `RuntimeError` when no event loop runs in this thread.
@@ -80,6 +94,7 @@ pub(crate) fn spawn<'py, T, F, C>(
     op: F,
     on_cancel: OnCancel,
     finish: C,
+    unclaimed: Option<Unclaimed>,
 ) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = T> + Send + 'static,
@@ -99,6 +114,7 @@ where
             let resolve = Resolve {
                 future: target,
                 outcome: Mutex::new(Some(outcome)),
+                unclaimed: Mutex::new(unclaimed),
             };
             // Fails only when the loop was closed: nobody can wait for the result then.
             let _ = event_loop

@@ -130,6 +130,23 @@ impl Buffer {
         })
     }
 
+    /// The received buffer back as ferry gave it, for a receive whose caller went away
+    /// before seeing it. `None` for an allocated buffer, or one already viewed or taken.
+    pub(crate) fn reclaim(&self) -> Option<ferry::Received> {
+        let arrival = self.arrival.as_ref()?;
+        let mut slot = self.state.lock();
+        if slot.views > 0 {
+            return None;
+        }
+        Some(ferry::Received {
+            buffer: slot.buffer.take()?,
+            peer: arrival.peer.clone(),
+            tag: arrival.tag,
+            transport: arrival.transport,
+            layout: arrival.layout,
+        })
+    }
+
     /// The shared state, for a DLPack export.
     pub(crate) fn state(&self) -> &Arc<State> {
         &self.state

@@ -8,6 +8,7 @@
 //! `close` wakes the receives waiting, waits for the other operations to end, then shuts
 //! the node down.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -46,6 +47,9 @@ struct Core {
     default_deadline: Duration,
     /// Bounds the asynchronous operations in flight.
     pending: Arc<Semaphore>,
+    /// Buffers an `arecv` got after its caller cancelled it, oldest first: the next
+    /// matching receive takes them before asking the node. At most `max_pending`.
+    unclaimed: Arc<Mutex<VecDeque<ferry::Received>>>,
     max_pending: usize,
 }
 
@@ -60,8 +64,8 @@ impl Core {
 
     /// Runs `op` on this thread with the GIL released, checking for signals every
     /// [`SLICE`]. Interrupted (`KeyboardInterrupt`...), the operation is dropped when
-    /// `on_cancel` says so (it is cancel safe), else it finishes as a task and `leftover`
-    /// (what must outlive it) goes with it.
+    /// `on_cancel` says so (it is cancel safe), else it finishes as a task, and what must
+    /// outlive it (a send's `Keep`, in its output) goes with it.
     fn block<T, F>(&self, py: Python<'_>, op: F, on_cancel: OnCancel) -> PyResult<T>
     where
         F: Future<Output = T> + Send + 'static,
@@ -124,7 +128,11 @@ impl Core {
         let node = self.node()?;
         let timeout = timeout.map(duration).transpose()?;
         let mut closing = self.closing.subscribe();
+        let unclaimed = Arc::clone(&self.unclaimed);
         Ok(async move {
+            if let Some(got) = take_unclaimed(&unclaimed, peer.as_deref(), tag) {
+                return Ok(got);
+            }
             let recv = node.recv(peer.as_deref(), tag);
             let bounded = async {
                 match timeout {
@@ -159,19 +167,34 @@ impl Core {
         let (plan, keep) = source::plan(obj)?;
         Ok(async move {
             let sent = source::run_send(node, peer, tag, plan, layout, deadline).await;
+            if sent.keep_forever {
+                // A peer may still read the memory: never let it go, whoever drops this.
+                std::mem::forget(keep);
+                return (sent, Keep::Nothing);
+            }
             (sent, keep)
         })
     }
 }
 
-/// The outcome of a send, with the GIL: its error raised, its `Keep` dropped (or leaked
-/// when a peer may still read the memory).
+/// The oldest unclaimed buffer from `peer` (any when `None`) under `tag` (any when
+/// `None`).
+fn take_unclaimed(
+    unclaimed: &Mutex<VecDeque<ferry::Received>>,
+    peer: Option<&str>,
+    tag: Option<u64>,
+) -> Option<ferry::Received> {
+    let mut unclaimed = unclaimed.lock().unwrap_or_else(PoisonError::into_inner);
+    let at = unclaimed
+        .iter()
+        .position(|got| peer.is_none_or(|p| p == got.peer) && tag.is_none_or(|t| t == got.tag))?;
+    unclaimed.remove(at)
+}
+
+/// The outcome of a send, with the GIL: its `Keep` dropped (the object's memory may be
+/// freed now), its error raised.
 fn finish_send((sent, keep): (Sent, Keep)) -> PyResult<()> {
-    if sent.keep_forever {
-        std::mem::forget(keep);
-    } else {
-        drop(keep);
-    }
+    drop(keep);
     sent.result.map_err(|e| to_py(&e))
 }
 
@@ -265,6 +288,7 @@ impl Node {
             closing,
             default_deadline,
             pending: Arc::new(Semaphore::new(max_pending.max(1))),
+            unclaimed: Arc::default(),
             max_pending: max_pending.max(1),
         };
         Ok(Self {
@@ -399,9 +423,14 @@ impl Node {
             drop(permit);
             out
         };
-        asyncio::spawn(py, &self.core.handle, op, OnCancel::Finish, |py, out| {
-            finish_send(out).map(|()| py.None())
-        })
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Finish,
+            |py, out| finish_send(out).map(|()| py.None()),
+            None,
+        )
     }
 
     /// Coroutine twin of ``recv``: ``got = await node.arecv(peer, tag, timeout=...)``.
@@ -422,6 +451,22 @@ impl Node {
             out
         };
         let core = Arc::clone(&self.core);
+        let unclaimed = Arc::clone(&self.core.unclaimed);
+        let limit = self.core.max_pending;
+        // A receive that completed as its caller cancelled it: the buffer goes back, to the
+        // next matching receive (at most `max_pending` wait so; past that, the oldest goes).
+        let give_back: asyncio::Unclaimed = Box::new(move |py, value| {
+            let Ok(buffer) = value.bind(py).cast::<Buffer>() else {
+                return;
+            };
+            if let Some(got) = buffer.get().reclaim() {
+                let mut unclaimed = unclaimed.lock().unwrap_or_else(PoisonError::into_inner);
+                if unclaimed.len() >= limit {
+                    unclaimed.pop_front();
+                }
+                unclaimed.push_back(got);
+            }
+        });
         asyncio::spawn(
             py,
             &self.core.handle,
@@ -431,6 +476,7 @@ impl Node {
                 let got = got.map_err(|e| to_py(&e))?;
                 Ok(Py::new(py, core.arrival(got))?.into_any())
             },
+            Some(give_back),
         )
     }
 
@@ -553,21 +599,25 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        let mut stopped = true;
         if let Some(node) = node {
             let limit = self.core.default_deadline + Duration::from_secs(1);
             let handle = &self.core.handle;
-            py.detach(|| {
+            stopped = py.detach(|| {
                 handle.block_on(async move {
                     let until = tokio::time::Instant::now() + limit;
                     let mut node = node;
                     // Operations in flight hold the node: wait for them to end.
                     loop {
                         match Arc::try_unwrap(node) {
-                            Ok(node) => return node.shutdown().await,
+                            Ok(node) => {
+                                node.shutdown().await;
+                                return true;
+                            }
                             Err(shared) if tokio::time::Instant::now() >= until => {
                                 // The last operation to end stops it (`Drop`).
                                 drop(shared);
-                                return;
+                                return false;
                             }
                             Err(shared) => {
                                 node = shared;
@@ -577,6 +627,10 @@ impl Node {
                     }
                 })
             });
+        }
+        if !stopped {
+            // Operations still run on the runtime: it stops when this object is collected.
+            return;
         }
         let runtime = self
             .core

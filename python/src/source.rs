@@ -192,12 +192,12 @@ fn cuda_array_interface(
             "cannot tell which GPU holds the __cuda_array_interface__ memory: {e}"
         ))
     })?;
-    // Version 3 names the stream the producer writes on; `None` there means no
-    // synchronisation is needed. Without the key (version 2), the legacy default stream.
+    // Version 3 names the stream the producer writes on. Without the key (version 2), or
+    // with `None` (no synchronisation needed, says the producer), the legacy default stream
+    // is synchronised anyway: cheap, and safe with producers that say less than they should.
     let stream = match interface.get_item("stream")? {
-        Some(s) if s.is_none() => Some(0),
-        Some(s) => Some(s.extract::<usize>()?),
-        None => None,
+        Some(s) if !s.is_none() => Some(s.extract::<usize>()?),
+        _ => None,
     };
     let plan = Plan::Device {
         ptr,
