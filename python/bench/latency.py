@@ -1,4 +1,5 @@
-"""8 B one-way latency from Python, to set beside ``ferry bench -b 8 -e 8 --pingpong``.
+"""8 B one-way latency from Python, to set beside ``ferry bench -b 8 -e 8 --pingpong``,
+and what the host copy of ``send(numpy_array)`` costs at 64 MiB.
 
     python bench/latency.py [--ferry PATH_TO_FERRY_BINARY] [--count N]
 
@@ -6,7 +7,9 @@ A ``ferry serve --role echo`` process (the Rust binary) sends every buffer back;
 process sends 8 bytes, waits for them to come back, and records half of each round trip,
 as the Rust bench does. Three ways: ``send`` of a ``bytes`` object (one copy into ferry's
 pool), ``send`` of a ``ferry.Buffer`` re-sent as received (no copy), and ``asend`` /
-``arecv`` on an asyncio loop.
+``arecv`` on an asyncio loop. Then the time of ``send`` (until the peer holds every byte)
+for a 64 MiB numpy array (copied once into ferry's pool) against a 64 MiB ``ferry.Buffer``
+from ``alloc`` (no copy), and a plain 64 MiB numpy copy for scale.
 """
 
 from __future__ import annotations
@@ -101,6 +104,29 @@ def main() -> None:
                 return out
 
             summary("asend + arecv (asyncio)", asyncio.run(pingpong()))
+
+            import numpy as np
+
+            size = 64 << 20
+            array = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+            owned = node.alloc("host", size)
+            np.frombuffer(owned, dtype=np.uint8)[:] = array
+            timings = {"send(numpy 64 MiB): one copy": [], "send(ferry.Buffer 64 MiB): no copy": []}
+            for _ in range(10):
+                for label, obj in zip(timings, (array, owned)):
+                    t = time.perf_counter()
+                    node.send("echo", 4, obj)
+                    timings[label].append((time.perf_counter() - t) * 1e3)
+                    node.recv("echo", 4).release()
+            target = np.empty_like(array)
+            copies = []
+            for _ in range(10):
+                t = time.perf_counter()
+                np.copyto(target, array)
+                copies.append((time.perf_counter() - t) * 1e3)
+            for label, ms in list(timings.items()) + [("numpy copy of 64 MiB", copies)]:
+                ms.sort()
+                print(f"{label:<34} p50 {ms[len(ms) // 2]:7.1f} ms  ({size / ms[len(ms) // 2] / 1e6:5.2f} GB/s)")
     finally:
         echo.kill()
         echo.wait()

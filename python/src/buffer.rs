@@ -35,6 +35,9 @@ pub(crate) struct Slot {
     /// Buffer-protocol views and DLPack capsules alive. While non-zero the buffer stays
     /// where it is, so the addresses they hold stay valid.
     pub(crate) views: usize,
+    /// Device memory handed out through DLPack since the last send: another library may
+    /// have queued writes to it, which the next send waits for.
+    pub(crate) written_elsewhere: bool,
 }
 
 impl State {
@@ -43,6 +46,7 @@ impl State {
             slot: Mutex::new(Slot {
                 buffer: Some(buffer),
                 views: 0,
+                written_elsewhere: false,
             }),
         })
     }
@@ -113,10 +117,12 @@ impl Buffer {
     }
 
     /// Takes the buffer out to send it; the send puts it back into the state when it ends.
+    /// With it, whether another library may have queued writes to its device memory
+    /// (through DLPack) that the send must wait for.
     ///
     /// # Errors
     /// `UsageError` while views of it are alive, while it is being sent, or once released.
-    pub(crate) fn take(&self) -> PyResult<ferry::Buffer> {
+    pub(crate) fn take(&self) -> PyResult<(ferry::Buffer, bool)> {
         let mut slot = self.state.lock();
         if slot.views > 0 {
             return Err(usage(format!(
@@ -125,9 +131,10 @@ impl Buffer {
                 slot.views
             )));
         }
-        slot.buffer.take().ok_or_else(|| {
+        let buffer = slot.buffer.take().ok_or_else(|| {
             usage("the buffer is being sent by another call, or was released".to_string())
-        })
+        })?;
+        Ok((buffer, std::mem::take(&mut slot.written_elsewhere)))
     }
 
     /// The received buffer back as ferry gave it, for a receive whose caller went away

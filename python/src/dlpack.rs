@@ -116,6 +116,7 @@ fn hold(state: &Arc<State>) -> PyResult<(*mut c_void, usize, bool)> {
         ));
     };
     let len = buffer.len();
+    let on_device = buffer.device_memory().is_some();
     let (ptr, writable) = if let Some(device) = buffer.device_memory() {
         (device.device_ptr() as usize as *mut c_void, true)
     } else if let Some(bytes) = buffer.as_mut_slice() {
@@ -126,6 +127,7 @@ fn hold(state: &Arc<State>) -> PyResult<(*mut c_void, usize, bool)> {
         return Err(PyBufferError::new_err("the buffer has no memory to export"));
     };
     slot.views += 1;
+    slot.written_elsewhere |= on_device;
     Ok((ptr, len, writable))
 }
 

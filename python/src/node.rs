@@ -484,7 +484,8 @@ impl Node {
     /// ``"pinned"``, ``"cuda"`` / ``"cuda:N"`` — waiting for budget up to the default
     /// deadline. Fill it in place (``numpy.frombuffer(buf, dtype)[:] = ...`` for host
     /// memory, ``torch.from_dlpack(buf)`` for device memory), drop the views, and send it
-    /// without a copy.
+    /// without a copy. Device writes queued on the legacy default stream (torch's default)
+    /// are waited for by the send; synchronise other streams before sending.
     ///
     /// Raises ``NoMemory`` (``.cause``) when it does not fit in time, ``Unsupported`` for a
     /// GPU this node does not use.

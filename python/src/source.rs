@@ -23,9 +23,12 @@ use crate::errors::usage;
 /// What the bytes are and how they get into a ferry buffer.
 pub(crate) enum Plan {
     /// A `ferry.Buffer`, taken out of its object; put back into `state` when the send ends.
+    /// `settle`: the GPU whose legacy default stream is synchronised first, because
+    /// another library may have written the buffer through DLPack.
     Ferry {
         state: Arc<State>,
         buffer: ferry::Buffer,
+        settle: Option<u32>,
     },
     /// Host memory at `ptr`, copied into a host buffer of ferry's pool.
     Host { ptr: usize, len: usize },
@@ -64,8 +67,17 @@ pub(crate) fn plan(obj: &Bound<'_, PyAny>) -> PyResult<(Plan, Keep)> {
     if let Ok(buffer) = obj.cast::<Buffer>() {
         let this = buffer.get();
         let state = Arc::clone(this.state());
-        let buffer = this.take()?;
-        return Ok((Plan::Ferry { state, buffer }, Keep::Nothing));
+        let (buffer, written_elsewhere) = this.take()?;
+        let settle = match buffer.kind() {
+            MemoryKind::Device(n) if written_elsewhere => Some(n),
+            _ => None,
+        };
+        let plan = Plan::Ferry {
+            state,
+            buffer,
+            settle,
+        };
+        return Ok((plan, Keep::Nothing));
     }
     let dlpack_device = dlpack_device(obj)?;
     if let Some((2, _)) = dlpack_device {
@@ -75,6 +87,10 @@ pub(crate) fn plan(obj: &Bound<'_, PyAny>) -> PyResult<(Plan, Keep)> {
                 "the tensor said it is on a GPU, but exported host memory",
             ));
         };
+        if imported.len == 0 {
+            // Nothing to register (zero bytes cannot be): an empty host buffer says it.
+            return Ok((Plan::Host { ptr: 0, len: 0 }, Keep::DlPack(imported)));
+        }
         let plan = Plan::Device {
             ptr: imported.ptr as u64,
             len: imported.len,
@@ -235,18 +251,32 @@ pub(crate) async fn run_send(
         keep_forever: false,
     };
     match plan {
-        Plan::Ferry { state, buffer } => match send(buffer).await {
-            Ok(buffer) => {
+        Plan::Ferry {
+            state,
+            buffer,
+            settle,
+        } => {
+            if let Some(device) = settle
+                && let Err(e) = crate::gpu::settle(device, None)
+            {
                 state.lock().buffer = Some(buffer);
-                done(Ok(()))
+                return done(Err(Error::unsupported(format!(
+                    "waiting for writes to the buffer: {e}"
+                ))));
             }
-            Err(SendError { error, buffer }) => {
-                if let Some(buffer) = buffer {
+            match send(buffer).await {
+                Ok(buffer) => {
                     state.lock().buffer = Some(buffer);
+                    done(Ok(()))
                 }
-                done(Err(error))
+                Err(SendError { error, buffer }) => {
+                    if let Some(buffer) = buffer {
+                        state.lock().buffer = Some(buffer);
+                    }
+                    done(Err(error))
+                }
             }
-        },
+        }
         Plan::Host { ptr, len } => {
             let mut buffer = match node.alloc(MemoryKind::Host, len).await {
                 Ok(buffer) => buffer,

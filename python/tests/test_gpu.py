@@ -67,7 +67,6 @@ def test_an_allocated_device_buffer_is_filled_through_dlpack(torch, configs, gpu
         buf = gpu_node.alloc("cuda:0", 1024)
         view = torch.from_dlpack(buf)
         view.fill_(5)
-        torch.cuda.synchronize()
         del view
         gpu_node.send(peer.name, 2, buf)
         got = gpu_node.recv(peer.name, 2, timeout=30.0)
