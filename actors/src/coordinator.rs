@@ -206,27 +206,33 @@ pub struct NodeTransports {
     pub catalog: Vec<(Capabilities, Viability)>,
     /// The UCX engine, when this node serves ucx.
     pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
+    /// How long a registration a peer may still read is held after a cancel or a lost link.
+    pub ucx_hold: Duration,
 }
 
 impl NodeTransports {
     /// The registry's transports with ucx as `ucx` says: served with its engine, or not
     /// viable for the reason given.
-    pub fn new(ucx: Result<Arc<ferry_transports::ucx::Engine>, String>) -> Self {
+    pub fn new(
+        ucx: Result<Arc<ferry_transports::ucx::Engine>, String>,
+        ucx_hold: Duration,
+    ) -> Self {
         let mut catalog = ferry_transports::registry::catalog();
-        let (engine, why_not) = match ucx {
-            Ok(engine) => (Some(engine), None),
-            Err(why) => (None, Some(why)),
+        // Served exactly when the engine started (with the configured library, which the
+        // registry's own probe of the default library does not know).
+        let verdict = match &ucx {
+            Ok(_) => Viability::Viable,
+            Err(why) => Viability::NotViable(why.clone()),
         };
-        if let Some(why) = why_not {
-            for (caps, viability) in &mut catalog {
-                if caps.name == ferry_config::TransportName::Ucx {
-                    *viability = Viability::NotViable(why.clone());
-                }
+        for (caps, viability) in &mut catalog {
+            if caps.name == ferry_config::TransportName::Ucx {
+                *viability = verdict.clone();
             }
         }
         Self {
             catalog,
-            ucx: engine,
+            ucx: ucx.ok(),
+            ucx_hold,
         }
     }
 
@@ -367,29 +373,42 @@ impl Coordinator {
                     crate::core::ipc_setup::SetupFailure::PeerRefused(why),
                 )
             });
-        route::choose_with_setup(
-            &self.setup.config.transport.rules,
-            &self.catalog,
-            offers,
-            &|t| {
-                if Some(t) == failed {
-                    Some(bad.clone())
-                } else if t == ferry_config::TransportName::Ucx && ucx_mismatch.is_some() {
-                    ucx_mismatch.clone()
-                } else if ferry_transports::registry::declared(t).per_peer_setup {
-                    settled.clone()
-                } else {
-                    None
-                }
-            },
-            RouteQuery {
-                locality: self.locality(peer),
-                src,
-                dst,
-                dst_from,
-                bytes,
-            },
-        )
+        let setup = |t: ferry_config::TransportName| {
+            if Some(t) == failed {
+                Some(bad.clone())
+            } else if t == ferry_config::TransportName::Ucx && ucx_mismatch.is_some() {
+                ucx_mismatch.clone()
+            } else if ferry_transports::registry::declared(t).per_peer_setup {
+                settled.clone()
+            } else {
+                None
+            }
+        };
+        let query = RouteQuery {
+            locality: self.locality(peer),
+            src,
+            dst,
+            dst_from,
+            bytes,
+        };
+        let rules = &self.setup.config.transport.rules;
+        if hello.is_none() {
+            // Before the first link, the peer's transports are not known. ucx is opt-in
+            // per node, and a receiver that does not serve it refuses the offer with no
+            // fallback: the first sends take the rule's next transport when it has one.
+            let without_ucx: Vec<ferry_config::TransportName> = self
+                .catalog
+                .iter()
+                .map(|(c, _)| c.name)
+                .filter(|t| *t != ferry_config::TransportName::Ucx)
+                .collect();
+            let first =
+                route::choose_with_setup(rules, &self.catalog, Some(&without_ucx), &setup, query);
+            if first.chosen.is_some() {
+                return first;
+            }
+        }
+        route::choose_with_setup(rules, &self.catalog, offers, &setup, query)
     }
 
     fn transfer_setup(&self, ctx: &mut Context<Self>) -> TransferSetup {
@@ -418,6 +437,7 @@ impl Coordinator {
             lane: base.lane,
             staged: base.staged,
             ucx: base.transports.ucx,
+            ucx_hold: base.transports.ucx_hold,
         }
     }
 

@@ -976,7 +976,10 @@ async fn start_actors(parts: ActorParts) -> Started {
     if host_tiers.is_empty() {
         host_tiers.push(tier(MemoryKind::Host, &host));
     }
-    let transports = crate::coordinator::NodeTransports::new(start_ucx(&config));
+    let transports = crate::coordinator::NodeTransports::new(
+        start_ucx(&config),
+        config.memory.export_lease_timeout,
+    );
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),
@@ -1053,7 +1056,20 @@ fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::Engine>, Stri
     }
     let mut settings = ferry_transports::ucx::UcxSettings::default();
     settings.library = ucx.library.clone();
-    settings.tls = ucx.tls.clone();
+    // "auto" serves ucx for its RDMA: unless told otherwise, UCX may not use tcp, where it
+    // emulates reads in software, listens on ports of its own and checks no key.
+    settings.tls = match (&ucx.tls, ucx.enabled) {
+        (Some(tls), _) => Some(tls.clone()),
+        (None, UcxMode::Auto) => Some("^tcp".into()),
+        (None, _) => None,
+    };
+    if ucx.enabled == UcxMode::On && settings.tls.is_none() {
+        tracing::warn!(
+            "transport.ucx.enabled is \"on\" with UCX's own transport choice: over tcp UCX \
+             listens on ports of its own, serves reads without checking keys, and may abort \
+             this process when a peer dies mid-read; use it where peers are trusted"
+        );
+    }
     settings.options = ucx
         .net_devices
         .iter()

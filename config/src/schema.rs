@@ -181,7 +181,8 @@ pub struct TransportConfig {
     pub ucx: UcxTuning,
     /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
     /// memory to a same-host peer over ipc (pull), falling back to staged, then tcp;
-    /// `"remote-gpu"`, device memory to another host over staged, else tcp; then `"host"`,
+    /// `"remote-gpu"`, device memory to another host over ucx, else staged, else tcp;
+    /// `"remote-host"`, anything else to another host over ucx, else tcp; then `"host"`,
     /// which matches everything and uses tcp, push. A file that sets rules replaces the
     /// whole list.
     pub rules: Vec<Rule>,

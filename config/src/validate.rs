@@ -243,12 +243,13 @@ impl Config {
             return fail("transport.ucx.op_timeout", "must be at least 100ms");
         }
         if let Some(tls) = &ucx.tls {
-            let reaches = tls.split(',').map(str::trim).any(|t| {
-                matches!(
-                    t,
-                    "all" | "tcp" | "rc" | "rc_x" | "rc_v" | "dc" | "dc_x" | "ud" | "ud_x" | "ib"
-                )
-            });
+            // An exclusion list (`^sm`) keeps everything else, tcp or RDMA included; a plain
+            // list must name one (`rc`, `rc_mlx5`, `dc_x`, `ud_verbs`, `ib`, `tcp`, `all`).
+            let reaches = tls.trim_start().starts_with('^')
+                || tls.split(',').map(str::trim).any(|t| {
+                    let family = t.split('_').next().unwrap_or(t);
+                    matches!(family, "all" | "tcp" | "rc" | "dc" | "ud" | "ib")
+                });
             if !reaches {
                 return fail(
                     "transport.ucx.tls",

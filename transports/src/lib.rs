@@ -5,12 +5,12 @@
 //! ([`cuda`]) and the transports that move payloads, each declared in [`transport`]:
 //! [`tcp`] (host memory, anywhere), [`ipc`] (device memory between the processes of one
 //! host, pulled by the copy engine) and [`staged`] (any memory through pinned host memory,
-//! on one host or between hosts). ucx is the next one: it is declared, and reports "not
-//! built yet". It makes no decisions about which transfer runs when; that is
+//! on one host or between hosts) and [`ucx`] (host memory through UCX, pulled; RDMA where
+//! the machine has it). It makes no decisions about which transfer runs when; that is
 //! `ferry-actors`' job.
 //!
-//! [`ucx`] holds the engine of the coming ucx transport (one UCX worker on its own thread);
-//! it is not wired into the registry yet.
+//! [`ucx`] holds the ucx transport's engine (one UCX worker on its own thread) and its
+//! declaration.
 //!
 //! Only [`cuda`], [`ucx`], and in [`link`] the descriptor passing (`link::fdpass`) and the
 //! shared-memory ring (`link::ring`), may use `unsafe` (each opts in with

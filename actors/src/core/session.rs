@@ -657,6 +657,7 @@ impl PeerSession {
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
         } else if foreign_source
+            || !declares(transport, offer.direction)
             || !(carrier.fits(offer.direction, pull.is_some())
                 && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
         {
@@ -1136,4 +1137,12 @@ impl PeerSession {
             .chain(stalls)
             .min()
     }
+}
+/// Whether `transport` declares `direction` (ucx, for one, only pulls).
+fn declares(transport: TransportName, direction: WireDirection) -> bool {
+    let wanted = match direction {
+        WireDirection::Push => ferry_config::Direction::Push,
+        WireDirection::Pull => ferry_config::Direction::Pull,
+    };
+    registry::declared(transport).directions.contains(&wanted)
 }

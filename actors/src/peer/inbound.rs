@@ -11,7 +11,9 @@ impl TransferActor {
         how: Landing,
         ctx: &mut Context<Self>,
     ) {
-        let tiers = if how == Landing::Stream {
+        // Streamed bytes, and reads over ucx (which declares host memory only), land in a
+        // host tier.
+        let tiers = if how == Landing::Stream || self.ucx.sources.contains_key(&id) {
             self.setup.host_tiers.clone()
         } else {
             self.setup.tiers.clone()

@@ -146,6 +146,9 @@ pub struct TransferSetup {
     pub staged: crate::staged::StagedSettings,
     /// The node's UCX engine, when it serves ucx.
     pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
+    /// How long a registration the peer may still read is held after a cancel or a lost
+    /// link (`memory.export_lease_timeout`, as for memory a lost ipc peer may still map).
+    pub ucx_hold: Duration,
 }
 
 /// What the application asks of a peer.
@@ -752,6 +755,7 @@ impl Handler<FromPeer> for TransferActor {
                 self.unexport(OpId(transfer));
             }
             Message::Cancel(ref cancel) if cancel.by_receiver => {
+                self.quarantine_ucx(OpId(cancel.transfer));
                 self.unexport(OpId(cancel.transfer));
             }
             _ => {}

@@ -196,6 +196,7 @@ impl TransferActor {
         let (queued, what, labels) = match queued {
             Ok(q) => q,
             Err(error) => {
+                self.drop_off_thread(exported);
                 let _ = reply.send(Err(SendError {
                     error,
                     buffer: Some(msg.buffer),
@@ -206,6 +207,7 @@ impl TransferActor {
         let id = match queued {
             Ok(id) => id,
             Err(refusal) => {
+                self.drop_off_thread(exported);
                 let _ = reply.send(Err(SendError {
                     error: self.refusal_error(refusal),
                     buffer: Some(msg.buffer),
@@ -294,6 +296,13 @@ impl TransferActor {
             },
         );
         Ok((queued, StreamWhat::Transfer(layout), labels))
+    }
+
+    /// Drops a UCX registration on a blocking thread (unmapping waits for UCX's thread).
+    fn drop_off_thread(&self, exported: Option<ferry_transports::ucx::Exported>) {
+        if let Some(exported) = exported {
+            self.setup.io.spawn_blocking(move || drop(exported));
+        }
     }
 
     /// The error a send the session refused ends with.

@@ -104,20 +104,38 @@ impl TransferActor {
         }));
     }
 
-    /// The peer no longer reads op `op`'s buffer: its registration goes (unmapped on a
-    /// blocking thread; the buffer is freed after it).
+    /// The peer finished reading op `op`'s buffer (`Done`): its registration goes now
+    /// (unmapped on a blocking thread; the buffer is freed after it).
     pub(super) fn unexport_ucx(&mut self, op: OpId) {
         if let Some(exported) = self.ucx.exported.remove(&op) {
             self.setup.io.spawn_blocking(move || drop(exported));
         }
     }
 
-    /// Every registration goes with the link (the peer can no longer read them).
+    /// The peer gave up op `op` (`Cancel`), or the link went: reads it started may still be
+    /// served by our UCX (over tcp, our progress thread answers them from the buffer, and
+    /// checks no key), so the registration and the buffer are held for the longest a read
+    /// may take before they go.
+    pub(super) fn quarantine_ucx(&mut self, op: OpId) {
+        if let Some(exported) = self.ucx.exported.remove(&op) {
+            self.hold_then_drop(vec![exported]);
+        }
+    }
+
+    /// Every registration goes with the link, after the same hold as a cancelled one.
     pub(super) fn unexport_all_ucx(&mut self) {
         let all: Vec<Exported> = self.ucx.exported.drain().map(|(_, e)| e).collect();
         if !all.is_empty() {
-            self.setup.io.spawn_blocking(move || drop(all));
+            self.hold_then_drop(all);
         }
+    }
+
+    fn hold_then_drop(&self, exported: Vec<Exported>) {
+        let hold = self.setup.ucx_hold;
+        self.setup.io.spawn(async move {
+            tokio::time::sleep(hold).await;
+            let _ = tokio::task::spawn_blocking(move || drop(exported)).await;
+        });
     }
 
     /// Reads pulled transfer `id` out of the peer's registered buffer into `buffer`, as a
@@ -161,12 +179,21 @@ impl TransferActor {
             let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
             (buffer, got.map_err(PullError::from))
         });
+        let used = Arc::clone(&self.ucx.endpoint);
         ctx.spawn(pull.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok((buffer, Ok(()))) => Ok(buffer),
                 Ok((_buffer, Err(e))) => Err(e),
                 Err(e) => Err(PullError::Task(e.to_string())),
             };
+            // A failed or timed-out endpoint fails everything sent on it afterwards: the
+            // next pull connects anew (unless a newer link already replaced it).
+            if let Err(PullError::Ucx(e)) = &pulled
+                && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
+                && Arc::ptr_eq(&act.ucx.endpoint, &used)
+            {
+                act.ucx.endpoint = Arc::default();
+            }
             act.pull_ended(id, pulled, ctx);
         }));
     }

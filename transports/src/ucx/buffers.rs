@@ -5,7 +5,6 @@
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
 use super::{Engine, Operation, Registration, RemoteKey, UcxPeer, UcxTransportError};
-use crate::cuda::DeviceMemory;
 use crate::memory::{Buffer, SharedBytes};
 use crate::transport::{Capabilities, Carrier, Viability};
 use crate::wire::{Layout, UcxSource};
@@ -82,11 +81,8 @@ fn span_of(bytes: &SharedBytes) -> Result<(*mut u8, usize), UcxTransportError> {
     if let Some(host) = bytes.as_slice() {
         return Ok((host.as_ptr().cast_mut(), host.len()));
     }
-    if let Some(device) = bytes.device_memory() {
-        return Ok((device.device_ptr() as *mut u8, device.len()));
-    }
     Err(UcxTransportError::Misuse(
-        "only host and device buffers can be registered",
+        "only host buffers can be registered (device memory over ucx is not declared)",
     ))
 }
 
@@ -127,8 +123,13 @@ impl Engine {
     }
 }
 
-/// Most gets of one strided pull in UCX at once.
-const ROWS_IN_FLIGHT: usize = 512;
+/// Most gets of one pull in UCX at once (the engine queues 1024 from every caller, and a
+/// node has up to `pipeline_depth` pulls per peer).
+const ROWS_IN_FLIGHT: usize = 32;
+
+/// The most one get reads: a contiguous pull is read in pieces of this size, so that each
+/// finishes well within the engine's operation timeout however large the transfer.
+const PIECE: u64 = 16 << 20;
 
 impl UcxPeer {
     /// Reads the peer's bytes described by `source` (its registered buffer; `layout`'s
@@ -158,7 +159,10 @@ impl UcxPeer {
         let rkey = self.remote_key(source.rkey.clone())?;
         // (offset at the peer, offset here, bytes)
         let rows: Vec<(u64, u64, u64)> = match layout.extent() {
-            Ok(None) => vec![(0, 0, len as u64)],
+            Ok(None) => (0..len as u64)
+                .step_by(PIECE as usize)
+                .map(|at| (at, at, PIECE.min(len as u64 - at)))
+                .collect(),
             Ok(Some(span)) => layout
                 .boxes(span, 0, len as u64)
                 .map_err(|_| UcxTransportError::Misuse("the offer's layout does not fit"))?
@@ -214,11 +218,13 @@ impl UcxPeer {
     }
 }
 
-/// Where `dst`'s bytes go: host memory's address, or device memory's.
+/// Where `dst`'s bytes go: host memory's address (device memory is refused until ucx
+/// declares it: a UCX without CUDA would `memcpy` into a device address).
 fn landing_of(dst: &mut Buffer) -> Result<(*mut u8, usize), UcxTransportError> {
-    let len = dst.len();
-    if let Some(memory) = dst.device_memory_mut() {
-        return Ok((memory.device_ptr() as *mut u8, len));
+    if dst.device_memory_mut().is_some() {
+        return Err(UcxTransportError::Misuse(
+            "ucx lands in host memory only (device memory is not declared)",
+        ));
     }
     match dst.as_mut_slice() {
         Some(host) => Ok((host.as_mut_ptr(), host.len())),

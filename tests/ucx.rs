@@ -1,0 +1,104 @@
+//! The ucx transport between two nodes of this process (UCX over tcp on loopback): what the
+//! conformance suite does not reach. Skipped, saying so, where UCX does not load, unless
+//! FERRY_UCX_TESTS=1 (CI) makes that a failure.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Scratch, patterned};
+use ferry::Node;
+
+const RULE: &str = "[[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\", \"tcp\"]\n";
+
+fn ucx_here(test: &str) -> bool {
+    match ucx_sys::Ucx::load(None) {
+        Ok(_) => true,
+        Err(e) => {
+            assert_ne!(
+                std::env::var("FERRY_UCX_TESTS").as_deref(),
+                Ok("1"),
+                "{test}: FERRY_UCX_TESTS=1 but UCX does not load: {e}"
+            );
+            println!("skipped: {test}: UCX does not load here: {e}");
+            false
+        }
+    }
+}
+
+/// A node serving ucx sends to one that does not: its first sends, routed before the
+/// peer's hello says so, take the rule's next transport (tcp) instead of being refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_sends_to_a_peer_without_ucx_go_over_tcp() {
+    if !ucx_here("first_sends_to_a_peer_without_ucx_go_over_tcp") {
+        return;
+    }
+    let scratch = Scratch::new();
+    let b_extra = format!("[transport.ucx]\nenabled = \"off\"\n\n{RULE}");
+    let b = Node::start(scratch.config("b", &[], &b_extra))
+        .await
+        .expect("b");
+    let addr = b.tcp_addrs()[0].clone();
+    let a_extra = format!("[transport.ucx]\nenabled = \"on\"\n\n{RULE}");
+    let a = Node::start(scratch.config("a", &[("b", &addr)], &a_extra))
+        .await
+        .expect("a");
+    for tag in 1..=3u64 {
+        let buffer = patterned(&a, 4096, tag).await;
+        a.send("b", tag, buffer).await.expect("send over tcp");
+        let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
+        assert_eq!(got.transport, "tcp", "tag {tag}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Reads that time out (a tiny `op_timeout` against a large transfer) fail their transfer,
+/// close the endpoint, and neither crash the process (the sender holds the registration
+/// the peer was reading instead of freeing it) nor poison later sends: the next ones
+/// connect anew and arrive byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_read_fails_its_transfer_and_later_sends_connect_anew() {
+    if !ucx_here("a_timed_out_read_fails_its_transfer_and_later_sends_connect_anew") {
+        return;
+    }
+    let scratch = Scratch::new();
+    let extra = format!(
+        "[transport.ucx]\nenabled = \"on\"\nop_timeout = \"100ms\"\n\n\
+         [memory]\nexport_lease_timeout = \"1s\"\n\n{RULE}"
+    );
+    let b = Node::start(scratch.config("b", &[], &extra))
+        .await
+        .expect("b");
+    let addr = b.tcp_addrs()[0].clone();
+    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
+        .await
+        .expect("a");
+    a.connect("b").await.expect("link");
+    // Warm: the endpoint exists and works.
+    let small = patterned(&a, 4096, 1).await;
+    a.send("b", 1, small).await.expect("a small send");
+    let got = b.recv(Some("a"), Some(1)).await.expect("recv");
+    assert_eq!(got.transport, "ucx");
+    drop(got);
+    // 256 MiB: read in 16 MiB pieces, each of which may or may not finish within 100 ms
+    // on a loaded machine. Either outcome is fine; what follows must work.
+    let big = patterned(&a, 256 << 20, 2).await;
+    let big = a.send("b", 2, big).await;
+    println!(
+        "the big send: {:?}",
+        big.as_ref().map(|_| ()).map_err(|e| e.error.to_string())
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(5), b.recv(Some("a"), Some(2))).await;
+    for tag in 3..=5u64 {
+        let small = patterned(&a, 4096, tag).await;
+        let expect = patterned(&a, 4096, tag).await;
+        a.send("b", tag, small)
+            .await
+            .unwrap_or_else(|e| panic!("send {tag} after the big one: {e}"));
+        let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
+        assert_eq!(got.buffer.as_slice(), expect.as_slice(), "tag {tag}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
