@@ -18,7 +18,7 @@ use crate::wire::{Layout, UcxSource};
 /// Host memory only, for now: with the `libucx-cu13` 1.22 wheel (which moves CUDA memory)
 /// on a one-GPU H100, a device-memory bench segfaulted and a reader killed mid-read made
 /// UCX abort the process it read from (`ucp_request.inl: unexpected error: Endpoint
-/// timeout`); docs/PERFORMANCE.md, "ucx". [`Probe`] still records what the loaded UCX can
+/// timeout`); docs/PERFORMANCE.md, "ucx". [`moves_cuda`] still says what the loaded UCX can
 /// do, for the day device memory is declared.
 pub fn capabilities() -> Capabilities {
     const HOST: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned];
