@@ -156,13 +156,15 @@ pub enum Error {
     /// The configuration is invalid.
     #[error("configuration: {detail}")]
     Config {
-        /// What is wrong (it includes the loader's message when there is one).
+        /// What is wrong (the loader's whole message when it came from the loader).
         detail: String,
-        /// The loader's error, when the configuration came from it.
-        #[source]
-        source: Option<Arc<ConfigError>>,
+        /// The loader's error, when the configuration came from it (its words are all in
+        /// `detail`, so it is not also the `source`: a printed chain says them once).
+        loader: Option<Arc<ConfigError>>,
     },
     /// The node could not start (a listener could not bind, a thread could not start).
+    /// The cause is the `source` only, as Rust's error chains expect: print the chain
+    /// (`{:#}` with anyhow) to see it.
     #[error("cannot start node: {detail}")]
     Start {
         /// What failed.
@@ -287,7 +289,7 @@ impl Error {
     pub fn config(detail: impl Into<String>) -> Self {
         Self::Config {
             detail: detail.into(),
-            source: None,
+            loader: None,
         }
     }
 
@@ -296,10 +298,8 @@ impl Error {
         detail: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
-        let detail = detail.into();
-        let detail = format!("{detail}: {source}");
         Self::Start {
-            detail,
+            detail: detail.into(),
             source: Some(Arc::new(source)),
         }
     }
@@ -338,7 +338,7 @@ impl From<ConfigError> for Error {
     fn from(e: ConfigError) -> Self {
         Self::Config {
             detail: e.to_string(),
-            source: Some(Arc::new(e)),
+            loader: Some(Arc::new(e)),
         }
     }
 }
@@ -398,7 +398,11 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::AddrInUse, "in use");
         let e = Error::start("cannot listen on 127.0.0.1:1", io);
         assert_eq!(e.kind(), ErrorKind::Start);
-        assert!(e.to_string().contains("in use"), "{e}");
+        // Said once in a printed chain: the cause is the source, not in the message.
+        assert_eq!(
+            e.to_string(),
+            "cannot start node: cannot listen on 127.0.0.1:1"
+        );
         let source = e.source().expect("a source");
         assert_eq!(source.to_string(), "in use");
     }
