@@ -19,10 +19,14 @@ def test_killed_peer_fails_the_send_quickly(configs, node):
     # Stopped, it takes no more bytes: a large send cannot complete.
     os.kill(peer.process.pid, signal.SIGSTOP)
     outcome = {}
+    # Allocated here, not copied from Python bytes inside the thread: on a loaded machine
+    # that copy alone can outlast the wait below, and a send that starts after the kill
+    # fails as PeerUnreachable (the link is gone), not PeerLost.
+    payload = node.alloc("host", 256 << 20)
 
     def send():
         try:
-            node.send(peer.name, 1, bytes(256 << 20), timeout=30.0)
+            node.send(peer.name, 1, payload, timeout=30.0)
             outcome["error"] = None
         except ferry.FerryError as e:
             outcome["error"] = e
