@@ -274,6 +274,19 @@ impl Error {
         self.kind().label()
     }
 
+    /// Whether the same call may succeed if retried later unchanged: the kind's answer
+    /// ([`ErrorKind::is_transient`]), except memory that can never fit (larger than the
+    /// whole budget), which no retry helps.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::NoMemory {
+                cause: NoMemoryCause::LargerThanBudget | NoMemoryCause::NoTier,
+                ..
+            } => false,
+            other => other.kind().is_transient(),
+        }
+    }
+
     /// The peer the error is about, when it is about one.
     pub fn peer(&self) -> Option<&str> {
         match self {
@@ -405,6 +418,20 @@ mod tests {
         );
         let source = e.source().expect("a source");
         assert_eq!(source.to_string(), "in use");
+    }
+
+    #[test]
+    fn memory_that_can_never_fit_is_not_transient() {
+        let no_memory = |cause| Error::NoMemory {
+            kind: MemoryKind::Host,
+            len: 1,
+            cause,
+            detail: String::new(),
+        };
+        assert!(!no_memory(NoMemoryCause::LargerThanBudget).is_transient());
+        assert!(no_memory(NoMemoryCause::DeadlinePassed).is_transient());
+        assert!(Error::QueueFull("q".into()).is_transient());
+        assert!(!Error::Cancelled.is_transient());
     }
 
     #[test]
