@@ -411,9 +411,10 @@ pub struct LimitsConfig {
     /// Default `"1s"`.
     #[serde(with = "duration")]
     pub first_byte_timeout: Duration,
-    /// Bytes one peer may hold reserved on this node for its inbound transfers (granted and
-    /// not yet delivered). An offer that would go past it waits until earlier ones are
-    /// delivered; one larger than it alone is refused as too large. Default `"4GiB"`.
+    /// Bytes one peer may hold on this node: reserved for its inbound transfers, and
+    /// delivered but not yet taken by a `recv`. An offer that would go past it waits until
+    /// earlier ones are taken; a single offer larger than it goes alone once the peer holds
+    /// nothing else (the memory budget still decides whether it fits). Default `"4GiB"`.
     #[serde(with = "size")]
     pub peer_inbound_bytes: u64,
     /// Inbound transfers of one peer being reserved or received at once (outstanding
