@@ -50,6 +50,24 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind this build knows (a binding maps each to a class of its own).
+    pub const ALL: [ErrorKind; 14] = [
+        Self::Config,
+        Self::Start,
+        Self::PeerUnreachable,
+        Self::PeerLost,
+        Self::Refused,
+        Self::DeadlineExceeded,
+        Self::Cancelled,
+        Self::NoRoute,
+        Self::QueueFull,
+        Self::NoMemory,
+        Self::Usage,
+        Self::Unsupported,
+        Self::ShuttingDown,
+        Self::Transport,
+    ];
+
     /// A short, stable label (metrics, logs, bindings).
     pub fn label(self) -> &'static str {
         match self {
@@ -437,22 +455,7 @@ mod tests {
     #[test]
     fn labels_are_distinct() {
         use std::collections::HashSet;
-        let kinds = [
-            ErrorKind::Config,
-            ErrorKind::Start,
-            ErrorKind::PeerUnreachable,
-            ErrorKind::PeerLost,
-            ErrorKind::Refused,
-            ErrorKind::DeadlineExceeded,
-            ErrorKind::Cancelled,
-            ErrorKind::NoRoute,
-            ErrorKind::QueueFull,
-            ErrorKind::NoMemory,
-            ErrorKind::Usage,
-            ErrorKind::Unsupported,
-            ErrorKind::ShuttingDown,
-            ErrorKind::Transport,
-        ];
+        let kinds = ErrorKind::ALL;
         let labels: HashSet<_> = kinds.iter().map(|k| k.label()).collect();
         assert_eq!(labels.len(), kinds.len());
     }

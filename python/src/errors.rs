@@ -11,24 +11,6 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyDict;
 
-/// Every kind this build knows, by label: the Python side checks that each has a class.
-pub(crate) const KINDS: [ErrorKind; 14] = [
-    ErrorKind::Config,
-    ErrorKind::Start,
-    ErrorKind::PeerUnreachable,
-    ErrorKind::PeerLost,
-    ErrorKind::Refused,
-    ErrorKind::DeadlineExceeded,
-    ErrorKind::Cancelled,
-    ErrorKind::NoRoute,
-    ErrorKind::QueueFull,
-    ErrorKind::NoMemory,
-    ErrorKind::Usage,
-    ErrorKind::Unsupported,
-    ErrorKind::ShuttingDown,
-    ErrorKind::Transport,
-];
-
 /// `ferry.errors._BY_KIND`: label → exception class, looked up once.
 static BY_KIND: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
 
@@ -98,7 +80,7 @@ fn build(py: Python<'_>, error: &Error) -> PyResult<PyErr> {
     }
     let exc = class.call1((message,))?;
     exc.setattr("kind", kind.label())?;
-    exc.setattr("transient", kind.is_transient())?;
+    exc.setattr("transient", error.is_transient())?;
     exc.setattr("peer", error.peer())?;
     match error {
         Error::Refused { reason, detail, .. } => {
@@ -130,5 +112,5 @@ pub(crate) fn closed() -> PyErr {
 /// `_ferry._error_kinds()`: the label of every error kind this build can raise.
 #[pyfunction]
 pub(crate) fn _error_kinds() -> Vec<&'static str> {
-    KINDS.iter().map(|k| k.label()).collect()
+    ErrorKind::ALL.iter().map(|k| k.label()).collect()
 }
