@@ -393,17 +393,17 @@ impl Coordinator {
         };
         let rules = &self.setup.config.transport.rules;
         if hello.is_none() {
-            // Before the first link, the peer's transports are not known. ucx is opt-in
-            // per node, and a receiver that does not serve it refuses the offer with no
-            // fallback: the first sends take the rule's next transport when it has one.
-            let without_ucx: Vec<ferry_config::TransportName> = self
+            // Before the first link, the peer's transports are not known: an opt-in one
+            // (ucx) is assumed missing, so the first sends take the rule's next transport
+            // when it has one.
+            let assumed: Vec<ferry_config::TransportName> = self
                 .catalog
                 .iter()
+                .filter(|(c, _)| !c.opt_in)
                 .map(|(c, _)| c.name)
-                .filter(|t| *t != ferry_config::TransportName::Ucx)
                 .collect();
             let first =
-                route::choose_with_setup(rules, &self.catalog, Some(&without_ucx), &setup, query);
+                route::choose_with_setup(rules, &self.catalog, Some(&assumed), &setup, query);
             if first.chosen.is_some() {
                 return first;
             }

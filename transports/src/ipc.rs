@@ -25,6 +25,7 @@ pub fn capabilities() -> Capabilities {
         one_sided_put: false,
         carrier: crate::transport::Carrier::Memory,
         per_peer_setup: true,
+        opt_in: false,
     }
 }
 

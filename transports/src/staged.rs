@@ -58,6 +58,7 @@ pub fn capabilities() -> Capabilities {
         one_sided_put: false,
         carrier: crate::transport::Carrier::Ring,
         per_peer_setup: false,
+        opt_in: false,
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ferry::{Buffer, Layout, MemoryKind, Node};
-use ferry_transports::ucx::{Engine, Exported, UcxPeer, UcxSettings};
+use ferry_transports::ucx::{Engine, Exported, UcxPeer};
 use ferry_transports::wire::UcxSource;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -15,17 +15,6 @@ use futures::stream::FuturesUnordered;
 /// The environment variable through which the bench tells its peer how large a buffer to
 /// register for the baseline.
 pub const BYTES_ENV: &str = "FERRY_BENCH_UCX_BYTES";
-
-/// The engine settings a node's `[transport.ucx]` gives.
-fn settings(config: &ferry::Config) -> UcxSettings {
-    let ucx = &config.transport.ucx;
-    let mut s = UcxSettings::default();
-    s.library = ucx.library.clone();
-    s.tls = ucx.tls.clone();
-    s.progress_spin = ucx.progress_spin;
-    s.op_timeout = ucx.op_timeout;
-    s
-}
 
 /// The peer's half: an engine of its own and one registered host buffer, kept for the
 /// process's life, described as `ucx=ADDRESS/RKEY/AT` (hex) for the ready line.
@@ -42,7 +31,8 @@ pub async fn serve(node: &Node) -> anyhow::Result<Option<Served>> {
         return Ok(None);
     };
     let bytes: usize = bytes.parse().context("FERRY_BENCH_UCX_BYTES")?;
-    let engine = Engine::start(&settings(node.config())).context("the baseline's UCX engine")?;
+    let engine = Engine::start(&ferry_actors::node::ucx_settings(node.config()))
+        .context("the baseline's UCX engine")?;
     let buffer = node.alloc(MemoryKind::Host, bytes.max(1)).await?;
     let exported = engine
         .export(buffer.share())
@@ -76,7 +66,8 @@ impl Reader {
         else {
             anyhow::bail!("the bench peer's ucx field is malformed: {field:?}");
         };
-        let engine = Engine::start(&settings(config)).context("the baseline's UCX engine")?;
+        let engine = Engine::start(&ferry_actors::node::ucx_settings(config))
+            .context("the baseline's UCX engine")?;
         let peer = engine
             .connect(unhex(address)?)
             .context("connecting to the peer's baseline")?;

@@ -30,6 +30,7 @@ pub fn capabilities() -> Capabilities {
         one_sided_put: true,
         carrier: crate::transport::Carrier::Link,
         per_peer_setup: false,
+        opt_in: false,
     }
 }
 

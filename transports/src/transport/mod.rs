@@ -28,6 +28,10 @@ pub struct Capabilities {
     /// True when it needs a setup with each peer before its first transfer (the lazy setup
     /// machine runs it; routing skips it while that setup has failed).
     pub per_peer_setup: bool,
+    /// True when a node serves it only where its configuration turns it on: before a peer's
+    /// hello says so, routing assumes the peer lacks it (a receiver that does not serve a
+    /// transport refuses the offer, with no fallback).
+    pub opt_in: bool,
 }
 
 /// How a transport's bytes travel between the two nodes once the receiver has memory.

@@ -32,6 +32,7 @@ pub fn capabilities() -> Capabilities {
         one_sided_put: false,
         carrier: Carrier::Memory,
         per_peer_setup: false,
+        opt_in: true,
     }
 }
 
@@ -232,10 +233,4 @@ fn landing_of(dst: &mut Buffer) -> Result<(*mut u8, usize), UcxTransportError> {
             "the landing buffer is shared: it cannot be written",
         )),
     }
-}
-
-/// A checked remote key for `source`, to use with [`UcxPeer::forget_rkey`] once the
-/// peer's registration is gone.
-pub fn key_of(peer: &UcxPeer, source: &UcxSource) -> Result<RemoteKey, UcxTransportError> {
-    peer.remote_key(source.rkey.clone())
 }

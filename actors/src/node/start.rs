@@ -1,0 +1,522 @@
+//! Starting a node: the secret, the listeners, the GPUs, the actor thread with its memory
+//! domains and coordinator, the UCX engine, and the fd-sharing socket. [`super::Node::start`]
+//! runs these steps in order.
+
+use super::*;
+
+/// A GPU this node will use: the device, its pool and streams, and its budget.
+pub(super) struct OpenedGpu {
+    pub(super) ordinal: u32,
+    pub(super) device: ferry_transports::cuda::Device,
+    pub(super) pool: ferry_transports::cuda::ExportablePool,
+    pub(super) streams: crate::gpu::GpuStreams,
+    pub(super) budget: u64,
+}
+
+/// Opens the GPUs `config.gpu.devices` names (every visible one when omitted), each with an
+/// exportable pool. Without a CUDA driver: none, unless the configuration names some.
+pub(super) fn open_gpus(
+    config: &Config,
+) -> Result<(Vec<OpenedGpu>, Vec<ferry_transports::cuda::Device>), Error> {
+    use ferry_transports::cuda::{CudaProbe, Device, probe};
+    let named = config.gpu.devices.clone();
+    let driver = match probe() {
+        CudaProbe::Ready(driver) => driver,
+        other => {
+            let why = match other {
+                CudaProbe::NoDriver => "no CUDA driver: GPU transports disabled".to_string(),
+                CudaProbe::Failed { error, .. } => {
+                    format!("the CUDA driver does not work: {error}")
+                }
+                CudaProbe::Ready(_) => String::new(),
+            };
+            return match named {
+                Some(list) if !list.is_empty() => Err(Error::config(format!(
+                    "gpu.devices names GPUs {list:?}, but {why}"
+                ))),
+                _ => {
+                    tracing::info!("{why}; host memory only");
+                    Ok((Vec::new(), Vec::new()))
+                }
+            };
+        }
+    };
+    let visible = Device::all().map_err(|e| Error::start("opening the GPUs", e))?;
+    let wanted: Vec<u32> = named.unwrap_or_else(|| (0..visible.len() as u32).collect());
+    let mut out = Vec::new();
+    for ordinal in wanted {
+        let Some(device) = visible.get(ordinal as usize).cloned() else {
+            return Err(Error::config(format!(
+                "gpu.devices names GPU {ordinal}, but this process sees {} GPU(s)",
+                visible.len()
+            )));
+        };
+        let total = driver
+            .devices
+            .get(ordinal as usize)
+            .map_or(0, |d| d.total_memory);
+        let (pool, streams) = crate::gpu::open_pool(&device).map_err(|e| {
+            Error::start(
+                format!("GPU {ordinal}: cannot create an exportable memory pool"),
+                e,
+            )
+        })?;
+        // Every GPU we use may read this pool (a transfer between two GPUs of the node).
+        for other in &visible {
+            if ferry_transports::cuda::peer_access(other, &device).unwrap_or(false) {
+                let _ = pool.grant_access(other);
+            }
+        }
+        out.push(OpenedGpu {
+            ordinal,
+            device,
+            pool,
+            streams,
+            budget: config.memory.device.resolve(total),
+        });
+    }
+    Ok((out, visible))
+}
+
+pub(super) fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(8 << 30, |kb| kb * 1024)
+}
+
+/// The link secret `config` names (read and checked), or the insecure one with a warning.
+pub(super) fn node_secret(config: &Config) -> Result<Secret, Error> {
+    Ok(match config.read_secret()? {
+        Some(bytes) => Secret::new(bytes),
+        None => {
+            tracing::warn!(
+                "SECURITY: security.danger_insecure is set: peers are not authenticated; \
+                 anyone who can reach this node's listeners can send to it"
+            );
+            Secret::insecure()
+        }
+    })
+}
+
+/// Binds every configured listener on `io`: the tcp addresses, then the Unix socket in
+/// `node.socket_dir` (returned with its path).
+pub(super) async fn bind_listeners(
+    io: &tokio::runtime::Runtime,
+    config: &Config,
+) -> Result<(Vec<Listener>, Option<PathBuf>), Error> {
+    let mut listeners = Vec::new();
+    for addr in &config.node.listen {
+        let bind = io.spawn({
+            let addr = addr.clone();
+            async move { Listener::bind_tcp(&addr).await }
+        });
+        let listener = bind
+            .await
+            .map_err(|e| Error::start("the listener's task", e))?
+            .map_err(|e| Error::start(format!("cannot listen on {addr}"), e))?;
+        listeners.push(listener);
+    }
+    let Some(dir) = &config.node.socket_dir else {
+        return Ok((listeners, None));
+    };
+    let path = dir.join(format!("{}.sock", config.node.name));
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::start(format!("cannot create {}", dir.display()), e))?;
+    let bind = io.spawn({
+        let path = path.clone();
+        async move { Listener::bind_unix(&path).await }
+    });
+    let listener = bind
+        .await
+        .map_err(|e| Error::start("the listener's task", e))?
+        .map_err(|e| Error::start(format!("cannot listen on {}", path.display()), e))?;
+    listeners.push(listener);
+    Ok((listeners, Some(path)))
+}
+
+/// Opens the fd-sharing socket where same-host peers fetch our pools' descriptors (the ipc
+/// transport) and our staging rings (the staged transport, with or without GPUs). A socket
+/// that cannot open only costs those transports, with a warning.
+pub(super) async fn serve_fd_sharing(
+    io: &tokio::runtime::Runtime,
+    name: &str,
+    secret: &Secret,
+    shared: &Shared,
+) -> Result<(), Error> {
+    let bound = io.spawn({
+        let name = name.to_string();
+        async move { ferry_transports::fdshare::bind(&name) }
+    });
+    match bound
+        .await
+        .map_err(|e| Error::start("the pool socket's task", e))?
+    {
+        Ok(listener) => {
+            io.spawn(ferry_transports::fdshare::serve(
+                listener,
+                secret.clone(),
+                Arc::clone(&shared.gpu_pools),
+                Arc::clone(&shared.lane_rings),
+            ));
+        }
+        Err(e) => tracing::warn!(
+            "cannot open the fd-sharing socket ({e}): same-host peers cannot use ipc with \
+             us, and our staged sends to them go over the link"
+        ),
+    }
+    Ok(())
+}
+
+/// What the node's handles and its actors share.
+#[derive(Clone)]
+pub(super) struct Shared {
+    pub(super) exposed: Arc<DashMap<u64, ExposedRegion>>,
+    pub(super) inbox: Arc<Inbox>,
+    pub(super) gpu_pools: ferry_transports::fdshare::PoolDirectory,
+    pub(super) lane_rings: ferry_transports::fdshare::RingDirectory,
+    pub(super) lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+}
+
+/// What the actor thread is started with.
+pub(super) struct ActorParts {
+    pub(super) config: Arc<Config>,
+    pub(super) secret: Secret,
+    pub(super) link: LinkOptions,
+    pub(super) io: tokio::runtime::Handle,
+    pub(super) opened: Vec<OpenedGpu>,
+    pub(super) visible: Vec<ferry_transports::cuda::Device>,
+    pub(super) shared: Shared,
+}
+
+/// The actors, as the node's handle holds them.
+pub(super) struct Started {
+    pub(super) coordinator: Addr<Coordinator>,
+    pub(super) host: Addr<Allocator>,
+    pub(super) pinned: Addr<Allocator>,
+    pub(super) gpus: crate::gpu::SharedGpus,
+    pub(super) receives: MemoryKind,
+    pub(super) transports: crate::coordinator::NodeTransports,
+    pub(super) host_id: Arc<str>,
+    pub(super) system: System,
+}
+
+/// Starts the actor thread: its actix system runs the allocators and the coordinator,
+/// which are sent back on the returned channel once started.
+pub(super) fn spawn_actors(
+    parts: ActorParts,
+) -> Result<
+    (
+        std::thread::JoinHandle<()>,
+        tokio::sync::oneshot::Receiver<Started>,
+    ),
+    Error,
+> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name(format!("ferry-{}", parts.config.node.name))
+        .spawn(move || {
+            let system = System::new();
+            let started = system.block_on(start_actors(parts));
+            let _ = tx.send(started);
+            let _ = system.run();
+        })
+        .map_err(|e| Error::start("cannot start the actor thread", e))?;
+    Ok((thread, rx))
+}
+
+/// Starts the memory domains and the coordinator (on the actor thread).
+pub(super) async fn start_actors(parts: ActorParts) -> Started {
+    let ActorParts {
+        config,
+        secret,
+        link,
+        io,
+        opened,
+        visible,
+        shared,
+    } = parts;
+    let limits = &config.limits;
+    let (mailbox, queue) = (limits.mailbox, limits.reservation_queue);
+    let lease = config.memory.export_lease_timeout;
+    let domain = |kind, budget| {
+        Allocator::create(move |ctx| {
+            ctx.set_mailbox_capacity(mailbox);
+            Allocator::new(kind, budget, queue, lease)
+        })
+    };
+    let host = domain(MemoryKind::Host, config.memory.host.resolve(total_memory()));
+    let pinned = domain(
+        MemoryKind::PinnedHost,
+        config.memory.pinned.resolve(total_memory()),
+    );
+    let gpus = Arc::new(start_gpus(opened, visible, &config, &shared));
+    let mut all_tiers = vec![
+        tier(MemoryKind::Host, &host),
+        tier(MemoryKind::PinnedHost, &pinned),
+    ];
+    for (n, gpu) in &gpus.gpus {
+        all_tiers.push(tier(MemoryKind::Device(*n), &gpu.allocator));
+    }
+    let home = Arc::new(NodeMemory { tiers: all_tiers });
+    let domains: Vec<&Addr<Allocator>> = [&host, &pinned]
+        .into_iter()
+        .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
+        .collect();
+    for a in &domains {
+        let _ = a.send(SetHome(home.clone())).await;
+    }
+    let receive_tiers = receive_tiers(&config, &host, &pinned, &gpus);
+    // Where receives land first: what every hello of this node tells peers, who route
+    // their sends for it.
+    let receives = receive_tiers.first().map_or(MemoryKind::Host, |t| t.kind);
+    let mut host_tiers: Vec<Tier> = receive_tiers
+        .iter()
+        .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
+        .cloned()
+        .collect();
+    if host_tiers.is_empty() {
+        host_tiers.push(tier(MemoryKind::Host, &host));
+    }
+    let transports = crate::coordinator::NodeTransports::new(
+        start_ucx(&config),
+        config.memory.export_lease_timeout,
+    );
+    let host_id = host_identity(&config);
+    let transfer = TransferSetupBase {
+        limits: session_limits(limits),
+        chunk: usize::try_from(config.transport.tcp.chunk_size).unwrap_or(1 << 20),
+        reserve_timeout: limits.default_deadline,
+        tiers: receive_tiers,
+        host_tiers,
+        gpus: Arc::clone(&gpus),
+        peer_gone: domains.iter().map(|a| (*a).clone().recipient()).collect(),
+        exposed: shared.exposed,
+        io,
+        lanes: shared.lanes,
+        lane: crate::lane::LaneSettings {
+            max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
+            spin: config.transport.ipc.lane_spin,
+        },
+        staged: crate::staged::StagedSettings {
+            slots: config.transport.staged.slots,
+            chunk: config.transport.staged.chunk,
+            shared_memory: config.transport.staged.shared_memory,
+            link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
+            spin: config.transport.staged.spin,
+        },
+        transports: transports.clone(),
+        host_id: Arc::clone(&host_id),
+    };
+    let coordinator = Coordinator::new(CoordinatorSetup {
+        config: Arc::clone(&config),
+        secret,
+        link,
+        transfer,
+        inbox: shared.inbox,
+        receives,
+    })
+    .start();
+    Started {
+        coordinator,
+        host,
+        pinned,
+        gpus,
+        receives,
+        transports,
+        host_id,
+        system: System::current(),
+    }
+}
+
+/// The UCX engine `[transport.ucx]` asks for, or why this node does not serve ucx.
+pub(super) fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::Engine>, String> {
+    use ferry_config::UcxMode;
+    let ucx = &config.transport.ucx;
+    match ucx.enabled {
+        UcxMode::Off => return Err("transport.ucx.enabled is \"off\"".into()),
+        UcxMode::Auto if !has_rdma_device() => {
+            return Err(
+                "no RDMA device here (transport.ucx.enabled is \"auto\"; \"on\" uses UCX over tcp)"
+                    .into(),
+            );
+        }
+        UcxMode::Auto | UcxMode::On => {}
+    }
+    let settings = ucx_settings(config);
+    match ferry_transports::ucx::Engine::start(&settings) {
+        Ok(engine) => {
+            tracing::info!(version = %engine.ucx_version(), "ucx transport ready");
+            Ok(Arc::new(engine))
+        }
+        Err(e) => {
+            tracing::warn!("the ucx transport is off: {e}");
+            Err(format!("UCX did not start: {e}"))
+        }
+    }
+}
+
+/// The engine settings `[transport.ucx]` gives (with a warning for `on` over UCX's own
+/// transport choice): for the node's engine, and for any other engine a tool starts beside
+/// it (the bench's baseline).
+pub fn ucx_settings(config: &Config) -> ferry_transports::ucx::UcxSettings {
+    use ferry_config::UcxMode;
+    let ucx = &config.transport.ucx;
+    let mut settings = ferry_transports::ucx::UcxSettings::default();
+    settings.library = ucx.library.clone();
+    // "auto" serves ucx for its RDMA: unless told otherwise, UCX may not use tcp, where it
+    // emulates reads in software, listens on ports of its own and checks no key.
+    settings.tls = match (&ucx.tls, ucx.enabled) {
+        (Some(tls), _) => Some(tls.clone()),
+        (None, UcxMode::Auto) => Some("^tcp".into()),
+        (None, _) => None,
+    };
+    if ucx.enabled == UcxMode::On && settings.tls.is_none() {
+        tracing::warn!(
+            "transport.ucx.enabled is \"on\" with UCX's own transport choice: over tcp UCX \
+             listens on ports of its own, serves reads without checking keys, and may abort \
+             this process when a peer dies mid-read; use it where peers are trusted"
+        );
+    }
+    settings.options = ucx
+        .net_devices
+        .iter()
+        .map(|d| ("NET_DEVICES".to_string(), d.clone()))
+        .chain(ucx.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+        .collect();
+    settings.progress_spin = ucx.progress_spin;
+    settings.op_timeout = ucx.op_timeout;
+    settings.name = Some(config.node.name.clone());
+    settings
+}
+
+/// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.
+pub(super) fn has_rdma_device() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+}
+
+/// One allocator per opened GPU (its pool registered at the fd-sharing socket), with the
+/// GPU's copy streams.
+pub(super) fn start_gpus(
+    opened: Vec<OpenedGpu>,
+    visible: Vec<ferry_transports::cuda::Device>,
+    config: &Config,
+    shared: &Shared,
+) -> crate::gpu::Gpus {
+    let (mailbox, queue) = (config.limits.mailbox, config.limits.reservation_queue);
+    let lease = config.memory.export_lease_timeout;
+    let gpus = opened
+        .into_iter()
+        .map(|g| {
+            let kind = MemoryKind::Device(g.ordinal);
+            let pool = crate::allocator::DevicePool {
+                pool: g.pool.clone(),
+                stream: g.streams.alloc,
+            };
+            let budget = g.budget;
+            let allocator = Allocator::create(move |ctx| {
+                ctx.set_mailbox_capacity(mailbox);
+                Allocator::new(kind, budget, queue, lease).with_device(pool)
+            });
+            shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
+            let gpu = crate::gpu::Gpu {
+                device: g.device,
+                allocator,
+                copy_stream: g.streams.copy,
+                express_stream: g.streams.express,
+            };
+            (g.ordinal, gpu)
+        })
+        .collect();
+    crate::gpu::Gpus {
+        gpus,
+        visible,
+        pools: Arc::clone(&shared.gpu_pools),
+        rings: Arc::clone(&shared.lane_rings),
+        mapping: Arc::default(),
+    }
+}
+
+/// The receive tiers: where receives land (`memory.receive_into`), then where they spill.
+pub(super) fn receive_tiers(
+    config: &Config,
+    host: &Addr<Allocator>,
+    pinned: &Addr<Allocator>,
+    gpus: &crate::gpu::Gpus,
+) -> Vec<Tier> {
+    std::iter::once(config.memory.receive_into)
+        .chain(config.memory.spill.iter().copied())
+        .map(|class| match class {
+            MemoryClass::Host => tier(MemoryKind::Host, host),
+            MemoryClass::Pinned => tier(MemoryKind::PinnedHost, pinned),
+            MemoryClass::Device => match gpus.gpus.first() {
+                Some((n, g)) => tier(MemoryKind::Device(*n), &g.allocator),
+                None => {
+                    tracing::warn!(
+                        "memory.receive_into is \"device\" but this node has no GPU: \
+                         receiving into host memory"
+                    );
+                    tier(MemoryKind::Host, host)
+                }
+            },
+        })
+        .collect()
+}
+
+/// The per-peer session bounds `[limits]` sets.
+pub(super) fn session_limits(limits: &ferry_config::LimitsConfig) -> SessionLimits {
+    SessionLimits {
+        queue: limits.peer_queue,
+        in_flight: limits.pipeline_depth as usize,
+        // At least any sender's pipeline (its window bounds what it has open here),
+        // whatever our own queue bound.
+        inbound: limits
+            .peer_queue
+            .max(ferry_config::MAX_PIPELINE_DEPTH as usize),
+        grants: limits.peer_grants,
+        inbound_bytes: limits.peer_inbound_bytes,
+        stall: limits.stall_timeout,
+    }
+}
+
+pub(super) fn tier(kind: MemoryKind, allocator: &Addr<Allocator>) -> Tier {
+    Tier {
+        kind,
+        allocator: allocator.clone().recipient(),
+    }
+}
+
+/// The node's memory, for [`Buffer::promote`]: a reservation in one tier, no spill.
+pub(super) struct NodeMemory {
+    tiers: Vec<Tier>,
+}
+
+impl MemoryHome for NodeMemory {
+    fn reserve(
+        &self,
+        kind: MemoryKind,
+        len: u64,
+        deadline: Instant,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<Buffer, ferry_transports::memory::ReserveError>>
+                + Send,
+        >,
+    > {
+        let tier = self.tiers.iter().find(|t| t.kind == kind).cloned();
+        Box::pin(async move {
+            let Some(tier) = tier else {
+                return Err(
+                    Error::unsupported(format!("no {kind} memory domain on this node")).into(),
+                );
+            };
+            let mut got = reserve_in_tiers(&[tier], &[len], deadline).await?;
+            got.pop().ok_or_else(|| "nothing granted".into())
+        })
+    }
+}
