@@ -35,8 +35,8 @@ use crate::inbox::{Inbox, Received};
 
 mod start;
 
-pub use self::start::ucx_settings;
 use self::start::*;
+pub use self::start::{start_ucx_engine, ucx_settings};
 
 /// A running ferry node.
 pub struct Node {

@@ -284,7 +284,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         host_tiers.push(tier(MemoryKind::Host, &host));
     }
     let transports = crate::coordinator::NodeTransports::new(
-        start_ucx(&config),
+        start_ucx(&config, gpus.gpus.first().map(|(_, g)| &g.device)),
         config.memory.export_lease_timeout,
     );
     let host_id = host_identity(&config);
@@ -335,7 +335,10 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
 }
 
 /// The UCX engine `[transport.ucx]` asks for, or why this node does not serve ucx.
-pub(super) fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::Engine>, String> {
+pub(super) fn start_ucx(
+    config: &Config,
+    gpu: Option<&ferry_transports::cuda::Device>,
+) -> Result<Arc<ferry_transports::ucx::Engine>, String> {
     use ferry_config::UcxMode;
     let ucx = &config.transport.ucx;
     match ucx.enabled {
@@ -348,10 +351,10 @@ pub(super) fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::En
         }
         UcxMode::Auto | UcxMode::On => {}
     }
-    let settings = ucx_settings(config);
-    match ferry_transports::ucx::Engine::start(&settings) {
+    match start_ucx_engine(config, gpu) {
         Ok(engine) => {
-            tracing::info!(version = %engine.ucx_version(), "ucx transport ready");
+            let device = engine.moves(ferry_transports::ucx::MemoryType::Cuda);
+            tracing::info!(version = %engine.ucx_version(), device, "ucx transport ready");
             Ok(Arc::new(engine))
         }
         Err(e) => {
@@ -359,6 +362,27 @@ pub(super) fn start_ucx(config: &Config) -> Result<Arc<ferry_transports::ucx::En
             Err(format!("UCX did not start: {e}"))
         }
     }
+}
+
+/// Starts a UCX engine with the settings `[transport.ucx]` gives. Where the loaded UCX
+/// moves device memory and `gpu` is given, its progress thread works in that GPU's primary
+/// context (UCX copies device memory in the current context of the thread it runs on).
+///
+/// # Errors
+///
+/// As [`ferry_transports::ucx::Engine::start`] and
+/// [`ferry_transports::ucx::Engine::bind_cuda`].
+pub fn start_ucx_engine(
+    config: &Config,
+    gpu: Option<&ferry_transports::cuda::Device>,
+) -> Result<ferry_transports::ucx::Engine, ferry_transports::ucx::UcxTransportError> {
+    let engine = ferry_transports::ucx::Engine::start(&ucx_settings(config))?;
+    if let Some(device) = gpu
+        && engine.moves(ferry_transports::ucx::MemoryType::Cuda)
+    {
+        engine.bind_cuda(device.clone())?;
+    }
+    Ok(engine)
 }
 
 /// The engine settings `[transport.ucx]` gives (with a warning for `on` over UCX's own

@@ -213,10 +213,11 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
              GPU); add --memory device"
         ),
         "staged" => {}
-        "ucx" if args.memory == "host" => {}
+        "ucx" if args.memory == "host" || ferry_transports::ucx::moves_cuda() => {}
         "ucx" => bail!(
-            "--transport ucx moves host memory only for now (device memory over UCX is not \
-             declared: see docs/ARCHITECTURE.md, the ucx transport); use --memory host"
+            "--transport ucx --memory device: the UCX this process loads does not move \
+             device memory (built without CUDA, or no driver); point FERRY_UCX_LIBRARY at a \
+             UCX built with CUDA (the libucx-cu12/-cu13 wheels carry one), or use --memory host"
         ),
         other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
     }
@@ -383,7 +384,7 @@ impl Baseline {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
             Baseline::Ucx(_) => {
                 "UCX's own ucp_get loop between the same two processes (ferry's engine, none \
-                 of its protocol), host memory"
+                 of its protocol), the same memory"
                     .into()
             }
             Baseline::Copy(g) => format!(
@@ -481,7 +482,9 @@ async fn start_local(
         .args(args.no_check.then_some("--no-check"))
         .envs(
             (args.transport == "ucx" && !args.no_baseline)
-                .then(|| (ucx_raw::BYTES_ENV, args.max.to_string())),
+                .then(|| ucx_raw::peer_env(args.max, gpus.map(|g| g.theirs)))
+                .into_iter()
+                .flatten(),
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -520,7 +523,11 @@ async fn start_local(
     std::fs::write(&bench_cfg, &text).context("cannot write the bench config")?;
     let node = Node::start(bench_config(&bench_cfg, overrides)?).await?;
     let ucx = match field("ucx") {
-        Some(f) => Some(Arc::new(ucx_raw::Reader::connect(node.config(), &f)?)),
+        Some(f) => Some(Arc::new(ucx_raw::Reader::connect(
+            node.config(),
+            &f,
+            gpus.map(|g| g.ours),
+        )?)),
         None => None,
     };
     let target = Target {

@@ -1,6 +1,8 @@
 //! The ucx bench's baseline: UCX's own read loop between the same two processes, through
-//! ferry's UCX engine but none of ferry's protocol. The peer registers one host buffer and
-//! says where it is on its ready line; the bench reads it with `window` gets in flight.
+//! ferry's UCX engine but none of ferry's protocol. The peer registers one buffer (host
+//! memory, or device memory of its GPU for `--memory device`) and says where it is on its
+//! ready line; the bench reads it into the same kind of memory with `window` gets in
+//! flight.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +17,33 @@ use futures::stream::FuturesUnordered;
 /// The environment variable through which the bench tells its peer how large a buffer to
 /// register for the baseline.
 pub const BYTES_ENV: &str = "FERRY_BENCH_UCX_BYTES";
+
+/// The environment variable through which the bench names the GPU whose memory the peer
+/// registers (unset: host memory).
+pub const GPU_ENV: &str = "FERRY_BENCH_UCX_GPU";
+
+/// The environment the bench starts its peer with for a baseline of `bytes` in host
+/// memory, or in GPU `gpu`'s.
+pub fn peer_env(bytes: u64, gpu: Option<u32>) -> Vec<(&'static str, String)> {
+    let mut env = vec![(BYTES_ENV, bytes.to_string())];
+    env.extend(gpu.map(|g| (GPU_ENV, g.to_string())));
+    env
+}
+
+/// Host memory, or GPU `gpu`'s.
+fn memory(gpu: Option<u32>) -> MemoryKind {
+    gpu.map_or(MemoryKind::Host, MemoryKind::Device)
+}
+
+/// An engine with the node's settings, working in GPU `gpu`'s context when it has one.
+fn engine(config: &ferry::Config, gpu: Option<u32>) -> anyhow::Result<Engine> {
+    let device = gpu
+        .map(|g| ferry_transports::cuda::Device::open(g as usize))
+        .transpose()
+        .context("opening the baseline's GPU")?;
+    ferry_actors::node::start_ucx_engine(config, device.as_ref())
+        .context("the baseline's UCX engine")
+}
 
 /// The peer's half: an engine of its own and one registered host buffer, kept for the
 /// process's life, described as `ucx=ADDRESS/RKEY/AT` (hex) for the ready line.
@@ -31,9 +60,12 @@ pub async fn serve(node: &Node) -> anyhow::Result<Option<Served>> {
         return Ok(None);
     };
     let bytes: usize = bytes.parse().context("FERRY_BENCH_UCX_BYTES")?;
-    let engine = Engine::start(&ferry_actors::node::ucx_settings(node.config()))
-        .context("the baseline's UCX engine")?;
-    let buffer = node.alloc(MemoryKind::Host, bytes.max(1)).await?;
+    let gpu = match std::env::var(GPU_ENV) {
+        Ok(g) => Some(g.parse().context("FERRY_BENCH_UCX_GPU")?),
+        Err(_) => None,
+    };
+    let engine = engine(node.config(), gpu)?;
+    let buffer = node.alloc(memory(gpu), bytes.max(1)).await?;
     let exported = engine
         .export(buffer.share())
         .context("registering the baseline buffer")?;
@@ -56,18 +88,23 @@ pub struct Reader {
     _engine: Engine,
     peer: Arc<UcxPeer>,
     source: UcxSource,
+    gpu: Option<u32>,
 }
 
 impl Reader {
-    /// Connects to the peer described by its ready line's `ucx=` field.
-    pub fn connect(config: &ferry::Config, field: &str) -> anyhow::Result<Reader> {
+    /// Connects to the peer described by its ready line's `ucx=` field, to read into host
+    /// memory, or into GPU `gpu`'s.
+    pub fn connect(
+        config: &ferry::Config,
+        field: &str,
+        gpu: Option<u32>,
+    ) -> anyhow::Result<Reader> {
         let mut parts = field.split('/');
         let (Some(address), Some(rkey), Some(at)) = (parts.next(), parts.next(), parts.next())
         else {
             anyhow::bail!("the bench peer's ucx field is malformed: {field:?}");
         };
-        let engine = Engine::start(&ferry_actors::node::ucx_settings(config))
-            .context("the baseline's UCX engine")?;
+        let engine = engine(config, gpu)?;
         let peer = engine
             .connect(unhex(address)?)
             .context("connecting to the peer's baseline")?;
@@ -78,6 +115,7 @@ impl Reader {
                 address: u64::from_str_radix(at, 16).context("the baseline buffer's address")?,
                 rkey: unhex(rkey)?,
             },
+            gpu,
         })
     }
 
@@ -93,7 +131,7 @@ impl Reader {
         let len = usize::try_from(size)?;
         let mut free: Vec<Buffer> = Vec::new();
         for _ in 0..window {
-            free.push(node.alloc(MemoryKind::Host, len).await?);
+            free.push(node.alloc(memory(self.gpu), len).await?);
         }
         self.run(&mut free, warmup).await?;
         let started = Instant::now();

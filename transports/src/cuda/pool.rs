@@ -400,6 +400,11 @@ impl DeviceBuffer {
         Ok(())
     }
 
+    /// The buffer's device address, for a library that moves device memory itself (UCX).
+    pub(crate) fn address(&self) -> u64 {
+        self.ptr
+    }
+
     /// The stream the buffer was allocated on, on which it will be freed.
     pub fn stream(&self) -> Stream {
         Stream::from_shared(Arc::clone(&self.home))

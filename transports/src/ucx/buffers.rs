@@ -5,9 +5,11 @@
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
 use super::{Engine, Operation, Registration, RemoteKey, UcxPeer, UcxTransportError};
+use crate::cuda::DeviceMemory as _;
 use crate::memory::{Buffer, SharedBytes};
 use crate::transport::{Capabilities, Carrier, Viability};
 use crate::wire::{Layout, UcxSource};
+use ucx_sys::MemoryType;
 
 /// The ucx transport's declaration: host memory of a peer on another host (or this one),
 /// pulled by the receiver (`ucp_get`) out of the sender's registered buffer.
@@ -15,17 +17,17 @@ use crate::wire::{Layout, UcxSource};
 /// Pull only: under UCX 1.13 over tcp, a peer that dies while it writes into our memory
 /// aborts this process inside UCX (the put handler meets the failed endpoint).
 ///
-/// Host memory only, for now: with the `libucx-cu13` 1.22 wheel (which moves CUDA memory)
-/// on a one-GPU H100, a device-memory bench segfaulted and a reader killed mid-read made
-/// UCX abort the process it read from (`ucp_request.inl: unexpected error: Endpoint
-/// timeout`); docs/PERFORMANCE.md, "ucx". [`moves_cuda`] still says what the loaded UCX can
-/// do, for the day device memory is declared.
+/// Device memory too where the UCX this process loads moves it ([`moves_cuda`]: a UCX
+/// built with CUDA, such as the `libucx-cu12`/`-cu13` wheels', on a machine with the
+/// driver). Whether the peer's UCX does is its hello's say.
 pub fn capabilities() -> Capabilities {
     const HOST: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned];
+    const ALL: &[MemoryClass] = &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device];
+    let memory = if moves_cuda() { ALL } else { HOST };
     Capabilities {
         name: TransportName::Ucx,
-        sources: HOST,
-        memory: HOST,
+        sources: memory,
+        memory,
         localities: &[Locality::SameHost, Locality::Remote],
         directions: &[Direction::Pull],
         needs_fd_passing: false,
@@ -76,15 +78,21 @@ pub fn viability() -> Viability {
     }
 }
 
-/// Where a buffer's bytes are: host memory's address, or device memory's (UCX finds out
-/// which from the address).
-fn span_of(bytes: &SharedBytes) -> Result<(*mut u8, usize), UcxTransportError> {
+/// Where a buffer's bytes are, and of which type: host memory's address, or device
+/// memory's once its writes are complete (UCX copies on a stream of its own, which knows
+/// nothing of the buffer's).
+fn span_of(bytes: &SharedBytes) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
     if let Some(host) = bytes.as_slice() {
-        return Ok((host.as_ptr().cast_mut(), host.len()));
+        return Ok((MemoryType::Host, host.as_ptr().cast_mut(), host.len()));
     }
-    Err(UcxTransportError::Misuse(
-        "only host buffers can be registered (device memory over ucx is not declared)",
-    ))
+    let Some(device) = bytes.device_memory() else {
+        return Err(UcxTransportError::Misuse("memory of no kind UCX can read"));
+    };
+    device
+        .stream()
+        .synchronize()
+        .map_err(UcxTransportError::Cuda)?;
+    Ok((MemoryType::Cuda, device.address() as *mut u8, device.len()))
 }
 
 /// A buffer registered for peers to read: the view keeps its memory allocated until the
@@ -112,11 +120,16 @@ impl Engine {
     /// As [`Engine::register`]; [`UcxTransportError::Misuse`] for memory of no kind UCX
     /// can read.
     pub fn export(&self, view: SharedBytes) -> Result<Exported, UcxTransportError> {
-        let (ptr, len) = span_of(&view)?;
+        let (memory, ptr, len) = span_of(&view)?;
+        if !self.moves(memory) {
+            return Err(UcxTransportError::Misuse(
+                "the loaded UCX does not move device memory (built without CUDA, or no driver)",
+            ));
+        }
         // SAFETY: `view` keeps the memory allocated (it is a share of the buffer, which is
         // freed only when its last share goes), and `Exported` holds it until after the
         // registration was dropped, which unmaps before it returns. Peers only read it.
-        let registration = unsafe { self.register(ptr, len) }?;
+        let registration = unsafe { self.register_in(memory, ptr, len) }?;
         Ok(Exported {
             registration,
             _view: view,
@@ -197,7 +210,7 @@ impl UcxPeer {
         rkey: &RemoteKey,
         batch: &[(u64, u64, u64)],
     ) -> Result<Vec<Operation>, UcxTransportError> {
-        let (base, room) = landing_of(dst)?;
+        let (memory, base, room) = landing_of(dst)?;
         let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
         for &(theirs, ours, bytes) in batch {
             if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
@@ -208,27 +221,34 @@ impl UcxPeer {
             let at = remote
                 .checked_add(theirs)
                 .ok_or(UcxTransportError::Misuse("a remote address overflows"))?;
-            // SAFETY: the row lies inside `dst` (checked above), which the caller borrows
-            // mutably until every operation returned here has completed: `get_rows` awaits
-            // each, and if its future is dropped, `Operation`'s drop waits for UCX to let
-            // go of the memory before the borrow (and the buffer) can end.
-            let op = unsafe { self.get(base.add(ours as usize), bytes as usize, at, rkey) }?;
+            let local = base.wrapping_add(ours as usize);
+            // SAFETY: the row lies inside `dst` (checked above) and is memory of the type
+            // named, which the caller borrows mutably until every operation returned here
+            // has completed: `get_rows` awaits each, and if its future is dropped,
+            // `Operation`'s drop waits for UCX to let go of the memory before the borrow
+            // (and the buffer) can end.
+            let op = unsafe { self.get_in(memory, local, bytes as usize, at, rkey) }?;
             ops.push(op);
         }
         Ok(ops)
     }
 }
 
-/// Where `dst`'s bytes go: host memory's address (device memory is refused until ucx
-/// declares it: a UCX without CUDA would `memcpy` into a device address).
-fn landing_of(dst: &mut Buffer) -> Result<(*mut u8, usize), UcxTransportError> {
-    if dst.device_memory_mut().is_some() {
-        return Err(UcxTransportError::Misuse(
-            "ucx lands in host memory only (device memory is not declared)",
-        ));
+/// Where `dst`'s bytes go, and of which type. Device memory only where the loaded UCX
+/// moves it (checked by the caller through [`moves_cuda`]; a UCX without CUDA would
+/// `memcpy` into a device address). A landing buffer's allocation is complete when the
+/// allocator hands it out (it waits for its stream).
+fn landing_of(dst: &mut Buffer) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
+    if let Some(device) = dst.device_memory_mut() {
+        if !moves_cuda() {
+            return Err(UcxTransportError::Misuse(
+                "the loaded UCX does not move device memory (built without CUDA, or no driver)",
+            ));
+        }
+        return Ok((MemoryType::Cuda, device.address() as *mut u8, device.len()));
     }
     match dst.as_mut_slice() {
-        Some(host) => Ok((host.as_mut_ptr(), host.len())),
+        Some(host) => Ok((MemoryType::Host, host.as_mut_ptr(), host.len())),
         None => Err(UcxTransportError::Misuse(
             "the landing buffer is shared: it cannot be written",
         )),

@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
-use ucx_sys::{Ucx, Version};
+use ucx_sys::{MemoryType, Ucx, Version};
 
 use super::envelope::{self, EnvelopeKind};
 use super::error::{OpKind, PeerName, UcxTransportError};
@@ -32,6 +32,7 @@ pub struct Engine {
     thread: Option<JoinHandle<()>>,
     address: Vec<u8>,
     ucx: Ucx,
+    moves_cuda: bool,
 }
 
 impl Engine {
@@ -64,11 +65,12 @@ impl Engine {
             .recv()
             .unwrap_or(Err(UcxTransportError::EngineStopped { op: None }));
         match started {
-            Ok(address) => Ok(Engine {
+            Ok((address, moves_cuda)) => Ok(Engine {
                 shared,
                 thread: Some(thread),
                 address,
                 ucx,
+                moves_cuda,
             }),
             Err(e) => {
                 let _ = thread.join();
@@ -81,6 +83,35 @@ impl Engine {
     /// ferry's authenticated link: UCX trusts what an address says.
     pub fn address(&self) -> Vec<u8> {
         self.address.clone()
+    }
+
+    /// Whether this engine's UCX moves memory of `memory`'s type: host memory always,
+    /// CUDA device memory when the loaded UCX was built with CUDA and found the driver.
+    pub fn moves(&self, memory: MemoryType) -> bool {
+        match memory {
+            MemoryType::Host => true,
+            MemoryType::Cuda => self.moves_cuda,
+            _ => false,
+        }
+    }
+
+    /// Makes `device`'s primary context current on the progress thread, where UCX runs
+    /// its CUDA copies (UCX copies in the calling thread's current context), for the
+    /// engine's life. Blocks until done (microseconds).
+    ///
+    /// # Errors
+    ///
+    /// [`UcxTransportError::Cuda`] when the driver refuses;
+    /// [`UcxTransportError::EngineStopped`].
+    pub fn bind_cuda(&self, device: crate::cuda::Device) -> Result<(), UcxTransportError> {
+        let (reply, rx) = oneshot::channel();
+        self.shared
+            .control(Control::BindCuda { device, reply })
+            .map_err(|_| UcxTransportError::EngineStopped { op: None })?;
+        match block_on(rx) {
+            Ok(bound) => bound.map_err(UcxTransportError::Cuda),
+            Err(_) => Err(UcxTransportError::EngineStopped { op: None }),
+        }
     }
 
     /// The loaded UCX's release. Peers must run the same UCX build.
@@ -178,6 +209,28 @@ impl Engine {
         ptr: *mut u8,
         len: usize,
     ) -> Result<Registration, UcxTransportError> {
+        // SAFETY: the caller's contract, which is this function's.
+        unsafe { self.register_in(MemoryType::Host, ptr, len) }
+    }
+
+    /// As [`Engine::register`], for memory of the given type: device memory
+    /// ([`MemoryType::Cuda`]) where the loaded UCX moves it ([`Engine::moves`]). The type
+    /// is told to UCX, not detected: UCX's detection misses memory of a CUDA pool made
+    /// before UCX loaded and would take it for host memory.
+    ///
+    /// # Safety
+    ///
+    /// As [`Engine::register`], and `ptr..ptr+len` is memory of type `memory`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::register`].
+    pub unsafe fn register_in(
+        &self,
+        memory: MemoryType,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Registration, UcxTransportError> {
         if len == 0 {
             return Ok(Registration {
                 shared: self.shared.clone(),
@@ -194,7 +247,7 @@ impl Engine {
         }
         let (reply, rx) = oneshot::channel();
         let request = Control::Register {
-            memory: LocalBuffer { ptr, len },
+            memory: LocalBuffer { ptr, len, memory },
             reply,
         };
         self.shared
@@ -290,7 +343,29 @@ impl UcxPeer {
         remote_address: u64,
         rkey: &RemoteKey,
     ) -> Result<Operation, UcxTransportError> {
-        self.rma(OpKind::Get(len), local, len, remote_address, rkey)
+        let kind = OpKind::Get(len);
+        self.rma(kind, MemoryType::Host, local, len, remote_address, rkey)
+    }
+
+    /// As [`UcxPeer::get`], into memory of the given type (device memory where the loaded
+    /// UCX moves it; see [`Engine::register_in`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`UcxPeer::get`], and `local..local+len` is memory of type `memory`.
+    ///
+    /// # Errors
+    ///
+    /// As [`UcxPeer::get`].
+    pub unsafe fn get_in(
+        &self,
+        memory: MemoryType,
+        local: *mut u8,
+        len: usize,
+        remote_address: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Operation, UcxTransportError> {
+        self.rma(OpKind::Get(len), memory, local, len, remote_address, rkey)
     }
 
     /// Writes `len` bytes from `local` to `remote_address` of the peer's memory (inside
@@ -315,6 +390,7 @@ impl UcxPeer {
     ) -> Result<Operation, UcxTransportError> {
         self.rma(
             OpKind::Put(len),
+            MemoryType::Host,
             local.cast_mut(),
             len,
             remote_address,
@@ -325,6 +401,7 @@ impl UcxPeer {
     fn rma(
         &self,
         kind: OpKind,
+        memory: MemoryType,
         local: *mut u8,
         len: usize,
         remote: u64,
@@ -342,7 +419,11 @@ impl UcxPeer {
         }
         self.submit(
             kind,
-            LocalBuffer { ptr: local, len },
+            LocalBuffer {
+                ptr: local,
+                len,
+                memory,
+            },
             remote,
             Some(rkey.clone()),
         )
@@ -359,6 +440,7 @@ impl UcxPeer {
         let none = LocalBuffer {
             ptr: std::ptr::null_mut(),
             len: 0,
+            memory: MemoryType::Host,
         };
         self.submit(OpKind::Flush, none, 0, None)
     }

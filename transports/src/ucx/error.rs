@@ -91,6 +91,10 @@ pub enum UcxTransportError {
     /// The progress thread or its wake-up descriptor could not be created.
     #[error("could not start the UCX progress thread: {0}")]
     Thread(Arc<std::io::Error>),
+    /// The progress thread could not make a GPU's context current
+    /// ([`super::Engine::bind_cuda`]).
+    #[error("the UCX progress thread could not bind the GPU's context: {0}")]
+    Cuda(#[source] crate::cuda::CudaError),
     /// Bytes given to [`super::Engine::connect`] are not a worker address made by a ferry
     /// engine running the same UCX release.
     #[error("unusable UCX worker address: {0}")]

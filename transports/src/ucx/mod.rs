@@ -67,3 +67,5 @@ pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
 pub use operation::Operation;
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
+/// Where memory lives, as UCX names it (host or CUDA device memory).
+pub use ucx_sys::MemoryType;

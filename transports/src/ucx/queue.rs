@@ -26,12 +26,17 @@ use super::error::{OpKind, UcxTransportError};
 use super::operation::Reply;
 use super::rkeys::RemoteKey;
 use super::wake::Wake;
+use ucx_sys::MemoryType;
 
 /// A caller's memory lent to one operation.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LocalBuffer {
     pub(crate) ptr: *mut u8,
     pub(crate) len: usize,
+    /// Where the bytes are, told to UCX rather than left for it to detect: memory from a
+    /// CUDA pool made before UCX loaded is not in UCX's memory-type cache, and UCX would
+    /// take it for host memory.
+    pub(crate) memory: MemoryType,
 }
 
 // SAFETY: the pointer is only an address carried to the progress thread, which hands it to
@@ -86,6 +91,12 @@ pub(crate) enum Control {
     Register {
         memory: LocalBuffer,
         reply: oneshot::Sender<Result<(u64, Vec<u8>), UcxTransportError>>,
+    },
+    /// Make `device`'s primary context current on the progress thread, where UCX's CUDA
+    /// copies run, and keep it for the thread's life.
+    BindCuda {
+        device: crate::cuda::Device,
+        reply: oneshot::Sender<Result<(), crate::cuda::CudaError>>,
     },
     /// Unmap a registration; the answer says it is done.
     Unregister { id: u64, done: oneshot::Sender<()> },
@@ -296,6 +307,7 @@ mod tests {
             local: LocalBuffer {
                 ptr: std::ptr::null_mut(),
                 len: 0,
+                memory: MemoryType::Host,
             },
             remote: 0,
             rkey: None,

@@ -39,7 +39,7 @@ use super::wake::sleep_until_readable;
 const PROGRESS_BURST: usize = 64;
 
 /// What the thread sends back once started: the sealed worker address.
-pub(crate) type Started = Result<Vec<u8>, UcxTransportError>;
+pub(crate) type Started = Result<(Vec<u8>, bool), UcxTransportError>;
 
 /// The thread's body. Creates UCX's objects, reports the address (or the failure) on
 /// `started`, then serves the queue until the engine is dropped.
@@ -64,8 +64,9 @@ pub(crate) fn run(
         &settings.origin(),
         &ucp.address,
     );
+    let moves_cuda = ucp.moves_cuda;
     let mut thread = ProgressThread::new(ucp, settings, shared, ucx);
-    if started.send(Ok(address)).is_ok() {
+    if started.send(Ok((address, moves_cuda))).is_ok() {
         thread.serve();
     }
     // `thread`'s drop releases everything and marks the shared state finished.
@@ -130,6 +131,9 @@ struct ProgressThread {
     last_activity: Instant,
     stop: bool,
     released: bool,
+    /// The GPU whose primary context is current here ([`Control::BindCuda`]), held so the
+    /// context stays alive while UCX may copy in it.
+    cuda: Option<crate::cuda::Device>,
 }
 
 impl ProgressThread {
@@ -151,6 +155,7 @@ impl ProgressThread {
             last_activity: Instant::now(),
             stop: false,
             released: false,
+            cuda: None,
         }
     }
 
@@ -282,11 +287,19 @@ impl ProgressThread {
                 };
                 let _ = reply.send(answer);
             }
+            Control::BindCuda { device, reply } => {
+                let bound = device.bind();
+                if bound.is_ok() {
+                    self.cuda = Some(device);
+                }
+                let _ = reply.send(bound);
+            }
             Control::Register { memory, reply } => {
                 // SAFETY: `Engine::register`'s caller promised the memory stays allocated
-                // until the registration is dropped, whose drop waits for the unmap below;
-                // it checked the pointer is non-null and the length non-zero.
-                let answer = match unsafe { self.ucp.map(memory.ptr, memory.len) } {
+                // (and is of the type it named) until the registration is dropped, whose
+                // drop waits for the unmap below; it checked the pointer is non-null and
+                // the length non-zero.
+                let answer = match unsafe { self.ucp.map(memory) } {
                     Ok((memh, packed)) => {
                         let id = self.next_registration;
                         self.next_registration += 1;
@@ -396,7 +409,7 @@ impl ProgressThread {
         // counted as used until the operation completes); the caller of `UcxPeer::get`/
         // `put` promised the local memory stays valid and lent until the reply, which is
         // sent only when UCX is done with it.
-        let started = unsafe { self.ucp.rma(put, ep, op.local.ptr, len, op.remote, rkey) };
+        let started = unsafe { self.ucp.rma(put, ep, op.local, op.remote, rkey) };
         self.started(op.peer, op.kind, Some(rkey_id), op.reply, started);
     }
 
@@ -732,6 +745,8 @@ impl ProgressThread {
                 Control::Register { reply, .. } => {
                     let _ = reply.send(Err(UcxTransportError::EngineStopped { op: None }));
                 }
+                // Dropping the reply tells the caller the engine stopped.
+                Control::BindCuda { .. } => {}
                 // Everything is unmapped now.
                 Control::Unregister { done, .. } => {
                     let _ = done.send(());

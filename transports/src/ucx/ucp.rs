@@ -21,6 +21,7 @@ use ucx_sys::sys::{self, Library, ucs_status_t};
 use ucx_sys::{Ucx, UcxError};
 
 use super::error::UcxTransportError;
+use super::queue::LocalBuffer;
 use super::settings::UcxSettings;
 
 /// Requests (or endpoints) with the status UCX reported for them, by address.
@@ -92,6 +93,9 @@ pub(crate) struct Ucp {
     events: Box<Events>,
     /// The worker's address (UCX's bytes).
     pub(crate) address: Vec<u8>,
+    /// Whether the context moves CUDA device memory (its memory types list CUDA; 0 when
+    /// the library cannot say).
+    pub(crate) moves_cuda: bool,
 }
 
 impl Ucp {
@@ -157,7 +161,18 @@ impl Ucp {
             efd: -1,
             events: Box::default(),
             address: Vec::new(),
+            moves_cuda: false,
         };
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES,
+            ..Default::default()
+        };
+        // SAFETY: the context is live; `attr` asks only for the field it has room for. A
+        // library without the call (or that fails it) is taken to move host memory only.
+        if unsafe { result::context_query(lib, context, &mut attr) }.is_ok() {
+            let cuda = ucx_sys::MemoryType::Cuda.to_raw().unwrap_or(u32::MAX);
+            ucp.moves_cuda = attr.memory_types & 1u64.checked_shl(cuda).unwrap_or(0) != 0;
+        }
         let params = sys::ucp_worker_params_t {
             field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
             thread_mode: sys::UCS_THREAD_MODE_SINGLE,
@@ -315,12 +330,16 @@ impl Ucp {
         &self,
         put: bool,
         ep: NonNull<sys::ucp_ep>,
-        local: *mut u8,
-        len: usize,
+        memory: LocalBuffer,
         remote: u64,
         rkey: NonNull<sys::ucp_rkey>,
     ) -> Result<Option<RequestPtr>, UcxError> {
-        let param = self.param();
+        let (local, len) = (memory.ptr, memory.len);
+        let mut param = self.param();
+        if let Some(raw) = memory.memory.to_raw() {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            param.memory_type = raw;
+        }
         if put {
             // SAFETY: the caller's contract.
             unsafe { result::put_nbx(self.lib, ep, local.cast(), len, remote, rkey, &param) }
@@ -359,19 +378,22 @@ impl Ucp {
     ///
     /// # Safety
     ///
-    /// `ptr..ptr+len` (non-null, `len > 0`) stays allocated until [`Ucp::unmap`].
+    /// `memory` (non-null, `len > 0`, of its type) stays allocated until [`Ucp::unmap`].
     pub(crate) unsafe fn map(
         &self,
-        ptr: *mut u8,
-        len: usize,
+        memory: LocalBuffer,
     ) -> Result<(NonNull<sys::ucp_mem>, Vec<u8>), UcxError> {
-        let params = sys::ucp_mem_map_params_t {
+        let mut params = sys::ucp_mem_map_params_t {
             field_mask: sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-            address: ptr.cast(),
-            length: len,
+            address: memory.ptr.cast(),
+            length: memory.len,
             ..Default::default()
         };
-        // SAFETY: the context is live; the mask names the two fields set; the memory stays
+        if let Some(raw) = memory.memory.to_raw() {
+            params.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+            params.memory_type = raw;
+        }
+        // SAFETY: the context is live; the mask names the fields set; the memory stays
         // allocated until unmapped (the caller's contract).
         let memh = unsafe { result::mem_map(self.lib, self.context, &params) }?;
         // SAFETY: context and handle are live.
