@@ -114,13 +114,22 @@ pub fn enumerate() -> (Vec<Combo>, Vec<String>) {
     (combos, passed_over)
 }
 
-/// The combinations of `group`, each with whether it is the first of its transport there
+/// The environment variable that narrows the suite to some transports (a comma-separated
+/// list of names, e.g. `ucx`), to look at one transport's failures.
+pub const ONLY_ENV: &str = "FERRY_CONFORMANCE_ONLY";
+
+/// The combinations of `group` (of the transports [`ONLY_ENV`] names, when set), each with whether it is the first of its transport there
 /// (the one that also carries the large cases).
 pub fn of_group(group: Group) -> Vec<(Combo, bool)> {
     let (all, _) = enumerate();
+    let only = std::env::var(ONLY_ENV).ok();
     let mut seen: Vec<TransportName> = Vec::new();
     all.into_iter()
         .filter(|c| c.touches_device() == (group == Group::Device))
+        .filter(|c| {
+            only.as_deref()
+                .is_none_or(|o| o.split(',').any(|t| t == c.name()))
+        })
         .map(|c| {
             let first = !seen.contains(&c.transport());
             if first {

@@ -20,7 +20,8 @@
 //! Unix sockets; remote: a child over TCP configured as to another host (staged sends over
 //! the link). Host-memory combinations run everywhere; those with GPU memory at either end
 //! (both nodes on GPU 0) run under the GPU gate: skipped, saying so, without
-//! `FERRY_GPU_TESTS=1`, failed when it is set and no GPU works.
+//! `FERRY_GPU_TESTS=1`, failed when it is set and no GPU works. `FERRY_CONFORMANCE_ONLY=ucx`
+//! (a comma-separated list) narrows every check to those transports.
 //!
 //! Every combination of a check runs even when one fails; the test then lists each failure.
 //! A check that the library fails today is `#[ignore]`d with the reason (run them with

@@ -364,25 +364,20 @@ pub(super) fn start_ucx(
     }
 }
 
-/// Starts a UCX engine with the settings `[transport.ucx]` gives. Where the loaded UCX
-/// moves device memory and `gpu` is given, its progress thread works in that GPU's primary
-/// context (UCX copies device memory in the current context of the thread it runs on).
+/// Starts a UCX engine with the settings `[transport.ucx]` gives; when `gpu` is given, its
+/// progress thread works in that GPU's primary context (UCX finds its CUDA device, and
+/// copies device memory, in the current context of the thread it runs on).
 ///
 /// # Errors
 ///
-/// As [`ferry_transports::ucx::Engine::start`] and
-/// [`ferry_transports::ucx::Engine::bind_cuda`].
+/// As [`ferry_transports::ucx::Engine::start`].
 pub fn start_ucx_engine(
     config: &Config,
     gpu: Option<&ferry_transports::cuda::Device>,
 ) -> Result<ferry_transports::ucx::Engine, ferry_transports::ucx::UcxTransportError> {
-    let engine = ferry_transports::ucx::Engine::start(&ucx_settings(config))?;
-    if let Some(device) = gpu
-        && engine.moves(ferry_transports::ucx::MemoryType::Cuda)
-    {
-        engine.bind_cuda(device.clone())?;
-    }
-    Ok(engine)
+    let mut settings = ucx_settings(config);
+    settings.cuda_device = gpu.and_then(|d| u32::try_from(d.ordinal()).ok());
+    ferry_transports::ucx::Engine::start(&settings)
 }
 
 /// The engine settings `[transport.ucx]` gives (with a warning for `on` over UCX's own
@@ -413,6 +408,16 @@ pub fn ucx_settings(config: &Config) -> ferry_transports::ucx::UcxSettings {
         .map(|d| ("NET_DEVICES".to_string(), d.clone()))
         .chain(ucx.env.iter().map(|(k, v)| (k.clone(), v.clone())))
         .collect();
+    // ferry tells UCX the type of every buffer it registers or reads into, so UCX's
+    // memory-type cache is never needed; and it is wrong for device memory of a CUDA pool
+    // whose allocations it did not see (without the wheel's CUDA hooks, or for memory
+    // allocated before UCX loaded), which it then takes for host memory: measured on an
+    // H100 with UCX 1.22, `ucp_mem_map` of pool memory failed (UCS_ERR_INVALID_PARAM).
+    if !ucx.env.contains_key("MEMTYPE_CACHE") {
+        settings
+            .options
+            .push(("MEMTYPE_CACHE".to_string(), "n".to_string()));
+    }
     settings.progress_spin = ucx.progress_spin;
     settings.op_timeout = ucx.op_timeout;
     settings.name = Some(config.node.name.clone());

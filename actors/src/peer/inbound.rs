@@ -11,9 +11,13 @@ impl TransferActor {
         how: Landing,
         ctx: &mut Context<Self>,
     ) {
-        // Streamed bytes, and reads over ucx (which declares host memory only), land in a
-        // host tier.
-        let tiers = if how == Landing::Stream || self.ucx.sources.contains_key(&id) {
+        // Streamed bytes, and reads over a UCX that does not move device memory, land in
+        // a host tier.
+        let ucx_host_only = self.ucx.sources.contains_key(&id)
+            && !self
+                .engine()
+                .is_some_and(|e| e.moves(ferry_transports::ucx::MemoryType::Cuda));
+        let tiers = if how == Landing::Stream || ucx_host_only {
             self.setup.host_tiers.clone()
         } else {
             self.setup.tiers.clone()

@@ -41,7 +41,7 @@ pub(super) enum PullError {
 
 impl TransferActor {
     /// The node's UCX engine, when this node serves ucx.
-    fn engine(&self) -> Option<&Arc<Engine>> {
+    pub(super) fn engine(&self) -> Option<&Arc<Engine>> {
         self.setup.ucx.as_ref()
     }
 

@@ -491,10 +491,34 @@ async fn start_local(
         .spawn()
         .context("cannot start the bench peer")?;
     let stdout = child.stdout.take().context("no stdout")?;
+    // The ready line, past what libraries print on stdout first (UCX logs there).
     let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .context("the bench peer did not start")?;
+    let mut reader = BufReader::new(stdout);
+    let mut skipped = Vec::new();
+    loop {
+        line.clear();
+        let read = reader
+            .read_line(&mut line)
+            .context("the bench peer did not start")?;
+        if read == 0 || line.starts_with("ferry bench peer: ready") || skipped.len() >= 64 {
+            break;
+        }
+        skipped.push(std::mem::take(&mut line));
+    }
+    if !line.starts_with("ferry bench peer: ready") {
+        let _ = child.kill();
+        bail!(
+            "the bench peer did not start; it printed: {:?}",
+            skipped.concat()
+        );
+    }
+    // What the peer prints later goes to our stderr (its writes must not fail).
+    std::thread::spawn(move || {
+        for noise in skipped.into_iter().map(Ok).chain(reader.lines()) {
+            let Ok(noise) = noise else { break };
+            eprintln!("bench peer: {}", noise.trim_end());
+        }
+    });
     let field = |name: &str| {
         line.split_whitespace()
             .find_map(|w| w.strip_prefix(&format!("{name}=")))

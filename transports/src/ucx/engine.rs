@@ -46,7 +46,8 @@ impl Engine {
     /// [`UcxTransportError::Load`] when UCX does not load; [`UcxTransportError::Misuse`]
     /// for an out-of-range setting; [`UcxTransportError::Setup`] when UCX refuses a
     /// setting or cannot create its context or worker (e.g. no transport in `UCX_TLS`
-    /// exists here); [`UcxTransportError::Thread`] when the thread cannot start.
+    /// exists here); [`UcxTransportError::Thread`] when the thread cannot start;
+    /// [`UcxTransportError::Cuda`] when [`UcxSettings::cuda_device`] cannot be made current.
     pub fn start(settings: &UcxSettings) -> Result<Engine, UcxTransportError> {
         settings.validate()?;
         let ucx = Ucx::load(settings.library.as_deref())?;
@@ -92,25 +93,6 @@ impl Engine {
             MemoryType::Host => true,
             MemoryType::Cuda => self.moves_cuda,
             _ => false,
-        }
-    }
-
-    /// Makes `device`'s primary context current on the progress thread, where UCX runs
-    /// its CUDA copies (UCX copies in the calling thread's current context), for the
-    /// engine's life. Blocks until done (microseconds).
-    ///
-    /// # Errors
-    ///
-    /// [`UcxTransportError::Cuda`] when the driver refuses;
-    /// [`UcxTransportError::EngineStopped`].
-    pub fn bind_cuda(&self, device: crate::cuda::Device) -> Result<(), UcxTransportError> {
-        let (reply, rx) = oneshot::channel();
-        self.shared
-            .control(Control::BindCuda { device, reply })
-            .map_err(|_| UcxTransportError::EngineStopped { op: None })?;
-        match block_on(rx) {
-            Ok(bound) => bound.map_err(UcxTransportError::Cuda),
-            Err(_) => Err(UcxTransportError::EngineStopped { op: None }),
         }
     }
 

@@ -92,7 +92,7 @@ pub enum UcxTransportError {
     #[error("could not start the UCX progress thread: {0}")]
     Thread(Arc<std::io::Error>),
     /// The progress thread could not make a GPU's context current
-    /// ([`super::Engine::bind_cuda`]).
+    /// ([`super::UcxSettings::cuda_device`]).
     #[error("the UCX progress thread could not bind the GPU's context: {0}")]
     Cuda(#[source] crate::cuda::CudaError),
     /// Bytes given to [`super::Engine::connect`] are not a worker address made by a ferry

@@ -92,12 +92,6 @@ pub(crate) enum Control {
         memory: LocalBuffer,
         reply: oneshot::Sender<Result<(u64, Vec<u8>), UcxTransportError>>,
     },
-    /// Make `device`'s primary context current on the progress thread, where UCX's CUDA
-    /// copies run, and keep it for the thread's life.
-    BindCuda {
-        device: crate::cuda::Device,
-        reply: oneshot::Sender<Result<(), crate::cuda::CudaError>>,
-    },
     /// Unmap a registration; the answer says it is done.
     Unregister { id: u64, done: oneshot::Sender<()> },
     /// The engine was dropped.

@@ -56,6 +56,11 @@ pub struct UcxSettings {
     /// How many unpacked remote keys each peer keeps; the least recently used one is
     /// destroyed to make room (once no operation uses it). Default 256.
     pub rkey_cache: usize,
+    /// The GPU (CUDA ordinal) whose primary context the progress thread makes current
+    /// before it creates UCX's context: UCX finds its CUDA device, and copies device memory,
+    /// in the current context of the thread it runs on. Default `None`: no context (host
+    /// memory only, or a UCX without CUDA).
+    pub cuda_device: Option<u32>,
 }
 
 impl Default for UcxSettings {
@@ -71,6 +76,7 @@ impl Default for UcxSettings {
             queue_depth: 1024,
             max_in_flight: 4096,
             rkey_cache: 256,
+            cuda_device: None,
         }
     }
 }

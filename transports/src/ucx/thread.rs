@@ -49,6 +49,15 @@ pub(crate) fn run(
     shared: Arc<Shared>,
     started: SyncSender<Started>,
 ) {
+    let cuda = match settings.cuda_device.map(bind_cuda).transpose() {
+        Ok(cuda) => cuda,
+        Err(e) => {
+            let _ = started.send(Err(UcxTransportError::Cuda(e)));
+            shared.stop();
+            shared.finish();
+            return;
+        }
+    };
     let ucp = match Ucp::open(ucx, &settings) {
         Ok(ucp) => ucp,
         Err(e) => {
@@ -66,10 +75,18 @@ pub(crate) fn run(
     );
     let moves_cuda = ucp.moves_cuda;
     let mut thread = ProgressThread::new(ucp, settings, shared, ucx);
+    thread.cuda = cuda;
     if started.send(Ok((address, moves_cuda))).is_ok() {
         thread.serve();
     }
     // `thread`'s drop releases everything and marks the shared state finished.
+}
+
+/// Opens GPU `ordinal` and makes its primary context current on this thread.
+fn bind_cuda(ordinal: u32) -> Result<crate::cuda::Device, crate::cuda::CudaError> {
+    let device = crate::cuda::Device::open(ordinal as usize)?;
+    device.bind()?;
+    Ok(device)
 }
 
 /// One peer's endpoint and keys.
@@ -131,8 +148,8 @@ struct ProgressThread {
     last_activity: Instant,
     stop: bool,
     released: bool,
-    /// The GPU whose primary context is current here ([`Control::BindCuda`]), held so the
-    /// context stays alive while UCX may copy in it.
+    /// The GPU whose primary context is current here ([`UcxSettings::cuda_device`]), held
+    /// so the context stays alive while UCX may copy in it.
     cuda: Option<crate::cuda::Device>,
 }
 
@@ -286,13 +303,6 @@ impl ProgressThread {
                     Err(source) => Err(UcxTransportError::Connect { origin, source }),
                 };
                 let _ = reply.send(answer);
-            }
-            Control::BindCuda { device, reply } => {
-                let bound = device.bind();
-                if bound.is_ok() {
-                    self.cuda = Some(device);
-                }
-                let _ = reply.send(bound);
             }
             Control::Register { memory, reply } => {
                 // SAFETY: `Engine::register`'s caller promised the memory stays allocated
@@ -745,8 +755,6 @@ impl ProgressThread {
                 Control::Register { reply, .. } => {
                     let _ = reply.send(Err(UcxTransportError::EngineStopped { op: None }));
                 }
-                // Dropping the reply tells the caller the engine stopped.
-                Control::BindCuda { .. } => {}
                 // Everything is unmapped now.
                 Control::Unregister { done, .. } => {
                     let _ = done.send(());
