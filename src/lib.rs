@@ -43,7 +43,7 @@ pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::region::RegionKey;
 /// The chunk size `transport.staged.chunk = "auto"` picks in this process (measured once).
 pub use ferry_transports::staged::auto_chunk as staged_auto_chunk;
-pub use ferry_transports::wire::{Layout, LayoutError};
+pub use ferry_transports::wire::{Block, Layout, LayoutError, MAX_BLOCKS};
 
 #[doc(hidden)]
 pub mod testing;

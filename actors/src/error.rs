@@ -361,6 +361,7 @@ impl Error {
                 peer: peer.to_string(),
                 detail,
             },
+            FailKind::Unsendable(detail) => Self::Usage(detail),
         }
     }
 }

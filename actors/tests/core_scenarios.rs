@@ -10,7 +10,9 @@ use ferry_actors::core::session::{
     SessionLimits,
 };
 use ferry_config::TransportName;
-use ferry_transports::wire::{Layout, Message, WireDirection, WireMemoryKind, WireReason};
+use ferry_transports::wire::{
+    Layout, MAX_BLOCKS, Message, WireDirection, WireMemoryKind, WireReason,
+};
 use proptest::prelude::*;
 
 const LIMITS: SessionLimits = limits(64, 4, 64);
@@ -899,12 +901,31 @@ fn offers_whose_layout_does_not_match_are_refused() {
         row_bytes: 100,
         pitch: 64,
     };
+    // A hostile block list: too long, an empty block, an end past 64 bits, or not the
+    // length offered. Refused before anything is reserved.
+    let too_many = Layout::blocks((0..=MAX_BLOCKS as u64).map(|i| (i * 2, 1)));
     for (msg, why) in [
         (
-            offer(399, TransportName::Tcp, rows),
+            offer(399, TransportName::Tcp, rows.clone()),
             "packs 400 bytes, the offer says 399",
         ),
         (offer(400, TransportName::Tcp, bad), "smaller than a row"),
+        (
+            offer(65_537, TransportName::Tcp, too_many),
+            "65537 blocks, more than the 65536",
+        ),
+        (
+            offer(1, TransportName::Tcp, Layout::blocks([(0, 1), (9, 0)])),
+            "block 1 is empty",
+        ),
+        (
+            offer(2, TransportName::Tcp, Layout::blocks([(u64::MAX, 2)])),
+            "overflows",
+        ),
+        (
+            offer(6, TransportName::Tcp, Layout::blocks([(0, 3), (10, 4)])),
+            "packs 7 bytes, the offer says 6",
+        ),
     ] {
         let mut s = PeerSession::new(LIMITS);
         s.set_serves(TransportName::Ipc, true);
@@ -921,6 +942,15 @@ fn offers_whose_layout_does_not_match_are_refused() {
     assert!(matches!(
         s.poll_event(),
         Some(SessionEvent::Reserve { len: 400, .. })
+    ));
+    // Blocks that overlap at the sender are read twice there: a valid offer.
+    let twice = Layout::blocks([(0, 4), (2, 4)]);
+    let mut s = PeerSession::new(LIMITS);
+    s.handle_message(offer(8, TransportName::Tcp, twice.clone()))
+        .expect("valid");
+    assert!(matches!(
+        s.poll_event(),
+        Some(SessionEvent::Reserve { len: 8, layout, .. }) if layout == twice
     ));
 }
 

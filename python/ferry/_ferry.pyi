@@ -17,13 +17,14 @@ MemoryClassName = Literal["host", "pinned", "device"]
 Sendable = Any
 
 class Layout(TypedDict, total=False):
-    """How the rows of a buffer sent with ``send_layout`` lay at the sender."""
+    """How the rows (or blocks) of a buffer sent with ``send_layout`` lay at the sender."""
 
     rows: int
     row_bytes: int
     pitch: int
     depth: int
     plane_rows: int
+    blocks: List[Tuple[int, int]]
 
 class Explanation(TypedDict):
     """``Node.explain``'s answer."""
@@ -146,13 +147,15 @@ class Node:
         tag: int,
         obj: Sendable,
         *,
-        rows: int,
-        row_bytes: int,
-        pitch: int,
+        rows: Optional[int] = None,
+        row_bytes: Optional[int] = None,
+        pitch: Optional[int] = None,
         depth: Optional[int] = None,
         plane_rows: Optional[int] = None,
+        blocks: Optional[List[Tuple[int, int]]] = None,
     ) -> None:
-        """Sends rows of ``obj`` at a pitch (planes of them with ``depth``), packed."""
+        """Sends rows of ``obj`` at a pitch (planes of them with ``depth``), or the
+        ``(offset, length)`` blocks of ``blocks``, packed."""
     def recv(
         self, peer: Optional[str] = None, tag: Optional[int] = None, *, timeout: Optional[float] = None
     ) -> Buffer:

@@ -150,7 +150,7 @@ impl Buffer {
             peer: arrival.peer.clone(),
             tag: arrival.tag,
             transport: arrival.transport,
-            layout: arrival.layout,
+            layout: arrival.layout.clone(),
         })
     }
 
@@ -220,8 +220,9 @@ impl Buffer {
     }
 
     /// For a buffer sent with ``send_layout``, how its rows lay at the sender (a dict:
-    /// ``rows``, ``row_bytes``, ``pitch``, and ``depth``, ``plane_rows`` for planes); the
-    /// buffer holds them packed, one row after the other. ``None`` otherwise.
+    /// ``rows``, ``row_bytes``, ``pitch``, and ``depth``, ``plane_rows`` for planes; or
+    /// ``blocks``, the ``(offset, length)`` pairs); the buffer holds them packed, one row or
+    /// block after the other. ``None`` otherwise.
     #[getter]
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         match &self.arrival {

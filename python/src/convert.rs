@@ -129,27 +129,53 @@ fn value_of(value: &Bound<'_, PyAny>) -> PyResult<toml::Value> {
     )))
 }
 
-/// A layout from the keyword arguments of `send_layout`.
-pub(crate) fn layout_of(
-    rows: u64,
-    row_bytes: u64,
-    pitch: u64,
-    depth: Option<u64>,
-    plane_rows: Option<u64>,
-) -> Layout {
-    match depth {
-        None => Layout::Strided2D {
-            rows,
-            row_bytes,
-            pitch,
-        },
-        Some(depth) => Layout::Strided3D {
-            depth,
-            rows,
-            row_bytes,
-            pitch,
-            plane_rows: plane_rows.unwrap_or(rows),
-        },
+/// The keyword arguments of `send_layout`: rows at a pitch (planes of them with `depth`), or
+/// a list of blocks.
+pub(crate) struct LayoutArgs {
+    pub rows: Option<u64>,
+    pub row_bytes: Option<u64>,
+    pub pitch: Option<u64>,
+    pub depth: Option<u64>,
+    pub plane_rows: Option<u64>,
+    pub blocks: Option<Vec<(u64, u64)>>,
+}
+
+/// A layout from the keyword arguments of `send_layout`: `blocks`, or `rows`, `row_bytes`
+/// and `pitch` (with `depth` and `plane_rows` for planes), not both.
+pub(crate) fn layout_of(args: LayoutArgs) -> PyResult<Layout> {
+    let strided = [
+        args.rows,
+        args.row_bytes,
+        args.pitch,
+        args.depth,
+        args.plane_rows,
+    ];
+    match (args.blocks, args.rows, args.row_bytes, args.pitch) {
+        (Some(blocks), ..) => {
+            if strided.iter().any(Option::is_some) {
+                return Err(usage(
+                    "send_layout takes blocks, or rows, row_bytes and pitch: not both",
+                ));
+            }
+            Ok(Layout::blocks(blocks))
+        }
+        (None, Some(rows), Some(row_bytes), Some(pitch)) => Ok(match args.depth {
+            None => Layout::Strided2D {
+                rows,
+                row_bytes,
+                pitch,
+            },
+            Some(depth) => Layout::Strided3D {
+                depth,
+                rows,
+                row_bytes,
+                pitch,
+                plane_rows: args.plane_rows.unwrap_or(rows),
+            },
+        }),
+        _ => Err(usage(
+            "send_layout needs blocks=[(offset, length), ...], or rows, row_bytes and pitch",
+        )),
     }
 }
 
@@ -160,6 +186,10 @@ pub(crate) fn layout_dict<'py>(
 ) -> PyResult<Option<Bound<'py, PyDict>>> {
     let dict = PyDict::new(py);
     match *layout {
+        Layout::Blocks(ref blocks) => {
+            let list: Vec<(u64, u64)> = blocks.iter().map(|b| (b.offset, b.len)).collect();
+            dict.set_item("blocks", list)?;
+        }
         Layout::Strided2D {
             rows,
             row_bytes,

@@ -357,11 +357,16 @@ impl Node {
     }
 
     /// Sends part of ``obj``: ``rows`` rows of ``row_bytes`` bytes, ``pitch`` bytes apart
-    /// (and, with ``depth``, that many planes of ``plane_rows`` rows each). The peer
-    /// receives the rows packed, with the layout in ``Buffer.layout``. ``obj`` is anything
-    /// ``send`` takes; a layout that does not fit it raises ``UsageError`` before anything
-    /// moves. The deadline is the node's default.
-    #[pyo3(signature = (peer, tag, obj, *, rows, row_bytes, pitch, depth=None, plane_rows=None))]
+    /// (and, with ``depth``, that many planes of ``plane_rows`` rows each), or ``blocks``, a
+    /// list of ``(offset, length)`` pairs (at most 65,536, none empty; they may overlap and
+    /// come in any order). The peer receives the rows or blocks packed, in order, with the
+    /// layout in ``Buffer.layout``. ``obj`` is anything ``send`` takes; a layout that does
+    /// not fit it raises ``UsageError`` before anything moves. The deadline is the node's
+    /// default.
+    #[pyo3(signature = (
+        peer, tag, obj, *, rows=None, row_bytes=None, pitch=None, depth=None, plane_rows=None,
+        blocks=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn send_layout(
         &self,
@@ -369,13 +374,21 @@ impl Node {
         peer: String,
         tag: u64,
         obj: &Bound<'_, PyAny>,
-        rows: u64,
-        row_bytes: u64,
-        pitch: u64,
+        rows: Option<u64>,
+        row_bytes: Option<u64>,
+        pitch: Option<u64>,
         depth: Option<u64>,
         plane_rows: Option<u64>,
+        blocks: Option<Vec<(u64, u64)>>,
     ) -> PyResult<()> {
-        let layout = convert::layout_of(rows, row_bytes, pitch, depth, plane_rows);
+        let layout = convert::layout_of(convert::LayoutArgs {
+            rows,
+            row_bytes,
+            pitch,
+            depth,
+            plane_rows,
+            blocks,
+        })?;
         let op = self.core.send_op(peer, tag, obj, layout, None)?;
         let out = self.core.block(py, op, OnCancel::Finish)?;
         finish_send(out)

@@ -130,6 +130,17 @@ def test_no_memory_says_its_cause(configs):
 def test_usage_errors(node):
     with pytest.raises(ferry.UsageError, match="layout"):
         node.send_layout("anyone", 1, bytes(100), rows=10, row_bytes=20, pitch=20)
+    # Block lists are checked before anything moves, naming the block.
+    with pytest.raises(ferry.UsageError, match="block 1 reaches byte 101"):
+        node.send_layout("anyone", 1, bytes(100), blocks=[(0, 10), (90, 11)])
+    with pytest.raises(ferry.UsageError, match="block 0 is empty"):
+        node.send_layout("anyone", 1, bytes(100), blocks=[(5, 0)])
+    with pytest.raises(ferry.UsageError, match="65537 blocks"):
+        node.send_layout("anyone", 1, bytes(1 << 17), blocks=[(i, 1) for i in range(65537)])
+    with pytest.raises(ferry.UsageError, match="not both"):
+        node.send_layout("anyone", 1, bytes(100), blocks=[(0, 1)], rows=1, row_bytes=1, pitch=1)
+    with pytest.raises(ferry.UsageError, match="needs blocks"):
+        node.send_layout("anyone", 1, bytes(100), rows=1)
     with pytest.raises(ferry.UsageError, match="memory kind"):
         node.alloc("floppy", 10)
 

@@ -110,6 +110,26 @@ def test_received_layout_is_reported(configs):
             assert np.array_equal(np.asarray(got).reshape(4, 3), matrix[:, :3])
 
 
+def test_send_layout_sends_blocks_packed_in_their_order(node, echo):
+    pool = np.arange(256, dtype=np.uint8)
+    # Pages of a pool in any order; the first two overlap (read twice, harmless).
+    blocks = [(200, 16), (0, 8), (4, 8), (100, 1)]
+    node.send_layout(echo.name, 4, pool, blocks=blocks)
+    got = node.recv(echo.name, 4, timeout=10.0)
+    want = np.concatenate([pool[o : o + n] for o, n in blocks])
+    assert np.array_equal(np.frombuffer(got, dtype=np.uint8), want)
+
+
+def test_received_block_list_is_reported(configs):
+    with ferry.Node(configs.toml("a")) as a:
+        with ferry.Node(configs.toml("b", peers=(("a", a.addresses[0]),))) as b:
+            pool = np.arange(64, dtype=np.uint8)
+            b.send_layout("a", 10, pool, blocks=[(32, 4), (8, 2)])
+            got = a.recv("b", 10, timeout=10.0)
+            assert got.layout == {"blocks": [(32, 4), (8, 2)]}
+            assert list(np.asarray(got)) == [32, 33, 34, 35, 8, 9]
+
+
 def test_many_round_trips_give_every_byte_back(node, echo):
     for i in range(300):
         data = np.full(1 + (i * 7919) % 70000, i % 251, dtype=np.uint8)

@@ -254,7 +254,7 @@ pub async fn send_layout_checked(
     let mut want = vec![0u8; packed];
     layout.gather(&whole, 0, &mut want).expect("gather");
     let back = node
-        .send_layout(peer, tag, buffer, layout)
+        .send_layout(peer, tag, buffer, layout.clone())
         .await
         .unwrap_or_else(|e| panic!("send {layout:?}: {e}"));
     assert_eq!(

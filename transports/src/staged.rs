@@ -618,8 +618,8 @@ mod tests {
             let sources: Vec<(crate::wire::Layout, Vec<u8>)> = transfers
                 .iter()
                 .enumerate()
-                .map(|(t, &(layout, len))| {
-                    (layout, (0..len).map(|i| (i * 13 + t as u64 * 31) as u8).collect())
+                .map(|(t, (layout, len))| {
+                    (layout.clone(), (0..*len).map(|i| (i * 13 + t as u64 * 31) as u8).collect())
                 })
                 .collect();
             let want: Vec<Vec<u8>> = sources

@@ -110,6 +110,18 @@ fn corpus() -> Vec<Item> {
                 plane_rows: 4,
             },
         }),
+        // A block list: its blocks travel in the offer (a shared list in the archive).
+        Message::Offer(Offer {
+            transfer: 2,
+            tag: 7,
+            len: 4096 + 1 + 300,
+            source: WireMemoryKind::Host,
+            transport: WireTransport::Tcp,
+            direction: WireDirection::Push,
+            ipc: None,
+            ucx: None,
+            layout: ferry_transports::wire::Layout::blocks([(8192, 4096), (5, 1), (0, 300)]),
+        }),
         Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {
             attempt: 2,
             step: ferry_transports::wire::IpcSetupStep::Request(

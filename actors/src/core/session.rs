@@ -79,6 +79,9 @@ pub enum FailKind {
     ShuttingDown,
     /// The transport failed to move the bytes (the copy into the peer's memory).
     Transport(String),
+    /// The op cannot be offered to this peer as it is (a block list whose offer is larger
+    /// than the frames the peer takes): the caller's to change; the peer never saw it.
+    Unsendable(String),
 }
 
 impl std::fmt::Display for FailKind {
@@ -89,6 +92,7 @@ impl std::fmt::Display for FailKind {
             Self::Refused { reason, detail } => write!(f, "refused by peer ({reason:?}): {detail}"),
             Self::ShuttingDown => f.write_str("node shutting down"),
             Self::Transport(why) => write!(f, "the transport failed: {why}"),
+            Self::Unsendable(why) => write!(f, "cannot be offered: {why}"),
         }
     }
 }
@@ -469,7 +473,7 @@ impl PeerSession {
                         direction: req.direction,
                         ipc: req.ipc.clone(),
                         ucx: req.ucx.clone(),
-                        layout: req.layout,
+                        layout: req.layout.clone(),
                     }));
                     // A pull needs no grant: the peer reads, then says Done.
                     let phase = if req.direction == WireDirection::Pull {
@@ -546,6 +550,13 @@ impl PeerSession {
     pub fn handle_write_failed(&mut self, id: OpId, why: String) {
         self.finish(id, Outcome::Failed(FailKind::Transport(why)), None);
         self.handle_stream_ended(id);
+    }
+
+    /// The offer of op `id`, just taken from [`Self::poll_transmit`], cannot go on the link
+    /// (larger than the frames the peer takes): the op fails with `why`, and nothing is sent
+    /// about it (the peer never saw the offer).
+    pub fn handle_unsendable(&mut self, id: OpId, why: String) {
+        self.finish(id, Outcome::Failed(FailKind::Unsendable(why)), None);
     }
 
     /// The transport finished (or stopped) streaming op `id`'s bytes.
@@ -687,7 +698,7 @@ impl PeerSession {
             pull,
             push,
             staged: carrier == Carrier::Ring,
-            layout: offer.layout,
+            layout: offer.layout.clone(),
         };
         self.inbound.insert(
             id,

@@ -24,6 +24,11 @@ impl TransferActor {
                 }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
+                    if let Some((op, why)) = oversized_offer(&msg, self.peer_max_frame) {
+                        // Refused here, before the writer would refuse it and end the link.
+                        self.session.handle_unsendable(op, why);
+                        continue;
+                    }
                     if let Message::Offer(offer) = &msg
                         && offer.direction == WireDirection::Pull
                     {
@@ -285,4 +290,23 @@ impl TransferActor {
             let _ = w.try_send(Outgoing::Frame(Message::Done(Done { transfer: id.0 })));
         }
     }
+}
+
+/// An offer whose frame the peer would refuse (larger than its `max_frame`): its op and why.
+/// Only a block list makes an offer that large, so only those are measured.
+fn oversized_offer(msg: &Message, peer_max_frame: u32) -> Option<(OpId, String)> {
+    let Message::Offer(offer) = msg else {
+        return None;
+    };
+    let blocks = offer.layout.block_list()?.len();
+    let len = msg.payload_len().unwrap_or(usize::MAX);
+    (len as u64 > u64::from(peer_max_frame)).then(|| {
+        (
+            OpId(offer.transfer),
+            format!(
+                "an offer of {blocks} blocks takes {len} bytes, more than the {peer_max_frame} \
+                 the peer takes in a frame (its limits.max_frame): send fewer blocks at once"
+            ),
+        )
+    })
 }

@@ -161,8 +161,8 @@ impl TransferActor {
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
         let source = entry.buffer.share();
         let stop = Arc::clone(&entry.stop);
-        let layout = match entry.what {
-            StreamWhat::Transfer(layout) => layout,
+        let layout = match &entry.what {
+            StreamWhat::Transfer(layout) => layout.clone(),
             StreamWhat::Put { .. } => Layout::Contiguous,
         };
         let pools = Arc::clone(&self.ipc.push_pools);

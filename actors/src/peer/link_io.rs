@@ -88,18 +88,18 @@ pub(super) async fn stream(
 ) -> Result<(), LinkError> {
     // What moves: the layout's packed bytes. A strided layout whose rows touch is the
     // buffer's first bytes (no gathering); another is gathered chunk by chunk.
-    let (len, layout) = match what {
+    let (len, layout) = match &what {
         StreamWhat::Transfer(layout) => {
             let packed = layout.check(bytes.len() as u64).map_err(io_error)?;
             let packed = usize::try_from(packed).map_err(io_error)?;
-            (packed, Some(layout).filter(|l| !l.is_contiguous()))
+            (packed, Some(layout.clone()).filter(|l| !l.is_contiguous()))
         }
         StreamWhat::Put { .. } => (bytes.len(), None),
     };
     let parts: Vec<(usize, usize)> = region::chunks(len, chunk).collect();
-    let header = |i: usize| match what {
+    let header = |i: usize| match &what {
         StreamWhat::Transfer(_) => tcp::data_header(op.0, parts[i]),
-        StreamWhat::Put { key, offset } => {
+        &StreamWhat::Put { key, offset } => {
             tcp::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
         }
     };
@@ -132,7 +132,7 @@ pub(super) async fn stream_host(
         if stop.load(Ordering::Acquire) {
             break;
         }
-        let payload = match layout {
+        let payload = match &layout {
             Some(layout) => {
                 staging.resize(n, 0);
                 layout
@@ -164,6 +164,7 @@ pub(super) async fn stream_device(
 ) -> Result<(), LinkError> {
     let copy_out = |(at, n): (usize, usize), mut into: Vec<u8>| {
         let bytes = bytes.clone();
+        let layout = layout.clone();
         tokio::task::spawn_blocking(move || {
             into.resize(n, 0);
             match layout {

@@ -291,7 +291,7 @@ enum Outgoing {
     Close,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum StreamWhat {
     /// A transfer's bytes, gathered from the buffer by the layout.
     Transfer(Layout),
@@ -318,7 +318,7 @@ impl OutEntry {
     /// The bytes the op moved: a layout's packed rows, else the whole buffer.
     fn moved(&self) -> u64 {
         let len = self.buffer.len() as u64;
-        match self.what {
+        match &self.what {
             StreamWhat::Transfer(layout) => layout.check(len).unwrap_or(len),
             StreamWhat::Put { .. } => len,
         }
@@ -350,6 +350,8 @@ pub struct TransferActor {
     link: u64,
     /// False on a dialed link until the peer's `Welcome`: nothing is sent before it.
     welcomed: bool,
+    /// The largest frame the peer takes (its hello's `max_frame`).
+    peer_max_frame: u32,
     regions: Arc<DashMap<u64, InboundRegion>>,
     outbound: HashMap<OpId, OutEntry>,
     complete: HashMap<InboundId, (Buffer, crate::lane::Pending)>,
@@ -391,6 +393,7 @@ impl TransferActor {
             writer: None,
             link: 0,
             welcomed: false,
+            peer_max_frame: u32::MAX,
             regions: Arc::default(),
             outbound: HashMap::new(),
             complete: HashMap::new(),
@@ -550,6 +553,7 @@ impl Handler<Attach> for TransferActor {
         }
         self.link += 1;
         self.ipc.peer_pid = link.peer_hello.pid;
+        self.peer_max_frame = link.peer_hello.max_frame;
         self.ipc.same_host = *link.peer_hello.host_id == *self.setup.host_id;
         self.session.set_serves(
             ferry_config::TransportName::Ipc,

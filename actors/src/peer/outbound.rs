@@ -81,13 +81,13 @@ impl TransferActor {
         entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
         // A staged transfer to a peer reading our ring goes through it; else (another
         // host, or the ring not read yet) over the link, where the peer lands it alike.
-        if let (StreamWhat::Transfer(layout), Some((tx, _))) = (entry.what, &self.staged.tx)
+        if let (StreamWhat::Transfer(layout), Some((tx, _))) = (&entry.what, &self.staged.tx)
             && registry::carrier(entry.labels.transport) == Carrier::Ring
             && tx.is_attached()
         {
             let job = crate::staged::Job {
                 op,
-                layout,
+                layout: layout.clone(),
                 bytes: entry.buffer.share(),
                 stop: Arc::clone(&entry.stop),
             };
@@ -110,7 +110,7 @@ impl TransferActor {
         };
         let out = Outgoing::Stream {
             op,
-            what: entry.what,
+            what: entry.what.clone(),
             bytes: entry.buffer.share(),
             stop: Arc::clone(&entry.stop),
             chunk,
@@ -168,11 +168,11 @@ impl TransferActor {
                 transport,
                 direction,
                 fallback: _,
-                layout,
+                ref layout,
             } => self.queue_send(
                 now,
                 &msg,
-                (tag, transport, direction, layout),
+                (tag, transport, direction, layout.clone()),
                 exported.as_ref(),
                 peer_class,
             ),
@@ -291,7 +291,7 @@ impl TransferActor {
                 direction,
                 ipc,
                 ucx,
-                layout,
+                layout: layout.clone(),
                 deadline: msg.deadline,
             },
         );
@@ -353,7 +353,7 @@ impl TransferActor {
         );
         // A put needs no grant; it waits for its turn, then streams. A pull waits for the
         // peer's copy.
-        let phase = match (what, labels.direction) {
+        let phase = match (&what, labels.direction) {
             (StreamWhat::Put { .. }, _) => tracing::debug_span!(parent: &span, "queued"),
             (_, "pull") => tracing::debug_span!(parent: &span, "pull"),
             _ => tracing::debug_span!(parent: &span, "grant"),

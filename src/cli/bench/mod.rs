@@ -770,7 +770,7 @@ async fn send_many(
     node: &Node,
     peer: &str,
     buffers: &mut Vec<Buffer>,
-    layout: ferry::Layout,
+    layout: &ferry::Layout,
     count: u64,
     mut hist: Option<&mut Histogram<u64>>,
 ) -> anyhow::Result<()> {
@@ -781,6 +781,7 @@ async fn send_many(
             && let Some(b) = buffers.pop()
         {
             let tag = started;
+            let layout = layout.clone();
             pending.push(async move {
                 let t = Instant::now();
                 let r = if layout == ferry::Layout::Contiguous {
@@ -922,7 +923,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
     if args.pingpong {
         ping_pong(node, peer, &mut buffers, warmup, None).await?;
     } else {
-        send_many(node, peer, &mut buffers, layout, warmup, None).await?;
+        send_many(node, peer, &mut buffers, &layout, warmup, None).await?;
     }
     let mut hist = Histogram::<u64>::new(3).context("histogram")?;
     let check = !args.no_check;
@@ -938,7 +939,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
                 node,
                 peer,
                 &mut buffers,
-                layout,
+                &layout,
                 args.iters,
                 Some(&mut hist)
             ),
@@ -951,7 +952,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
             node,
             peer,
             &mut buffers,
-            layout,
+            &layout,
             args.iters,
             Some(&mut hist),
         )
@@ -989,8 +990,9 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         ),
         (Some(Baseline::Copy(gpus)), false) if layout != ferry::Layout::Contiguous => {
             let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
+            let shape = layout.clone();
             let (raw, per_row) = tokio::task::spawn_blocking(move || {
-                strided_baseline(gpus, layout, iters, warmup, window)
+                strided_baseline(gpus, shape, iters, warmup, window)
             })
             .await
             .context("the copy baseline stopped")?
@@ -1005,8 +1007,9 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         }
         (Some(Baseline::Staging(gpus)), false) => {
             let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
+            let shape = layout.clone();
             let (down, up, per_row) = tokio::task::spawn_blocking(move || {
-                staging_baseline(gpus, layout, size, iters, warmup, window)
+                staging_baseline(gpus, shape, size, iters, warmup, window)
             })
             .await
             .context("the staging baseline stopped")?

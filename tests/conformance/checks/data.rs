@@ -131,7 +131,8 @@ pub async fn every_layout_arrives_packed(combo: Combo, first: bool) {
     let baseline = Baseline::take(&pair.node, &combo).await;
     let node = &pair.node;
     let sent = layouts(first);
-    for (i, &(layout, len)) in sent.iter().enumerate() {
+    for (i, (layout, len)) in sent.iter().enumerate() {
+        let len = *len;
         let tag = i as u64;
         let whole = pattern(len, 40 + tag);
         let packed = layout.check(len as u64).expect("fits") as usize;
@@ -139,7 +140,7 @@ pub async fn every_layout_arrives_packed(combo: Combo, first: bool) {
         layout.gather(&whole, 0, &mut want).expect("gather");
         let buffer = filled(node, combo.src_kind(), &whole).await;
         let back = node
-            .send_layout(&pair.peer, tag, buffer, layout)
+            .send_layout(&pair.peer, tag, buffer, layout.clone())
             .await
             .unwrap_or_else(|e| panic!("{combo}: send {layout:?}: {e}"));
         assert!(
@@ -158,7 +159,7 @@ pub async fn every_layout_arrives_packed(combo: Combo, first: bool) {
         }
         for from in &sources {
             let mut target = filled(node, combo.dst_kind(), &vec![0xAB; len]).await;
-            target.scatter_from(from, &layout).unwrap_or_else(|e| {
+            target.scatter_from(from, layout).unwrap_or_else(|e| {
                 panic!("{combo}: {layout:?}: scatter from {}: {e}", from.kind())
             });
             assert!(
@@ -170,8 +171,8 @@ pub async fn every_layout_arrives_packed(combo: Combo, first: bool) {
         }
     }
     if let Some(seen) = pair.seen() {
-        let layouts: Vec<Layout> = seen.iter().map(|s| s.layout).collect();
-        let want: Vec<Layout> = sent.iter().map(|(l, _)| *l).collect();
+        let layouts: Vec<Layout> = seen.iter().map(|s| s.layout.clone()).collect();
+        let want: Vec<Layout> = sent.iter().map(|(l, _)| l.clone()).collect();
         assert_eq!(layouts, want, "{combo}: the layouts the far node was told");
         for (s, (layout, len)) in seen.iter().zip(&sent) {
             let packed = layout.check(*len as u64).expect("fits") as usize;
@@ -204,7 +205,7 @@ pub async fn every_layout_arrives_packed(combo: Combo, first: bool) {
         let mut want = vec![0u8; packed];
         layout.gather(&whole, 0, &mut want).expect("gather");
         buffer = node
-            .send_layout(&pair.peer, tag, buffer, layout)
+            .send_layout(&pair.peer, tag, buffer, layout.clone())
             .await
             .unwrap_or_else(|e| panic!("{combo}: again as {layout:?}: {e}"));
         let got = pair.recv(Some(tag)).await;

@@ -316,10 +316,13 @@ enum Way {
     Scatter,
 }
 
-/// Queues one 3D copy per box between strided rows (`slen` bytes from `strided`) and their
+/// Queues the copies of `boxes` between strided rows (`slen` bytes from `strided`) and their
 /// packed bytes (`plen` bytes from `packed`), the way `way` says, after checking every box
-/// against both memories (see `box_shape`); a failure after some boxes were queued waits
-/// for those before it returns. Returns whether anything was queued.
+/// against both memories (see `box_shape`): one 3D copy per box of several rows, a plain copy
+/// per run (a box of one row: a part of a row, a block of a block list), the runs between
+/// device memories as one batch where the driver has one (see [`block_copies`]). A failure
+/// after some copies were queued waits for those before it returns. Returns whether
+/// anything was queued.
 ///
 /// # Safety
 /// Both memories stay valid (host memory untouched by anyone else) until the copies
@@ -340,6 +343,7 @@ unsafe fn copy_boxes(
         return Ok(false);
     }
     stream.bind()?;
+    let mut runs = Runs::default();
     for (b, shape) in shapes {
         let (rows, packed) = (sbase.at(b.src), pbase.at(b.packed));
         let (dst, src, shape) = match way {
@@ -356,15 +360,128 @@ unsafe fn copy_boxes(
                 },
             ),
         };
-        // SAFETY: the box's rows lie inside both memories (checked above), which stay
-        // valid (caller).
-        let queued = unsafe { raw::memcpy_box_async(dst, src, shape, stream.handle()) };
+        let queued = if shape.height == 1 && shape.depth == 1 {
+            // SAFETY: the run lies inside both memories (checked above), which stay valid
+            // (caller).
+            unsafe { runs.add(dst, src, shape.width, stream) }
+        } else {
+            // SAFETY: the box's rows lie inside both memories (checked above), which stay
+            // valid (caller).
+            unsafe { raw::memcpy_box_async(dst, src, shape, stream.handle()) }
+        };
         if let Err(e) = queued {
             let _ = stream.synchronize();
             return Err(e);
         }
     }
+    // SAFETY: as each run's, above.
+    if let Err(e) = unsafe { runs.flush(stream) } {
+        let _ = stream.synchronize();
+        return Err(e);
+    }
     Ok(true)
+}
+
+/// How the runs of a copy (a block list's blocks) between device memories are queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BlockCopies {
+    /// All of one copy's runs in one `cuMemcpyBatchAsync` (drivers of CUDA 12.8 and later).
+    Batched,
+    /// One `cuMemcpyAsync` per run: the driver has no `cuMemcpyBatchAsync`, or it refused
+    /// a batch in this process (logged once).
+    PerRun,
+}
+
+/// Set when the driver refused a batch: this process copies run by run from then on.
+static BATCH_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How this process copies a block list's blocks between device memories (what `ferry
+/// doctor` reports): [`BlockCopies::Batched`] where the driver has `cuMemcpyBatchAsync`.
+pub fn block_copies() -> BlockCopies {
+    if raw::has_memcpy_batch() && !BATCH_REFUSED.load(std::sync::atomic::Ordering::Relaxed) {
+        BlockCopies::Batched
+    } else {
+        BlockCopies::PerRun
+    }
+}
+
+/// The runs of one [`copy_boxes`] between device memories, gathered for one batch; a run
+/// with host memory on either side is queued at once.
+#[derive(Default)]
+struct Runs {
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+impl Runs {
+    /// # Safety
+    /// `[dst, dst+len)` and `[src, src+len)` lie in memory that stays valid until the copies
+    /// complete on `stream` (host memory untouched by anyone else meanwhile).
+    unsafe fn add(
+        &mut self,
+        dst: raw::Place,
+        src: raw::Place,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        use raw::Place::{Device, Host};
+        let s = stream.handle();
+        // SAFETY (each arm): caller.
+        match (dst, src) {
+            (Device(d), Device(from)) => {
+                self.dsts.push(d);
+                self.srcs.push(from);
+                self.sizes.push(len);
+                Ok(())
+            }
+            (Device(d), Host(from)) => unsafe { raw::memcpy_htod_async(d, from, len, s) },
+            (Host(d), Device(from)) => unsafe { raw::memcpy_dtoh_async(d, from, len, s) },
+            (Host(_), Host(_)) => Err(CudaError::Misuse(
+                "a copy of boxes with host memory on both sides".into(),
+            )),
+        }
+    }
+
+    /// Queues the gathered device runs: one batch when the driver has one and there are
+    /// several, else one copy each. A batch the driver refuses is queued again run by run
+    /// (the same bytes to the same places), and the process stops batching.
+    ///
+    /// # Safety
+    /// As [`Runs::add`], for every run added.
+    unsafe fn flush(mut self, stream: &Stream) -> Result<(), CudaError> {
+        if self.sizes.len() > 1 && block_copies() == BlockCopies::Batched {
+            // SAFETY: caller; device memory on both sides, destinations disjoint (packed
+            // bytes, or a destination layout checked not to overlap), a stream of ours
+            // (never the legacy default stream).
+            let batched = unsafe {
+                raw::memcpy_batch_async(
+                    &mut self.dsts,
+                    &mut self.srcs,
+                    &mut self.sizes,
+                    stream.handle(),
+                )
+            };
+            match batched {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    if !BATCH_REFUSED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e,
+                            "the driver refused a batch of copies: block lists are copied \
+                             one run at a time in this process"
+                        );
+                    }
+                }
+            }
+        }
+        for ((&d, &from), &len) in self.dsts.iter().zip(&self.srcs).zip(&self.sizes) {
+            // SAFETY: caller.
+            unsafe { raw::memcpy_async(d, from, len, stream.handle()) }?;
+        }
+        Ok(())
+    }
 }
 
 /// `memory` from `offset` on, as a copy side: its base and the bytes left.

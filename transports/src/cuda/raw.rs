@@ -502,6 +502,75 @@ pub(super) unsafe fn memcpy_async(
     })
 }
 
+/// Whether the driver has `cuMemcpyBatchAsync` (drivers of CUDA 12.8 and later), looked up
+/// once: a driver without it gets one `cuMemcpyAsync` per copy instead. False without a
+/// driver.
+pub(super) fn has_memcpy_batch() -> bool {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        // SAFETY: `driver` checked that the library loads, so `culib` does not panic;
+        // looking a symbol up does not call it (the fn type is only a placeholder).
+        driver().is_ok()
+            && unsafe {
+                sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync")
+                    .is_ok()
+            }
+    })
+}
+
+/// Queues the copies `dsts[i] <- srcs[i]` of `sizes[i]` bytes as one batch
+/// (`cuMemcpyBatchAsync`), each reading its source in stream order. The copies of a batch
+/// run in any order. Call only when [`has_memcpy_batch`] said yes.
+///
+/// # Safety
+/// Each `[src, src+size)` and `[dst, dst+size)` is live
+/// device (or unified) memory that stays allocated until the batch completes on `stream`,
+/// a live stream that is not the legacy default stream; no destination overlaps another
+/// copy's source or destination.
+pub(super) unsafe fn memcpy_batch_async(
+    dsts: &mut [sys::CUdeviceptr],
+    srcs: &mut [sys::CUdeviceptr],
+    sizes: &mut [usize],
+    stream: sys::CUstream,
+) -> Result<(), CudaError> {
+    if dsts.len() != sizes.len() || srcs.len() != sizes.len() {
+        return Err(CudaError::Misuse(
+            "a batch of copies with lists of different lengths".into(),
+        ));
+    }
+    // One set of attributes for every copy: stream order, no location hints (they are
+    // ignored for memory that is not managed, which ferry never copies).
+    let no_hint = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+        id: 0,
+    };
+    let mut attrs = sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: no_hint,
+        dstLocHint: no_hint,
+        flags: 0,
+    };
+    let mut first = [0usize];
+    let mut failed = usize::MAX;
+    // SAFETY: caller (memory, stream, the symbol's presence); the slices, the attributes
+    // and `failed` live through the call, the driver reads `count` entries of each array
+    // and one attribute set, and writes one index.
+    check("cuMemcpyBatchAsync", unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            sizes.len(),
+            &mut attrs,
+            first.as_mut_ptr(),
+            1,
+            &mut failed,
+            stream,
+        )
+    })
+}
+
 /// Where one side of a [`memcpy_box_async`] is.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Place {

@@ -396,16 +396,19 @@ impl Buffer {
     /// Puts `packed` (a layout's rows one after the other, as a transfer sent with that
     /// layout arrives) back at `layout`'s places in this buffer, whatever memory either
     /// lives in: receiving into a layout. Bytes between the rows are left as they are. On
-    /// a GPU it is a few 3D copies (`cuMemcpy3DAsync`), never a copy per row; returns once
-    /// the bytes are in place.
+    /// a GPU it is a few 3D copies (`cuMemcpy3DAsync`), never a copy per row, and a block
+    /// list's blocks are one batch of copies where the driver has `cuMemcpyBatchAsync` (one
+    /// copy per block otherwise); returns once the bytes are in place. A block list need not
+    /// be the sender's: any list of places in this buffer that packs to `packed.len()`.
     ///
     /// # Errors
-    /// [`MemoryError::Layout`] when the layout does not fit this buffer,
+    /// [`MemoryError::Layout`] when the layout does not fit this buffer or, a block list,
+    /// has blocks that overlap ([`Layout::check_destination`]), before anything is written;
     /// [`MemoryError::OutOfBounds`] when `packed` is not its packed length,
     /// [`MemoryError::Shared`] while a transport holds this buffer, [`MemoryError::Cuda`].
     pub fn scatter_from(&mut self, packed: &Buffer, layout: &Layout) -> Result<(), MemoryError> {
         let len = self.len();
-        let n = layout.check(len as u64)?;
+        let n = layout.check_destination(len as u64)?;
         if packed.len() as u64 != n {
             return Err(MemoryError::OutOfBounds {
                 offset: 0,

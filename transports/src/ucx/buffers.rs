@@ -141,8 +141,9 @@ impl Engine {
 /// node has up to `pipeline_depth` pulls per peer).
 const ROWS_IN_FLIGHT: usize = 32;
 
-/// The most one get reads: a contiguous pull is read in pieces of this size, so that each
-/// finishes well within the engine's operation timeout however large the transfer.
+/// The most one get reads: a contiguous pull (or a long row or block) is read in pieces of
+/// this size, so that each finishes well within the engine's operation timeout however large
+/// the transfer.
 const PIECE: u64 = 16 << 20;
 
 impl UcxPeer {
@@ -171,17 +172,16 @@ impl UcxPeer {
             return Ok(());
         }
         let rkey = self.remote_key(source.rkey.clone())?;
-        // (offset at the peer, offset here, bytes)
+        // (offset at the peer, offset here, bytes): one get per row or block, a long one in
+        // pieces.
         let rows: Vec<(u64, u64, u64)> = match layout.extent() {
-            Ok(None) => (0..len as u64)
-                .step_by(PIECE as usize)
-                .map(|at| (at, at, PIECE.min(len as u64 - at)))
-                .collect(),
+            Ok(None) => pieces(0, 0, len as u64).collect(),
             Ok(Some(span)) => layout
                 .boxes(span, 0, len as u64)
                 .map_err(|_| UcxTransportError::Misuse("the offer's layout does not fit"))?
                 .iter()
                 .flat_map(|b| b.rows().collect::<Vec<_>>())
+                .flat_map(|(theirs, ours, n)| pieces(theirs, ours, n))
                 .collect(),
             Err(_) => return Err(UcxTransportError::Misuse("the offer's layout is invalid")),
         };
@@ -232,6 +232,13 @@ impl UcxPeer {
         }
         Ok(ops)
     }
+}
+
+/// `n` bytes from `theirs` at the peer to `ours` here, as gets of at most [`PIECE`] bytes.
+fn pieces(theirs: u64, ours: u64, n: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    (0..n)
+        .step_by(PIECE as usize)
+        .map(move |at| (theirs + at, ours + at, PIECE.min(n - at)))
 }
 
 /// Where `dst`'s bytes go, and of which type. Device memory only where the loaded UCX

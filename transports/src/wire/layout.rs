@@ -1,22 +1,39 @@
 //! How the bytes of a buffer that are sent lie in it: all of it (`Contiguous`), or rows at
 //! a pitch (`Strided2D`), or such planes at a pitch of rows (`Strided3D`), as CUDA's 2D and
-//! 3D copies describe them. What moves is the rows, packed one after the other; the receiver
-//! gets them packed and learns the layout from the offer.
+//! 3D copies describe them, or a list of `(offset, length)` blocks at any places
+//! (`Blocks`, a paged KV cache's pages). What moves is the rows (or blocks), packed one after
+//! the other; the receiver gets them packed and learns the layout from the offer.
 //!
 //! A layout is checked against its buffer before anything moves ([`Layout::check`]): a pitch
-//! smaller than a row, a shape past the buffer's end, a zero dimension or a size that
-//! overflows is an error naming the cause.
+//! smaller than a row, a shape past the buffer's end, a zero dimension, an empty block, more
+//! than [`MAX_BLOCKS`] blocks or a size that overflows is an error naming the cause.
+//!
+//! Blocks may overlap where they are read (a source read twice is harmless: the packed bytes
+//! hold those bytes twice), but not where they are written: [`Layout::check_destination`]
+//! refuses a block list whose blocks overlap, before a scatter writes anything.
 
-pub use shape::Layout;
+pub use shape::{Block, Layout};
 
 /// The type, apart: the code rkyv derives for its struct variants (the archived twin and
 /// the resolver) has fields without docs.
 #[allow(missing_docs)]
 mod shape {
+    use std::sync::Arc;
+
     use rkyv::{Archive, Deserialize, Serialize};
 
-    /// Where the sent bytes of a buffer lie.
-    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    /// One block of a [`Layout::Blocks`]: `len` bytes from `offset` in the buffer.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[rkyv(derive(Debug, PartialEq, Eq))]
+    pub struct Block {
+        /// Where the block starts in the buffer.
+        pub offset: u64,
+        /// Its bytes (at least one).
+        pub len: u64,
+    }
+
+    /// Where the sent bytes of a buffer lie. Cheap to clone (a block list is shared).
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash, Default)]
     #[rkyv(derive(Debug, PartialEq, Eq))]
     pub enum Layout {
         /// The whole buffer.
@@ -46,6 +63,11 @@ mod shape {
             /// Rows from the start of one plane to the next (at least `rows`).
             plane_rows: u64,
         },
+        /// Blocks of the buffer, in the order they are packed: block `i` lands right after
+        /// block `i - 1`. One to [`super::MAX_BLOCKS`] blocks, none empty; they may overlap
+        /// and come in any order (see [`super::Layout::check_destination`] for receiving into
+        /// them). Build one with [`super::Layout::blocks`].
+        Blocks(Arc<[Block]>),
     }
 }
 
@@ -114,6 +136,11 @@ impl RowBox {
 /// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`, 2^31 - 1 bytes on current GPUs).
 pub const MAX_PITCH: u64 = (1 << 31) - 1;
 
+/// The most blocks one [`Layout::Blocks`] may have (65,536: 1 MiB of blocks in the offer).
+/// A receiver refuses an offer with more before it reserves anything, so a peer cannot make
+/// it walk an unbounded list; the offer must also fit the receiver's `limits.max_frame`.
+pub const MAX_BLOCKS: usize = 1 << 16;
+
 /// Why a layout does not fit its buffer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -154,6 +181,40 @@ pub enum LayoutError {
     /// A size does not fit 64 bits.
     #[error("the layout's size overflows")]
     Overflow,
+    /// A block of a block list has no bytes.
+    #[error("block {index} is empty")]
+    EmptyBlock {
+        /// Its place in the list.
+        index: usize,
+    },
+    /// A block list is longer than [`MAX_BLOCKS`].
+    #[error("{count} blocks, more than the {MAX_BLOCKS} a layout may have")]
+    TooManyBlocks {
+        /// Blocks in the list.
+        count: usize,
+    },
+    /// A block ends past the buffer's end.
+    #[error("block {index} reaches byte {end} of a buffer of {len} bytes")]
+    BlockPastTheEnd {
+        /// Its place in the list.
+        index: usize,
+        /// One past its last byte.
+        end: u64,
+        /// The buffer's length.
+        len: u64,
+    },
+    /// Two blocks of a list that is written into share bytes (each would be written twice).
+    #[error(
+        "blocks {first} and {second} overlap (from byte {at}): a destination's blocks must not"
+    )]
+    Overlap {
+        /// The one that starts first (its place in the list).
+        first: usize,
+        /// The one that starts inside it.
+        second: usize,
+        /// Where the second starts.
+        at: u64,
+    },
 }
 
 /// A strided layout's numbers, a 2D one as the 3D one of a single plane.
@@ -167,10 +228,29 @@ struct Dims {
 }
 
 impl Layout {
-    /// `None` for [`Layout::Contiguous`].
+    /// A [`Layout::Blocks`] of `(offset, len)` pairs, in packed order (not checked: see
+    /// [`Self::check`]).
+    pub fn blocks(blocks: impl IntoIterator<Item = (u64, u64)>) -> Self {
+        Layout::Blocks(
+            blocks
+                .into_iter()
+                .map(|(offset, len)| Block { offset, len })
+                .collect(),
+        )
+    }
+
+    /// The blocks of a [`Layout::Blocks`], else `None`.
+    pub fn block_list(&self) -> Option<&[Block]> {
+        match self {
+            Layout::Blocks(blocks) => Some(blocks),
+            _ => None,
+        }
+    }
+
+    /// `None` for [`Layout::Contiguous`] and [`Layout::Blocks`].
     fn dims(&self) -> Option<Dims> {
         match *self {
-            Layout::Contiguous => None,
+            Layout::Contiguous | Layout::Blocks(_) => None,
             Layout::Strided2D {
                 rows,
                 row_bytes,
@@ -204,6 +284,9 @@ impl Layout {
     /// # Errors
     /// What is wrong with it, as a [`LayoutError`].
     pub fn check(&self, len: u64) -> Result<u64, LayoutError> {
+        if let Layout::Blocks(blocks) = self {
+            return check_blocks(blocks, len);
+        }
         let Some(d) = self.dims() else {
             return Ok(len);
         };
@@ -240,20 +323,61 @@ impl Layout {
         mul(mul(d.depth, d.rows)?, d.row_bytes)
     }
 
-    /// One past the last byte a strided layout touches (`None` for [`Layout::Contiguous`],
-    /// which is the whole buffer, whatever its length).
+    /// [`Self::check`], and for a layout that is written into (the destination of a
+    /// scatter), also that no two of its blocks overlap: a block list whose blocks share a
+    /// byte is refused as [`LayoutError::Overlap`] (strided layouts never overlap). Returns
+    /// the packed length.
+    ///
+    /// # Errors
+    /// What is wrong with it, as a [`LayoutError`].
+    pub fn check_destination(&self, len: u64) -> Result<u64, LayoutError> {
+        let packed = self.check(len)?;
+        if let Layout::Blocks(blocks) = self {
+            let mut order: Vec<usize> = (0..blocks.len()).collect();
+            order.sort_unstable_by_key(|&i| (blocks[i].offset, i));
+            for pair in order.windows(2) {
+                let (a, b) = (&blocks[pair[0]], &blocks[pair[1]]);
+                // Checked: no block's end overflows.
+                if b.offset < a.offset + a.len {
+                    return Err(LayoutError::Overlap {
+                        first: pair[0],
+                        second: pair[1],
+                        at: b.offset,
+                    });
+                }
+            }
+        }
+        Ok(packed)
+    }
+
+    /// One past the last byte a strided layout or a block list touches (`None` for
+    /// [`Layout::Contiguous`], which is the whole buffer, whatever its length).
     ///
     /// # Errors
     /// A malformed layout, as [`Self::check`] names it.
     pub fn extent(&self) -> Result<Option<u64>, LayoutError> {
         self.check(u64::MAX)?;
+        if let Layout::Blocks(blocks) = self {
+            // Checked: no block's end overflows.
+            return Ok(blocks.iter().map(|b| b.offset + b.len).max());
+        }
         self.dims().map(|d| d.end()).transpose()
     }
 
-    /// True for [`Layout::Contiguous`], or a strided layout whose rows touch (nothing to
-    /// gather: the sent bytes are the buffer's first ones, its extent is its packed length).
-    /// False for a malformed layout.
+    /// True for [`Layout::Contiguous`], or a strided layout whose rows touch, or a block list
+    /// whose blocks follow each other from the buffer's start (nothing to gather: the sent
+    /// bytes are the buffer's first ones, its extent is its packed length). False for a
+    /// malformed layout.
     pub fn is_contiguous(&self) -> bool {
+        if let Layout::Blocks(blocks) = self {
+            let mut at = 0u64;
+            return self.check(u64::MAX).is_ok()
+                && blocks.iter().all(|b| {
+                    let follows = b.offset == at;
+                    at = b.offset + b.len;
+                    follows
+                });
+        }
         match (self.dims(), self.check(u64::MAX)) {
             (None, _) => true,
             (Some(d), Ok(packed)) => d.end().is_ok_and(|end| end == packed),
@@ -261,10 +385,13 @@ impl Layout {
         }
     }
 
-    /// The sent rows as `(offset in the buffer, length)`, in packed order, for a buffer of
-    /// `len` bytes; one run for a contiguous layout. Call [`Self::check`] first: the runs of
-    /// a layout that does not fit are meaningless.
-    pub fn runs(&self, len: u64) -> impl Iterator<Item = (u64, u64)> {
+    /// The sent rows (or blocks) as `(offset in the buffer, length)`, in packed order, for a
+    /// buffer of `len` bytes; one run for a contiguous layout. Call [`Self::check`] first:
+    /// the runs of a layout that does not fit are meaningless.
+    pub fn runs(&self, len: u64) -> Box<dyn Iterator<Item = (u64, u64)> + '_> {
+        if let Layout::Blocks(blocks) = self {
+            return Box::new(blocks.iter().map(|b| (b.offset, b.len)));
+        }
         let d = self.dims().unwrap_or(Dims {
             depth: 1,
             rows: 1,
@@ -273,25 +400,30 @@ impl Layout {
             plane_rows: 1,
         });
         let plane = d.plane_rows.wrapping_mul(d.pitch);
-        (0..d.depth).flat_map(move |p| {
+        Box::new((0..d.depth).flat_map(move |p| {
             (0..d.rows).map(move |r| {
                 (
                     p.wrapping_mul(plane).wrapping_add(r.wrapping_mul(d.pitch)),
                     d.row_bytes,
                 )
             })
-        })
+        }))
     }
 
     /// The packed bytes `[from, from + count)` of the layout in a buffer of `len` bytes, as
-    /// at most five boxes, in packed order: a part of a row, the rest of a plane's rows, whole
-    /// planes, the first rows of a plane, a part of a row. Each is one 2D or 3D copy (the
-    /// copy engine gathers its rows), never a copy per row.
+    /// boxes, in packed order. A strided layout's are at most five: a part of a row, the rest
+    /// of a plane's rows, whole planes, the first rows of a plane, a part of a row; each is
+    /// one 2D or 3D copy (the copy engine gathers its rows), never a copy per row. A block
+    /// list's are one run per block in the range (the first and last maybe in part): plain
+    /// copies, which a GPU takes as one batch where the driver can.
     ///
     /// # Errors
     /// The layout does not fit `len`, or the range is past its packed length.
     pub fn boxes(&self, len: u64, from: u64, count: u64) -> Result<Vec<RowBox>, LayoutError> {
         let to = self.range_end(len, from, count)?;
+        if let Layout::Blocks(blocks) = self {
+            return Ok(block_runs(blocks, from, to));
+        }
         let Some(Dims {
             rows,
             row_bytes: width,
@@ -365,8 +497,10 @@ impl Layout {
     /// whole buffer): the inverse of [`Self::gather`].
     ///
     /// # Errors
-    /// As [`Self::gather`].
+    /// As [`Self::gather`], and [`LayoutError::Overlap`] for a block list whose blocks
+    /// overlap ([`Self::check_destination`]), before anything is written.
     pub fn scatter(&self, packed: &[u8], from: u64, dst: &mut [u8]) -> Result<(), LayoutError> {
+        self.check_destination(dst.len() as u64)?;
         self.walk(dst.len() as u64, from, packed.len() as u64, |at, p, n| {
             dst[at..at + n].copy_from_slice(&packed[p..p + n]);
         })
@@ -408,6 +542,49 @@ impl Layout {
 
 fn mul(a: u64, b: u64) -> Result<u64, LayoutError> {
     a.checked_mul(b).ok_or(LayoutError::Overflow)
+}
+
+/// [`Layout::check`] of a block list against a buffer of `len` bytes: its packed length.
+fn check_blocks(blocks: &[Block], len: u64) -> Result<u64, LayoutError> {
+    if blocks.is_empty() {
+        return Err(LayoutError::Zero("the block count"));
+    }
+    if blocks.len() > MAX_BLOCKS {
+        return Err(LayoutError::TooManyBlocks {
+            count: blocks.len(),
+        });
+    }
+    let mut packed = 0u64;
+    for (index, b) in blocks.iter().enumerate() {
+        if b.len == 0 {
+            return Err(LayoutError::EmptyBlock { index });
+        }
+        let end = b.offset.checked_add(b.len).ok_or(LayoutError::Overflow)?;
+        if end > len {
+            return Err(LayoutError::BlockPastTheEnd { index, end, len });
+        }
+        packed = packed.checked_add(b.len).ok_or(LayoutError::Overflow)?;
+    }
+    Ok(packed)
+}
+
+/// The packed range `[from, to)` of a checked block list, as one run per block it touches.
+fn block_runs(blocks: &[Block], from: u64, to: u64) -> Vec<RowBox> {
+    let mut out = Vec::new();
+    // Where the block starts in the packed bytes (checked: the total fits 64 bits).
+    let mut start = 0u64;
+    for b in blocks {
+        let end = start + b.len;
+        if start >= to {
+            break;
+        }
+        if end > from {
+            let (lo, hi) = (from.max(start), to.min(end));
+            out.push(RowBox::run(b.offset + (lo - start), lo - from, hi - lo, 0));
+        }
+        start = end;
+    }
+    out
 }
 
 impl Dims {
@@ -532,6 +709,95 @@ pub(crate) mod tests {
         );
     }
 
+    #[test]
+    fn block_lists_are_checked_and_packed_in_their_order() {
+        let src: Vec<u8> = (0..64).collect();
+        // Out of order, apart: packed in list order.
+        let list = Layout::blocks([(40, 3), (2, 4), (20, 1)]);
+        assert_eq!(list.check(64), Ok(8));
+        assert_eq!(list.extent(), Ok(Some(43)));
+        assert!(!list.is_contiguous());
+        let mut out = [0u8; 8];
+        list.gather(&src, 0, &mut out).expect("fits");
+        assert_eq!(out, [40, 41, 42, 2, 3, 4, 5, 20]);
+        // A range that starts and ends inside blocks: one plain run per block touched.
+        let runs: Vec<(u64, u64, u64)> = list
+            .boxes(64, 1, 5)
+            .expect("in range")
+            .iter()
+            .map(|b| (b.src, b.packed, b.len()))
+            .collect();
+        assert_eq!(runs, [(41, 0, 2), (2, 2, 3)]);
+        // Blocks that follow each other from the start are the buffer's first bytes.
+        assert!(Layout::blocks([(0, 4), (4, 10)]).is_contiguous());
+        assert!(!Layout::blocks([(4, 10), (0, 4)]).is_contiguous());
+
+        // Read twice: a source's blocks may overlap.
+        let twice = Layout::blocks([(0, 4), (2, 4)]);
+        assert_eq!(twice.check(8), Ok(8));
+        let mut out = [0u8; 8];
+        twice.gather(&src[..8], 0, &mut out).expect("fits");
+        assert_eq!(out, [0, 1, 2, 3, 2, 3, 4, 5]);
+        // Written twice: refused before a byte is written, naming both blocks.
+        let mut dst = [0xAAu8; 8];
+        assert_eq!(
+            twice.scatter(&out, 0, &mut dst),
+            Err(LayoutError::Overlap {
+                first: 0,
+                second: 1,
+                at: 2
+            })
+        );
+        assert_eq!(dst, [0xAA; 8]);
+        assert_eq!(
+            Layout::blocks([(6, 2), (0, 3), (2, 1)]).check_destination(8),
+            Err(LayoutError::Overlap {
+                first: 1,
+                second: 2,
+                at: 2
+            })
+        );
+        assert_eq!(Layout::blocks([(3, 5), (0, 3)]).check_destination(8), Ok(8));
+
+        // Every way a list can be wrong, named.
+        assert_eq!(
+            Layout::blocks([]).check(8),
+            Err(LayoutError::Zero("the block count"))
+        );
+        assert_eq!(
+            Layout::blocks([(0, 1), (4, 0)]).check(8),
+            Err(LayoutError::EmptyBlock { index: 1 })
+        );
+        assert_eq!(
+            Layout::blocks([(0, 1), (4, 5)]).check(8),
+            Err(LayoutError::BlockPastTheEnd {
+                index: 1,
+                end: 9,
+                len: 8
+            })
+        );
+        assert_eq!(
+            Layout::blocks([(u64::MAX, 2)]).check(u64::MAX),
+            Err(LayoutError::Overflow)
+        );
+        assert_eq!(
+            Layout::blocks([(0, u64::MAX), (0, 1)]).check(u64::MAX),
+            Err(LayoutError::Overflow)
+        );
+        let many = Layout::blocks((0..=MAX_BLOCKS as u64).map(|i| (i, 1)));
+        assert_eq!(
+            many.check(u64::MAX),
+            Err(LayoutError::TooManyBlocks {
+                count: MAX_BLOCKS + 1
+            })
+        );
+        let text = Layout::blocks([(0, 1), (4, 5)])
+            .check(8)
+            .expect_err("past the end")
+            .to_string();
+        assert_eq!(text, "block 1 reaches byte 9 of a buffer of 8 bytes");
+    }
+
     /// Layouts of every kind with the length of a buffer they fit (some bytes spare).
     pub(crate) fn layouts() -> impl Strategy<Value = (Layout, u64)> {
         let two = (1u64..20, 1u64..40, 0u64..20, 0u64..30).prop_map(|(rows, row, gap, tail)| {
@@ -556,7 +822,27 @@ pub(crate) mod tests {
             },
         );
         let flat = (0u64..200).prop_map(|len| (Layout::Contiguous, len));
-        prop_oneof![flat, two, three]
+        prop_oneof![flat, two, three, blocks()]
+    }
+
+    /// Block lists that do not overlap, in any order, with the length of a buffer they fit
+    /// (some bytes spare).
+    pub(crate) fn blocks() -> impl Strategy<Value = (Layout, u64)> {
+        (
+            proptest::collection::vec((1u64..40, 0u64..20), 1..24),
+            0u64..30,
+        )
+            .prop_flat_map(|(sizes, tail)| {
+                let mut at = 0;
+                let mut list = Vec::new();
+                for (len, gap) in sizes {
+                    at += gap;
+                    list.push((at, len));
+                    at += len;
+                }
+                (Just(list).prop_shuffle(), Just(at + tail))
+            })
+            .prop_map(|(list, len)| (Layout::blocks(list), len))
     }
 
     proptest! {
@@ -581,7 +867,11 @@ pub(crate) mod tests {
             for (i, chunk) in want.chunks(piece).enumerate() {
                 let from = (i * piece) as u64;
                 let boxes = layout.boxes(len, from, chunk.len() as u64).expect("in range");
-                prop_assert!(boxes.len() <= 5, "{} boxes", boxes.len());
+                let most = match &layout {
+                    Layout::Blocks(b) => b.len(),
+                    _ => 5,
+                };
+                prop_assert!(boxes.len() <= most, "{} boxes", boxes.len());
                 let mut out = vec![0u8; chunk.len()];
                 for b in &boxes {
                     for (at, p, n) in b.rows() {

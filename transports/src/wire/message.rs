@@ -13,7 +13,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -481,6 +481,15 @@ impl FrameKind {
 }
 
 impl Message {
+    /// The length of the message's rkyv payload, as its frame carries it: what a peer's
+    /// `max_frame` caps (a large block list makes a large offer).
+    ///
+    /// # Errors
+    /// rkyv's, when the message cannot be encoded.
+    pub fn payload_len(&self) -> Result<usize, rkyv::rancor::Error> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self).map(|b| b.len())
+    }
+
     /// The frame kind this message travels as.
     pub fn kind(&self) -> FrameKind {
         match self {

@@ -3,5 +3,5 @@ pub mod frame;
 pub mod layout;
 pub mod message;
 pub use frame::*;
-pub use layout::{Layout, LayoutError, MAX_PITCH, RowBox};
+pub use layout::{Block, Layout, LayoutError, MAX_BLOCKS, MAX_PITCH, RowBox};
 pub use message::*;
