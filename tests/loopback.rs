@@ -452,3 +452,40 @@ async fn host_id_in_the_hello_decides_locality() {
         assert_eq!(crc32c::crc32c(got.buffer.as_slice().expect("host")), crc);
     }
 }
+
+/// A block list whose offer is larger than the frames the peer takes (its
+/// `limits.max_frame`) is refused at the sender as the caller's error, naming the limit,
+/// with the buffer back; the link stays up, and a shorter list crosses byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_list_larger_than_the_peers_frames_is_refused_and_the_link_stays() {
+    let scratch = Scratch::new();
+    let small = "[limits]\nmax_frame = \"256 KiB\"\n\n\
+                 [transport.tcp]\nchunk_size = \"128 KiB\"\n\n\
+                 [transport.staged]\nlink_chunk = \"128 KiB\"\n";
+    let (node, _echo) = with_echo(&scratch, small).await;
+    let pool = patterned(&node, 40_000, 3).await;
+    let whole = pool.to_vec().expect("host");
+    // 20,000 blocks: an offer of some 320 KB.
+    let many = ferry::Layout::blocks((0..20_000u64).map(|i| (i * 2, 1)));
+    let err = node
+        .send_layout("echo", 1, pool, many)
+        .await
+        .expect_err("an offer larger than the peer's frames");
+    assert!(matches!(err.error, Error::Usage(_)), "{err}");
+    assert!(err.to_string().contains("limits.max_frame"), "{err}");
+    let pool = err.buffer.expect("the buffer comes back");
+    // 10,000 blocks (some 160 KB of offer) go, over the same link.
+    let fewer = ferry::Layout::blocks((0..10_000u64).map(|i| ((9_999 - i) * 4, 2)));
+    let mut want = vec![0u8; 20_000];
+    fewer.gather(&whole, 0, &mut want).expect("gather");
+    drop(
+        node.send_layout("echo", 2, pool, fewer)
+            .await
+            .expect("send"),
+    );
+    let got = tokio::time::timeout(Duration::from_secs(10), node.recv(Some("echo"), Some(2)))
+        .await
+        .expect("echo in time")
+        .expect("recv");
+    assert!(got.buffer.to_vec().expect("host") == want, "other bytes");
+}

@@ -4,7 +4,9 @@
 //! (`ferry_transports::registry::catalog`) runs them by being there.
 //!
 //! The checks (`checks/`): byte-exact sizes from 0 B to 64 MiB (64 MiB once per transport);
-//! every layout, packed and received into a layout, refusals before anything moves; order
+//! every layout, packed and received into a layout, refusals before anything moves; block
+//! lists (scattered pages of a pool, received into places of the receiver's own, hostile
+//! lists refused, and a proptest of lists: counts, sizes, orders); order
 //! per peer under mixed sizes and backpressure; cancellation as the API defines it (a
 //! dropped send still runs to its end, a dropped receive loses nothing); a deadline that
 //! passes while the peer has no memory; a peer killed with transfers in flight (they end
@@ -145,6 +147,7 @@ macro_rules! conformance {
 conformance! {
     sizes_arrive_byte_exact: Scope::All;
     every_layout_arrives_packed: Scope::All;
+    block_lists_arrive_packed: Scope::All;
     order_per_peer_holds_under_mixed_sizes: Scope::All;
     order_holds_under_backpressure: Scope::All;
     #[ignore = "fails: a dropped Node::send whose message the coordinator has not taken yet is \

@@ -1,5 +1,6 @@
 //! The checks, each `async fn(Combo, first_of_its_transport)`, and what they share.
 
+mod blocks;
 mod data;
 mod failure;
 mod memory;
@@ -12,6 +13,7 @@ use crate::combos::Combo;
 use crate::common::eventually;
 use crate::pair::Pair;
 
+pub use blocks::block_lists_arrive_packed;
 pub use data::{
     every_layout_arrives_packed, order_holds_under_backpressure,
     order_per_peer_holds_under_mixed_sizes, sizes_arrive_byte_exact,
