@@ -119,6 +119,101 @@ fn boxes_gather_strided_rows_like_the_host() {
     }
 }
 
+/// A block list's blocks, gathered by the copy engine (one batch of copies where the driver
+/// has `cuMemcpyBatchAsync`, one copy each otherwise), match the host's gather, device to
+/// device (across GPUs where there are two) and, in pieces, device to host; scattered back
+/// into places of another buffer they land where the host's scatter puts them. On a driver
+/// of CUDA 12.8 or later the batch is used (and stays in use: the driver did not refuse it).
+#[test]
+fn blocks_gather_and_scatter_like_the_host() {
+    use ferry_transports::cuda::{BlockCopies, block_copies, scatter_boxes_async};
+    use ferry_transports::wire::Layout;
+    let Some(gpus) = gpus() else { return };
+    let dev = gpus.last().expect("a GPU");
+    let pool = ExportablePool::new(&gpus[0]).expect("exportable pool");
+    let other = ExportablePool::new(dev).expect("exportable pool");
+    other.grant_access(&gpus[0]).expect("access");
+    let stream = Stream::new(&gpus[0]).expect("stream");
+    let other_stream = Stream::new(dev).expect("stream");
+    // 1,000 pages of 16 KiB out of 4,096, out of order, and a few odd blocks.
+    let page = 16u64 << 10;
+    let mut list: Vec<(u64, u64)> = (0..1000u64)
+        .map(|i| ((i * 7919 % 4096) * page, page))
+        .collect();
+    list.extend([(5, 1), (page * 4096 - 3, 3), (17, 40_000)]);
+    let layout = Layout::blocks(list);
+    let len = (page * 4096) as usize;
+    let host = pattern(len as u64, len);
+    let mut src = pool.alloc(len, &stream).expect("alloc");
+    copy_from_host(&mut src, 0, &host, &stream).expect("H2D");
+    let packed = layout.check(len as u64).expect("fits");
+    let mut want = vec![0u8; packed as usize];
+    layout.gather(&host, 0, &mut want).expect("gather");
+    let boxes = layout.boxes(len as u64, 0, packed).expect("boxes");
+    assert_eq!(boxes.len(), 1003, "one run per block");
+
+    let mut dst = other.alloc(packed as usize, &other_stream).expect("alloc");
+    other_stream.synchronize().expect("allocated");
+    copy_boxes_async(&mut dst, 0, &src, 0, &boxes, &stream).expect("block copies");
+    stream.synchronize().expect("copied");
+    let mut got = vec![0u8; packed as usize];
+    copy_to_host(&mut got, &dst, 0, &other_stream).expect("D2H");
+    assert!(got == want, "blocks gathered on the device, other bytes");
+    // The batch is there from CUDA 12.8 (driver version 12080) on.
+    if let ferry_transports::cuda::CudaProbe::Ready(driver) = ferry_transports::cuda::probe()
+        && driver.cuda_version >= 12080
+    {
+        assert_eq!(
+            block_copies(),
+            BlockCopies::Batched,
+            "driver {}",
+            driver.cuda_version
+        );
+    }
+    println!("block copies: {:?}", block_copies());
+
+    // In pieces from odd offsets, into host memory.
+    let mut pieces = vec![0u8; packed as usize];
+    for (i, chunk) in pieces.chunks_mut(100_003).enumerate() {
+        let from = (i * 100_003) as u64;
+        let boxes = layout
+            .boxes(len as u64, from, chunk.len() as u64)
+            .expect("boxes");
+        copy_boxes_to_host(chunk, &src, 0, &boxes, &stream).expect("block copies to host");
+    }
+    assert!(pieces == want, "blocks gathered in pieces, other bytes");
+
+    // Scattered into places of another buffer: the same lengths, back to front.
+    let lens: Vec<u64> = layout
+        .block_list()
+        .expect("blocks")
+        .iter()
+        .map(|b| b.len)
+        .collect();
+    let mut at = 0;
+    let mut places = vec![(0, 0); lens.len()];
+    for (i, &n) in lens.iter().enumerate().rev() {
+        places[i] = (at + 1, n);
+        at += n + 1;
+    }
+    let places = Layout::blocks(places);
+    let room = at as usize + 1;
+    let before = vec![0xABu8; room];
+    let mut expected = before.clone();
+    places.scatter(&want, 0, &mut expected).expect("scatter");
+    let mut target = other.alloc(room, &other_stream).expect("alloc");
+    copy_from_host(&mut target, 0, &before, &other_stream).expect("H2D");
+    let boxes = places.boxes(room as u64, 0, packed).expect("boxes");
+    scatter_boxes_async(&mut target, &dst, 0, &boxes, &other_stream).expect("scatter copies");
+    other_stream.synchronize().expect("scattered");
+    let mut got = vec![0u8; room];
+    copy_to_host(&mut got, &target, 0, &other_stream).expect("D2H");
+    assert!(
+        got == expected,
+        "blocks scattered on the device, other bytes"
+    );
+}
+
 /// A buffer lent to a peer's push is exported before any peer fetched the pool: a new
 /// pool's pointers export at once.
 #[test]
