@@ -232,6 +232,14 @@ fn doctor_default_config_passes_and_says_no_cuda() {
             "{text}"
         );
     }
+    // On a GPU machine, how block lists of device memory are copied (batched from CUDA
+    // 12.8 on).
+    if std::env::var("FERRY_GPU_TESTS").as_deref() == Ok("1") {
+        assert!(
+            text.contains("block copies") && text.contains("cuMemcpy"),
+            "{text}"
+        );
+    }
 }
 
 #[test]

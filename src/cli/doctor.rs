@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ferry_config::{Config, Locality, MemoryClass, Rule, TransportName};
-use ferry_transports::cuda::{CudaDriver, CudaProbe};
+use ferry_transports::cuda::{BlockCopies, CudaDriver, CudaProbe};
 use ferry_transports::transport::{Capabilities, Viability};
 use serde::Serialize;
 
@@ -175,6 +175,11 @@ pub fn render(findings: &[Finding]) -> String {
 pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     let named = named_transports(config);
     let mut out = cuda_findings(&facts.cuda, &facts.pool_export, &named);
+    if let CudaProbe::Ready(driver) = &facts.cuda
+        && !driver.devices.is_empty()
+    {
+        out.push(block_copies_finding(driver, facts.block_copies));
+    }
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
     // UCX matters where a rule names ucx and the node would serve it: "on", or "auto"
@@ -412,6 +417,31 @@ fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
          staged for these GPUs; in a container, make sure every process of the node sees \
          the same GPUs and may pass file descriptors over Unix sockets",
     )
+}
+
+/// How block lists (`Layout::Blocks`) of device memory are gathered: one batch of copies
+/// per list where the driver has `cuMemcpyBatchAsync` (CUDA 12.8+), else one copy per block.
+fn block_copies_finding(driver: &CudaDriver, copies: Option<BlockCopies>) -> Finding {
+    const CHECK: &str = "block copies";
+    match copies {
+        Some(BlockCopies::Batched) => Finding::new(
+            CHECK,
+            Status::Ok,
+            "block lists of device memory are gathered with cuMemcpyBatchAsync: one call for \
+             all the blocks of a copy",
+        ),
+        Some(_) => Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "the driver (CUDA {}) has no cuMemcpyBatchAsync: block lists of device memory \
+                 are gathered with one cuMemcpyAsync per block (slower for many small blocks)",
+                driver.cuda_version_text()
+            ),
+        )
+        .remedy("update the NVIDIA driver to one that supports CUDA 12.8 or later"),
+        None => Finding::new(CHECK, Status::Skipped, "not looked up"),
+    }
 }
 
 fn rdma_finding(driver: &CudaDriver) -> Finding {
@@ -702,6 +732,7 @@ mod tests {
             // No CUDA driver, as the facts say, whatever this machine has.
             transports: crate::cli::explain::tests::host_only_catalog(),
             pool_export: Vec::new(),
+            block_copies: None,
         }
     }
 
@@ -921,6 +952,37 @@ mod tests {
         };
         let f = diagnose(&broken, &config(""));
         assert_eq!(find(&f, CUDA).status, Status::Problem);
+    }
+
+    #[test]
+    fn block_copies_say_whether_the_driver_batches() {
+        let with = |cuda_version, copies| Facts {
+            cuda: CudaProbe::Ready(CudaDriver {
+                cuda_version,
+                kernel_module: None,
+                devices: vec![gpu(0)],
+                peer_access: vec![vec![false]],
+            }),
+            block_copies: Some(copies),
+            ..healthy()
+        };
+        let f = diagnose(&with(12080, BlockCopies::Batched), &config(""));
+        let b = find(&f, "block copies");
+        assert_eq!(b.status, Status::Ok);
+        assert!(b.found.contains("cuMemcpyBatchAsync"), "{}", b.found);
+        let f = diagnose(&with(12040, BlockCopies::PerRun), &config(""));
+        let b = find(&f, "block copies");
+        assert_eq!(b.status, Status::Warn);
+        assert!(
+            b.found.contains("one cuMemcpyAsync per block"),
+            "{}",
+            b.found
+        );
+        assert!(b.found.contains("CUDA 12.4"), "{}", b.found);
+        assert!(!b.blocks);
+        // Without a driver, nothing to say.
+        let f = diagnose(&healthy(), &config(""));
+        assert!(!f.iter().any(|f| f.check == "block copies"));
     }
 
     #[test]

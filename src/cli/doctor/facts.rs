@@ -32,6 +32,9 @@ pub struct Facts {
     /// pools; empty when it did not run. [`Facts::gather`] leaves it empty (the test starts
     /// a process): [`super::pool_test::run`] fills it.
     pub pool_export: Vec<super::pool_test::PoolTest>,
+    /// How block lists of device memory are copied in this process (`cuMemcpyBatchAsync`,
+    /// or one copy per block); `None` without a working driver.
+    pub block_copies: Option<cuda::BlockCopies>,
 }
 
 /// RLIMIT_MEMLOCK in bytes; `None` is unlimited.
@@ -55,13 +58,16 @@ pub struct Ucx {
 impl Facts {
     /// Reads the facts from this machine. Does not fail: what cannot be read is recorded.
     pub fn gather() -> Self {
+        let cuda = cuda::probe();
+        let block_copies = matches!(cuda, cuda::CudaProbe::Ready(_)).then(cuda::block_copies);
         Self {
-            cuda: cuda::probe(),
+            cuda,
             shm: shm_size(Path::new("/dev/shm")),
             memlock: memlock(),
             ucx: ucx(),
             transports: ferry_transports::registry::catalog(),
             pool_export: Vec::new(),
+            block_copies,
         }
     }
 }
