@@ -179,11 +179,15 @@ fn explain_json_parses() {
             "host",
             "--dst-memory",
             "host",
+            "--layout",
+            "blocks",
             "--json",
         ],
     );
     assert_eq!(out.status.code(), Some(0), "{}", said(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("explain --json is JSON");
+    // Every transport carries block lists: the route is the contiguous one.
+    assert_eq!(v["layout"], "blocks");
     assert_eq!(v["chosen"]["transport"], "tcp");
     assert_eq!(v["rule"]["name"], "host");
     assert_eq!(v["dst"], "host");

@@ -35,7 +35,9 @@ pub struct Args {
     /// its hello says (the route a send takes), or host memory without a link to the peer.
     #[arg(long = "dst-memory", value_parser = parse_memory)]
     dst_memory: Option<MemoryClass>,
-    /// Buffer layout (only contiguous buffers exist today).
+    /// Buffer layout. Every transport carries every layout (it gathers strided rows and
+    /// block lists itself), so the route does not depend on it; `--bytes` is what moves
+    /// (the packed bytes).
     #[arg(long, value_enum, default_value_t = Layout::Contiguous)]
     layout: Layout,
     /// Dial the peer to learn what it offers and whether setup works (the default).
@@ -55,6 +57,10 @@ pub struct Args {
 enum Layout {
     /// One run of bytes.
     Contiguous,
+    /// Rows at a pitch (`Layout::Strided2D`, `Layout::Strided3D`).
+    Strided,
+    /// A list of (offset, length) blocks (`Layout::Blocks`).
+    Blocks,
 }
 
 /// A size for `--bytes`: what [`parse_size`] reads, plus a bare `K`, `M`, `G` or `T`
