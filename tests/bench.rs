@@ -94,7 +94,17 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         ),
         (
             vec!["--layout", "diagonal"],
-            "contiguous or strided:ROW:PITCH",
+            "contiguous, strided:ROW:PITCH (e.g. strided:4K:8K) or blocks:SIZE:COUNT",
+        ),
+        (vec!["--layout", "blocks:4K"], "blocks:SIZE:COUNT (e.g."),
+        (vec!["--layout", "blocks:1:65537"], "at most 65536 blocks"),
+        (
+            vec!["--layout", "blocks:4K:8", "--bidir"],
+            "one direction only",
+        ),
+        (
+            vec!["--layout", "blocks:4K:8", "--json", "x.json"],
+            "write a size sweep",
         ),
     ] {
         let out = Command::new(common::ferry_bin())
@@ -107,6 +117,64 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         assert!(!out.status.success(), "{args:?}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
+}
+
+/// `--layout blocks:SIZE:COUNT` over tcp: the blocks' bytes three ways (one block list,
+/// contiguous, one transfer per block), each checked by the peer, and the two ratios.
+#[test]
+fn blocks_layout_prints_three_rows_and_their_ratios() {
+    let out = Command::new(common::ferry_bin())
+        .args([
+            "bench",
+            "--layout",
+            "blocks:4K:32",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--window",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("# blocks: 32 blocks of 4096 bytes")
+            && stdout.contains("of a pool of 524288 bytes"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("tcp"), "{stdout}");
+    // Each row: its name, the bytes of a transfer, transfers per copy, the window, GB/s,
+    // three latencies, and no transfer wrong.
+    for (name, bytes, sends) in [
+        ("blocks", "131072", "1"),
+        ("contiguous", "131072", "1"),
+        ("per block", "4096", "32"),
+    ] {
+        let row = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name) && !l.starts_with('#'))
+            .unwrap_or_else(|| panic!("no {name} row in {stdout}"));
+        let fields: Vec<&str> = row[row.find(name).expect("name") + name.len()..]
+            .split_whitespace()
+            .collect();
+        assert_eq!(&fields[..2], [bytes, sends], "{row}");
+        let gbps: f64 = fields[3].parse().expect("GB/s");
+        assert!(gbps > 0.0, "{row}");
+        assert_eq!(fields.last(), Some(&"0"), "{row}: transfers wrong");
+    }
+    let ratios = stdout
+        .lines()
+        .find(|l| l.starts_with("# blocks / contiguous"))
+        .unwrap_or_else(|| panic!("no ratios in {stdout}"));
+    assert!(ratios.contains("one transfer per block"), "{ratios}");
 }
 
 /// `--set` shapes a local bench (it was once ignored there): a host budget too small for the

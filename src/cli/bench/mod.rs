@@ -12,6 +12,7 @@
 //! engine). The baseline is `cuMemcpyAsync` between the same two GPUs in this process, with
 //! the same number of copies in flight. Bandwidth is in GB/s (10^9 bytes per second).
 
+mod blocks;
 mod pattern;
 mod peer;
 mod report;
@@ -69,7 +70,10 @@ pub struct Args {
     /// Buffer layout: `contiguous`, or `strided:ROW:PITCH` (each transfer sends its size in
     /// rows of ROW bytes, PITCH apart in a larger buffer: the rows arrive packed). With a
     /// GPU baseline, a raw 2D copy of the same rows is the baseline, and one copy per row is
-    /// timed too. One direction only, with --no-check.
+    /// timed too. One direction only, with --no-check. Or `blocks:SIZE:COUNT`: COUNT blocks
+    /// of SIZE bytes at random places of a pool 4 times their bytes, sent as one block list,
+    /// next to the same bytes contiguous and to one transfer per block (one size: -b and -e
+    /// are not used; one direction only).
     #[arg(long, default_value = "contiguous")]
     layout: String,
     /// Both directions at once.
@@ -221,7 +225,9 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
         ),
         other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
     }
-    if let Some((row, _)) = strided(&args.layout)? {
+    if blocks::parse(&args.layout)?.is_some() {
+        blocks::check_args(args)?;
+    } else if let Some((row, _)) = strided(&args.layout)? {
         if !args.no_check {
             bail!(
                 "--layout {}: add --no-check (the peer checks contiguous patterns)",
@@ -261,7 +267,10 @@ fn strided(layout: &str) -> anyhow::Result<Option<(u64, u64)>> {
     }
     let parts: Vec<&str> = layout.split(':').collect();
     let ["strided", row, pitch] = parts[..] else {
-        bail!("--layout {layout}: contiguous or strided:ROW:PITCH (e.g. strided:4K:8K)");
+        bail!(
+            "--layout {layout}: contiguous, strided:ROW:PITCH (e.g. strided:4K:8K) or \
+             blocks:SIZE:COUNT (e.g. blocks:16K:1000)"
+        );
     };
     let (row, pitch) = (
         parse_bytes(row).map_err(|e| anyhow::anyhow!("--layout {layout}: {e}"))?,
@@ -608,7 +617,10 @@ async fn orchestrate(
         MemoryKind::Device(_) => MemoryClass::Device,
         _ => MemoryClass::Host,
     };
-    let explanation = node.explain(&target.name, args.max, class, class).await?;
+    let block_list = blocks::parse(&args.layout)?;
+    // What one transfer moves at most: the largest size, or a block list's bytes.
+    let most = block_list.map_or(args.max, |spec| spec.packed());
+    let explanation = node.explain(&target.name, most, class, class).await?;
     let chosen = explanation.chosen.as_ref().map(|r| r.transport.as_str());
     let direction = explanation.chosen.as_ref().map(|r| r.direction.to_string());
     if let Some(wanted) = &args.direction
@@ -626,7 +638,7 @@ async fn orchestrate(
             "--transport {}: ferry would carry {} of {} memory to {} over {}, so the bench \
              would not measure {}; the route: {explanation}",
             args.transport,
-            ferry_config::format_size(args.max),
+            ferry_config::format_size(most),
             args.memory,
             target.name,
             chosen.unwrap_or("nothing"),
@@ -643,6 +655,11 @@ async fn orchestrate(
         warmup: args.warmup,
         route: explanation.to_string(),
         baseline: match (&target.baseline, args.no_baseline) {
+            _ if block_list.is_some() => {
+                "the same bytes as one contiguous buffer, and as one transfer per block, to \
+                 the same peer in this run"
+                    .into()
+            }
             (Some(b @ (Baseline::Copy(_) | Baseline::Staging(_))), false)
                 if args.layout != "contiguous" =>
             {
@@ -657,7 +674,11 @@ async fn orchestrate(
         },
         latency: latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
     };
-    report::print_header(&header);
+    if block_list.is_some() {
+        report::print_preamble(&header);
+    } else {
+        report::print_header(&header);
+    }
     if args.transport == "staged" {
         let device = match target.memory {
             MemoryKind::Device(n) => ferry::cuda::Device::open(n as usize).ok(),
@@ -682,16 +703,21 @@ async fn orchestrate(
              it, which bounds ferry's figures; --no-check measures the transport alone"
         );
     }
-    let progress = report::progress(list.len() as u64);
     let mut records = Vec::new();
-    for size in list {
-        progress.set_message(ferry_config::format_size(size));
-        let record = measure(&node, &target, &args, size).await?;
-        progress.suspend(|| report::print_row(&record));
-        records.push(record);
-        progress.inc(1);
+    let mut wrong = 0;
+    if let Some(spec) = block_list {
+        wrong += blocks::run(&node, &target, &args, spec).await?;
+    } else {
+        let progress = report::progress(list.len() as u64);
+        for size in list {
+            progress.set_message(ferry_config::format_size(size));
+            let record = measure(&node, &target, &args, size).await?;
+            progress.suspend(|| report::print_row(&record));
+            records.push(record);
+            progress.inc(1);
+        }
+        progress.finish_and_clear();
     }
-    progress.finish_and_clear();
 
     if args.pairs.as_deref() == Some("all") {
         let size = args.max;
@@ -705,7 +731,7 @@ async fn orchestrate(
             size,
         );
     }
-    let wrong: u64 = records.iter().map(|r| r.wrong).sum();
+    wrong += records.iter().map(|r| r.wrong).sum::<u64>();
     if let Some(path) = &args.json {
         report::write_json(path, &header, &records)?;
     }

@@ -55,7 +55,25 @@ pub struct Record {
     pub checked: bool,
 }
 
+/// The header's lines and the sweep table's column names.
 pub fn print_header(h: &Header) {
+    print_preamble(h);
+    println!(
+        "{:>12} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
+        "bytes",
+        "window",
+        "ferry GB/s",
+        "base GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "#wrong"
+    );
+}
+
+/// The header's lines: what is measured, the route, the baseline, the latency.
+pub fn print_preamble(h: &Header) {
     println!(
         "# ferry bench: transport {}, {} memory, link over {}{}",
         h.transport,
@@ -74,18 +92,6 @@ pub fn print_header(h: &Header) {
         h.iters, h.warmup
     );
     println!("# latency (p50/p99/p999 us): {}", h.latency);
-    println!(
-        "{:>12} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
-        "bytes",
-        "window",
-        "ferry GB/s",
-        "base GB/s",
-        "ratio",
-        "p50 us",
-        "p99 us",
-        "p999 us",
-        "#wrong"
-    );
 }
 
 pub fn print_row(r: &Record) {
