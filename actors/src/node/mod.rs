@@ -362,17 +362,20 @@ impl Node {
             .await
     }
 
-    /// Sends the bytes of `buffer` that `layout` names (rows at a pitch, or planes of them),
-    /// packed: the peer's [`Received`] holds them one row after the
-    /// other, with the layout. The buffer comes back whole. As [`Self::send`] otherwise
+    /// Sends the bytes of `buffer` that `layout` names (rows at a pitch, planes of them, or a
+    /// list of blocks), packed: the peer's [`Received`] holds them one row (or block) after
+    /// the other, with the layout. The buffer comes back whole. As [`Self::send`] otherwise
     /// (its deadline is the node's default).
     ///
     /// Device memory is gathered by the copy engine: an ipc pull or push is one 3D copy
-    /// (a few at most), tcp gathers each chunk into host memory with a few 3D copies.
+    /// (a few at most), or one batch of copies for a block list (one copy per block on a
+    /// driver older than CUDA 12.8); tcp gathers each chunk into host memory.
     ///
     /// # Errors
-    /// [`Error::Usage`] naming what is wrong with a layout that does not fit the buffer,
-    /// before anything moves; else as [`Self::send`].
+    /// [`Error::Usage`] naming what is wrong with a layout that does not fit the buffer
+    /// (for a block list: an empty block, one past the end, more than
+    /// [`ferry_transports::wire::MAX_BLOCKS`]), before anything moves, or with a block list
+    /// whose offer is larger than the peer's `limits.max_frame`; else as [`Self::send`].
     pub async fn send_layout(
         &self,
         peer: &str,
