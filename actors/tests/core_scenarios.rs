@@ -231,6 +231,55 @@ fn pipeline_depth_bounds_offers() {
     assert_eq!(p.offers_sent(), 3, "a finished op frees exactly one slot");
 }
 
+/// An offer the shell could not put on the link (a block list larger than the peer's
+/// frames) fails its op as the caller's, once, tells the peer nothing, and frees its
+/// pipeline slot for the next.
+#[test]
+fn an_unsendable_offer_fails_its_op_alone() {
+    let mut s = PeerSession::new(SessionLimits {
+        in_flight: 1,
+        ..LIMITS
+    });
+    let now = Instant::now();
+    let request = |tag, layout: Layout, len| SendRequest {
+        tag,
+        len,
+        source: WireMemoryKind::Host,
+        transport: TransportName::Tcp,
+        direction: WireDirection::Push,
+        ipc: None,
+        ucx: None,
+        layout,
+        deadline: now + LONG,
+    };
+    let big = s
+        .handle_send(now, request(1, Layout::blocks([(0, 8), (16, 8)]), 16))
+        .expect("queued");
+    let next = s
+        .handle_send(now, request(2, Layout::Contiguous, 100))
+        .expect("queued");
+    let Some(Message::Offer(offer)) = s.poll_transmit() else {
+        panic!("the first offer");
+    };
+    assert_eq!(OpId(offer.transfer), big);
+    s.handle_unsendable(big, "too large for the peer's frames".into());
+    assert_eq!(
+        s.poll_event(),
+        Some(SessionEvent::Finished(
+            big,
+            Outcome::Failed(FailKind::Unsendable(
+                "too large for the peer's frames".into()
+            ))
+        ))
+    );
+    // Nothing about it goes to the peer; the next op takes the slot.
+    match s.poll_transmit() {
+        Some(Message::Offer(o)) => assert_eq!(OpId(o.transfer), next),
+        other => panic!("expected the next offer, got {other:?}"),
+    }
+    assert_eq!(s.poll_transmit(), None);
+}
+
 #[test]
 fn queue_bound_refuses() {
     let mut p = Pair::new(limits(2, 1, 4));
