@@ -494,9 +494,11 @@ fn device_side(memory: &impl DeviceMemory, offset: usize) -> Result<(Base, usize
 }
 
 /// Gathers the rows of `boxes` (a layout's, see [`crate::wire::Layout::boxes`]) out of
-/// `src` from `src_offset` on, packed into `dst` from `dst_offset` on: one 3D copy per box,
-/// the copy engine walking the rows (never a copy per row). Returns once queued; both stay
-/// allocated until the copies complete.
+/// `src` from `src_offset` on, packed into `dst` from `dst_offset` on: one 3D copy per box
+/// of several rows, the copy engine walking the rows (never a copy per row); the boxes of
+/// one row (a block list's blocks) as one batch of copies where the driver has
+/// `cuMemcpyBatchAsync` ([`block_copies`]). Returns once queued; both stay allocated until
+/// the copies complete.
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a box outside either buffer; a driver error otherwise.
@@ -542,7 +544,9 @@ pub fn copy_boxes_to_host(
 
 /// Puts packed bytes back where a layout's boxes say (the inverse of
 /// [`copy_boxes_async`]): `src` holds them from `src_offset` on, `dst` is the strided
-/// buffer. One 3D copy per box; returns once queued.
+/// buffer (the places of a block list's blocks: they must not overlap, see
+/// [`crate::wire::Layout::check_destination`]). Copied as [`copy_boxes_async`] copies;
+/// returns once queued.
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a box outside either buffer; a driver error otherwise.
