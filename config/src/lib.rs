@@ -47,7 +47,7 @@ pub use error::{ConfigError, Origin, ParseError};
 pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
-    Config, DiscoveryConfig, DiscoveryMode, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
+    Config, DiscoveryConfig, DiscoveryMode, DnsName, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
     NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
     TransportConfig, UcxMode, UcxTuning,
 };

@@ -99,12 +99,47 @@ pub struct PeerConfig {
     pub address: PeerAddress,
 }
 
-/// `[discovery]`: how peers are found.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+/// `[discovery]`: how peers are found, besides `[[peers]]` and the nodes that dial this one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DiscoveryConfig {
-    /// Discovery mechanism. Default static.
+    /// `"static"` (the default): only `[[peers]]`. `"dns"`: also the nodes at the
+    /// addresses that the names in `dns` resolve to.
     pub mode: DiscoveryMode,
+    /// The DNS names whose A/AAAA records list peers (a Kubernetes headless Service), each
+    /// with the port its nodes listen on. Looked up through the system resolver, again every
+    /// `interval`. A name only says where to dial: who answers is learnt from its
+    /// authenticated hello. Default `[]`; at least one with `mode = "dns"`, none otherwise.
+    pub dns: Vec<DnsName>,
+    /// How often the names are looked up again. Default `"10s"`; at least 1 s.
+    #[serde(with = "duration")]
+    pub interval: Duration,
+    /// Most addresses taken from DNS at once, over all names (a node with an IPv4 and an
+    /// IPv6 record counts twice); the rest are left out, with a warning. Default 256; 1 to
+    /// 4096.
+    pub max_peers: usize,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            mode: DiscoveryMode::Static,
+            dns: Vec::new(),
+            interval: Duration::from_secs(10),
+            max_peers: 256,
+        }
+    }
+}
+
+/// One DNS name of `discovery.dns`: `{ name = "ferry.ns.svc.cluster.local", port = 7070 }`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsName {
+    /// The name to look up: a host name (`[A-Za-z0-9_-]` labels joined by dots, a trailing
+    /// dot allowed) or an IP address.
+    pub name: String,
+    /// The port the nodes at its addresses listen on (their `node.listen` port); not 0.
+    pub port: u16,
 }
 
 /// A way to find peers.
@@ -114,6 +149,8 @@ pub enum DiscoveryMode {
     /// Only the peers listed in `[[peers]]` (`"static"`).
     #[default]
     Static,
+    /// `[[peers]]`, and the nodes at the addresses of `discovery.dns` (`"dns"`).
+    Dns,
 }
 
 /// `[gpu]`: the GPUs this node uses.
@@ -500,7 +537,7 @@ pub enum LogFormat {
 }
 
 config_names! {
-    DiscoveryMode { Static => "static" }
+    DiscoveryMode { Static => "static", Dns => "dns" }
     UcxMode { Auto => "auto", On => "on", Off => "off" }
     LogFormat { Text => "text", Json => "json" }
 }

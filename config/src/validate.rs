@@ -7,7 +7,7 @@ use crate::address::{ListenAddress, check_peer_host_port, parse_listen};
 use crate::error::{ConfigError, Origin};
 use crate::names::is_valid_name;
 use crate::rule::MemoryClass;
-use crate::schema::Config;
+use crate::schema::{Config, DiscoveryMode};
 use crate::units::{Budget, format_size};
 
 /// Smallest accepted `transport.tcp.chunk_size`.
@@ -74,6 +74,7 @@ impl Config {
     fn check(&self) -> Result<(), Violation> {
         self.check_node()?;
         self.check_peers()?;
+        self.check_discovery()?;
         self.check_memory()?;
         self.check_transport()?;
         self.check_limits()?;
@@ -150,6 +151,68 @@ impl Config {
                     format!("invalid peer address {}: {msg}", peer.address),
                 );
             }
+        }
+        Ok(())
+    }
+
+    fn check_discovery(&self) -> Result<(), Violation> {
+        let discovery = &self.discovery;
+        match (discovery.mode, discovery.dns.is_empty()) {
+            (DiscoveryMode::Dns, true) => {
+                return Err(Violation {
+                    keys: vec!["discovery.dns".into(), "discovery.mode".into()],
+                    detail: "discovery.mode is \"dns\" but discovery.dns names no DNS name; add one, as in dns = [{ name = \"ferry.NAMESPACE.svc.cluster.local\", port = 7070 }]".into(),
+                });
+            }
+            (DiscoveryMode::Static, false) => {
+                return Err(Violation {
+                    keys: vec!["discovery.mode".into(), "discovery.dns".into()],
+                    detail: "discovery.dns names DNS names but discovery.mode is \"static\", which looks none up; set discovery.mode = \"dns\"".into(),
+                });
+            }
+            _ => {}
+        }
+        if discovery.dns.len() > MAX_DNS_NAMES {
+            return fail(
+                "discovery.dns",
+                format!(
+                    "{} names; at most {MAX_DNS_NAMES}",
+                    discovery.dns.len()
+                ),
+            );
+        }
+        let mut seen = HashSet::new();
+        for (i, entry) in discovery.dns.iter().enumerate() {
+            if let Some(problem) = dns_name_problem(&entry.name) {
+                return fail(format!("discovery.dns[{i}].name"), problem);
+            }
+            if entry.port == 0 {
+                return fail(
+                    format!("discovery.dns[{i}].port"),
+                    "port 0 cannot be dialled; give the port the peers listen on",
+                );
+            }
+            if !seen.insert((entry.name.trim_end_matches('.'), entry.port)) {
+                return fail(
+                    format!("discovery.dns[{i}]"),
+                    format!("{}:{} is listed twice", entry.name, entry.port),
+                );
+            }
+        }
+        if discovery.interval < MIN_DISCOVERY_INTERVAL {
+            return fail(
+                "discovery.interval",
+                format!(
+                    "{} is too short: at least 1s (each round looks every name up again)",
+                    humantime::format_duration(discovery.interval)
+                ),
+            );
+        }
+        if !(1..=MAX_DISCOVERED).contains(&discovery.max_peers) {
+            return fail(
+                "discovery.max_peers",
+                format!("must be 1 to {MAX_DISCOVERED}"),
+            );
         }
         Ok(())
     }
@@ -449,6 +512,42 @@ fn name_problem(name: &str) -> String {
     }
 }
 
+/// Most names in `discovery.dns`.
+const MAX_DNS_NAMES: usize = 16;
+/// Shortest `discovery.interval`.
+const MIN_DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// Largest `discovery.max_peers`.
+const MAX_DISCOVERED: usize = 4096;
+
+/// What is wrong with a name of `discovery.dns`, if anything: an IP address, or a host name
+/// of at most 253 characters whose dot-separated labels are 1 to 63 of `[A-Za-z0-9_-]`
+/// (one trailing dot, which stops the resolver's search list, is allowed).
+fn dns_name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("must not be empty; give the DNS name to look up".into());
+    }
+    if name.parse::<std::net::IpAddr>().is_ok() {
+        return None;
+    }
+    let bare = name.strip_suffix('.').unwrap_or(name);
+    if bare.len() > 253 {
+        return Some(format!("is {} characters long; at most 253", bare.len()));
+    }
+    let label_ok = |label: &str| {
+        (1..=63).contains(&label.len())
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+    };
+    if bare.split('.').all(label_ok) {
+        None
+    } else {
+        Some(format!(
+            "{name:?} is not a DNS name: labels of 1 to 63 letters, digits, '-' or '_', joined by dots"
+        ))
+    }
+}
+
 /// Longest `node.host_id`, in bytes.
 const MAX_HOST_ID: usize = 255;
 
@@ -656,6 +755,117 @@ mod tests {
             let mut config = valid();
             mutate(&mut config);
             assert_eq!(key_of(&config), key);
+        }
+    }
+
+    fn dns(entries: &[(&str, u16)]) -> crate::DiscoveryConfig {
+        crate::DiscoveryConfig {
+            mode: DiscoveryMode::Dns,
+            dns: entries
+                .iter()
+                .map(|&(name, port)| crate::DnsName {
+                    name: name.into(),
+                    port,
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn dns_discovery_that_passes() {
+        for name in [
+            "ferry-headless.ns.svc.cluster.local",
+            "ferry-headless.ns.svc.cluster.local.",
+            "localhost",
+            "_ferry._tcp.example",
+            "198.18.0.1",
+            "::1",
+        ] {
+            let mut config = valid();
+            config.discovery = dns(&[(name, 7070)]);
+            assert!(config.validate().is_ok(), "{name:?} refused");
+        }
+        let mut config = valid();
+        config.discovery = dns(&[("a.example", 7070), ("a.example", 7071)]);
+        config.discovery.interval = Duration::from_secs(1);
+        config.discovery.max_peers = 4096;
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn dns_discovery_errors_name_their_key() {
+        let problem = |discovery: crate::DiscoveryConfig| {
+            let mut config = valid();
+            config.discovery = discovery;
+            match config.validate() {
+                Err(ConfigError::Invalid { key, detail, .. }) => (key, detail),
+                other => panic!("expected Invalid, got {other:?}"),
+            }
+        };
+        let cases: Vec<(crate::DiscoveryConfig, &str, &str)> = vec![
+            (dns(&[("", 7070)]), "discovery.dns[0].name", "must not be empty"),
+            (dns(&[("a..b", 7070)]), "discovery.dns[0].name", "not a DNS name"),
+            (dns(&[("a b", 7070)]), "discovery.dns[0].name", "not a DNS name"),
+            (
+                dns(&[(&"x".repeat(64), 7070)]),
+                "discovery.dns[0].name",
+                "not a DNS name",
+            ),
+            (
+                dns(&[(&["abc"; 64].join("."), 7070)]),
+                "discovery.dns[0].name",
+                "at most 253",
+            ),
+            (dns(&[("a.example", 0)]), "discovery.dns[0].port", "port 0"),
+            (
+                dns(&[("a.example", 1), ("a.example.", 1)]),
+                "discovery.dns[1]",
+                "listed twice",
+            ),
+            (dns(&[]), "discovery.dns", "names no DNS name"),
+            (
+                crate::DiscoveryConfig {
+                    mode: DiscoveryMode::Static,
+                    ..dns(&[("a.example", 1)])
+                },
+                "discovery.mode",
+                "set discovery.mode = \"dns\"",
+            ),
+            (
+                crate::DiscoveryConfig {
+                    interval: Duration::from_millis(999),
+                    ..dns(&[("a.example", 1)])
+                },
+                "discovery.interval",
+                "at least 1s",
+            ),
+            (
+                crate::DiscoveryConfig {
+                    max_peers: 0,
+                    ..dns(&[("a.example", 1)])
+                },
+                "discovery.max_peers",
+                "1 to 4096",
+            ),
+            (
+                crate::DiscoveryConfig {
+                    max_peers: 4097,
+                    ..dns(&[("a.example", 1)])
+                },
+                "discovery.max_peers",
+                "1 to 4096",
+            ),
+            (
+                dns(&(1..=17).map(|p| ("a.example", p)).collect::<Vec<_>>()),
+                "discovery.dns",
+                "at most 16",
+            ),
+        ];
+        for (discovery, key, words) in cases {
+            let (got, detail) = problem(discovery);
+            assert_eq!(got, key, "{detail}");
+            assert!(detail.contains(words), "{key}: {detail}");
         }
     }
 

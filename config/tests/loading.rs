@@ -613,6 +613,69 @@ fn environment_values_take_the_fields_type() -> TestResult {
     Ok(())
 }
 
+/// DNS discovery from a file, and the way a Kubernetes pod sets it: the pod's name and
+/// the Service from the environment.
+#[test]
+fn dns_discovery_loads_from_files_and_environment() -> TestResult {
+    use ferry_config::{DiscoveryMode, DnsName};
+    let config = load_only(&examples_dir().join("dns-discovery.yaml"))?;
+    assert_eq!(config.discovery.mode, DiscoveryMode::Dns);
+    assert_eq!(
+        config.discovery.dns,
+        [DnsName {
+            name: "ferry.ferry.svc.cluster.local.".into(),
+            port: 7070
+        }]
+    );
+    assert_eq!(config.discovery.interval, Duration::from_secs(10));
+
+    let dir = tempfile::tempdir()?;
+    let mut opts = LoadOptions::only_file(write(&dir, "base.toml", BASE));
+    opts.env = true;
+    opts.env_vars = Some(vec![
+        ("FERRY__NODE__NAME".into(), "ferry-7f9c4".into()),
+        ("FERRY__DISCOVERY__MODE".into(), "dns".into()),
+        (
+            "FERRY__DISCOVERY__DNS".into(),
+            "[{ name = \"ferry.ns.svc.cluster.local\", port = 7070 }]".into(),
+        ),
+        ("FERRY__DISCOVERY__INTERVAL".into(), "2s".into()),
+    ]);
+    let config = load(&opts)?;
+    assert_eq!(config.node.name, "ferry-7f9c4");
+    assert_eq!(config.discovery.dns[0].name, "ferry.ns.svc.cluster.local");
+    assert_eq!(config.discovery.dns[0].port, 7070);
+    assert_eq!(config.discovery.interval, Duration::from_secs(2));
+
+    let mode = "[discovery]\nmode = \"dns\"\n";
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"a.example\", port = 70000 }}]\n"),
+        "discovery.dns[0].port",
+    );
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"a.example\", port = 0 }}]\n"),
+        "discovery.dns[0].port",
+    );
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"a.example\" }}]\n"),
+        "discovery.dns[0]",
+    );
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"a.example\", port = 1, weight = 2 }}]\n"),
+        "discovery.dns[0].weight",
+    );
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"\", port = 1 }}]\n"),
+        "discovery.dns[0].name",
+    );
+    expect_bad(
+        &format!("{mode}dns = [{{ name = \"a.example\", port = 1 }}]\ninterval = \"100ms\"\n"),
+        "discovery.interval",
+    );
+    expect_bad(&mode.to_string(), "discovery.mode");
+    Ok(())
+}
+
 #[test]
 fn environment_errors_name_the_variable() -> TestResult {
     let dir = tempfile::tempdir()?;
