@@ -489,3 +489,101 @@ async fn a_block_list_larger_than_the_peers_frames_is_refused_and_the_link_stays
         .expect("recv");
     assert!(got.buffer.to_vec().expect("host") == want, "other bytes");
 }
+
+/// A `[[peers]]` entry whose address another node answers: the dial fails at once, naming
+/// the node it was for and the node that answered, instead of leaving sends to wait out their
+/// deadline; the answering node keeps no session for the mistaken link and still serves the
+/// caller under its own name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_that_another_node_answers_fails_naming_both() {
+    let scratch = Scratch::new();
+    let c_toml = scratch.toml("c", &[], "[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\n");
+    let c = Served::start(&scratch.write("c.toml", &c_toml), "echo");
+    let c_metrics = c.metrics_addr();
+    let connected = |addr: &str| common::metric(addr, "ferry_peers_connected");
+    // b's entry gives c's address.
+    let node = Node::start(scratch.config("test", &[("b", &c.addr), ("c", &c.addr)], ""))
+        .await
+        .expect("node starts");
+    let started = Instant::now();
+    let err = node.connect("b").await.expect_err("c answers, not b");
+    let text = err.to_string();
+    assert_eq!(err.kind(), ferry::ErrorKind::PeerUnreachable, "{text}");
+    assert!(
+        text.contains("peer b") && text.contains("node c answered"),
+        "the error names both nodes: {text}"
+    );
+    let buffer = patterned(&node, 1000, 1).await;
+    let failed = node
+        .send_by("b", 1, buffer, Instant::now() + Duration::from_secs(30))
+        .await
+        .expect_err("a send to b fails too");
+    assert!(
+        matches!(
+            failed.kind(),
+            ferry::ErrorKind::PeerLost | ferry::ErrorKind::PeerUnreachable
+        ),
+        "{failed}"
+    );
+    assert!(failed.to_string().contains("node c answered"), "{failed}");
+    assert!(failed.buffer.is_some(), "the buffer comes back");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "failed in {:?}, not by a deadline",
+        started.elapsed()
+    );
+    let metrics = c_metrics.clone();
+    let c_sessions = tokio::task::spawn_blocking(move || connected(&metrics))
+        .await
+        .expect("metrics");
+    assert_eq!(c_sessions, Some(0.0), "c kept a link meant for b");
+    // c itself is served, under its own name, over the same address.
+    let buffer = patterned(&node, 1000, 2).await;
+    let crc = crc32c::crc32c(buffer.as_slice().expect("host"));
+    drop(node.send("c", 2, buffer).await.expect("send to c"));
+    let got = node.recv(Some("c"), Some(2)).await.expect("echo from c");
+    assert_eq!(crc32c::crc32c(got.buffer.as_slice().expect("host")), crc);
+    let metrics = c_metrics.clone();
+    let c_sessions = tokio::task::spawn_blocking(move || connected(&metrics))
+        .await
+        .expect("metrics");
+    assert_eq!(c_sessions, Some(1.0));
+    assert_eq!(node.connected_peers().await.expect("peers"), ["c"]);
+}
+
+/// DNS discovery on loopback: a node configured with a name and a port only (`localhost`,
+/// which the system resolver answers from /etc/hosts, perhaps with `::1` too, where nothing
+/// listens) finds the echo there, learns its name from its hello, and `connect` waits for
+/// that. (Several hosts, a name with many records, hosts that come and go: `multihost.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_found_by_dns_is_dialled_by_the_name_it_answers_with() {
+    let scratch = Scratch::new();
+    let echo = Served::start(
+        &scratch.write("echo.toml", &scratch.toml("echo", &[], "")),
+        "echo",
+    );
+    let port = echo.addr.rsplit_once(':').expect("port").1;
+    let discovery = format!(
+        "[discovery]\nmode = \"dns\"\ndns = [{{ name = \"localhost\", port = {port} }}]\ninterval = \"1s\"\n"
+    );
+    let node = Node::start(scratch.config("test", &[], &discovery))
+        .await
+        .expect("node starts");
+    tokio::time::timeout(Duration::from_secs(10), node.connect("echo"))
+        .await
+        .expect("connect within 10 s")
+        .expect("echo found by DNS");
+    let buffer = patterned(&node, 100_000, 7).await;
+    let crc = crc32c::crc32c(buffer.as_slice().expect("host"));
+    drop(node.send("echo", 7, buffer).await.expect("send"));
+    let got = node.recv(Some("echo"), Some(7)).await.expect("echo back");
+    assert_eq!(crc32c::crc32c(got.buffer.as_slice().expect("host")), crc);
+    assert_eq!(node.connected_peers().await.expect("peers"), ["echo"]);
+    // A name DNS does not lead to is not waited for past discovery's first answers.
+    let err = tokio::time::timeout(Duration::from_secs(10), node.connect("nobody"))
+        .await
+        .expect("an answer within 10 s")
+        .expect_err("nobody is not found");
+    assert_eq!(err.kind(), ferry::ErrorKind::PeerUnreachable, "{err}");
+    assert!(err.to_string().contains("DNS discovery"), "{err}");
+}

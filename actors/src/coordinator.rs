@@ -4,9 +4,16 @@
 //!
 //! One link per peer. When two nodes dial each other at the same moment, both keep the
 //! link dialed by the node whose name sorts first, so they agree without a round trip.
+//!
+//! Peers come from `[[peers]]`, from the nodes that dial this one, and, with
+//! `discovery.mode = "dns"`, from DNS: a task on the I/O runtime looks the names up every
+//! `discovery.interval` and sends the answers here; [`Discovery`] decides which addresses to
+//! probe (a link that only asks who answers) and the coordinator dials each peer learnt
+//! that way that has no link. A dial always says whom it is for, and a link that another
+//! node answers is dropped, failing that peer's session with both names.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,8 +23,9 @@ use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::region::RegionKey;
 use ferry_transports::transport::{Capabilities, Viability};
-use ferry_transports::wire::{Hello, WireDirection};
+use ferry_transports::wire::{Hello, HelloPurpose, WireDirection};
 
+use crate::core::discovery::{Discovery, Probed};
 use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
@@ -79,8 +87,19 @@ pub struct Explain {
 pub struct LinkUp {
     /// The link.
     pub link: Link,
-    /// The epoch of the session that dialed it, or `None` when it was accepted.
-    pub dialed: Option<u64>,
+    /// What it was dialed for, or `None` when it was accepted.
+    pub dialed: Option<Dialed>,
+}
+
+/// What a link this node dialed was dialed for.
+#[derive(Debug, Clone)]
+pub struct Dialed {
+    /// The epoch of the session that dialed it.
+    pub epoch: u64,
+    /// The peer it was dialed for; the node that answered may be another.
+    pub peer: String,
+    /// Where it was dialed.
+    pub endpoint: String,
 }
 
 /// Dialing a peer failed.
@@ -91,6 +110,25 @@ struct DialFailed {
     epoch: u64,
     error: String,
 }
+
+/// A round of DNS lookups (`discovery.dns`) ended: each name's addresses, in order, or
+/// why its lookup failed.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct Resolved(Vec<Result<Vec<SocketAddr>, String>>);
+
+/// A discovery probe of `addr` ended: the name of the node that answered, or why none did.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+struct ProbeEnded {
+    addr: SocketAddr,
+    result: Result<String, String>,
+}
+
+/// Probes of discovered addresses on their way at once.
+const MAX_PROBES: usize = 8;
+/// `Connect`s that may wait for DNS discovery's first answers at once; more fail at once.
+const MAX_WAITING_CONNECTS: usize = 256;
 
 /// Refuse new work, let every transfer end, close the links.
 #[derive(Debug, Message)]
@@ -268,11 +306,33 @@ pub struct Coordinator {
     next_epoch: u64,
     inbox: Arc<Inbox>,
     draining: bool,
+    /// The peers found by DNS, with `discovery.mode = "dns"`.
+    discovery: Option<Discovery>,
+    /// `Connect`s to a peer not known yet, waiting for DNS discovery's first answers: the
+    /// peer, the error to give if it is not found, and where to answer.
+    connects: Vec<WaitingConnect>,
 }
+
+/// A `Connect` waiting for DNS discovery: the peer, the error if it is not found, and where
+/// to answer with the peer's session.
+type WaitingConnect = (
+    String,
+    Error,
+    tokio::sync::oneshot::Sender<Result<Addr<TransferActor>, Error>>,
+);
 
 impl Coordinator {
     /// A coordinator for the node described by `setup`.
     pub fn new(setup: CoordinatorSetup) -> Self {
+        let config = &setup.config;
+        let discovery = (config.discovery.mode == ferry_config::DiscoveryMode::Dns).then(|| {
+            Discovery::new(
+                &config.node.name,
+                config.discovery.dns.len(),
+                config.discovery.max_peers,
+                MAX_PROBES,
+            )
+        });
         Self {
             inbox: Arc::clone(&setup.inbox),
             catalog: setup.transfer.transports.catalog.clone(),
@@ -280,6 +340,8 @@ impl Coordinator {
             sessions: HashMap::new(),
             next_epoch: 1,
             draining: false,
+            discovery,
+            connects: Vec::new(),
         }
     }
 
@@ -297,6 +359,8 @@ impl Coordinator {
         )
     }
 
+    /// Where to dial `peer`: its `[[peers]]` address, else the address DNS discovery
+    /// learnt it at, if DNS still gives that address.
     fn peer_address(&self, peer: &str) -> Option<PeerAddress> {
         self.setup
             .config
@@ -304,6 +368,10 @@ impl Coordinator {
             .iter()
             .find(|p| p.name == peer)
             .map(|p| p.address.clone())
+            .or_else(|| {
+                let addr = self.discovery.as_ref()?.address_of(peer)?;
+                Some(PeerAddress::Tcp(addr.to_string()))
+            })
     }
 
     /// Where `peer` is: from its hello when connected, else from its configured address.
@@ -476,9 +544,14 @@ impl Coordinator {
             return Ok(s.addr.clone());
         }
         let Some(address) = self.peer_address(peer) else {
+            let detail = if self.discovery.is_some() {
+                "not a configured peer, not found at an address DNS discovery gives now, and not connected"
+            } else {
+                "not a configured peer, and not connected"
+            };
             return Err(Error::PeerUnreachable {
                 peer: peer.to_string(),
-                detail: "not a configured peer, and not connected".into(),
+                detail: detail.into(),
             });
         };
         let epoch = self.new_session(peer, LinkState::Dialing, ctx);
@@ -488,7 +561,12 @@ impl Coordinator {
         };
         let secret = self.setup.secret.clone();
         let opts = self.setup.link.clone();
-        let hello = self.hello();
+        // The acceptor refuses a link meant for another node, so a wrong address disturbs
+        // nothing there; `LinkUp` checks the answer's name on this side.
+        let hello = Hello {
+            purpose: HelloPurpose::LinkTo(peer.to_string()),
+            ..self.hello()
+        };
         let connect_timeout = self.setup.config.limits.connect_timeout;
         let me = ctx.address();
         let peer_name = peer.to_string();
@@ -504,10 +582,15 @@ impl Coordinator {
             };
             match result {
                 Ok(link) => {
+                    let dialed = Dialed {
+                        epoch,
+                        peer: peer_name,
+                        endpoint: endpoint.to_string(),
+                    };
                     let _ = me
                         .send(LinkUp {
                             link,
-                            dialed: Some(epoch),
+                            dialed: Some(dialed),
                         })
                         .await;
                 }
@@ -570,6 +653,150 @@ impl Coordinator {
                 buffer: None,
             }))
         })
+    }
+}
+
+/// DNS discovery: the lookups, the probes, and the dials of peers found that way.
+impl Coordinator {
+    /// Starts the task that looks up `discovery.dns` on the I/O runtime, a round at once and
+    /// then one every `discovery.interval` after the previous round ended (so at most one
+    /// lookup is on its way: a slow resolver delays rounds, it does not pile them up). The
+    /// task ends with the coordinator.
+    fn start_lookups(&self, ctx: &mut Context<Self>) {
+        let names = self.setup.config.discovery.dns.clone();
+        let interval = self.setup.config.discovery.interval;
+        let me = ctx.address();
+        self.setup.transfer.io.spawn(async move {
+            loop {
+                let mut answers = Vec::with_capacity(names.len());
+                for entry in &names {
+                    // getaddrinfo on tokio's blocking pool: /etc/hosts, then DNS.
+                    let answer = tokio::net::lookup_host((entry.name.as_str(), entry.port))
+                        .await
+                        .map(|addrs| addrs.collect())
+                        .map_err(|e| e.to_string());
+                    answers.push(answer);
+                }
+                if me.send(Resolved(answers)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(interval).await;
+            }
+        });
+    }
+
+    /// Probes the discovered addresses that are due, and dials each discovered peer that
+    /// has no session. Nothing while draining.
+    fn discover(&mut self, ctx: &mut Context<Self>) {
+        if self.draining {
+            return;
+        }
+        let Some(discovery) = self.discovery.as_mut() else {
+            return;
+        };
+        let probes: Vec<SocketAddr> = std::iter::from_fn(|| discovery.poll_probe()).collect();
+        let peers = discovery.peers();
+        for addr in probes {
+            self.probe(addr, ctx);
+        }
+        for (peer, addr) in peers {
+            if !self.sessions.contains_key(&peer) {
+                tracing::debug!(%peer, %addr, "dialing a peer found by DNS");
+                if let Err(e) = self.session_for(&peer, ctx) {
+                    tracing::debug!(%peer, error = %e, "cannot dial a peer found by DNS");
+                }
+            }
+        }
+        // `Connect`s waiting for the first answers: their peer is found, or it is not and
+        // discovery has nothing more on its way.
+        let settled = self.discovery.as_ref().is_none_or(Discovery::settled);
+        for (peer, error, tx) in std::mem::take(&mut self.connects) {
+            if let Some(s) = self.sessions.get(&peer) {
+                let _ = tx.send(Ok(s.addr.clone()));
+            } else if settled {
+                let _ = tx.send(Err(error));
+            } else {
+                self.connects.push((peer, error, tx));
+            }
+        }
+    }
+
+    /// Asks who answers at `addr`: a link whose hello says it is a probe, closed as soon as
+    /// the answer's hello (after the shared-secret proof) names its node.
+    fn probe(&self, addr: SocketAddr, ctx: &mut Context<Self>) {
+        let secret = self.setup.secret.clone();
+        let opts = self.setup.link.clone();
+        let hello = Hello {
+            purpose: HelloPurpose::Probe,
+            ..self.hello()
+        };
+        let connect_timeout = self.setup.config.limits.connect_timeout;
+        let me = ctx.address();
+        self.setup.transfer.io.spawn(async move {
+            let endpoint = Endpoint::Tcp(addr.to_string());
+            let dialing = link::dial(&endpoint, &secret, hello, &opts);
+            let result = match tokio::time::timeout(connect_timeout, dialing).await {
+                Ok(Ok(mut link)) => {
+                    let name = link.peer_hello.node.clone();
+                    let _ = link.writer.shutdown().await;
+                    Ok(name)
+                }
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!(
+                    "no answer within {}",
+                    humantime::format_duration(connect_timeout)
+                )),
+            };
+            let _ = me.send(ProbeEnded { addr, result }).await;
+        });
+    }
+
+    /// Sets `ferry_peers_connected`: the peers with a live link.
+    fn count_connected(&self) {
+        let up = self
+            .sessions
+            .values()
+            .filter(|s| matches!(s.state, LinkState::Up { .. }))
+            .count();
+        metrics::gauge!("ferry_peers_connected").set(up as f64);
+    }
+
+    /// A link this node dialed for `dialed.peer` was answered by the node `answered`: the
+    /// link is closed (the answering node, told whom the dial was for, keeps no session for
+    /// it), the session that dialed fails with both names, and an address DNS discovery gave
+    /// is known by the node that answered from now on.
+    fn wrong_node_answered(&mut self, mut link: Link, dialed: &Dialed, answered: &str) {
+        let why = format!(
+            "dialed {} for peer {}, but node {answered} answered there",
+            dialed.endpoint, dialed.peer
+        );
+        tracing::warn!(
+            expected = %dialed.peer,
+            %answered,
+            endpoint = %dialed.endpoint,
+            "the wrong node answered a dial: {why}"
+        );
+        metrics::counter!("ferry_dial_failures_total").increment(1);
+        self.setup.transfer.io.spawn(async move {
+            let _ = link.writer.shutdown().await;
+        });
+        if let Some(discovery) = self.discovery.as_mut()
+            && let Ok(addr) = dialed.endpoint.parse::<SocketAddr>()
+            && !self
+                .setup
+                .config
+                .peers
+                .iter()
+                .any(|p| p.name == dialed.peer)
+        {
+            discovery.handle_answered(addr, answered);
+        }
+        if let Some(s) = self.sessions.get(&dialed.peer)
+            && s.epoch == dialed.epoch
+            && s.state == LinkState::Dialing
+        {
+            send_lost(&s.addr, &why);
+        }
     }
 }
 
@@ -647,6 +874,30 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
         "ferry_auth_failures_total",
         None,
         "Connections refused at the handshake (wrong secret, bad preamble, version, timeout)",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_peers_connected",
+        None,
+        "Peers with a live link",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_dial_failures_total",
+        None,
+        "Dials of a peer that failed (nothing answered, the handshake failed, or another node answered)",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_discovery_addresses",
+        None,
+        "Addresses the names of discovery.dns resolve to now (after discovery.max_peers)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_discovery_lookups_total",
+        None,
+        "DNS lookups of discovery.dns names, by outcome (ok, failed)",
     ),
     (
         MetricKind::Gauge,
@@ -729,6 +980,8 @@ pub fn describe_metrics() {
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
     metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
+    metrics::counter!("ferry_dial_failures_total").absolute(0);
+    metrics::gauge!("ferry_peers_connected").set(0.0);
     let reasons = ferry_transports::wire::FrameError::REASONS;
     for reason in reasons.into_iter().chain(["protocol"]) {
         metrics::counter!("ferry_frames_rejected_total", "reason" => reason).absolute(0);
@@ -757,6 +1010,9 @@ impl Actor for Coordinator {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.setup.config.limits.mailbox);
+        if self.discovery.is_some() {
+            self.start_lookups(ctx);
+        }
     }
 }
 
@@ -860,6 +1116,20 @@ impl Handler<Connect> for Coordinator {
     fn handle(&mut self, msg: Connect, ctx: &mut Self::Context) -> Self::Result {
         let addr = match self.session_for(&msg.peer, ctx) {
             Ok(a) => a,
+            // Not known yet, but DNS discovery has not had its first answers: wait for them.
+            Err(e @ Error::PeerUnreachable { .. })
+                if self.discovery.as_ref().is_some_and(|d| !d.settled())
+                    && self.connects.len() < MAX_WAITING_CONNECTS =>
+            {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                self.connects.push((msg.peer, e, tx));
+                return Box::pin(async move {
+                    let addr = rx.await.unwrap_or(Err(Error::ShuttingDown))?;
+                    addr.send(AwaitLink)
+                        .await
+                        .unwrap_or(Err(Error::ShuttingDown))
+                });
+            }
             Err(e) => return Box::pin(async move { Err(e) }),
         };
         let wait = addr.send(AwaitLink);
@@ -894,6 +1164,11 @@ impl Handler<LinkUp> for Coordinator {
                 let _ = link.writer.shutdown().await;
             });
         };
+        if let Some(dialed) = &msg.dialed
+            && dialed.peer != peer
+        {
+            return self.wrong_node_answered(msg.link, dialed, &peer);
+        }
         if peer == me {
             return refuse(msg.link, "the peer has this node's own name");
         }
@@ -901,7 +1176,7 @@ impl Handler<LinkUp> for Coordinator {
             return refuse(msg.link, "shutting down");
         }
         let existing = self.sessions.get(&peer).map(|s| (s.epoch, s.state));
-        let attach_to = match (msg.dialed, existing) {
+        let attach_to = match (msg.dialed.as_ref().map(|d| d.epoch), existing) {
             // Our own dial came back, and the session still waits for it.
             (Some(epoch), Some((e, LinkState::Dialing))) if epoch == e => Some(e),
             // Our dial lost to a link the peer dialed meanwhile.
@@ -944,6 +1219,7 @@ impl Handler<LinkUp> for Coordinator {
                 }
                 .into_actor(self),
             );
+            self.count_connected();
         }
     }
 }
@@ -953,6 +1229,7 @@ impl Handler<DialFailed> for Coordinator {
 
     fn handle(&mut self, msg: DialFailed, _: &mut Self::Context) {
         tracing::warn!(peer = %msg.peer, error = %msg.error, "dial failed");
+        metrics::counter!("ferry_dial_failures_total").increment(1);
         if let Some(s) = self.sessions.get(&msg.peer)
             && s.epoch == msg.epoch
             && s.state == LinkState::Dialing
@@ -975,6 +1252,7 @@ impl Handler<DialRefused> for Coordinator {
         // The peer keeps a link of its own to us (the tie-break), which is on its way. If it
         // does not come, the session's ops fail.
         s.state = LinkState::Dialing;
+        self.count_connected();
         let wait = self.setup.config.limits.connect_timeout;
         ctx.run_later(wait, move |act, _| {
             if let Some(s) = act.sessions.get(&msg.peer)
@@ -1012,7 +1290,82 @@ impl Handler<SessionEnded> for Coordinator {
             .is_some_and(|s| s.epoch == msg.epoch)
         {
             self.sessions.remove(&msg.peer);
+            self.count_connected();
         }
+    }
+}
+
+impl Handler<Resolved> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, Resolved(answers): Resolved, ctx: &mut Self::Context) {
+        let Some(discovery) = self.discovery.as_mut() else {
+            return;
+        };
+        let names = &self.setup.config.discovery.dns;
+        let mut errors = Vec::new();
+        let answers = answers
+            .into_iter()
+            .map(|answer| {
+                let outcome = if answer.is_ok() { "ok" } else { "failed" };
+                metrics::counter!("ferry_discovery_lookups_total", "outcome" => outcome)
+                    .increment(1);
+                answer.map_err(|e| errors.push(e)).ok()
+            })
+            .collect();
+        let report = discovery.handle_round(answers);
+        let mut errors = errors.into_iter();
+        for i in &report.failing {
+            let name = names.get(*i).map_or("?", |n| n.name.as_str());
+            let error = errors.next().unwrap_or_default();
+            tracing::warn!(%name, %error, "DNS lookup failed; keeping its last answer");
+        }
+        for i in &report.recovered {
+            let name = names.get(*i).map_or("?", |n| n.name.as_str());
+            tracing::info!(%name, "DNS lookup works again");
+        }
+        for addr in &report.added {
+            tracing::info!(%addr, "DNS discovery: new address");
+        }
+        for (addr, peer) in &report.removed {
+            let peer = peer.as_deref().unwrap_or("-");
+            tracing::info!(%addr, %peer, "DNS discovery: address gone; its peer is not dialled again");
+        }
+        if report.left_out > 0 {
+            tracing::warn!(
+                left_out = report.left_out,
+                max_peers = self.setup.config.discovery.max_peers,
+                "DNS gives more addresses than discovery.max_peers; the rest are left out"
+            );
+        }
+        metrics::gauge!("ferry_discovery_addresses").set(discovery.addresses() as f64);
+        self.discover(ctx);
+    }
+}
+
+impl Handler<ProbeEnded> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: ProbeEnded, ctx: &mut Self::Context) {
+        let Some(discovery) = self.discovery.as_mut() else {
+            return;
+        };
+        let addr = msg.addr;
+        match (
+            discovery.handle_probed(addr, msg.result.clone().map_err(drop)),
+            msg.result,
+        ) {
+            (Probed::Peer(peer), _) => tracing::info!(%addr, %peer, "DNS discovery: found a peer"),
+            (Probed::Myself, _) => tracing::debug!(%addr, "DNS discovery: this node's own address"),
+            (Probed::Failed { first: true }, Err(error)) => {
+                tracing::warn!(%addr, %error, "DNS discovery: nobody answered a probe; trying again each round");
+            }
+            (Probed::Failed { .. }, Err(error)) => {
+                tracing::debug!(%addr, %error, "DNS discovery: probe failed again");
+            }
+            _ => {}
+        }
+        self.discover(ctx);
     }
 }
 
@@ -1035,6 +1388,8 @@ impl Handler<Shutdown> for Coordinator {
 
     fn handle(&mut self, _: Shutdown, _: &mut Self::Context) -> Self::Result {
         self.draining = true;
+        // Waiting `Connect`s end (as `ShuttingDown`) with their senders.
+        self.connects.clear();
         let sessions: Vec<Addr<TransferActor>> =
             self.sessions.values().map(|s| s.addr.clone()).collect();
         self.inbox.stop();

@@ -533,6 +533,7 @@ fn protocol_violations_are_errors() {
         max_frame: 0,
         receives: ferry_transports::wire::WireMemoryKind::Host,
         ucx_address: Vec::new(),
+        purpose: ferry_transports::wire::HelloPurpose::Link,
     });
     assert!(s.handle_message(hello).is_err());
 }

@@ -47,8 +47,8 @@ pub use error::{ConfigError, Origin, ParseError};
 pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
-    Config, DiscoveryConfig, DiscoveryMode, DnsName, GpuConfig, LimitsConfig, LogFormat, MemoryConfig,
-    NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
+    Config, DiscoveryConfig, DiscoveryMode, DnsName, GpuConfig, LimitsConfig, LogFormat,
+    MemoryConfig, NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
     TransportConfig, UcxMode, UcxTuning,
 };
 pub use units::{AutoSize, Budget, format_size, parse_size};

@@ -175,10 +175,7 @@ impl Config {
         if discovery.dns.len() > MAX_DNS_NAMES {
             return fail(
                 "discovery.dns",
-                format!(
-                    "{} names; at most {MAX_DNS_NAMES}",
-                    discovery.dns.len()
-                ),
+                format!("{} names; at most {MAX_DNS_NAMES}", discovery.dns.len()),
             );
         }
         let mut seen = HashSet::new();
@@ -804,9 +801,21 @@ mod tests {
             }
         };
         let cases: Vec<(crate::DiscoveryConfig, &str, &str)> = vec![
-            (dns(&[("", 7070)]), "discovery.dns[0].name", "must not be empty"),
-            (dns(&[("a..b", 7070)]), "discovery.dns[0].name", "not a DNS name"),
-            (dns(&[("a b", 7070)]), "discovery.dns[0].name", "not a DNS name"),
+            (
+                dns(&[("", 7070)]),
+                "discovery.dns[0].name",
+                "must not be empty",
+            ),
+            (
+                dns(&[("a..b", 7070)]),
+                "discovery.dns[0].name",
+                "not a DNS name",
+            ),
+            (
+                dns(&[("a b", 7070)]),
+                "discovery.dns[0].name",
+                "not a DNS name",
+            ),
             (
                 dns(&[(&"x".repeat(64), 7070)]),
                 "discovery.dns[0].name",

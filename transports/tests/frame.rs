@@ -8,7 +8,7 @@ use std::task::{Context, Poll, Waker};
 
 use ferry_transports::wire::{
     Cancel, DataChunk, Done, Frame, FrameError, FrameHeader, FrameKind, FrameReader, Grant,
-    HEADER_LEN, Hello, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError,
+    HEADER_LEN, Hello, HelloPurpose, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError,
     WireDirection, WireMemoryKind, WireReason, WireTransport, decode, encode, encode_payload,
     parse_header, read_frame,
 };
@@ -26,6 +26,7 @@ fn hello() -> Hello {
         max_frame: CAP,
         receives: WireMemoryKind::Device(1),
         ucx_address: vec![3; 40],
+        purpose: HelloPurpose::LinkTo("b".into()),
     }
 }
 

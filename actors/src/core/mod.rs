@@ -3,6 +3,7 @@
 //! tokio, sockets or a clock; time is a parameter, so a test drives whole scenarios in
 //! virtual time.
 pub mod budget;
+pub mod discovery;
 pub mod exports;
 pub mod handle_cache;
 pub mod ipc_setup;

@@ -19,7 +19,7 @@ use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser,
 };
 use ferry_transports::region::{ExposedRegion, RegionKey};
-use ferry_transports::wire::Layout;
+use ferry_transports::wire::{HelloPurpose, Layout};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
@@ -580,9 +580,13 @@ impl Node {
 
     /// Connects to `peer` now, if not connected yet, and resolves once the link is up.
     ///
+    /// With DNS discovery (`discovery.mode = "dns"`), a peer not known yet is waited for
+    /// until discovery has had its first answers and probed them, so a node that has just
+    /// started can connect to a peer it finds by DNS.
+    ///
     /// # Errors
     /// [`Error::PeerUnreachable`] with the reason (no such peer, connection refused,
-    /// authentication failed, ...).
+    /// authentication failed, another node answered at the peer's address, ...).
     pub async fn connect(&self, peer: &str) -> Result<(), Error> {
         self.coordinator
             .send(Connect {
@@ -693,12 +697,30 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                 .await
                 .unwrap_or_else(|| Err("shed: too many handshakes in progress".to_string()));
             match result {
-                Ok(link) => {
-                    let _ = acceptor
-                        .coordinator
-                        .send(LinkUp { link, dialed: None })
-                        .await;
-                }
+                Ok(mut link) => match &link.peer_hello.purpose {
+                    // Only who answers here (DNS discovery): our hello told it.
+                    HelloPurpose::Probe => {
+                        tracing::debug!(%from, peer = %link.peer_hello.node, "answered a discovery probe");
+                        let _ = link.writer.shutdown().await;
+                    }
+                    // A dial meant for another node: keeping it would give the dialer's
+                    // session to the wrong node (the dialer drops it too, and says so).
+                    HelloPurpose::LinkTo(wanted) if *wanted != acceptor.node => {
+                        tracing::warn!(
+                            %from,
+                            peer = %link.peer_hello.node,
+                            %wanted,
+                            "refused a link meant for another node (the peer was told this node's address for {wanted})"
+                        );
+                        let _ = link.writer.shutdown().await;
+                    }
+                    HelloPurpose::Link | HelloPurpose::LinkTo(_) => {
+                        let _ = acceptor
+                            .coordinator
+                            .send(LinkUp { link, dialed: None })
+                            .await;
+                    }
+                },
                 Err(e) => tracing::warn!(%from, error = %e, "connection refused"),
             }
         });

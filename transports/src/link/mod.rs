@@ -567,6 +567,7 @@ pub fn local_hello(
         max_frame,
         receives: crate::wire::WireMemoryKind::Host,
         ucx_address: Vec::new(),
+        purpose: crate::wire::HelloPurpose::Link,
     }
 }
 
@@ -660,7 +661,9 @@ fn finish(
         if e.is_peer_fault() {
             opts.counters.record_auth_failure();
         }
-        tracing::warn!(peer, "link handshake failed: {e}");
+        // Every caller reports the error at the level it calls for (a dial's failure, a
+        // refused connection, a discovery probe's first failure): here only for debugging.
+        tracing::debug!(peer, "link handshake failed: {e}");
     }
     result
 }

@@ -110,6 +110,25 @@ pub struct Hello {
     /// The sender's UCX worker address (the ucx transport's envelope), empty when it does
     /// not serve ucx. A peer connects its UCX endpoint to it on its first ucx transfer.
     pub ucx_address: Vec<u8>,
+    /// What the sender wants of this link (see [`HelloPurpose`]).
+    pub purpose: HelloPurpose,
+}
+
+/// What the sender of a [`Hello`] wants of the link.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum HelloPurpose {
+    /// A link, with no expectation of who answers: every acceptor's hello, and a dialer's
+    /// that names no peer (tools and tests).
+    Link,
+    /// A link to the node of this name: an acceptor of another name refuses it (closes it
+    /// without keeping a session), so a dial that reached the wrong node disturbs nothing
+    /// there. The dialer checks the answer's name too.
+    LinkTo(String),
+    /// Only who answers at this address (DNS discovery): the acceptor closes the link after
+    /// the hellos and keeps no session for it, so a probe never disturbs a link the two
+    /// nodes already have.
+    Probe,
 }
 
 /// The sender proposes a transfer.
