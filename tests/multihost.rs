@@ -3,7 +3,7 @@
 //! die, a slow or lossy path).
 //!
 //! **Design.** Each test builds its own bed (`multihost/bed.rs`): a hub namespace holding a
-//! bridge (198.18.0.254/24) and up to three host namespaces (198.18.0.1, .2, .3), each
+//! bridge (198.18.0.254/24) and up to four host namespaces (198.18.0.1, .2, ...), each
 //! joined to the bridge by a veth pair. The `ferry serve` processes run inside the hosts
 //! (`ip netns exec HOST ferry serve --config ... --role echo|forward=PEER|none`). The test
 //! itself drives: its body runs on a thread that entered the hub namespace (`setns`), so the
@@ -21,6 +21,13 @@
 //! `iptables` is installed: link down drops every packet silently, as a pulled cable does);
 //! a host's processes are killed with SIGKILL; the proxy adds latency, caps bandwidth,
 //! refuses connections and cuts them with a FIN or a RST mid-transfer.
+//!
+//! Discovery by DNS (`peers_found_by_dns_join_and_leave`, four hosts) resolves names for
+//! real: each host's `/etc/hosts` is a file of the bed (`/etc/netns/NS/hosts`, which `ip
+//! netns exec` bind-mounts over `/etc/hosts` for the process it starts), read by glibc's
+//! `getaddrinfo` as any lookup is; one name with several lines is a name with several A
+//! records. No DNS server runs: what is not tested is DNS itself (TTLs, a server that does
+//! not answer), which ferry leaves to the system resolver.
 //!
 //! A machine where namespaces cannot be made (not root, no `ip`) skips these tests, saying
 //! why; with `FERRY_NETNS_TESTS=1` (CI) it fails them instead.
@@ -878,4 +885,178 @@ fn ucx_carries_transfers_between_hosts() {
         });
     });
     drop((a, b));
+}
+
+/// A Prometheus sample of the served node at `addr` (series as rendered, labels included),
+/// read off the test's runtime threads.
+async fn sample(addr: &str, series: &str) -> Option<f64> {
+    let (addr, series) = (addr.to_string(), series.to_string());
+    tokio::task::spawn_blocking(move || common::metric(&addr, &series))
+        .await
+        .expect("metrics thread")
+}
+
+/// Waits (`limit` at most) until sample `series` of every node at `addrs` is `want`.
+async fn wait_for_sample(addrs: &[String], series: &str, want: f64, limit: Duration) {
+    for addr in addrs {
+        let reached = eventually(limit, async || sample(addr, series).await == Some(want)).await;
+        assert!(
+            reached,
+            "{series} at {addr} is {:?}, want {want}",
+            sample(addr, series).await
+        );
+    }
+}
+
+/// Peer discovery by DNS, with real name resolution: each host's `/etc/hosts` (bind-mounted
+/// by `ip netns exec` from `/etc/netns/NS/hosts`, read by glibc's `getaddrinfo` like any
+/// lookup) gives the name `ferry-peers.bed.test` several A records, and every `ferry serve`
+/// is configured with that name and a port only, no `[[peers]]`. Hosts a, b and c find each
+/// other and the driver (the hub's address is a record too; each also finds itself, and
+/// skips it), and bytes cross a ring a → b → c → driver intact. A fourth host d, whose own
+/// file names only itself and the driver, is added to the others' files: they dial it after
+/// their next lookup, and a ring through d works. Taken out of the files, d keeps its live
+/// links (DNS lags); once its serve is killed they end, sends to it fail, and nobody dials
+/// it again.
+#[test]
+fn peers_found_by_dns_join_and_leave() {
+    const NAME: &str = "ferry-peers.bed.test";
+    let Some(bed) = Bed::new(4) else { return };
+    let addrs: Vec<_> = bed.hosts.iter().map(|h| h.addr).collect();
+    let hosts_file = |records: &[std::net::Ipv4Addr]| -> String {
+        records.iter().map(|a| format!("{a} {NAME}\n")).collect()
+    };
+    let abc_hub = [addrs[0], addrs[1], addrs[2], HUB_ADDR];
+    let abcd_hub = [addrs[0], addrs[1], addrs[2], addrs[3], HUB_ADDR];
+    for i in 0..3 {
+        bed.write_hosts(i, &hosts_file(&abc_hub));
+    }
+    bed.write_hosts(3, &hosts_file(&[addrs[3], HUB_ADDR]));
+    let discovery = format!(
+        "{LIMITS}\n[discovery]\nmode = \"dns\"\ndns = [{{ name = \"{NAME}\", port = {NODE_PORT} }}]\ninterval = \"1s\"\n"
+    );
+    let names = ["a", "b", "c", "d"];
+    let config =
+        |i: usize| bed.serve_config(i, names[i], NODE_PORT, &bed.host_id(i), &[], &discovery);
+    let roles = ["forward=b", "forward=c", "forward=driver"];
+    let served: Vec<_> = (0..3).map(|i| bed.serve(i, &config(i), roles[i])).collect();
+    let metrics: Vec<String> = served.iter().map(|s| s.metrics_addr()).collect();
+    let limit = Duration::from_secs(20);
+
+    bed.in_hub(|| {
+        runtime().block_on(async {
+            let node = Node::start(driver_config(&bed, &[], ""))
+                .await
+                .expect("driver starts");
+            // Each of a, b, c: the other two and the driver (its own address skipped).
+            wait_for_sample(&metrics, "ferry_peers_connected", 3.0, limit).await;
+            wait_for_sample(&metrics, "ferry_discovery_addresses", 4.0, limit).await;
+            let mut peers = node.connected_peers().await.expect("peers");
+            peers.sort();
+            assert_eq!(peers, ["a", "b", "c"], "they dialled the driver");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let sizes = [1usize, 4097, (1 << 20) + 3, 16 << 20];
+            for (tag, &len) in sizes.iter().enumerate() {
+                round_trip(&node, "a", "c", tag as u64, len, deadline)
+                    .await
+                    .unwrap_or_else(|e| panic!("{len} B around a → b → c: {e}"));
+            }
+
+            // d joins: it dials the driver (its file names no one else) ...
+            let d = bed.serve(3, &config(3), "forward=a");
+            let d_metrics = [d.metrics_addr()];
+            wait_for_sample(&d_metrics, "ferry_peers_connected", 1.0, limit).await;
+            // ... and a, b, c dial d once their next lookup gives its address.
+            for i in 0..3 {
+                bed.write_hosts(i, &hosts_file(&abcd_hub));
+            }
+            wait_for_sample(&d_metrics, "ferry_peers_connected", 4.0, limit).await;
+            wait_for_sample(&metrics, "ferry_peers_connected", 4.0, limit).await;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            // d forwards to a over the link a dialled: d knows a from nowhere else.
+            round_trip(&node, "d", "c", 10, 3 << 20, deadline)
+                .await
+                .unwrap_or_else(|e| panic!("around d → a → b → c: {e}"));
+
+            // d leaves DNS: its live links stay ...
+            for i in 0..3 {
+                bed.write_hosts(i, &hosts_file(&abc_hub));
+            }
+            wait_for_sample(&metrics, "ferry_discovery_addresses", 4.0, limit).await;
+            assert_eq!(
+                sample(&d_metrics[0], "ferry_peers_connected").await,
+                Some(4.0),
+                "d's links were cut when it left DNS"
+            );
+            let deadline = Instant::now() + Duration::from_secs(20);
+            round_trip(&node, "d", "c", 11, 1 << 20, deadline)
+                .await
+                .unwrap_or_else(|e| panic!("through d after it left DNS: {e}"));
+
+            // ... until its serve dies: then its links end, and no one dials it again.
+            let dial_failures = |m: Vec<String>| async move {
+                let mut counts = Vec::new();
+                for addr in &m {
+                    counts.push(sample(addr, "ferry_dial_failures_total").await);
+                }
+                counts
+            };
+            let failures_before = dial_failures(metrics.clone()).await;
+            drop(d);
+            wait_for_sample(&metrics, "ferry_peers_connected", 3.0, limit).await;
+            let gone = eventually(limit, async || {
+                !node
+                    .connected_peers()
+                    .await
+                    .is_ok_and(|p| p.iter().any(|n| n == "d"))
+            })
+            .await;
+            assert!(gone, "the driver still has a link to d");
+            let buffer = pattern(&node, 1000, 12).await;
+            let started = Instant::now();
+            let err = node
+                .send_by("d", 12, buffer, Instant::now() + Duration::from_secs(10))
+                .await
+                .expect_err("d is gone");
+            assert!(
+                matches!(err.kind(), ErrorKind::PeerLost | ErrorKind::PeerUnreachable),
+                "{err}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "{err} took {:?}",
+                started.elapsed()
+            );
+            drop(err);
+            // Three more rounds of lookups at each of a, b, c: not one dial of d.
+            let lookups = "ferry_discovery_lookups_total{outcome=\"ok\"}";
+            for addr in &metrics {
+                let before = sample(addr, lookups).await.unwrap_or(0.0);
+                let more = eventually(Duration::from_secs(10), async || {
+                    sample(addr, lookups)
+                        .await
+                        .is_some_and(|n| n >= before + 3.0)
+                })
+                .await;
+                assert!(more, "{addr} stopped looking up {NAME}");
+            }
+            assert_eq!(
+                dial_failures(metrics.clone()).await,
+                failures_before,
+                "a node dialled d after it left DNS and died"
+            );
+            assert_eq!(
+                sample(&metrics[0], "ferry_peers_connected").await,
+                Some(3.0)
+            );
+            // The rest carry on.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            round_trip(&node, "a", "c", 13, 1 << 20, deadline)
+                .await
+                .unwrap_or_else(|e| panic!("around a → b → c after d left: {e}"));
+            memory_back_to_baseline(&node, &metrics).await;
+            node.shutdown().await;
+        });
+    });
+    drop(served);
 }

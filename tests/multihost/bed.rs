@@ -5,6 +5,7 @@
 //!   br0 198.18.0.254/24 ── p0 ═══ veth ═══ eth0 198.18.0.1   (host 0)
 //!                       ── p1 ═══ veth ═══ eth0 198.18.0.2   (host 1)
 //!                       ── p2 ═══ veth ═══ eth0 198.18.0.3   (host 2)
+//!                       ── ...
 //! ```
 //!
 //! Every interface is made inside the bed's own namespaces (never in the machine's), so beds
@@ -158,6 +159,20 @@ impl Bed {
         ip(&["-n", &self.hub, "link", "set", &self.hosts[i].port, "up"]);
     }
 
+    /// Writes host `i`'s `/etc/hosts`: `ip netns exec` bind-mounts `/etc/netns/NS/hosts`
+    /// over `/etc/hosts` for the command it starts, but only if that file exists when the
+    /// command starts, so write it before [`Self::serve`]. Later writes rewrite the same file
+    /// in place (the same inode, which the mount shows), so a running process's next lookup
+    /// reads them: the system resolver (glibc's `getaddrinfo`, "files" first in
+    /// nsswitch.conf) reads `/etc/hosts` anew on every lookup, and gives every line that
+    /// names a host, like several A records of one DNS name. The directory is removed with
+    /// the bed.
+    pub fn write_hosts(&self, i: usize, text: &str) {
+        let dir = netns_etc(&self.hosts[i].ns);
+        std::fs::create_dir_all(&dir).expect("create /etc/netns/NS");
+        std::fs::write(dir.join("hosts"), text).expect("write /etc/netns/NS/hosts");
+    }
+
     /// The process ids in host `i`'s namespace.
     pub fn pids(&self, i: usize) -> Vec<u32> {
         let out = Command::new("ip")
@@ -272,8 +287,15 @@ impl Drop for Bed {
                 .args(["netns", "del", name])
                 .stderr(Stdio::null())
                 .status();
+            let _ = std::fs::remove_dir_all(netns_etc(name));
         }
     }
+}
+
+/// `/etc/netns/NAME`: files `ip netns exec NAME` bind-mounts over `/etc` (see
+/// [`Bed::write_hosts`]).
+fn netns_etc(name: &str) -> PathBuf {
+    Path::new("/etc/netns").join(name)
 }
 
 /// Whether this process may make namespaces: root, and `ip` at hand that can. Tried once
@@ -324,6 +346,7 @@ fn remove_leftovers() {
                 .args(["netns", "del", name])
                 .stderr(Stdio::null())
                 .status();
+            let _ = std::fs::remove_dir_all(netns_etc(name));
         }
     }
 }
