@@ -1058,5 +1058,12 @@ fn peers_found_by_dns_join_and_leave() {
             node.shutdown().await;
         });
     });
+
+    // `ferry explain` inside host a, with the same discovery and a name of its own, finds b
+    // by DNS and dials only it.
+    let explain_cfg = bed.serve_config(0, "a-explain", 7071, &bed.host_id(0), &[], &discovery);
+    let report = bed.explain(0, &explain_cfg, "b");
+    assert_eq!(report["setup"]["connected"], true, "{report:#}");
+    assert_eq!(report["locality"], "remote", "{report:#}");
     drop(served);
 }

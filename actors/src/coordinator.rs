@@ -685,8 +685,8 @@ impl Coordinator {
         });
     }
 
-    /// Probes the discovered addresses that are due, and dials each discovered peer that
-    /// has no session. Nothing while draining.
+    /// Probes the discovered addresses that are due, and (`discovery.connect_all`) dials
+    /// each discovered peer that has no session. Nothing while draining.
     fn discover(&mut self, ctx: &mut Context<Self>) {
         if self.draining {
             return;
@@ -695,7 +695,11 @@ impl Coordinator {
             return;
         };
         let probes: Vec<SocketAddr> = std::iter::from_fn(|| discovery.poll_probe()).collect();
-        let peers = discovery.peers();
+        let peers = if self.setup.config.discovery.connect_all {
+            discovery.peers()
+        } else {
+            Vec::new()
+        };
         for addr in probes {
             self.probe(addr, ctx);
         }
@@ -711,8 +715,8 @@ impl Coordinator {
         // discovery has nothing more on its way.
         let settled = self.discovery.as_ref().is_none_or(Discovery::settled);
         for (peer, error, tx) in std::mem::take(&mut self.connects) {
-            if let Some(s) = self.sessions.get(&peer) {
-                let _ = tx.send(Ok(s.addr.clone()));
+            if self.sessions.contains_key(&peer) || self.peer_address(&peer).is_some() {
+                let _ = tx.send(self.session_for(&peer, ctx));
             } else if settled {
                 let _ = tx.send(Err(error));
             } else {

@@ -118,6 +118,11 @@ pub struct DiscoveryConfig {
     /// IPv6 record counts twice); the rest are left out, with a warning. Default 256; 1 to
     /// 4096.
     pub max_peers: usize,
+    /// Keep a link to every peer found by DNS, dialled as soon as it is found and again
+    /// after its link breaks while DNS gives its address (true, the default); or only
+    /// learn where each peer is, and dial one when a send or `connect` needs it (false:
+    /// `ferry explain` runs so, not to open a link to every node of a cluster).
+    pub connect_all: bool,
 }
 
 impl Default for DiscoveryConfig {
@@ -127,6 +132,7 @@ impl Default for DiscoveryConfig {
             dns: Vec::new(),
             interval: Duration::from_secs(10),
             max_peers: 256,
+            connect_all: true,
         }
     }
 }

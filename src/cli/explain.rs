@@ -89,6 +89,8 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     // Never collide with a `ferry serve` started from the same file.
     config.node.listen = vec!["127.0.0.1:0".into()];
     config.node.socket_dir = None;
+    // With DNS discovery: find where the peer is, and dial only it.
+    config.discovery.connect_all = false;
     let rules = config.transport.rules.clone();
     let src = args.memory;
     // `None`: the node routes for what the peer receives into, as its sends do.
