@@ -15,8 +15,9 @@ rendered manifests validated with `kubernetes-validate --strict` at the oldest a
 Kubernetes the chart supports; then what schemas cannot see: the rendered ferry config
 passes `ferry config check` (alone, and layered with the container's environment as the
 pod would resolve it), the container's command line is one the binary accepts, probes and
-ports match the config, the peer key's file passes ferry's ownership and mode checks, and
-the GPU operator's conventions are present. Last, values the chart must refuse.
+ports match the config, the peer key's file passes ferry's ownership and mode checks, DNS
+discovery looks up the headless Service's name on the port the pods listen on, and the GPU
+operator's conventions are present. Last, values the chart must refuse.
 
 Prints one line per check and ends with "N passed, M failed"; exits 1 if any failed.
 """
@@ -458,6 +459,37 @@ def check_rendering(report: Report, label: str, docs: list[dict[str, Any]],
     report.run(name("Service (headless), PodDisruptionBudget and ServiceMonitor select the pods"),
                selectors)
 
+    def dns_discovery() -> str | None:
+        found = config.get("discovery", {})
+        if not values["discovery"]["enabled"]:
+            if found.get("mode") == "dns":
+                return f"discovery.enabled is false but the config says {found}"
+            return None
+        service = one(docs, "Service")
+        fqdn = f"{service['metadata']['name']}.gpu.svc.{values['discovery']['clusterDomain']}."
+        want = [{"name": fqdn, "port": values["ports"]["ferry"]}]
+        if found.get("mode") != "dns" or found.get("dns") != want:
+            return f"config.discovery is {found}, want mode dns looking up {want}"
+        if found.get("interval") != values["discovery"]["interval"]:
+            return f"discovery.interval {found.get('interval')} is not the values' one"
+        service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        ferry_port = service_ports.get("ferry", {})
+        if ferry_port.get("port") != values["ports"]["ferry"] or ferry_port.get("targetPort") != "ferry":
+            return f"the Service's ferry port {ferry_port} is not ports.ferry on the container's port"
+        if service["spec"].get("publishNotReadyAddresses"):
+            return "the Service lists pods before /readyz says ready: peers would dial them early"
+        # Every pod says its own name: the pod's, or its Kubernetes node's in a DaemonSet.
+        name_ref = next((v["valueFrom"]["fieldRef"]["fieldPath"] for v in ferry_c.get("env", [])
+                         if v["name"] == "FERRY__NODE__NAME" and "valueFrom" in v), None)
+        want_ref = "spec.nodeName" if mode == "daemonset" else "metadata.name"
+        if name_ref != want_ref:
+            return f"FERRY__NODE__NAME comes from {name_ref}, want {want_ref} (unique per pod)"
+        if values["hostNetwork"] and pod.get("dnsPolicy") != "ClusterFirstWithHostNet":
+            return "host networking without dnsPolicy ClusterFirstWithHostNet cannot resolve the Service"
+        return None
+    report.run(name("DNS discovery looks up the headless Service on ports.ferry, "
+                    "each pod named uniquely"), dns_discovery)
+
 
 def kube_validate(report: Report, kv: list[str], files: list[Path]) -> None:
     for version in KUBE_VERSIONS:
@@ -480,6 +512,10 @@ def check_refusals(report: Report, helm: Any) -> None:
         ("config.telemetry.metrics_listen", {"config": {"telemetry": {"metrics_listen": "127.0.0.1:1"}}}, "metrics_listen"),
         ("secret.defaultMode 0644", {"secret": {"key": "peer-key", "defaultMode": 0o644}}, "defaultMode"),
         ("sidecar without an application image", {"mode": "sidecar"}, "sidecar.app.image"),
+        ("DNS discovery without the Service", {"service": {"enabled": False}}, "service.enabled"),
+        ("config.discovery.dns with discovery.enabled",
+         {"config": {"discovery": {"dns": [{"name": "x.example", "port": 1}]}}},
+         "config.discovery.dns"),
     ]
     for what, values, expect in bad:
         try:

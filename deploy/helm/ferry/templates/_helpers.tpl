@@ -46,6 +46,11 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end -}}
 
 {{/* Where the container finds its files. */}}
+{{/* The headless Service's DNS name, fully qualified (the final dot skips the search list). */}}
+{{- define "ferry.serviceDnsName" -}}
+{{- printf "%s.%s.svc.%s." (include "ferry.fullname" .) .Release.Namespace .Values.discovery.clusterDomain -}}
+{{- end -}}
+
 {{- define "ferry.configDir" -}}/etc/ferry{{- end -}}
 {{- define "ferry.configFile" -}}{{ include "ferry.configDir" . }}/ferry.yaml{{- end -}}
 {{- define "ferry.secretDir" -}}/etc/ferry/secret{{- end -}}
@@ -69,6 +74,21 @@ A key the chart owns that .Values.config sets too is refused, naming it.
 {{- $telemetry := get $cfg "telemetry" | default dict -}}
 {{- if hasKey $telemetry "metrics_listen" -}}
 {{- fail "config.telemetry.metrics_listen is set by the chart from ports.metrics; remove it" -}}
+{{- end -}}
+{{- if .Values.discovery.enabled -}}
+{{- if not .Values.service.enabled -}}
+{{- fail "discovery.enabled needs service.enabled: the nodes find each other through the headless Service's DNS records" -}}
+{{- end -}}
+{{- $discovery := get $cfg "discovery" | default dict -}}
+{{- range $key := list "mode" "dns" "interval" -}}
+{{- if hasKey $discovery $key -}}
+{{- fail (printf "config.discovery.%s is set by the chart from `discovery` (values.yaml); remove it, or set discovery.enabled: false" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $discovery "mode" "dns" -}}
+{{- $_ := set $discovery "dns" (list (dict "name" (include "ferry.serviceDnsName" .) "port" (int .Values.ports.ferry))) -}}
+{{- $_ := set $discovery "interval" .Values.discovery.interval -}}
+{{- $_ := set $cfg "discovery" $discovery -}}
 {{- end -}}
 {{- $_ := set $node "socket_dir" .Values.socketDir.path -}}
 {{- $_ := set $cfg "node" $node -}}
