@@ -587,3 +587,54 @@ async fn a_peer_found_by_dns_is_dialled_by_the_name_it_answers_with() {
     assert_eq!(err.kind(), ferry::ErrorKind::PeerUnreachable, "{err}");
     assert!(err.to_string().contains("DNS discovery"), "{err}");
 }
+
+/// An address DNS gives goes to another node (a pod's IP reused by a new pod): the dial of
+/// the peer learnt there finds another node, fails, and the address is known by the node
+/// that answered from then on, which is dialled in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_dns_gives_that_another_node_takes_is_relearnt() {
+    let scratch = Scratch::new();
+    let first = Node::start(scratch.config("first", &[], ""))
+        .await
+        .expect("first starts");
+    let at = first.tcp_addrs()[0].clone();
+    let (host, port) = at.rsplit_once(':').expect("host:port");
+    let discovery = format!(
+        "[discovery]\nmode = \"dns\"\ndns = [{{ name = \"{host}\", port = {port} }}]\ninterval = \"1s\"\n"
+    );
+    let node = Node::start(scratch.config("test", &[], &discovery))
+        .await
+        .expect("node starts");
+    node.connect("first").await.expect("first found by DNS");
+    first.shutdown().await;
+    // Another node takes the address while DNS still gives it (once first's listener, closed
+    // in the background, has let it go).
+    let toml = scratch.toml("second", &[], "").replace("127.0.0.1:0", &at);
+    let config = ferry::Config::from_toml_str(&toml).expect("config");
+    let mut second = None;
+    let bound = eventually(Duration::from_secs(5), async || {
+        second = Node::start(config.clone()).await.ok();
+        second.is_some()
+    })
+    .await;
+    assert!(bound, "second could not listen on {at}");
+    let second = second.expect("started");
+    let relearnt = eventually(Duration::from_secs(10), async || {
+        node.connected_peers().await.is_ok_and(|p| p == ["second"])
+    })
+    .await;
+    assert!(
+        relearnt,
+        "connected to {:?}",
+        node.connected_peers().await.expect("peers")
+    );
+    let err = node.connect("first").await.expect_err("first is gone");
+    assert_eq!(err.kind(), ferry::ErrorKind::PeerUnreachable, "{err}");
+    let buffer = patterned(&node, 1000, 3).await;
+    drop(
+        node.send("second", 3, buffer)
+            .await
+            .expect("send to second"),
+    );
+    assert!(second.recv(Some("test"), Some(3)).await.is_ok());
+}

@@ -784,14 +784,16 @@ impl Coordinator {
         self.setup.transfer.io.spawn(async move {
             let _ = link.writer.shutdown().await;
         });
+        // The address the dial took, when DNS discovery gave it (not `[[peers]]`).
+        let is_static = self
+            .setup
+            .config
+            .peers
+            .iter()
+            .any(|p| p.name == dialed.peer);
         if let Some(discovery) = self.discovery.as_mut()
-            && let Ok(addr) = dialed.endpoint.parse::<SocketAddr>()
-            && !self
-                .setup
-                .config
-                .peers
-                .iter()
-                .any(|p| p.name == dialed.peer)
+            && !is_static
+            && let Some(addr) = discovery.address_of(&dialed.peer)
         {
             discovery.handle_answered(addr, answered);
         }
@@ -1171,7 +1173,9 @@ impl Handler<LinkUp> for Coordinator {
         if let Some(dialed) = &msg.dialed
             && dialed.peer != peer
         {
-            return self.wrong_node_answered(msg.link, dialed, &peer);
+            self.wrong_node_answered(msg.link, dialed, &peer);
+            // A relearnt address: dial the node that answered there now.
+            return self.discover(ctx);
         }
         if peer == me {
             return refuse(msg.link, "the peer has this node's own name");
@@ -1307,21 +1311,21 @@ impl Handler<Resolved> for Coordinator {
             return;
         };
         let names = &self.setup.config.discovery.dns;
-        let mut errors = Vec::new();
+        let mut errors = vec![String::new(); answers.len()];
         let answers = answers
             .into_iter()
-            .map(|answer| {
+            .enumerate()
+            .map(|(i, answer)| {
                 let outcome = if answer.is_ok() { "ok" } else { "failed" };
                 metrics::counter!("ferry_discovery_lookups_total", "outcome" => outcome)
                     .increment(1);
-                answer.map_err(|e| errors.push(e)).ok()
+                answer.map_err(|e| errors[i] = e).ok()
             })
             .collect();
         let report = discovery.handle_round(answers);
-        let mut errors = errors.into_iter();
-        for i in &report.failing {
-            let name = names.get(*i).map_or("?", |n| n.name.as_str());
-            let error = errors.next().unwrap_or_default();
+        for &i in &report.failing {
+            let name = names.get(i).map_or("?", |n| n.name.as_str());
+            let error = errors.get(i).map_or("", String::as_str);
             tracing::warn!(%name, %error, "DNS lookup failed; keeping its last answer");
         }
         for i in &report.recovered {
