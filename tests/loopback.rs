@@ -638,3 +638,19 @@ async fn an_address_dns_gives_that_another_node_takes_is_relearnt() {
     );
     assert!(second.recv(Some("test"), Some(3)).await.is_ok());
 }
+
+/// A node that cannot start (its listen address is taken) says why, from inside an async
+/// runtime too (its own I/O runtime is shut down in the background, not dropped there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_listen_returns_the_error() {
+    let scratch = Scratch::new();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let at = taken.local_addr().expect("addr").to_string();
+    let toml = scratch.toml("test", &[], "").replace("127.0.0.1:0", &at);
+    let config = ferry::Config::from_toml_str(&toml).expect("config");
+    let err = Node::start(config).await.expect_err("the address is taken");
+    assert!(
+        err.to_string().contains(&format!("cannot listen on {at}")),
+        "{err}"
+    );
+}

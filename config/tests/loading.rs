@@ -672,7 +672,7 @@ fn dns_discovery_loads_from_files_and_environment() -> TestResult {
         &format!("{mode}dns = [{{ name = \"a.example\", port = 1 }}]\ninterval = \"100ms\"\n"),
         "discovery.interval",
     );
-    expect_bad(&mode.to_string(), "discovery.mode");
+    expect_bad(mode, "discovery.mode");
     Ok(())
 }
 

@@ -88,12 +88,14 @@ impl Node {
         config.validate()?;
         let secret = node_secret(&config)?;
         let config = Arc::new(config);
-        let io = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ferry-io")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::start("cannot start the I/O runtime", e))?;
+        let io = StartingRuntime(Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("ferry-io")
+                .enable_all()
+                .build()
+                .map_err(|e| Error::start("cannot start the I/O runtime", e))?,
+        ));
         // Bind every listener before anything else runs, so a bad address fails start-up.
         let (listeners, unix_path) = bind_listeners(&io, &config).await?;
         let tcp_addrs = listeners
@@ -173,7 +175,7 @@ impl Node {
             unix_path,
             system: started.system,
             thread: Some(thread),
-            io: Some(io),
+            io: Some(io.into_inner()),
         })
     }
 

@@ -4,6 +4,34 @@
 
 use super::*;
 
+/// The node's I/O runtime while [`super::Node::start`] runs: if the start fails, it shuts
+/// down in the background (dropping a tokio runtime inside an async context, where
+/// `Node::start` is awaited, panics instead of returning the error).
+pub(super) struct StartingRuntime(pub(super) Option<tokio::runtime::Runtime>);
+
+impl StartingRuntime {
+    /// The runtime, for the started node to own.
+    pub(super) fn into_inner(mut self) -> tokio::runtime::Runtime {
+        self.0.take().expect("the runtime is taken once")
+    }
+}
+
+impl std::ops::Deref for StartingRuntime {
+    type Target = tokio::runtime::Runtime;
+
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("the runtime is there until taken")
+    }
+}
+
+impl Drop for StartingRuntime {
+    fn drop(&mut self) {
+        if let Some(io) = self.0.take() {
+            io.shutdown_background();
+        }
+    }
+}
+
 /// A GPU this node will use: the device, its pool and streams, and its budget.
 pub(super) struct OpenedGpu {
     pub(super) ordinal: u32,
