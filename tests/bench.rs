@@ -78,7 +78,7 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         (vec!["--memory", "shared"], "host or device"),
         (
             vec!["--transport", "ucx", "--memory", "device"],
-            "host memory only",
+            "does not move device memory",
         ),
         (vec!["-b", "1M", "-e", "8"], "larger than"),
         // Both local nodes take the rule, and tcp cannot pull.

@@ -592,10 +592,16 @@ fn ucx_finding(ucx: &Ucx, ucx_named: bool) -> Finding {
             )
         }
     };
+    // What the UCX ferry loads (FERRY_UCX_LIBRARY, else the system's) says of itself.
+    let device = if ferry_transports::ucx::moves_cuda() {
+        "moves device memory (ucx carries GPU buffers)"
+    } else {
+        "moves host memory only (built without CUDA, or no driver): ucx carries no GPU buffer"
+    };
     Finding::new(
         CHECK,
         Status::Ok,
-        format!("{} found; {transports}", library.display()),
+        format!("{} found; {transports}; {device}", library.display()),
     )
 }
 
