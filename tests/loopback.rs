@@ -537,6 +537,19 @@ async fn a_dial_that_another_node_answers_fails_naming_both() {
         .await
         .expect("metrics");
     assert_eq!(c_sessions, Some(0.0), "c kept a link meant for b");
+    // c refused the link itself (its session gauge alone cannot tell: the dialer drops the
+    // link at once too).
+    let metrics = c_metrics.clone();
+    let refused = tokio::task::spawn_blocking(move || {
+        common::metric(&metrics, "ferry_links_refused_total{reason=\"wrong_node\"}")
+    })
+    .await
+    .expect("metrics");
+    // (At least once: the send dials b again after the first dial failed.)
+    assert!(
+        refused.is_some_and(|n| n >= 1.0),
+        "c did not refuse the link meant for b: {refused:?}"
+    );
     // c itself is served, under its own name, over the same address.
     let buffer = patterned(&node, 1000, 2).await;
     let crc = crc32c::crc32c(buffer.as_slice().expect("host"));

@@ -298,6 +298,10 @@ pub struct Coordinator {
     /// `Connect`s to a peer not known yet, waiting for DNS discovery's first answers: the
     /// peer, the error to give if it is not found, and where to answer.
     connects: Vec<WaitingConnect>,
+    /// When each peer found by DNS was last dialed for `discovery.connect_all`: one whose
+    /// link is down is dialed again at most once a `discovery.interval` (entries only for
+    /// peers discovery knows now, so at most `discovery.max_peers`).
+    discovered_dials: HashMap<String, std::time::Instant>,
 }
 
 /// A `Connect` waiting for DNS discovery: the peer, the error if it is not found, and where
@@ -329,6 +333,7 @@ impl Coordinator {
             draining: false,
             discovery,
             connects: Vec::new(),
+            discovered_dials: HashMap::new(),
         }
     }
 
@@ -674,16 +679,23 @@ impl Coordinator {
         self.setup.transfer.io.spawn(async move {
             let _ = link.writer.shutdown().await;
         });
-        // The address the dial took, when DNS discovery gave it (not `[[peers]]`).
+        // The address the dial took, when DNS discovery gave it (not `[[peers]]`) and the
+        // peer is still learnt there (a round may have moved it while the dial was on its
+        // way: another address of the peer is not relabelled).
         let is_static = self
             .setup
             .config
             .peers
             .iter()
             .any(|p| p.name == dialed.peer);
+        let took = dialed
+            .endpoint
+            .strip_prefix("tcp:")
+            .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
         if let Some(discovery) = self.discovery.as_mut()
             && !is_static
-            && let Some(addr) = discovery.address_of(&dialed.peer)
+            && let Some(addr) = took
+            && discovery.is_at(&dialed.peer, addr)
         {
             discovery.handle_answered(addr, answered);
         }
@@ -784,6 +796,12 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
         "Dials of a peer that failed (nothing answered, the handshake failed, or another node answered)",
     ),
     (
+        MetricKind::Counter,
+        "ferry_links_refused_total",
+        None,
+        "Links this node accepted and refused: reason wrong_node, a dial meant for another node",
+    ),
+    (
         MetricKind::Gauge,
         "ferry_discovery_addresses",
         None,
@@ -877,6 +895,7 @@ pub fn describe_metrics() {
     metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
     metrics::counter!("ferry_dial_failures_total").absolute(0);
+    metrics::counter!("ferry_links_refused_total", "reason" => "wrong_node").absolute(0);
     metrics::gauge!("ferry_peers_connected").set(0.0);
     let reasons = ferry_transports::wire::FrameError::REASONS;
     for reason in reasons.into_iter().chain(["protocol"]) {
@@ -1018,9 +1037,15 @@ impl Handler<Connect> for Coordinator {
                     && self.connects.len() < MAX_WAITING_CONNECTS =>
             {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                self.connects.push((msg.peer, e, tx));
+                self.connects.push((msg.peer, e.clone(), tx));
+                // Bounded: discovery may never settle (addresses that never answer are probed
+                // again every round), so a waiting connect gives up after one round and one
+                // probe's time, with the error it would have had.
+                let wait =
+                    self.setup.config.discovery.interval + self.setup.config.limits.connect_timeout;
                 return Box::pin(async move {
-                    let addr = rx.await.unwrap_or(Err(Error::ShuttingDown))?;
+                    let answer = tokio::time::timeout(wait, rx).await.map_err(|_| e)?;
+                    let addr = answer.unwrap_or(Err(Error::ShuttingDown))?;
                     addr.send(AwaitLink)
                         .await
                         .unwrap_or(Err(Error::ShuttingDown))

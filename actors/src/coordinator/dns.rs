@@ -25,6 +25,10 @@ struct ProbeEnded {
     result: Result<String, String>,
 }
 
+/// The longest one name's lookup may take; a lookup that takes longer fails this round (the
+/// name keeps its last answer).
+const LOOKUP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Probes of discovered addresses on their way at once.
 pub(super) const MAX_PROBES: usize = 8;
 
@@ -42,11 +46,19 @@ impl Coordinator {
             loop {
                 let mut answers = Vec::with_capacity(names.len());
                 for entry in &names {
-                    // getaddrinfo on tokio's blocking pool: /etc/hosts, then DNS.
-                    let answer = tokio::net::lookup_host((entry.name.as_str(), entry.port))
-                        .await
-                        .map(|addrs| addrs.collect())
-                        .map_err(|e| e.to_string());
+                    // getaddrinfo on tokio's blocking pool: /etc/hosts, then DNS. Bounded: a
+                    // resolver that hangs (search domains, ndots) must not hold every later
+                    // round, and the connects waiting for the first, back.
+                    let lookup = tokio::net::lookup_host((entry.name.as_str(), entry.port));
+                    let answer = match tokio::time::timeout(LOOKUP_TIMEOUT, lookup).await {
+                        Ok(found) => found
+                            .map(|addrs| addrs.collect())
+                            .map_err(|e| e.to_string()),
+                        Err(_) => Err(format!(
+                            "no answer from the resolver within {}",
+                            humantime::format_duration(LOOKUP_TIMEOUT)
+                        )),
+                    };
                     answers.push(answer);
                 }
                 if me.send(Resolved(answers)).await.is_err() {
@@ -75,8 +87,17 @@ impl Coordinator {
         for addr in probes {
             self.probe(addr, ctx);
         }
+        let interval = self.setup.config.discovery.interval;
+        self.discovered_dials
+            .retain(|peer, _| peers.iter().any(|(p, _)| p == peer));
         for (peer, addr) in peers {
-            if !self.sessions.contains_key(&peer) {
+            let recently = self
+                .discovered_dials
+                .get(&peer)
+                .is_some_and(|at| at.elapsed() < interval);
+            if !self.sessions.contains_key(&peer) && !recently {
+                self.discovered_dials
+                    .insert(peer.clone(), std::time::Instant::now());
                 tracing::debug!(%peer, %addr, "dialing a peer found by DNS");
                 if let Err(e) = self.session_for(&peer, ctx) {
                     tracing::debug!(%peer, error = %e, "cannot dial a peer found by DNS");
@@ -87,6 +108,10 @@ impl Coordinator {
         // discovery has nothing more on its way.
         let settled = self.discovery.as_ref().is_none_or(Discovery::settled);
         for (peer, error, tx) in std::mem::take(&mut self.connects) {
+            if tx.is_closed() {
+                // It gave up waiting.
+                continue;
+            }
             if self.sessions.contains_key(&peer) || self.peer_address(&peer).is_some() {
                 let _ = tx.send(self.session_for(&peer, ctx));
             } else if settled {
@@ -114,7 +139,10 @@ impl Coordinator {
             let result = match tokio::time::timeout(connect_timeout, dialing).await {
                 Ok(Ok(mut link)) => {
                     let name = link.peer_hello.node.clone();
-                    let _ = link.writer.shutdown().await;
+                    // The answer is in: the probe's slot is free whatever the close takes.
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(connect_timeout, link.writer.shutdown()).await;
+                    });
                     Ok(name)
                 }
                 Ok(Err(e)) => Err(e.to_string()),

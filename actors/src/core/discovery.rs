@@ -217,6 +217,11 @@ impl Discovery {
             .collect()
     }
 
+    /// Whether `peer` is learnt at `addr` now.
+    pub fn is_at(&self, peer: &str, addr: SocketAddr) -> bool {
+        matches!(self.addresses.get(&addr), Some(Known::Peer(name)) if name == peer)
+    }
+
     /// Where to dial `peer`, if it was learnt at an address DNS gives now.
     pub fn address_of(&self, peer: &str) -> Option<SocketAddr> {
         self.addresses

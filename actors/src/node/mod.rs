@@ -714,6 +714,8 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                             %wanted,
                             "refused a link meant for another node (the peer was told this node's address for {wanted})"
                         );
+                        metrics::counter!("ferry_links_refused_total", "reason" => "wrong_node")
+                            .increment(1);
                         let _ = link.writer.shutdown().await;
                     }
                     HelloPurpose::Link | HelloPurpose::LinkTo(_) => {

@@ -441,7 +441,10 @@ pub fn ucx_settings(config: &Config) -> ferry_transports::ucx::UcxSettings {
     // whose allocations it did not see (without the wheel's CUDA hooks, or for memory
     // allocated before UCX loaded), which it then takes for host memory: measured on an
     // H100 with UCX 1.22, `ucp_mem_map` of pool memory failed (UCS_ERR_INVALID_PARAM).
-    if !ucx.env.contains_key("MEMTYPE_CACHE") {
+    // UCX applies this setting process-wide (from 1.16 on, a global option): other UCX
+    // users of the process see it too. A setting of the user's (`env` here, or
+    // `UCX_MEMTYPE_CACHE` in the environment) wins.
+    if !ucx.env.contains_key("MEMTYPE_CACHE") && std::env::var_os("UCX_MEMTYPE_CACHE").is_none() {
         settings
             .options
             .push(("MEMTYPE_CACHE".to_string(), "n".to_string()));

@@ -79,15 +79,23 @@ pub fn viability() -> Viability {
 }
 
 /// Where a buffer's bytes are, and of which type: host memory's address, or device
-/// memory's once its writes are complete (UCX copies on a stream of its own, which knows
-/// nothing of the buffer's).
-fn span_of(bytes: &SharedBytes) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
+/// memory's (where `engine` moves it) once its writes are complete (UCX copies on a stream
+/// of its own, which knows nothing of the buffer's).
+fn span_of(
+    engine: &Engine,
+    bytes: &SharedBytes,
+) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
     if let Some(host) = bytes.as_slice() {
         return Ok((MemoryType::Host, host.as_ptr().cast_mut(), host.len()));
     }
     let Some(device) = bytes.device_memory() else {
         return Err(UcxTransportError::Misuse("memory of no kind UCX can read"));
     };
+    if !engine.moves(MemoryType::Cuda) {
+        return Err(UcxTransportError::Misuse(
+            "the loaded UCX does not move device memory (built without CUDA, or no driver)",
+        ));
+    }
     device
         .stream()
         .synchronize()
@@ -120,12 +128,7 @@ impl Engine {
     /// As [`Engine::register`]; [`UcxTransportError::Misuse`] for memory of no kind UCX
     /// can read.
     pub fn export(&self, view: SharedBytes) -> Result<Exported, UcxTransportError> {
-        let (memory, ptr, len) = span_of(&view)?;
-        if !self.moves(memory) {
-            return Err(UcxTransportError::Misuse(
-                "the loaded UCX does not move device memory (built without CUDA, or no driver)",
-            ));
-        }
+        let (memory, ptr, len) = span_of(self, &view)?;
         // SAFETY: `view` keeps the memory allocated (it is a share of the buffer, which is
         // freed only when its last share goes), and `Exported` holds it until after the
         // registration was dropped, which unmaps before it returns. Peers only read it.
@@ -210,7 +213,7 @@ impl UcxPeer {
         rkey: &RemoteKey,
         batch: &[(u64, u64, u64)],
     ) -> Result<Vec<Operation>, UcxTransportError> {
-        let (memory, base, room) = landing_of(dst)?;
+        let (memory, base, room) = landing_of(dst, self.moves(MemoryType::Cuda))?;
         let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
         for &(theirs, ours, bytes) in batch {
             if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
@@ -241,13 +244,16 @@ fn pieces(theirs: u64, ours: u64, n: u64) -> impl Iterator<Item = (u64, u64, u64
         .map(move |at| (theirs + at, ours + at, PIECE.min(n - at)))
 }
 
-/// Where `dst`'s bytes go, and of which type. Device memory only where the loaded UCX
-/// moves it (checked by the caller through [`moves_cuda`]; a UCX without CUDA would
-/// `memcpy` into a device address). A landing buffer's allocation is complete when the
-/// allocator hands it out (it waits for its stream).
-fn landing_of(dst: &mut Buffer) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
+/// Where `dst`'s bytes go, and of which type. Device memory only where the engine moves it
+/// (`moves_cuda`; a UCX without CUDA would `memcpy` into a device address). A landing
+/// buffer's allocation is complete when the allocator hands it out (it waits for its
+/// stream).
+fn landing_of(
+    dst: &mut Buffer,
+    moves_cuda: bool,
+) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
     if let Some(device) = dst.device_memory_mut() {
-        if !moves_cuda() {
+        if !moves_cuda {
             return Err(UcxTransportError::Misuse(
                 "the loaded UCX does not move device memory (built without CUDA, or no driver)",
             ));

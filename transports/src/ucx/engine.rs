@@ -160,6 +160,7 @@ impl Engine {
             shared: self.shared.clone(),
             name: PeerName { id, origin },
             ucx: self.ucx.version(),
+            moves_cuda: self.moves_cuda,
         })
     }
 
@@ -177,8 +178,10 @@ impl Engine {
     ///
     /// # Safety
     ///
-    /// `ptr..ptr+len` must stay allocated until the [`Registration`] is dropped (its drop
-    /// waits for the unmap). While it is registered, peers may read and write it at any
+    /// `ptr..ptr+len` must be host memory (device memory goes through
+    /// [`Engine::register_in`]: UCX is told host memory here and copies with the CPU) and
+    /// must stay allocated until the [`Registration`] is dropped (its drop waits for the
+    /// unmap). While it is registered, peers may read and write it at any
     /// time through the key; when its contents may be read is the caller's protocol.
     ///
     /// # Errors
@@ -280,12 +283,23 @@ pub struct UcxPeer {
     shared: Arc<Shared>,
     name: PeerName,
     ucx: Version,
+    moves_cuda: bool,
 }
 
 impl UcxPeer {
     /// How errors name this peer.
     pub fn name(&self) -> &PeerName {
         &self.name
+    }
+
+    /// Whether the engine this endpoint belongs to moves memory of `memory`'s type (as
+    /// [`Engine::moves`]).
+    pub fn moves(&self, memory: MemoryType) -> bool {
+        match memory {
+            MemoryType::Host => true,
+            MemoryType::Cuda => self.moves_cuda,
+            _ => false,
+        }
     }
 
     /// Checks a peer's packed key (its [`Registration::rkey`]) for use in
@@ -305,7 +319,8 @@ impl UcxPeer {
     ///
     /// # Safety
     ///
-    /// `local..local+len` must be valid for writes and not read or written by anything
+    /// `local..local+len` must be host memory (device memory goes through
+    /// [`UcxPeer::get_in`]), valid for writes and not read or written by anything
     /// else until the returned [`Operation`] has completed (awaited or waited to its end;
     /// dropping it waits for that too). If the `Operation` is leaked (`mem::forget`), the
     /// memory must stay valid until the engine is dropped. On `Err`, nothing was started.
@@ -357,8 +372,8 @@ impl UcxPeer {
     ///
     /// # Safety
     ///
-    /// `local..local+len` must be valid for reads and not written by anything else until
-    /// the returned [`Operation`] has completed (as for [`UcxPeer::get`]).
+    /// `local..local+len` must be host memory, valid for reads and not written by anything
+    /// else until the returned [`Operation`] has completed (as for [`UcxPeer::get`]).
     ///
     /// # Errors
     ///

@@ -13,7 +13,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
