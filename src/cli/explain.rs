@@ -290,9 +290,13 @@ const COPY_ENGINE_GBPS: u32 = 396;
 /// Pinned host <-> device, each way, 16 MiB and up (BASELINES.md).
 const PINNED_GBPS: u32 = 55;
 
+/// UCX reading device memory over tcp, staged through host memory (H100 ×1, UCX 1.22,
+/// PERFORMANCE.md).
+const UCX_TCP_DEVICE_GBPS: f32 = 0.4;
+
 /// Warnings when the route is expected to run far below what the hardware between the two
-/// ends allows. Pure.
-pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<String> {
+/// ends allows; `rdma`: this machine has an RDMA device. Pure.
+pub fn performance_warnings(explanation: &Explanation, rules: &[Rule], rdma: bool) -> Vec<String> {
     let q = &explanation.query;
     // Where the bytes really land: a transport that cannot land in the peer's device memory
     // lands in its host memory.
@@ -324,6 +328,16 @@ pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<St
             "device memory to another host goes through staged: two pinned host<->device copies \
              (~{PINNED_GBPS} GB/s each) around the network; ucx with GPUDirect RDMA would let \
              the NIC read and write GPU memory directly"
+        )),
+        Some(TransportName::Ucx) if !rdma => out.push(format!(
+            "device memory goes over ucx on a machine without an RDMA device: UCX reads GPU \
+             memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s measured), \
+             and between GPUs of one host without NVLink it does so too; {}",
+            if same_host {
+                "on one host ipc uses the copy engine"
+            } else {
+                "an RDMA NIC with GPUDirect RDMA lets the NIC read GPU memory directly"
+            }
         )),
         Some(TransportName::Tcp) => out.push(format!(
             "device memory goes over tcp: it is copied to host memory first (~{PINNED_GBPS} GB/s \
@@ -498,7 +512,7 @@ impl Report {
                 landing: r.landing.to_string(),
             }),
             gpu,
-            warnings: performance_warnings(e, rules),
+            warnings: performance_warnings(e, rules, ferry_actors::node::has_rdma_device()),
         }
     }
 
@@ -692,7 +706,7 @@ pub(crate) mod tests {
         // tcp carries it, landing in the peer's host memory.
         let chosen = e.chosen.as_ref().map(|r| (r.transport, r.landing));
         assert_eq!(chosen, Some((TransportName::Tcp, MemoryClass::Host)));
-        let w = performance_warnings(&e, &rules);
+        let w = performance_warnings(&e, &rules, true);
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(
             w[0].contains("device memory goes over tcp")
@@ -709,7 +723,7 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules).is_empty());
+        assert!(performance_warnings(&e, &rules, true).is_empty());
         // So is host memory to a peer that receives into device memory: over tcp it lands
         // in the peer's host memory, and no device memory moves.
         let e = choose(
@@ -718,7 +732,42 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Device, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules).is_empty());
+        assert!(performance_warnings(&e, &rules, true).is_empty());
+    }
+
+    #[test]
+    fn device_memory_over_ucx_without_rdma_warns() {
+        let rules = vec![rule("remote-gpu", vec![TransportName::Ucx])];
+        // A UCX built with CUDA (the wheels'): ucx declares device memory.
+        let catalog: Vec<_> = catalog()
+            .into_iter()
+            .map(|(mut caps, _)| {
+                if caps.name == TransportName::Ucx {
+                    caps.sources = &[MemoryClass::Host, MemoryClass::Device];
+                    caps.memory = &[MemoryClass::Host, MemoryClass::Device];
+                }
+                (caps, Viability::Viable)
+            })
+            .collect();
+        let e = choose(
+            &rules,
+            &catalog,
+            None,
+            query(MemoryClass::Device, MemoryClass::Device, Locality::Remote),
+        );
+        assert_eq!(
+            e.chosen.as_ref().map(|r| r.transport),
+            Some(TransportName::Ucx)
+        );
+        let w = performance_warnings(&e, &rules, false);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("without an RDMA device") && w[0].contains("0.4 GB/s"),
+            "{}",
+            w[0]
+        );
+        // With an RDMA device the NIC can read GPU memory: nothing to say.
+        assert!(performance_warnings(&e, &rules, true).is_empty());
     }
 
     #[test]
@@ -810,7 +859,7 @@ pub(crate) mod tests {
             e.chosen.as_ref().map(|r| r.transport),
             Some(TransportName::Staged)
         );
-        let w = performance_warnings(&e, &rules);
+        let w = performance_warnings(&e, &rules, true);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("ipc was passed over: not viable on this machine: no peer access"));
     }

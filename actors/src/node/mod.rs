@@ -36,7 +36,7 @@ use crate::inbox::{Inbox, Received};
 mod start;
 
 use self::start::*;
-pub use self::start::{start_ucx_engine, ucx_settings};
+pub use self::start::{has_rdma_device, start_ucx_engine, ucx_settings};
 
 /// A running ferry node.
 pub struct Node {

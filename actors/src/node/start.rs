@@ -456,7 +456,7 @@ pub fn ucx_settings(config: &Config) -> ferry_transports::ucx::UcxSettings {
 }
 
 /// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.
-pub(super) fn has_rdma_device() -> bool {
+pub fn has_rdma_device() -> bool {
     std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
