@@ -427,8 +427,8 @@ fn block_copies_finding(driver: &CudaDriver, copies: Option<BlockCopies>) -> Fin
         Some(BlockCopies::Batched) => Finding::new(
             CHECK,
             Status::Ok,
-            "block lists of device memory are gathered with cuMemcpyBatchAsync: one call for \
-             all the blocks of a copy",
+            "block lists of device memory are gathered by one kernel launch on one GPU, and \
+             with cuMemcpyBatchAsync between GPUs: one call for all the blocks of a copy",
         ),
         Some(_) => Finding::new(
             CHECK,

@@ -333,6 +333,7 @@ unsafe fn copy_boxes(
     way: Way,
     boxes: &[RowBox],
     stream: &Stream,
+    one_gpu: bool,
 ) -> Result<bool, CudaError> {
     let ((sbase, slen), (pbase, plen)) = (strided, packed);
     let shapes = boxes
@@ -343,7 +344,10 @@ unsafe fn copy_boxes(
         return Ok(false);
     }
     stream.bind()?;
-    let mut runs = Runs::default();
+    let mut runs = Runs {
+        one_gpu,
+        ..Runs::default()
+    };
     for (b, shape) in shapes {
         let (rows, packed) = (sbase.at(b.src), pbase.at(b.packed));
         let (dst, src, shape) = match way {
@@ -413,6 +417,8 @@ struct Runs {
     dsts: Vec<u64>,
     srcs: Vec<u64>,
     sizes: Vec<usize>,
+    /// Both memories and the stream are of one GPU: the runs may go to the gather kernel.
+    one_gpu: bool,
 }
 
 impl Runs {
@@ -451,6 +457,16 @@ impl Runs {
     /// # Safety
     /// As [`Runs::add`], for every run added.
     unsafe fn flush(mut self, stream: &Stream) -> Result<(), CudaError> {
+        // SAFETY: caller; the stream's context is current (`copy_boxes` bound it), and
+        // `one_gpu` says its GPU holds both memories.
+        if self.one_gpu
+            && self.sizes.len() > 1
+            && unsafe {
+                super::gather::gather_async(&self.dsts, &self.srcs, &self.sizes, stream.handle())
+            }?
+        {
+            return Ok(());
+        }
         if self.sizes.len() > 1 && block_copies() == BlockCopies::Batched {
             // SAFETY: caller; device memory on both sides, destinations disjoint (packed
             // bytes, or a destination layout checked not to overlap), a stream of ours
@@ -511,9 +527,10 @@ pub fn copy_boxes_async(
     stream: &Stream,
 ) -> Result<(), CudaError> {
     let (rows, packed) = (device_side(src, src_offset)?, device_side(dst, dst_offset)?);
+    let one_gpu = src.device().same_as(dst.device()) && stream.device().same_as(dst.device());
     // SAFETY: both are live allocations; the uses recorded below keep them allocated until
     // the copies passed.
-    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream) }? {
+    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream, one_gpu) }? {
         dst.note_use(stream)?;
         src.note_use(stream)?;
     }
@@ -535,7 +552,7 @@ pub fn copy_boxes_to_host(
     let packed = (Base::Host(dst.as_mut_ptr()), dst.len());
     // SAFETY: a live allocation, and `dst`, borrowed mutably until the stream is
     // synchronised (below, or on a failure), so nothing else touches it meanwhile.
-    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream) }? {
+    if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream, false) }? {
         src.note_use(stream)?;
         stream.synchronize()?;
     }
@@ -558,9 +575,10 @@ pub fn scatter_boxes_async(
     stream: &Stream,
 ) -> Result<(), CudaError> {
     let (rows, packed) = (device_side(dst, 0)?, device_side(src, src_offset)?);
+    let one_gpu = src.device().same_as(dst.device()) && stream.device().same_as(dst.device());
     // SAFETY: both are live allocations; the uses recorded below keep them allocated until
     // the copies passed.
-    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream) }? {
+    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream, one_gpu) }? {
         dst.note_use(stream)?;
         src.note_use(stream)?;
     }
@@ -583,7 +601,7 @@ pub fn scatter_boxes_from_host(
     let packed = (Base::Host(src.as_ptr().cast_mut()), src.len());
     // SAFETY: a live allocation, and `src`, borrowed until the stream is synchronised
     // (below, or on a failure).
-    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream) }? {
+    if unsafe { copy_boxes(rows, packed, Way::Scatter, boxes, stream, false) }? {
         dst.note_use(stream)?;
         stream.synchronize()?;
     }

@@ -33,6 +33,7 @@ mod copy;
 mod device;
 mod error;
 mod external;
+mod gather;
 pub mod pattern;
 mod pool;
 mod probe;
