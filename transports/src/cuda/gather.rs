@@ -92,16 +92,11 @@ static KERNELS: Mutex<Option<HashMap<usize, Option<usize>>>> = Mutex::new(None);
 
 /// The kernel in the current context, loading it on first use there.
 fn kernel() -> Option<sys::CUfunction> {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one handle into `ctx`.
-    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) }).ok()?;
-    if ctx.is_null() {
-        return None;
-    }
+    let ctx = current_context()?;
     let mut kernels = KERNELS.lock().unwrap_or_else(|p| p.into_inner());
     let found = kernels
         .get_or_insert_with(HashMap::new)
-        .entry(ctx as usize)
+        .entry(ctx)
         .or_insert_with(|| match load() {
             Ok(f) => Some(f as usize),
             Err(e) => {
@@ -117,14 +112,20 @@ fn kernel() -> Option<sys::CUfunction> {
 
 /// Forgets the kernel of the current context (its handle was found invalid).
 fn forget() {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one handle into `ctx`.
-    if check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) }).is_ok() {
+    if let Some(ctx) = current_context() {
         let mut kernels = KERNELS.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(map) = kernels.as_mut() {
-            map.remove(&(ctx as usize));
+            map.remove(&ctx);
         }
     }
+}
+
+/// The calling thread's current context, as an address (the key of [`KERNELS`]).
+fn current_context() -> Option<usize> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle into `ctx`.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) }).ok()?;
+    (!ctx.is_null()).then_some(ctx as usize)
 }
 
 /// Loads the module into the current context (kept for the process's life, as the

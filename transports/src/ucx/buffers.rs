@@ -78,6 +78,10 @@ pub fn viability() -> Viability {
     }
 }
 
+/// Why device memory cannot go over the loaded UCX.
+const NO_CUDA: &str =
+    "the loaded UCX does not move device memory (built without CUDA, or no driver)";
+
 /// Where a buffer's bytes are, and of which type: host memory's address, or device
 /// memory's (where `engine` moves it) once its writes are complete (UCX copies on a stream
 /// of its own, which knows nothing of the buffer's).
@@ -92,9 +96,7 @@ fn span_of(
         return Err(UcxTransportError::Misuse("memory of no kind UCX can read"));
     };
     if !engine.moves(MemoryType::Cuda) {
-        return Err(UcxTransportError::Misuse(
-            "the loaded UCX does not move device memory (built without CUDA, or no driver)",
-        ));
+        return Err(UcxTransportError::Misuse(NO_CUDA));
     }
     device
         .stream()
@@ -254,9 +256,7 @@ fn landing_of(
 ) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
     if let Some(device) = dst.device_memory_mut() {
         if !moves_cuda {
-            return Err(UcxTransportError::Misuse(
-                "the loaded UCX does not move device memory (built without CUDA, or no driver)",
-            ));
+            return Err(UcxTransportError::Misuse(NO_CUDA));
         }
         return Ok((MemoryType::Cuda, device.address() as *mut u8, device.len()));
     }

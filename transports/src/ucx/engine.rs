@@ -89,11 +89,7 @@ impl Engine {
     /// Whether this engine's UCX moves memory of `memory`'s type: host memory always,
     /// CUDA device memory when the loaded UCX was built with CUDA and found the driver.
     pub fn moves(&self, memory: MemoryType) -> bool {
-        match memory {
-            MemoryType::Host => true,
-            MemoryType::Cuda => self.moves_cuda,
-            _ => false,
-        }
+        moves(self.moves_cuda, memory)
     }
 
     /// The loaded UCX's release. Peers must run the same UCX build.
@@ -272,6 +268,16 @@ impl Drop for Engine {
     }
 }
 
+/// Whether an engine whose UCX moves CUDA memory (`cuda`) or not moves memory of
+/// `memory`'s type: host memory always.
+fn moves(cuda: bool, memory: MemoryType) -> bool {
+    match memory {
+        MemoryType::Host => true,
+        MemoryType::Cuda => cuda,
+        _ => false,
+    }
+}
+
 /// An endpoint to one peer's engine, in error handling mode PEER. `Send` and `Sync`;
 /// operations from several threads are queued in the order their calls took the queue.
 ///
@@ -295,11 +301,7 @@ impl UcxPeer {
     /// Whether the engine this endpoint belongs to moves memory of `memory`'s type (as
     /// [`Engine::moves`]).
     pub fn moves(&self, memory: MemoryType) -> bool {
-        match memory {
-            MemoryType::Host => true,
-            MemoryType::Cuda => self.moves_cuda,
-            _ => false,
-        }
+        moves(self.moves_cuda, memory)
     }
 
     /// Checks a peer's packed key (its [`Registration::rkey`]) for use in
