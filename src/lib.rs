@@ -32,8 +32,10 @@
 
 pub use ferry_actors::core::budget::BudgetStats;
 pub use ferry_actors::core::route::Explanation;
+pub use ferry_actors::fetch::{Fetch, FetchStats, Fetched};
 pub use ferry_actors::inbox::Received;
 pub use ferry_actors::node::Node;
+pub use ferry_actors::publish::PublicationStats;
 pub use ferry_actors::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};
 pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass, TransportName};
 /// The CUDA layer: devices, streams, pools and copies (GPU information for tests and tools).
@@ -55,14 +57,61 @@ pub mod testing;
 /// control tags: [`echo::TAG_EXPOSE`] (payload: the length as 8 little-endian bytes) makes
 /// it expose a zeroed region of that length and answer with the region's key
 /// ([`echo::encode_key`]); [`echo::TAG_WITHDRAW`] (payload: a key) makes it withdraw that
-/// region and send its contents back under the same tag.
+/// region and send its contents back under the same tag; [`echo::TAG_PUBLISH`] makes it
+/// publish the buffer it received and answer with the key (UTF-8 bytes), and
+/// [`echo::TAG_UNPUBLISH`] (payload: such a key) makes it unpublish that buffer and send it
+/// back under the same tag ([`echo::handle_publishing`]).
 pub mod echo {
-    use crate::RegionKey;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use crate::{Error, MemoryKind, Node, Received, RegionKey};
 
     /// Ask the echo node to expose a region.
     pub const TAG_EXPOSE: u64 = u64::MAX - 1;
     /// Ask the echo node to withdraw a region and return its contents.
     pub const TAG_WITHDRAW: u64 = u64::MAX - 2;
+    /// Ask the echo node to publish the buffer sent; it answers with the key.
+    pub const TAG_PUBLISH: u64 = u64::MAX - 3;
+    /// Ask the echo node to unpublish a key (the payload) and send its buffer back.
+    pub const TAG_UNPUBLISH: u64 = u64::MAX - 4;
+
+    /// Handles [`TAG_PUBLISH`] and [`TAG_UNPUBLISH`] as an echo node does; gives any other
+    /// buffer back.
+    ///
+    /// # Errors
+    /// The node's, publishing, unpublishing or answering; [`Error::Usage`] for a key that
+    /// is not UTF-8.
+    pub async fn handle_publishing(node: &Node, got: Received) -> Result<Option<Received>, Error> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        match got.tag {
+            TAG_PUBLISH => {
+                let key = format!("{}/{}", got.peer, NEXT.fetch_add(1, Ordering::Relaxed));
+                node.publish(key.clone(), got.buffer).map_err(|e| e.error)?;
+                let mut reply = node.alloc(MemoryKind::Host, key.len()).await?;
+                reply
+                    .write(0, key.as_bytes())
+                    .map_err(|e| Error::Usage(e.to_string()))?;
+                node.send(&got.peer, TAG_PUBLISH, reply)
+                    .await
+                    .map_err(|e| e.error)?;
+                Ok(None)
+            }
+            TAG_UNPUBLISH => {
+                let bytes = got
+                    .buffer
+                    .to_vec()
+                    .map_err(|e| Error::Usage(e.to_string()))?;
+                let key = String::from_utf8(bytes)
+                    .map_err(|_| Error::Usage("an unpublish request's key is not UTF-8".into()))?;
+                let buffer = node.unpublish(&key).await?;
+                node.send(&got.peer, TAG_UNPUBLISH, buffer)
+                    .await
+                    .map_err(|e| e.error)?;
+                Ok(None)
+            }
+            _ => Ok(Some(got)),
+        }
+    }
 
     /// A region key as 24 bytes.
     pub fn encode_key(key: RegionKey) -> [u8; 24] {

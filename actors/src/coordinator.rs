@@ -51,6 +51,24 @@ pub struct SendTo {
     pub layout: ferry_transports::wire::Layout,
     /// When it must have ended.
     pub deadline: Instant,
+    /// For the answer to the peer's fetch: its id (the peer hands the bytes to that fetch,
+    /// not to `recv`).
+    pub fetch: Option<u64>,
+}
+
+/// Fetch what `peer` published under `key` (one flight's request: single flight is the
+/// node's, see [`crate::fetch`]).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<crate::fetch::Landed, Error>")]
+pub struct FetchFrom {
+    /// Peer name.
+    pub peer: String,
+    /// The key.
+    pub key: String,
+    /// Which bytes of it.
+    pub layout: ferry_transports::wire::Layout,
+    /// When it must have ended.
+    pub deadline: Instant,
 }
 
 /// Write `buffer` at `offset` into the region `key` that `peer` exposed.
@@ -222,6 +240,8 @@ pub struct TransferSetupBase {
     pub transports: NodeTransports,
     /// This node's host identity: a peer whose hello says the same is on this host.
     pub host_id: Arc<str>,
+    /// The buffers this node published, which peers fetch.
+    pub published: Arc<crate::publish::Publications>,
 }
 
 /// The transports a node serves, as its hello announces them and its routes choose.
@@ -498,6 +518,8 @@ impl Coordinator {
             staged: base.staged,
             ucx: base.transports.ucx,
             ucx_hold: base.transports.ucx_hold,
+            published: base.published,
+            serve: ctx.address().recipient(),
         }
     }
 
@@ -982,6 +1004,7 @@ impl Handler<SendTo> for Coordinator {
             direction: wire(route.direction),
             fallback,
             layout: msg.layout,
+            fetch: msg.fetch,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }
@@ -1013,6 +1036,34 @@ impl Handler<PutTo> for Coordinator {
             offset: msg.offset,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
+    }
+}
+
+impl Handler<FetchFrom> for Coordinator {
+    type Result = ResponseFuture<Result<crate::fetch::Landed, Error>>;
+
+    fn handle(&mut self, msg: FetchFrom, ctx: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Box::pin(async { Err(Error::ShuttingDown) });
+        }
+        let addr = match self.session_for(&msg.peer, ctx) {
+            Ok(a) => a,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let peer = msg.peer;
+        let request = addr.send(crate::peer::AskFetch {
+            key: msg.key,
+            layout: msg.layout,
+            deadline: msg.deadline,
+        });
+        Box::pin(async move {
+            request.await.unwrap_or_else(|_| {
+                Err(Error::PeerLost {
+                    peer,
+                    detail: "its transfer actor stopped".into(),
+                })
+            })
+        })
     }
 }
 

@@ -120,6 +120,10 @@ pub enum RefusalReason {
     Protocol,
     /// It saw no progress for its stall timeout.
     Stalled,
+    /// Nothing is published under the key asked for.
+    UnknownKey,
+    /// The key is published for other peers only.
+    NotAllowed,
 }
 
 impl From<WireReason> for RefusalReason {
@@ -146,6 +150,8 @@ impl std::fmt::Display for RefusalReason {
             Self::ShuttingDown => "shutting down",
             Self::Protocol => "protocol violation",
             Self::Stalled => "stalled",
+            Self::UnknownKey => "unknown key",
+            Self::NotAllowed => "not allowed",
         })
     }
 }

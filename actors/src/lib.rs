@@ -8,11 +8,13 @@ pub mod coordinator;
 pub mod core;
 pub mod data_event;
 pub mod error;
+pub mod fetch;
 pub mod gpu;
 pub mod inbox;
 pub mod lane;
 pub mod node;
 pub mod peer;
+pub mod publish;
 pub mod staged;
 pub mod timer;
 

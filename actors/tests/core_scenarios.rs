@@ -72,6 +72,7 @@ impl Pair {
 
     fn request(&self, tag: u64, ttl: Duration) -> SendRequest {
         SendRequest {
+            fetch: None,
             tag,
             len: 100,
             source: WireMemoryKind::Host,
@@ -242,6 +243,7 @@ fn an_unsendable_offer_fails_its_op_alone() {
     });
     let now = Instant::now();
     let request = |tag, layout: Layout, len| SendRequest {
+        fetch: None,
         tag,
         len,
         source: WireMemoryKind::Host,
@@ -511,6 +513,7 @@ fn protocol_violations_are_errors() {
     );
     let offer = |id| {
         Message::Offer(ferry_transports::wire::Offer {
+            fetch: None,
             transfer: id,
             tag: 0,
             len: 1,
@@ -609,6 +612,7 @@ fn a_cancel_says_whose_transfer_it_names() {
         .handle_send(
             now,
             SendRequest {
+                fetch: None,
                 tag: 1,
                 len: 10,
                 source: WireMemoryKind::Host,
@@ -681,6 +685,7 @@ impl Push {
             .handle_send(
                 self.now,
                 SendRequest {
+                    fetch: None,
                     tag: 3,
                     len: 4096,
                     source: WireMemoryKind::Device(0),
@@ -840,6 +845,7 @@ fn push_offers_and_lending_grants_are_checked() {
     let _ = p.a.handle_send(
         p.now,
         SendRequest {
+            fetch: None,
             tag: 1,
             len: 8,
             source: WireMemoryKind::Device(0),
@@ -863,6 +869,7 @@ fn push_offers_and_lending_grants_are_checked() {
         .handle_send(
             Instant::now(),
             SendRequest {
+                fetch: None,
                 tag: 1,
                 len: 8,
                 source: WireMemoryKind::Host,
@@ -912,6 +919,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
     // Transfer ids at or past 2^39 are refused: quarantined memory is keyed by them.
     let mut s = PeerSession::new(LIMITS);
     let offer = Message::Offer(ferry_transports::wire::Offer {
+        fetch: None,
         transfer: ferry_actors::core::session::MAX_TRANSFER_ID,
         tag: 0,
         len: 8,
@@ -930,6 +938,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
 fn offers_whose_layout_does_not_match_are_refused() {
     let offer = |len, transport: TransportName, layout| {
         Message::Offer(ferry_transports::wire::Offer {
+            fetch: None,
             transfer: 1,
             tag: 0,
             len,
@@ -1012,6 +1021,7 @@ fn staged_offers_reserve_for_staging_and_stream() {
     let mut p = Push::new();
     p.b.set_serves(TransportName::Ipc, false);
     let request = |direction, ipc| SendRequest {
+        fetch: None,
         tag: 1,
         len: 4096,
         source: WireMemoryKind::Device(0),

@@ -196,6 +196,13 @@ async fn run_role(node: Arc<Node>, role: Role, slots: Arc<Semaphore>) {
 }
 
 async fn handle(node: &Node, role: &Role, got: Received) -> anyhow::Result<()> {
+    let got = match role {
+        Role::Echo => match echo::handle_publishing(node, got).await? {
+            Some(got) => got,
+            None => return Ok(()),
+        },
+        _ => got,
+    };
     let Received {
         buffer, peer, tag, ..
     } = got;

@@ -148,6 +148,7 @@ conformance! {
     sizes_arrive_byte_exact: Scope::All;
     every_layout_arrives_packed: Scope::All;
     block_lists_arrive_packed: Scope::All;
+    fetches_cross_once: Scope::All;
     order_per_peer_holds_under_mixed_sizes: Scope::All;
     order_holds_under_backpressure: Scope::All;
     #[ignore = "fails: a dropped Node::send whose message the coordinator has not taken yet is \

@@ -52,7 +52,7 @@ enum Far {
     },
     InProcess {
         /// Kept alive for the pair's life.
-        _node: Arc<Node>,
+        node: Arc<Node>,
         seen: Arc<Mutex<Vec<Seen>>>,
         echo: Option<tokio::task::JoinHandle<()>>,
     },
@@ -119,14 +119,7 @@ impl Pair {
                 let seen = Arc::new(Mutex::new(Vec::new()));
                 let echo = (role == Role::Echo)
                     .then(|| tokio::spawn(echo(Arc::clone(&node), Arc::clone(&seen))));
-                (
-                    Far::InProcess {
-                        _node: node,
-                        seen,
-                        echo,
-                    },
-                    address,
-                )
+                (Far::InProcess { node, seen, echo }, address)
             }
             // A child process, over Unix sockets, as same-host peers are configured.
             Locality::SameHost => {
@@ -246,6 +239,17 @@ impl Pair {
         }
     }
 
+    /// Fetches the far node served with the bytes of `key` (its publication's count in this
+    /// process, its `ferry_fetches_served_total` as a process: every key it served).
+    pub fn far_fetches_served(&self, key: &str) -> u64 {
+        match &self.far {
+            Far::Process { metrics, .. } => {
+                metric(metrics, "ferry_fetches_served_total").unwrap_or(0.0) as u64
+            }
+            Far::InProcess { node, .. } => node.publication(key).map_or(0, |p| p.served),
+        }
+    }
+
     /// Staged chunks the far process took from a shared ring (its metric); `None` for a
     /// far node of this process.
     pub fn far_ring_chunks(&self) -> Option<f64> {
@@ -313,14 +317,16 @@ async fn echo(node: Arc<Node>, seen: Arc<Mutex<Vec<Seen>>>) {
     while let Ok(got) = node.recv(None, None).await {
         seen.lock().expect("seen").push(Seen {
             tag: got.tag,
-            layout: got.layout,
+            layout: got.layout.clone(),
             transport: got.transport,
             kind: got.buffer.kind(),
             len: got.buffer.len(),
         });
         let node = Arc::clone(&node);
         let mut send = Box::pin(async move {
-            let _ = node.send(&got.peer, got.tag, got.buffer).await;
+            if let Ok(Some(got)) = ferry::echo::handle_publishing(&node, got).await {
+                let _ = node.send(&got.peer, got.tag, got.buffer).await;
+            }
         });
         if futures::poll!(send.as_mut()).is_pending() {
             tokio::spawn(send);

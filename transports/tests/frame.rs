@@ -85,6 +85,7 @@ fn corpus() -> Vec<Item> {
     let msgs = vec![
         Message::Hello(hello()),
         Message::Offer(Offer {
+            fetch: None,
             transfer: 1,
             tag: 0xfeed,
             len: 1 << 30,
@@ -113,6 +114,7 @@ fn corpus() -> Vec<Item> {
         }),
         // A block list: its blocks travel in the offer (a shared list in the archive).
         Message::Offer(Offer {
+            fetch: None,
             transfer: 2,
             tag: 7,
             len: 4096 + 1 + 300,

@@ -129,6 +129,8 @@ pub struct SendRequest {
     pub layout: Layout,
     /// When it must have ended.
     pub deadline: Instant,
+    /// For the answer to a peer's fetch: its id (the offer says it).
+    pub fetch: Option<u64>,
 }
 
 /// A one-sided put the application asked for.
@@ -200,6 +202,9 @@ pub enum SessionEvent {
         transport: TransportName,
         /// How the bytes lay at the sender (they arrive packed).
         layout: Layout,
+        /// For the answer to one of our fetches: its id (the bytes go to it, not to
+        /// `recv`).
+        fetch: Option<u64>,
     },
     /// An inbound transfer was abandoned: free whatever was reserved for it.
     Abandon(InboundId),
@@ -250,7 +255,7 @@ pub struct SessionLimits {
 
 #[derive(Debug)]
 enum OpKind {
-    Transfer(SendRequest),
+    Transfer(Box<SendRequest>),
     Put(PutRequest),
 }
 
@@ -293,6 +298,8 @@ enum InPhase {
 #[derive(Debug)]
 struct InboundOp {
     tag: u64,
+    /// The fetch it answers, if any.
+    fetch: Option<u64>,
     transport: TransportName,
     layout: Layout,
     phase: InPhase,
@@ -394,7 +401,7 @@ impl PeerSession {
 
     /// Queues a transfer; it is offered in order once a pipeline slot is free.
     pub fn handle_send(&mut self, now: Instant, req: SendRequest) -> Result<OpId, Refusal> {
-        self.enqueue(now, OpKind::Transfer(req))
+        self.enqueue(now, OpKind::Transfer(Box::new(req)))
     }
 
     /// Queues a one-sided put; it streams in order once a pipeline slot is free.
@@ -474,12 +481,13 @@ impl PeerSession {
                         ipc: req.ipc.clone(),
                         ucx: req.ucx.clone(),
                         layout: req.layout.clone(),
+                        fetch: req.fetch,
                     }));
                     // A pull needs no grant: the peer reads, then says Done.
                     let phase = if req.direction == WireDirection::Pull {
                         Phase::AwaitConfirm(OpKind::Transfer(req))
                     } else {
-                        Phase::AwaitGrant(req)
+                        Phase::AwaitGrant(*req)
                     };
                     self.ops.insert(id, phase);
                 }
@@ -704,6 +712,7 @@ impl PeerSession {
             id,
             InboundOp {
                 tag: offer.tag,
+                fetch: offer.fetch,
                 transport,
                 layout: offer.layout,
                 phase: InPhase::Queued,
@@ -772,7 +781,7 @@ impl PeerSession {
                 self.ops.insert(
                     id,
                     Phase::Streaming {
-                        op: OpKind::Transfer(req),
+                        op: OpKind::Transfer(Box::new(req)),
                         confirmed: false,
                     },
                 );
@@ -1012,6 +1021,7 @@ impl PeerSession {
                 tag: op.tag,
                 transport: op.transport,
                 layout: op.layout,
+                fetch: op.fetch,
             });
         }
         // Whatever left the share (delivered, abandoned, refused) may let others in.
@@ -1073,7 +1083,7 @@ impl PeerSession {
         for id in ids {
             match self.ops.remove(&id) {
                 Some(Phase::AwaitGrant(req)) => {
-                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
+                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(Box::new(req))));
                 }
                 // A pull awaits Done right after its offer, which the peer never read.
                 Some(Phase::AwaitConfirm(OpKind::Transfer(req)))

@@ -24,8 +24,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
 use crate::coordinator::{
-    Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, LinkUp, PutTo, SendTo,
-    Shutdown, TransferSetupBase,
+    Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, FetchFrom, LinkUp, PutTo,
+    SendTo, Shutdown, TransferSetupBase,
 };
 use crate::core::budget::BudgetStats;
 use crate::core::route::Explanation;
@@ -60,6 +60,10 @@ pub struct Node {
     order: DashMap<String, Arc<crate::lane::Order>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     next_region: AtomicU64,
+    /// What this node published for its peers to fetch.
+    published: Arc<crate::publish::Publications>,
+    /// This node's fetches on their way (single flight).
+    flights: Arc<crate::fetch::Flights>,
     counters: Arc<LinkCounters>,
     tcp_addrs: Vec<String>,
     unix_path: Option<PathBuf>,
@@ -123,6 +127,7 @@ impl Node {
             gpu_pools: Arc::default(),
             lane_rings: Arc::default(),
             lanes: Arc::default(),
+            published: Arc::default(),
         };
         let (thread, rx) = spawn_actors(ActorParts {
             config: Arc::clone(&config),
@@ -170,6 +175,8 @@ impl Node {
             order: DashMap::new(),
             exposed: shared.exposed,
             next_region: AtomicU64::new(1),
+            published: shared.published,
+            flights: Arc::default(),
             counters,
             tcp_addrs,
             unix_path,
@@ -417,6 +424,7 @@ impl Node {
             buffer,
             layout,
             deadline,
+            fetch: None,
         };
         self.with_credit(peer, deadline, buffer, message).await
     }
@@ -476,19 +484,17 @@ impl Node {
         }))
     }
 
-    /// Waits until `peer` may take one more transfer or put, until `deadline`.
+    /// Waits until `peer` may take one more transfer, put or fetch, until `deadline`.
     async fn credit(&self, peer: &str, deadline: Instant) -> Result<OwnedSemaphorePermit, Error> {
-        let permits = self
-            .credit
+        acquire(self.credits(peer), deadline).await
+    }
+
+    /// `peer`'s credit: the sends, puts and fetches it may have outstanding.
+    fn credits(&self, peer: &str) -> Arc<Semaphore> {
+        self.credit
             .entry(peer.to_string())
             .or_insert_with(|| Arc::new(Semaphore::new(self.config.limits.peer_queue)))
-            .clone();
-        let wait = permits.acquire_owned();
-        match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await {
-            Ok(Ok(permit)) => Ok(permit),
-            Ok(Err(_)) => Err(Error::ShuttingDown),
-            Err(_) => Err(Error::DeadlineExceeded),
-        }
+            .clone()
     }
 
     /// Receives the oldest buffer delivered from `from` (a peer name, or `None` for any)
@@ -549,6 +555,176 @@ impl Node {
             deadline,
         };
         self.with_credit(peer, deadline, buffer, message).await
+    }
+
+    /// Publishes `buffer` under `key` for every peer to fetch ([`Self::fetch`]) until
+    /// [`Self::unpublish`]. The buffer stays granted in its memory domain (it counts against
+    /// the budget like any buffer a peer reads); peers read it through read-only handles,
+    /// so nothing writes it while it is published.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] for an empty key, one longer than
+    /// [`ferry_transports::wire::MAX_KEY_LEN`] bytes, or one published already; the buffer
+    /// comes back in the error.
+    pub fn publish(&self, key: impl Into<String>, buffer: Buffer) -> Result<(), SendError> {
+        self.publish_to(key, buffer, None)
+    }
+
+    /// [`Self::publish`] for the named peers only: another peer's fetch is refused
+    /// ([`crate::RefusalReason::NotAllowed`]).
+    ///
+    /// # Errors
+    /// As [`Self::publish`].
+    pub fn publish_for(
+        &self,
+        key: impl Into<String>,
+        buffer: Buffer,
+        peers: &[&str],
+    ) -> Result<(), SendError> {
+        let peers = peers.iter().map(|p| (*p).to_string()).collect();
+        self.publish_to(key, buffer, Some(peers))
+    }
+
+    fn publish_to(
+        &self,
+        key: impl Into<String>,
+        buffer: Buffer,
+        readers: Option<Vec<String>>,
+    ) -> Result<(), SendError> {
+        self.published
+            .publish(key.into(), buffer, readers)
+            .map_err(|(error, buffer)| SendError {
+                error,
+                buffer: Some(buffer),
+            })
+    }
+
+    /// Ends the publication of `key`: no new fetch finds it, and this waits until no peer
+    /// reads the buffer any more (every fetch being served ended, every peer's mapping of
+    /// it closed), then gives the buffer back.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] for a key not published; [`Error::DeadlineExceeded`] when a peer
+    /// still reads it after the default deadline plus `memory.export_lease_timeout` (the
+    /// buffer is then freed once the last reader let go).
+    pub async fn unpublish(&self, key: &str) -> Result<Buffer, Error> {
+        let wait = self.config.limits.default_deadline + self.config.memory.export_lease_timeout;
+        self.published.unpublish(key, wait).await
+    }
+
+    /// What `key` has served while published (`None` for a key not published): the
+    /// exporter's count of the fetches that crossed the link.
+    pub fn publication(&self, key: &str) -> Option<crate::publish::PublicationStats> {
+        self.published.stats(key)
+    }
+
+    /// The keys this node publishes now.
+    pub fn published_keys(&self) -> Vec<String> {
+        self.published.keys()
+    }
+
+    /// Fetches what `peer` published under `key`: the whole buffer, or the bytes
+    /// `fetch.layout` names (packed), landing where this node receives (`memory.receive_into`)
+    /// or copied into `fetch.into`.
+    ///
+    /// **Single flight.** Concurrent fetches of the same (peer, key, layout) on this node
+    /// share one transfer: the first moves the bytes, the others wait for it and each gets
+    /// a copy made here (a device copy on the same GPU, a peer copy to another GPU), or
+    /// the one read-only handle with `fetch.shared`. The last caller to take the landed
+    /// buffer takes it without a copy. A flight that fails fails every caller with its
+    /// error; dropping one caller's future cancels nothing else (the flight goes on).
+    ///
+    /// # Errors
+    /// [`Error::Refused`] with [`crate::RefusalReason::UnknownKey`] or
+    /// [`crate::RefusalReason::NotAllowed`]; [`Error::Usage`] for a bad key or a layout that
+    /// does not fit the published buffer; [`Error::QueueFull`] when
+    /// [`crate::fetch::MAX_JOINERS`] callers wait for the flight already; else as
+    /// [`Self::send`] fails (the peer lost, the deadline, no memory for the landing or the
+    /// copy).
+    pub async fn fetch(
+        &self,
+        peer: &str,
+        key: &str,
+        fetch: crate::fetch::Fetch,
+    ) -> Result<crate::fetch::Fetched, Error> {
+        crate::publish::check_key(key)?;
+        if let Some(kind) = fetch.into {
+            self.domain(kind)?;
+        }
+        let deadline = fetch.deadline.unwrap_or_else(|| self.default_deadline());
+        let seat = self.flights.seat(peer, key, &fetch.layout)?;
+        let joined = !seat.leads;
+        if seat.leads {
+            self.start_flight(peer, key, &fetch.layout, deadline)?;
+        }
+        let landed = seat.landed(deadline).await?;
+        let handle = landed.buffer.read_only_handle();
+        let transport = landed.transport;
+        drop(landed);
+        let buffer = match crate::fetch::take(&fetch, &handle) {
+            crate::fetch::Take::Handle => handle,
+            crate::fetch::Take::Copy(kind) => self.copy_of(handle, kind).await?,
+        };
+        Ok(crate::fetch::Fetched {
+            buffer,
+            transport,
+            joined,
+        })
+    }
+
+    /// The node's fetch counters: fetches, flights (those that crossed the link), joined
+    /// fetches and the bytes they saved.
+    pub fn fetch_stats(&self) -> crate::fetch::FetchStats {
+        self.flights.stats()
+    }
+
+    /// Starts the flight of a fetch: a task of its own on the I/O runtime, so that no
+    /// caller's cancellation cancels it; it lands the flight whatever happens.
+    fn start_flight(
+        &self,
+        peer: &str,
+        key: &str,
+        layout: &Layout,
+        deadline: Instant,
+    ) -> Result<(), Error> {
+        let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
+        let flights = Arc::clone(&self.flights);
+        let credits = self.credits(peer);
+        let coordinator = self.coordinator.clone();
+        let ask = FetchFrom {
+            peer: peer.to_string(),
+            key: key.to_string(),
+            layout: layout.clone(),
+            deadline,
+        };
+        io.spawn(async move {
+            let (peer, key, layout) = (ask.peer.clone(), ask.key.clone(), ask.layout.clone());
+            let outcome = async {
+                let _permit = acquire(credits, deadline).await?;
+                coordinator
+                    .send(ask)
+                    .await
+                    .map_err(|_| Error::ShuttingDown)?
+            }
+            .await;
+            flights.land(&peer, &key, &layout, outcome);
+        });
+        Ok(())
+    }
+
+    /// A buffer of the caller's own in `kind` memory with the bytes of `handle`: allocated
+    /// under the domain's budget, copied off the caller's thread.
+    async fn copy_of(&self, handle: Buffer, kind: MemoryKind) -> Result<Buffer, Error> {
+        let mut copy = self.alloc(kind, handle.len()).await?;
+        let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
+        let copied = io
+            .spawn_blocking(move || copy.copy_from(&handle).map(|()| copy))
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
+        copied.map_err(|e| Error::Transport {
+            peer: self.name.clone(),
+            detail: format!("the copy of a fetched buffer failed: {e}"),
+        })
     }
 
     /// How a transfer of `bytes` from `src` memory here to `peer` would be routed, and why.
@@ -634,6 +810,19 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Waits for a permit of `permits` until `deadline`.
+async fn acquire(
+    permits: Arc<Semaphore>,
+    deadline: Instant,
+) -> Result<OwnedSemaphorePermit, Error> {
+    let wait = permits.acquire_owned();
+    match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await {
+        Ok(Ok(permit)) => Ok(permit),
+        Ok(Err(_)) => Err(Error::ShuttingDown),
+        Err(_) => Err(Error::DeadlineExceeded),
     }
 }
 

@@ -209,6 +209,7 @@ pub(super) struct Shared {
     pub(super) gpu_pools: ferry_transports::fdshare::PoolDirectory,
     pub(super) lane_rings: ferry_transports::fdshare::RingDirectory,
     pub(super) lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    pub(super) published: Arc<crate::publish::Publications>,
 }
 
 /// What the actor thread is started with.
@@ -340,6 +341,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         },
         transports: transports.clone(),
         host_id: Arc::clone(&host_id),
+        published: shared.published,
     };
     let coordinator = Coordinator::new(CoordinatorSetup {
         config: Arc::clone(&config),

@@ -15,7 +15,12 @@ impl TransferActor {
         loop {
             let mut moved = false;
             if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
-                while let Some(msg) = self.ipc.out.pop_front() {
+                while let Some(msg) = self
+                    .ipc
+                    .out
+                    .pop_front()
+                    .or_else(|| self.fetch.out.pop_front())
+                {
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
                             .handle_link_lost("the link's send queue overflowed or closed");
@@ -56,6 +61,8 @@ impl TransferActor {
             }
         }
         if let Some(why) = self.session.lost_reason() {
+            let why = why.to_string();
+            self.fail_fetches(&why);
             // Submissions still waiting for ipc setup end now, with their buffers.
             for (_, (msg, reply)) in self.ipc.waiting.drain() {
                 let _ = reply.send(Err(SendError {
@@ -132,9 +139,16 @@ impl TransferActor {
             SessionEvent::Written { id, error } => self.on_written(id, error),
             SessionEvent::Deliver {
                 id,
+                fetch: Some(fetch),
+                transport,
+                ..
+            } => self.land_fetch(id, fetch, transport),
+            SessionEvent::Deliver {
+                id,
                 tag,
                 transport,
                 layout,
+                fetch: None,
             } => self.deliver(id, tag, transport, layout, ctx),
             SessionEvent::Abandon(id) => self.abandon(id, ctx),
         }

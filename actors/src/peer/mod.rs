@@ -12,6 +12,7 @@
 //! it; one that floods us loses its link), and the session's own op queue.
 
 mod drive;
+mod fetch;
 mod inbound;
 mod ipc;
 mod link_io;
@@ -19,7 +20,8 @@ mod outbound;
 mod staged_ring;
 mod ucx;
 
-use self::{inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
+pub use self::fetch::AskFetch;
+use self::{fetch::*, inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -149,6 +151,10 @@ pub struct TransferSetup {
     /// How long a registration the peer may still read is held after a cancel or a lost
     /// link (`memory.export_lease_timeout`, as for memory a lost ipc peer may still map).
     pub ucx_hold: Duration,
+    /// The buffers this node published, which peers fetch.
+    pub published: Arc<crate::publish::Publications>,
+    /// Where the answer to a peer's fetch is sent from (routed like any send).
+    pub serve: Recipient<crate::coordinator::SendTo>,
 }
 
 /// What the application asks of a peer.
@@ -170,6 +176,8 @@ pub enum Op {
         )>,
         /// How the bytes lie in the buffer (checked against it already).
         layout: Layout,
+        /// For the answer to the peer's fetch: its id.
+        fetch: Option<u64>,
     },
     /// Write a buffer into a region the peer exposed.
     Put {
@@ -366,6 +374,7 @@ pub struct TransferActor {
     ipc: IpcState,
     ucx: UcxState,
     staged: StagedState,
+    fetch: FetchState,
     /// Bytes the current link (and its staged rings) moved, for the stall clock.
     activity: Option<Activity>,
     /// What this peer's fast lane delivered and the application took (the inbox counts),
@@ -405,6 +414,7 @@ impl TransferActor {
             staged: StagedState::default(),
             ipc: IpcState::default(),
             ucx: UcxState::default(),
+            fetch: FetchState::default(),
             activity: None,
             reader: None,
             claims,
@@ -719,6 +729,14 @@ impl Handler<FromPeer> for TransferActor {
             }
             Message::IpcSetup(setup) => {
                 self.on_ipc_setup(setup, ctx);
+                return self.drive(ctx);
+            }
+            Message::Fetch(ask) => {
+                self.serve_fetch(ask, ctx);
+                return self.drive(ctx);
+            }
+            Message::FetchRefused(refused) => {
+                self.fetch_refused(refused);
                 return self.drive(ctx);
             }
             // We are the importer: the owner frees this buffer.

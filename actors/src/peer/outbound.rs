@@ -169,10 +169,11 @@ impl TransferActor {
                 direction,
                 fallback: _,
                 ref layout,
+                fetch,
             } => self.queue_send(
                 now,
                 &msg,
-                (tag, transport, direction, layout.clone()),
+                (tag, transport, direction, layout.clone(), fetch),
                 exported.as_ref(),
                 peer_class,
             ),
@@ -231,11 +232,12 @@ impl TransferActor {
         &mut self,
         now: Instant,
         msg: &Submit,
-        (tag, transport, direction, layout): (
+        (tag, transport, direction, layout, fetch): (
             u64,
             ferry_config::TransportName,
             WireDirection,
             Layout,
+            Option<u64>,
         ),
         exported: Option<&ferry_transports::ucx::Exported>,
         peer_class: &'static str,
@@ -293,6 +295,7 @@ impl TransferActor {
                 ucx,
                 layout: layout.clone(),
                 deadline: msg.deadline,
+                fetch,
             },
         );
         Ok((queued, StreamWhat::Transfer(layout), labels))

@@ -3,6 +3,7 @@
 mod blocks;
 mod data;
 mod failure;
+mod fetch;
 mod memory;
 
 use std::time::Duration;
@@ -22,6 +23,7 @@ pub use failure::{
     corrupt_frame_ends_the_link_and_its_transfer, deadline_then_killed_peer,
     dropped_receives_lose_nothing, dropped_sends_still_arrive,
 };
+pub use fetch::fetches_cross_once;
 pub use memory::full_tier_spills_and_promotes_back;
 
 /// `len` bytes derived from `seed`.

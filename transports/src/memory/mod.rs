@@ -551,6 +551,17 @@ impl Buffer {
         }
     }
 
+    /// Another handle on the same bytes, for readers that each need a `Buffer` (a published
+    /// buffer sent to several peers at once, a fetch shared by several callers). While more
+    /// than one handle (or a [`SharedBytes`] view) is alive, none can write: the writes
+    /// answer [`MemoryError::Shared`]. The memory goes back to its domain when the last one
+    /// is dropped.
+    pub fn read_only_handle(&self) -> Buffer {
+        Buffer {
+            storage: Arc::clone(&self.storage),
+        }
+    }
+
     /// True when no [`SharedBytes`] view is alive, so nothing else can touch the bytes.
     pub fn is_exclusive(&self) -> bool {
         Arc::strong_count(&self.storage) == 1
@@ -688,6 +699,31 @@ mod tests {
             generation: Generation(1),
             len,
         }
+    }
+
+    #[test]
+    fn read_only_handles_release_once_and_block_writes() {
+        let count = Arc::new(Count::default());
+        let mut buf = Buffer::new_host(lease(10), count.clone());
+        let other = buf.read_only_handle();
+        assert!(buf.as_mut_slice().is_none(), "two handles: neither writes");
+        assert!(matches!(buf.write(0, b"x"), Err(MemoryError::Shared)));
+        drop(other);
+        assert!(buf.is_exclusive());
+        assert!(buf.as_mut_slice().is_some(), "the last handle writes again");
+        let other = buf.read_only_handle();
+        drop(buf);
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "one handle still holds it"
+        );
+        drop(other);
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            10,
+            "released once, by the last"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -154,6 +154,9 @@ pub struct Offer {
     /// How the bytes lie in the sender's buffer; they travel packed, and `len` is their
     /// packed length.
     pub layout: crate::wire::Layout,
+    /// For the answer to a [`Message::Fetch`]: that fetch's id. The receiver hands the
+    /// bytes to the fetch that asked, not to `recv` (`tag` is then 0).
+    pub fetch: Option<u64>,
 }
 
 /// Where a ucx pull reads a buffer: its address in the sender's process and the packed
@@ -387,6 +390,53 @@ pub struct PutAck {
     pub error: Option<String>,
 }
 
+/// The receiver asks for the buffer its peer published under `key` (whole, or the blocks
+/// of `layout`); the peer answers with an [`Offer`] whose `fetch` is this id, or with
+/// [`Message::FetchRefused`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct FetchAsk {
+    /// The fetch's id, unique per asking node and link.
+    pub fetch: u64,
+    /// The application's key (at most [`MAX_KEY_LEN`] bytes).
+    pub key: String,
+    /// Which bytes of the published buffer: [`crate::wire::Layout::Contiguous`] for all.
+    pub layout: crate::wire::Layout,
+}
+
+/// The longest key a buffer is published under, in bytes.
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// Why a fetch was refused.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub enum FetchRefusal {
+    /// Nothing is published under the key.
+    UnknownKey,
+    /// The key is published for other peers only.
+    NotAllowed,
+    /// The layout asked for does not fit the published buffer.
+    Layout,
+    /// The peer serves as many fetches for this node as it may at once.
+    Busy,
+    /// The peer is shutting down.
+    ShuttingDown,
+    /// The peer's send of the bytes failed (its detail says why).
+    Failed,
+}
+
+/// A fetch is refused: nothing will be offered for it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct FetchRefused {
+    /// The fetch, as asked.
+    pub fetch: u64,
+    /// Why, typed.
+    pub reason: FetchRefusal,
+    /// Why, in words.
+    pub detail: String,
+}
+
 /// Every message of the ferry wire protocol.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
@@ -426,6 +476,10 @@ pub enum Message {
     Written(Written),
     /// Staged chunks to this peer will come through a shared-memory ring.
     StagedRing(StagedRing),
+    /// Asks for a published buffer.
+    Fetch(FetchAsk),
+    /// A fetch is refused.
+    FetchRefused(FetchRefused),
 }
 
 /// The kind of a frame, carried in its header.
@@ -470,6 +524,10 @@ pub enum FrameKind {
     Written = 17,
     /// [`Message::StagedRing`]
     StagedRing = 18,
+    /// [`Message::Fetch`]
+    Fetch = 19,
+    /// [`Message::FetchRefused`]
+    FetchRefused = 20,
 }
 
 impl FrameKind {
@@ -494,6 +552,8 @@ impl FrameKind {
             16 => Self::IpcUnmapped,
             17 => Self::Written,
             18 => Self::StagedRing,
+            19 => Self::Fetch,
+            20 => Self::FetchRefused,
             _ => return None,
         })
     }
@@ -529,6 +589,8 @@ impl Message {
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
             Self::Written(_) => FrameKind::Written,
             Self::StagedRing(_) => FrameKind::StagedRing,
+            Self::Fetch(_) => FrameKind::Fetch,
+            Self::FetchRefused(_) => FrameKind::FetchRefused,
         }
     }
 }
@@ -554,6 +616,8 @@ impl ArchivedMessage {
             Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
             Self::Written(_) => FrameKind::Written,
             Self::StagedRing(_) => FrameKind::StagedRing,
+            Self::Fetch(_) => FrameKind::Fetch,
+            Self::FetchRefused(_) => FrameKind::FetchRefused,
         }
     }
 }

@@ -1,0 +1,223 @@
+//! Fetches by key, both ways: ours waiting for the peer's answer, and the peer's that this
+//! node serves by sending a read-only handle on the published buffer.
+
+use super::*;
+use crate::fetch::Landed;
+use ferry_transports::wire::{FetchAsk, FetchRefusal, FetchRefused};
+
+/// Ask the peer for the buffer it published under `key`; resolves with the landed bytes.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Landed, Error>")]
+pub struct AskFetch {
+    /// The key.
+    pub key: String,
+    /// Which bytes of it.
+    pub layout: Layout,
+    /// When it must have ended.
+    pub deadline: Instant,
+}
+
+/// The fetches of one peer session.
+#[derive(Default)]
+pub(super) struct FetchState {
+    /// Ours, waiting for the peer's answer, by id.
+    pending: HashMap<u64, oneshot::Sender<Result<Landed, Error>>>,
+    next: u64,
+    /// Frames for the peer, sent once the link is up.
+    pub(super) out: VecDeque<Message>,
+    /// The peer's fetches this node serves now.
+    serving: usize,
+}
+
+impl Handler<AskFetch> for TransferActor {
+    type Result = ResponseFuture<Result<Landed, Error>>;
+
+    fn handle(&mut self, msg: AskFetch, ctx: &mut Self::Context) -> Self::Result {
+        let peer = self.peer.clone();
+        if let Some(why) = self.session.lost_reason() {
+            let error = Error::PeerLost {
+                peer,
+                detail: why.to_string(),
+            };
+            return Box::pin(async move { Err(error) });
+        }
+        // Fetches whose callers gave up are forgotten first; the rest are bounded.
+        let cap = self.setup.limits.queue;
+        if self.fetch.pending.len() >= cap {
+            self.fetch.pending.retain(|_, tx| !tx.is_closed());
+        }
+        if self.fetch.pending.len() >= cap {
+            return Box::pin(async move {
+                Err(Error::QueueFull(format!(
+                    "{cap} fetches from peer {peer} wait for their answer already"
+                )))
+            });
+        }
+        self.fetch.next += 1;
+        let id = self.fetch.next;
+        let (tx, rx) = oneshot::channel();
+        self.fetch.pending.insert(id, tx);
+        self.fetch.out.push_back(Message::Fetch(FetchAsk {
+            fetch: id,
+            key: msg.key,
+            layout: msg.layout,
+        }));
+        self.drive(ctx);
+        let deadline = msg.deadline;
+        Box::pin(async move {
+            match tokio::time::timeout_at(deadline.into(), rx).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(Error::PeerLost {
+                    peer,
+                    detail: "the session ended before the peer answered the fetch".into(),
+                }),
+                Err(_) => Err(Error::DeadlineExceeded),
+            }
+        })
+    }
+}
+
+impl TransferActor {
+    /// The peer asks for a buffer this node published: refused at once, or sent like any
+    /// other send to the peer (its route, its transports), marked as the fetch's answer.
+    pub(super) fn serve_fetch(&mut self, ask: FetchAsk, ctx: &mut Context<Self>) {
+        if self.fetch.serving >= self.setup.limits.queue {
+            let detail = format!(
+                "this node serves {} fetches for {} at once already",
+                self.fetch.serving, self.peer
+            );
+            return self.refuse_fetch(ask.fetch, FetchRefusal::Busy, detail);
+        }
+        let (handle, serving) = match self
+            .setup
+            .published
+            .serve(&self.peer, &ask.key, &ask.layout)
+        {
+            Ok(served) => served,
+            Err((reason, detail)) => return self.refuse_fetch(ask.fetch, reason, detail),
+        };
+        self.fetch.serving += 1;
+        let send = self.setup.serve.send(crate::coordinator::SendTo {
+            peer: self.peer.clone(),
+            tag: 0,
+            buffer: handle,
+            layout: ask.layout,
+            deadline: Instant::now() + self.setup.reserve_timeout,
+            fetch: Some(ask.fetch),
+        });
+        let id = ask.fetch;
+        ctx.spawn(send.into_actor(self).map(move |sent, act, ctx| {
+            act.fetch.serving -= 1;
+            let failed = match sent {
+                Ok(Ok(handle)) => {
+                    drop(handle);
+                    None
+                }
+                Ok(Err(e)) => Some(e.error.to_string()),
+                Err(_) => Some("this node is shutting down".to_string()),
+            };
+            serving.end(failed.is_none());
+            // The fetcher may have seen nothing of it (no route, refused before the offer
+            // left): it is told, and forgets a fetch it already ended.
+            if let Some(detail) = failed {
+                act.refuse_fetch(id, FetchRefusal::Failed, detail);
+                act.drive(ctx);
+            }
+        }));
+    }
+
+    fn refuse_fetch(&mut self, fetch: u64, reason: FetchRefusal, detail: String) {
+        metrics::counter!("ferry_fetch_refusals_total", "reason" => refusal_label(reason))
+            .increment(1);
+        tracing::debug!(peer = %self.peer, fetch, ?reason, %detail, "fetch refused");
+        self.fetch
+            .out
+            .push_back(Message::FetchRefused(FetchRefused {
+                fetch,
+                reason,
+                detail,
+            }));
+    }
+
+    /// The peer refused one of our fetches.
+    pub(super) fn fetch_refused(&mut self, refused: FetchRefused) {
+        let Some(tx) = self.fetch.pending.remove(&refused.fetch) else {
+            return;
+        };
+        let peer = self.peer.clone();
+        let detail = refused.detail;
+        let error = match refused.reason {
+            FetchRefusal::UnknownKey => Error::Refused {
+                peer,
+                reason: crate::error::RefusalReason::UnknownKey,
+                detail,
+            },
+            FetchRefusal::NotAllowed => Error::Refused {
+                peer,
+                reason: crate::error::RefusalReason::NotAllowed,
+                detail,
+            },
+            FetchRefusal::ShuttingDown => Error::Refused {
+                peer,
+                reason: crate::error::RefusalReason::ShuttingDown,
+                detail,
+            },
+            FetchRefusal::Layout => Error::Usage(format!("peer {peer}: {detail}")),
+            FetchRefusal::Busy => Error::QueueFull(format!("peer {peer}: {detail}")),
+            FetchRefusal::Failed => Error::Transport {
+                peer,
+                detail: format!("the peer could not send the fetched bytes: {detail}"),
+            },
+        };
+        let _ = tx.send(Err(error));
+    }
+
+    /// Inbound transfer `id`, the answer to our fetch `fetch`, is complete: to the fetch
+    /// (not the inbox), counted as taken at once.
+    pub(super) fn land_fetch(
+        &mut self,
+        id: InboundId,
+        fetch: u64,
+        transport: ferry_config::TransportName,
+    ) {
+        if let Some(spans) = self.inbound_spans.remove(&id) {
+            tracing::debug!(parent: &spans.span, fetch, "fetched");
+        }
+        let Some((buffer, _pending)) = self.complete.remove(&id) else {
+            return;
+        };
+        // What the session counts as delivered and not yet taken: taken now.
+        self.claims
+            .0
+            .taken
+            .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+        // A caller that gave up drops it here, which frees it.
+        if let Some(tx) = self.fetch.pending.remove(&fetch) {
+            let _ = tx.send(Ok(Landed {
+                buffer,
+                transport: transport.as_str(),
+            }));
+        }
+    }
+
+    /// The session is lost: our fetches fail with it.
+    pub(super) fn fail_fetches(&mut self, why: &str) {
+        for (_, tx) in self.fetch.pending.drain() {
+            let _ = tx.send(Err(Error::PeerLost {
+                peer: self.peer.clone(),
+                detail: why.to_string(),
+            }));
+        }
+    }
+}
+
+fn refusal_label(reason: FetchRefusal) -> &'static str {
+    match reason {
+        FetchRefusal::UnknownKey => "unknown_key",
+        FetchRefusal::NotAllowed => "not_allowed",
+        FetchRefusal::Layout => "layout",
+        FetchRefusal::Busy => "busy",
+        FetchRefusal::ShuttingDown => "shutting_down",
+        FetchRefusal::Failed => "failed",
+    }
+}
