@@ -1083,7 +1083,8 @@ impl PeerSession {
         for id in ids {
             match self.ops.remove(&id) {
                 Some(Phase::AwaitGrant(req)) => {
-                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(Box::new(req))));
+                    self.ops
+                        .insert(id, Phase::Waiting(OpKind::Transfer(Box::new(req))));
                 }
                 // A pull awaits Done right after its offer, which the peer never read.
                 Some(Phase::AwaitConfirm(OpKind::Transfer(req)))
