@@ -883,6 +883,42 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
         None,
         "Staged chunks received through a same-host peer's shared-memory ring (not the link)",
     ),
+    (
+        MetricKind::Counter,
+        "ferry_fetches_total",
+        None,
+        "Fetches by key asked for by this node's callers",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_fetches_joined_total",
+        None,
+        "Fetches that joined one already on its way (single flight: no second transfer)",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_fetch_bytes_saved_total",
+        Some(metrics::Unit::Bytes),
+        "Bytes joined fetches got without crossing the link again",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_fetches_served_total",
+        None,
+        "Peers' fetches of this node's published buffers answered with the bytes",
+    ),
+    (
+        MetricKind::Counter,
+        "ferry_fetch_refusals_total",
+        None,
+        "Peers' fetches refused, by reason (unknown_key, not_allowed, layout, busy, failed)",
+    ),
+    (
+        MetricKind::Gauge,
+        "ferry_published_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes this node publishes for its peers to fetch",
+    ),
 ];
 
 /// Gives every metric ferry records its help text and unit, and registers at 0 the
@@ -915,6 +951,15 @@ pub fn describe_metrics() {
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
     metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
+    for name in [
+        "ferry_fetches_total",
+        "ferry_fetches_joined_total",
+        "ferry_fetch_bytes_saved_total",
+        "ferry_fetches_served_total",
+    ] {
+        metrics::counter!(name).absolute(0);
+    }
+    metrics::gauge!("ferry_published_bytes").set(0.0);
     metrics::counter!("ferry_auth_failures_total").absolute(0);
     metrics::counter!("ferry_dial_failures_total").absolute(0);
     metrics::counter!("ferry_links_refused_total", "reason" => "wrong_node").absolute(0);
