@@ -113,14 +113,21 @@ impl TransferActor {
                     drop(handle);
                     None
                 }
-                Ok(Err(e)) => Some(e.error.to_string()),
-                Err(_) => Some("this node is shutting down".to_string()),
+                Ok(Err(e)) if e.error.kind() == crate::ErrorKind::ShuttingDown => Some((
+                    FetchRefusal::ShuttingDown,
+                    "the exporter is shutting down".to_string(),
+                )),
+                Ok(Err(e)) => Some((FetchRefusal::Failed, e.error.to_string())),
+                Err(_) => Some((
+                    FetchRefusal::ShuttingDown,
+                    "the exporter is shutting down".to_string(),
+                )),
             };
             serving.end(failed.is_none());
             // The fetcher may have seen nothing of it (no route, refused before the offer
             // left): it is told, and forgets a fetch it already ended.
-            if let Some(detail) = failed {
-                act.refuse_fetch(id, FetchRefusal::Failed, detail);
+            if let Some((reason, detail)) = failed {
+                act.refuse_fetch(id, reason, detail);
                 act.drive(ctx);
             }
         }));
