@@ -713,3 +713,57 @@ fn imports_while_copies_run_never_fault() {
         );
     }
 }
+
+/// Fetches of one key by a node with two GPUs: one flight lands on GPU 0 (where the node
+/// receives), and callers that ask for GPU 1 get a peer copy there (the fan-out), byte-exact.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_fetch_fans_out_to_the_other_gpu() {
+    let Some(_gpu) = ferry::testing::gpu_test_with("fetch_fan_out", 2) else {
+        return;
+    };
+    let both = "[gpu]\ndevices = [0, 1]\n[memory]\nreceive_into = \"device\"\n";
+    let p = pair(both, &GPU1).await;
+    let want = pattern((8 << 20) + 5, 450);
+    let mut buf = p
+        .node
+        .alloc(MemoryKind::Device(0), want.len())
+        .await
+        .expect("alloc");
+    buf.write(0, &want).expect("write");
+    drop(
+        p.node
+            .send("b", ferry::echo::TAG_PUBLISH, buf)
+            .await
+            .expect("send"),
+    );
+    let answer = p
+        .node
+        .recv(Some("b"), Some(ferry::echo::TAG_PUBLISH))
+        .await
+        .expect("key");
+    let key = String::from_utf8(answer.buffer.to_vec().expect("read")).expect("UTF-8");
+    drop(answer);
+    let into = [0u32, 1, 1, 0, 1, 1];
+    let fetches = into.iter().map(|&n| {
+        p.node.fetch(
+            "b",
+            &key,
+            ferry::Fetch {
+                into: Some(MemoryKind::Device(n)),
+                ..ferry::Fetch::default()
+            },
+        )
+    });
+    let got = futures::future::join_all(fetches).await;
+    for (n, fetched) in into.iter().zip(got) {
+        let fetched = fetched.unwrap_or_else(|e| panic!("fetch into GPU {n}: {e}"));
+        assert_eq!(fetched.buffer.kind(), MemoryKind::Device(*n));
+        assert!(
+            fetched.buffer.to_vec().expect("read") == want,
+            "fetched into GPU {n}"
+        );
+    }
+    let stats = p.node.fetch_stats();
+    assert_eq!((stats.flights, stats.joined), (1, 5), "one flight for all");
+    p.node.shutdown().await;
+}
