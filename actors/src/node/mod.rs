@@ -654,8 +654,12 @@ impl Node {
         let deadline = fetch.deadline.unwrap_or_else(|| self.default_deadline());
         let seat = self.flights.seat(peer, key, &fetch.layout)?;
         let joined = !seat.leads;
-        if seat.leads {
-            self.start_flight(peer, key, &fetch.layout, deadline)?;
+        if seat.leads
+            && let Err(e) = self.start_flight(peer, key, &fetch.layout, deadline)
+        {
+            // Callers that joined meanwhile must not wait for a flight that never left.
+            self.flights.land(peer, key, &fetch.layout, Err(e.clone()));
+            return Err(e);
         }
         let landed = seat.landed(deadline).await?;
         let handle = landed.buffer.read_only_handle();
@@ -663,7 +667,7 @@ impl Node {
         drop(landed);
         let buffer = match crate::fetch::take(&fetch, &handle) {
             crate::fetch::Take::Handle => handle,
-            crate::fetch::Take::Copy(kind) => self.copy_of(handle, kind).await?,
+            crate::fetch::Take::Copy(kind) => self.copy_of(handle, kind, deadline).await?,
         };
         Ok(crate::fetch::Fetched {
             buffer,
@@ -713,9 +717,22 @@ impl Node {
     }
 
     /// A buffer of the caller's own in `kind` memory with the bytes of `handle`: allocated
-    /// under the domain's budget, copied off the caller's thread.
-    async fn copy_of(&self, handle: Buffer, kind: MemoryKind) -> Result<Buffer, Error> {
-        let mut copy = self.alloc(kind, handle.len()).await?;
+    /// under the domain's budget (waiting for it until `deadline`), copied off the caller's
+    /// thread.
+    async fn copy_of(
+        &self,
+        handle: Buffer,
+        kind: MemoryKind,
+        deadline: Instant,
+    ) -> Result<Buffer, Error> {
+        let tier = Tier {
+            kind,
+            allocator: self.domain(kind)?.clone().recipient(),
+        };
+        let mut copy = reserve_in_tiers(&[tier], &[handle.len() as u64], deadline)
+            .await?
+            .pop()
+            .ok_or(Error::ShuttingDown)?;
         let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
         let copied = io
             .spawn_blocking(move || copy.copy_from(&handle).map(|()| copy))
