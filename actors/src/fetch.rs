@@ -211,22 +211,7 @@ pub fn take(fetch: &Fetch, handle: &Buffer) -> Take {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_transports::memory::{BufferId, Generation, Lease, Releaser};
-
-    struct Free;
-    impl Releaser for Free {
-        fn release(&self, _: &Lease) {}
-    }
-
-    fn buffer(len: u64) -> Buffer {
-        let lease = Lease {
-            kind: MemoryKind::Host,
-            id: BufferId(1),
-            generation: Generation(1),
-            len,
-        };
-        Buffer::new_host(lease, Arc::new(Free))
-    }
+    use crate::publish::tests::buffer;
 
     fn far() -> Instant {
         Instant::now() + std::time::Duration::from_secs(5)

@@ -242,7 +242,7 @@ impl Publications {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use ferry_transports::memory::{BufferId, Generation, Lease, MemoryKind, Releaser};
 
@@ -251,7 +251,8 @@ mod tests {
         fn release(&self, _: &Lease) {}
     }
 
-    fn buffer(len: u64) -> Buffer {
+    /// `len` bytes of host memory that belong to no budget.
+    pub(crate) fn buffer(len: u64) -> Buffer {
         let lease = Lease {
             kind: MemoryKind::Host,
             id: BufferId(1),
