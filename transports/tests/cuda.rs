@@ -214,6 +214,57 @@ fn blocks_gather_and_scatter_like_the_host() {
     );
 }
 
+/// Block lists of one GPU, gathered by the kernel many times in a row with nothing waited
+/// for in between (more gathers in flight than the device keeps run tables, so a table is
+/// reused once its gather passed, and lists that grow, so tables grow), from two threads
+/// on two streams at once: every gather lands its own blocks.
+#[test]
+fn gathers_in_flight_reuse_their_tables() {
+    use ferry_transports::wire::Layout;
+    let Some(gpus) = gpus() else { return };
+    let dev = &gpus[0];
+    let pool = ExportablePool::new(dev).expect("exportable pool");
+    let setup = Stream::new(dev).expect("stream");
+    let page = 4096u64;
+    let pages = 8192u64;
+    let len = (page * pages) as usize;
+    let host = pattern(len as u64, len);
+    let mut src = pool.alloc(len, &setup).expect("alloc");
+    copy_from_host(&mut src, 0, &host, &setup).expect("H2D");
+    std::thread::scope(|scope| {
+        for thread in 0..2u64 {
+            let (pool, src, host) = (&pool, &src, &host);
+            scope.spawn(move || {
+                let stream = Stream::new(dev).expect("stream");
+                // 2 to 5,000 blocks, out of order: 2, 7, 22, ... and back down.
+                let counts: Vec<u64> = [2, 7, 22, 70, 300, 1000, 5000, 3, 1000, 40, 2500, 9]
+                    .iter()
+                    .map(|c| c + thread)
+                    .collect();
+                let mut landed = Vec::new();
+                for (i, &count) in counts.iter().enumerate() {
+                    let layout = Layout::blocks(
+                        (0..count).map(|b| (((b * 7919 + i as u64) % pages) * page, page)),
+                    );
+                    let packed = layout.check(len as u64).expect("fits");
+                    let boxes = layout.boxes(len as u64, 0, packed).expect("boxes");
+                    let mut dst = pool.alloc(packed as usize, &stream).expect("alloc");
+                    copy_boxes_async(&mut dst, 0, src, 0, &boxes, &stream).expect("gather");
+                    landed.push((layout, packed, dst));
+                }
+                stream.synchronize().expect("gathered");
+                for (layout, packed, dst) in landed {
+                    let mut want = vec![0u8; packed as usize];
+                    layout.gather(host, 0, &mut want).expect("gather");
+                    let mut got = vec![0u8; packed as usize];
+                    copy_to_host(&mut got, &dst, 0, &stream).expect("D2H");
+                    assert!(got == want, "thread {thread}: a gather landed other bytes");
+                }
+            });
+        }
+    });
+}
+
 /// A buffer lent to a peer's push is exported before any peer fetched the pool: a new
 /// pool's pointers export at once.
 #[test]

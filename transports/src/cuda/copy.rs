@@ -345,8 +345,10 @@ unsafe fn copy_boxes(
     }
     stream.bind()?;
     let mut runs = Runs {
+        dsts: Vec::with_capacity(shapes.len()),
+        srcs: Vec::with_capacity(shapes.len()),
+        sizes: Vec::with_capacity(shapes.len()),
         one_gpu,
-        ..Runs::default()
     };
     for (b, shape) in shapes {
         let (rows, packed) = (sbase.at(b.src), pbase.at(b.packed));
@@ -461,9 +463,7 @@ impl Runs {
         // `one_gpu` says its GPU holds both memories.
         if self.one_gpu
             && self.sizes.len() > 1
-            && unsafe {
-                super::gather::gather_async(&self.dsts, &self.srcs, &self.sizes, stream.handle())
-            }?
+            && unsafe { super::gather::gather_async(&self.dsts, &self.srcs, &self.sizes, stream) }?
         {
             return Ok(());
         }

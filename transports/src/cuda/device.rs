@@ -27,6 +27,8 @@ struct DeviceInner {
     name: String,
     uuid: String,
     pci_bus_id: String,
+    /// The run tables of the gathers on this device's streams (none until the first).
+    gather: super::gather::Tables,
 }
 
 // SAFETY: the driver API is thread-safe; a CUcontext is a handle that may be made current on
@@ -37,6 +39,9 @@ unsafe impl Sync for DeviceInner {}
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        // SAFETY: the tables were made in this context, still retained here (released
+        // below, after them).
+        unsafe { self.gather.release(self.ctx) };
         // SAFETY: balances the retain in `Device::open`; this is the last reference, and every
         // object made in the context holds a `Device`, so none outlives this release.
         if let Err(e) = unsafe { raw::primary_ctx_release(self.handle) } {
@@ -100,6 +105,7 @@ impl Device {
                 name,
                 uuid,
                 pci_bus_id,
+                gather: super::gather::Tables::default(),
             }),
         })
     }
@@ -163,6 +169,11 @@ impl Device {
 
     pub(super) fn ctx(&self) -> sys::CUcontext {
         self.inner.ctx
+    }
+
+    /// The run tables of the gathers queued on this device's streams.
+    pub(super) fn gather_tables(&self) -> &super::gather::Tables {
+        &self.inner.gather
     }
 
     /// Free and total memory of the device in bytes, as the driver counts them

@@ -5,15 +5,19 @@
 //! (docs/PERFORMANCE.md, "Block lists over ipc"). A kernel whose thread blocks each copy
 //! one run pays the launch once. The kernel is PTX text, compiled by the driver when first
 //! used in a context (no CUDA toolkit at build or run time); where it does not load, copies
-//! go back to the batch.
+//! go back to the batch. The kernel reads the runs from a table of its device's, reused
+//! from call to call ([`Tables`]): nothing is allocated, and the host never waits for the
+//! stream, to queue a gather (unless every table is still being read).
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_uint, c_void};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use cudarc::driver::sys;
 
-use super::error::{CudaError, check};
+use super::error::{CudaError, check, teardown_failed};
+use super::stream::Stream;
 
 /// `ferry_gather(desc, count)`: thread block `b` copies run `b` of `desc` (three `u64`
 /// each: destination, source, length), 16 bytes at a time where all three are multiples
@@ -97,7 +101,7 @@ fn kernel() -> Option<sys::CUfunction> {
     let found = kernels
         .get_or_insert_with(HashMap::new)
         .entry(ctx)
-        .or_insert_with(|| match load() {
+        .or_insert_with(|| match timed_load() {
             Ok(f) => Some(f as usize),
             Err(e) => {
                 tracing::warn!(
@@ -108,6 +112,19 @@ fn kernel() -> Option<sys::CUfunction> {
             }
         });
     found.map(|f| f as sys::CUfunction)
+}
+
+/// [`load`], its time traced (the driver compiles the PTX: a one-off cost per context).
+fn timed_load() -> Result<sys::CUfunction, CudaError> {
+    let started = Instant::now();
+    let loaded = load();
+    tracing::debug!(
+        target: "ferry::blocks",
+        us = started.elapsed().as_micros() as u64,
+        ok = loaded.is_ok(),
+        "loaded the gather kernel"
+    );
+    loaded
 }
 
 /// Forgets the kernel of the current context (its handle was found invalid).
@@ -146,49 +163,242 @@ fn load() -> Result<sys::CUfunction, CudaError> {
     Ok(function)
 }
 
-/// Queues the runs (`dsts[i]` ← `srcs[i]`, `sizes[i]` bytes) as one kernel launch on
-/// `stream`, whose context must be current. `Ok(false)`: the kernel is not available here
-/// (nothing was queued).
+/// Bytes of one run in a table: destination, source, length.
+const RUN_BYTES: usize = 3 * std::mem::size_of::<u64>();
+
+/// Tables one device keeps at most: a gather that finds them all still read by queued
+/// work waits (on the host) for the one used longest ago.
+const SLOTS_MAX: usize = 4;
+
+/// The smallest table (170 runs); larger ones are rounded up to a power of two, so a slot
+/// grows by doubling and a steady block count never reallocates.
+const TABLE_MIN: usize = 4096;
+
+/// The run tables of one device's gathers, reused from call to call: each slot is a
+/// page-locked staging table (`cuMemHostAlloc`), uploaded by an asynchronous copy (pinned
+/// memory: the host does not wait for the stream, as it would for pageable memory) into
+/// a device table (`cuMemAlloc`) the kernel reads, and an event recorded after the launch.
+/// A slot is written again only once its event has passed. Nothing is allocated per
+/// call: the stream-ordered allocation this replaces came from the device's default pool,
+/// which gives its memory back at every synchronisation, so each call mapped memory again.
+///
+/// Owned by the device (its primary context), which frees the tables before it releases
+/// the context ([`Tables::release`]).
+#[derive(Default)]
+pub(super) struct Tables {
+    pool: Mutex<Pool>,
+}
+
+#[derive(Default)]
+struct Pool {
+    slots: Vec<Slot>,
+    /// Gathers queued so far; a slot's `used` is the number of the last one that read it.
+    launches: u64,
+}
+
+/// One reusable table.
+struct Slot {
+    /// Page-locked staging of `capacity` bytes (null before the first use).
+    host: *mut u8,
+    /// The table the kernel reads, `capacity` bytes (0 before the first use).
+    device: sys::CUdeviceptr,
+    capacity: usize,
+    /// Recorded on the stream after the upload and the launch that read the slot.
+    event: sys::CUevent,
+    /// The number of the last gather that read the slot; 0: none did.
+    used: u64,
+}
+
+// SAFETY: the slot owns its two allocations (as a Box owns its memory) and its event, and
+// is only reached under the pool's mutex; driver handles may be used from any thread.
+unsafe impl Send for Slot {}
+
+impl Tables {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Frees every table once the work that reads it has completed (a table whose wait
+    /// fails is leaked: it may still be read). Called once, by the device, before it
+    /// releases its context.
+    ///
+    /// # Safety
+    /// `ctx` is the context the tables were made in, still retained.
+    pub(super) unsafe fn release(&mut self, ctx: sys::CUcontext) {
+        let pool = self.pool.get_mut().unwrap_or_else(|p| p.into_inner());
+        if pool.slots.is_empty() {
+            return;
+        }
+        // SAFETY: the context is retained (caller).
+        if let Err(e) = unsafe { super::raw::ctx_set_current(ctx) } {
+            teardown_failed!(
+                e,
+                "binding a context to free the gather tables failed; leaked"
+            );
+            return;
+        }
+        for slot in pool.slots.drain(..) {
+            let done = if slot.used == 0 {
+                Ok(())
+            } else {
+                // SAFETY: the slot's event, created in this context, which is alive.
+                unsafe { super::raw::event_synchronize(slot.event) }
+            };
+            match done {
+                // SAFETY: nothing queued reads the table any more (waited for above).
+                Ok(()) => unsafe { free_table(slot.host, slot.device) },
+                Err(e) => teardown_failed!(
+                    e,
+                    "waiting for a gather before freeing its table failed; leaked"
+                ),
+            }
+            // SAFETY: created by cuEventCreate in this context; not used afterwards (the
+            // driver defers the release past a pending record).
+            if let Err(e) = unsafe { super::raw::event_destroy(slot.event) } {
+                teardown_failed!(e, "destroying a gather table's event failed");
+            }
+        }
+    }
+}
+
+impl Pool {
+    /// A slot that no queued work reads, holding at least `bytes`: an idle one (one that
+    /// fits first), else a new one while there are fewer than [`SLOTS_MAX`], else the one
+    /// used longest ago once its work has completed (waited for here). Returns its index
+    /// and whether it was waited for.
+    ///
+    /// # Safety
+    /// The context of the device that owns the pool is current.
+    unsafe fn slot_for(&mut self, bytes: usize) -> Result<(usize, bool), CudaError> {
+        let mut found = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.idle()? {
+                if slot.capacity >= bytes {
+                    found = Some(i);
+                    break;
+                }
+                found.get_or_insert(i);
+            }
+        }
+        let mut waited = false;
+        let index = match found {
+            Some(i) => i,
+            None if self.slots.len() < SLOTS_MAX => {
+                // SAFETY: the context is current (caller).
+                self.slots.push(unsafe { Slot::new() }?);
+                self.slots.len() - 1
+            }
+            None => {
+                let (i, oldest) = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, s)| s.used)
+                    .ok_or_else(|| CudaError::Misuse("a gather pool without slots".into()))?;
+                // SAFETY: the slot's event lives as long as the slot.
+                unsafe { super::raw::event_synchronize(oldest.event) }?;
+                waited = true;
+                i
+            }
+        };
+        // SAFETY: idle (found idle, new, or waited for); the context is current (caller).
+        unsafe { self.slots[index].reserve(bytes) }?;
+        Ok((index, waited))
+    }
+}
+
+impl Slot {
+    /// An empty slot with its event.
+    ///
+    /// # Safety
+    /// The context of the device that owns the pool is current.
+    unsafe fn new() -> Result<Slot, CudaError> {
+        // SAFETY: a context is current (caller).
+        let event = unsafe { super::raw::event_create() }?;
+        Ok(Slot {
+            host: std::ptr::null_mut(),
+            device: 0,
+            capacity: 0,
+            event,
+            used: 0,
+        })
+    }
+
+    /// True when no queued work reads the slot any more.
+    fn idle(&self) -> Result<bool, CudaError> {
+        if self.used == 0 {
+            return Ok(true);
+        }
+        // SAFETY: the event lives as long as the slot.
+        unsafe { super::raw::event_query(self.event) }
+    }
+
+    /// Makes the slot hold at least `bytes` (a power of two of them, at least
+    /// [`TABLE_MIN`]); the old tables are freed once the new ones are there.
+    ///
+    /// # Safety
+    /// The slot is idle; the context of the device that owns the pool is current.
+    unsafe fn reserve(&mut self, bytes: usize) -> Result<(), CudaError> {
+        if self.capacity >= bytes {
+            return Ok(());
+        }
+        let capacity = bytes
+            .checked_next_power_of_two()
+            .unwrap_or(bytes)
+            .max(TABLE_MIN);
+        // SAFETY: a context is current (caller).
+        let host = unsafe { super::raw::mem_host_alloc(capacity) }?;
+        // SAFETY: the owning device's context is current (caller).
+        let device = match unsafe { super::raw::mem_alloc(capacity) } {
+            Ok(device) => device,
+            Err(e) => {
+                // SAFETY: allocated just above; nothing uses it.
+                unsafe { free_table(host, 0) };
+                return Err(e);
+            }
+        };
+        let (old_host, old_device) = (self.host, self.device);
+        self.host = host;
+        self.device = device;
+        self.capacity = capacity;
+        // SAFETY: the slot is idle (caller): no queued copy or launch reads the old tables.
+        unsafe { free_table(old_host, old_device) };
+        Ok(())
+    }
+}
+
+/// Frees a slot's tables (either may be absent); a failure is logged and the memory leaked.
 ///
 /// # Safety
-/// Every run lies in device memory that the stream's GPU can read (sources) and write
-/// (destinations), valid until the launch completes on `stream`; destinations disjoint.
-pub(super) unsafe fn gather_async(
-    dsts: &[sys::CUdeviceptr],
-    srcs: &[sys::CUdeviceptr],
-    sizes: &[usize],
+/// Nothing queued reads them; a context is current.
+unsafe fn free_table(host: *mut u8, device: sys::CUdeviceptr) {
+    if !host.is_null() {
+        // SAFETY: from cuMemHostAlloc, freed once, unused (caller).
+        if let Err(e) = unsafe { super::raw::mem_free_host(host) } {
+            teardown_failed!(e, "freeing a gather table's staging failed; leaked");
+        }
+    }
+    if device != 0 {
+        // SAFETY: from cuMemAlloc, freed once, unused (caller).
+        if let Err(e) = unsafe { super::raw::mem_free(device) } {
+            teardown_failed!(e, "freeing a gather table failed; leaked");
+        }
+    }
+}
+
+/// Launches the kernel over the `blocks` runs of the device table `table` on `stream`;
+/// a handle found invalid (a context made again) is loaded again and launched once more.
+/// `Ok(false)`: the kernel is not available here (nothing launched).
+///
+/// # Safety
+/// As [`gather_async`]; `table` holds `blocks` runs, uploaded in stream order before this.
+unsafe fn launch(
+    function: sys::CUfunction,
+    table: sys::CUdeviceptr,
+    blocks: c_uint,
     stream: sys::CUstream,
 ) -> Result<bool, CudaError> {
-    let count = sizes.len();
-    if dsts.len() != count || srcs.len() != count {
-        return Err(CudaError::Misuse(
-            "a gather with lists of different lengths".into(),
-        ));
-    }
-    let Ok(blocks) = c_uint::try_from(count) else {
-        return Ok(false);
-    };
-    if count == 0 || blocks > i32::MAX as c_uint {
-        return Ok(false);
-    }
-    let Some(function) = kernel() else {
-        return Ok(false);
-    };
-    let desc: Vec<u64> = (0..count)
-        .flat_map(|i| [dsts[i], srcs[i], sizes[i] as u64])
-        .collect();
-    let bytes = desc.len() * std::mem::size_of::<u64>();
-    let mut table: sys::CUdeviceptr = 0;
-    // SAFETY: writes one address; stream-ordered allocation on a stream of ours.
-    check("cuMemAllocAsync", unsafe {
-        sys::cuMemAllocAsync(&mut table, bytes, stream)
-    })?;
-    // SAFETY: `desc` is pageable host memory, which the driver has staged when the call
-    // returns; `table` holds `bytes` bytes from the allocation above, in stream order.
-    let uploaded = check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(table, desc.as_ptr().cast::<c_void>(), bytes, stream)
-    });
-    let launch = |function: sys::CUfunction| {
+    let once = |function: sys::CUfunction| {
         let mut table_param = table;
         let mut count_param = blocks;
         let mut params = [
@@ -196,7 +406,7 @@ pub(super) unsafe fn gather_async(
             (&raw mut count_param).cast::<c_void>(),
         ];
         // SAFETY: the kernel takes (u64, u32), the two parameters here, read during the
-        // call; it reads `count` runs of the table and copies inside the runs (caller).
+        // call; it reads `blocks` runs of the table and copies inside the runs (caller).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,
@@ -213,7 +423,7 @@ pub(super) unsafe fn gather_async(
             )
         })
     };
-    let launched = uploaded.and_then(|()| match launch(function) {
+    match once(function) {
         Ok(()) => Ok(true),
         // A kernel of a context that is gone: load it into this one and launch again (or
         // leave the runs to the copy engine when it does not load).
@@ -223,17 +433,129 @@ pub(super) unsafe fn gather_async(
         }) => {
             forget();
             match kernel() {
-                Some(again) => launch(again).map(|()| true),
+                Some(again) => once(again).map(|()| true),
                 None => Ok(false),
             }
         }
         Err(e) => Err(e),
-    });
-    // SAFETY: freed in stream order, after the launch (or the failed upload) that uses it.
-    let freed = check("cuMemFreeAsync", unsafe {
-        sys::cuMemFreeAsync(table, stream)
-    });
+    }
+}
+
+/// Queues the runs (`dsts[i]` ← `srcs[i]`, `sizes[i]` bytes) as one kernel launch on
+/// `stream`, whose context must be current: the runs go into a reused table of the
+/// stream's device ([`Tables`]), uploaded and read in stream order. `Ok(false)`: the
+/// kernel is not available here (no copy is launched).
+///
+/// # Safety
+/// Every run lies in device memory that the stream's GPU can read (sources) and write
+/// (destinations), valid until the launch completes on `stream`; destinations disjoint.
+pub(super) unsafe fn gather_async(
+    dsts: &[sys::CUdeviceptr],
+    srcs: &[sys::CUdeviceptr],
+    sizes: &[usize],
+    stream: &Stream,
+) -> Result<bool, CudaError> {
+    let count = sizes.len();
+    if dsts.len() != count || srcs.len() != count {
+        return Err(CudaError::Misuse(
+            "a gather with lists of different lengths".into(),
+        ));
+    }
+    let Ok(blocks) = c_uint::try_from(count) else {
+        return Ok(false);
+    };
+    if count == 0 || blocks > i32::MAX as c_uint {
+        return Ok(false);
+    }
+    let Some(function) = kernel() else {
+        return Ok(false);
+    };
+    let bytes = count
+        .checked_mul(RUN_BYTES)
+        .ok_or_else(|| CudaError::Misuse(format!("a gather of {count} runs")))?;
+    let started = Instant::now();
+    let mut pool = stream.device().gather_tables().lock();
+    // SAFETY: the stream's context, its device's, is current (caller).
+    let (index, waited) = unsafe { pool.slot_for(bytes) }?;
+    let slot_at = started.elapsed();
+    pool.launches += 1;
+    let number = pool.launches;
+    let slot = &mut pool.slots[index];
+    // SAFETY: the staging holds `capacity >= bytes` bytes of page-locked memory, page
+    // aligned (so aligned for u64), that nothing reads or writes: the slot is idle (its last
+    // upload completed) and the pool's mutex, held until its event is recorded below, keeps
+    // every other gather out of it.
+    let table = unsafe { std::slice::from_raw_parts_mut(slot.host.cast::<u64>(), 3 * count) };
+    for (run, ((&dst, &src), &len)) in table
+        .chunks_exact_mut(3)
+        .zip(dsts.iter().zip(srcs).zip(sizes))
+    {
+        run[0] = dst;
+        run[1] = src;
+        run[2] = len as u64;
+    }
+    let (host, device) = (slot.host, slot.device);
+    let filled_at = started.elapsed();
+    // SAFETY: both tables are the slot's, `bytes` long at least; the staging is pinned and
+    // is not written again until the event recorded below has passed, the device table not
+    // freed before then either.
+    let uploaded = unsafe { super::raw::memcpy_htod_async(device, host, bytes, stream.handle()) };
+    let queued = uploaded.is_ok();
+    // SAFETY: the table holds `count` runs, uploaded just before in stream order; the runs
+    // are valid as the caller says.
+    let launched =
+        uploaded.and_then(|()| unsafe { launch(function, device, blocks, stream.handle()) });
+    // Whatever was queued reads the slot: its event goes after it.
+    let settled = if queued {
+        // SAFETY: the stream is live and of the pool's context, which is current.
+        unsafe { settle(&mut pool, index, number, stream) }
+    } else {
+        Ok(())
+    };
+    drop(pool);
     let ran = launched?;
-    freed?;
+    settled?;
+    tracing::trace!(
+        target: "ferry::blocks",
+        runs = count,
+        table_bytes = bytes,
+        waited_for_slot = waited,
+        slot_us = slot_at.as_micros() as u64,
+        fill_us = (filled_at - slot_at).as_micros() as u64,
+        queue_us = (started.elapsed() - filled_at).as_micros() as u64,
+        launched = ran,
+        "gather queued"
+    );
     Ok(ran)
+}
+
+/// Records slot `index`'s event on `stream` after the work just queued that reads it, as
+/// gather number `number`. When the record fails, the stream is waited for instead (the
+/// slot is idle again once that returns); when that fails too, the slot is given up (its
+/// memory leaked, never freed or written while a queued copy may read it).
+///
+/// # Safety
+/// `stream` is live and of the pool's context, which is current.
+unsafe fn settle(
+    pool: &mut Pool,
+    index: usize,
+    number: u64,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let slot = &mut pool.slots[index];
+    // SAFETY: the slot's event and the stream are live and of the same context (caller).
+    match unsafe { super::raw::event_record(slot.event, stream.handle()) } {
+        Ok(()) => {
+            slot.used = number;
+            Ok(())
+        }
+        Err(e) => {
+            // SAFETY: the stream is live (caller).
+            if unsafe { super::raw::stream_synchronize(stream.handle()) }.is_err() {
+                // Dropping a slot frees nothing: its tables and event are leaked.
+                let _leaked = pool.slots.swap_remove(index);
+            }
+            Err(e)
+        }
+    }
 }
