@@ -313,8 +313,17 @@ fn oversized_offer(msg: &Message, peer_max_frame: u32) -> Option<(OpId, String)>
         return None;
     };
     let blocks = offer.layout.block_list()?.len();
+    let max = u64::from(peer_max_frame);
+    // Within a bound found without encoding the list, it fits: the list is encoded once,
+    // by the writer. Only an offer near or past the cap is measured exactly.
+    if msg
+        .payload_len_bound()
+        .is_ok_and(|bound| bound as u64 <= max)
+    {
+        return None;
+    }
     let len = msg.payload_len().unwrap_or(usize::MAX);
-    (len as u64 > u64::from(peer_max_frame)).then(|| {
+    (len as u64 > max).then(|| {
         (
             OpId(offer.transfer),
             format!(
@@ -323,4 +332,62 @@ fn oversized_offer(msg: &Message, peer_max_frame: u32) -> Option<(OpId, String)>
             ),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_transports::wire::{IpcSource, Offer, WireMemoryKind, WireTransport};
+
+    fn offer(blocks: u64) -> Message {
+        Message::Offer(Offer {
+            transfer: 5,
+            tag: 1,
+            len: blocks * 16,
+            source: WireMemoryKind::Device(0),
+            transport: WireTransport::Ipc,
+            direction: WireDirection::Pull,
+            ipc: Some(IpcSource {
+                device_uuid: "GPU-12345678-1234-1234-1234-123456789abc".into(),
+                buffer: 2,
+                generation: 3,
+                offset: 0,
+                export: vec![7; 64],
+                legacy: None,
+            }),
+            ucx: None,
+            layout: Layout::blocks((0..blocks).map(|b| (b * 32, 16))),
+        })
+    }
+
+    /// An offer is refused exactly when its encoded payload is larger than the peer's cap,
+    /// at the cap and on either side of it (the cheap bound decides only when it fits).
+    #[test]
+    fn an_offer_is_refused_exactly_past_the_cap() {
+        for blocks in [1, 2, 3, 17, 1000, 4096] {
+            let msg = offer(blocks);
+            let exact = msg.payload_len().expect("encodes") as u32;
+            for cap in [
+                exact - 1,
+                exact,
+                exact + 1,
+                exact + 8,
+                exact + 100,
+                u32::MAX,
+            ] {
+                let refused = oversized_offer(&msg, cap);
+                assert_eq!(
+                    refused.is_some(),
+                    exact > cap,
+                    "{blocks} blocks of {exact} bytes, cap {cap}"
+                );
+                if let Some((op, why)) = refused {
+                    assert_eq!(op, OpId(5));
+                    assert!(why.contains(&format!("takes {exact} bytes")), "{why}");
+                }
+            }
+        }
+        // Not a block list: never measured.
+        assert!(oversized_offer(&Message::Ping(1), 0).is_none());
+    }
 }

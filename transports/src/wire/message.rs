@@ -559,6 +559,10 @@ impl FrameKind {
     }
 }
 
+/// Bytes [`Message::payload_len_bound`] allows for the padding that aligns an offer's
+/// block list (the alignment of an archived block is 8; this is generous).
+pub const BLOCKS_SLACK: usize = 64;
+
 impl Message {
     /// The length of the message's rkyv payload, as its frame carries it: what a peer's
     /// `max_frame` caps (a large block list makes a large offer).
@@ -567,6 +571,34 @@ impl Message {
     /// rkyv's, when the message cannot be encoded.
     pub fn payload_len(&self) -> Result<usize, rkyv::rancor::Error> {
         rkyv::to_bytes::<rkyv::rancor::Error>(self).map(|b| b.len())
+    }
+
+    /// At least [`Self::payload_len`], found without encoding a block list: an offer of
+    /// [`crate::wire::Layout::Blocks`] is encoded with no blocks, and each block counts the
+    /// bytes it archives to (plus [`BLOCKS_SLACK`] for the list's alignment). Any other
+    /// message is encoded. For a cheap "fits the frame" check; [`Self::payload_len`] says
+    /// exactly when the bound does not fit.
+    ///
+    /// # Errors
+    /// rkyv's, when the message cannot be encoded.
+    pub fn payload_len_bound(&self) -> Result<usize, rkyv::rancor::Error> {
+        let Self::Offer(offer) = self else {
+            return self.payload_len();
+        };
+        let Some(blocks) = offer.layout.block_list() else {
+            return self.payload_len();
+        };
+        let bare = Self::Offer(Offer {
+            layout: crate::wire::Layout::Blocks(std::sync::Arc::from([])),
+            ipc: offer.ipc.clone(),
+            ucx: offer.ucx.clone(),
+            ..*offer
+        });
+        let each = std::mem::size_of::<<crate::wire::Block as Archive>::Archived>();
+        Ok(bare
+            .payload_len()?
+            .saturating_add(blocks.len().saturating_mul(each))
+            .saturating_add(BLOCKS_SLACK))
     }
 
     /// The frame kind this message travels as.
@@ -642,5 +674,65 @@ impl From<&ArchivedPutChunk> for PutChunk {
             len: chunk.len.to_native(),
             last: chunk.last,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Layout;
+
+    fn offer(blocks: u64, export: usize, ipc: bool) -> Message {
+        Message::Offer(Offer {
+            transfer: 7,
+            tag: 9,
+            len: blocks * 3,
+            source: WireMemoryKind::Device(0),
+            transport: WireTransport::Ipc,
+            direction: WireDirection::Pull,
+            ipc: ipc.then(|| IpcSource {
+                device_uuid: "GPU-0000".repeat(export % 7),
+                buffer: 3,
+                generation: 1,
+                offset: 0,
+                export: vec![1; export],
+                legacy: None,
+            }),
+            ucx: None,
+            layout: Layout::blocks((0..blocks).map(|b| (b * 5, 3))),
+        })
+    }
+
+    /// The bound of an offer's payload is never short of its length (so an offer within
+    /// the bound fits a frame the length fits), and never far above it.
+    #[test]
+    fn an_offers_bound_covers_its_length() {
+        for blocks in (0..70).chain([255, 256, 1000, 4097]) {
+            for export in [0, 1, 5, 63, 64, 65] {
+                for ipc in [false, true] {
+                    let msg = offer(blocks, export, ipc);
+                    let exact = msg.payload_len().expect("encodes");
+                    let bound = msg.payload_len_bound().expect("encodes");
+                    assert!(
+                        exact <= bound && bound - exact <= 2 * BLOCKS_SLACK,
+                        "{blocks} blocks, export {export}, ipc {ipc}: {exact} vs {bound}"
+                    );
+                }
+            }
+        }
+        // Not an offer of blocks: the length itself.
+        let contiguous = Message::Offer(Offer {
+            layout: Layout::Contiguous,
+            ..match offer(1, 64, true) {
+                Message::Offer(o) => o,
+                _ => unreachable!(),
+            }
+        });
+        assert_eq!(
+            contiguous.payload_len_bound().expect("encodes"),
+            contiguous.payload_len().expect("encodes")
+        );
+        let ping = Message::Ping(1);
+        assert_eq!(ping.payload_len_bound().ok(), ping.payload_len().ok());
     }
 }
