@@ -49,6 +49,11 @@ pub struct SendTo {
     pub buffer: Buffer,
     /// How the bytes to send lie in it (checked against it already).
     pub layout: ferry_transports::wire::Layout,
+    /// The layout's packed length in the buffer (what [`Layout::check`] returned):
+    /// the bytes that move.
+    ///
+    /// [`Layout::check`]: ferry_transports::wire::Layout::check
+    pub packed: u64,
     /// When it must have ended.
     pub deadline: Instant,
     /// For the answer to the peer's fetch: its id (the peer hands the bytes to that fetch,
@@ -1004,10 +1009,7 @@ impl Handler<SendTo> for Coordinator {
     fn handle(&mut self, msg: SendTo, ctx: &mut Self::Context) -> Self::Result {
         let src = memory_class(msg.buffer.kind());
         // Routed by what moves: the layout's packed bytes.
-        let bytes = msg
-            .layout
-            .check(msg.buffer.len() as u64)
-            .unwrap_or(msg.buffer.len() as u64);
+        let bytes = msg.packed;
         // Routed for the memory the peer receives into, from its hello (host until the first
         // link to it is up: the first sends to a peer are routed before its hello arrives).
         let explanation = self.explain(&msg.peer, bytes, src, None);
@@ -1050,6 +1052,7 @@ impl Handler<SendTo> for Coordinator {
             fallback,
             layout: msg.layout,
             fetch: msg.fetch,
+            packed: msg.packed,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }

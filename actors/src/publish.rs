@@ -80,6 +80,11 @@ pub struct Serving {
 }
 
 impl Serving {
+    /// The bytes the fetch moves: the layout's packed length in the buffer.
+    pub fn packed(&self) -> u64 {
+        self.len
+    }
+
     /// The send of the handle ended: counted as served when it moved the bytes.
     pub fn end(self, moved: bool) {
         if moved {

@@ -404,12 +404,17 @@ impl Node {
         layout: Layout,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
-        if let Err(e) = layout.check(buffer.len() as u64) {
-            return Err(SendError {
-                error: Error::Usage(format!("the layout does not fit the buffer: {e}")),
-                buffer: Some(buffer),
-            });
-        }
+        // Checked once here; the packed length travels with the send (the coordinator
+        // routes by it, the transfer actor offers it), so a block list is not walked again.
+        let packed = match layout.check(buffer.len() as u64) {
+            Ok(packed) => packed,
+            Err(e) => {
+                return Err(SendError {
+                    error: Error::Usage(format!("the layout does not fit the buffer: {e}")),
+                    buffer: Some(buffer),
+                });
+            }
+        };
         // Small device buffers to a same-host peer take the fast lane when nothing to that
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
@@ -423,6 +428,7 @@ impl Node {
             tag,
             buffer,
             layout,
+            packed,
             deadline,
             fetch: None,
         };

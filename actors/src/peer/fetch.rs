@@ -102,6 +102,7 @@ impl TransferActor {
             tag: 0,
             buffer: handle,
             layout: ask.layout,
+            packed: serving.packed(),
             deadline: Instant::now() + self.setup.reserve_timeout,
             fetch: Some(ask.fetch),
         });

@@ -178,6 +178,8 @@ pub enum Op {
         layout: Layout,
         /// For the answer to the peer's fetch: its id.
         fetch: Option<u64>,
+        /// The layout's packed length in the buffer: the bytes that move.
+        packed: u64,
     },
     /// Write a buffer into a region the peer exposed.
     Put {
@@ -315,6 +317,8 @@ struct OutEntry {
     reply: oneshot::Sender<Result<Buffer, SendError>>,
     stop: Arc<AtomicBool>,
     started: Instant,
+    /// The bytes the op moves: a layout's packed rows, else the whole buffer.
+    moved: u64,
     labels: TransferLabels,
     /// The op's span: opened at submission, closed (dropped) when the op ends.
     span: tracing::Span,
@@ -325,11 +329,7 @@ struct OutEntry {
 impl OutEntry {
     /// The bytes the op moved: a layout's packed rows, else the whole buffer.
     fn moved(&self) -> u64 {
-        let len = self.buffer.len() as u64;
-        match &self.what {
-            StreamWhat::Transfer(layout) => layout.check(len).unwrap_or(len),
-            StreamWhat::Put { .. } => len,
-        }
+        self.moved
     }
 }
 

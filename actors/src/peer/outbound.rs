@@ -170,10 +170,11 @@ impl TransferActor {
                 fallback: _,
                 ref layout,
                 fetch,
+                packed,
             } => self.queue_send(
                 now,
                 &msg,
-                (tag, transport, direction, layout.clone(), fetch),
+                (tag, transport, direction, layout.clone(), fetch, packed),
                 exported.as_ref(),
                 peer_class,
             ),
@@ -191,10 +192,10 @@ impl TransferActor {
                     direction: "put",
                     peer_class,
                 };
-                Ok((queued, StreamWhat::Put { key, offset }, labels))
+                Ok((queued, StreamWhat::Put { key, offset }, labels, len))
             }
         };
-        let (queued, what, labels) = match queued {
+        let (queued, what, labels, moved) = match queued {
             Ok(q) => q,
             Err(error) => {
                 self.drop_off_thread(exported);
@@ -222,7 +223,7 @@ impl TransferActor {
         } else if labels.direction == "pull" {
             self.lend_for_pull(id, &msg.buffer, ctx);
         }
-        self.track(id, msg.buffer, what, labels, reply, now);
+        self.track(id, msg.buffer, (what, moved), labels, reply, now);
         self.drive(ctx);
     }
 
@@ -232,12 +233,13 @@ impl TransferActor {
         &mut self,
         now: Instant,
         msg: &Submit,
-        (tag, transport, direction, layout, fetch): (
+        (tag, transport, direction, layout, fetch, packed): (
             u64,
             ferry_config::TransportName,
             WireDirection,
             Layout,
             Option<u64>,
+            u64,
         ),
         exported: Option<&ferry_transports::ucx::Exported>,
         peer_class: &'static str,
@@ -246,13 +248,13 @@ impl TransferActor {
             Result<OpId, crate::core::session::Refusal>,
             StreamWhat,
             TransferLabels,
+            u64,
         ),
         Error,
     > {
-        // What moves: the layout's rows, packed (checked by the node already).
-        let len = layout
-            .check(msg.buffer.len() as u64)
-            .map_err(|e| Error::Usage(format!("the buffer's layout: {e}")))?;
+        // What moves: the layout's rows, packed (checked by the node, which gave the
+        // length).
+        let len = packed;
         // A node of this process reads our memory directly: a push to it is pulled (the
         // same single peer copy, with no buffer to lend).
         let direction = if registry::carrier(transport) == Carrier::Memory
@@ -298,7 +300,7 @@ impl TransferActor {
                 fetch,
             },
         );
-        Ok((queued, StreamWhat::Transfer(layout), labels))
+        Ok((queued, StreamWhat::Transfer(layout), labels, len))
     }
 
     /// Drops a UCX registration on a blocking thread (unmapping waits for UCX's thread).
@@ -341,7 +343,7 @@ impl TransferActor {
         &mut self,
         id: OpId,
         buffer: Buffer,
-        what: StreamWhat,
+        (what, moved): (StreamWhat, u64),
         labels: TransferLabels,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         now: Instant,
@@ -369,6 +371,7 @@ impl TransferActor {
                 reply,
                 stop: Arc::default(),
                 started: now,
+                moved,
                 labels,
                 span,
                 phase,

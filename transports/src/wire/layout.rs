@@ -285,7 +285,7 @@ impl Layout {
     /// What is wrong with it, as a [`LayoutError`].
     pub fn check(&self, len: u64) -> Result<u64, LayoutError> {
         if let Layout::Blocks(blocks) = self {
-            return check_blocks(blocks, len);
+            return check_blocks(blocks, len).map(|(packed, _)| packed);
         }
         let Some(d) = self.dims() else {
             return Ok(len);
@@ -356,11 +356,11 @@ impl Layout {
     /// # Errors
     /// A malformed layout, as [`Self::check`] names it.
     pub fn extent(&self) -> Result<Option<u64>, LayoutError> {
-        self.check(u64::MAX)?;
         if let Layout::Blocks(blocks) = self {
-            // Checked: no block's end overflows.
-            return Ok(blocks.iter().map(|b| b.offset + b.len).max());
+            // One walk: checked, and the furthest end.
+            return check_blocks(blocks, u64::MAX).map(|(_, end)| Some(end));
         }
+        self.check(u64::MAX)?;
         self.dims().map(|d| d.end()).transpose()
     }
 
@@ -544,8 +544,9 @@ fn mul(a: u64, b: u64) -> Result<u64, LayoutError> {
     a.checked_mul(b).ok_or(LayoutError::Overflow)
 }
 
-/// [`Layout::check`] of a block list against a buffer of `len` bytes: its packed length.
-fn check_blocks(blocks: &[Block], len: u64) -> Result<u64, LayoutError> {
+/// [`Layout::check`] of a block list against a buffer of `len` bytes: its packed length,
+/// and one past the last byte a block touches.
+fn check_blocks(blocks: &[Block], len: u64) -> Result<(u64, u64), LayoutError> {
     if blocks.is_empty() {
         return Err(LayoutError::Zero("the block count"));
     }
@@ -555,6 +556,7 @@ fn check_blocks(blocks: &[Block], len: u64) -> Result<u64, LayoutError> {
         });
     }
     let mut packed = 0u64;
+    let mut furthest = 0u64;
     for (index, b) in blocks.iter().enumerate() {
         if b.len == 0 {
             return Err(LayoutError::EmptyBlock { index });
@@ -564,13 +566,19 @@ fn check_blocks(blocks: &[Block], len: u64) -> Result<u64, LayoutError> {
             return Err(LayoutError::BlockPastTheEnd { index, end, len });
         }
         packed = packed.checked_add(b.len).ok_or(LayoutError::Overflow)?;
+        furthest = furthest.max(end);
     }
-    Ok(packed)
+    Ok((packed, furthest))
 }
 
 /// The packed range `[from, to)` of a checked block list, as one run per block it touches.
 fn block_runs(blocks: &[Block], from: u64, to: u64) -> Vec<RowBox> {
-    let mut out = Vec::new();
+    // From the start (a whole list, as an ipc copy takes it): about one run per block.
+    let mut out = if from == 0 {
+        Vec::with_capacity(blocks.len())
+    } else {
+        Vec::new()
+    };
     // Where the block starts in the packed bytes (checked: the total fits 64 bits).
     let mut start = 0u64;
     for b in blocks {
@@ -896,6 +904,10 @@ pub(crate) mod tests {
             prop_assert!(!layout.is_contiguous() || first, "{layout:?} said contiguous");
             // One byte short of its last row, the layout no longer fits.
             let end = layout.runs(len).map(|(at, n)| at + n).max().unwrap_or(0);
+            // A block list's extent is its furthest block's end (found in the checking walk).
+            if matches!(layout, Layout::Blocks(_)) {
+                prop_assert_eq!(layout.extent(), Ok(Some(end)));
+            }
             if end > 0 && layout != Layout::Contiguous {
                 prop_assert!(layout.check(end - 1).is_err());
             }

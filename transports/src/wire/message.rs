@@ -684,6 +684,7 @@ mod tests {
 
     fn offer(blocks: u64, export: usize, ipc: bool) -> Message {
         Message::Offer(Offer {
+            fetch: Some(u64::MAX),
             transfer: 7,
             tag: 9,
             len: blocks * 3,
