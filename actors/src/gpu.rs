@@ -383,10 +383,13 @@ fn pull_pooled(
         ))
     })?;
     let export = export_bytes(source)?;
+    let spanning = std::time::Instant::now();
     let (offset, end, boxes) = source_span(source, layout, len)?;
+    let span_at = spanning.elapsed();
     let key = buffer_ref(source);
     let started = std::time::Instant::now();
     let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+    let locked_at = started.elapsed();
     cache.tick += 1;
     let tick = cache.tick;
     // An import made for fewer bytes (an earlier pull of this buffer read less of it: a
@@ -427,6 +430,8 @@ fn pull_pooled(
         cache.entries.insert(key.clone(), (imported, tick));
     }
     let imported_at = started.elapsed();
+    // When the copy was queued, once it was (`None`: copied and waited for at once).
+    let mut queued_at = None;
     let Some((imported, last)) = cache.entries.get_mut(&key) else {
         return Err(IpcError::Gone("the import vanished".into()));
     };
@@ -446,6 +451,7 @@ fn pull_pooled(
         let at = imported.device_ptr();
         let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
         drop(cache);
+        queued_at = Some(started.elapsed());
         finish_copy(&stream).inspect_err(|e| {
             tracing::debug!(
                 error = %e,
@@ -456,12 +462,27 @@ fn pull_pooled(
             )
         })?;
     }
+    let total = started.elapsed();
     tracing::trace!(
         bytes = len,
         cached = hit,
         import_us = imported_at.as_micros() as u64,
-        total_us = started.elapsed().as_micros() as u64,
+        total_us = total.as_micros() as u64,
         "pulled"
+    );
+    tracing::trace!(
+        target: crate::TRACE_BLOCKS,
+        blocks = crate::block_count(layout),
+        runs = boxes.as_ref().map_or(0, Vec::len),
+        bytes = len,
+        cached = hit,
+        span_us = span_at.as_micros() as u64,
+        lock_us = locked_at.as_micros() as u64,
+        import_us = (imported_at - locked_at).as_micros() as u64,
+        queue_us = queued_at.map(|q| (q - imported_at).as_micros() as u64),
+        wait_us = queued_at.map(|q| (total - q).as_micros() as u64),
+        total_us = total.as_micros() as u64,
+        "pull copied: span (layout to runs), lock, import, queue (the gather), wait (sync)"
     );
     Ok(())
 }
@@ -545,8 +566,19 @@ fn pull_registered(
                 mapping.len()
             )));
         }
+        let queuing = std::time::Instant::now();
         let stream = queue_copy(dst, &*mapping, offset, boxes.as_deref(), gpus, false)?;
-        finish_copy(&stream)
+        let queued_at = queuing.elapsed();
+        finish_copy(&stream)?;
+        tracing::trace!(
+            target: crate::TRACE_BLOCKS,
+            blocks = crate::block_count(layout),
+            bytes = len,
+            queue_us = queued_at.as_micros() as u64,
+            wait_us = (queuing.elapsed() - queued_at).as_micros() as u64,
+            "registered pull copied: queue (the gather), wait (sync)"
+        );
+        Ok(())
     })();
     // The reference goes back whatever happened; a mapping the cache gave up meanwhile is
     // unmapped here, on this blocking thread.
@@ -648,6 +680,14 @@ pub fn push(
         copy_us = (copied_at - imported_at).as_micros() as u64,
         free_us = (started.elapsed() - copied_at).as_micros() as u64,
         "pushed"
+    );
+    tracing::trace!(
+        target: crate::TRACE_BLOCKS,
+        blocks = crate::block_count(layout),
+        bytes = len,
+        import_us = imported_at.as_micros() as u64,
+        copy_us = (copied_at - imported_at).as_micros() as u64,
+        "pushed: import, copy (queued and waited for)"
     );
     Ok(())
 }
@@ -857,9 +897,23 @@ pub fn pull_in_process(
         let memory = view.device_memory().ok_or_else(|| {
             IpcError::Unsupported("the offered buffer is not device memory".into())
         })?;
+        let started = std::time::Instant::now();
         let (offset, _, boxes) = source_span(source, layout, dst.len())?;
+        let span_at = started.elapsed();
         let stream = queue_copy(&mut dst, memory, offset, boxes.as_deref(), gpus, express)?;
-        finish_copy(&stream)
+        let queued_at = started.elapsed();
+        finish_copy(&stream)?;
+        let total = started.elapsed();
+        tracing::trace!(
+            target: crate::TRACE_BLOCKS,
+            blocks = crate::block_count(layout),
+            bytes = dst.len(),
+            span_us = span_at.as_micros() as u64,
+            queue_us = (queued_at - span_at).as_micros() as u64,
+            wait_us = (total - queued_at).as_micros() as u64,
+            "in-process pull copied: span (layout to runs), queue (the gather), wait (sync)"
+        );
+        Ok(())
     })();
     drop(view);
     match result {

@@ -29,15 +29,33 @@ impl TransferActor {
                 }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
-                    if let Some((op, why)) = oversized_offer(&msg, self.peer_max_frame) {
+                    let checking = Instant::now();
+                    let oversized = oversized_offer(&msg, self.peer_max_frame);
+                    if let Message::Offer(offer) = &msg
+                        && offer.layout.block_list().is_some()
+                    {
+                        tracing::trace!(
+                            target: crate::TRACE_BLOCKS,
+                            op = offer.transfer,
+                            us = checking.elapsed().as_micros() as u64,
+                            "offer's size checked against the peer's max_frame"
+                        );
+                    }
+                    if let Some((op, why)) = oversized {
                         // Refused here, before the writer would refuse it and end the link.
                         self.session.handle_unsendable(op, why);
                         continue;
                     }
-                    if let Message::Offer(offer) = &msg
-                        && offer.direction == WireDirection::Pull
-                    {
-                        self.ipc.offered.insert(OpId(offer.transfer));
+                    if let Message::Offer(offer) = &msg {
+                        if offer.direction == WireDirection::Pull {
+                            self.ipc.offered.insert(OpId(offer.transfer));
+                        }
+                        tracing::trace!(
+                            target: crate::TRACE_BLOCKS,
+                            op = offer.transfer,
+                            blocks = crate::block_count(&offer.layout),
+                            "offer to the writer"
+                        );
                     }
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
@@ -119,7 +137,19 @@ impl TransferActor {
                 let span =
                     tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
                 let phase = tracing::debug_span!(parent: &span, "reserve");
-                self.inbound_spans.insert(id, InboundSpans { span, phase });
+                let blocks = crate::block_count(&layout);
+                tracing::trace!(target: crate::TRACE_BLOCKS, id = id.0, blocks, bytes = len,
+                    pull = pull.is_some(), "offer taken: reserving");
+                self.inbound_spans.insert(
+                    id,
+                    InboundSpans {
+                        span,
+                        phase,
+                        offered: Instant::now(),
+                        pulling: None,
+                        blocks,
+                    },
+                );
                 let landing = match (pull, push) {
                     (Some(PullSource::Ipc(source)), _) => {
                         self.ipc.sources.insert(id, (source, layout));
@@ -164,12 +194,23 @@ impl TransferActor {
         layout: Layout,
         ctx: &mut Context<Self>,
     ) {
-        if let Some(spans) = self.inbound_spans.remove(&id) {
+        let spans = self.inbound_spans.remove(&id);
+        if let Some(spans) = &spans {
             tracing::debug!(parent: &spans.span, tag, "delivered");
         }
         let Some((buffer, pending)) = self.complete.remove(&id) else {
             return;
         };
+        if let Some(spans) = &spans {
+            tracing::trace!(
+                target: crate::TRACE_BLOCKS,
+                id = id.0,
+                blocks = spans.blocks,
+                since_offer_us = spans.offered.elapsed().as_micros() as u64,
+                since_pull_us = spans.pulling.map(|t| t.elapsed().as_micros() as u64),
+                "delivering"
+            );
+        }
         let delivered = Delivered {
             peer: self.peer.clone(),
             tag,
@@ -282,6 +323,16 @@ impl TransferActor {
                 .record(entry.started.elapsed().as_secs_f64());
         }
         tracing::debug!(parent: &entry.span, ?outcome, "transfer ended");
+        if let StreamWhat::Transfer(layout) = &entry.what {
+            tracing::trace!(
+                target: crate::TRACE_BLOCKS,
+                op = op.0,
+                blocks = crate::block_count(layout),
+                completed = outcome == Outcome::Completed,
+                total_us = entry.started.elapsed().as_micros() as u64,
+                "send ended (submitted to the peer's Done)"
+            );
+        }
         let result = match outcome {
             Outcome::Completed => Ok(entry.buffer),
             Outcome::Cancelled => Err(SendError {

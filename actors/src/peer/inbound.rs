@@ -36,6 +36,16 @@ impl TransferActor {
                         tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
                     }
                     if how == Landing::Pull {
+                        if let Some(spans) = act.inbound_spans.get(&id) {
+                            tracing::trace!(
+                                target: crate::TRACE_BLOCKS,
+                                id = id.0,
+                                blocks = spans.blocks,
+                                reserve_us = spans.offered.elapsed().as_micros() as u64,
+                                %landing,
+                                "reserved: pulling"
+                            );
+                        }
                         if !act.session.handle_reserved_pull(id) {
                             act.ipc.sources.remove(&id);
                             act.ucx.sources.remove(&id);

@@ -14,6 +14,7 @@ impl TransferActor {
         self.ipc.pulling.insert(id);
         if let Some(spans) = self.inbound_spans.get_mut(&id) {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+            spans.pulling = Some(Instant::now());
         }
         let pools = Arc::clone(&self.ipc.imported);
         let peer = &self.peer;
@@ -61,6 +62,18 @@ impl TransferActor {
         ctx: &mut Context<Self>,
     ) {
         self.ipc.pulling.remove(&id);
+        if let Some(spans) = self.inbound_spans.get(&id) {
+            // The copy's own steps are traced by `gpu::pull`; this is them plus the hops to
+            // the blocking thread and back to this actor.
+            tracing::trace!(
+                target: crate::TRACE_BLOCKS,
+                id = id.0,
+                blocks = spans.blocks,
+                ok = pulled.is_ok(),
+                pull_us = spans.pulling.map(|t| t.elapsed().as_micros() as u64),
+                "pull ended"
+            );
+        }
         if self.ipc.abandoned.remove(&id) {
             // The import is freed; the peer may let go of its buffer. Ours (if any) is
             // dropped here, which frees it.

@@ -14,12 +14,22 @@ pub(super) async fn write_loop(
     while let Some(out) = rx.recv().await {
         match out {
             Outgoing::Frame(msg) => {
+                let writing = std::time::Instant::now();
                 // Frames queued together go out in one write, once the queue is empty.
                 let sent = if rx.is_empty() {
                     writer.send(&msg).await
                 } else {
                     writer.feed(&msg).await
                 };
+                if let Message::Offer(offer) = &msg {
+                    tracing::trace!(
+                        target: crate::TRACE_BLOCKS,
+                        op = offer.transfer,
+                        blocks = crate::block_count(&offer.layout),
+                        us = writing.elapsed().as_micros() as u64,
+                        "offer encoded and written"
+                    );
+                }
                 if let Err(e) = sent {
                     failure = Some(e);
                     break;
@@ -258,7 +268,8 @@ impl ReadLoop {
                     let chunk = ferry_transports::wire::PutChunk::from(chunk);
                     self.on_put(&mut reader, &chunk, &mut state).await
                 }
-                _ => match frame.to_owned_message() {
+                // Checked by `message` above: deserialized without checking it again.
+                _ => match ferry_transports::wire::owned_message(msg) {
                     Ok(owned) => self.forward(owned).await,
                     Err(e) => Err(format!("undecodable frame: {e}")),
                 },

@@ -345,6 +345,12 @@ struct TransferLabels {
 struct InboundSpans {
     span: tracing::Span,
     phase: tracing::Span,
+    /// When the offer was taken (its `Reserve`), for the [`crate::TRACE_BLOCKS`] timings.
+    offered: Instant,
+    /// When its pull started, once it did.
+    pulling: Option<Instant>,
+    /// The offer's blocks (0: not a block list).
+    blocks: usize,
 }
 
 /// The transfer actor of one peer.

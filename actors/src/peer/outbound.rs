@@ -274,6 +274,7 @@ impl TransferActor {
             peer_class,
         };
         // What a pull reads: the UCX registration, or the ipc export.
+        let building = Instant::now();
         let (ipc, ucx) = match (direction, exported) {
             (WireDirection::Pull, Some(exported)) => (None, Some(exported.source())),
             (WireDirection::Pull, None) => (
@@ -285,6 +286,7 @@ impl TransferActor {
             ),
             (WireDirection::Push, _) => (None, None),
         };
+        let exported_at = building.elapsed();
         let queued = self.session.handle_send(
             now,
             SendRequest {
@@ -299,6 +301,16 @@ impl TransferActor {
                 deadline: msg.deadline,
                 fetch,
             },
+        );
+        tracing::trace!(
+            target: crate::TRACE_BLOCKS,
+            op = queued.as_ref().ok().map(|op| op.0),
+            blocks = crate::block_count(&layout),
+            bytes = len,
+            export_us = exported_at.as_micros() as u64,
+            queue_us = (building.elapsed() - exported_at).as_micros() as u64,
+            since_submit_us = now.elapsed().as_micros() as u64,
+            "offer built"
         );
         Ok((queued, StreamWhat::Transfer(layout), labels, len))
     }

@@ -159,6 +159,7 @@ impl TransferActor {
         self.ipc.pulling.insert(id);
         if let Some(spans) = self.inbound_spans.get_mut(&id) {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+            spans.pulling = Some(Instant::now());
         }
         let endpoint = Arc::clone(&self.ucx.endpoint);
         let address = self.ucx.address.clone();

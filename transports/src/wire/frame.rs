@@ -352,10 +352,19 @@ impl Frame {
     ///
     /// Fails like [`Frame::message`].
     pub fn to_owned_message(&self) -> Result<Message, FrameError> {
-        let archived = self.message()?;
-        rkyv::deserialize::<Message, rancor::Error>(archived)
-            .map_err(|e| FrameError::Invalid(e.to_string()))
+        owned_message(self.message()?)
     }
+}
+
+/// A message of a frame, as [`Frame::message`] gave it, deserialized into an owned
+/// [`Message`]: [`Frame::to_owned_message`] without checking the archive once more (an
+/// offer's block list is walked once fewer).
+///
+/// # Errors
+/// [`FrameError::Invalid`] when rkyv cannot deserialize it.
+pub fn owned_message(archived: &ArchivedMessage) -> Result<Message, FrameError> {
+    rkyv::deserialize::<Message, rancor::Error>(archived)
+        .map_err(|e| FrameError::Invalid(e.to_string()))
 }
 
 fn check_crc(
