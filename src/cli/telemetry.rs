@@ -18,6 +18,11 @@
 //! span that closes is logged with its busy and idle time, so
 //! `RUST_LOG=ferry_actors::transfer=debug` shows where each transfer spent its time; at
 //! the default levels (`info`, `warn`) the spans are disabled and cost nearly nothing.
+//!
+//! The steps of a layout's path (block lists above all: the sender's offer, the
+//! receiver's reservation, import, gather, wait and delivery) are timed by `trace` events
+//! under the target `ferry::blocks` (`ferry_actors::TRACE_BLOCKS`), elapsed times in
+//! microseconds: `RUST_LOG=warn,ferry::blocks=trace`.
 
 use std::io::IsTerminal;
 

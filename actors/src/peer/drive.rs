@@ -138,8 +138,14 @@ impl TransferActor {
                     tracing::debug_span!("inbound", id = id.0, peer = %self.peer, bytes = len);
                 let phase = tracing::debug_span!(parent: &span, "reserve");
                 let blocks = crate::block_count(&layout);
-                tracing::trace!(target: crate::TRACE_BLOCKS, id = id.0, blocks, bytes = len,
-                    pull = pull.is_some(), "offer taken: reserving");
+                tracing::trace!(
+                    target: crate::TRACE_BLOCKS,
+                    id = id.0,
+                    blocks,
+                    bytes = len,
+                    pull = pull.is_some(),
+                    "offer taken: reserving"
+                );
                 self.inbound_spans.insert(
                     id,
                     InboundSpans {
