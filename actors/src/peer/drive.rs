@@ -398,6 +398,7 @@ mod tests {
 
     fn offer(blocks: u64) -> Message {
         Message::Offer(Offer {
+            fetch: None,
             transfer: 5,
             tag: 1,
             len: blocks * 16,
