@@ -3,14 +3,28 @@
 //! key that is not published; then the far node unpublishes it and sends it back whole.
 
 use ferry::echo::{TAG_PUBLISH, TAG_UNPUBLISH};
-use ferry::{Error, Fetch, Layout, MemoryKind, RefusalReason};
+use ferry::{Buffer, Error, Fetch, Layout, MemoryKind, Node, RefusalReason};
+
+use std::time::Duration;
 
 use super::{Baseline, crc, filled, pattern};
+use crate::common::eventually;
 use crate::combos::Combo;
-use crate::pair::{Pair, Role, Tweaks};
+use crate::pair::{Pair, Role, Tweaks, budget_key};
 
 /// Callers of one key at once.
 const CALLERS: usize = 16;
+
+/// Holds what is left of `kind`'s budget at `node` until dropped: a flight's landing waits
+/// for memory meanwhile, so every caller takes its seat before the flight can land, however
+/// slowly this thread runs.
+async fn hold_the_rest(node: &Node, kind: MemoryKind) -> Buffer {
+    let budget = node.memory(kind).await.expect("stats").budget;
+    let rest = budget.capacity - budget.granted;
+    node.alloc(kind, rest as usize)
+        .await
+        .unwrap_or_else(|e| panic!("hold the {rest} bytes left of {kind}: {e}"))
+}
 
 /// The far node publishes a buffer; 16 concurrent fetches of it get its bytes, byte-exact,
 /// in the destination memory, over the transport (or tcp where the echo takes tcp), and
@@ -18,7 +32,12 @@ const CALLERS: usize = 16;
 /// it gets the blocks packed; a fetch of a key not published is refused naming it; after
 /// unpublish, the buffer comes back unchanged and the key is gone.
 pub async fn fetches_cross_once(combo: Combo, first: bool) {
-    let pair = Pair::start(&combo, Role::Echo, &Tweaks::default()).await;
+    // A budget small enough to hold all of (room for the landing and 15 copies).
+    let tweaks = Tweaks {
+        memory: vec![format!("{} = \"128 MiB\"", budget_key(combo.dst))],
+        ..Tweaks::default()
+    };
+    let pair = Pair::start(&combo, Role::Echo, &tweaks).await;
     pair.warm_up().await;
     let baseline = Baseline::take(&pair.node, &combo).await;
     let node = &pair.node;
@@ -44,8 +63,10 @@ pub async fn fetches_cross_once(combo: Combo, first: bool) {
 
     let served = pair.far_fetches_served(&key);
     let before = node.fetch_stats();
+    let hold = hold_the_rest(node, combo.dst_kind()).await;
     let fetches = (0..CALLERS).map(|_| node.fetch(&pair.peer, &key, Fetch::default()));
-    let got = futures::future::join_all(fetches).await;
+    // Every caller is seated at the first poll, then the memory is let go.
+    let (got, ()) = futures::join!(futures::future::join_all(fetches), async { drop(hold) });
     let over = if combo.echo_returns_over_it() {
         combo.name()
     } else {
@@ -85,10 +106,16 @@ pub async fn fetches_cross_once(combo: Combo, first: bool) {
         ((CALLERS - 1) * len) as u64,
         "{combo}: bytes saved"
     );
+    // The exporter counts a fetch served when the fetcher's `Done` reached it, a moment
+    // after the fetcher delivered.
+    eventually(Duration::from_secs(2), async || {
+        pair.far_fetches_served(&key) > served
+    })
+    .await;
     assert_eq!(
         pair.far_fetches_served(&key) - served,
         1,
-        "{combo}: the far node served the key more than once"
+        "{combo}: fetches the far node served with the bytes"
     );
 
     // A block list of it: the blocks arrive packed.
@@ -114,9 +141,11 @@ pub async fn fetches_cross_once(combo: Combo, first: bool) {
         shared: true,
         ..Fetch::default()
     };
-    let (a, b) = futures::join!(
+    let hold = hold_the_rest(node, combo.dst_kind()).await;
+    let (a, b, ()) = futures::join!(
         node.fetch(&pair.peer, &key, shared.clone()),
-        node.fetch(&pair.peer, &key, shared)
+        node.fetch(&pair.peer, &key, shared),
+        async { drop(hold) }
     );
     let (mut a, b) = (a.expect("shared fetch"), b.expect("shared fetch"));
     assert!(b.joined, "{combo}: the second shared fetch joined");
