@@ -8,7 +8,7 @@
 //! (into the memory it asked for), so the bytes cross the link once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -49,6 +49,12 @@ pub struct Fetched {
     /// True when this fetch joined another's flight (its bytes did not cross the link
     /// again).
     pub joined: bool,
+    /// The peer it came from.
+    pub peer: String,
+    /// The key it was published under.
+    pub key: String,
+    /// Which bytes of the published buffer, packed: the fetch's layout.
+    pub layout: Layout,
 }
 
 /// A fetch's counters on the fetching node.
@@ -73,7 +79,50 @@ pub struct Landed {
     pub transport: &'static str,
 }
 
-type Outcome = Option<Result<Arc<Landed>, Error>>;
+/// A landed flight, as its callers share it: each takes its part once ([`Share::part`]).
+#[derive(Debug)]
+pub struct Share {
+    landed: Landed,
+    /// Callers that have not taken their part yet.
+    remaining: AtomicUsize,
+    /// A caller kept a shared handle: nobody gets the buffer to themselves any more.
+    kept: AtomicBool,
+}
+
+impl Share {
+    /// The transport the bytes came over.
+    pub fn transport(&self) -> &'static str {
+        self.landed.transport
+    }
+
+    /// This caller's part: a handle on the landed buffer, and what to make of it. The last
+    /// caller to take its part keeps the landed buffer itself (once the others' copies are
+    /// made) unless a shared handle was kept; so N callers need the landing and N - 1
+    /// copies, and a lone caller no copy at all.
+    pub fn part(&self, fetch: &Fetch) -> (Buffer, Take) {
+        let handle = self.landed.buffer.read_only_handle();
+        let landed = handle.kind();
+        let want = fetch.into.unwrap_or(landed);
+        let keeps = fetch.shared && want == landed;
+        if keeps {
+            // Before the count, so that the last caller sees it.
+            self.kept.store(true, Ordering::SeqCst);
+        }
+        let last = self.remaining.fetch_sub(1, Ordering::SeqCst) == 1;
+        let take = if want != landed {
+            Take::Copy(want)
+        } else if keeps {
+            Take::Handle
+        } else if last && !self.kept.load(Ordering::SeqCst) {
+            Take::Sole
+        } else {
+            Take::Copy(want)
+        };
+        (handle, take)
+    }
+}
+
+type Outcome = Option<Result<Arc<Share>, Error>>;
 
 /// Which flight: (peer, key, layout).
 type FlightKey = (String, String, Layout);
@@ -95,7 +144,7 @@ impl Seat {
     ///
     /// # Errors
     /// The flight's error, or [`Error::DeadlineExceeded`].
-    pub async fn landed(mut self, deadline: Instant) -> Result<Arc<Landed>, Error> {
+    pub async fn landed(mut self, deadline: Instant) -> Result<Arc<Share>, Error> {
         let waited = tokio::time::timeout_at(deadline.into(), self.rx.wait_for(Option::is_some))
             .await
             .map_err(|_| Error::DeadlineExceeded)?;
@@ -172,8 +221,15 @@ impl Flights {
             self.bytes_saved.fetch_add(saved, Ordering::Relaxed);
             metrics::counter!("ferry_fetch_bytes_saved_total").increment(saved);
         }
+        let share = outcome.map(|landed| {
+            Arc::new(Share {
+                landed,
+                remaining: AtomicUsize::new(flight.callers),
+                kept: AtomicBool::new(false),
+            })
+        });
         // The sender goes with the flight: the value stays until the last caller took it.
-        flight.done.send_replace(Some(outcome.map(Arc::new)));
+        flight.done.send_replace(Some(share));
     }
 
     /// The node's fetch counters.
@@ -187,25 +243,16 @@ impl Flights {
     }
 }
 
-/// What a caller does with a landed buffer: keep a handle on it, or copy it into `kind`.
+/// What a caller makes of its handle on a landed buffer.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Take {
-    /// The handle is the caller's: shared on request, or the last one (nobody else reads).
+    /// Keeps it, shared: read-only while other callers hold theirs.
     Handle,
-    /// A copy into this memory.
+    /// Keeps it as its own once no other caller holds a handle (their copies are made):
+    /// the last caller.
+    Sole,
+    /// A copy of its own in this memory.
     Copy(MemoryKind),
-}
-
-/// Decides what a caller with `fetch` does with `handle`, a handle on the landed buffer.
-pub fn take(fetch: &Fetch, handle: &Buffer) -> Take {
-    let want = fetch.into.unwrap_or(handle.kind());
-    if want != handle.kind() {
-        Take::Copy(want)
-    } else if fetch.shared || handle.is_exclusive() {
-        Take::Handle
-    } else {
-        Take::Copy(want)
-    }
 }
 
 #[cfg(test)]
@@ -239,7 +286,7 @@ mod tests {
         );
         for seat in seats {
             let landed = seat.landed(far()).await.expect("landed");
-            assert_eq!(landed.buffer.len(), 100);
+            assert_eq!(landed.landed.buffer.len(), 100);
         }
         let stats = flights.stats();
         assert_eq!((stats.fetches, stats.flights, stats.joined), (17, 2, 15));
@@ -297,23 +344,56 @@ mod tests {
         );
     }
 
+    /// A share of `callers` over a landed buffer of 8 bytes.
+    fn share(callers: usize) -> Share {
+        Share {
+            landed: Landed {
+                buffer: buffer(8),
+                transport: "tcp",
+            },
+            remaining: AtomicUsize::new(callers),
+            kept: AtomicBool::new(false),
+        }
+    }
+
     #[test]
-    fn the_last_holder_keeps_the_handle_others_copy() {
-        let landed = buffer(8);
-        let mine = landed.read_only_handle();
+    fn the_last_caller_keeps_the_landing_the_others_copy() {
         let whole = Fetch::default();
-        assert_eq!(take(&whole, &mine), Take::Copy(MemoryKind::Host));
+        let s = share(3);
+        let takes: Vec<Take> = (0..3).map(|_| s.part(&whole).1).collect();
+        let copy = Take::Copy(MemoryKind::Host);
+        assert_eq!(takes, [copy, Take::Copy(MemoryKind::Host), Take::Sole]);
+        assert_eq!(
+            share(1).part(&whole).1,
+            Take::Sole,
+            "a lone caller copies nothing"
+        );
+    }
+
+    #[test]
+    fn a_kept_shared_handle_leaves_nobody_the_landing() {
         let shared = Fetch {
             shared: true,
             ..Fetch::default()
         };
-        assert_eq!(take(&shared, &mine), Take::Handle);
-        drop(landed);
-        assert_eq!(take(&whole, &mine), Take::Handle, "the last holder");
         let elsewhere = Fetch {
             into: Some(MemoryKind::PinnedHost),
             ..Fetch::default()
         };
-        assert_eq!(take(&elsewhere, &mine), Take::Copy(MemoryKind::PinnedHost));
+        let s = share(3);
+        assert_eq!(s.part(&shared).1, Take::Handle);
+        assert_eq!(s.part(&elsewhere).1, Take::Copy(MemoryKind::PinnedHost));
+        assert_eq!(
+            s.part(&Fetch::default()).1,
+            Take::Copy(MemoryKind::Host),
+            "the last caller copies: a shared handle is out"
+        );
+        let s = share(2);
+        assert_eq!(s.part(&Fetch::default()).1, Take::Copy(MemoryKind::Host));
+        assert_eq!(
+            s.part(&elsewhere).1,
+            Take::Copy(MemoryKind::PinnedHost),
+            "another memory is always a copy"
+        );
     }
 }

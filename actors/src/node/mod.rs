@@ -613,6 +613,11 @@ impl Node {
     /// [`Error::Usage`] for a key not published; [`Error::DeadlineExceeded`] when a peer
     /// still reads it after the default deadline plus `memory.export_lease_timeout` (the
     /// buffer is then freed once the last reader let go).
+    ///
+    /// # Cancel safety
+    /// The key is gone at the first poll. Dropping the future then does not publish it
+    /// again: the buffer is freed once the last reader let go (a caller that needs it back
+    /// keeps awaiting).
     pub async fn unpublish(&self, key: &str) -> Result<Buffer, Error> {
         let wait = self.config.limits.default_deadline + self.config.memory.export_lease_timeout;
         self.published.unpublish(key, wait).await
@@ -667,18 +672,22 @@ impl Node {
             self.flights.land(peer, key, &fetch.layout, Err(e.clone()));
             return Err(e);
         }
-        let landed = seat.landed(deadline).await?;
-        let handle = landed.buffer.read_only_handle();
-        let transport = landed.transport;
-        drop(landed);
-        let buffer = match crate::fetch::take(&fetch, &handle) {
+        let share = seat.landed(deadline).await?;
+        let (handle, take) = share.part(&fetch);
+        let transport = share.transport();
+        drop(share);
+        let buffer = match take {
             crate::fetch::Take::Handle => handle,
+            crate::fetch::Take::Sole => sole(handle, deadline).await?,
             crate::fetch::Take::Copy(kind) => self.copy_of(handle, kind, deadline).await?,
         };
         Ok(crate::fetch::Fetched {
             buffer,
             transport,
             joined,
+            peer: peer.to_string(),
+            key: key.to_string(),
+            layout: fetch.layout,
         })
     }
 
@@ -834,6 +843,18 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `handle` once it is the only one (the other callers of its flight made their copies and
+/// let go), until `deadline`.
+async fn sole(handle: Buffer, deadline: Instant) -> Result<Buffer, Error> {
+    while !handle.is_exclusive() {
+        if Instant::now() >= deadline {
+            return Err(Error::DeadlineExceeded);
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    Ok(handle)
 }
 
 /// Waits for a permit of `permits` until `deadline`.

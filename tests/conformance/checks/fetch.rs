@@ -8,8 +8,8 @@ use ferry::{Buffer, Error, Fetch, Layout, MemoryKind, Node, RefusalReason};
 use std::time::Duration;
 
 use super::{Baseline, crc, filled, pattern};
-use crate::common::eventually;
 use crate::combos::Combo;
+use crate::common::eventually;
 use crate::pair::{Pair, Role, Tweaks, budget_key};
 
 /// Callers of one key at once.
