@@ -16,9 +16,10 @@ Catch a subclass to handle one kind; the message names the cause.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 __all__ = [
+    "REFUSAL_REASONS",
     "FerryError",
     "ConfigError",
     "StartError",
@@ -79,10 +80,12 @@ class PeerLost(FerryError, ConnectionError):
 class Refused(FerryError):
     """The peer refused the operation; ``reason`` says why, as the peer said it:
     ``"too_large"``, ``"deadline"``, ``"unsupported"``, ``"shutting_down"``,
-    ``"cancelled"``, ``"protocol"`` or ``"stalled"``."""
+    ``"cancelled"``, ``"protocol"`` or ``"stalled"``; for a fetch, ``"unknown_key"``
+    (nothing is published under the key) or ``"not_allowed"`` (the key is published for
+    other peers only). ``"other"`` for a reason newer than this package."""
 
     kind = "refused"
-    #: The peer's reason, a stable label.
+    #: The peer's reason, a stable label (see :data:`REFUSAL_REASONS`).
     reason: Optional[str] = None
     #: The peer's own words.
     detail: Optional[str] = None
@@ -174,3 +177,18 @@ _BY_KIND: Dict[str, Type[FerryError]] = {
         TransportError,
     )
 }
+
+
+#: Every ``Refused.reason`` label (besides ``"other"``, for a reason newer than this
+#: package).
+REFUSAL_REASONS: Tuple[str, ...] = (
+    "cancelled",
+    "deadline",
+    "too_large",
+    "unsupported",
+    "shutting_down",
+    "protocol",
+    "stalled",
+    "unknown_key",
+    "not_allowed",
+)

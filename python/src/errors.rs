@@ -24,6 +24,19 @@ fn classes(py: Python<'_>) -> PyResult<&Bound<'_, PyDict>> {
         .map(|d| d.bind(py))
 }
 
+/// Every refusal reason the binding names (the others read `"other"`).
+const REFUSAL_REASONS: [RefusalReason; 9] = [
+    RefusalReason::Cancelled,
+    RefusalReason::DeadlineExceeded,
+    RefusalReason::TooLarge,
+    RefusalReason::Unsupported,
+    RefusalReason::ShuttingDown,
+    RefusalReason::Protocol,
+    RefusalReason::Stalled,
+    RefusalReason::UnknownKey,
+    RefusalReason::NotAllowed,
+];
+
 /// The stable label of a refusal reason (`Refused.reason`).
 fn refusal_label(reason: RefusalReason) -> &'static str {
     match reason {
@@ -34,6 +47,8 @@ fn refusal_label(reason: RefusalReason) -> &'static str {
         RefusalReason::ShuttingDown => "shutting_down",
         RefusalReason::Protocol => "protocol",
         RefusalReason::Stalled => "stalled",
+        RefusalReason::UnknownKey => "unknown_key",
+        RefusalReason::NotAllowed => "not_allowed",
         _ => "other",
     }
 }
@@ -107,6 +122,12 @@ pub(crate) fn usage(detail: impl Into<String>) -> PyErr {
 /// The node was closed, as `ferry.ShuttingDown`.
 pub(crate) fn closed() -> PyErr {
     to_py(&Error::ShuttingDown)
+}
+
+/// `_ferry._refusal_reasons()`: the label of every refusal reason this build names.
+#[pyfunction]
+pub(crate) fn _refusal_reasons() -> Vec<&'static str> {
+    REFUSAL_REASONS.iter().map(|r| refusal_label(*r)).collect()
 }
 
 /// `_ferry._error_kinds()`: the label of every error kind this build can raise.

@@ -24,13 +24,14 @@ mod source;
 
 use pyo3::prelude::*;
 
-/// The extension module: `Node`, `Buffer`, and the list of error kinds for the package's
-/// own check.
+/// The extension module: `Node`, `Buffer`, and the lists of error kinds and refusal
+/// reasons for the package's own check.
 #[pymodule]
 fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::Node>()?;
     m.add_class::<buffer::Buffer>()?;
     m.add_function(wrap_pyfunction!(errors::_error_kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::_refusal_reasons, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

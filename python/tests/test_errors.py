@@ -23,6 +23,12 @@ def test_every_rust_error_kind_has_its_class():
     assert issubclass(ferry.UsageError, ValueError)
 
 
+def test_every_refusal_reason_is_listed():
+    reasons = _ferry._refusal_reasons()
+    assert set(reasons) == set(errors.REFUSAL_REASONS) and len(reasons) == len(set(reasons))
+    assert {"unknown_key", "not_allowed"} <= set(reasons)
+
+
 def test_config_errors_name_the_cause(configs, tmp_path):
     with pytest.raises(ferry.ConfigError, match="limits") as info:
         ferry.Node(configs.toml("a", extra="[limits]\nno_such_key = 1"))
