@@ -1,5 +1,5 @@
-//! What `send` makes of a Python object: a ferry buffer sent as it is, host bytes copied
-//! once into a ferry buffer, or a GPU tensor registered in place.
+//! What `send` makes of a Python object: a ferry buffer sent as it is, host
+//! bytes copied once into a ferry buffer, or a GPU tensor registered in place.
 //!
 //! The decision and every Python call happen with the GIL held ([`plan`]); the bytes move
 //! without it ([`run_send`]). What keeps the object's memory valid meanwhile (its exported
@@ -224,6 +224,60 @@ fn cuda_array_interface(
     Ok((plan, Keep::Object(obj.clone().unbind())))
 }
 
+/// Host memory at `ptr..ptr+len` copied into a host buffer of ferry's pool (waiting for
+/// budget as `alloc` does).
+///
+/// The memory must stay valid until this ends (its plan's [`Keep`]).
+async fn copy_host(node: &ferry::Node, ptr: usize, len: usize) -> Result<ferry::Buffer, Error> {
+    let mut buffer = node.alloc(MemoryKind::Host, len).await?;
+    let Some(target) = buffer.as_mut_slice() else {
+        return Err(Error::Usage("a fresh buffer is shared".into()));
+    };
+    if len > 0 {
+        // SAFETY: `ptr..ptr+len` is the memory of an exported buffer, a consumed DLPack
+        // tensor or an array whose object is held (the plan's `Keep`, which the caller
+        // drops only after this future ended): valid and not freed while we read it. A
+        // concurrent writer in Python could change bytes under the copy, as with any copy
+        // of a shared array; it cannot free them.
+        let source = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        target.copy_from_slice(source);
+    }
+    Ok(buffer)
+}
+
+/// GPU memory at `ptr..ptr+len` on `device` registered in place
+/// ([`ferry::Node::register_external`]) once the producer's pending work on `stream`
+/// completed.
+///
+/// The memory must stay allocated until [`ferry::Node::unregister_external`] answered `Ok`
+/// for the buffer this returns: the caller holds the plan's [`Keep`] until then, and never
+/// lets it go when that answer does not come.
+fn register(
+    node: &ferry::Node,
+    ptr: u64,
+    len: usize,
+    device: u32,
+    stream: Option<usize>,
+) -> Result<ferry::Buffer, Error> {
+    crate::gpu::settle(device, stream)
+        .map_err(|e| Error::unsupported(format!("waiting for the tensor's producer: {e}")))?;
+    // SAFETY: the caller keeps the tensor (its DLPack export or its object, the plan's
+    // `Keep`) until `unregister_external` answered that no copy and no peer uses the
+    // memory, and forgets it (never frees it) when that answer does not come.
+    let memory = unsafe { ExternalMemory::new(ptr, len, device) };
+    node.register_external(memory)
+}
+
+/// Waits for the writes another library may have queued to a `ferry.Buffer`'s device
+/// memory (through DLPack) on `device`'s legacy default stream.
+fn settle_ferry(device: Option<u32>) -> Result<(), Error> {
+    match device {
+        Some(device) => crate::gpu::settle(device, None)
+            .map_err(|e| Error::unsupported(format!("waiting for writes to the buffer: {e}"))),
+        None => Ok(()),
+    }
+}
+
 /// Sends what `plan` describes to `peer` under `tag` (with `layout`, until `deadline`):
 /// the ferry buffer as it is, host bytes after one copy into a ferry host buffer, GPU
 /// memory registered for the time of the send.
@@ -256,13 +310,9 @@ pub(crate) async fn run_send(
             buffer,
             settle,
         } => {
-            if let Some(device) = settle
-                && let Err(e) = crate::gpu::settle(device, None)
-            {
+            if let Err(e) = settle_ferry(settle) {
                 state.lock().buffer = Some(buffer);
-                return done(Err(Error::unsupported(format!(
-                    "waiting for writes to the buffer: {e}"
-                ))));
+                return done(Err(e));
             }
             match send(buffer).await {
                 Ok(buffer) => {
@@ -278,22 +328,10 @@ pub(crate) async fn run_send(
             }
         }
         Plan::Host { ptr, len } => {
-            let mut buffer = match node.alloc(MemoryKind::Host, len).await {
+            let buffer = match copy_host(&node, ptr, len).await {
                 Ok(buffer) => buffer,
                 Err(e) => return done(Err(e)),
             };
-            let Some(target) = buffer.as_mut_slice() else {
-                return done(Err(Error::Usage("a fresh buffer is shared".into())));
-            };
-            if len > 0 {
-                // SAFETY: `ptr..ptr+len` is the memory of an exported buffer, a consumed
-                // DLPack tensor or an array whose object is held (the plan's `Keep`, which
-                // the caller drops only after this future ended): valid and not freed
-                // while we read it. A concurrent writer in Python could change bytes under
-                // the copy, as with any copy of a shared array; it cannot free them.
-                let source = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-                target.copy_from_slice(source);
-            }
             done(send(buffer).await.map(drop).map_err(|e| e.error))
         }
         Plan::Device {
@@ -302,17 +340,10 @@ pub(crate) async fn run_send(
             device,
             stream,
         } => {
-            if let Err(e) = crate::gpu::settle(device, stream) {
-                return done(Err(Error::unsupported(format!(
-                    "waiting for the tensor's producer: {e}"
-                ))));
-            }
-            // SAFETY: the plan's `Keep` holds the tensor (its DLPack export or its object)
-            // until this future ended, and it ends only after `unregister_external`
-            // answered that no copy and no peer uses the memory; when it does not answer
-            // in time, `keep_forever` tells the caller never to let the tensor go.
-            let memory = unsafe { ExternalMemory::new(ptr, len, device) };
-            let registered = match node.register_external(memory) {
+            // The plan's `Keep` holds the tensor until this future ended, and it ends only
+            // after `unregister_external` answered; when it does not answer in time,
+            // `keep_forever` tells the caller never to let the tensor go.
+            let registered = match register(&node, ptr, len, device, stream) {
                 Ok(buffer) => buffer,
                 Err(e) => return done(Err(e)),
             };
