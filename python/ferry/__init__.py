@@ -17,6 +17,10 @@ CUDA tensor with ``__dlpack__`` / ``__cuda_array_interface__`` (registered in pl
 copy). What :meth:`Node.recv` returns is a :class:`Buffer`: ``numpy.asarray``,
 ``memoryview``, ``numpy.from_dlpack`` and ``torch.from_dlpack`` view it without a copy.
 
+A node also publishes buffers under keys (:meth:`Node.publish`, :meth:`Node.unpublish`)
+for its peers to fetch (:meth:`Node.fetch`: the whole buffer or blocks of it); concurrent
+fetches of one key on one node share one transfer.
+
 Every error is a :class:`FerryError`; see :mod:`ferry.errors`.
 """
 

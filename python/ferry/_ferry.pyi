@@ -53,6 +53,23 @@ class MemoryStats(TypedDict):
     exported: int
     quarantined: int
 
+class PublicationStats(TypedDict):
+    """What a published key has served (``Node.publication``)."""
+
+    len: int
+    served: int
+    bytes_served: int
+    refused: int
+    reading: int
+
+class FetchStats(TypedDict):
+    """A node's fetch counters (``Node.fetch_stats``)."""
+
+    fetches: int
+    flights: int
+    joined: int
+    bytes_saved: int
+
 class Buffer:
     """A ferry buffer: memory from ferry's pools, on the host or a GPU.
 
@@ -72,10 +89,17 @@ class Buffer:
         """The GPU's CUDA ordinal, or ``None`` for host memory."""
     @property
     def peer(self) -> Optional[str]:
-        """The sender (``None`` for a buffer from ``alloc``)."""
+        """The sender, or the exporter of a fetched buffer (``None`` for a buffer from
+        ``alloc``)."""
     @property
     def tag(self) -> Optional[int]:
-        """The tag it was sent under (``None`` for a buffer from ``alloc``)."""
+        """The tag it was sent under (``None`` for a buffer from ``alloc`` or ``fetch``)."""
+    @property
+    def key(self) -> Optional[str]:
+        """The key it was fetched by (``None`` unless it came from ``fetch``)."""
+    @property
+    def joined(self) -> bool:
+        """For a fetched buffer: it shared another fetch's transfer (single flight)."""
     @property
     def transport(self) -> Optional[str]:
         """The transport that carried it (``"tcp"``, ``"ipc"``, ``"staged"``, ``"ucx"``)."""
@@ -84,10 +108,11 @@ class Buffer:
         """True when it landed in another memory tier than the node receives into."""
     @property
     def layout(self) -> Optional[Layout]:
-        """The sender's layout, for a buffer sent with ``send_layout``."""
+        """The sender's layout, for a buffer sent with ``send_layout`` or fetched with a
+        layout."""
     @property
     def released(self) -> bool:
-        """True once released (or while being sent)."""
+        """True once released (or while being sent, or published)."""
     def release(self) -> None:
         """Gives the memory back now; ``UsageError`` while views of it are alive."""
     def tobytes(self) -> bytes:
@@ -114,7 +139,8 @@ class Buffer:
         """``(1, 0)`` for host memory, ``(2, N)`` for GPU N."""
 
 class Node:
-    """A ferry node: sends and receives buffers by peer name and tag.
+    """A ferry node: sends and receives buffers by peer name and tag, publishes buffers
+    under keys and fetches what peers publish.
 
     ``Node(config)`` with TOML text or a dict, or ``Node(config_file=path)``; use it as a
     context manager or call ``close()``.
@@ -168,6 +194,57 @@ class Node:
         self, peer: Optional[str] = None, tag: Optional[int] = None, *, timeout: Optional[float] = None
     ) -> Awaitable[Buffer]:
         """Coroutine twin of ``recv``."""
+    def publish(self, key: str, obj: Sendable, peers: Optional[List[str]] = None) -> None:
+        """Publishes ``obj`` under ``key`` for peers to fetch (``peers`` only, when given),
+        until ``unpublish``; a ``ferry.Buffer`` is published as it is (released meanwhile),
+        other host objects are copied once, CUDA tensors registered in place."""
+    def unpublish(self, key: str, *, timeout: Optional[float] = None) -> Optional[Buffer]:
+        """Ends the publication once no peer reads it: the published ``Buffer`` object
+        back, a new ``Buffer`` with the copy of a bytes-like object, ``None`` for a CUDA
+        tensor registered in place."""
+    def aunpublish(
+        self, key: str, *, timeout: Optional[float] = None
+    ) -> Awaitable[Optional[Buffer]]:
+        """Coroutine twin of ``unpublish``."""
+    def publication(self, key: str) -> Optional[PublicationStats]:
+        """What ``key`` has served while published here, or ``None``."""
+    def published_keys(self) -> List[str]:
+        """The keys this node publishes now, sorted."""
+    def fetch(
+        self,
+        peer: str,
+        key: str,
+        *,
+        rows: Optional[int] = None,
+        row_bytes: Optional[int] = None,
+        pitch: Optional[int] = None,
+        depth: Optional[int] = None,
+        plane_rows: Optional[int] = None,
+        blocks: Optional[List[Tuple[int, int]]] = None,
+        into: Optional[MemoryKindName] = None,
+        shared: bool = False,
+        timeout: Optional[float] = None,
+    ) -> Buffer:
+        """What ``peer`` published under ``key`` (or the blocks / rows named, packed);
+        concurrent fetches of one key and layout share one transfer."""
+    def afetch(
+        self,
+        peer: str,
+        key: str,
+        *,
+        rows: Optional[int] = None,
+        row_bytes: Optional[int] = None,
+        pitch: Optional[int] = None,
+        depth: Optional[int] = None,
+        plane_rows: Optional[int] = None,
+        blocks: Optional[List[Tuple[int, int]]] = None,
+        into: Optional[MemoryKindName] = None,
+        shared: bool = False,
+        timeout: Optional[float] = None,
+    ) -> Awaitable[Buffer]:
+        """Coroutine twin of ``fetch``."""
+    def fetch_stats(self) -> FetchStats:
+        """This node's fetch counters."""
     def alloc(self, kind: MemoryKindName, nbytes: int) -> Buffer:
         """``nbytes`` of ``kind`` memory from ferry's pool, to fill in place and send."""
     def explain(
@@ -191,5 +268,6 @@ class Node:
     ) -> bool: ...
 
 def _error_kinds() -> List[str]: ...
+def _refusal_reasons() -> List[str]: ...
 
 __all__ = ["Node", "Buffer"]

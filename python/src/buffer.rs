@@ -1,5 +1,5 @@
-//! `ferry.Buffer`: a ferry buffer held by Python — one `alloc` returned, or one `recv`
-//! delivered with where it came from.
+//! `ferry.Buffer`: a ferry buffer held by Python — one `alloc` returned, or one `recv` or
+//! `fetch` delivered with where it came from.
 //!
 //! Host memory is readable (and, while no transport holds it, writable) in place through
 //! the buffer protocol (`memoryview`, `numpy.asarray`, `numpy.frombuffer`) and through
@@ -8,8 +8,9 @@
 //! every view of it are gone: a buffer-protocol view holds the object, a DLPack consumer
 //! holds the buffer's state from its capsule's deleter.
 //!
-//! While a view is alive the buffer cannot be sent or released (the view would outlive the
-//! memory, or read it while a peer writes): `send` raises `UsageError` naming the views.
+//! While a view is alive the buffer cannot be sent, published or released (the view would
+//! outlive the memory, or read it while a peer writes): `send` raises `UsageError` naming
+//! the views.
 #![allow(unsafe_code)]
 
 use std::ffi::c_int;
@@ -25,7 +26,8 @@ use crate::convert::{kind_label, layout_dict};
 use crate::errors::usage;
 
 /// What a buffer's Python object and its DLPack consumers share: the buffer (absent while
-/// it is being sent, and once released) and how many views of its memory are alive.
+/// it is being sent or is published, and once released) and how many views of its memory
+/// are alive.
 pub(crate) struct State {
     slot: Mutex<Slot>,
 }
@@ -63,10 +65,16 @@ impl State {
     }
 }
 
-/// Where a received buffer came from.
+/// Where a received or fetched buffer came from.
 pub(crate) struct Arrival {
     pub peer: String,
-    pub tag: u64,
+    /// The tag it was sent under; `None` for a fetched buffer.
+    pub tag: Option<u64>,
+    /// The key it was fetched by; `None` for a received buffer.
+    pub key: Option<String>,
+    /// For a fetched buffer: it joined another fetch's flight (its bytes did not cross the
+    /// link again).
+    pub joined: bool,
     pub transport: &'static str,
     pub layout: Layout,
     pub spilled: bool,
@@ -76,7 +84,9 @@ pub(crate) struct Arrival {
 ///
 /// ``Node.alloc`` returns one to fill in place; ``Node.recv`` returns one with the
 /// sender (``peer``), the ``tag``, the ``transport`` that carried it and whether it
-/// ``spilled`` to another memory tier than the node receives into.
+/// ``spilled`` to another memory tier than the node receives into; ``Node.fetch`` one with
+/// the exporter (``peer``), the ``key``, the ``transport`` and whether it ``joined``
+/// another fetch's transfer.
 ///
 /// Host memory: ``numpy.asarray(buf)`` / ``numpy.frombuffer(buf, dtype)`` and
 /// ``memoryview(buf)`` view it in place (writable while no transfer holds it);
@@ -106,7 +116,7 @@ impl Buffer {
         }
     }
 
-    /// A buffer `recv` returned.
+    /// A buffer `recv` or `fetch` returned.
     pub(crate) fn received(buffer: ferry::Buffer, arrival: Arrival) -> Self {
         Self {
             nbytes: buffer.len(),
@@ -121,7 +131,8 @@ impl Buffer {
     /// (through DLPack) that the send must wait for.
     ///
     /// # Errors
-    /// `UsageError` while views of it are alive, while it is being sent, or once released.
+    /// `UsageError` while views of it are alive, while it is being sent or is published, or
+    /// once released.
     pub(crate) fn take(&self) -> PyResult<(ferry::Buffer, bool)> {
         let mut slot = self.state.lock();
         if slot.views > 0 {
@@ -132,15 +143,20 @@ impl Buffer {
             )));
         }
         let buffer = slot.buffer.take().ok_or_else(|| {
-            usage("the buffer is being sent by another call, or was released".to_string())
+            usage(
+                "the buffer is being sent by another call, is published, or was released"
+                    .to_string(),
+            )
         })?;
         Ok((buffer, std::mem::take(&mut slot.written_elsewhere)))
     }
 
     /// The received buffer back as ferry gave it, for a receive whose caller went away
-    /// before seeing it. `None` for an allocated buffer, or one already viewed or taken.
+    /// before seeing it. `None` for an allocated or fetched buffer, or one already viewed
+    /// or taken.
     pub(crate) fn reclaim(&self) -> Option<ferry::Received> {
         let arrival = self.arrival.as_ref()?;
+        let tag = arrival.tag?;
         let mut slot = self.state.lock();
         if slot.views > 0 {
             return None;
@@ -148,7 +164,7 @@ impl Buffer {
         Some(ferry::Received {
             buffer: slot.buffer.take()?,
             peer: arrival.peer.clone(),
-            tag: arrival.tag,
+            tag,
             transport: arrival.transport,
             layout: arrival.layout.clone(),
         })
@@ -192,37 +208,54 @@ impl Buffer {
         }
     }
 
-    /// The peer that sent it (``None`` for a buffer from ``alloc``).
+    /// The peer that sent it, or that published it for a fetched buffer (``None`` for a
+    /// buffer from ``alloc``).
     #[getter]
     fn peer(&self) -> Option<&str> {
         self.arrival.as_ref().map(|a| a.peer.as_str())
     }
 
-    /// The tag it was sent under (``None`` for a buffer from ``alloc``).
+    /// The tag it was sent under (``None`` for a buffer from ``alloc`` or ``fetch``).
     #[getter]
     fn tag(&self) -> Option<u64> {
-        self.arrival.as_ref().map(|a| a.tag)
+        self.arrival.as_ref().and_then(|a| a.tag)
+    }
+
+    /// The key it was fetched by (``None`` unless it came from ``fetch``).
+    #[getter]
+    fn key(&self) -> Option<&str> {
+        self.arrival.as_ref().and_then(|a| a.key.as_deref())
+    }
+
+    /// For a fetched buffer, True when it joined another fetch of the same key and layout
+    /// already on its way (single flight: its bytes did not cross the link again); False
+    /// otherwise.
+    #[getter]
+    fn joined(&self) -> bool {
+        self.arrival.as_ref().is_some_and(|a| a.joined)
     }
 
     /// The transport that carried it (``"tcp"``, ``"ipc"``, ``"staged"``, ``"ucx"``), or
-    /// ``None`` for a buffer from ``alloc``.
+    /// ``None`` for a buffer from ``alloc``. A fetch that joined another's transfer names
+    /// the transport that transfer came over.
     #[getter]
     fn transport(&self) -> Option<&'static str> {
         self.arrival.as_ref().map(|a| a.transport)
     }
 
     /// True when it landed in another memory tier than the node receives into
-    /// (``memory.receive_into``): spilled to host memory when the GPU had no room, or
-    /// carried by a transport that lands in host memory only (tcp).
+    /// (``memory.receive_into``; for a fetch with ``into``, than the memory asked for):
+    /// spilled to host memory when the GPU had no room, or carried by a transport that
+    /// lands in host memory only (tcp).
     #[getter]
     fn spilled(&self) -> bool {
         self.arrival.as_ref().is_some_and(|a| a.spilled)
     }
 
-    /// For a buffer sent with ``send_layout``, how its rows lay at the sender (a dict:
-    /// ``rows``, ``row_bytes``, ``pitch``, and ``depth``, ``plane_rows`` for planes; or
-    /// ``blocks``, the ``(offset, length)`` pairs); the buffer holds them packed, one row or
-    /// block after the other. ``None`` otherwise.
+    /// For a buffer sent with ``send_layout`` (or fetched with a layout), how its rows lay
+    /// at the sender (a dict: ``rows``, ``row_bytes``, ``pitch``, and ``depth``,
+    /// ``plane_rows`` for planes; or ``blocks``, the ``(offset, length)`` pairs); the buffer
+    /// holds them packed, one row or block after the other. ``None`` otherwise.
     #[getter]
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         match &self.arrival {
@@ -231,7 +264,8 @@ impl Buffer {
         }
     }
 
-    /// True once the memory went back to ferry (``release()``), or while it is being sent.
+    /// True once the memory went back to ferry (``release()``), or while it is being sent
+    /// or is published (``Node.publish``; ``Node.unpublish`` gives it back).
     #[getter]
     fn released(&self) -> bool {
         self.state.lock().buffer.is_none()
@@ -277,10 +311,9 @@ impl Buffer {
         let mut out = vec![0u8; self.nbytes];
         {
             let slot = self.state.lock();
-            let buffer = slot
-                .buffer
-                .as_ref()
-                .ok_or_else(|| usage("the buffer is being sent, or was released"))?;
+            let buffer = slot.buffer.as_ref().ok_or_else(|| {
+                usage("the buffer is being sent or is published, or was released")
+            })?;
             buffer
                 .read(0, &mut out)
                 .map_err(|e| usage(format!("cannot read the buffer: {e}")))?;
@@ -308,7 +341,7 @@ impl Buffer {
         let mut slot = this.state.lock();
         let Some(buffer) = slot.buffer.as_mut() else {
             return Err(PyBufferError::new_err(
-                "the buffer is being sent, or was released",
+                "the buffer is being sent or is published, or was released",
             ));
         };
         let len = buffer.len();
@@ -392,15 +425,22 @@ impl Buffer {
             ""
         };
         match &self.arrival {
-            Some(a) => format!(
-                "<ferry.Buffer {} bytes of {} from {:?} tag {} via {}{}{state}>",
-                self.nbytes,
-                kind_label(self.kind),
-                a.peer,
-                a.tag,
-                a.transport,
-                if a.spilled { ", spilled" } else { "" }
-            ),
+            Some(a) => {
+                let label = match (&a.key, a.tag) {
+                    (Some(key), _) => format!("key {key:?}"),
+                    (None, Some(tag)) => format!("tag {tag}"),
+                    (None, None) => String::new(),
+                };
+                format!(
+                    "<ferry.Buffer {} bytes of {} from {:?} {label} via {}{}{}{state}>",
+                    self.nbytes,
+                    kind_label(self.kind),
+                    a.peer,
+                    a.transport,
+                    if a.joined { ", joined" } else { "" },
+                    if a.spilled { ", spilled" } else { "" }
+                )
+            }
             None => format!(
                 "<ferry.Buffer {} bytes of {}{state}>",
                 self.nbytes,

@@ -1,5 +1,5 @@
 //! Conversions between Python values and ferry's types: memory kinds, configurations given
-//! as dicts, layouts, route explanations and memory counters.
+//! as dicts, layouts, route explanations, memory counters and publish/fetch counters.
 
 use ferry::{Explanation, Layout, MemoryClass, MemoryKind};
 use pyo3::prelude::*;
@@ -129,8 +129,8 @@ fn value_of(value: &Bound<'_, PyAny>) -> PyResult<toml::Value> {
     )))
 }
 
-/// The keyword arguments of `send_layout`: rows at a pitch (planes of them with `depth`), or
-/// a list of blocks.
+/// The layout keyword arguments of `send_layout` and `fetch`: rows at a pitch (planes of
+/// them with `depth`), or a list of blocks.
 pub(crate) struct LayoutArgs {
     pub rows: Option<u64>,
     pub row_bytes: Option<u64>,
@@ -140,9 +140,26 @@ pub(crate) struct LayoutArgs {
     pub blocks: Option<Vec<(u64, u64)>>,
 }
 
-/// A layout from the keyword arguments of `send_layout`: `blocks`, or `rows`, `row_bytes`
-/// and `pitch` (with `depth` and `plane_rows` for planes), not both.
-pub(crate) fn layout_of(args: LayoutArgs) -> PyResult<Layout> {
+impl LayoutArgs {
+    /// True when no layout keyword was given.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_none()
+            && [
+                self.rows,
+                self.row_bytes,
+                self.pitch,
+                self.depth,
+                self.plane_rows,
+            ]
+            .iter()
+            .all(Option::is_none)
+    }
+}
+
+/// A layout from the layout keyword arguments of `method` (named in the errors):
+/// `blocks`, or `rows`, `row_bytes` and `pitch` (with `depth` and `plane_rows` for planes),
+/// not both.
+pub(crate) fn layout_of(method: &str, args: LayoutArgs) -> PyResult<Layout> {
     let strided = [
         args.rows,
         args.row_bytes,
@@ -153,9 +170,9 @@ pub(crate) fn layout_of(args: LayoutArgs) -> PyResult<Layout> {
     match (args.blocks, args.rows, args.row_bytes, args.pitch) {
         (Some(blocks), ..) => {
             if strided.iter().any(Option::is_some) {
-                return Err(usage(
-                    "send_layout takes blocks, or rows, row_bytes and pitch: not both",
-                ));
+                return Err(usage(format!(
+                    "{method} takes blocks, or rows, row_bytes and pitch: not both"
+                )));
             }
             Ok(Layout::blocks(blocks))
         }
@@ -173,9 +190,9 @@ pub(crate) fn layout_of(args: LayoutArgs) -> PyResult<Layout> {
                 plane_rows: args.plane_rows.unwrap_or(rows),
             },
         }),
-        _ => Err(usage(
-            "send_layout needs blocks=[(offset, length), ...], or rows, row_bytes and pitch",
-        )),
+        _ => Err(usage(format!(
+            "{method} needs blocks=[(offset, length), ...], or rows, row_bytes and pitch"
+        ))),
     }
 }
 
@@ -285,4 +302,31 @@ impl DomainCounters {
         dict.set_item("quarantined", self.quarantined)?;
         Ok(dict)
     }
+}
+
+/// What a published key has served (`Node.publication`) as a dict.
+pub(crate) fn publication_dict<'py>(
+    py: Python<'py>,
+    stats: &ferry::PublicationStats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("len", stats.len)?;
+    dict.set_item("served", stats.served)?;
+    dict.set_item("bytes_served", stats.bytes_served)?;
+    dict.set_item("refused", stats.refused)?;
+    dict.set_item("reading", stats.reading)?;
+    Ok(dict)
+}
+
+/// A node's fetch counters (`Node.fetch_stats`) as a dict.
+pub(crate) fn fetch_stats_dict<'py>(
+    py: Python<'py>,
+    stats: &ferry::FetchStats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("fetches", stats.fetches)?;
+    dict.set_item("flights", stats.flights)?;
+    dict.set_item("joined", stats.joined)?;
+    dict.set_item("bytes_saved", stats.bytes_saved)?;
+    Ok(dict)
 }

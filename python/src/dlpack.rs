@@ -112,7 +112,7 @@ fn hold(state: &Arc<State>) -> PyResult<(*mut c_void, usize, bool)> {
     let mut slot = state.lock();
     let Some(buffer) = slot.buffer.as_mut() else {
         return Err(PyBufferError::new_err(
-            "the buffer is being sent, or was released",
+            "the buffer is being sent or is published, or was released",
         ));
     };
     let len = buffer.len();

@@ -5,15 +5,18 @@
 //! GIL released, in slices of [`SLICE`] between which pending signals are checked, so that
 //! Ctrl-C interrupts a long `recv`. The `a*` methods run it as a task and resolve an
 //! asyncio future ([`crate::asyncio`]). Every operation holds the node through an `Arc`;
-//! `close` wakes the receives waiting, waits for the other operations to end, then shuts
-//! the node down.
+//! `close` wakes the receives and fetches waiting, waits for the other operations to end,
+//! then shuts the node down.
+//!
+//! Published keys are recorded here too ([`Held`]): what the binding must give back (a
+//! `ferry.Buffer`'s object) or keep alive (a registered tensor) until `unpublish`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use ferry::{Config, Error, Layout, MemoryClass, MemoryKind};
+use ferry::{Config, Error, Fetch, Layout, MemoryClass, MemoryKind};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use tokio::runtime::{Handle, Runtime};
@@ -23,7 +26,7 @@ use crate::asyncio::{self, OnCancel};
 use crate::buffer::{Arrival, Buffer};
 use crate::convert::{self, DomainCounters};
 use crate::errors::{closed, to_py, usage};
-use crate::source::{self, Keep, Sent};
+use crate::source::{self, Held, Keep, Sent, Unpublished};
 
 /// How long a blocking call waits between two checks for signals (Ctrl-C).
 const SLICE: Duration = Duration::from_millis(100);
@@ -51,6 +54,9 @@ struct Core {
     /// matching receive takes them before asking the node. At most `max_pending`.
     unclaimed: Arc<Mutex<VecDeque<ferry::Received>>>,
     max_pending: usize,
+    /// The keys published through this object, with what to give back or keep alive until
+    /// each is unpublished. Changed under its lock together with the node's own table.
+    published: Arc<Mutex<HashMap<String, Held>>>,
 }
 
 impl Core {
@@ -109,12 +115,124 @@ impl Core {
             got.buffer,
             Arrival {
                 peer: got.peer,
-                tag: got.tag,
+                tag: Some(got.tag),
+                key: None,
+                joined: false,
                 transport: got.transport,
                 layout: got.layout,
                 spilled,
             },
         )
+    }
+
+    /// A fetched buffer, with where it came from. Spilled: not in the memory class asked
+    /// for (`into`, else the node's `receive_into`).
+    fn fetched(&self, ask: FetchAsk, got: ferry::Fetched) -> Buffer {
+        let wanted = ask.into.map_or(self.receive_class, convert::class_of);
+        let spilled = convert::class_of(got.buffer.kind()) != wanted;
+        Buffer::received(
+            got.buffer,
+            Arrival {
+                peer: ask.peer,
+                tag: None,
+                key: Some(ask.key),
+                joined: got.joined,
+                transport: got.transport,
+                layout: ask.layout,
+                spilled,
+            },
+        )
+    }
+
+    /// The future of a fetch: the bytes, `DeadlineExceeded` after `ask.timeout` (the
+    /// node's default deadline when `None`), `ShuttingDown` when the node is closed
+    /// meanwhile. Dropping it drops this caller's wait only (the transfer goes on for the
+    /// others).
+    fn fetch_op(
+        &self,
+        ask: &FetchAsk,
+    ) -> PyResult<impl Future<Output = Result<ferry::Fetched, Error>> + Send + 'static> {
+        let node = self.node()?;
+        let deadline = ask
+            .timeout
+            .map(duration)
+            .transpose()?
+            .map(|t| Instant::now() + t);
+        let fetch = Fetch {
+            layout: ask.layout.clone(),
+            into: ask.into,
+            shared: ask.shared,
+            deadline,
+        };
+        let (peer, key) = (ask.peer.clone(), ask.key.clone());
+        let mut closing = self.closing.subscribe();
+        Ok(async move {
+            tokio::select! {
+                got = node.fetch(&peer, &key, fetch) => got,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            }
+        })
+    }
+
+    /// Publishes `obj` under `key`: the plan (with the GIL), then the future that makes
+    /// the buffer and publishes it, which yields what to drop after (with the GIL).
+    fn publish_op(
+        &self,
+        key: String,
+        obj: &Bound<'_, PyAny>,
+        peers: Option<Vec<String>>,
+    ) -> PyResult<impl Future<Output = (Result<(), Error>, Keep)> + Send + 'static> {
+        let node = self.node()?;
+        let object = obj.cast::<Buffer>().ok().map(|b| b.clone().unbind());
+        let (plan, keep) = source::plan(obj)?;
+        let published = Arc::clone(&self.published);
+        Ok(source::run_publish(
+            node,
+            published,
+            key,
+            peers,
+            (plan, keep, object),
+        ))
+    }
+
+    /// Unpublishes `key`: the binding's record taken out now (with the GIL), the wait for
+    /// the readers in a task of its own, so that it ends (and gives the buffer back to its
+    /// object) whatever happens to its caller; the future returned waits for that task up
+    /// to `timeout`. With it, the `ferry.Buffer` object that was published, to return.
+    #[allow(clippy::type_complexity)]
+    fn unpublish_op(
+        &self,
+        py: Python<'_>,
+        key: String,
+        timeout: Option<f64>,
+    ) -> PyResult<(
+        Option<Py<Buffer>>,
+        impl Future<Output = Result<Unpublished, Error>> + Send + 'static,
+    )> {
+        let node = self.node()?;
+        let timeout = timeout.map(duration).transpose()?;
+        let held = self
+            .published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key)
+            .ok_or_else(|| usage(format!("nothing is published under key {key:?}")))?;
+        let object = match &held {
+            Held::Object(object) => Some(object.clone_ref(py)),
+            _ => None,
+        };
+        let task = self.handle.spawn(source::run_unpublish(node, key, held));
+        let wait = async move {
+            // Fails only when the runtime stopped (the node was closed) before it ended.
+            let joined = async { task.await.unwrap_or(Err(Error::ShuttingDown)) };
+            match timeout {
+                Some(t) => tokio::time::timeout(t, joined)
+                    .await
+                    .unwrap_or(Err(Error::DeadlineExceeded)),
+                None => joined.await,
+            }
+        };
+        Ok((object, wait))
     }
 
     /// The future of a receive: the oldest matching buffer, `DeadlineExceeded` after
@@ -198,6 +316,60 @@ fn finish_send((sent, keep): (Sent, Keep)) -> PyResult<()> {
     sent.result.map_err(|e| to_py(&e))
 }
 
+/// The outcome of an unpublish, with the GIL: the `ferry.Buffer` object that was
+/// published (its buffer back in it), a new `Buffer` holding the copy of a bytes-like
+/// object's bytes, or `None` for a tensor registered in place (its keep dropped: the
+/// tensor is its owner's alone again).
+fn finish_unpublish(
+    py: Python<'_>,
+    object: Option<Py<Buffer>>,
+    out: Result<Unpublished, Error>,
+) -> PyResult<Py<PyAny>> {
+    match out.map_err(|e| to_py(&e))? {
+        Unpublished::Returned => Ok(object.map_or_else(|| py.None(), Py::into_any)),
+        Unpublished::Copy(buffer) => Ok(Py::new(py, Buffer::allocated(buffer))?.into_any()),
+        Unpublished::Unregistered(keep) => {
+            drop(keep);
+            Ok(py.None())
+        }
+    }
+}
+
+/// What a fetch asks for, from its Python arguments.
+struct FetchAsk {
+    peer: String,
+    key: String,
+    layout: Layout,
+    into: Option<MemoryKind>,
+    shared: bool,
+    timeout: Option<f64>,
+}
+
+impl FetchAsk {
+    fn new(
+        peer: String,
+        key: String,
+        layout: convert::LayoutArgs,
+        into: Option<&str>,
+        shared: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let layout = if layout.is_empty() {
+            Layout::Contiguous
+        } else {
+            convert::layout_of("fetch", layout)?
+        };
+        Ok(Self {
+            peer,
+            key,
+            layout,
+            into: into.map(convert::parse_kind).transpose()?,
+            shared,
+            timeout,
+        })
+    }
+}
+
 fn duration(seconds: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(seconds.max(0.0))
         .map_err(|_| usage(format!("{seconds} is not a duration in seconds")))
@@ -238,9 +410,17 @@ impl Drop for Core {
 ///         got = node.recv("b", 2, timeout=5.0)
 ///         array = numpy.frombuffer(got, dtype=numpy.float32)
 ///
+/// A node also publishes buffers under keys for its peers to fetch (``publish``,
+/// ``unpublish``), and fetches what they publish (``fetch``): concurrent fetches of one
+/// key and layout from one peer share one transfer::
+///
+///     node.publish("weights/layer0", array)        # on the exporter
+///     got = node.fetch("a", "weights/layer0")       # on any peer: a ferry.Buffer
+///
 /// Blocking methods release the GIL while they wait and can be interrupted with Ctrl-C;
-/// every blocking method has an ``a``-prefixed coroutine twin for asyncio (``asend``,
-/// ``arecv``). A ``Node`` may be used from several threads at once.
+/// the blocking methods that move bytes have an ``a``-prefixed coroutine twin for asyncio
+/// (``asend``, ``arecv``, ``afetch``, ``aunpublish``). A ``Node`` may be used from several
+/// threads at once.
 ///
 /// ``max_pending`` bounds the asynchronous operations in flight on this object; one more
 /// raises ``QueueFull``.
@@ -290,6 +470,7 @@ impl Node {
             pending: Arc::new(Semaphore::new(max_pending.max(1))),
             unclaimed: Arc::default(),
             max_pending: max_pending.max(1),
+            published: Arc::default(),
         };
         Ok(Self {
             core: Arc::new(core),
@@ -381,14 +562,17 @@ impl Node {
         plane_rows: Option<u64>,
         blocks: Option<Vec<(u64, u64)>>,
     ) -> PyResult<()> {
-        let layout = convert::layout_of(convert::LayoutArgs {
-            rows,
-            row_bytes,
-            pitch,
-            depth,
-            plane_rows,
-            blocks,
-        })?;
+        let layout = convert::layout_of(
+            "send_layout",
+            convert::LayoutArgs {
+                rows,
+                row_bytes,
+                pitch,
+                depth,
+                plane_rows,
+                blocks,
+            },
+        )?;
         let op = self.core.send_op(peer, tag, obj, layout, None)?;
         let out = self.core.block(py, op, OnCancel::Finish)?;
         finish_send(out)
@@ -491,6 +675,221 @@ impl Node {
             },
             Some(give_back),
         )
+    }
+
+    /// Publishes ``obj`` under ``key`` for peers to ``fetch``, until ``unpublish(key)``;
+    /// with ``peers`` (a list of peer names), for those peers only: another peer's fetch
+    /// is refused (``Refused``, ``reason == "not_allowed"``).
+    ///
+    /// ``obj`` is anything ``send`` takes, and is taken as ``send`` takes it: a
+    /// ``ferry.Buffer`` is published as it is (no copy; the object is unusable —
+    /// ``released`` — while published, and ``unpublish`` gives the buffer back to it); a
+    /// bytes-like object or host tensor is copied once into a host buffer of ferry's pool
+    /// (it may change or go after ``publish`` returns); a CUDA tensor is registered in
+    /// place (no copy: peers read it; it must not be written or freed until ``unpublish``
+    /// returns, and the node holds a reference to it until then). The bytes are read-only
+    /// while published. A published buffer stays counted against its memory budget.
+    ///
+    /// Raises ``UsageError`` for an empty key, one longer than 1,024 bytes, or one
+    /// published already (a ``ferry.Buffer`` is then given back to its object), and as
+    /// ``send`` for an object it cannot take.
+    #[pyo3(signature = (key, obj, peers=None))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        key: String,
+        obj: &Bound<'_, PyAny>,
+        peers: Option<Vec<String>>,
+    ) -> PyResult<()> {
+        let op = self.core.publish_op(key, obj, peers)?;
+        let (result, keep) = self.core.block(py, op, OnCancel::Finish)?;
+        drop(keep);
+        result.map_err(|e| to_py(&e))
+    }
+
+    /// Ends the publication of ``key``: no new fetch finds it (at once), then waits until
+    /// no peer reads it any more and returns the buffer: the very ``ferry.Buffer`` object
+    /// that was published (usable again), a new ``ferry.Buffer`` holding the copy of a
+    /// bytes-like object, or ``None`` for a CUDA tensor registered in place (the tensor is
+    /// the caller's alone again).
+    ///
+    /// ``timeout`` bounds this call's wait in seconds (``None``: the node's default
+    /// deadline plus ``memory.export_lease_timeout``); after it, ``DeadlineExceeded`` —
+    /// the key stays unpublished, and the buffer still goes back to its object once the
+    /// last reader let go. Interrupted (Ctrl-C), likewise. Raises ``UsageError`` for a key
+    /// not published through this ``Node``; ``DeadlineExceeded`` when a peer still reads
+    /// after the node's own wait (the buffer is then freed once the last reader let go).
+    #[pyo3(signature = (key, *, timeout=None))]
+    fn unpublish(&self, py: Python<'_>, key: String, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let (object, op) = self.core.unpublish_op(py, key, timeout)?;
+        let out = self.core.block(py, op, OnCancel::Abort)?;
+        finish_unpublish(py, object, out)
+    }
+
+    /// Coroutine twin of ``unpublish``: ``buf = await node.aunpublish(key)``. Cancelling
+    /// the awaiting task cancels the wait only: the key stays unpublished and the buffer
+    /// goes back to its object once no peer reads it.
+    #[pyo3(signature = (key, *, timeout=None))]
+    fn aunpublish<'py>(
+        &self,
+        py: Python<'py>,
+        key: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        // Before the key is taken out: outside an event loop, nothing happens.
+        py.import("asyncio")?.call_method0("get_running_loop")?;
+        let permit = self.core.permit()?;
+        let (object, op) = self.core.unpublish_op(py, key, timeout)?;
+        let op = async move {
+            let out = op.await;
+            drop(permit);
+            out
+        };
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Abort,
+            move |py, out| finish_unpublish(py, object, out),
+            None,
+        )
+    }
+
+    /// What ``key`` has served while published here, or ``None`` for a key not
+    /// published: a dict with ``len`` (the buffer's bytes), ``served`` (fetches answered
+    /// with the bytes: each crossed the link), ``bytes_served``, ``refused`` (fetches
+    /// refused: a layout that does not fit, a peer not allowed) and ``reading`` (fetches
+    /// being served now).
+    fn publication<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let node = self.core.node()?;
+        node.publication(key)
+            .map(|stats| convert::publication_dict(py, &stats))
+            .transpose()
+    }
+
+    /// The keys this node publishes now, sorted.
+    fn published_keys(&self) -> PyResult<Vec<String>> {
+        let mut keys = self.core.node()?.published_keys();
+        keys.sort_unstable();
+        Ok(keys)
+    }
+
+    /// Fetches what ``peer`` published under ``key`` and returns it as a ``ferry.Buffer``
+    /// whose ``peer``, ``key``, ``transport`` and ``joined`` say where it came from.
+    ///
+    /// The whole buffer, or part of it, packed: ``blocks``, a list of ``(offset,
+    /// length)`` pairs, or ``rows`` rows of ``row_bytes`` bytes ``pitch`` bytes apart
+    /// (with ``depth``, that many planes of ``plane_rows`` rows), as ``send_layout`` takes
+    /// them (``Buffer.layout`` says which). The bytes land where the node receives
+    /// (``receive_into``), or are copied into ``into`` (``"host"``, ``"pinned"``,
+    /// ``"cuda:N"``).
+    ///
+    /// Concurrent fetches of one (peer, key, layout) on this node share one transfer
+    /// (``joined`` is True for those that did not start it); each gets a buffer of its
+    /// own (a copy made here), or with ``shared=True`` one read-only buffer shared with
+    /// the others (no copy).
+    ///
+    /// ``timeout`` in seconds (``None``: the node's default deadline). Raises ``Refused``
+    /// with ``reason`` ``"unknown_key"`` (nothing published under ``key``) or
+    /// ``"not_allowed"`` (published for other peers); ``UsageError`` for a layout that
+    /// does not fit the published buffer, a bad key or memory kind; ``DeadlineExceeded``;
+    /// ``QueueFull``; ``ShuttingDown`` when the node is closed meanwhile; else as ``recv``.
+    /// Interrupted (Ctrl-C), only this call's wait ends: a transfer other fetches share
+    /// goes on.
+    #[pyo3(signature = (
+        peer, key, *, rows=None, row_bytes=None, pitch=None, depth=None, plane_rows=None,
+        blocks=None, into=None, shared=false, timeout=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn fetch(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        key: String,
+        rows: Option<u64>,
+        row_bytes: Option<u64>,
+        pitch: Option<u64>,
+        depth: Option<u64>,
+        plane_rows: Option<u64>,
+        blocks: Option<Vec<(u64, u64)>>,
+        into: Option<&str>,
+        shared: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Buffer> {
+        let layout = convert::LayoutArgs {
+            rows,
+            row_bytes,
+            pitch,
+            depth,
+            plane_rows,
+            blocks,
+        };
+        let ask = FetchAsk::new(peer, key, layout, into, shared, timeout)?;
+        let op = self.core.fetch_op(&ask)?;
+        let got = self.core.block(py, op, OnCancel::Abort)?;
+        got.map(|got| self.core.fetched(ask, got))
+            .map_err(|e| to_py(&e))
+    }
+
+    /// Coroutine twin of ``fetch``: ``buf = await node.afetch(peer, key, ...)``.
+    /// Cancelling the awaiting task cancels this fetch's wait only (a transfer other
+    /// fetches share goes on).
+    #[pyo3(signature = (
+        peer, key, *, rows=None, row_bytes=None, pitch=None, depth=None, plane_rows=None,
+        blocks=None, into=None, shared=false, timeout=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn afetch<'py>(
+        &self,
+        py: Python<'py>,
+        peer: String,
+        key: String,
+        rows: Option<u64>,
+        row_bytes: Option<u64>,
+        pitch: Option<u64>,
+        depth: Option<u64>,
+        plane_rows: Option<u64>,
+        blocks: Option<Vec<(u64, u64)>>,
+        into: Option<&str>,
+        shared: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let layout = convert::LayoutArgs {
+            rows,
+            row_bytes,
+            pitch,
+            depth,
+            plane_rows,
+            blocks,
+        };
+        let ask = FetchAsk::new(peer, key, layout, into, shared, timeout)?;
+        let permit = self.core.permit()?;
+        let op = self.core.fetch_op(&ask)?;
+        let op = async move {
+            let out = op.await;
+            drop(permit);
+            out
+        };
+        let core = Arc::clone(&self.core);
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Abort,
+            move |py, got| {
+                let got = got.map_err(|e| to_py(&e))?;
+                Ok(Py::new(py, core.fetched(ask, got))?.into_any())
+            },
+            None,
+        )
+    }
+
+    /// This node's fetch counters: ``fetches`` asked for, ``flights`` (transfers
+    /// started: fetches whose bytes crossed the link), ``joined`` (fetches that shared
+    /// another's transfer) and ``bytes_saved`` (bytes those did not move again).
+    fn fetch_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.core.node()?.fetch_stats();
+        convert::fetch_stats_dict(py, &stats)
     }
 
     /// Allocates ``nbytes`` of ``kind`` memory from ferry's pool — ``"host"``,
@@ -602,9 +1001,10 @@ impl Node {
             .map_err(|e| to_py(&e))
     }
 
-    /// Stops the node: receives waiting end with ``ShuttingDown``, transfers in flight
-    /// end (each within its deadline), links close, threads stop. Buffers already received
-    /// stay valid. Calling it again does nothing.
+    /// Stops the node: receives and fetches waiting end with ``ShuttingDown``, transfers
+    /// in flight end (each within its deadline), links close, threads stop, publications
+    /// end (a published ``ferry.Buffer`` is not given back). Buffers already received stay
+    /// valid. Calling it again does nothing.
     fn close(&self, py: Python<'_>) {
         let _ = self.core.closing.send(true);
         let node = self
@@ -642,6 +1042,17 @@ impl Node {
                 })
             });
         }
+        // What the binding kept of the keys published: the objects of published
+        // `ferry.Buffer`s stay released (their buffers went with the node); registered
+        // tensors are kept forever (a peer may have read them until the end).
+        let published = std::mem::take(
+            &mut *self
+                .core
+                .published
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        drop(published);
         if !stopped {
             // Operations still run on the runtime: it stops when this object is collected.
             return;

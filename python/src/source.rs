@@ -1,4 +1,4 @@
-//! What `send` makes of a Python object: a ferry buffer sent as it is, host
+//! What `send` (and `publish`) makes of a Python object: a ferry buffer sent as it is, host
 //! bytes copied once into a ferry buffer, or a GPU tensor registered in place.
 //!
 //! The decision and every Python call happen with the GIL held ([`plan`]); the bytes move
@@ -7,7 +7,8 @@
 //! [`Keep`] and is dropped only after it ended.
 #![allow(unsafe_code)]
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use ferry::cuda::ExternalMemory;
@@ -368,4 +369,185 @@ pub(crate) async fn run_send(
             }
         }
     }
+}
+
+/// What the binding keeps of a key it published, until `unpublish`.
+pub(crate) enum Held {
+    /// A `ferry.Buffer` published as it is: its object, whose state gets the buffer back.
+    Object(Py<Buffer>),
+    /// A copy of the object's host bytes in ferry's pool: a new `Buffer` on unpublish.
+    Copied,
+    /// GPU memory registered in place, and what holds it.
+    Registered(Registration),
+}
+
+/// The [`Keep`] of GPU memory registered in place: let go only by [`Self::release`], once
+/// `unregister_external` answered; dropped otherwise, it is leaked (a peer may still read
+/// the memory, which must never be freed then).
+pub(crate) struct Registration(Option<Keep>);
+
+impl Registration {
+    /// The keep, to drop (with the GIL) now that nothing reads the memory.
+    pub(crate) fn release(mut self) -> Keep {
+        self.0.take().unwrap_or(Keep::Nothing)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(keep) = self.0.take() {
+            std::mem::forget(keep);
+        }
+    }
+}
+
+/// How an unpublish ended.
+pub(crate) enum Unpublished {
+    /// The buffer went back to the `ferry.Buffer` object that was published.
+    Returned,
+    /// The copy of a bytes-like object's bytes, for a new `ferry.Buffer`.
+    Copy(ferry::Buffer),
+    /// Registered GPU memory, unregistered: what held the tensor, to let go of.
+    Unregistered(Keep),
+}
+
+/// Publishes what `plan` describes under `key` (for `peers` only, when given): the ferry
+/// buffer as it is, host bytes after one copy into a ferry host buffer, GPU memory
+/// registered in place until unpublished. `object` is the `ferry.Buffer` of a
+/// [`Plan::Ferry`]. On success the binding's table `published` records the key (what
+/// must be kept or given back on unpublish), under its lock with the node's own table,
+/// so that the two agree.
+///
+/// Returns what to drop, with the GIL, once it ended: the plan's [`Keep`] unless the
+/// publication holds it.
+///
+/// The memory `plan` points at must stay valid until this ends (its [`Keep`]).
+pub(crate) async fn run_publish(
+    node: Arc<ferry::Node>,
+    published: Arc<Mutex<HashMap<String, Held>>>,
+    key: String,
+    peers: Option<Vec<String>>,
+    (plan, keep, object): (Plan, Keep, Option<Py<Buffer>>),
+) -> (Result<(), Error>, Keep) {
+    let (buffer, held, keep) = match (plan, object) {
+        (
+            Plan::Ferry {
+                state,
+                buffer,
+                settle,
+            },
+            Some(object),
+        ) => {
+            if let Err(e) = settle_ferry(settle) {
+                state.lock().buffer = Some(buffer);
+                return (Err(e), keep);
+            }
+            (buffer, Held::Object(object), keep)
+        }
+        (Plan::Ferry { state, buffer, .. }, None) => {
+            state.lock().buffer = Some(buffer);
+            return (
+                Err(Error::Usage("a ferry.Buffer without its object".into())),
+                keep,
+            );
+        }
+        (Plan::Host { ptr, len }, _) => match copy_host(&node, ptr, len).await {
+            Ok(buffer) => (buffer, Held::Copied, keep),
+            Err(e) => return (Err(e), keep),
+        },
+        (
+            Plan::Device {
+                ptr,
+                len,
+                device,
+                stream,
+            },
+            _,
+        ) => match register(&node, ptr, len, device, stream) {
+            Ok(buffer) => (
+                buffer,
+                Held::Registered(Registration(Some(keep))),
+                Keep::Nothing,
+            ),
+            Err(e) => return (Err(e), keep),
+        },
+    };
+    let refused = {
+        let mut table = published.lock().unwrap_or_else(PoisonError::into_inner);
+        let outcome = match &peers {
+            None => node.publish(key.clone(), buffer),
+            Some(peers) => {
+                let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+                node.publish_for(key.clone(), buffer, &peers)
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                table.insert(key, held);
+                None
+            }
+            Err(SendError { error, buffer }) => Some((error, buffer, held)),
+        }
+    };
+    let Some((error, buffer, held)) = refused else {
+        return (Ok(()), keep);
+    };
+    // Refused (a bad key, one published already): the buffer comes back.
+    match (held, buffer) {
+        (Held::Object(object), buffer) => {
+            if let Some(buffer) = buffer {
+                object.get().state().lock().buffer = Some(buffer);
+            }
+            drop_with_gil(object);
+            (Err(error), keep)
+        }
+        (Held::Registered(registration), Some(buffer)) => {
+            if node.unregister_external(buffer).await.is_ok() {
+                (Err(error), registration.release())
+            } else {
+                // Still in use: dropping the registration leaks the tensor.
+                (Err(error), keep)
+            }
+        }
+        // A copy (dropped), or registered memory that did not come back (leaked).
+        _ => (Err(error), keep),
+    }
+}
+
+/// Ends the publication of `key`, which the binding recorded as `held`: waits until no
+/// peer reads the buffer, then gives it back to its `ferry.Buffer` object, or hands the
+/// copy over, or unregisters the GPU memory. The binding's record was taken out of its
+/// table by the caller.
+pub(crate) async fn run_unpublish(
+    node: Arc<ferry::Node>,
+    key: String,
+    held: Held,
+) -> Result<Unpublished, Error> {
+    let buffer = node.unpublish(&key).await;
+    match (buffer, held) {
+        (Ok(buffer), Held::Object(object)) => {
+            object.get().state().lock().buffer = Some(buffer);
+            // The object itself is returned by the caller, which holds it too.
+            drop_with_gil(object);
+            Ok(Unpublished::Returned)
+        }
+        (Ok(buffer), Held::Copied) => Ok(Unpublished::Copy(buffer)),
+        (Ok(buffer), Held::Registered(registration)) => {
+            node.unregister_external(buffer).await?;
+            Ok(Unpublished::Unregistered(registration.release()))
+        }
+        // Still read after the wait: the buffer is freed once the last reader let go (a
+        // registration leaks its tensor, dropped here).
+        (Err(e), held) => {
+            if let Held::Object(object) = held {
+                drop_with_gil(object);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Lets go of a Python object from a thread that may not hold the GIL.
+fn drop_with_gil<T>(object: Py<T>) {
+    Python::attach(|_| drop(object));
 }
