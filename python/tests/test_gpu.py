@@ -8,6 +8,7 @@ import gc
 import pytest
 
 from conftest import eventually, gpu_tests, start_peer
+from peer import FETCH
 
 reason = gpu_tests()
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
@@ -71,5 +72,21 @@ def test_an_allocated_device_buffer_is_filled_through_dlpack(torch, configs, gpu
         gpu_node.send(peer.name, 2, buf)
         got = gpu_node.recv(peer.name, 2, timeout=30.0)
         assert torch.from_dlpack(got).eq(5).all()
+    finally:
+        peer.stop(gpu_node)
+
+
+def test_a_published_tensor_is_fetched_in_place_and_unpublished(torch, configs, gpu_node):
+    peer = start_peer(configs, gpu_node, extra=DEVICE_NODE)
+    try:
+        tensor = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
+        gpu_node.publish("tensor", tensor)  # registered in place, no copy
+        gpu_node.send(peer.name, FETCH, b"tensor")  # the peer fetches it, sends it back
+        got = gpu_node.recv(peer.name, FETCH, timeout=30.0)
+        assert got.kind == "cuda:0"
+        assert torch.equal(torch.from_dlpack(got).view(torch.int32), tensor)
+        assert gpu_node.publication("tensor")["served"] == 1
+        # Unregistered once no peer reads it: the tensor is the caller's alone again.
+        assert gpu_node.unpublish("tensor", timeout=30.0) is None
     finally:
         peer.stop(gpu_node)
