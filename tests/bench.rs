@@ -158,23 +158,32 @@ fn blocks_layout_prints_three_rows_and_their_ratios() {
         ("contiguous", "131072", "1"),
         ("per block", "4096", "32"),
     ] {
-        let row = stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(name) && !l.starts_with('#'))
+        let fields = named_rows(&stdout, name)
+            .into_iter()
+            .next()
             .unwrap_or_else(|| panic!("no {name} row in {stdout}"));
-        let fields: Vec<&str> = row[row.find(name).expect("name") + name.len()..]
-            .split_whitespace()
-            .collect();
-        assert_eq!(&fields[..2], [bytes, sends], "{row}");
+        assert_eq!(&fields[..2], [bytes, sends], "{fields:?}");
         let gbps: f64 = fields[3].parse().expect("GB/s");
-        assert!(gbps > 0.0, "{row}");
-        assert_eq!(fields.last(), Some(&"0"), "{row}: transfers wrong");
+        assert!(gbps > 0.0, "{fields:?}");
+        assert_eq!(fields.last(), Some(&"0"), "{fields:?}: transfers wrong");
     }
     let ratios = stdout
         .lines()
         .find(|l| l.starts_with("# blocks / contiguous"))
         .unwrap_or_else(|| panic!("no ratios in {stdout}"));
     assert!(ratios.contains("one transfer per block"), "{ratios}");
+}
+
+/// The fields after the name of every table row named `name` (a row that starts with it,
+/// then a space), in order.
+fn named_rows<'a>(stdout: &'a str, name: &str) -> Vec<Vec<&'a str>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.trim_start().strip_prefix(name))
+        .filter(|rest| rest.starts_with(' '))
+        .map(|rest| rest.split_whitespace().collect())
+        .collect()
 }
 
 /// `--set` shapes a local bench (it was once ignored there): a host budget too small for the
