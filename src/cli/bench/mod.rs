@@ -13,6 +13,7 @@
 //! the same number of copies in flight. Bandwidth is in GB/s (10^9 bytes per second).
 
 mod blocks;
+mod fetch;
 mod pattern;
 mod peer;
 mod report;
@@ -76,6 +77,18 @@ pub struct Args {
     /// are not used; one direction only).
     #[arg(long, default_value = "contiguous")]
     layout: String,
+    /// Single flight: for each size the peer publishes buffers of it (in --memory), and N
+    /// fetches of one key run at once, each round one flight (the bytes cross once), next to
+    /// N fetches of N keys (N flights, the baseline; skipped with --no-baseline) and one
+    /// fetch alone; the single-flight gain is the baseline's time per round over the one
+    /// flight's. N from 1 to 4096 and at most limits.peer_queue; contiguous, one direction
+    /// (--window is not used).
+    #[arg(long, value_name = "N")]
+    fetchers: Option<u64>,
+    /// With --fetchers: fetches that join a flight take the one read-only handle on the
+    /// landed buffer instead of a copy each.
+    #[arg(long, requires = "fetchers")]
+    shared: bool,
     /// Both directions at once.
     #[arg(long)]
     bidir: bool,
@@ -225,7 +238,9 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
         ),
         other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
     }
-    if blocks::parse(&args.layout)?.is_some() {
+    if let Some(n) = args.fetchers {
+        fetch::check_args(args, n)?;
+    } else if blocks::parse(&args.layout)?.is_some() {
         blocks::check_args(args)?;
     } else if let Some((row, _)) = strided(&args.layout)? {
         if !args.no_check {
@@ -645,6 +660,9 @@ async fn orchestrate(
             args.transport,
         );
     }
+    if let Some(n) = args.fetchers {
+        fetch::check_limits(&node, &target, n, args.max).await?;
+    }
     let list = sizes(args.min, args.max, args.factor);
     let header = report::Header {
         transport: args.transport.clone(),
@@ -655,6 +673,7 @@ async fn orchestrate(
         warmup: args.warmup,
         route: explanation.to_string(),
         baseline: match (&target.baseline, args.no_baseline) {
+            _ if args.fetchers.is_some() => fetch::baseline_label(&args),
             _ if block_list.is_some() => {
                 "the same bytes as one contiguous buffer, and as one transfer per block, to \
                  the same peer in this run"
@@ -672,9 +691,12 @@ async fn orchestrate(
             (Some(b), false) => b.label(args.bidir),
             _ => "none".into(),
         },
-        latency: latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
+        latency: match args.fetchers {
+            Some(n) => fetch::latency_label(n),
+            None => latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
+        },
     };
-    if block_list.is_some() {
+    if block_list.is_some() || args.fetchers.is_some() {
         report::print_preamble(&header);
     } else {
         report::print_header(&header);
@@ -705,7 +727,9 @@ async fn orchestrate(
     }
     let mut records = Vec::new();
     let mut wrong = 0;
-    if let Some(spec) = block_list {
+    if let Some(n) = args.fetchers {
+        wrong += fetch::run(&node, &target, &args, n, &list).await?;
+    } else if let Some(spec) = block_list {
         wrong += blocks::run(&node, &target, &args, spec).await?;
     } else {
         let progress = report::progress(list.len() as u64);

@@ -33,6 +33,19 @@ pub const TAG_PING: u64 = u64::MAX - 13;
 /// Tag of a probe sent back.
 pub const TAG_PONG: u64 = u64::MAX - 14;
 
+/// `--fetchers`: asks the peer to publish buffers, payload (len, count, memory) as 24 bytes,
+/// little endian (memory as [`TAG_SEND`]'s), each holding the pattern of its length; it
+/// answers under the same tag with their keys, one a line.
+pub const TAG_PUBLISH: u64 = u64::MAX - 15;
+/// `--fetchers`: asks what the keys of the payload (one a line) served; once no fetch of
+/// them is being served, the peer answers under the same tag with one line a key: `len
+/// served bytes_served refused reading`.
+pub const TAG_PUBLICATION: u64 = u64::MAX - 16;
+/// `--fetchers`: asks the peer to unpublish the keys of the payload (one a line); it answers
+/// `ok` under the same tag. An answer to any of the three that starts with `error: ` says
+/// why the request failed.
+pub const TAG_UNPUBLISH: u64 = u64::MAX - 17;
+
 /// Raw baseline connection modes, the first byte a client writes.
 pub const RAW_SINK: u8 = b'S';
 /// The server streams messages to the client.
@@ -214,6 +227,18 @@ impl Server {
                 }
                 self.count(&peer, transport, &buffer)?;
             }
+            TAG_PUBLISH | TAG_PUBLICATION | TAG_UNPUBLISH => {
+                // Answered from a task of its own: an unpublish waits for its readers.
+                let (node, gpu, payload) = (Arc::clone(&self.node), self.gpu, buffer.to_vec()?);
+                tokio::spawn(async move {
+                    let answer = super::fetch::serve(&node, &peer, gpu, tag, &payload)
+                        .await
+                        .unwrap_or_else(|e| format!("error: {e:#}"));
+                    if let Err(e) = answer_text(&node, &peer, tag, &answer).await {
+                        log_client_failure(&peer, &e, "a --fetchers request was not answered");
+                    }
+                });
+            }
             _ => self.count(&peer, transport, &buffer)?,
         }
         Ok(())
@@ -247,7 +272,8 @@ impl Server {
     /// Forgets the tallies of clients whose link is down: they left (finished, or killed),
     /// and a client that comes back under the same name starts afresh.
     async fn forget_departed(&mut self) -> anyhow::Result<()> {
-        if self.tallies.is_empty() {
+        let published = self.node.published_keys();
+        if self.tallies.is_empty() && published.is_empty() {
             return Ok(());
         }
         let live = self
@@ -266,8 +292,19 @@ impl Server {
             }
             here
         });
+        super::fetch::unpublish_departed(&self.node, published, &live);
         Ok(())
     }
+}
+
+/// Sends `text` to `client` under `tag`.
+async fn answer_text(node: &Node, client: &str, tag: u64, text: &str) -> anyhow::Result<()> {
+    let mut reply = node.alloc(MemoryKind::Host, text.len()).await?;
+    reply.write(0, text.as_bytes())?;
+    node.send(client, tag, reply)
+        .await
+        .map_err(|e| anyhow::Error::new(e.error))?;
+    Ok(())
 }
 
 /// True when `e` says the node itself stopped (the one failure that ends the server).
