@@ -106,6 +106,25 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
             vec!["--layout", "blocks:4K:8", "--json", "x.json"],
             "write a size sweep",
         ),
+        (vec!["--fetchers", "4097"], "at most 4096"),
+        (
+            vec!["--fetchers", "4", "--layout", "blocks:4K:8"],
+            "no --layout blocks:4K:8",
+        ),
+        (vec!["--fetchers", "4", "--pingpong"], "one direction only"),
+        (
+            vec!["--fetchers", "4", "--csv", "x.csv"],
+            "--json, --csv and --plot",
+        ),
+        (vec!["--shared"], "--fetchers"),
+        (
+            vec!["--fetchers", "2000", "-n", "1"],
+            "at most limits.peer_queue = 1024",
+        ),
+        (
+            vec!["--set", "memory.host=1MiB", "--fetchers", "8", "-e", "1M"],
+            "do not fit this node's host memory budget",
+        ),
     ] {
         let out = Command::new(common::ferry_bin())
             .arg("bench")
@@ -184,6 +203,92 @@ fn named_rows<'a>(stdout: &'a str, name: &str) -> Vec<Vec<&'a str>> {
         .filter(|rest| rest.starts_with(' '))
         .map(|rest| rest.split_whitespace().collect())
         .collect()
+}
+
+/// `--fetchers 4` over tcp: for each size, 4 fetches of one key in one flight a round (the
+/// bench itself fails if a round takes more, or the peer served the key more than once),
+/// next to 4 fetches of 4 keys and one fetch alone, every fetched buffer checked, and the
+/// single-flight gain; `--fetchers 0` is refused before anything starts.
+#[test]
+fn fetchers_rows_and_the_single_flight_gain() {
+    let out = Command::new(common::ferry_bin())
+        .args([
+            "bench",
+            "--fetchers",
+            "4",
+            "-b",
+            "4K",
+            "-e",
+            "256K",
+            "-f",
+            "64",
+            "-n",
+            "3",
+            "-w",
+            "1",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("chose tcp"), "{stdout}");
+    // Each row: the bytes, fetchers, flights and joined fetches a round, the time of a
+    // round, GB/s, two latencies, and no buffer wrong; one row a size.
+    for (name, fetchers, flights, joined) in [
+        ("4 fetchers, one flight", "4", "1", "3"),
+        ("4 fetchers, 4 flights", "4", "4", "0"),
+        ("1 fetcher", "1", "1", "0"),
+    ] {
+        let rows = named_rows(&stdout, name);
+        let sizes: Vec<&str> = rows.iter().map(|f| f[0]).collect();
+        assert_eq!(sizes, ["4096", "262144"], "{name}: {stdout}");
+        for fields in rows {
+            assert_eq!(
+                &fields[1..4],
+                [fetchers, flights, joined],
+                "{name}: {fields:?}"
+            );
+            let round: f64 = fields[4].parse().expect("time of a round");
+            let gbps: f64 = fields[5].parse().expect("GB/s");
+            assert!(round > 0.0 && gbps > 0.0, "{name}: {fields:?}");
+            assert_eq!(
+                fields.last(),
+                Some(&"0"),
+                "{name}: {fields:?}: buffers wrong"
+            );
+        }
+    }
+    let gains: Vec<f64> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("# single-flight gain at "))
+        .map(|l| {
+            let ratio = l.split(": ").nth(1).and_then(|r| r.split('x').next());
+            ratio
+                .and_then(|r| r.parse().ok())
+                .unwrap_or_else(|| panic!("the gain does not parse: {l}"))
+        })
+        .collect();
+    assert_eq!(gains.len(), 2, "{stdout}");
+    assert!(gains.iter().all(|g| *g > 0.0), "{gains:?}");
+
+    let out = Command::new(common::ferry_bin())
+        .args(["bench", "--fetchers", "0"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--fetchers 0: at least one fetcher"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 /// `--set` shapes a local bench (it was once ignored there): a host budget too small for the
@@ -531,8 +636,14 @@ fn serve_peer_survives_clients_that_come_and_go() {
         );
         server.assert_alive(&format!("after {label}"));
     };
-    let modes: [&[&str]; 4] = [&[], &["--pingpong"], &["--bidir"], &["--pairs", "all"]];
-    for (i, extra) in modes.iter().cycle().take(8).enumerate() {
+    let modes: [&[&str]; 5] = [
+        &[],
+        &["--pingpong"],
+        &["--bidir"],
+        &["--pairs", "all"],
+        &["--fetchers", "3"],
+    ];
+    for (i, extra) in modes.iter().cycle().take(10).enumerate() {
         run(&mut server, &format!("client{i}"), extra);
     }
 
