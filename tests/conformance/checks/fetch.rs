@@ -195,12 +195,9 @@ pub async fn fetches_cross_once(combo: Combo, first: bool) {
     assert!(matches!(e, Error::Usage(_)), "{combo}: {e}");
     assert!(e.to_string().contains("does not fit"), "{combo}: {e}");
 
-    // Unpublished: the far node has it back, unchanged, and the key is gone.
-    let mut asked = node
-        .alloc(MemoryKind::Host, key.len())
-        .await
-        .expect("alloc");
-    asked.write(0, key.as_bytes()).expect("write");
+    // Unpublished: the far node has it back, unchanged, and the key is gone. (The request
+    // goes in the source memory: the combination's transport may move no other.)
+    let asked = filled(node, combo.src_kind(), key.as_bytes()).await;
     drop(
         node.send(&pair.peer, TAG_UNPUBLISH, asked)
             .await
