@@ -170,6 +170,16 @@ fn corpus() -> Vec<Item> {
         Message::StagedRing(ferry_transports::wire::StagedRing {
             key: "staged/00ff".into(),
         }),
+        Message::Fetch(ferry_transports::wire::FetchAsk {
+            fetch: 1,
+            key: "kv/17".into(),
+            layout: ferry_transports::wire::Layout::blocks([(0, 4096), (8192, 16)]),
+        }),
+        Message::FetchRefused(ferry_transports::wire::FetchRefused {
+            fetch: 1,
+            reason: ferry_transports::wire::FetchRefusal::UnknownKey,
+            detail: "nothing is published under key \"kv/17\"".into(),
+        }),
         Message::Data(DataChunk {
             transfer: 2,
             offset: 0,

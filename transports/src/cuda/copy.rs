@@ -266,6 +266,23 @@ fn box_shape(
     if b.width == 0 || b.rows == 0 || b.planes == 0 || b.pitch < b.width {
         return Err(bad());
     }
+    if b.rows == 1 && b.planes == 1 {
+        // One run (a block list's block): no pitches to check, and none of the divisions
+        // below, which cost more than the rest at a thousand blocks a copy.
+        let (width, src) = (n(b.width)?, n(b.src)?);
+        range("source", src_offset, src.checked_add(width).ok_or_else(bad)?, slen)?;
+        let at = dst_offset.checked_add(n(b.packed)?).ok_or_else(bad)?;
+        range("destination", at, width, dlen)?;
+        return Ok(raw::BoxShape {
+            width,
+            height: 1,
+            depth: 1,
+            src_pitch: n(b.pitch)?,
+            src_plane_rows: 1,
+            dst_pitch: width,
+            dst_plane_rows: 1,
+        });
+    }
     if b.plane_pitch % b.pitch != 0 || b.plane_pitch / b.pitch < b.rows {
         return Err(bad());
     }
@@ -336,6 +353,7 @@ unsafe fn copy_boxes(
     one_gpu: bool,
 ) -> Result<bool, CudaError> {
     let ((sbase, slen), (pbase, plen)) = (strided, packed);
+    let started = std::time::Instant::now();
     let shapes = boxes
         .iter()
         .map(|b| box_shape(b, 0, slen, 0, plen).map(|s| (b, s)))
@@ -343,7 +361,9 @@ unsafe fn copy_boxes(
     if shapes.is_empty() {
         return Ok(false);
     }
+    let shaped = started.elapsed();
     stream.bind()?;
+    let bound = started.elapsed();
     let mut runs = Runs {
         dsts: Vec::with_capacity(shapes.len()),
         srcs: Vec::with_capacity(shapes.len()),
@@ -380,11 +400,23 @@ unsafe fn copy_boxes(
             return Err(e);
         }
     }
+    let added = started.elapsed();
+    let count = runs.sizes.len();
     // SAFETY: as each run's, above.
     if let Err(e) = unsafe { runs.flush(stream) } {
         let _ = stream.synchronize();
         return Err(e);
     }
+    tracing::trace!(
+        target: "ferry::blocks",
+        boxes = boxes.len(),
+        runs = count,
+        shapes_us = shaped.as_micros() as u64,
+        bind_us = (bound - shaped).as_micros() as u64,
+        add_us = (added - bound).as_micros() as u64,
+        flush_us = (started.elapsed() - added).as_micros() as u64,
+        "boxes queued: shapes, bind, runs added, flushed (the gather or the batch)"
+    );
     Ok(true)
 }
 
@@ -527,12 +559,23 @@ pub fn copy_boxes_async(
     stream: &Stream,
 ) -> Result<(), CudaError> {
     let (rows, packed) = (device_side(src, src_offset)?, device_side(dst, dst_offset)?);
+    let started = std::time::Instant::now();
     let one_gpu = src.device().same_as(dst.device()) && stream.device().same_as(dst.device());
+    let compared = started.elapsed();
     // SAFETY: both are live allocations; the uses recorded below keep them allocated until
     // the copies passed.
     if unsafe { copy_boxes(rows, packed, Way::Gather, boxes, stream, one_gpu) }? {
+        let queued = started.elapsed();
         dst.note_use(stream)?;
         src.note_use(stream)?;
+        tracing::trace!(
+            target: "ferry::blocks",
+            one_gpu,
+            same_as_us = compared.as_micros() as u64,
+            copy_us = (queued - compared).as_micros() as u64,
+            note_use_us = (started.elapsed() - queued).as_micros() as u64,
+            "gather of boxes queued: devices compared, copies, uses noted"
+        );
     }
     Ok(())
 }
