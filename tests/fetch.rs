@@ -219,3 +219,38 @@ async fn an_exporter_killed_mid_flight_fails_every_caller() {
     drop(hog);
     let _ = echo.child.wait();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_left_alone_takes_the_landing_without_a_copy() {
+    let scratch = Scratch::new();
+    // Room for the landing, not for a copy of it.
+    let (exporter, fetcher) = pair(&scratch, "[memory]\nhost = \"8 MiB\"\n").await;
+    let want = patterned(&exporter, 6 << 20, 7)
+        .await
+        .to_vec()
+        .expect("read");
+    exporter
+        .publish("k", patterned(&exporter, 6 << 20, 7).await)
+        .expect("publish");
+    let short = Instant::now() + Duration::from_millis(1);
+    let mut first = Box::pin(fetcher.fetch(
+        "exporter",
+        "k",
+        Fetch {
+            deadline: Some(short),
+            ..Fetch::default()
+        },
+    ));
+    let mut second = Box::pin(fetcher.fetch("exporter", "k", Fetch::default()));
+    assert!(futures::poll!(first.as_mut()).is_pending());
+    assert!(futures::poll!(second.as_mut()).is_pending());
+    // The first caller's deadline passes long before the flight lands; the flight goes on
+    // for the one that joined, which is left alone with the landing.
+    let e = first.await.expect_err("its deadline passed");
+    assert!(matches!(e, Error::DeadlineExceeded), "{e}");
+    let got = second.await.expect("the joiner lands");
+    assert!(got.joined);
+    assert!(got.buffer.is_exclusive());
+    assert!(got.buffer.to_vec().expect("read") == want);
+    assert_eq!(fetcher.fetch_stats().flights, 1);
+}

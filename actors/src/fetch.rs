@@ -8,7 +8,7 @@
 //! (into the memory it asked for), so the bytes cross the link once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -79,14 +79,12 @@ pub struct Landed {
     pub transport: &'static str,
 }
 
-/// A landed flight, as its callers share it: each takes its part once ([`Share::part`]).
+/// A landed flight, as its callers share it: each holds the `Arc` until it has what it
+/// wants (a handle, or a copy of its own), and the last holder takes the landed buffer
+/// itself ([`Share::into_sole`]).
 #[derive(Debug)]
 pub struct Share {
     landed: Landed,
-    /// Callers that have not taken their part yet.
-    remaining: AtomicUsize,
-    /// A caller kept a shared handle: nobody gets the buffer to themselves any more.
-    kept: AtomicBool,
 }
 
 impl Share {
@@ -95,30 +93,36 @@ impl Share {
         self.landed.transport
     }
 
-    /// This caller's part: a handle on the landed buffer, and what to make of it. The last
-    /// caller to take its part keeps the landed buffer itself (once the others' copies are
-    /// made) unless a shared handle was kept; so N callers need the landing and N - 1
-    /// copies, and a lone caller no copy at all.
-    pub fn part(&self, fetch: &Fetch) -> (Buffer, Take) {
-        let handle = self.landed.buffer.read_only_handle();
-        let landed = handle.kind();
-        let want = fetch.into.unwrap_or(landed);
-        let keeps = fetch.shared && want == landed;
-        if keeps {
-            // Before the count, so that the last caller sees it.
-            self.kept.store(true, Ordering::SeqCst);
+    /// The landed buffer, read-only while shared.
+    pub fn buffer(&self) -> &Buffer {
+        &self.landed.buffer
+    }
+
+    /// The landed buffer, for the caller that holds the last reference to the share while
+    /// no read-only handle on the buffer is out (a caller that gone away holds none); else
+    /// the share back. Ownership is decided this late, at each try, so callers that left
+    /// never keep the others from taking the landing.
+    ///
+    /// # Errors
+    /// The share, when another caller still holds it or a handle on its buffer is out.
+    pub fn into_sole(share: Arc<Self>) -> Result<Buffer, Arc<Self>> {
+        match Arc::try_unwrap(share) {
+            Ok(s) if s.landed.buffer.is_exclusive() => Ok(s.landed.buffer),
+            Ok(s) => Err(Arc::new(s)),
+            Err(s) => Err(s),
         }
-        let last = self.remaining.fetch_sub(1, Ordering::SeqCst) == 1;
-        let take = if want != landed {
-            Take::Copy(want)
-        } else if keeps {
-            Take::Handle
-        } else if last && !self.kept.load(Ordering::SeqCst) {
-            Take::Sole
-        } else {
-            Take::Copy(want)
-        };
-        (handle, take)
+    }
+}
+
+impl From<Buffer> for Share {
+    /// A share of a buffer already taken (its transport no longer matters).
+    fn from(buffer: Buffer) -> Self {
+        Self {
+            landed: Landed {
+                buffer,
+                transport: "",
+            },
+        }
     }
 }
 
@@ -221,13 +225,7 @@ impl Flights {
             self.bytes_saved.fetch_add(saved, Ordering::Relaxed);
             metrics::counter!("ferry_fetch_bytes_saved_total").increment(saved);
         }
-        let share = outcome.map(|landed| {
-            Arc::new(Share {
-                landed,
-                remaining: AtomicUsize::new(flight.callers),
-                kept: AtomicBool::new(false),
-            })
-        });
+        let share = outcome.map(|landed| Arc::new(Share { landed }));
         // The sender goes with the flight: the value stays until the last caller took it.
         flight.done.send_replace(Some(share));
     }
@@ -241,18 +239,6 @@ impl Flights {
             bytes_saved: self.bytes_saved.load(Ordering::Relaxed),
         }
     }
-}
-
-/// What a caller makes of its handle on a landed buffer.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Take {
-    /// Keeps it, shared: read-only while other callers hold theirs.
-    Handle,
-    /// Keeps it as its own once no other caller holds a handle (their copies are made):
-    /// the last caller.
-    Sole,
-    /// A copy of its own in this memory.
-    Copy(MemoryKind),
 }
 
 #[cfg(test)]
@@ -286,7 +272,7 @@ mod tests {
         );
         for seat in seats {
             let landed = seat.landed(far()).await.expect("landed");
-            assert_eq!(landed.landed.buffer.len(), 100);
+            assert_eq!(landed.buffer().len(), 100);
         }
         let stats = flights.stats();
         assert_eq!((stats.fetches, stats.flights, stats.joined), (17, 2, 15));
@@ -344,56 +330,21 @@ mod tests {
         );
     }
 
-    /// A share of `callers` over a landed buffer of 8 bytes.
-    fn share(callers: usize) -> Share {
-        Share {
+    #[test]
+    fn the_last_holder_takes_the_landing() {
+        let share = Arc::new(Share {
             landed: Landed {
                 buffer: buffer(8),
                 transport: "tcp",
             },
-            remaining: AtomicUsize::new(callers),
-            kept: AtomicBool::new(false),
-        }
-    }
-
-    #[test]
-    fn the_last_caller_keeps_the_landing_the_others_copy() {
-        let whole = Fetch::default();
-        let s = share(3);
-        let takes: Vec<Take> = (0..3).map(|_| s.part(&whole).1).collect();
-        let copy = Take::Copy(MemoryKind::Host);
-        assert_eq!(takes, [copy, Take::Copy(MemoryKind::Host), Take::Sole]);
-        assert_eq!(
-            share(1).part(&whole).1,
-            Take::Sole,
-            "a lone caller copies nothing"
-        );
-    }
-
-    #[test]
-    fn a_kept_shared_handle_leaves_nobody_the_landing() {
-        let shared = Fetch {
-            shared: true,
-            ..Fetch::default()
-        };
-        let elsewhere = Fetch {
-            into: Some(MemoryKind::PinnedHost),
-            ..Fetch::default()
-        };
-        let s = share(3);
-        assert_eq!(s.part(&shared).1, Take::Handle);
-        assert_eq!(s.part(&elsewhere).1, Take::Copy(MemoryKind::PinnedHost));
-        assert_eq!(
-            s.part(&Fetch::default()).1,
-            Take::Copy(MemoryKind::Host),
-            "the last caller copies: a shared handle is out"
-        );
-        let s = share(2);
-        assert_eq!(s.part(&Fetch::default()).1, Take::Copy(MemoryKind::Host));
-        assert_eq!(
-            s.part(&elsewhere).1,
-            Take::Copy(MemoryKind::PinnedHost),
-            "another memory is always a copy"
-        );
+        });
+        let other = Arc::clone(&share);
+        let share = Share::into_sole(share).expect_err("another caller holds it");
+        drop(other);
+        let handle = share.buffer().read_only_handle();
+        let share = Share::into_sole(share).expect_err("a shared handle is out");
+        drop(handle);
+        let landed = Share::into_sole(share).expect("the last holder");
+        assert!(landed.is_exclusive());
     }
 }

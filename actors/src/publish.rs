@@ -118,6 +118,17 @@ impl Publications {
         if let Err(e) = check_key(&key) {
             return Err((e, buffer));
         }
+        if !buffer.is_exclusive() {
+            // Unpublish waits for the buffer to be the only handle again: with another
+            // handle out (a shared fetch's) it never would be.
+            return Err((
+                Error::Usage(
+                    "the buffer is shared (a read-only handle): publish a buffer of your own"
+                        .into(),
+                ),
+                buffer,
+            ));
+        }
         match self.by_key.entry(key) {
             Entry::Occupied(e) => Err((
                 Error::Usage(format!(
@@ -219,30 +230,28 @@ impl Publications {
             .by_key
             .remove(key)
             .ok_or_else(|| Error::Usage(format!("nothing is published under key {key:?}")))?;
-        let len = publication.buffer.len();
+        metrics::gauge!("ferry_published_bytes").decrement(publication.buffer.len() as f64);
         let until = tokio::time::Instant::now() + wait;
         let notify = Arc::clone(&publication.ended);
         // Only the fetches being served hold it now: its count only goes down.
         let mut publication = Some(publication);
-        let result = loop {
+        loop {
             // Made before the check, so an end between the two is not missed.
             let ended = notify.notified();
             if let Some(p) =
                 publication.take_if(|p| Arc::strong_count(p) == 1 && p.buffer.is_exclusive())
                 && let Ok(p) = Arc::try_unwrap(p)
             {
-                break Ok(p.buffer);
+                return Ok(p.buffer);
             }
             // A handle may also come back without a fetch ending (a transport dropping its
             // last view): looked at again every few milliseconds.
             let tick = tokio::time::Instant::now() + std::time::Duration::from_millis(5);
             if tokio::time::Instant::now() >= until {
-                break Err(Error::DeadlineExceeded);
+                return Err(Error::DeadlineExceeded);
             }
             let _ = tokio::time::timeout_at(tick.min(until), ended).await;
-        };
-        metrics::gauge!("ferry_published_bytes").decrement(len as f64);
-        result
+        }
     }
 }
 
@@ -279,6 +288,10 @@ pub(crate) mod tests {
         let (e, back) = p.publish("a".into(), buffer(8), None).expect_err("twice");
         assert!(e.to_string().contains("published already"), "{e}");
         assert_eq!(back.len(), 8, "the buffer comes back");
+        let handle = back.read_only_handle();
+        let (e, _) = p.publish("b".into(), back, None).expect_err("shared");
+        assert!(e.to_string().contains("shared"), "{e}");
+        drop(handle);
     }
 
     #[test]

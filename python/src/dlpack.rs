@@ -117,8 +117,10 @@ fn hold(state: &Arc<State>) -> PyResult<(*mut c_void, usize, bool)> {
     };
     let len = buffer.len();
     let on_device = buffer.device_memory().is_some();
+    // A handle shared with other holders (a shared fetch) is read-only on a GPU too.
+    let exclusive = buffer.is_exclusive();
     let (ptr, writable) = if let Some(device) = buffer.device_memory() {
-        (device.device_ptr() as usize as *mut c_void, true)
+        (device.device_ptr() as usize as *mut c_void, exclusive)
     } else if let Some(bytes) = buffer.as_mut_slice() {
         (bytes.as_mut_ptr().cast(), true)
     } else if let Some(bytes) = buffer.as_slice() {
@@ -127,7 +129,7 @@ fn hold(state: &Arc<State>) -> PyResult<(*mut c_void, usize, bool)> {
         return Err(PyBufferError::new_err("the buffer has no memory to export"));
     };
     slot.views += 1;
-    slot.written_elsewhere |= on_device;
+    slot.written_elsewhere |= on_device && writable;
     Ok((ptr, len, writable))
 }
 

@@ -606,8 +606,9 @@ impl Node {
     }
 
     /// Ends the publication of `key`: no new fetch finds it, and this waits until no peer
-    /// reads the buffer any more (every fetch being served ended, every peer's mapping of
-    /// it closed), then gives the buffer back.
+    /// reads the buffer any more (every fetch being served ended and its hold on the memory
+    /// let go: an ipc or ucx read is held until the peer's `Done`, or quarantined for the
+    /// lease timeout when the peer died), then gives the buffer back.
     ///
     /// # Errors
     /// [`Error::Usage`] for a key not published; [`Error::DeadlineExceeded`] when a peer
@@ -673,13 +674,13 @@ impl Node {
             return Err(e);
         }
         let share = seat.landed(deadline).await?;
-        let (handle, take) = share.part(&fetch);
         let transport = share.transport();
-        drop(share);
-        let buffer = match take {
-            crate::fetch::Take::Handle => handle,
-            crate::fetch::Take::Sole => sole(handle, deadline).await?,
-            crate::fetch::Take::Copy(kind) => self.copy_of(handle, kind, deadline).await?,
+        let landed = share.buffer().kind();
+        let want = fetch.into.unwrap_or(landed);
+        let buffer = if fetch.shared && want == landed {
+            share.buffer().read_only_handle()
+        } else {
+            self.own(share, want, deadline).await?
         };
         Ok(crate::fetch::Fetched {
             buffer,
@@ -707,6 +708,9 @@ impl Node {
         deadline: Instant,
     ) -> Result<(), Error> {
         let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
+        // Callers that join later may wait longer than the first: the flight takes the
+        // node's default deadline at least (each caller still stops waiting at its own).
+        let deadline = deadline.max(self.default_deadline());
         let flights = Arc::clone(&self.flights);
         let credits = self.credits(peer);
         let coordinator = self.coordinator.clone();
@@ -731,26 +735,41 @@ impl Node {
         Ok(())
     }
 
-    /// A buffer of the caller's own in `kind` memory with the bytes of `handle`: allocated
-    /// under the domain's budget (waiting for it until `deadline`), copied off the caller's
-    /// thread.
-    async fn copy_of(
+    /// A buffer of the caller's own in `kind` memory with the landed bytes of `share`: the
+    /// landed buffer itself when this caller is its last holder (asked before and after
+    /// waiting for memory), else a copy, allocated under the domain's budget (waiting for
+    /// it until `deadline`) and made off the caller's thread.
+    async fn own(
         &self,
-        handle: Buffer,
+        share: Arc<crate::fetch::Share>,
         kind: MemoryKind,
         deadline: Instant,
     ) -> Result<Buffer, Error> {
+        use crate::fetch::Share;
+        let same = share.buffer().kind() == kind;
+        let share = match Share::into_sole(share) {
+            Ok(landed) if same => return Ok(landed),
+            Ok(landed) => Arc::new(Share::from(landed)),
+            Err(share) => share,
+        };
         let tier = Tier {
             kind,
             allocator: self.domain(kind)?.clone().recipient(),
         };
-        let mut copy = reserve_in_tiers(&[tier], &[handle.len() as u64], deadline)
+        let len = share.buffer().len() as u64;
+        let mut copy = reserve_in_tiers(&[tier], &[len], deadline)
             .await?
             .pop()
             .ok_or(Error::ShuttingDown)?;
+        // The others may have taken theirs meanwhile: the reservation goes back then.
+        let share = match Share::into_sole(share) {
+            Ok(landed) if same => return Ok(landed),
+            Ok(landed) => Arc::new(Share::from(landed)),
+            Err(share) => share,
+        };
         let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
         let copied = io
-            .spawn_blocking(move || copy.copy_from(&handle).map(|()| copy))
+            .spawn_blocking(move || copy.copy_from(share.buffer()).map(|()| copy))
             .await
             .map_err(|_| Error::ShuttingDown)?;
         copied.map_err(|e| Error::Transport {
@@ -843,18 +862,6 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// `handle` once it is the only one (the other callers of its flight made their copies and
-/// let go), until `deadline`.
-async fn sole(handle: Buffer, deadline: Instant) -> Result<Buffer, Error> {
-    while !handle.is_exclusive() {
-        if Instant::now() >= deadline {
-            return Err(Error::DeadlineExceeded);
-        }
-        tokio::time::sleep(Duration::from_micros(200)).await;
-    }
-    Ok(handle)
 }
 
 /// Waits for a permit of `permits` until `deadline`.

@@ -55,13 +55,25 @@ impl Handler<AskFetch> for TransferActor {
         }
         self.fetch.next += 1;
         let id = self.fetch.next;
-        let (tx, rx) = oneshot::channel();
-        self.fetch.pending.insert(id, tx);
-        self.fetch.out.push_back(Message::Fetch(FetchAsk {
+        let ask = Message::Fetch(FetchAsk {
             fetch: id,
             key: msg.key,
             layout: msg.layout,
-        }));
+        });
+        // A frame the peer would refuse would end the link: refused here instead.
+        let len = ask.payload_len().unwrap_or(usize::MAX);
+        if len as u64 > u64::from(self.peer_max_frame) {
+            let max = self.peer_max_frame;
+            return Box::pin(async move {
+                Err(Error::Usage(format!(
+                    "a fetch of this layout takes {len} bytes, more than the {max} peer {peer} \
+                     takes in a frame (its limits.max_frame): ask for fewer blocks at once"
+                )))
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.fetch.pending.insert(id, tx);
+        self.fetch.out.push_back(ask);
         self.drive(ctx);
         let deadline = msg.deadline;
         Box::pin(async move {
@@ -81,7 +93,18 @@ impl TransferActor {
     /// The peer asks for a buffer this node published: refused at once, or sent like any
     /// other send to the peer (its route, its transports), marked as the fetch's answer.
     pub(super) fn serve_fetch(&mut self, ask: FetchAsk, ctx: &mut Context<Self>) {
-        if self.fetch.serving >= self.setup.limits.queue {
+        if ask.key.len() > ferry_transports::wire::MAX_KEY_LEN {
+            // Never echoed: a peer's key of any length is not copied into our answer.
+            let detail = format!(
+                "a key of {} bytes, more than {}",
+                ask.key.len(),
+                ferry_transports::wire::MAX_KEY_LEN
+            );
+            return self.refuse_fetch(ask.fetch, FetchRefusal::UnknownKey, detail);
+        }
+        // Half the peer's session queue at most: our own sends to it keep the rest.
+        let cap = (self.setup.limits.queue / 2).max(1);
+        if self.fetch.serving >= cap {
             let detail = format!(
                 "this node serves {} fetches for {} at once already",
                 self.fetch.serving, self.peer

@@ -270,7 +270,12 @@ fn box_shape(
         // One run (a block list's block): no pitches to check, and none of the divisions
         // below, which cost more than the rest at a thousand blocks a copy.
         let (width, src) = (n(b.width)?, n(b.src)?);
-        range("source", src_offset, src.checked_add(width).ok_or_else(bad)?, slen)?;
+        range(
+            "source",
+            src_offset,
+            src.checked_add(width).ok_or_else(bad)?,
+            slen,
+        )?;
         let at = dst_offset.checked_add(n(b.packed)?).ok_or_else(bad)?;
         range("destination", at, width, dlen)?;
         return Ok(raw::BoxShape {
