@@ -20,8 +20,9 @@ pub struct AskFetch {
 /// The fetches of one peer session.
 #[derive(Default)]
 pub(super) struct FetchState {
-    /// Ours, waiting for the peer's answer, by id.
-    pending: HashMap<u64, oneshot::Sender<Result<Landed, Error>>>,
+    /// Ours, waiting for the peer's answer, by id, with what was asked (asked again on a
+    /// link that replaces one the peer never read).
+    pending: HashMap<u64, (oneshot::Sender<Result<Landed, Error>>, FetchAsk)>,
     next: u64,
     /// Frames for the peer, sent once the link is up.
     pub(super) out: VecDeque<Message>,
@@ -44,7 +45,7 @@ impl Handler<AskFetch> for TransferActor {
         // Fetches whose callers gave up are forgotten first; the rest are bounded.
         let cap = self.setup.limits.queue;
         if self.fetch.pending.len() >= cap {
-            self.fetch.pending.retain(|_, tx| !tx.is_closed());
+            self.fetch.pending.retain(|_, (tx, _)| !tx.is_closed());
         }
         if self.fetch.pending.len() >= cap {
             return Box::pin(async move {
@@ -55,11 +56,12 @@ impl Handler<AskFetch> for TransferActor {
         }
         self.fetch.next += 1;
         let id = self.fetch.next;
-        let ask = Message::Fetch(FetchAsk {
+        let asked = FetchAsk {
             fetch: id,
             key: msg.key,
             layout: msg.layout,
-        });
+        };
+        let ask = Message::Fetch(asked.clone());
         // A frame the peer would refuse would end the link: refused here instead.
         let len = ask.payload_len().unwrap_or(usize::MAX);
         if len as u64 > u64::from(self.peer_max_frame) {
@@ -72,7 +74,7 @@ impl Handler<AskFetch> for TransferActor {
             });
         }
         let (tx, rx) = oneshot::channel();
-        self.fetch.pending.insert(id, tx);
+        self.fetch.pending.insert(id, (tx, asked));
         self.fetch.out.push_back(ask);
         self.drive(ctx);
         let deadline = msg.deadline;
@@ -170,9 +172,19 @@ impl TransferActor {
             }));
     }
 
+    /// The link was replaced by one the peer dialed, and the old one was never read: our
+    /// fetches are asked again (a peer that did read one answers twice; the second answer
+    /// finds no fetch and is dropped).
+    pub(super) fn ask_fetches_again(&mut self) {
+        self.fetch.out.retain(|m| !matches!(m, Message::Fetch(_)));
+        self.fetch.pending.retain(|_, (tx, _)| !tx.is_closed());
+        let asks = self.fetch.pending.values().map(|(_, ask)| ask.clone());
+        self.fetch.out.extend(asks.map(Message::Fetch));
+    }
+
     /// The peer refused one of our fetches.
     pub(super) fn fetch_refused(&mut self, refused: FetchRefused) {
-        let Some(tx) = self.fetch.pending.remove(&refused.fetch) else {
+        let Some((tx, _)) = self.fetch.pending.remove(&refused.fetch) else {
             return;
         };
         let peer = self.peer.clone();
@@ -223,7 +235,7 @@ impl TransferActor {
             .taken
             .fetch_add(buffer.len() as u64, Ordering::Relaxed);
         // A caller that gave up drops it here, which frees it.
-        if let Some(tx) = self.fetch.pending.remove(&fetch) {
+        if let Some((tx, _)) = self.fetch.pending.remove(&fetch) {
             let _ = tx.send(Ok(Landed {
                 buffer,
                 transport: transport.as_str(),
@@ -233,7 +245,7 @@ impl TransferActor {
 
     /// The session is lost: our fetches fail with it.
     pub(super) fn fail_fetches(&mut self, why: &str) {
-        for (_, tx) in self.fetch.pending.drain() {
+        for (_, (tx, _)) in self.fetch.pending.drain() {
             let _ = tx.send(Err(Error::PeerLost {
                 peer: self.peer.clone(),
                 detail: why.to_string(),

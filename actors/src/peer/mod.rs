@@ -565,6 +565,7 @@ impl Handler<Attach> for TransferActor {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
             self.session.handle_relink();
+            self.ask_fetches_again();
             tracing::info!(peer = %self.peer, "moved to the peer's link");
         }
         self.link += 1;
