@@ -746,21 +746,33 @@ impl Node {
         deadline: Instant,
     ) -> Result<Buffer, Error> {
         use crate::fetch::Share;
+        /// How long one wait for memory lasts before the caller looks again whether it
+        /// holds the landing alone (the others took theirs, or let go of a moment's view).
+        const LOOK_AGAIN: Duration = Duration::from_millis(5);
         let same = share.buffer().kind() == kind;
-        let share = match Share::into_sole(share) {
-            Ok(landed) if same => return Ok(landed),
-            Ok(landed) => Arc::new(Share::from(landed)),
-            Err(share) => share,
-        };
         let tier = Tier {
             kind,
             allocator: self.domain(kind)?.clone().recipient(),
         };
         let len = share.buffer().len() as u64;
-        let mut copy = reserve_in_tiers(&[tier], &[len], deadline)
-            .await?
-            .pop()
-            .ok_or(Error::ShuttingDown)?;
+        let mut share = share;
+        let mut copy = loop {
+            share = match Share::into_sole(share) {
+                Ok(landed) if same => return Ok(landed),
+                Ok(landed) => Arc::new(Share::from(landed)),
+                Err(share) => share,
+            };
+            let now = Instant::now();
+            let until = deadline.min(now + LOOK_AGAIN);
+            match reserve_in_tiers(std::slice::from_ref(&tier), &[len], until).await {
+                Ok(mut got) => break got.pop().ok_or(Error::ShuttingDown)?,
+                Err(Error::NoMemory {
+                    cause: crate::NoMemoryCause::DeadlinePassed,
+                    ..
+                }) if until < deadline => continue,
+                Err(e) => return Err(e),
+            }
+        };
         // The others may have taken theirs meanwhile: the reservation goes back then.
         let share = match Share::into_sole(share) {
             Ok(landed) if same => return Ok(landed),
