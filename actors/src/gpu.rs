@@ -834,9 +834,12 @@ pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, Ipc
 
 /// Buffers offered for pulling to a node of this same process, by exporting node and
 /// buffer: the receiving node copies straight from them (a peer copy between the two GPUs,
-/// or within one), with nothing imported. Each entry lives while its transfer's view does.
-static IN_PROCESS: std::sync::LazyLock<dashmap::DashMap<(String, IpcBufferRef), SharedBytes>> =
-    std::sync::LazyLock::new(dashmap::DashMap::new);
+/// or within one), with nothing imported. Each entry lives while its transfers' views do:
+/// one buffer may be offered by several transfers at once (a published buffer fetched
+/// twice), so an entry counts its offers.
+static IN_PROCESS: std::sync::LazyLock<
+    dashmap::DashMap<(String, IpcBufferRef), (SharedBytes, usize)>,
+> = std::sync::LazyLock::new(dashmap::DashMap::new);
 
 /// How a peer names our device buffer under `lease` on `device` (in offers and unmaps).
 pub fn lease_ref(device: &Device, lease: &ferry_transports::memory::Lease) -> IpcBufferRef {
@@ -856,14 +859,20 @@ fn in_process_key(node: &str, view: &SharedBytes) -> Option<(String, IpcBufferRe
 /// Makes `view` (offered by `node`) readable by the nodes of this process.
 pub fn offer_in_process(node: &str, view: SharedBytes) {
     if let Some(key) = in_process_key(node, &view) {
-        IN_PROCESS.insert(key, view);
+        IN_PROCESS
+            .entry(key)
+            .and_modify(|(_, offers)| *offers += 1)
+            .or_insert((view, 1));
     }
 }
 
 /// The offer of `view` by `node` ended (the peer said Done, cancelled, or is gone).
 pub fn withdraw_in_process(node: &str, view: &SharedBytes) {
     if let Some(key) = in_process_key(node, view) {
-        IN_PROCESS.remove(&key);
+        IN_PROCESS.remove_if_mut(&key, |_, (_, offers)| {
+            *offers = offers.saturating_sub(1);
+            *offers == 0
+        });
     }
 }
 
@@ -887,7 +896,7 @@ pub fn pull_in_process(
     let key = (exporter.to_string(), buffer_ref(source));
     // A clone of the view: the memory stays allocated through the copy whatever happens
     // to the offer meanwhile.
-    let Some(view) = IN_PROCESS.get(&key).map(|v| v.clone()) else {
+    let Some(view) = IN_PROCESS.get(&key).map(|v| v.0.clone()) else {
         return Err((
             dst,
             IpcError::Gone(format!("{exporter} no longer offers that buffer")),
