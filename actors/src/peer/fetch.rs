@@ -17,13 +17,17 @@ pub struct AskFetch {
     pub deadline: Instant,
 }
 
+/// Fetch ids, unique in this process: an answer a peer sends late, after the session that
+/// asked ended (it is routed like a send, and may reach a new session), never meets
+/// another fetch under the same id.
+static NEXT_FETCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// The fetches of one peer session.
 #[derive(Default)]
 pub(super) struct FetchState {
     /// Ours, waiting for the peer's answer, by id, with what was asked (asked again on a
     /// link that replaces one the peer never read).
     pending: HashMap<u64, (oneshot::Sender<Result<Landed, Error>>, FetchAsk)>,
-    next: u64,
     /// Frames for the peer, sent once the link is up.
     pub(super) out: VecDeque<Message>,
     /// The peer's fetches this node serves now.
@@ -54,8 +58,7 @@ impl Handler<AskFetch> for TransferActor {
                 )))
             });
         }
-        self.fetch.next += 1;
-        let id = self.fetch.next;
+        let id = NEXT_FETCH.fetch_add(1, Ordering::Relaxed);
         let asked = FetchAsk {
             fetch: id,
             key: msg.key,
