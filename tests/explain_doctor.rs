@@ -237,12 +237,13 @@ fn doctor_default_config_passes_and_says_no_cuda() {
         );
     }
     // On a GPU machine, how block lists of device memory are copied (batched from CUDA
-    // 12.8 on).
+    // 12.8 on), and that the gather kernel loaded on GPU 0 (the driver compiled its PTX).
     if std::env::var("FERRY_GPU_TESTS").as_deref() == Ok("1") {
         assert!(
             text.contains("block copies") && text.contains("cuMemcpy"),
             "{text}"
         );
+        assert!(text.contains("the kernel loaded on GPU 0"), "{text}");
     }
 }
 

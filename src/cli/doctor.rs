@@ -178,7 +178,11 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     if let CudaProbe::Ready(driver) = &facts.cuda
         && !driver.devices.is_empty()
     {
-        out.push(block_copies_finding(driver, facts.block_copies));
+        out.push(block_copies_finding(
+            driver,
+            facts.block_copies,
+            facts.gather_kernel.as_ref(),
+        ));
     }
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
@@ -419,16 +423,34 @@ fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
     )
 }
 
-/// How block lists (`Layout::Blocks`) of device memory are gathered: one batch of copies
-/// per list where the driver has `cuMemcpyBatchAsync` (CUDA 12.8+), else one copy per block.
-fn block_copies_finding(driver: &CudaDriver, copies: Option<BlockCopies>) -> Finding {
+/// How block lists (`Layout::Blocks`) of device memory are gathered: one kernel launch on
+/// one GPU where the gather kernel loads (`kernel`: it was loaded on the first GPU), one
+/// batch of copies per list where the driver has `cuMemcpyBatchAsync` (CUDA 12.8+), else
+/// one copy per block.
+fn block_copies_finding(
+    driver: &CudaDriver,
+    copies: Option<BlockCopies>,
+    kernel: Option<&Result<(), String>>,
+) -> Finding {
     const CHECK: &str = "block copies";
+    if let (Some(BlockCopies::Batched), Some(Err(why))) = (copies, kernel) {
+        return Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "the gather kernel does not load here ({why}): block lists of one GPU are \
+                 copied with cuMemcpyBatchAsync, several microseconds a block"
+            ),
+        )
+        .remedy("a driver that compiles PTX for this GPU (any current NVIDIA driver does)");
+    }
     match copies {
         Some(BlockCopies::Batched) => Finding::new(
             CHECK,
             Status::Ok,
-            "block lists of device memory are gathered by one kernel launch on one GPU, and \
-             with cuMemcpyBatchAsync between GPUs: one call for all the blocks of a copy",
+            "block lists of device memory are gathered by one kernel launch on one GPU (the \
+             kernel loaded on GPU 0), and with cuMemcpyBatchAsync between GPUs: one call for \
+             all the blocks of a copy",
         ),
         Some(_) => Finding::new(
             CHECK,
@@ -739,6 +761,7 @@ mod tests {
             transports: crate::cli::explain::tests::host_only_catalog(),
             pool_export: Vec::new(),
             block_copies: None,
+            gather_kernel: None,
         }
     }
 
@@ -986,6 +1009,17 @@ mod tests {
         );
         assert!(b.found.contains("CUDA 12.4"), "{}", b.found);
         assert!(!b.blocks);
+        // A kernel that does not load is said, with the driver's words.
+        let f = diagnose(
+            &Facts {
+                gather_kernel: Some(Err("CUDA_ERROR_INVALID_PTX".into())),
+                ..with(13000, BlockCopies::Batched)
+            },
+            &config(""),
+        );
+        let b = find(&f, "block copies");
+        assert_eq!(b.status, Status::Warn);
+        assert!(b.found.contains("CUDA_ERROR_INVALID_PTX"), "{}", b.found);
         // Without a driver, nothing to say.
         let f = diagnose(&healthy(), &config(""));
         assert!(!f.iter().any(|f| f.check == "block copies"));

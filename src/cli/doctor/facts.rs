@@ -35,6 +35,9 @@ pub struct Facts {
     /// How block lists of device memory are copied in this process (`cuMemcpyBatchAsync`,
     /// or one copy per block); `None` without a working driver.
     pub block_copies: Option<cuda::BlockCopies>,
+    /// Whether the gather kernel loads on the first GPU (`Err`: the driver's words);
+    /// `None` without a GPU.
+    pub gather_kernel: Option<Result<(), String>>,
 }
 
 /// RLIMIT_MEMLOCK in bytes; `None` is unlimited.
@@ -60,6 +63,14 @@ impl Facts {
     pub fn gather() -> Self {
         let cuda = cuda::probe();
         let block_copies = matches!(cuda, cuda::CudaProbe::Ready(_)).then(cuda::block_copies);
+        let gather_kernel = match &cuda {
+            cuda::CudaProbe::Ready(driver) if !driver.devices.is_empty() => Some(
+                cuda::Device::open(0)
+                    .and_then(|d| cuda::gather_kernel_loads(&d))
+                    .map_err(|e| e.to_string()),
+            ),
+            _ => None,
+        };
         Self {
             cuda,
             shm: shm_size(Path::new("/dev/shm")),
@@ -68,6 +79,7 @@ impl Facts {
             transports: ferry_transports::registry::catalog(),
             pool_export: Vec::new(),
             block_copies,
+            gather_kernel,
         }
     }
 }

@@ -127,6 +127,17 @@ fn timed_load() -> Result<sys::CUfunction, CudaError> {
     loaded
 }
 
+/// Whether the gather kernel loads on `device` (binding its primary context on this
+/// thread): what `ferry doctor` reports. Where it does not, block lists of one GPU are
+/// copied as between GPUs (a batch of copies).
+///
+/// # Errors
+/// The driver's, binding the context or loading the module (the PTX JIT's error).
+pub fn kernel_loads(device: &super::Device) -> Result<(), CudaError> {
+    device.bind()?;
+    load().map(drop)
+}
+
 /// Forgets the kernel of the current context (its handle was found invalid).
 fn forget() {
     if let Some(ctx) = current_context() {

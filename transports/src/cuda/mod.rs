@@ -34,6 +34,7 @@ mod device;
 mod error;
 mod external;
 mod gather;
+pub use gather::kernel_loads as gather_kernel_loads;
 pub mod pattern;
 mod pool;
 mod probe;
