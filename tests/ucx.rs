@@ -102,3 +102,49 @@ async fn a_timed_out_read_fails_its_transfer_and_later_sends_connect_anew() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// Two UCX releases: this process loads one (`FERRY_UCX_LIBRARY`, else the system's), a
+/// `ferry serve` child another (`FERRY_UCX_OTHER_LIBRARY`; CI: the libucx-cu12 1.22 wheel
+/// against Debian's 1.13). The peer's UCX address does not unpack here, so ucx is not used
+/// with it: `explain` says why, and sends take the rule's next transport (tcp). Skipped,
+/// saying so, without `FERRY_UCX_OTHER_LIBRARY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_on_another_ucx_release_falls_back_to_tcp_with_the_reason() {
+    let test = "a_peer_on_another_ucx_release_falls_back_to_tcp_with_the_reason";
+    let Some(other) = std::env::var_os("FERRY_UCX_OTHER_LIBRARY") else {
+        println!("skipped: {test}: FERRY_UCX_OTHER_LIBRARY names no second UCX");
+        return;
+    };
+    if !ucx_here(test) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let extra = format!("[transport.ucx]\nenabled = \"on\"\n\n{RULE}");
+    let far = scratch.write("b.toml", &scratch.toml("b", &[], &extra));
+    let mut command = std::process::Command::new(common::ferry_bin());
+    command
+        .args(["serve", "--config"])
+        .arg(&far)
+        .args(["--role", "echo"])
+        .env("FERRY_UCX_LIBRARY", &other);
+    let b = common::Served::spawn(command);
+    let a = Node::start(scratch.config("a", &[("b", &b.addr)], &extra))
+        .await
+        .expect("a");
+    a.connect("b").await.expect("link");
+    let e = a
+        .explain("b", 1 << 20, ferry::MemoryClass::Host, None)
+        .await
+        .expect("explain");
+    let chosen = e.chosen.as_ref().map(|r| r.transport);
+    assert_eq!(chosen, Some(ferry::TransportName::Tcp), "{e}");
+    let text = e.to_string();
+    assert!(text.contains("the peer's UCX cannot be used"), "{text}");
+    for tag in 1..=3u64 {
+        let buffer = patterned(&a, 1 << 20, tag).await;
+        drop(a.send("b", tag, buffer).await.expect("send over tcp"));
+        let got = a.recv(Some("b"), Some(tag)).await.expect("echo");
+        assert_eq!(got.transport, "tcp", "tag {tag}");
+    }
+    a.shutdown().await;
+}

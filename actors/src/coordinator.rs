@@ -455,7 +455,7 @@ impl Coordinator {
             .and_then(|h| self.setup.transfer.transports.ucx_mismatch(&h.ucx_address))
             .map(|why| {
                 crate::core::ipc_setup::SetupOutcome::Bad(
-                    crate::core::ipc_setup::SetupFailure::PeerRefused(why),
+                    crate::core::ipc_setup::SetupFailure::Incompatible(why),
                 )
             });
         let setup = |t: ferry_config::TransportName| {

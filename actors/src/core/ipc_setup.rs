@@ -48,6 +48,9 @@ pub enum SetupFailure {
     Timeout,
     /// The peer refused setup; its reason.
     PeerRefused(String),
+    /// What the peer said of itself shows the transport cannot work between the two (a
+    /// peer on another UCX release); why.
+    Incompatible(String),
 }
 
 impl SetupFailure {
@@ -68,6 +71,7 @@ impl std::fmt::Display for SetupFailure {
             Self::ImportFailed(why) => write!(f, "importing the peer's memory failed: {why}"),
             Self::Timeout => f.write_str("the peer did not answer in time"),
             Self::PeerRefused(why) => write!(f, "the peer refused: {why}"),
+            Self::Incompatible(why) => f.write_str(why),
         }
     }
 }
