@@ -114,18 +114,6 @@ impl Share {
     }
 }
 
-impl From<Buffer> for Share {
-    /// A share of a buffer already taken (its transport no longer matters).
-    fn from(buffer: Buffer) -> Self {
-        Self {
-            landed: Landed {
-                buffer,
-                transport: "",
-            },
-        }
-    }
-}
-
 type Outcome = Option<Result<Arc<Share>, Error>>;
 
 /// Which flight: (peer, key, layout).

@@ -262,11 +262,15 @@ impl Node {
     /// # Errors
     /// As [`Self::alloc`].
     pub async fn alloc_parts(&self, kind: MemoryKind, parts: &[u64]) -> Result<Vec<Buffer>, Error> {
-        let tier = Tier {
+        reserve_in_tiers(&[self.tier(kind)?], parts, self.default_deadline()).await
+    }
+
+    /// The tier of `kind` memory: its domain's allocator.
+    fn tier(&self, kind: MemoryKind) -> Result<Tier, Error> {
+        Ok(Tier {
             kind,
             allocator: self.domain(kind)?.clone().recipient(),
-        };
-        reserve_in_tiers(&[tier], parts, self.default_deadline()).await
+        })
     }
 
     /// Makes device memory the caller allocated outside ferry (`cudaMalloc`, a framework's
@@ -749,17 +753,21 @@ impl Node {
         /// How long one wait for memory lasts before the caller looks again whether it
         /// holds the landing alone (the others took theirs, or let go of a moment's view).
         const LOOK_AGAIN: Duration = Duration::from_millis(5);
+        // The landing itself serves only a caller that wants its memory.
         let same = share.buffer().kind() == kind;
-        let tier = Tier {
-            kind,
-            allocator: self.domain(kind)?.clone().recipient(),
+        let sole = |share| {
+            if same {
+                Share::into_sole(share)
+            } else {
+                Err(share)
+            }
         };
+        let tier = self.tier(kind)?;
         let len = share.buffer().len() as u64;
         let mut share = share;
         let mut copy = loop {
-            share = match Share::into_sole(share) {
-                Ok(landed) if same => return Ok(landed),
-                Ok(landed) => Arc::new(Share::from(landed)),
+            share = match sole(share) {
+                Ok(landed) => return Ok(landed),
                 Err(share) => share,
             };
             let now = Instant::now();
@@ -774,9 +782,8 @@ impl Node {
             }
         };
         // The others may have taken theirs meanwhile: the reservation goes back then.
-        let share = match Share::into_sole(share) {
-            Ok(landed) if same => return Ok(landed),
-            Ok(landed) => Arc::new(Share::from(landed)),
+        let share = match sole(share) {
+            Ok(landed) => return Ok(landed),
             Err(share) => share,
         };
         let io = self.io.as_ref().ok_or(Error::ShuttingDown)?;
