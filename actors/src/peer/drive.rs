@@ -29,19 +29,7 @@ impl TransferActor {
                 }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
-                    let checking = Instant::now();
-                    let oversized = oversized_offer(&msg, self.peer_max_frame);
-                    if let Message::Offer(offer) = &msg
-                        && offer.layout.block_list().is_some()
-                    {
-                        tracing::trace!(
-                            target: crate::TRACE_BLOCKS,
-                            op = offer.transfer,
-                            us = checking.elapsed().as_micros() as u64,
-                            "offer's size checked against the peer's max_frame"
-                        );
-                    }
-                    if let Some((op, why)) = oversized {
+                    if let Some((op, why)) = oversized_offer(&msg, self.peer_max_frame) {
                         // Refused here, before the writer would refuse it and end the link.
                         self.session.handle_unsendable(op, why);
                         continue;
