@@ -464,13 +464,6 @@ fn pull_pooled(
     }
     let total = started.elapsed();
     tracing::trace!(
-        bytes = len,
-        cached = hit,
-        import_us = imported_at.as_micros() as u64,
-        total_us = total.as_micros() as u64,
-        "pulled"
-    );
-    tracing::trace!(
         target: crate::TRACE_BLOCKS,
         blocks = crate::block_count(layout),
         runs = boxes.as_ref().map_or(0, Vec::len),
