@@ -138,32 +138,39 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
     }
 }
 
-/// `--layout blocks:SIZE:COUNT` over tcp: the blocks' bytes three ways (one block list,
-/// contiguous, one transfer per block), each checked by the peer, and the two ratios.
-#[test]
-fn blocks_layout_prints_three_rows_and_their_ratios() {
+/// Runs `ferry bench ARGS` (logs at warn), asserts that it succeeded, and returns its
+/// standard output.
+fn bench_ok(args: &[&str]) -> String {
     let out = Command::new(common::ferry_bin())
-        .args([
-            "bench",
-            "--layout",
-            "blocks:4K:32",
-            "-n",
-            "3",
-            "-w",
-            "1",
-            "--window",
-            "2",
-        ])
+        .arg("bench")
+        .args(args)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .output()
         .expect("run ferry bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+/// `--layout blocks:SIZE:COUNT` over tcp: the blocks' bytes three ways (one block list,
+/// contiguous, one transfer per block), each checked by the peer, and the two ratios.
+#[test]
+fn blocks_layout_prints_three_rows_and_their_ratios() {
+    let stdout = bench_ok(&[
+        "--layout",
+        "blocks:4K:32",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--window",
+        "2",
+    ]);
     assert!(
         stdout.contains("# blocks: 32 blocks of 4096 bytes")
             && stdout.contains("of a pool of 524288 bytes"),
@@ -211,32 +218,20 @@ fn named_rows<'a>(stdout: &'a str, name: &str) -> Vec<Vec<&'a str>> {
 /// single-flight gain; `--fetchers 0` is refused before anything starts.
 #[test]
 fn fetchers_rows_and_the_single_flight_gain() {
-    let out = Command::new(common::ferry_bin())
-        .args([
-            "bench",
-            "--fetchers",
-            "4",
-            "-b",
-            "4K",
-            "-e",
-            "256K",
-            "-f",
-            "64",
-            "-n",
-            "3",
-            "-w",
-            "1",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = bench_ok(&[
+        "--fetchers",
+        "4",
+        "-b",
+        "4K",
+        "-e",
+        "256K",
+        "-f",
+        "64",
+        "-n",
+        "3",
+        "-w",
+        "1",
+    ]);
     assert!(stdout.contains("chose tcp"), "{stdout}");
     // Each row: the bytes, fetchers, flights and joined fetches a round, the time of a
     // round, GB/s, two latencies, and no buffer wrong; one row a size.
@@ -399,32 +394,20 @@ fn ucx_bench_runs_next_to_ucx_s_own_read_loop() {
         println!("skipped: UCX does not load here (set FERRY_UCX_TESTS=1 to require it)");
         return;
     }
-    let out = Command::new(common::ferry_bin())
-        .args([
-            "bench",
-            "--transport",
-            "ucx",
-            "-b",
-            "4K",
-            "-e",
-            "1M",
-            "-f",
-            "16",
-            "-n",
-            "8",
-            "-w",
-            "2",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = bench_ok(&[
+        "--transport",
+        "ucx",
+        "-b",
+        "4K",
+        "-e",
+        "1M",
+        "-f",
+        "16",
+        "-n",
+        "8",
+        "-w",
+        "2",
+    ]);
     assert!(stdout.contains("chose ucx"), "{stdout}");
     assert!(stdout.contains("UCX's own ucp_get loop"), "{stdout}");
     let rows: Vec<&str> = stdout
