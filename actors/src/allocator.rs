@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -33,10 +33,16 @@ struct ReturnedBytes {
     wake: Notify,
 }
 
+impl ReturnedBytes {
+    fn release_bytes(&self, bytes: u64) {
+        self.bytes.fetch_add(bytes, Ordering::AcqRel);
+        self.wake.notify_one();
+    }
+}
+
 impl Releaser for ReturnedBytes {
     fn release(&self, lease: &Lease) {
-        self.bytes.fetch_add(lease.len, Ordering::AcqRel);
-        self.wake.notify_one();
+        self.release_bytes(lease.len);
     }
 }
 
@@ -166,50 +172,86 @@ pub struct DevicePool {
     pub stream: Stream,
 }
 
-/// The allocator actor of one domain.
-pub struct Allocator {
+/// One domain's budget and the way its memory is made, shared by its actor and the
+/// threads that reserve at once ([`Domain::try_now`]: a lane thread, a blocking copy).
+/// The actor alone queues reservations, times them out and tracks exports; a reservation
+/// that fits now, with nobody waiting ahead of it, needs no message.
+pub struct Domain {
     kind: MemoryKind,
-    device: Option<DevicePool>,
-    budget: Budget,
-    exports: Exports<SharedBytes>,
+    device: OnceLock<DevicePool>,
+    budget: Mutex<Budget>,
     returned: Arc<ReturnedBytes>,
-    home: Option<Arc<dyn MemoryHome>>,
-    next_id: u64,
-    waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
-    timer: DeadlineTimer,
+    home: OnceLock<Arc<dyn MemoryHome>>,
+    next_id: AtomicU64,
 }
 
-impl Allocator {
-    /// A domain of `kind` with a budget of `capacity` bytes, room for `queue_cap` waiting
-    /// reservations, and exports quarantined for `lease_timeout` after their peer died.
-    pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize, lease_timeout: Duration) -> Self {
-        Self {
-            kind,
-            device: None,
-            budget: Budget::new(capacity, queue_cap),
-            exports: Exports::new(lease_timeout),
-            returned: Arc::default(),
-            home: None,
-            next_id: 1,
-            waiting: HashMap::new(),
-            timer: DeadlineTimer::default(),
-        }
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Domain").field("kind", &self.kind).finish()
+    }
+}
+
+impl Domain {
+    fn budget(&self) -> std::sync::MutexGuard<'_, Budget> {
+        self.budget.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A GPU domain: memory comes from `device`'s pool, under the same budget rules.
-    pub fn with_device(mut self, device: DevicePool) -> Self {
-        self.device = Some(device);
-        self
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Reserves every part now, on the caller's thread (a device allocation included), or
+    /// answers `Ok(None)`: the parts do not fit now, or reservations wait ahead of them
+    /// (then only the actor's queue keeps their order). Never call it on the actor thread
+    /// for device memory: the allocation waits for its stream.
+    ///
+    /// # Errors
+    /// The request is larger than the whole budget, or the GPU refused the allocation.
+    pub fn try_now(&self, parts: &[u64]) -> Result<Option<Vec<Buffer>>, Error> {
+        self.try_now_on(parts, None)
+    }
+
+    /// [`Self::try_now`], device memory allocated in order on `on` when it is a stream of
+    /// this domain's GPU: usable by work queued on `on` next, without waiting for the
+    /// allocation, and by anything else once that work is waited for (a copy into the
+    /// buffer on that stream needs no other ordering: the buffer is freed on it too).
+    ///
+    /// # Errors
+    /// As [`Self::try_now`].
+    pub fn try_now_on(
+        &self,
+        parts: &[u64],
+        on: Option<&ferry_transports::cuda::Stream>,
+    ) -> Result<Option<Vec<Buffer>>, Error> {
+        let granted = {
+            let mut budget = self.budget();
+            if budget.stats().waiting == 0 {
+                // Nobody waits, so bytes given back grant nothing the actor must hear of.
+                let bytes = self.returned.bytes.swap(0, Ordering::AcqRel);
+                if bytes > 0 {
+                    budget.handle_release(bytes);
+                }
+            }
+            budget.handle_try_reserve(parts)
+        };
+        match granted {
+            Ok(true) => self.grant(parts, on).map(Some),
+            Ok(false) => Ok(None),
+            Err(e) => Err(refusal(self.kind, parts, e)),
+        }
     }
 
     /// Makes buffers for `parts`, already counted as granted. A device allocation can still
     /// fail (another process filled the GPU): then every part is given back and the error
     /// says why.
-    fn grant(&mut self, parts: &[u64]) -> Result<Vec<Buffer>, Error> {
+    fn grant(
+        &self,
+        parts: &[u64],
+        on: Option<&ferry_transports::cuda::Stream>,
+    ) -> Result<Vec<Buffer>, Error> {
         let mut buffers = Vec::with_capacity(parts.len());
         for (i, &len) in parts.iter().enumerate() {
-            let id = self.next_id;
-            self.next_id += 1;
+            let id = self.next_id();
             let lease = Lease {
                 kind: self.kind,
                 id: BufferId(id),
@@ -217,48 +259,24 @@ impl Allocator {
                 len,
             };
             let releaser: Arc<dyn Releaser> = self.returned.clone();
-            let Some(device) = &self.device else {
-                buffers.push(Buffer::with_home(lease, releaser, self.home.clone()));
+            let home = self.home.get().cloned();
+            let Some(device) = self.device.get() else {
+                buffers.push(Buffer::with_home(lease, releaser, home));
                 continue;
             };
             // A zero-length device buffer takes no device memory: host bytes stand in.
             if len == 0 {
-                buffers.push(Buffer::with_home(lease, releaser, self.home.clone()));
+                buffers.push(Buffer::with_home(lease, releaser, home));
                 continue;
             }
-            let allocated = usize::try_from(len)
-                .map_err(|_| format!("{len} bytes do not fit the address space"))
-                .and_then(|n| {
-                    let started = Instant::now();
-                    let memory = device
-                        .pool
-                        .alloc(n, &device.stream)
-                        .map_err(|e| e.to_string())?;
-                    // Usable from every stream (and exportable) once the allocation is done.
-                    // Polled: the stream usually holds only allocations and frees whose
-                    // copies have ended (a buffer dropped mid-copy makes it wait for that
-                    // copy), so the wait is short and a blocking wait's wake-up would cost
-                    // more than it (see `cuda::Wait::Spin`).
-                    device.stream.spin().map_err(|e| e.to_string())?;
-                    tracing::trace!(
-                        bytes = n,
-                        us = started.elapsed().as_micros() as u64,
-                        "device allocation"
-                    );
-                    Ok(memory)
-                });
-            match allocated {
-                Ok(memory) => buffers.push(Buffer::new_device(
-                    lease,
-                    memory,
-                    releaser,
-                    self.home.clone(),
-                )),
+            match allocate(device, len, on) {
+                Ok(memory) => buffers.push(Buffer::new_device(lease, memory, releaser, home)),
                 Err(detail) => {
                     // The buffers made so far give their bytes back as they drop; the
-                    // parts never made are given back here.
+                    // parts never made go back the same way, so the actor hears of them
+                    // (they may grant a waiting reservation).
                     let never: u64 = parts[i..].iter().sum();
-                    self.budget.handle_release(never);
+                    self.returned.release_bytes(never);
                     metrics::counter!("ferry_device_alloc_failures_total").increment(1);
                     return Err(Error::NoMemory {
                         kind: self.kind,
@@ -271,18 +289,115 @@ impl Allocator {
         }
         Ok(buffers)
     }
+}
+
+/// `len` bytes from the device's pool: usable from every stream once this returns, or,
+/// allocated `on` a stream of the device, by the work queued on it next.
+fn allocate(
+    device: &DevicePool,
+    len: u64,
+    on: Option<&ferry_transports::cuda::Stream>,
+) -> Result<ferry_transports::cuda::DeviceBuffer, String> {
+    let n =
+        usize::try_from(len).map_err(|_| format!("{len} bytes do not fit the address space"))?;
+    let started = Instant::now();
+    if let Some(stream) = on.filter(|s| s.device().same_as(device.stream.device())) {
+        // Stream-ordered: the caller's next work on `stream` follows the allocation.
+        return device.pool.alloc(n, stream).map_err(|e| e.to_string());
+    }
+    let memory = device
+        .pool
+        .alloc(n, &device.stream)
+        .map_err(|e| e.to_string())?;
+    // Usable from every stream (and exportable) once the allocation is done. Polled: the
+    // stream usually holds only allocations and frees whose copies have ended (a buffer
+    // dropped mid-copy makes it wait for that copy), so the wait is short and a blocking
+    // wait's wake-up would cost more than it (see `cuda::Wait::Spin`).
+    device.stream.spin().map_err(|e| e.to_string())?;
+    tracing::trace!(
+        bytes = n,
+        us = started.elapsed().as_micros() as u64,
+        "device allocation"
+    );
+    Ok(memory)
+}
+
+/// Why a domain refused a reservation outright.
+fn refusal(kind: MemoryKind, parts: &[u64], e: crate::core::budget::ReserveError) -> Error {
+    use crate::core::budget::ReserveError;
+    Error::NoMemory {
+        kind,
+        len: parts.iter().fold(0u64, |a, p| a.saturating_add(*p)),
+        cause: match e {
+            ReserveError::TooLarge { .. } => crate::error::NoMemoryCause::LargerThanBudget,
+            ReserveError::QueueFull(_) => crate::error::NoMemoryCause::QueueFull,
+        },
+        detail: e.to_string(),
+    }
+}
+
+/// The allocator actor of one domain.
+pub struct Allocator {
+    domain: Arc<Domain>,
+    exports: Exports<SharedBytes>,
+    next_id: u64,
+    waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
+    timer: DeadlineTimer,
+}
+
+impl Allocator {
+    /// A domain of `kind` with a budget of `capacity` bytes, room for `queue_cap` waiting
+    /// reservations, and exports quarantined for `lease_timeout` after their peer died.
+    pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize, lease_timeout: Duration) -> Self {
+        Self {
+            domain: Arc::new(Domain {
+                kind,
+                device: OnceLock::new(),
+                budget: Mutex::new(Budget::new(capacity, queue_cap)),
+                returned: Arc::default(),
+                home: OnceLock::new(),
+                next_id: AtomicU64::new(1),
+            }),
+            exports: Exports::new(lease_timeout),
+            next_id: 1,
+            waiting: HashMap::new(),
+            timer: DeadlineTimer::default(),
+        }
+    }
+
+    /// A GPU domain: memory comes from `device`'s pool, under the same budget rules.
+    pub fn with_device(self, device: DevicePool) -> Self {
+        // A fresh domain: its device is not set yet.
+        let _ = self.domain.device.set(device);
+        self
+    }
+
+    /// The shared part, for reservations made at once off the actor thread.
+    pub fn domain(&self) -> Arc<Domain> {
+        Arc::clone(&self.domain)
+    }
+
+    /// Starts the actor with a mailbox of `mailbox` messages.
+    pub fn launch(self, mailbox: usize) -> DomainHandle {
+        let domain = self.domain();
+        let actor = Allocator::create(move |ctx| {
+            ctx.set_mailbox_capacity(mailbox);
+            self
+        });
+        DomainHandle { actor, domain }
+    }
 
     /// Hands `parts` (already counted as granted) to `claim`, or takes them back.
     fn deliver(&mut self, parts: &[u64], claim: &Claim) {
         if claim.is_taken() {
-            self.budget.handle_release(parts.iter().sum());
+            self.domain.budget().handle_release(parts.iter().sum());
             return;
         }
-        match self.grant(parts) {
+        match self.domain.grant(parts, None) {
             // Buffers that come back are dropped here, which releases them.
             Ok(buffers) => drop(claim.deliver(buffers)),
             Err(e) => {
-                tracing::warn!(domain = %self.kind, error = %e, "a waiting reservation failed")
+                tracing::warn!(domain = %self.domain.kind, error = %e, "a waiting reservation failed")
             }
         }
     }
@@ -298,11 +413,14 @@ impl Allocator {
         for id in stale {
             // One the budget granted already has its event pending: the event loop below
             // gives that grant back. Only one still queued is withdrawn here.
-            if self.budget.handle_withdraw(id) {
+            let withdrawn = self.domain.budget().handle_withdraw(id);
+            if withdrawn {
                 self.waiting.remove(&id);
             }
         }
-        while let Some(ev) = self.budget.poll_event() {
+        loop {
+            let event = self.domain.budget().poll_event();
+            let Some(ev) = event else { break };
             match ev {
                 ReservationEvent::Granted(id) => {
                     if let Some((parts, claim)) = self.waiting.remove(&id) {
@@ -324,7 +442,7 @@ impl Allocator {
 
     fn stats(&self) -> DomainStats {
         DomainStats {
-            budget: self.budget.stats(),
+            budget: self.domain.budget().stats(),
             exports: self.exports.stats(),
         }
     }
@@ -332,7 +450,7 @@ impl Allocator {
     /// Sets the domain's memory gauges.
     fn publish_gauges(&self) {
         let stats = self.stats();
-        let domain = self.kind.to_string();
+        let domain = self.domain.kind.to_string();
         let set = |name: &'static str, value: u64| {
             metrics::gauge!(name, "domain" => domain.clone()).set(value as f64);
         };
@@ -346,7 +464,8 @@ impl Allocator {
 
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
         let next = self
-            .budget
+            .domain
+            .budget()
             .poll_timeout()
             .into_iter()
             .chain(self.exports.poll_timeout())
@@ -356,7 +475,7 @@ impl Allocator {
             next,
             |a| &mut a.timer,
             |act, now, ctx| {
-                act.budget.handle_timeout(now);
+                act.domain.budget().handle_timeout(now);
                 act.exports.handle_timeout(now);
                 act.drive(ctx);
             },
@@ -364,9 +483,9 @@ impl Allocator {
     }
 
     fn collect_returned(&mut self) {
-        let bytes = self.returned.bytes.swap(0, Ordering::AcqRel);
+        let bytes = self.domain.returned.bytes.swap(0, Ordering::AcqRel);
         if bytes > 0 {
-            self.budget.handle_release(bytes);
+            self.domain.budget().handle_release(bytes);
         }
     }
 }
@@ -376,7 +495,7 @@ impl Actor for Allocator {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.publish_gauges();
-        let returned = Arc::clone(&self.returned);
+        let returned = Arc::clone(&self.domain.returned);
         let me = ctx.address();
         // Collects returned bytes; ends when the actor stops.
         actix::spawn(async move {
@@ -394,7 +513,7 @@ impl Actor for Allocator {
 impl Handler<Returned> for Allocator {
     type Result = ();
     fn handle(&mut self, msg: Returned, ctx: &mut Self::Context) {
-        self.budget.handle_release(msg.0);
+        self.domain.budget().handle_release(msg.0);
         self.drive(ctx);
     }
 }
@@ -404,33 +523,18 @@ impl Handler<Reserve> for Allocator {
 
     fn handle(&mut self, msg: Reserve, ctx: &mut Self::Context) -> Self::Result {
         self.collect_returned();
-        let total: u64 = msg.parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
-        let refused = |e: crate::core::budget::ReserveError| Error::NoMemory {
-            kind: self.kind,
-            len: total,
-            cause: match e {
-                crate::core::budget::ReserveError::TooLarge { .. } => {
-                    crate::error::NoMemoryCause::LargerThanBudget
-                }
-                crate::core::budget::ReserveError::QueueFull(_) => {
-                    crate::error::NoMemoryCause::QueueFull
-                }
-            },
-            detail: e.to_string(),
-        };
         let result = match msg.wait {
-            Wait::No => match self.budget.handle_try_reserve(&msg.parts) {
-                Ok(true) => self.grant(&msg.parts).map(Some),
-                Ok(false) => Ok(None),
-                Err(e) => Err(refused(e)),
-            },
+            Wait::No => self.domain.try_now(&msg.parts),
             Wait::Claim(claim) => {
                 let id = ReservationId(self.next_id);
                 self.next_id += 1;
-                match self
-                    .budget
-                    .handle_reserve(Instant::now(), id, &msg.parts, msg.deadline)
-                {
+                let reserved = self.domain.budget().handle_reserve(
+                    Instant::now(),
+                    id,
+                    &msg.parts,
+                    msg.deadline,
+                );
+                match reserved {
                     Ok(Reserved::Now) => {
                         self.deliver(&msg.parts, &claim);
                         Ok(None)
@@ -439,7 +543,7 @@ impl Handler<Reserve> for Allocator {
                         self.waiting.insert(id, (msg.parts, claim));
                         Ok(None)
                     }
-                    Err(e) => Err(refused(e)),
+                    Err(e) => Err(refusal(self.domain.kind, &msg.parts, e)),
                 }
             }
         };
@@ -488,7 +592,28 @@ impl Handler<PeerGone> for Allocator {
 impl Handler<SetHome> for Allocator {
     type Result = ();
     fn handle(&mut self, msg: SetHome, _: &mut Self::Context) {
-        self.home = Some(msg.0);
+        // Set once, at start.
+        let _ = self.domain.home.set(msg.0);
+    }
+}
+
+/// A started domain: its actor, and the part reservations made at once share with it.
+#[derive(Debug, Clone)]
+pub struct DomainHandle {
+    /// The allocator actor.
+    pub actor: Addr<Allocator>,
+    /// Its budget and memory.
+    pub domain: Arc<Domain>,
+}
+
+impl DomainHandle {
+    /// This domain as a tier of `kind` memory.
+    pub fn tier(&self) -> Tier {
+        Tier {
+            kind: self.domain.kind,
+            allocator: self.actor.clone().recipient(),
+            domain: Arc::downgrade(&self.domain),
+        }
     }
 }
 
@@ -499,6 +624,41 @@ pub struct Tier {
     pub kind: MemoryKind,
     /// Its allocator.
     pub allocator: Recipient<Reserve>,
+    /// Its budget and memory, for reservations made at once. Weak: buffers reach their
+    /// tiers through the node's memory home, which the domain holds (a strong reference
+    /// would keep the domain, and a GPU's pool, alive forever).
+    pub domain: std::sync::Weak<Domain>,
+}
+
+/// Reserves every part in the first tier that can grant them all now, in order, on the
+/// caller's thread with no message to any actor (device memory in order `on` a stream of
+/// its GPU, when given: see [`Domain::try_now_on`]); `Ok(None)` when none can now (then
+/// [`reserve_in_tiers`] waits). A tier that refuses outright is passed over: the waiting
+/// path names its reason. Blocking for device memory: never on the actor thread.
+///
+/// # Errors
+/// The GPU refused an allocation the budget granted.
+pub fn reserve_now_in_tiers(
+    tiers: &[Tier],
+    parts: &[u64],
+    on: Option<&ferry_transports::cuda::Stream>,
+) -> Result<Option<Vec<Buffer>>, Error> {
+    for tier in tiers {
+        // A domain gone: the node is shutting down (the waiting path says so).
+        let Some(domain) = tier.domain.upgrade() else {
+            return Ok(None);
+        };
+        match domain.try_now_on(parts, on) {
+            Ok(Some(buffers)) => return Ok(Some(buffers)),
+            Ok(None) => {}
+            Err(Error::NoMemory {
+                cause: crate::error::NoMemoryCause::LargerThanBudget,
+                ..
+            }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
 }
 
 /// Reserves every part in the first tier that can grant them all now, in order; if none

@@ -432,6 +432,26 @@ impl Coordinator {
         self.route(peer, bytes, src, dst, None)
     }
 
+    /// Which sizes of contiguous device buffer the rules send to `peer` over ipc by pull:
+    /// what its lane may carry. The route is asked once per range of sizes the rules make.
+    fn lane_routes(&self, peer: &str) -> crate::lane::LaneRoutes {
+        let rules = &self.setup.config.transport.rules;
+        let ranges = crate::lane::LaneRoutes::bounds(rules)
+            .into_iter()
+            .map(|start| {
+                let chosen = self
+                    .route(peer, start, MemoryClass::Device, None, None)
+                    .chosen;
+                let lane = chosen.is_some_and(|r| {
+                    r.transport == ferry_config::TransportName::Ipc
+                        && r.direction == ferry_config::Direction::Pull
+                });
+                (start, lane)
+            })
+            .collect();
+        crate::lane::LaneRoutes::new(ranges)
+    }
+
     /// The route of a transfer; with `failed`, as if that transport's setup with the peer
     /// had failed (the route a transfer falls back to). `dst` as for [`Self::explain`].
     fn route(
@@ -1057,10 +1077,22 @@ impl Handler<IpcSettled> for Coordinator {
     type Result = ();
 
     fn handle(&mut self, msg: IpcSettled, _: &mut Self::Context) {
-        if let Some(s) = self.sessions.get_mut(&msg.peer)
-            && s.epoch == msg.epoch
-        {
-            s.ipc = Some(msg.outcome);
+        let Some(s) = self.sessions.get_mut(&msg.peer) else {
+            return;
+        };
+        if s.epoch != msg.epoch {
+            return;
+        }
+        let ok = msg.outcome == crate::core::ipc_setup::SetupOutcome::Ok;
+        s.ipc = Some(msg.outcome);
+        let lane = self
+            .setup
+            .transfer
+            .lanes
+            .get(&msg.peer)
+            .map(|l| Arc::clone(&l));
+        if let Some(lane) = lane.filter(|_| ok) {
+            lane.set_routes(self.lane_routes(&msg.peer));
         }
     }
 }

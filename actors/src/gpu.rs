@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use actix::Addr;
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
     POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_boxes_async,
@@ -21,7 +20,6 @@ use ferry_transports::link::Secret;
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::wire::{IpcBufferRef, IpcSource, Layout, LayoutError, RowBox};
 
-use crate::allocator::Allocator;
 use crate::core::handle_cache::{AllocationKey, HandleCache, Lookup};
 
 /// Why an ipc import, export or copy failed.
@@ -62,7 +60,7 @@ pub struct Gpu {
     /// The device.
     pub device: Device,
     /// Its allocator (the `device{n}` domain).
-    pub allocator: Addr<Allocator>,
+    pub allocator: crate::allocator::DomainHandle,
     /// The stream pulls into this device's memory are copied on.
     pub copy_stream: Stream,
     /// The stream of small pulls copied on the actor thread: apart from `copy_stream`, so
@@ -356,14 +354,63 @@ pub fn pull(
     if dst.is_empty() {
         return Ok(dst);
     }
+    let how = if express { How::Express } else { How::Wait };
     let result = match source.legacy {
-        None => pull_pooled(source, layout, pools, imports, gpus, &mut dst, express),
+        None => pull_pooled(source, layout, pools, imports, gpus, &mut dst, how).map(drop),
         Some(buffer_id) => pull_registered(source, layout, buffer_id, imports, gpus, &mut dst),
     };
     match result {
         Ok(()) => Ok(dst),
         Err(why) => Err((dst, why)),
     }
+}
+
+/// A pull whose copy was queued and not waited for ([`queue_pull`]).
+#[derive(Debug)]
+pub struct QueuedPull {
+    /// Where the bytes land.
+    pub dst: Buffer,
+    /// The stream the copy is queued on; `None` when it was copied and waited for already.
+    pub stream: Option<Stream>,
+}
+
+/// A contiguous [`pull`] that queues its copy on the express stream and returns without
+/// waiting: the caller records an event on [`QueuedPull::stream`] and waits for that, so
+/// that several pulls are in flight at once. The import stays mapped until the copy ends:
+/// the peer cannot free the buffer before we finish its transfer, and an eviction waits
+/// for every copy in flight. Memory the peer registered is copied and waited for at once.
+/// Blocking (briefly): call it off the actor thread.
+///
+/// # Errors
+/// As [`pull`].
+pub fn queue_pull(
+    source: &IpcSource,
+    pools: &ImportedPools,
+    imports: &std::sync::Mutex<ImportCache>,
+    gpus: &Gpus,
+    dst: Buffer,
+) -> Result<QueuedPull, (Buffer, IpcError)> {
+    if dst.is_empty() || source.legacy.is_some() {
+        return pull(source, &Layout::Contiguous, pools, imports, gpus, dst, true)
+            .map(|dst| QueuedPull { dst, stream: None });
+    }
+    let mut dst = dst;
+    let layout = Layout::Contiguous;
+    match pull_pooled(source, &layout, pools, imports, gpus, &mut dst, How::Queue) {
+        Ok(stream) => Ok(QueuedPull { dst, stream }),
+        Err(why) => Err((dst, why)),
+    }
+}
+
+/// How a pooled pull waits for its copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// A few bytes: polled under the import lock, on the express stream.
+    Express,
+    /// Queued on the copy stream, waited for outside the lock.
+    Wait,
+    /// Queued on the express stream, not waited for.
+    Queue,
 }
 
 fn pull_pooled(
@@ -373,8 +420,8 @@ fn pull_pooled(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     dst: &mut Buffer,
-    express: bool,
-) -> Result<(), IpcError> {
+    how: How,
+) -> Result<Option<Stream>, IpcError> {
     let len = dst.len();
     let pool = pools.get(&source.device_uuid).ok_or_else(|| {
         IpcError::BadDescriptor(format!(
@@ -432,11 +479,12 @@ fn pull_pooled(
     let imported_at = started.elapsed();
     // When the copy was queued, once it was (`None`: copied and waited for at once).
     let mut queued_at = None;
+    let mut queued = None;
     let Some((imported, last)) = cache.entries.get_mut(&key) else {
         return Err(IpcError::Gone("the import vanished".into()));
     };
     *last = tick;
-    if express
+    if how == How::Express
         && boxes.is_none()
         && let Some(memory) = dst.device_memory_mut()
     {
@@ -449,18 +497,23 @@ fn pull_pooled(
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
         let at = imported.device_ptr();
+        let express = how != How::Wait;
         let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
         drop(cache);
         queued_at = Some(started.elapsed());
-        finish_copy(&stream).inspect_err(|e| {
-            tracing::debug!(
-                error = %e,
-                buffer = key.buffer,
-                at = format_args!("{at:#x}+{offset}"),
-                bytes = len,
-                "a pull's copy failed"
-            )
-        })?;
+        if how == How::Queue {
+            queued = Some(stream);
+        } else {
+            finish_copy(&stream).inspect_err(|e| {
+                tracing::debug!(
+                    error = %e,
+                    buffer = key.buffer,
+                    at = format_args!("{at:#x}+{offset}"),
+                    bytes = len,
+                    "a pull's copy failed"
+                )
+            })?;
+        }
     }
     let total = started.elapsed();
     tracing::trace!(
@@ -477,7 +530,7 @@ fn pull_pooled(
         total_us = total.as_micros() as u64,
         "pull copied: span (layout to runs), lock, import, queue (the gather), wait (sync)"
     );
-    Ok(())
+    Ok(queued)
 }
 
 /// The pull of memory the peer registered: its allocation is mapped from the legacy IPC

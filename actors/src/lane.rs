@@ -1,11 +1,12 @@
-//! The same-host fast lane: small device-memory sends to a peer process of this host,
-//! without a socket or an actor hop.
+//! The same-host lane: device-memory sends to a peer process of this host, without a socket
+//! or an actor hop. It is how ipc pulls contiguous device buffers, of every size.
 //!
-//! The slow path of an 8-byte ipc send crosses eight thread hand-offs (caller → actor → I/O
+//! The socket path of an ipc send crosses eight thread hand-offs (caller → actor → I/O
 //! thread → socket → the peer's I/O thread → its actor, and back for `Done`) and waits for a
-//! device allocation: about 110 µs per round trip on the H200. The lane replaces that, for
-//! sends of at most `transport.ipc.lane_max` bytes once the ipc setup with the peer is done,
-//! with:
+//! device allocation through the domain's actor: about 110 µs per round trip on the H200,
+//! 150 µs on the H100. The lane replaces that, for contiguous device buffers the routing
+//! rules send over ipc by pull (and of at most `transport.ipc.lane_max` bytes), once the ipc
+//! setup with the peer is done, with:
 //!
 //! - a ring of slots in shared memory ([`Ring`]), one per direction, made by the sender
 //!   during the ipc setup and fetched by the receiver from the sender's fd-sharing socket;
@@ -13,9 +14,13 @@
 //!   into the next slot; a watcher thread sees the receiver finish it and completes the
 //!   send (the receiver's outcome, or its reason, comes back in the slot);
 //! - on the receiver, a lane thread polls the ring, pulls each buffer with one peer copy
-//!   into memory allocated ahead (after the first record, 4 buffers of `lane_max` bytes
-//!   from the receive tiers, refilled in the background), and delivers it to the inbox
-//!   itself.
+//!   and delivers it to the inbox itself. A buffer of at most 64 KiB lands in memory
+//!   allocated ahead (after the first record, 4 buffers of 64 KiB from the receive tiers,
+//!   refilled in the background); a larger one is reserved on the lane thread
+//!   ([`reserve_now_in_tiers`]: no actor, the device allocation made there), or, when no
+//!   tier can grant it now, waits for memory like any receive. What the lane delivered and
+//!   the application did not take yet counts against the peer's share
+//!   (`limits.peer_inbound_bytes`): past it, the lane waits.
 //!
 //! Both threads spin for `transport.ipc.lane_spin` after the last record, then park on a
 //! futex in the ring: a busy lane makes no system call, an idle one costs nothing.
@@ -38,12 +43,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ferry_transports::cuda::{Device, Event};
 use ferry_transports::link::ring::{ConsumerRefused, Ring};
 use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
 use ferry_transports::wire::{LaneRecord, Layout};
 use tokio::sync::{Notify, oneshot};
 
-use crate::allocator::{Tier, reserve_in_tiers};
+use crate::allocator::{Tier, reserve_in_tiers, reserve_now_in_tiers};
 use crate::error::{Error, SendError};
 use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
 use crate::inbox::Inbox;
@@ -54,13 +60,19 @@ pub const LANE_SLOTS: u32 = 64;
 pub const LANE_SLOT_LEN: u32 = 512;
 /// Receive buffers a lane keeps allocated ahead.
 const AHEAD: usize = 4;
+/// Their size: records of at most this many bytes land in them; larger ones are reserved
+/// when they arrive.
+pub const AHEAD_LEN: usize = 64 << 10;
+/// How often a lane held back by the peer's share looks again.
+const SHARE_RECHECK: Duration = Duration::from_micros(200);
 /// How long a parked lane thread sleeps before it looks at its stop flag again.
 const PARK: Duration = Duration::from_millis(20);
 
 /// The lane's settings (`transport.ipc.lane_max`, `transport.ipc.lane_spin`).
 #[derive(Debug, Clone, Copy)]
 pub struct LaneSettings {
-    /// Largest send that takes the lane; 0 turns the lane off.
+    /// Largest send this node puts on the lane; 0 turns the lane off. (A receiver takes
+    /// records of any size.)
     pub max: usize,
     /// How long a lane thread spins for the next record before it parks.
     pub spin: Duration,
@@ -222,6 +234,47 @@ impl Drop for Pending {
     }
 }
 
+// ---- which sends the rules give the lane ----
+
+/// Which sizes of contiguous device buffer the routing rules send to the peer over ipc by
+/// pull: the lane carries those and no other. Rules match sizes by ranges, so the answer
+/// is constant between their bounds: one entry per range, by its first size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaneRoutes {
+    /// (first size of a range, whether the lane carries it), by first size, from 0.
+    ranges: Vec<(u64, bool)>,
+}
+
+impl LaneRoutes {
+    /// The bounds where a rule starts or stops matching (`min_bytes`, `max_bytes + 1`),
+    /// from 0: ask the route at each, then [`Self::new`].
+    pub fn bounds(rules: &[ferry_config::Rule]) -> Vec<u64> {
+        let mut bounds: Vec<u64> = std::iter::once(0)
+            .chain(rules.iter().map(|r| r.min_bytes))
+            .chain(
+                rules
+                    .iter()
+                    .filter_map(|r| r.max_bytes.and_then(|m| m.checked_add(1))),
+            )
+            .collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        bounds
+    }
+
+    /// The ranges from their first sizes (as [`Self::bounds`] gave them) and whether the
+    /// route at each takes the lane.
+    pub fn new(ranges: Vec<(u64, bool)>) -> Self {
+        Self { ranges }
+    }
+
+    /// Whether a send of `bytes` takes the lane.
+    pub fn takes(&self, bytes: u64) -> bool {
+        let i = self.ranges.partition_point(|(start, _)| *start <= bytes);
+        i > 0 && self.ranges[i - 1].1
+    }
+}
+
 // ---- sender ----
 
 type Completion = oneshot::Sender<Result<Buffer, (Buffer, ConsumerRefused)>>;
@@ -252,6 +305,8 @@ pub struct LaneTx {
     space: Notify,
     unmapper: Arc<dyn Unmapper>,
     stop: AtomicBool,
+    /// Set by the coordinator once the ipc setup settled; no send takes the lane before.
+    routes: std::sync::OnceLock<LaneRoutes>,
 }
 
 impl std::fmt::Debug for LaneTx {
@@ -280,6 +335,7 @@ impl LaneTx {
             space: Notify::new(),
             unmapper,
             stop: AtomicBool::new(false),
+            routes: std::sync::OnceLock::new(),
         });
         let watcher = Arc::clone(&tx);
         std::thread::Builder::new()
@@ -289,11 +345,20 @@ impl LaneTx {
         Ok(tx)
     }
 
+    /// Which sizes the rules send this way (the first call counts).
+    pub fn set_routes(&self, routes: LaneRoutes) {
+        let _ = self.routes.set(routes);
+    }
+
     /// True when `buffer` may take this lane.
     pub fn fits(&self, buffer: &Buffer) -> bool {
         matches!(buffer.kind(), MemoryKind::Device(_))
             && !buffer.is_empty()
             && buffer.len() <= self.settings.max
+            && self
+                .routes
+                .get()
+                .is_some_and(|r| r.takes(buffer.len() as u64))
             && self.state().closed.is_none()
     }
 
@@ -363,7 +428,25 @@ impl LaneTx {
         // The watcher may be parked with nothing outstanding.
         self.ring.wake_producer();
         tracing::trace!(peer = %self.peer, tag, us = started.elapsed().as_micros() as u64, "lane record published");
-        match tokio::time::timeout_at(deadline, done).await {
+        // The answer usually comes within the spin: polled, the task yielding to others in
+        // between, so no thread sleeps and none pays a wake-up for it.
+        let mut done = done;
+        let spin_until = Instant::now() + self.settings.spin;
+        let answer = loop {
+            match done.try_recv() {
+                Ok(answer) => break Ok(Ok(answer)),
+                Err(oneshot::error::TryRecvError::Closed) => break Ok(Err(())),
+                Err(oneshot::error::TryRecvError::Empty) if Instant::now() < spin_until => {
+                    tokio::task::yield_now().await;
+                }
+                Err(oneshot::error::TryRecvError::Empty) => {
+                    break tokio::time::timeout_at(deadline, done)
+                        .await
+                        .map(|r| r.map_err(drop));
+                }
+            }
+        };
+        match answer {
             Ok(Ok(Ok(buffer))) => Ok(buffer),
             Ok(Ok(Err((buffer, why)))) => fail(
                 Error::Transport {
@@ -494,6 +577,9 @@ pub struct RxContext {
     pub inbox: Arc<Inbox>,
     /// Where they land (the pulled transfers' tiers).
     pub tiers: Vec<Tier>,
+    /// The peer's share of our memory (`limits.peer_inbound_bytes`): what the lane
+    /// delivered and the application did not take stays under it.
+    pub share: u64,
     /// Slow transfers from this peer on their way to the inbox.
     pub undelivered: Undelivered,
     /// How long a reservation may wait.
@@ -554,6 +640,7 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
     let mut tail = 0u64;
     let mut record = Vec::with_capacity(ring.room());
     let mut idle_since = Instant::now();
+    let mut events = Events::default();
     loop {
         if stop.load(Ordering::SeqCst) {
             break;
@@ -576,26 +663,77 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext, ahead: &Ahead) {
             }
             continue;
         }
-        let outcome = match ring.read(tail, &mut record) {
-            Ok(()) => take(&record, cx, ahead, stop),
-            Err(e) => Err(TakeError::BadRecord(e.to_string())),
-        };
-        let outcome = outcome.map_err(|why| why.to_string());
-        if let Err(why) = &outcome {
-            tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
-            metrics::counter!("ferry_pull_failures_total").increment(1);
+        // Every record published so far (a batch at most) has its copy queued before the
+        // first is waited for, so the copies run back to back; each is then delivered and
+        // finished in order as its copy ends.
+        let mut batch: Vec<Result<Landing, TakeError>> = Vec::new();
+        for seq in tail..head.min(tail + BATCH) {
+            let first = batch.is_empty();
+            let started = match ring.read(seq, &mut record) {
+                Ok(()) => start(&record, cx, ahead, stop, first, &mut events),
+                Err(e) => Err(TakeError::BadRecord(e.to_string())),
+            };
+            match started {
+                // Waiting for memory or for the peer's share with copies in flight: those
+                // are delivered first (the application may be waiting for them).
+                Err(TakeError::NotNow) => break,
+                other => batch.push(other),
+            }
         }
-        ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
-        tail += 1;
+        for landing in batch {
+            let outcome = landing.and_then(|l| deliver(l, cx, ahead, stop, &mut events));
+            let outcome = outcome.map_err(|why| why.to_string());
+            if let Err(why) = &outcome {
+                tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
+                metrics::counter!("ferry_pull_failures_total").increment(1);
+            }
+            ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+            tail += 1;
+        }
         idle_since = Instant::now();
     }
     ring.close();
 }
 
+/// Records whose copies a lane queues before it waits for the first.
+const BATCH: u64 = 16;
+
+/// Events the lane records after each queued copy, reused.
+#[derive(Default)]
+struct Events(Vec<Event>);
+
+impl Events {
+    fn take(&mut self, device: &Device) -> Result<Event, TakeError> {
+        match self.0.iter().position(|e| e.device().same_as(device)) {
+            Some(i) => Ok(self.0.swap_remove(i)),
+            None => Event::new(device).map_err(driver("creating an event")),
+        }
+    }
+
+    fn give_back(&mut self, event: Event) {
+        if self.0.len() < BATCH as usize {
+            self.0.push(event);
+        }
+    }
+}
+
+/// A record whose copy is queued: its landing buffer, and what ends the copy.
+struct Landing {
+    tag: u64,
+    len: usize,
+    dst: Buffer,
+    /// Recorded after the copy on its stream; `None`: copied already.
+    copied: Option<Event>,
+    started: Instant,
+    /// When its landing was reserved, and its copy queued.
+    reserved: Duration,
+    queued: Duration,
+}
+
 /// Why a lane record was not taken (its words go back to the sender in the ring).
 #[derive(Debug, thiserror::Error)]
 enum TakeError {
-    /// The record is not one (or asks for more than the lane carries).
+    /// The record is not one.
     #[error("a bad lane record: {0}")]
     BadRecord(String),
     /// No memory to land it in.
@@ -610,46 +748,89 @@ enum TakeError {
     /// This end stopped.
     #[error("the receiver stopped")]
     Stopped,
+    /// Not in this batch: the record would wait (for memory, or for the peer's share)
+    /// while earlier records of the batch are not delivered yet. Never sent to the peer.
+    #[error("later")]
+    NotNow,
 }
 
-/// Pulls one record's buffer and delivers it.
-fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Result<(), TakeError> {
+/// Reserves one record's landing and queues its copy. Only the `first` of a batch may wait
+/// for memory or for the peer's share; a later one answers [`TakeError::NotNow`] instead.
+fn start(
+    bytes: &[u8],
+    cx: &RxContext,
+    ahead: &Ahead,
+    stop: &AtomicBool,
+    first: bool,
+    events: &mut Events,
+) -> Result<Landing, TakeError> {
     let started = Instant::now();
     let record = LaneRecord::decode(bytes).map_err(|e| TakeError::BadRecord(e.to_string()))?;
-    let len = usize::try_from(record.len).unwrap_or(usize::MAX);
-    if len == 0 || len > cx.settings.max {
-        return Err(TakeError::BadRecord(format!(
-            "a lane record of {len} bytes (this node takes 1 to {})",
-            cx.settings.max
-        )));
+    let len = usize::try_from(record.len)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| TakeError::BadRecord(format!("a lane record of {} bytes", record.len)))?;
+    if !share_allows(cx, record.len) {
+        if !first {
+            return Err(TakeError::NotNow);
+        }
+        wait_for_share(cx, record.len, stop)?;
     }
-    let ready = ahead.ready.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    let ready = (len <= AHEAD_LEN)
+        .then(|| ahead.ready.lock().unwrap_or_else(|p| p.into_inner()).pop())
+        .flatten();
     let mut dst = match ready {
         Some(b) => b,
-        None => {
-            // Every buffer allocated ahead is with the application: wait for memory like a
-            // slow transfer would (the sender waits meanwhile).
-            let deadline = Instant::now() + cx.reserve_timeout;
-            let want = cx.settings.max as u64;
-            let got = cx
-                .io
-                .block_on(reserve_in_tiers(&cx.tiers, &[want], deadline))?;
-            got.into_iter().next().ok_or(TakeError::NoneGranted)?
-        }
+        None => reserve(cx, record.len, first)?,
     };
     dst.truncate(len)
         .map_err(|e| TakeError::BadRecord(e.to_string()))?;
     let reserved = started.elapsed();
-    let buffer = crate::gpu::pull(
-        &record.source,
-        &Layout::Contiguous,
-        &cx.pools,
-        &cx.imports,
-        &cx.gpus,
+    let queued = crate::gpu::queue_pull(&record.source, &cx.pools, &cx.imports, &cx.gpus, dst)
+        .map_err(|(_, why)| why)?;
+    let copied = match &queued.stream {
+        Some(stream) => {
+            let event = events.take(stream.device())?;
+            event
+                .record(stream)
+                .map_err(driver("recording the copy's end"))?;
+            Some(event)
+        }
+        None => None,
+    };
+    Ok(Landing {
+        tag: record.tag,
+        len,
+        dst: queued.dst,
+        copied,
+        started,
+        reserved,
+        queued: started.elapsed(),
+    })
+}
+
+/// Waits for a landing's copy, then delivers it to the inbox.
+fn deliver(
+    landing: Landing,
+    cx: &RxContext,
+    ahead: &Ahead,
+    stop: &AtomicBool,
+    events: &mut Events,
+) -> Result<(), TakeError> {
+    let Landing {
+        tag,
+        len,
         dst,
-        true,
-    )
-    .map_err(|(_, why)| why)?;
+        copied,
+        started,
+        reserved,
+        queued,
+    } = landing;
+    if let Some(event) = copied {
+        let waited = spin_on(&event);
+        events.give_back(event);
+        waited.map_err(driver("copying from the peer"))?;
+    }
     let pulled = started.elapsed();
     // Slow transfers that completed before this record go first.
     while !cx.undelivered.is_clear() {
@@ -661,18 +842,85 @@ fn take(bytes: &[u8], cx: &RxContext, ahead: &Ahead, stop: &AtomicBool) -> Resul
     cx.inbox
         .claims(&cx.peer)
         .lane
-        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+        .fetch_add(dst.len() as u64, Ordering::Relaxed);
     cx.inbox
-        .deliver(&cx.peer, record.tag, "ipc", Layout::Contiguous, buffer);
+        .deliver(&cx.peer, tag, "ipc", Layout::Contiguous, dst);
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,
         reserve_us = reserved.as_micros() as u64,
-        pull_us = (pulled - reserved).as_micros() as u64,
+        queue_us = (queued - reserved).as_micros() as u64,
+        pull_us = (pulled - queued).as_micros() as u64,
         deliver_us = (started.elapsed() - pulled).as_micros() as u64,
         "lane record delivered"
     );
-    refill(cx, ahead);
+    if len <= AHEAD_LEN {
+        refill(cx, ahead);
+    }
+    Ok(())
+}
+
+/// A driver error at `step` of a lane pull.
+fn driver(step: &'static str) -> impl FnOnce(ferry_transports::cuda::CudaError) -> TakeError {
+    move |source| TakeError::Pull(crate::gpu::IpcError::Driver { step, source })
+}
+
+/// Polls `event` until its copy ended (a lane thread is for this), for a second at most,
+/// then waits in the driver.
+fn spin_on(event: &Event) -> Result<(), ferry_transports::cuda::CudaError> {
+    let started = Instant::now();
+    while !event.query()? {
+        if started.elapsed() > Duration::from_secs(1) {
+            return event.synchronize();
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
+}
+
+/// `len` bytes in the first receive tier that grants them now, on this thread; else, when
+/// it may `wait`, waits for memory like any receive would (the sender waits meanwhile).
+fn reserve(cx: &RxContext, len: u64, wait: bool) -> Result<Buffer, TakeError> {
+    // Device memory is allocated in order on the stream the copy goes on: no wait for the
+    // allocation, and no use to record for the copy (the buffer is freed on it too).
+    let express = cx.tiers.iter().find_map(|t| match t.kind {
+        MemoryKind::Device(n) => cx.gpus.get(n).map(|g| g.express_stream.clone()),
+        _ => None,
+    });
+    let got = match reserve_now_in_tiers(&cx.tiers, &[len], express.as_ref())? {
+        Some(got) => got,
+        None if !wait => return Err(TakeError::NotNow),
+        None => {
+            let deadline = Instant::now() + cx.reserve_timeout;
+            cx.io
+                .block_on(reserve_in_tiers(&cx.tiers, &[len], deadline))?
+        }
+    };
+    got.into_iter().next().ok_or(TakeError::NoneGranted)
+}
+
+/// Whether what the lane delivered and the application did not take, with `len` more,
+/// stays under the peer's share (a record larger than the whole share goes once nothing of
+/// the lane's is left untaken, as on the socket path).
+fn share_allows(cx: &RxContext, len: u64) -> bool {
+    let claims = cx.inbox.claims(&cx.peer);
+    // `taken` counts what the socket path delivered too, so this is at most what is
+    // untaken in all (the socket path holds its own deliveries to the share).
+    let untaken = claims
+        .lane
+        .load(Ordering::Relaxed)
+        .saturating_sub(claims.taken.load(Ordering::Relaxed));
+    untaken == 0 || untaken.saturating_add(len) <= cx.share
+}
+
+/// Waits until [`share_allows`] `len` more bytes.
+fn wait_for_share(cx: &RxContext, len: u64, stop: &AtomicBool) -> Result<(), TakeError> {
+    while !share_allows(cx, len) {
+        if stop.load(Ordering::SeqCst) {
+            return Err(TakeError::Stopped);
+        }
+        std::thread::sleep(SHARE_RECHECK);
+    }
     Ok(())
 }
 
@@ -683,7 +931,7 @@ fn refill(cx: &RxContext, ahead: &Ahead) {
     for _ in 0..AHEAD.saturating_sub(have + coming) {
         ahead.coming.fetch_add(1, Ordering::SeqCst);
         let (tiers, ahead) = (cx.tiers.clone(), Arc::clone(ahead));
-        let want = cx.settings.max as u64;
+        let want = AHEAD_LEN as u64;
         let deadline = Instant::now() + cx.reserve_timeout;
         cx.io.spawn(async move {
             let got = reserve_in_tiers(&tiers, &[want], deadline).await;
@@ -700,6 +948,34 @@ fn refill(cx: &RxContext, ahead: &Ahead) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lane_routes_follow_the_rules_size_ranges() {
+        let rule = |min: u64, max: Option<u64>| ferry_config::Rule {
+            min_bytes: min,
+            max_bytes: max,
+            ..ferry_config::Rule::same_host_gpu()
+        };
+        let rules = [rule(4096, Some(1 << 20)), rule(0, None)];
+        let bounds = LaneRoutes::bounds(&rules);
+        assert_eq!(bounds, vec![0, 4096, (1 << 20) + 1]);
+        // Say the first rule sends by push: the lane carries what the second rule covers.
+        let routes = LaneRoutes::new(bounds.into_iter().map(|b| (b, b != 4096)).collect());
+        for (bytes, lane) in [
+            (1, true),
+            (4095, true),
+            (4096, false),
+            (1 << 20, false),
+            ((1 << 20) + 1, true),
+            (u64::MAX, true),
+        ] {
+            assert_eq!(routes.takes(bytes), lane, "{bytes} bytes");
+        }
+        assert!(
+            !LaneRoutes::default().takes(8),
+            "no routes: nothing takes the lane"
+        );
+    }
 
     #[tokio::test]
     async fn slow_sends_pass_in_ticket_order_even_when_one_gives_up() {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use ferry_actors::allocator::{
-    Allocator, Export, ExportReleased, PeerGone, Stats, Tier, reserve_in_tiers,
+    Allocator, Export, ExportReleased, PeerGone, Stats, reserve_in_tiers, reserve_now_in_tiers,
 };
 use ferry_actors::core::exports::ExportId;
 use ferry_transports::memory::MemoryKind;
@@ -17,11 +17,8 @@ const MIB: u64 = 1 << 20;
 fn dead_peers_exports_stay_quarantined_for_the_lease() {
     System::new().block_on(async {
         let lease = Duration::from_millis(300);
-        let domain = Allocator::new(MemoryKind::PinnedHost, 8 * MIB, 16, lease).start();
-        let tier = Tier {
-            kind: MemoryKind::PinnedHost,
-            allocator: domain.clone().recipient(),
-        };
+        let handle = Allocator::new(MemoryKind::PinnedHost, 8 * MIB, 16, lease).launch(16);
+        let (domain, tier) = (handle.actor.clone(), handle.tier());
         let deadline = || Instant::now() + Duration::from_secs(5);
         let stats = async || domain.send(Stats).await.expect("stats");
 
@@ -86,5 +83,70 @@ fn dead_peers_exports_stay_quarantined_for_the_lease() {
         let s = stats().await;
         assert_eq!(s.exports.quarantined, 0);
         assert_eq!(s.budget.granted, 8 * MIB);
+    });
+}
+
+/// A reservation that fits is made on the caller's thread with no message; one that must
+/// wait goes through the actor's queue, and nothing made at once jumps that queue.
+#[test]
+fn reservations_that_fit_are_made_at_once_and_never_jump_the_queue() {
+    System::new().block_on(async {
+        let handle =
+            Allocator::new(MemoryKind::Host, 8 * MIB, 16, Duration::from_secs(1)).launch(16);
+        let tier = handle.tier();
+        let tiers = std::slice::from_ref(&tier);
+        let now = |parts: &[u64]| reserve_now_in_tiers(tiers, parts, None).expect("no refusal");
+
+        let first = now(&[6 * MIB]).expect("fits: made at once");
+        assert_eq!(first.len(), 1);
+        assert!(
+            now(&[4 * MIB]).is_none(),
+            "6 + 4 MiB do not fit an 8 MiB budget"
+        );
+        assert!(
+            now(&[16 * MIB]).is_none(),
+            "larger than the budget: not now"
+        );
+
+        // A waiting reservation (through the actor) for 4 MiB...
+        let waiting = tokio::task::spawn_local({
+            let tier = tier.clone();
+            async move {
+                reserve_in_tiers(&[tier], &[4 * MIB], Instant::now() + Duration::from_secs(5)).await
+            }
+        });
+        while handle
+            .actor
+            .send(Stats)
+            .await
+            .expect("stats")
+            .budget
+            .waiting
+            == 0
+        {
+            tokio::task::yield_now().await;
+        }
+        // ...keeps a later small one from being made at once, though it would fit.
+        assert!(now(&[MIB]).is_none(), "a waiter is ahead of it");
+        drop(first);
+        let got = waiting
+            .await
+            .expect("joined")
+            .expect("granted once 6 MiB came back");
+        assert_eq!(got[0].len(), 4 * MIB as usize);
+        // Bytes given back are seen by the next reservation made at once.
+        drop(got);
+        let again = now(&[8 * MIB]).expect("the whole budget is free again");
+        assert_eq!(
+            handle
+                .actor
+                .send(Stats)
+                .await
+                .expect("stats")
+                .budget
+                .granted,
+            8 * MIB
+        );
+        drop(again);
     });
 }

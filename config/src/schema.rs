@@ -287,9 +287,11 @@ impl Default for TcpTuning {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IpcTuning {
-    /// Largest device buffer sent on the same-host fast lane (a shared-memory ring instead
-    /// of the socket and the actors). Default 64 KiB; `0` turns the lane off; at most
-    /// 16 MiB. The receiver keeps 4 buffers of this size allocated ahead per peer.
+    /// Largest device buffer this node sends to a same-host peer on the lane (a
+    /// shared-memory ring and a thread per direction instead of the socket and the actors):
+    /// contiguous buffers the rules send over ipc by pull. Default 1 TiB: every size; `0`
+    /// turns the lane off. A receiver takes records of any size; it keeps 4 buffers of
+    /// 64 KiB allocated ahead per peer once a small one arrived.
     #[serde(with = "size")]
     pub lane_max: u64,
     /// How long a lane thread spins for the next record before it sleeps (a busy lane then
@@ -307,7 +309,7 @@ pub struct IpcTuning {
 impl Default for IpcTuning {
     fn default() -> Self {
         IpcTuning {
-            lane_max: 64 << 10,
+            lane_max: 1 << 40,
             lane_spin: Duration::from_micros(100),
             recv_spin: Duration::ZERO,
         }

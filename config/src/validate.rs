@@ -271,9 +271,6 @@ impl Config {
                 format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
             );
         }
-        if self.transport.ipc.lane_max > 16 << 20 {
-            return fail("transport.ipc.lane_max", "must be at most 16 MiB");
-        }
         if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
             return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }

@@ -402,10 +402,6 @@ fn side_toml(
     if combo.transport() == TransportName::Ucx {
         extra.push_str("[transport.ucx]\nenabled = \"on\"\n\n");
     }
-    // The fast lane pulls whatever the rule says: off for a pushing combination.
-    if combo.direction == ferry::Direction::Push {
-        extra.push_str("[transport.ipc]\nlane_max = 0\n\n");
-    }
     let mut transports = vec![format!("\"{}\"", combo.name())];
     if side == Side::Far && combo.transport() != TransportName::Tcp {
         transports.push("\"tcp\"".into());

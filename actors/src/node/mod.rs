@@ -22,7 +22,9 @@ use ferry_transports::region::{ExposedRegion, RegionKey};
 use ferry_transports::wire::{HelloPurpose, Layout};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::allocator::{Allocator, DomainStats, SetHome, Stats, Tier, reserve_in_tiers};
+use crate::allocator::{
+    Allocator, DomainHandle, DomainStats, SetHome, Stats, Tier, reserve_in_tiers,
+};
 use crate::coordinator::{
     Connect, ConnectedPeers, Coordinator, CoordinatorSetup, Explain, FetchFrom, LinkUp, PutTo,
     SendTo, Shutdown, TransferSetupBase,
@@ -44,8 +46,8 @@ pub struct Node {
     config: Arc<Config>,
     coordinator: Addr<Coordinator>,
     inbox: Arc<Inbox>,
-    host: Addr<Allocator>,
-    pinned: Addr<Allocator>,
+    host: DomainHandle,
+    pinned: DomainHandle,
     gpus: crate::gpu::SharedGpus,
     /// Where received buffers land first (said in every hello).
     receives: MemoryKind,
@@ -228,7 +230,7 @@ impl Node {
         Instant::now() + self.config.limits.default_deadline
     }
 
-    fn domain(&self, kind: MemoryKind) -> Result<&Addr<Allocator>, Error> {
+    fn domain(&self, kind: MemoryKind) -> Result<&DomainHandle, Error> {
         match kind {
             MemoryKind::Host => Ok(&self.host),
             MemoryKind::PinnedHost => Ok(&self.pinned),
@@ -267,10 +269,7 @@ impl Node {
 
     /// The tier of `kind` memory: its domain's allocator.
     fn tier(&self, kind: MemoryKind) -> Result<Tier, Error> {
-        Ok(Tier {
-            kind,
-            allocator: self.domain(kind)?.clone().recipient(),
-        })
+        Ok(self.domain(kind)?.tier())
     }
 
     /// Makes device memory the caller allocated outside ferry (`cudaMalloc`, a framework's
@@ -336,6 +335,7 @@ impl Node {
     /// A memory domain's counters: budget, granted, exported, quarantined, waiting.
     pub async fn memory(&self, kind: MemoryKind) -> Result<DomainStats, Error> {
         self.domain(kind)?
+            .actor
             .send(Stats)
             .await
             .map_err(|_| Error::ShuttingDown)

@@ -226,8 +226,8 @@ pub(super) struct ActorParts {
 /// The actors, as the node's handle holds them.
 pub(super) struct Started {
     pub(super) coordinator: Addr<Coordinator>,
-    pub(super) host: Addr<Allocator>,
-    pub(super) pinned: Addr<Allocator>,
+    pub(super) host: DomainHandle,
+    pub(super) pinned: DomainHandle,
     pub(super) gpus: crate::gpu::SharedGpus,
     pub(super) receives: MemoryKind,
     pub(super) transports: crate::coordinator::NodeTransports,
@@ -273,29 +273,21 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     let limits = &config.limits;
     let (mailbox, queue) = (limits.mailbox, limits.reservation_queue);
     let lease = config.memory.export_lease_timeout;
-    let domain = |kind, budget| {
-        Allocator::create(move |ctx| {
-            ctx.set_mailbox_capacity(mailbox);
-            Allocator::new(kind, budget, queue, lease)
-        })
-    };
+    let domain = |kind, budget| Allocator::new(kind, budget, queue, lease).launch(mailbox);
     let host = domain(MemoryKind::Host, config.memory.host.resolve(total_memory()));
     let pinned = domain(
         MemoryKind::PinnedHost,
         config.memory.pinned.resolve(total_memory()),
     );
     let gpus = Arc::new(start_gpus(opened, visible, &config, &shared));
-    let mut all_tiers = vec![
-        tier(MemoryKind::Host, &host),
-        tier(MemoryKind::PinnedHost, &pinned),
-    ];
-    for (n, gpu) in &gpus.gpus {
-        all_tiers.push(tier(MemoryKind::Device(*n), &gpu.allocator));
+    let mut all_tiers = vec![host.tier(), pinned.tier()];
+    for (_, gpu) in &gpus.gpus {
+        all_tiers.push(gpu.allocator.tier());
     }
     let home = Arc::new(NodeMemory { tiers: all_tiers });
-    let domains: Vec<&Addr<Allocator>> = [&host, &pinned]
+    let domains: Vec<&Addr<Allocator>> = [&host.actor, &pinned.actor]
         .into_iter()
-        .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator))
+        .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator.actor))
         .collect();
     for a in &domains {
         let _ = a.send(SetHome(home.clone())).await;
@@ -310,7 +302,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         .cloned()
         .collect();
     if host_tiers.is_empty() {
-        host_tiers.push(tier(MemoryKind::Host, &host));
+        host_tiers.push(host.tier());
     }
     let transports = crate::coordinator::NodeTransports::new(
         start_ucx(&config, gpus.gpus.first().map(|(_, g)| &g.device)),
@@ -481,10 +473,9 @@ pub(super) fn start_gpus(
                 stream: g.streams.alloc,
             };
             let budget = g.budget;
-            let allocator = Allocator::create(move |ctx| {
-                ctx.set_mailbox_capacity(mailbox);
-                Allocator::new(kind, budget, queue, lease).with_device(pool)
-            });
+            let allocator = Allocator::new(kind, budget, queue, lease)
+                .with_device(pool)
+                .launch(mailbox);
             shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
             let gpu = crate::gpu::Gpu {
                 device: g.device,
@@ -507,23 +498,23 @@ pub(super) fn start_gpus(
 /// The receive tiers: where receives land (`memory.receive_into`), then where they spill.
 pub(super) fn receive_tiers(
     config: &Config,
-    host: &Addr<Allocator>,
-    pinned: &Addr<Allocator>,
+    host: &DomainHandle,
+    pinned: &DomainHandle,
     gpus: &crate::gpu::Gpus,
 ) -> Vec<Tier> {
     std::iter::once(config.memory.receive_into)
         .chain(config.memory.spill.iter().copied())
         .map(|class| match class {
-            MemoryClass::Host => tier(MemoryKind::Host, host),
-            MemoryClass::Pinned => tier(MemoryKind::PinnedHost, pinned),
+            MemoryClass::Host => host.tier(),
+            MemoryClass::Pinned => pinned.tier(),
             MemoryClass::Device => match gpus.gpus.first() {
-                Some((n, g)) => tier(MemoryKind::Device(*n), &g.allocator),
+                Some((_, g)) => g.allocator.tier(),
                 None => {
                     tracing::warn!(
                         "memory.receive_into is \"device\" but this node has no GPU: \
                          receiving into host memory"
                     );
-                    tier(MemoryKind::Host, host)
+                    host.tier()
                 }
             },
         })
@@ -543,13 +534,6 @@ pub(super) fn session_limits(limits: &ferry_config::LimitsConfig) -> SessionLimi
         grants: limits.peer_grants,
         inbound_bytes: limits.peer_inbound_bytes,
         stall: limits.stall_timeout,
-    }
-}
-
-pub(super) fn tier(kind: MemoryKind, allocator: &Addr<Allocator>) -> Tier {
-    Tier {
-        kind,
-        allocator: allocator.clone().recipient(),
     }
 }
 

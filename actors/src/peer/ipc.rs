@@ -322,13 +322,14 @@ impl TransferActor {
                 metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
                 // A notice lost to a full mailbox leaves explain one step behind;
                 // the transfers themselves are routed here either way.
+                let ok = outcome == SetupOutcome::Ok;
+                // The lane opens first: the coordinator gives it its routes on this notice.
+                self.open_lane(ok, ctx);
                 let _ = self.setup.settled.try_send(IpcSettled {
                     peer: self.peer.clone(),
                     epoch: self.epoch,
                     outcome: outcome.clone(),
                 });
-                let ok = outcome == SetupOutcome::Ok;
-                self.open_lane(ok, ctx);
                 match outcome {
                     SetupOutcome::Ok => {
                         tracing::info!(peer = %self.peer, "ipc set up with the peer");
@@ -425,6 +426,7 @@ impl TransferActor {
             gpus: Arc::clone(&self.setup.gpus),
             inbox: Arc::clone(&self.setup.inbox),
             tiers: self.setup.tiers.clone(),
+            share: self.setup.limits.inbound_bytes,
             undelivered: self.undelivered.clone(),
             reserve_timeout: self.setup.reserve_timeout,
             io: self.setup.io.clone(),

@@ -475,7 +475,7 @@ impl Actor for TransferActor {
             if let ferry_transports::memory::MemoryKind::Device(n) = kind
                 && let Some(gpu) = self.setup.gpus.get(n)
             {
-                exports.push((gpu.allocator.clone(), op, view));
+                exports.push((gpu.allocator.actor.clone(), op, view));
             }
         }
         // Buffers lent to the peer for its pushes: it may still be copying into them.
@@ -484,7 +484,7 @@ impl Actor for TransferActor {
             if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
                 && let Some(gpu) = self.setup.gpus.get(n)
             {
-                exports.push((gpu.allocator.clone(), OpId(LENT | id.0), view));
+                exports.push((gpu.allocator.actor.clone(), OpId(LENT | id.0), view));
             }
         }
         // Whatever the peer held of our memory is quarantined for the lease timeout.

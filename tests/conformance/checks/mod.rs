@@ -132,10 +132,14 @@ impl Baseline {
         } else {
             Duration::from_secs(2)
         };
-        // The fast lane's receiver keeps 4 receive buffers of `lane_max` bytes allocated
-        // ahead from its first record until the link goes (docs/CONFIG.md): GPU memory
-        // that the check's traffic may have allocated for the link's life.
-        let lane_ahead = 4 * node.config().transport.ipc.lane_max;
+        // The lane's receiver keeps 4 receive buffers of 64 KiB allocated ahead from its
+        // first small record until the link goes (docs/CONFIG.md): GPU memory that the
+        // check's traffic may have allocated for the link's life.
+        let lane_ahead = if node.config().transport.ipc.lane_max > 0 {
+            4 * (64 << 10)
+        } else {
+            0
+        };
         let back = eventually(limit, async || {
             for &(kind, then) in &self.granted {
                 let now = granted(node, kind).await;
