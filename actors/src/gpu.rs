@@ -402,6 +402,73 @@ pub fn queue_pull(
     }
 }
 
+/// Contiguous pulls of several of the peer's pooled buffers, each into the device memory
+/// of one GPU of ours, queued at once on that GPU's express stream: one launch of the
+/// gather kernel where it loads ([`copy_many_async`]), so the copy engine's fixed cost per
+/// copy is paid once. Nothing is waited for: the caller records an event on the returned
+/// stream. The imports stay as [`queue_pull`] says.
+///
+/// # Errors
+/// As [`pull`]; [`IpcError::Unsupported`] for a landing that is not device memory or a
+/// source the peer registered (those take [`queue_pull`]). Nothing is queued then.
+pub fn queue_pulls(
+    items: &mut [(&IpcSource, &mut Buffer)],
+    pools: &ImportedPools,
+    imports: &std::sync::Mutex<ImportCache>,
+    gpus: &Gpus,
+) -> Result<Stream, IpcError> {
+    let device = items
+        .first()
+        .and_then(|(_, dst)| dst.device_memory())
+        .map(|m| m.device().clone())
+        .ok_or_else(|| IpcError::Unsupported("pulls into host memory".into()))?;
+    let stream = gpus.copy_stream(&device, true)?;
+    let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
+    cache.tick += 1;
+    let tick = cache.tick;
+    let mut spans = Vec::with_capacity(items.len());
+    for (source, dst) in items.iter() {
+        if source.legacy.is_some() {
+            return Err(IpcError::Unsupported("memory the peer registered".into()));
+        }
+        let pool = pools.get(&source.device_uuid).ok_or_else(|| {
+            IpcError::BadDescriptor(format!(
+                "the peer's pool of {} was never imported",
+                source.device_uuid
+            ))
+        })?;
+        let (offset, end) = source_range(source, dst.len())?;
+        let key = buffer_ref(source);
+        import_into(&mut cache, &key, pool, export_bytes(source)?, end, gpus)?;
+        if let Some((_, last)) = cache.entries.get_mut(&key) {
+            *last = tick;
+        }
+        spans.push((key, offset));
+    }
+    // Every import is in place (the batch's are the newest, so none evicted another).
+    let mut pairs = Vec::with_capacity(items.len());
+    for ((_, dst), (key, offset)) in items.iter_mut().zip(&spans) {
+        let len = dst.len();
+        let dst = dst
+            .device_memory_mut()
+            .ok_or_else(|| IpcError::Unsupported("a pull into host or shared memory".into()))?;
+        let (src, _) = cache
+            .entries
+            .get(key)
+            .ok_or_else(|| IpcError::Gone("the import vanished".into()))?;
+        pairs.push(ferry_transports::cuda::Pair {
+            dst,
+            src,
+            src_offset: *offset,
+            len,
+        });
+    }
+    let _copying = gpus.copying();
+    ferry_transports::cuda::copy_many_async(&mut pairs, &stream)
+        .map_err(at("copying from the peer"))?;
+    Ok(stream)
+}
+
 /// How a pooled pull waits for its copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum How {
@@ -439,43 +506,7 @@ fn pull_pooled(
     let locked_at = started.elapsed();
     cache.tick += 1;
     let tick = cache.tick;
-    // An import made for fewer bytes (an earlier pull of this buffer read less of it: a
-    // layout that ends sooner) does not serve: it is remapped to reach `end`.
-    let hit = cache
-        .entries
-        .get(&key)
-        .is_some_and(|(b, _)| DeviceMemory::len(b) >= end);
-    if !hit {
-        let quiet = gpus.drain_copies()?;
-        drop(cache.entries.remove(&key));
-        let imported = pool
-            .import_pointer(export, end)
-            .map_err(at("importing the peer's buffer"))?;
-        tracing::debug!(
-            buffer = key.buffer,
-            ptr = format_args!("{:#x}", imported.device_ptr()),
-            len = end,
-            "imported a peer buffer"
-        );
-        while cache.entries.len() >= cache.capacity {
-            let Some(oldest) = cache
-                .entries
-                .iter()
-                .min_by_key(|(_, (_, t))| *t)
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            // Freed before the lock is released, so a later pull of the same buffer, or
-            // the owner's IpcUnmap, never meets an import that is still going away.
-            // The owner learns nothing: it asks when it frees the buffer, and is
-            // answered at once.
-            drop(cache.entries.remove(&oldest));
-        }
-        // Evictions unmap too: done while the copies are still held off.
-        drop(quiet);
-        cache.entries.insert(key.clone(), (imported, tick));
-    }
+    let hit = import_into(&mut cache, &key, pool, export, end, gpus)?;
     let imported_at = started.elapsed();
     // When the copy was queued, once it was (`None`: copied and waited for at once).
     let mut queued_at = None;
@@ -531,6 +562,57 @@ fn pull_pooled(
         "pull copied: span (layout to runs), lock, import, queue (the gather), wait (sync)"
     );
     Ok(queued)
+}
+
+/// Makes sure `cache` holds an import of the peer's buffer `key` reaching `end` bytes
+/// (mapping it, and evicting the import used longest ago when full, with every copy held
+/// off meanwhile). Returns whether it was there already.
+fn import_into(
+    cache: &mut ImportCache,
+    key: &IpcBufferRef,
+    pool: &ImportedPool,
+    export: &[u8; POINTER_EXPORT_LEN],
+    end: usize,
+    gpus: &Gpus,
+) -> Result<bool, IpcError> {
+    // An import made for fewer bytes (an earlier pull of this buffer read less of it: a
+    // layout that ends sooner) does not serve: it is remapped to reach `end`.
+    let hit = cache
+        .entries
+        .get(key)
+        .is_some_and(|(b, _)| DeviceMemory::len(b) >= end);
+    if !hit {
+        let quiet = gpus.drain_copies()?;
+        drop(cache.entries.remove(key));
+        let imported = pool
+            .import_pointer(export, end)
+            .map_err(at("importing the peer's buffer"))?;
+        tracing::debug!(
+            buffer = key.buffer,
+            ptr = format_args!("{:#x}", imported.device_ptr()),
+            len = end,
+            "imported a peer buffer"
+        );
+        while cache.entries.len() >= cache.capacity {
+            let Some(oldest) = cache
+                .entries
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            // Freed before the lock is released, so a later pull of the same buffer, or
+            // the owner's IpcUnmap, never meets an import that is still going away.
+            // The owner learns nothing: it asks when it frees the buffer, and is
+            // answered at once.
+            drop(cache.entries.remove(&oldest));
+        }
+        // Evictions unmap too: done while the copies are still held off.
+        drop(quiet);
+        cache.entries.insert(key.clone(), (imported, cache.tick));
+    }
+    Ok(hit)
 }
 
 /// The pull of memory the peer registered: its allocation is mapped from the legacy IPC

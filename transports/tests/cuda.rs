@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, Event, ExportablePool, PinnedBuffer, Stream, Wait,
+    CudaError, Device, DeviceMemory, Event, ExportablePool, Pair, PinnedBuffer, Stream, Wait,
     copy_and_wait, copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host,
-    copy_from_pinned_async, copy_to_host, copy_to_pinned_async, enable_peer_access, fill_async,
-    peer_access,
+    copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
+    enable_peer_access, fill_async, peer_access,
 };
 use ferry_transports::link::fdpass;
 
@@ -263,6 +263,69 @@ fn gathers_in_flight_reuse_their_tables() {
             });
         }
     });
+}
+
+/// Independent copies between buffers of one GPU, queued as one: the kernel takes several,
+/// a single one goes to the copy engine, and every destination gets its own source's bytes
+/// (each at its own offset and length, odd ones included).
+#[test]
+fn many_copies_queued_as_one_land_each_its_own_bytes() {
+    let Some(gpus) = gpus() else { return };
+    let dev = &gpus[0];
+    let pool = ExportablePool::new(dev).expect("exportable pool");
+    let stream = Stream::new(dev).expect("stream");
+    let shapes: [(usize, usize); 5] = [(8, 0), (4096, 16), (65_536, 3), (1, 4095), (300_001, 7)];
+    let hosts: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (len, off))| pattern(i as u64 + 11, len + off))
+        .collect();
+    let srcs: Vec<_> = hosts
+        .iter()
+        .map(|h| {
+            let mut b = pool.alloc(h.len(), &stream).expect("alloc");
+            copy_from_host(&mut b, 0, h, &stream).expect("H2D");
+            b
+        })
+        .collect();
+    for count in [1, shapes.len()] {
+        let mut dsts: Vec<_> = shapes[..count]
+            .iter()
+            .map(|(len, _)| pool.alloc(*len, &stream).expect("alloc"))
+            .collect();
+        let mut pairs: Vec<_> = dsts
+            .iter_mut()
+            .zip(&srcs)
+            .zip(&shapes)
+            .map(|((dst, src), &(len, src_offset))| Pair {
+                dst,
+                src,
+                src_offset,
+                len,
+            })
+            .collect();
+        let gathered = copy_many_async(&mut pairs, &stream).expect("queued");
+        assert!(!gathered || count > 1, "one copy never takes the kernel");
+        stream.synchronize().expect("copied");
+        for (i, dst) in dsts.iter().enumerate() {
+            let (len, off) = shapes[i];
+            let mut got = vec![0u8; len];
+            copy_to_host(&mut got, dst, 0, &stream).expect("D2H");
+            assert!(got == hosts[i][off..], "copy {i} of {count}: other bytes");
+        }
+    }
+    // A range past a buffer is refused before anything is queued.
+    let mut dst = pool.alloc(16, &stream).expect("alloc");
+    let mut bad = [Pair {
+        dst: &mut dst,
+        src: &srcs[0],
+        src_offset: 4,
+        len: 8,
+    }];
+    assert!(matches!(
+        copy_many_async(&mut bad, &stream),
+        Err(CudaError::Misuse(_))
+    ));
 }
 
 /// A buffer lent to a peer's push is exported before any peer fetched the pool: a new
