@@ -55,8 +55,11 @@ async fn a_failed_flight_fails_every_caller() {
         "every caller gets the flight's error: {errors:?}"
     );
     assert!(errors[0].contains("too large"), "{}", errors[0]);
+    // Usually one flight that 15 joined; a caller seated only after a failed flight landed
+    // (this thread preempted on a loaded machine) starts, and fails, a flight of its own.
     let stats = fetcher.fetch_stats();
-    assert_eq!((stats.flights, stats.joined, stats.bytes_saved), (1, 15, 0));
+    assert_eq!(stats.flights + stats.joined, 16, "{stats:?}");
+    assert!(stats.flights >= 1 && stats.bytes_saved == 0, "{stats:?}");
     let published = exporter.publication("big").expect("still published");
     assert_eq!((published.served, published.reading), (0, 0));
     assert_eq!(

@@ -632,38 +632,28 @@ pub struct Tier {
 
 /// Reserves every part in the first tier that can grant them all now, in order, on the
 /// caller's thread with no message to any actor (device memory in order `on` a stream of
-/// its GPU, when given: see [`Domain::try_now_on`]); `Ok(None)` when none can now (then
-/// [`reserve_in_tiers`] waits). A tier that refuses outright is passed over: the waiting
-/// path names its reason. Blocking for device memory: never on the actor thread.
-///
-/// # Errors
-/// The GPU refused an allocation the budget granted.
+/// its GPU, when given: see [`Domain::try_now_on`]); `None` when none can now (then
+/// [`reserve_in_tiers`] waits). A tier that refuses (larger than its budget, or its GPU
+/// refused the allocation) is passed over, as a tier that is full: the waiting path asks
+/// again and names the reason if no tier grants. Blocking for device memory: never on the
+/// actor thread.
 pub fn reserve_now_in_tiers(
     tiers: &[Tier],
     parts: &[u64],
     on: Option<&ferry_transports::cuda::Stream>,
-) -> Result<Option<Vec<Buffer>>, Error> {
-    for tier in tiers {
+) -> Option<Vec<Buffer>> {
+    tiers.iter().find_map(|tier| {
         // A domain gone: the node is shutting down (the waiting path says so).
-        let Some(domain) = tier.domain.upgrade() else {
-            return Ok(None);
-        };
-        match domain.try_now_on(parts, on) {
-            Ok(Some(buffers)) => return Ok(Some(buffers)),
-            Ok(None) => {}
-            Err(Error::NoMemory {
-                cause: crate::error::NoMemoryCause::LargerThanBudget,
-                ..
-            }) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(None)
+        let domain = tier.domain.upgrade()?;
+        domain.try_now_on(parts, on).ok().flatten()
+    })
 }
 
-/// Reserves every part in the first tier that can grant them all now, in order; if none
-/// can, waits at every tier until one can or `deadline` passes. All parts land in one
-/// tier. Returns the buffers (their [`Buffer::kind`] says which tier).
+/// Reserves every part in the first tier that can grant them all now, in order (on this
+/// thread, with no message: [`reserve_now_in_tiers`]); if none can, waits at every tier
+/// until one can or `deadline` passes. All parts land in one tier. Returns the buffers
+/// (their [`Buffer::kind`] says which tier). A device allocation may run on the calling
+/// thread: not on the actor thread.
 ///
 /// # Errors
 /// [`Error::NoMemory`] when no tier could grant in time, or every tier is smaller than the
@@ -673,6 +663,9 @@ pub async fn reserve_in_tiers(
     parts: &[u64],
     deadline: Instant,
 ) -> Result<Vec<Buffer>, Error> {
+    if let Some(buffers) = reserve_now_in_tiers(tiers, parts, None) {
+        return Ok(buffers);
+    }
     let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
     let mut last_refusal = None;
     let mut able = Vec::new();

@@ -374,8 +374,8 @@ pub struct QueuedPull {
     pub stream: Option<Stream>,
 }
 
-/// A contiguous [`pull`] that queues its copy on the express stream and returns without
-/// waiting: the caller records an event on [`QueuedPull::stream`] and waits for that, so
+/// A contiguous [`pull`] that queues its copy (on the express stream when `express`, else
+/// the copy stream) and returns without waiting: the caller records an event on [`QueuedPull::stream`] and waits for that, so
 /// that several pulls are in flight at once. The import stays mapped until the copy ends:
 /// the peer cannot free the buffer before we finish its transfer, and an eviction waits
 /// for every copy in flight. Memory the peer registered is copied and waited for at once.
@@ -389,6 +389,7 @@ pub fn queue_pull(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     dst: Buffer,
+    express: bool,
 ) -> Result<QueuedPull, (Buffer, IpcError)> {
     if dst.is_empty() || source.legacy.is_some() {
         return pull(source, &Layout::Contiguous, pools, imports, gpus, dst, true)
@@ -396,7 +397,15 @@ pub fn queue_pull(
     }
     let mut dst = dst;
     let layout = Layout::Contiguous;
-    match pull_pooled(source, &layout, pools, imports, gpus, &mut dst, How::Queue) {
+    match pull_pooled(
+        source,
+        &layout,
+        pools,
+        imports,
+        gpus,
+        &mut dst,
+        How::Queue(express),
+    ) {
         Ok(stream) => Ok(QueuedPull { dst, stream }),
         Err(why) => Err((dst, why)),
     }
@@ -404,9 +413,9 @@ pub fn queue_pull(
 
 /// Contiguous pulls of several of the peer's pooled buffers, each into the device memory
 /// of one GPU of ours, queued at once on that GPU's express stream: one launch of the
-/// gather kernel where it loads ([`copy_many_async`]), so the copy engine's fixed cost per
-/// copy is paid once. Nothing is waited for: the caller records an event on the returned
-/// stream. The imports stay as [`queue_pull`] says.
+/// gather kernel where it loads ([`ferry_transports::cuda::copy_many_async`]), so the copy
+/// engine's fixed cost per copy is paid once. Nothing is waited for: the caller records an
+/// event on the returned stream. The imports stay as [`queue_pull`] says.
 ///
 /// # Errors
 /// As [`pull`]; [`IpcError::Unsupported`] for a landing that is not device memory or a
@@ -476,8 +485,8 @@ enum How {
     Express,
     /// Queued on the copy stream, waited for outside the lock.
     Wait,
-    /// Queued on the express stream, not waited for.
-    Queue,
+    /// Queued (on the express stream when true, else the copy stream), not waited for.
+    Queue(bool),
 }
 
 fn pull_pooled(
@@ -528,11 +537,15 @@ fn pull_pooled(
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
         let at = imported.device_ptr();
-        let express = how != How::Wait;
+        let express = match how {
+            How::Express => true,
+            How::Wait => false,
+            How::Queue(express) => express,
+        };
         let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
         drop(cache);
         queued_at = Some(started.elapsed());
-        if how == How::Queue {
+        if matches!(how, How::Queue(_)) {
             queued = Some(stream);
         } else {
             finish_copy(&stream).inspect_err(|e| {

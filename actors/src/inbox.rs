@@ -41,6 +41,8 @@ struct Item {
     buffer: Buffer,
     transport: &'static str,
     layout: Layout,
+    /// Delivered by the peer's lane (counted in [`Claims::lane_taken`] when taken).
+    lane: bool,
 }
 
 impl Item {
@@ -90,6 +92,9 @@ pub struct Claims {
     pub lane: AtomicU64,
     /// Taken by `recv` calls, whatever delivered them.
     pub taken: AtomicU64,
+    /// Of what the lane delivered, what `recv` took (or a waiting `recv` was handed): the
+    /// lane holds its own deliveries to the peer's share with it.
+    pub lane_taken: AtomicU64,
 }
 
 /// Delivered buffers and the `recv` calls waiting for them.
@@ -144,15 +149,50 @@ impl Inbox {
         layout: Layout,
         buffer: Buffer,
     ) {
+        self.put(
+            peer,
+            tag,
+            Item {
+                buffer,
+                transport,
+                layout,
+                lane: false,
+            },
+        );
+    }
+
+    /// A contiguous buffer from `peer`'s lane (ipc) arrived: as [`Self::deliver`], and
+    /// counted in the peer's [`Claims::lane`] (and `lane_taken` once taken).
+    pub fn deliver_lane(&self, peer: &str, tag: u64, buffer: Buffer) {
+        self.claims(peer)
+            .lane
+            .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+        self.put(
+            peer,
+            tag,
+            Item {
+                buffer,
+                transport: "ipc",
+                layout: Layout::Contiguous,
+                lane: true,
+            },
+        );
+    }
+
+    fn put(&self, peer: &str, tag: u64, item: Item) {
         let Ok(mut room) = self.room() else { return };
-        let item = Item {
-            buffer,
-            transport,
-            layout,
-        };
         if let Some((slot, item)) = room.deliver(peer, tag, item, Slot::is_live) {
+            if item.lane {
+                self.lane_taken(peer, item.buffer.len());
+            }
             slot.put(item.received(peer.to_string(), tag));
         }
+    }
+
+    fn lane_taken(&self, peer: &str, len: usize) {
+        self.claims(peer)
+            .lane_taken
+            .fetch_add(len as u64, Ordering::Relaxed);
     }
 
     /// The oldest buffer from `from` (or anyone) under `tag` (or any tag), waiting for one.
@@ -171,6 +211,9 @@ impl Inbox {
         {
             Ok(Some((peer, tag, item))) => {
                 self.taken(&peer, item.buffer.len());
+                if item.lane {
+                    self.lane_taken(&peer, item.buffer.len());
+                }
                 return Ok(item.received(peer, tag));
             }
             Ok(None) => {}
@@ -245,10 +288,64 @@ impl Drop for Parked<'_> {
                 buffer: got.buffer,
                 transport: got.transport,
                 layout: got.layout,
+                // A lane delivery was counted taken when it reached the slot.
+                lane: false,
             };
             if let Some((next, item)) = room.requeue(&got.peer, got.tag, item, Slot::is_live) {
                 next.put(item.received(got.peer, got.tag));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_transports::memory::{BufferId, Generation, Lease, MemoryKind, Releaser};
+
+    struct Nobody;
+    impl Releaser for Nobody {
+        fn release(&self, _: &Lease) {}
+    }
+
+    fn buffer(len: u64) -> Buffer {
+        let lease = Lease {
+            kind: MemoryKind::Host,
+            id: BufferId(1),
+            generation: Generation(1),
+            len,
+        };
+        Buffer::new_host(lease, Arc::new(Nobody))
+    }
+
+    /// What the lane holds of a peer's share is what it delivered less what `recv` took of
+    /// its deliveries: the socket path's deliveries, taken or not, do not count there.
+    #[tokio::test]
+    async fn the_lane_counts_what_recv_takes_of_its_own_deliveries() {
+        let inbox = Inbox::new(8, std::time::Duration::ZERO);
+        let claims = inbox.claims("p");
+        let held =
+            || claims.lane.load(Ordering::Relaxed) - claims.lane_taken.load(Ordering::Relaxed);
+        inbox.deliver("p", 1, "tcp", Layout::Contiguous, buffer(100));
+        inbox.deliver_lane("p", 2, buffer(10));
+        assert_eq!(held(), 10);
+        let got = inbox.recv(Some("p"), Some(1)).await.expect("tcp's");
+        assert_eq!(got.buffer.len(), 100);
+        assert_eq!(
+            held(),
+            10,
+            "taking a socket delivery frees none of the lane's share"
+        );
+        let got = inbox.recv(Some("p"), Some(2)).await.expect("the lane's");
+        assert_eq!((got.transport, got.buffer.len()), ("ipc", 10));
+        assert_eq!(held(), 0);
+        // Handed straight to a waiting receive: counted taken then.
+        let waiting = inbox.recv(Some("p"), Some(3));
+        tokio::pin!(waiting);
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        inbox.deliver_lane("p", 3, buffer(7));
+        assert_eq!(held(), 0);
+        assert_eq!(waiting.await.expect("handed").buffer.len(), 7);
+        assert_eq!(claims.taken.load(Ordering::Relaxed), 117);
     }
 }

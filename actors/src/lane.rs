@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use ferry_transports::cuda::{Device, DeviceMemory, Event};
 use ferry_transports::link::ring::{ConsumerRefused, Ring};
 use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
-use ferry_transports::wire::{LaneRecord, Layout};
+use ferry_transports::wire::LaneRecord;
 use tokio::sync::{Notify, oneshot};
 
 use crate::allocator::{Tier, reserve_in_tiers, reserve_now_in_tiers};
@@ -645,7 +645,7 @@ impl Ahead {
     /// Allocates up to [`AHEAD`] buffers, if it fits now (never waits).
     fn top_up(&mut self, cx: &RxContext) {
         while self.primed && self.ready.len() < AHEAD {
-            match reserve(cx, AHEAD_LEN as u64, false) {
+            match reserve(cx, AHEAD_LEN as u64, false, true) {
                 Ok(buffer) => self.ready.push(buffer),
                 Err(_) => break,
             }
@@ -692,9 +692,15 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
         // finished in order as its copy ends.
         let mut batch: Vec<Result<Prepared, TakeError>> = Vec::new();
         for seq in tail..head.min(tail + BATCH) {
+            // Bytes this batch landed so far, not delivered yet: the share counts them.
+            let pending = batch
+                .iter()
+                .filter_map(|p| p.as_ref().ok())
+                .map(|p| p.len as u64)
+                .sum::<u64>();
             let first = batch.is_empty();
             let prepared = match ring.read(seq, &mut record) {
-                Ok(()) => prepare(&record, cx, &mut ahead, stop, first),
+                Ok(()) => prepare(&record, cx, &mut ahead, stop, first, pending),
                 Err(e) => Err(TakeError::BadRecord(e.to_string())),
             };
             match prepared {
@@ -787,20 +793,28 @@ enum TakeError {
     /// This end stopped.
     #[error("the receiver stopped")]
     Stopped,
+    /// The application left the peer's share full (`limits.peer_inbound_bytes`) for this
+    /// long.
+    #[error(
+        "the receiver's share for this peer stayed full for {0:?} (limits.peer_inbound_bytes): the application is not taking what arrives"
+    )]
+    ShareFull(Duration),
     /// Not in this batch: the record would wait (for memory, or for the peer's share)
     /// while earlier records of the batch are not delivered yet. Never sent to the peer.
     #[error("later")]
     NotNow,
 }
 
-/// Reserves one record's landing and queues its copy. Only the `first` of a batch may wait
-/// for memory or for the peer's share; a later one answers [`TakeError::NotNow`] instead.
+/// Reserves one record's landing, `pending` bytes of the batch before it landed and not
+/// delivered yet. Only the `first` of a batch may wait for memory or for the peer's share;
+/// a later one answers [`TakeError::NotNow`] instead.
 fn prepare(
     bytes: &[u8],
     cx: &RxContext,
     ahead: &mut Ahead,
     stop: &AtomicBool,
     first: bool,
+    pending: u64,
 ) -> Result<Prepared, TakeError> {
     let started = Instant::now();
     let record = LaneRecord::decode(bytes).map_err(|e| TakeError::BadRecord(e.to_string()))?;
@@ -808,13 +822,16 @@ fn prepare(
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| TakeError::BadRecord(format!("a lane record of {} bytes", record.len)))?;
-    if !share_allows(cx, record.len) {
+    if !share_allows(cx, pending, record.len) {
         if !first {
             return Err(TakeError::NotNow);
         }
         wait_for_share(cx, record.len, stop)?;
     }
-    let ready = (len <= AHEAD_LEN)
+    // Memory the peer registered is copied on another stream than the lane's: its landing
+    // is allocated ready for every stream, not from the buffers ahead.
+    let pooled = record.source.legacy.is_none();
+    let ready = (len <= AHEAD_LEN && pooled)
         .then(|| {
             ahead.primed = true;
             ahead.ready.pop()
@@ -822,7 +839,7 @@ fn prepare(
         .flatten();
     let mut dst = match ready {
         Some(b) => b,
-        None => reserve(cx, record.len, first)?,
+        None => reserve(cx, record.len, first, pooled)?,
     };
     dst.truncate(len)
         .map_err(|e| TakeError::BadRecord(e.to_string()))?;
@@ -881,9 +898,16 @@ fn queue(
             let (dst, copied) = match copied {
                 Some(event) => (p.dst, Some(event)),
                 None => {
-                    let queued =
-                        crate::gpu::queue_pull(&p.source, &cx.pools, &cx.imports, &cx.gpus, p.dst)
-                            .map_err(|(_, why)| why)?;
+                    let express = p.len <= AHEAD_LEN;
+                    let queued = crate::gpu::queue_pull(
+                        &p.source,
+                        &cx.pools,
+                        &cx.imports,
+                        &cx.gpus,
+                        p.dst,
+                        express,
+                    )
+                    .map_err(|(_, why)| why)?;
                     let copied = match &queued.stream {
                         Some(stream) => Some(record(events, stream)?),
                         None => None,
@@ -955,12 +979,7 @@ fn deliver(
         }
         std::thread::yield_now();
     }
-    cx.inbox
-        .claims(&cx.peer)
-        .lane
-        .fetch_add(dst.len() as u64, Ordering::Relaxed);
-    cx.inbox
-        .deliver(&cx.peer, tag, "ipc", Layout::Contiguous, dst);
+    cx.inbox.deliver_lane(&cx.peer, tag, dst);
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,
@@ -993,14 +1012,20 @@ fn spin_on(event: &Event) -> Result<(), ferry_transports::cuda::CudaError> {
 
 /// `len` bytes in the first receive tier that grants them now, on this thread; else, when
 /// it may `wait`, waits for memory like any receive would (the sender waits meanwhile).
-fn reserve(cx: &RxContext, len: u64, wait: bool) -> Result<Buffer, TakeError> {
-    // Device memory is allocated in order on the stream the copy goes on: no wait for the
-    // allocation, and no use to record for the copy (the buffer is freed on it too).
-    let express = cx.tiers.iter().find_map(|t| match t.kind {
-        MemoryKind::Device(n) => cx.gpus.get(n).map(|g| g.express_stream.clone()),
-        _ => None,
-    });
-    let got = match reserve_now_in_tiers(&cx.tiers, &[len], express.as_ref())? {
+/// For a copy from the peer's pool (`pooled`), device memory is allocated in order on the
+/// stream that copy goes on ([`copy_stream`]): no wait for the allocation, and no use to
+/// record for the copy (the buffer is freed on that stream too).
+fn reserve(cx: &RxContext, len: u64, wait: bool, pooled: bool) -> Result<Buffer, TakeError> {
+    let on = cx
+        .tiers
+        .iter()
+        .find_map(|t| match t.kind {
+            MemoryKind::Device(n) => cx.gpus.get(n),
+            _ => None,
+        })
+        .filter(|_| pooled)
+        .map(|g| copy_stream(g, len));
+    let got = match reserve_now_in_tiers(&cx.tiers, &[len], on.as_ref()) {
         Some(got) => got,
         None if !wait => return Err(TakeError::NotNow),
         None => {
@@ -1012,25 +1037,40 @@ fn reserve(cx: &RxContext, len: u64, wait: bool) -> Result<Buffer, TakeError> {
     got.into_iter().next().ok_or(TakeError::NoneGranted)
 }
 
-/// Whether what the lane delivered and the application did not take, with `len` more,
-/// stays under the peer's share (a record larger than the whole share goes once nothing of
-/// the lane's is left untaken, as on the socket path).
-fn share_allows(cx: &RxContext, len: u64) -> bool {
-    let claims = cx.inbox.claims(&cx.peer);
-    // `taken` counts what the socket path delivered too, so this is at most what is
-    // untaken in all (the socket path holds its own deliveries to the share).
-    let untaken = claims
-        .lane
-        .load(Ordering::Relaxed)
-        .saturating_sub(claims.taken.load(Ordering::Relaxed));
-    untaken == 0 || untaken.saturating_add(len) <= cx.share
+/// The stream a lane copy of `len` bytes goes on: the express stream for small ones, the
+/// copy stream for the rest (small pulls the actor waits for never wait behind them).
+fn copy_stream(gpu: &crate::gpu::Gpu, len: u64) -> ferry_transports::cuda::Stream {
+    if len <= AHEAD_LEN as u64 {
+        gpu.express_stream.clone()
+    } else {
+        gpu.copy_stream.clone()
+    }
 }
 
-/// Waits until [`share_allows`] `len` more bytes.
+/// Whether what the lane delivered and the application did not take, with `pending` bytes
+/// landed for records not delivered yet and `len` more, stays under the peer's share (a
+/// record larger than the whole share goes once nothing of the lane's is held, as on the
+/// socket path). The socket path holds its own deliveries to the share.
+fn share_allows(cx: &RxContext, pending: u64, len: u64) -> bool {
+    let claims = cx.inbox.claims(&cx.peer);
+    let held = claims
+        .lane
+        .load(Ordering::Relaxed)
+        .saturating_sub(claims.lane_taken.load(Ordering::Relaxed))
+        .saturating_add(pending);
+    held == 0 || held.saturating_add(len) <= cx.share
+}
+
+/// Waits until [`share_allows`] `len` more bytes, for `reserve_timeout` at most (like a
+/// reservation); then the record fails and the sender gets its buffer back.
 fn wait_for_share(cx: &RxContext, len: u64, stop: &AtomicBool) -> Result<(), TakeError> {
-    while !share_allows(cx, len) {
+    let deadline = Instant::now() + cx.reserve_timeout;
+    while !share_allows(cx, 0, len) {
         if stop.load(Ordering::SeqCst) {
             return Err(TakeError::Stopped);
+        }
+        if Instant::now() >= deadline {
+            return Err(TakeError::ShareFull(cx.reserve_timeout));
         }
         std::thread::sleep(SHARE_RECHECK);
     }

@@ -320,16 +320,27 @@ impl TransferActor {
                     SetupOutcome::Bad(_) => "bad",
                 };
                 metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
-                // A notice lost to a full mailbox leaves explain one step behind;
-                // the transfers themselves are routed here either way.
                 let ok = outcome == SetupOutcome::Ok;
-                // The lane opens first: the coordinator gives it its routes on this notice.
+                // The lane opens first: the coordinator gives it its routes on this notice,
+                // which therefore waits for room in a full mailbox rather than being lost
+                // (a lane without routes carries nothing).
                 self.open_lane(ok, ctx);
-                let _ = self.setup.settled.try_send(IpcSettled {
+                let notice = IpcSettled {
                     peer: self.peer.clone(),
                     epoch: self.epoch,
                     outcome: outcome.clone(),
-                });
+                };
+                if let Err(actix::prelude::SendError::Full(notice)) =
+                    self.setup.settled.try_send(notice)
+                {
+                    let settled = self.setup.settled.clone();
+                    ctx.spawn(
+                        async move {
+                            let _ = settled.send(notice).await;
+                        }
+                        .into_actor(self),
+                    );
+                }
                 match outcome {
                     SetupOutcome::Ok => {
                         tracing::info!(peer = %self.peer, "ipc set up with the peer");

@@ -171,20 +171,25 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     // SAFETY: every run lies inside its live buffer (checked above); the uses recorded
     // below keep them allocated until the copies passed; destinations are distinct
     // buffers (each borrowed mutably once).
-    let gathered = runs.one_gpu
-        && runs.sizes.len() > 1
-        && unsafe { super::gather::gather_async(&runs.dsts, &runs.srcs, &runs.sizes, stream) }?;
-    if !gathered {
-        for ((&d, &from), &len) in runs.dsts.iter().zip(&runs.srcs).zip(&runs.sizes) {
-            // SAFETY: as above.
-            unsafe { raw::memcpy_async(d, from, len, stream.handle()) }?;
+    let queued = (|| {
+        let gathered = runs.one_gpu
+            && runs.sizes.len() > 1
+            && unsafe { super::gather::gather_async(&runs.dsts, &runs.srcs, &runs.sizes, stream) }?;
+        if !gathered {
+            for ((&d, &from), &len) in runs.dsts.iter().zip(&runs.srcs).zip(&runs.sizes) {
+                // SAFETY: as above.
+                unsafe { raw::memcpy_async(d, from, len, stream.handle()) }?;
+            }
         }
-    }
+        Ok(gathered)
+    })();
+    // Recorded whatever was queued, also when a later copy failed to queue: every buffer
+    // stays allocated until what did get queued has passed.
     for p in pairs.iter() {
         p.dst.note_use(stream)?;
         p.src.note_use(stream)?;
     }
-    Ok(gathered)
+    queued
 }
 
 /// How [`copy_and_wait`] waits for its copy.

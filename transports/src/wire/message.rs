@@ -13,7 +13,8 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
-pub const PROTOCOL_VERSION: u16 = 9;
+/// 10: lane records of any size (a receiver of version 9 refused those over 64 KiB).
+pub const PROTOCOL_VERSION: u16 = 10;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
