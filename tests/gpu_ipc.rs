@@ -80,12 +80,14 @@ static GPU1: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         ferry::testing::peer_gpu()
     )
 });
-/// Turns the fast lane on (it is off by default).
+/// A lane limited to 64 KiB (it carries every size by default): sends on both sides of its
+/// limit, some on the lane and some on the socket, must keep their order.
 const LANE: &str = "[transport.ipc]\nlane_max = \"64 KiB\"\n";
 /// The lane off: every send takes the socket and the actors.
 const NO_LANE: &str = "[transport.ipc]\nlane_max = 0\n";
 /// Rules that push device memory over ipc (the sender copies into a buffer the receiver
-/// lends), with the lane off so that small buffers push too. Goes last in a node's extra.
+/// lends), with the lane off too (it would not take pushed sizes anyway: it follows the
+/// rules). Goes last in a node's extra.
 const PUSH: &str = "[transport.ipc]\nlane_max = 0\n\n\
                     [[transport.rules]]\nname = \"gpu\"\nlocality = [\"same-host\"]\n\
                     src = [\"device\"]\ntransports = [\"ipc\", \"tcp\"]\ndirection = \"push\"\n\n\
