@@ -1,0 +1,532 @@
+//! The receiving end of a lane: a thread that reserves each record's landing, queues the
+//! copies of a batch (small ones as one gather), and delivers them in order.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use ferry_transports::cuda::{Device, DeviceMemory, Event};
+use ferry_transports::link::ring::Ring;
+use ferry_transports::memory::{Buffer, MemoryKind};
+use ferry_transports::wire::LaneRecord;
+
+use super::{LaneSettings, PARK, Undelivered};
+use crate::allocator::{Tier, reserve_in_tiers, reserve_now_in_tiers};
+use crate::error::Error;
+use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
+use crate::inbox::Inbox;
+
+/// Receive buffers a lane keeps allocated ahead.
+const AHEAD: usize = 4;
+/// Their size: records of at most this many bytes land in them; larger ones are reserved
+/// when they arrive.
+pub const AHEAD_LEN: usize = 64 << 10;
+/// How often a lane held back by the peer's share looks again.
+const SHARE_RECHECK: Duration = Duration::from_micros(200);
+
+/// What a receiving lane thread needs from its transfer actor.
+pub struct RxContext {
+    /// The sending peer.
+    pub peer: String,
+    /// Its pools, imported by the ipc setup.
+    pub pools: Arc<ImportedPools>,
+    /// Its buffers we keep mapped (shared with the actor, which unmaps on request).
+    pub imports: SharedImports,
+    /// Our GPUs.
+    pub gpus: SharedGpus,
+    /// Where buffers go.
+    pub inbox: Arc<Inbox>,
+    /// Where they land (the pulled transfers' tiers).
+    pub tiers: Vec<Tier>,
+    /// The peer's share of our memory (`limits.peer_inbound_bytes`): what the lane
+    /// delivered and the application did not take stays under it.
+    pub share: u64,
+    /// Slow transfers from this peer on their way to the inbox.
+    pub undelivered: Undelivered,
+    /// How long a reservation may wait.
+    pub reserve_timeout: Duration,
+    /// The node's I/O runtime (reservations run there).
+    pub io: tokio::runtime::Handle,
+    /// The lane's settings.
+    pub settings: LaneSettings,
+}
+
+/// The receiving end of a lane: its thread runs until [`LaneRx::stop`] or the ring closes.
+pub struct LaneRx {
+    stop: Arc<AtomicBool>,
+}
+
+impl LaneRx {
+    /// Attaches to `ring` and starts the lane thread.
+    ///
+    /// # Errors
+    /// When the thread cannot start.
+    pub fn start(ring: Ring, cx: RxContext) -> std::io::Result<LaneRx> {
+        let ring = Arc::new(ring);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (r, s) = (Arc::clone(&ring), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("ferry-lane-rx".into())
+            .spawn(move || receive(&r, &s, &cx))?;
+        ring.attach();
+        Ok(LaneRx { stop })
+    }
+
+    /// Stops the thread after the record it handles now (within the park interval when it
+    /// sleeps); the thread closes the ring as it leaves, so the sender knows that every
+    /// record it did not finish was never read.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for LaneRx {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Receive buffers of [`AHEAD_LEN`] bytes allocated ahead, topped up while the lane is
+/// idle once a small record came (an unused lane costs no memory).
+#[derive(Default)]
+struct Ahead {
+    ready: Vec<Buffer>,
+    primed: bool,
+}
+
+impl Ahead {
+    /// Allocates up to [`AHEAD`] buffers, if it fits now (never waits).
+    fn top_up(&mut self, cx: &RxContext) {
+        while self.primed && self.ready.len() < AHEAD {
+            match reserve(cx, AHEAD_LEN as u64, false, true) {
+                Ok(buffer) => self.ready.push(buffer),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
+    let mut ahead = Ahead::default();
+    let mut top_up = false;
+    let mut tail = 0u64;
+    let mut record = Vec::with_capacity(ring.room());
+    let mut idle_since = Instant::now();
+    let mut events = Events::default();
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let head = match ring.published(tail) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(peer = %cx.peer, "fast lane closed: {e}");
+                break;
+            }
+        };
+        if head == tail {
+            if ring.is_closed() {
+                break;
+            }
+            if idle_since.elapsed() < cx.settings.spin {
+                // Once per idle spell: what does not fit now is not asked again until the
+                // next record.
+                if std::mem::take(&mut top_up) {
+                    ahead.top_up(cx);
+                }
+                std::hint::spin_loop();
+            } else {
+                ring.park_consumer(tail, PARK);
+            }
+            continue;
+        }
+        // Every record published so far (a batch at most) has its copy queued before the
+        // first is waited for, so the copies run back to back; each is then delivered and
+        // finished in order as its copy ends.
+        let mut batch: Vec<Result<Prepared, TakeError>> = Vec::new();
+        for seq in tail..head.min(tail + BATCH) {
+            // Bytes this batch landed so far, not delivered yet: the share counts them.
+            let pending = batch
+                .iter()
+                .filter_map(|p| p.as_ref().ok())
+                .map(|p| p.len as u64)
+                .sum::<u64>();
+            let first = batch.is_empty();
+            let prepared = match ring.read(seq, &mut record) {
+                Ok(()) => prepare(&record, cx, &mut ahead, stop, first, pending),
+                Err(e) => Err(TakeError::BadRecord(e.to_string())),
+            };
+            match prepared {
+                // Waiting for memory or for the peer's share with copies in flight: those
+                // are delivered first (the application may be waiting for them).
+                Err(TakeError::NotNow) => break,
+                other => batch.push(other),
+            }
+        }
+        for landing in queue(batch, cx, &mut events) {
+            let outcome = landing.and_then(|l| deliver(l, cx, stop, &mut events));
+            let outcome = outcome.map_err(|why| why.to_string());
+            if let Err(why) = &outcome {
+                tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
+                metrics::counter!("ferry_pull_failures_total").increment(1);
+            }
+            ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+            tail += 1;
+        }
+        idle_since = Instant::now();
+        top_up = true;
+    }
+    ring.close();
+}
+
+/// Records whose copies a lane queues before it waits for the first.
+const BATCH: u64 = 16;
+
+/// Events the lane records after each queued copy, reused.
+#[derive(Default)]
+struct Events(Vec<Event>);
+
+impl Events {
+    fn take(&mut self, device: &Device) -> Result<Event, TakeError> {
+        match self.0.iter().position(|e| e.device().same_as(device)) {
+            Some(i) => Ok(self.0.swap_remove(i)),
+            None => Event::new(device).map_err(driver("creating an event")),
+        }
+    }
+
+    /// Keeps `event` for reuse once its last landing is done with it.
+    fn give_back(&mut self, event: Rc<Event>) {
+        if let Ok(event) = Rc::try_unwrap(event)
+            && self.0.len() < BATCH as usize
+        {
+            self.0.push(event);
+        }
+    }
+}
+
+/// A record with its landing reserved, its copy not queued yet.
+struct Prepared {
+    tag: u64,
+    len: usize,
+    source: ferry_transports::wire::IpcSource,
+    dst: Buffer,
+    started: Instant,
+    reserved: Duration,
+}
+
+/// A record whose copy is queued: its landing buffer, and what ends the copy.
+struct Landing {
+    tag: u64,
+    len: usize,
+    dst: Buffer,
+    /// Recorded after the copy on its stream (shared by the records one gather copied);
+    /// `None`: copied already.
+    copied: Option<Rc<Event>>,
+    started: Instant,
+    /// When its landing was reserved, and its copy queued.
+    reserved: Duration,
+    queued: Duration,
+}
+
+/// Why a lane record was not taken (its words go back to the sender in the ring).
+#[derive(Debug, thiserror::Error)]
+enum TakeError {
+    /// The record is not one.
+    #[error("a bad lane record: {0}")]
+    BadRecord(String),
+    /// No memory to land it in.
+    #[error(transparent)]
+    Memory(#[from] Error),
+    /// The reservation granted nothing.
+    #[error("no memory granted")]
+    NoneGranted,
+    /// The pull failed.
+    #[error(transparent)]
+    Pull(#[from] crate::gpu::IpcError),
+    /// This end stopped.
+    #[error("the receiver stopped")]
+    Stopped,
+    /// The application left the peer's share full (`limits.peer_inbound_bytes`) for this
+    /// long.
+    #[error(
+        "the receiver's share for this peer stayed full for {0:?} (limits.peer_inbound_bytes): the application is not taking what arrives"
+    )]
+    ShareFull(Duration),
+    /// Not in this batch: the record would wait (for memory, or for the peer's share)
+    /// while earlier records of the batch are not delivered yet. Never sent to the peer.
+    #[error("later")]
+    NotNow,
+}
+
+/// Reserves one record's landing, `pending` bytes of the batch before it landed and not
+/// delivered yet. Only the `first` of a batch may wait for memory or for the peer's share;
+/// a later one answers [`TakeError::NotNow`] instead.
+fn prepare(
+    bytes: &[u8],
+    cx: &RxContext,
+    ahead: &mut Ahead,
+    stop: &AtomicBool,
+    first: bool,
+    pending: u64,
+) -> Result<Prepared, TakeError> {
+    let started = Instant::now();
+    let record = LaneRecord::decode(bytes).map_err(|e| TakeError::BadRecord(e.to_string()))?;
+    let len = usize::try_from(record.len)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| TakeError::BadRecord(format!("a lane record of {} bytes", record.len)))?;
+    if !share_allows(cx, pending, record.len) {
+        if !first {
+            return Err(TakeError::NotNow);
+        }
+        wait_for_share(cx, record.len, stop)?;
+    }
+    // Memory the peer registered is copied on another stream than the lane's: its landing
+    // is allocated ready for every stream, not from the buffers ahead.
+    let pooled = record.source.legacy.is_none();
+    let ready = (len <= AHEAD_LEN && pooled)
+        .then(|| {
+            ahead.primed = true;
+            ahead.ready.pop()
+        })
+        .flatten();
+    let mut dst = match ready {
+        Some(b) => b,
+        None => reserve(cx, record.len, first, pooled)?,
+    };
+    dst.truncate(len)
+        .map_err(|e| TakeError::BadRecord(e.to_string()))?;
+    Ok(Prepared {
+        tag: record.tag,
+        len,
+        source: record.source,
+        dst,
+        started,
+        reserved: started.elapsed(),
+    })
+}
+
+/// Queues the copies of a batch: the small ones into one GPU's memory as one gather
+/// ([`crate::gpu::queue_pulls`]: one kernel launch instead of a copy each), the others one
+/// by one. Each comes back with an event recorded after its copy.
+fn queue(
+    batch: Vec<Result<Prepared, TakeError>>,
+    cx: &RxContext,
+    events: &mut Events,
+) -> Vec<Result<Landing, TakeError>> {
+    let mut batch = batch;
+    let device = batch.iter().find_map(|p| match p {
+        Ok(p) if gatherable(p, None) => p.dst.device_memory().map(|m| m.device().clone()),
+        _ => None,
+    });
+    let mut gathered = None;
+    if let Some(device) = &device {
+        let mut items: Vec<_> = batch
+            .iter_mut()
+            .filter_map(|p| p.as_mut().ok())
+            .filter(|p| gatherable(p, Some(device)))
+            .map(|p| (&p.source, &mut p.dst))
+            .collect();
+        if items.len() > 1 {
+            let queued = crate::gpu::queue_pulls(&mut items, &cx.pools, &cx.imports, &cx.gpus)
+                .map_err(TakeError::from)
+                .and_then(|stream| record(events, &stream));
+            match queued {
+                Ok(event) => gathered = Some(event),
+                // Copied one by one below instead.
+                Err(e) => tracing::debug!(peer = %cx.peer, error = %e, "a lane gather failed"),
+            }
+        }
+    }
+    batch
+        .into_iter()
+        .map(|p| {
+            let p = p?;
+            let copied = match (&gathered, &device) {
+                (Some(event), Some(device)) if gatherable(&p, Some(device)) => {
+                    Some(Rc::clone(event))
+                }
+                _ => None,
+            };
+            let (dst, copied) = match copied {
+                Some(event) => (p.dst, Some(event)),
+                None => {
+                    let express = p.len <= AHEAD_LEN;
+                    let queued = crate::gpu::queue_pull(
+                        &p.source,
+                        &cx.pools,
+                        &cx.imports,
+                        &cx.gpus,
+                        p.dst,
+                        express,
+                    )
+                    .map_err(|(_, why)| why)?;
+                    let copied = match &queued.stream {
+                        Some(stream) => Some(record(events, stream)?),
+                        None => None,
+                    };
+                    (queued.dst, copied)
+                }
+            };
+            Ok(Landing {
+                tag: p.tag,
+                len: p.len,
+                dst,
+                copied,
+                started: p.started,
+                reserved: p.reserved,
+                queued: p.started.elapsed(),
+            })
+        })
+        .collect()
+}
+
+/// Whether a record's copy may join a batch's gather (on `device`, when given): a small
+/// one, from the peer's pool, into device memory.
+fn gatherable(p: &Prepared, device: Option<&Device>) -> bool {
+    p.len <= AHEAD_LEN
+        && p.source.legacy.is_none()
+        && p.dst
+            .device_memory()
+            .is_some_and(|m| device.is_none_or(|d| m.device().same_as(d)))
+}
+
+/// An event recorded on `stream` now.
+fn record(
+    events: &mut Events,
+    stream: &ferry_transports::cuda::Stream,
+) -> Result<Rc<Event>, TakeError> {
+    let event = events.take(stream.device())?;
+    event
+        .record(stream)
+        .map_err(driver("recording the copy's end"))?;
+    Ok(Rc::new(event))
+}
+
+/// Waits for a landing's copy, then delivers it to the inbox.
+fn deliver(
+    landing: Landing,
+    cx: &RxContext,
+    stop: &AtomicBool,
+    events: &mut Events,
+) -> Result<(), TakeError> {
+    let Landing {
+        tag,
+        len,
+        dst,
+        copied,
+        started,
+        reserved,
+        queued,
+    } = landing;
+    if let Some(event) = copied {
+        let waited = spin_on(&event);
+        events.give_back(event);
+        waited.map_err(driver("copying from the peer"))?;
+    }
+    let pulled = started.elapsed();
+    // Slow transfers that completed before this record go first.
+    while !cx.undelivered.is_clear() {
+        if stop.load(Ordering::SeqCst) {
+            return Err(TakeError::Stopped);
+        }
+        std::thread::yield_now();
+    }
+    cx.inbox.deliver_lane(&cx.peer, tag, dst);
+    tracing::trace!(
+        peer = %cx.peer,
+        bytes = len,
+        reserve_us = reserved.as_micros() as u64,
+        queue_us = (queued - reserved).as_micros() as u64,
+        pull_us = (pulled - queued).as_micros() as u64,
+        deliver_us = (started.elapsed() - pulled).as_micros() as u64,
+        "lane record delivered"
+    );
+    Ok(())
+}
+
+/// A driver error at `step` of a lane pull.
+fn driver(step: &'static str) -> impl FnOnce(ferry_transports::cuda::CudaError) -> TakeError {
+    move |source| TakeError::Pull(crate::gpu::IpcError::Driver { step, source })
+}
+
+/// Polls `event` until its copy ended (a lane thread is for this), for a second at most,
+/// then waits in the driver.
+fn spin_on(event: &Event) -> Result<(), ferry_transports::cuda::CudaError> {
+    let started = Instant::now();
+    while !event.query()? {
+        if started.elapsed() > Duration::from_secs(1) {
+            return event.synchronize();
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
+}
+
+/// `len` bytes in the first receive tier that grants them now, on this thread; else, when
+/// it may `wait`, waits for memory like any receive would (the sender waits meanwhile).
+/// For a copy from the peer's pool (`pooled`), device memory is allocated in order on the
+/// stream that copy goes on ([`copy_stream`]): no wait for the allocation, and no use to
+/// record for the copy (the buffer is freed on that stream too).
+fn reserve(cx: &RxContext, len: u64, wait: bool, pooled: bool) -> Result<Buffer, TakeError> {
+    let on = cx
+        .tiers
+        .iter()
+        .find_map(|t| match t.kind {
+            MemoryKind::Device(n) => cx.gpus.get(n),
+            _ => None,
+        })
+        .filter(|_| pooled)
+        .map(|g| copy_stream(g, len));
+    let got = match reserve_now_in_tiers(&cx.tiers, &[len], on.as_ref()) {
+        Some(got) => got,
+        None if !wait => return Err(TakeError::NotNow),
+        None => {
+            let deadline = Instant::now() + cx.reserve_timeout;
+            cx.io
+                .block_on(reserve_in_tiers(&cx.tiers, &[len], deadline))?
+        }
+    };
+    got.into_iter().next().ok_or(TakeError::NoneGranted)
+}
+
+/// The stream a lane copy of `len` bytes goes on: the express stream for small ones, the
+/// copy stream for the rest (small pulls the actor waits for never wait behind them).
+fn copy_stream(gpu: &crate::gpu::Gpu, len: u64) -> ferry_transports::cuda::Stream {
+    if len <= AHEAD_LEN as u64 {
+        gpu.express_stream.clone()
+    } else {
+        gpu.copy_stream.clone()
+    }
+}
+
+/// Whether what the lane delivered and the application did not take, with `pending` bytes
+/// landed for records not delivered yet and `len` more, stays under the peer's share (a
+/// record larger than the whole share goes once nothing of the lane's is held, as on the
+/// socket path). The socket path holds its own deliveries to the share.
+fn share_allows(cx: &RxContext, pending: u64, len: u64) -> bool {
+    let claims = cx.inbox.claims(&cx.peer);
+    let held = claims
+        .lane
+        .load(Ordering::Relaxed)
+        .saturating_sub(claims.lane_taken.load(Ordering::Relaxed))
+        .saturating_add(pending);
+    held == 0 || held.saturating_add(len) <= cx.share
+}
+
+/// Waits until [`share_allows`] `len` more bytes, for `reserve_timeout` at most (like a
+/// reservation); then the record fails and the sender gets its buffer back.
+fn wait_for_share(cx: &RxContext, len: u64, stop: &AtomicBool) -> Result<(), TakeError> {
+    let deadline = Instant::now() + cx.reserve_timeout;
+    while !share_allows(cx, 0, len) {
+        if stop.load(Ordering::SeqCst) {
+            return Err(TakeError::Stopped);
+        }
+        if Instant::now() >= deadline {
+            return Err(TakeError::ShareFull(cx.reserve_timeout));
+        }
+        std::thread::sleep(SHARE_RECHECK);
+    }
+    Ok(())
+}
