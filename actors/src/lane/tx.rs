@@ -11,7 +11,7 @@ use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
 use ferry_transports::wire::LaneRecord;
 use tokio::sync::{Notify, oneshot};
 
-use super::{LaneRoutes, LaneSettings, PARK};
+use super::{LaneRoutes, LaneSettings, OrderGuard, PARK};
 use crate::error::{Error, SendError};
 
 type Completion = oneshot::Sender<Result<Buffer, (Buffer, ConsumerRefused)>>;
@@ -20,6 +20,10 @@ struct Waiter {
     seq: u64,
     buffer: Buffer,
     done: Completion,
+    /// The send's place in the peer's order: held until the receiver finished the record
+    /// (or the lane closed), also when the sender stopped waiting, so that no later send
+    /// to the peer can overtake a record the receiver may still deliver.
+    _turn: OrderGuard,
 }
 
 #[derive(Default)]
@@ -113,6 +117,7 @@ impl LaneTx {
         tag: u64,
         buffer: Buffer,
         deadline: Instant,
+        turn: OrderGuard,
     ) -> Result<Buffer, SendError> {
         let fail = |error, buffer| Err(SendError { error, buffer });
         let started = Instant::now();
@@ -154,7 +159,12 @@ impl LaneTx {
                     let Some(buffer) = buffer.take() else {
                         return fail(Error::ShuttingDown, None);
                     };
-                    s.waiting.push_back(Waiter { seq, buffer, done });
+                    s.waiting.push_back(Waiter {
+                        seq,
+                        buffer,
+                        done,
+                        _turn: turn,
+                    });
                     break (wait, s.waiting.len() == 1);
                 }
             }

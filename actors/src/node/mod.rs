@@ -423,9 +423,9 @@ impl Node {
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
         if let Some(lane) = lane.filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
-            && let Some(_turn) = self.order(peer).try_lane(crate::lane::LANE_SLOTS as usize)
+            && let Some(turn) = self.order(peer).try_lane(crate::lane::LANE_SLOTS as usize)
         {
-            return lane.send(tag, buffer, deadline).await;
+            return lane.send(tag, buffer, deadline, turn).await;
         }
         let message = |buffer| SendTo {
             peer: peer.to_string(),
