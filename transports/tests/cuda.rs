@@ -15,7 +15,7 @@ use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, Event, ExportablePool, Pair, PinnedBuffer, Stream, Wait,
     copy_and_wait, copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host,
     copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
-    enable_peer_access, fill_async, peer_access,
+    enable_peer_access, fill_async, gather_kernel_loads, peer_access,
 };
 use ferry_transports::link::fdpass;
 
@@ -265,16 +265,28 @@ fn gathers_in_flight_reuse_their_tables() {
     });
 }
 
-/// Independent copies between buffers of one GPU, queued as one: the kernel takes several,
-/// a single one goes to the copy engine, and every destination gets its own source's bytes
-/// (each at its own offset and length, odd ones included).
+/// Independent copies between buffers of one GPU, queued as one: the kernel takes them (a
+/// lone one too) where it loads, and every destination gets its own source's bytes (each
+/// at its own offset and length, odd ones and runs of megabytes included).
 #[test]
 fn many_copies_queued_as_one_land_each_its_own_bytes() {
     let Some(gpus) = gpus() else { return };
     let dev = &gpus[0];
     let pool = ExportablePool::new(dev).expect("exportable pool");
     let stream = Stream::new(dev).expect("stream");
-    let shapes: [(usize, usize); 5] = [(8, 0), (4096, 16), (65_536, 3), (1, 4095), (300_001, 7)];
+    // Runs longer than the kernel's piece (64 KiB) are cut into pieces, an aligned run's
+    // odd bytes in a piece of their own; a misaligned run goes byte by byte.
+    let shapes: [(usize, usize); 8] = [
+        (8, 0),
+        (4096, 16),
+        (65_536, 3),
+        (1, 4095),
+        (300_001, 7),
+        ((1 << 20) + 13, 16),
+        (3 << 16, 0),
+        ((2 << 20) + 5, 4096),
+    ];
+    let kernel = gather_kernel_loads(dev).is_ok();
     let hosts: Vec<Vec<u8>> = shapes
         .iter()
         .enumerate()
@@ -288,7 +300,7 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
             b
         })
         .collect();
-    for count in [1, shapes.len()] {
+    for count in [1, 2, shapes.len()] {
         let mut dsts: Vec<_> = shapes[..count]
             .iter()
             .map(|(len, _)| pool.alloc(*len, &stream).expect("alloc"))
@@ -305,7 +317,10 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
             })
             .collect();
         let gathered = copy_many_async(&mut pairs, &stream).expect("queued");
-        assert!(!gathered || count > 1, "one copy never takes the kernel");
+        assert_eq!(
+            gathered, kernel,
+            "the kernel takes every count where it loads"
+        );
         stream.synchronize().expect("copied");
         for (i, dst) in dsts.iter().enumerate() {
             let (len, off) = shapes[i];

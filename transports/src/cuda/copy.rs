@@ -138,10 +138,10 @@ pub struct Pair<'a, D, S> {
 
 /// Queues several independent copies between device memories on `stream`: where every
 /// buffer is of the stream's GPU, as one launch of the gather kernel (the copy engine's
-/// fixed cost per copy, 5–8 µs on an H100 for a peer's memory, is paid once), else (or
-/// where the kernel does not load) one copy each. Returns once queued; every buffer is
-/// recorded as used on `stream`, as [`copy_async`] does. Returns whether the kernel took
-/// them.
+/// fixed cost per copy, 5–8 µs on an H100 for a peer's memory, is paid once; a lone copy
+/// too), else (or where the kernel does not load) as [`copy_boxes_async`] queues a block
+/// list's runs. Returns once queued; every buffer is recorded as used on `stream`, as
+/// [`copy_async`] does. Returns whether the kernel took them.
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
@@ -150,14 +150,15 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     stream: &Stream,
 ) -> Result<bool, CudaError> {
     let mut runs = Runs {
-        dsts: Vec::with_capacity(pairs.len()),
-        srcs: Vec::with_capacity(pairs.len()),
-        sizes: Vec::with_capacity(pairs.len()),
         one_gpu: true,
+        ..Runs::default()
     };
     for p in pairs.iter() {
         range("destination", 0, p.len, p.dst.len())?;
         range("source", p.src_offset, p.len, p.src.len())?;
+        if p.len == 0 {
+            continue;
+        }
         runs.one_gpu &=
             p.src.device().same_as(stream.device()) && p.dst.device().same_as(stream.device());
         runs.dsts.push(p.dst.device_ptr());
@@ -170,19 +171,8 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     stream.bind()?;
     // SAFETY: every run lies inside its live buffer (checked above); the uses recorded
     // below keep them allocated until the copies passed; destinations are distinct
-    // buffers (each borrowed mutably once).
-    let queued = (|| {
-        let gathered = runs.one_gpu
-            && runs.sizes.len() > 1
-            && unsafe { super::gather::gather_async(&runs.dsts, &runs.srcs, &runs.sizes, stream) }?;
-        if !gathered {
-            for ((&d, &from), &len) in runs.dsts.iter().zip(&runs.srcs).zip(&runs.sizes) {
-                // SAFETY: as above.
-                unsafe { raw::memcpy_async(d, from, len, stream.handle()) }?;
-            }
-        }
-        Ok(gathered)
-    })();
+    // buffers (each borrowed mutably once); the stream's context is current (bound above).
+    let queued = unsafe { runs.flush(stream, 1) };
     // Recorded whatever was queued, also when a later copy failed to queue: every buffer
     // stays allocated until what did get queued has passed.
     for p in pairs.iter() {
@@ -477,7 +467,7 @@ unsafe fn copy_boxes(
     let added = started.elapsed();
     let count = runs.sizes.len();
     // SAFETY: as each run's, above.
-    if let Err(e) = unsafe { runs.flush(stream) } {
+    if let Err(e) = unsafe { runs.flush(stream, 2) } {
         let _ = stream.synchronize();
         return Err(e);
     }
@@ -558,20 +548,21 @@ impl Runs {
         }
     }
 
-    /// Queues the gathered device runs: one batch when the driver has one and there are
-    /// several, else one copy each. A batch the driver refuses is queued again run by run
-    /// (the same bytes to the same places), and the process stops batching.
+    /// Queues the gathered device runs: as one launch of the gather kernel when `one_gpu`
+    /// and there are at least `gather_from` (and it loads), else one batch when the driver
+    /// has one and there are several, else one copy each. Returns whether the kernel took
+    /// them. A batch the driver refuses is queued again run by run (the same bytes to the
+    /// same places), and the process stops batching.
     ///
     /// # Safety
-    /// As [`Runs::add`], for every run added.
-    unsafe fn flush(mut self, stream: &Stream) -> Result<(), CudaError> {
-        // SAFETY: caller; the stream's context is current (`copy_boxes` bound it), and
-        // `one_gpu` says its GPU holds both memories.
+    /// As [`Runs::add`], for every run added; the stream's context is current.
+    unsafe fn flush(mut self, stream: &Stream, gather_from: usize) -> Result<bool, CudaError> {
+        // SAFETY: caller; `one_gpu` says the stream's GPU holds both memories.
         if self.one_gpu
-            && self.sizes.len() > 1
+            && self.sizes.len() >= gather_from.max(1)
             && unsafe { super::gather::gather_async(&self.dsts, &self.srcs, &self.sizes, stream) }?
         {
-            return Ok(());
+            return Ok(true);
         }
         if self.sizes.len() > 1 && block_copies() == BlockCopies::Batched {
             // SAFETY: caller; device memory on both sides, destinations disjoint (packed
@@ -586,7 +577,7 @@ impl Runs {
                 )
             };
             match batched {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(false),
                 Err(e) => {
                     if !BATCH_REFUSED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                         tracing::warn!(
@@ -602,7 +593,7 @@ impl Runs {
             // SAFETY: caller.
             unsafe { raw::memcpy_async(d, from, len, stream.handle()) }?;
         }
-        Ok(())
+        Ok(false)
     }
 }
 

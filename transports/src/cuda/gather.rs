@@ -19,9 +19,9 @@ use cudarc::driver::sys;
 use super::error::{CudaError, check, teardown_failed};
 use super::stream::Stream;
 
-/// `ferry_gather(desc, count)`: thread block `b` copies run `b` of `desc` (three `u64`
-/// each: destination, source, length), 16 bytes at a time where all three are multiples
-/// of 16, else byte by byte.
+/// `ferry_gather(desc, count)`: thread block `b` copies entry `b` of `desc` (three `u64`
+/// each: destination, source, length; a run or a piece of one, see [`pieces`]), 16 bytes
+/// at a time where all three are multiples of 16, else byte by byte.
 const PTX: &str = r#"
 .version 6.0
 .target sm_52
@@ -84,8 +84,28 @@ DONE:
 }
 "#;
 
-/// Threads per block: each run is copied by this many threads, 16 bytes each per step.
+/// Threads per block: each piece is copied by this many threads, 16 bytes each per step.
 const THREADS: c_uint = 256;
+
+/// The most bytes one thread block copies: a longer run is cut into pieces of this many
+/// (a piece per block), so that a run of megabytes is spread over the GPU's
+/// multiprocessors instead of crawling through one.
+const PIECE: u64 = 64 << 10;
+
+/// The pieces of one run (`dst` ← `src`, `len` bytes), each copied by one thread block:
+/// [`PIECE`] bytes each, and where both addresses are 16-byte aligned the last piece's
+/// odd bytes (its length mod 16) apart, so that every other piece takes the kernel's
+/// 16-byte path.
+fn pieces(dst: u64, src: u64, len: u64) -> impl Iterator<Item = [u64; 3]> {
+    let aligned = (dst | src) % 16 == 0;
+    let body = if aligned { len - len % 16 } else { len };
+    let whole = (0..body.div_ceil(PIECE)).map(move |i| {
+        let at = i * PIECE;
+        [dst + at, src + at, PIECE.min(body - at)]
+    });
+    let tail = (body < len).then(|| [dst + body, src + body, len - body]);
+    whole.chain(tail)
+}
 
 /// The kernel, by context (as addresses: the handles are only passed to the driver), or
 /// `None` where it did not load (the driver's error was logged once). A context that was
@@ -453,8 +473,8 @@ unsafe fn launch(
 }
 
 /// Queues the runs (`dsts[i]` ← `srcs[i]`, `sizes[i]` bytes) as one kernel launch on
-/// `stream`, whose context must be current: the runs go into a reused table of the
-/// stream's device ([`Tables`]), uploaded and read in stream order. `Ok(false)`: the
+/// `stream`, whose context must be current: the runs, cut into [`pieces`], go into a reused
+/// table of the stream's device ([`Tables`]), uploaded and read in stream order. `Ok(false)`: the
 /// kernel is not available here (no copy is launched).
 ///
 /// # Safety
@@ -466,12 +486,14 @@ pub(super) unsafe fn gather_async(
     sizes: &[usize],
     stream: &Stream,
 ) -> Result<bool, CudaError> {
-    let count = sizes.len();
-    if dsts.len() != count || srcs.len() != count {
+    let runs = sizes.len();
+    if dsts.len() != runs || srcs.len() != runs {
         return Err(CudaError::Misuse(
             "a gather with lists of different lengths".into(),
         ));
     }
+    let run = |i: usize| pieces(dsts[i], srcs[i], sizes[i] as u64);
+    let count: usize = (0..runs).map(|i| run(i).count()).sum();
     let Ok(blocks) = c_uint::try_from(count) else {
         return Ok(false);
     };
@@ -497,13 +519,8 @@ pub(super) unsafe fn gather_async(
     // upload completed) and the pool's mutex, held until its event is recorded below, keeps
     // every other gather out of it.
     let table = unsafe { std::slice::from_raw_parts_mut(slot.host.cast::<u64>(), 3 * count) };
-    for (run, ((&dst, &src), &len)) in table
-        .chunks_exact_mut(3)
-        .zip(dsts.iter().zip(srcs).zip(sizes))
-    {
-        run[0] = dst;
-        run[1] = src;
-        run[2] = len as u64;
+    for (entry, piece) in table.chunks_exact_mut(3).zip((0..runs).flat_map(run)) {
+        entry.copy_from_slice(&piece);
     }
     let (host, device) = (slot.host, slot.device);
     let filled_at = started.elapsed();
@@ -528,7 +545,8 @@ pub(super) unsafe fn gather_async(
     settled?;
     tracing::trace!(
         target: "ferry::blocks",
-        runs = count,
+        runs,
+        pieces = count,
         table_bytes = bytes,
         waited_for_slot = waited,
         slot_us = slot_at.as_micros() as u64,
@@ -567,6 +585,39 @@ unsafe fn settle(
                 let _leaked = pool.slots.swap_remove(index);
             }
             Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PIECE, pieces};
+
+    /// Pieces cover a run exactly, in order, none longer than [`PIECE`]; aligned runs keep
+    /// their odd bytes to a last piece of their own, so every other piece is whole 16-byte
+    /// words.
+    #[test]
+    fn pieces_cover_a_run_exactly() {
+        for (dst, src, len) in [
+            (0x1000, 0x9000, 0),
+            (0x1000, 0x9000, 8),
+            (0x1000, 0x9000, PIECE),
+            (0x1000, 0x9000, 3 * PIECE + 37),
+            (0x1003, 0x9000, 2 * PIECE + 5),
+            (0x1000, 0x9000, (1 << 20) + 13),
+        ] {
+            let got: Vec<[u64; 3]> = pieces(dst, src, len).collect();
+            let mut at = 0;
+            for (i, &[d, s, n]) in got.iter().enumerate() {
+                assert_eq!((d, s), (dst + at, src + at), "piece {i} of {len}");
+                assert!(n > 0 && n <= PIECE, "piece {i} of {len}: {n} bytes");
+                let last = i + 1 == got.len();
+                if (dst | src) % 16 == 0 && !(last && len % 16 != 0) {
+                    assert_eq!(n % 16, 0, "piece {i} of {len} is not whole words");
+                }
+                at += n;
+            }
+            assert_eq!(at, len, "pieces of {len} bytes");
         }
     }
 }
