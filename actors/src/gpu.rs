@@ -412,8 +412,8 @@ pub fn queue_pull(
 }
 
 /// Contiguous pulls of several of the peer's pooled buffers, each into the device memory
-/// of one GPU of ours, queued at once on that GPU's express stream: one launch of the
-/// gather kernel where it loads ([`ferry_transports::cuda::copy_many_async`]), so the copy
+/// of one GPU of ours, queued at once on that GPU's express stream (`express`) or its copy
+/// stream: one launch of the gather kernel where it loads ([`ferry_transports::cuda::copy_many_async`]), so the copy
 /// engine's fixed cost per copy is paid once. Nothing is waited for: the caller records an
 /// event on the returned stream. The imports stay as [`queue_pull`] says.
 ///
@@ -425,13 +425,14 @@ pub fn queue_pulls(
     pools: &ImportedPools,
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
+    express: bool,
 ) -> Result<Stream, IpcError> {
     let device = items
         .first()
         .and_then(|(_, dst)| dst.device_memory())
         .map(|m| m.device().clone())
         .ok_or_else(|| IpcError::Unsupported("pulls into host memory".into()))?;
-    let stream = gpus.copy_stream(&device, true)?;
+    let stream = gpus.copy_stream(&device, express)?;
     let mut cache = imports.lock().unwrap_or_else(|p| p.into_inner());
     cache.tick += 1;
     let tick = cache.tick;

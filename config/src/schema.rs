@@ -298,6 +298,12 @@ pub struct IpcTuning {
     /// makes no system call). Default `"100us"`; `0` sleeps at once.
     #[serde(with = "duration")]
     pub lane_spin: Duration,
+    /// Largest lane record a receiver copies with ferry's copy kernel (the records of one
+    /// batch into one GPU in one launch) rather than the copy engine (a copy each, a fixed
+    /// cost of several microseconds of CPU per copy from a peer's memory; no SMs used).
+    /// Default `"8 MiB"`; `0`: every copy by the copy engine. At most 1 GiB.
+    #[serde(with = "size")]
+    pub gather_max: u64,
     /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
     /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
     /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
@@ -311,6 +317,7 @@ impl Default for IpcTuning {
         IpcTuning {
             lane_max: 1 << 40,
             lane_spin: Duration::from_micros(100),
+            gather_max: 8 << 20,
             recv_spin: Duration::ZERO,
         }
     }

@@ -271,6 +271,9 @@ impl Config {
                 format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
             );
         }
+        if self.transport.ipc.gather_max > 1 << 30 {
+            return fail("transport.ipc.gather_max", "must be at most 1 GiB");
+        }
         if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
             return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }
@@ -578,6 +581,15 @@ mod tests {
             Err(ConfigError::Invalid { key, .. }) => key,
             other => panic!("expected Invalid, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn gather_max_is_bounded() {
+        let mut config = valid();
+        config.transport.ipc.gather_max = 1 << 30;
+        assert!(config.validate().is_ok());
+        config.transport.ipc.gather_max = (1 << 30) + 1;
+        assert_eq!(key_of(&config), "transport.ipc.gather_max");
     }
 
     #[test]

@@ -66,6 +66,9 @@ pub struct LaneSettings {
     pub max: usize,
     /// How long a lane thread spins for the next record before it parks.
     pub spin: Duration,
+    /// Largest record the receiver copies with the gather kernel (a batch's records in one
+    /// launch per stream); 0: every copy by the copy engine.
+    pub gather_max: usize,
 }
 
 /// Which sizes of contiguous device buffer the routing rules send to the peer over ipc by

@@ -307,49 +307,30 @@ fn prepare(
     })
 }
 
-/// Queues the copies of a batch: the small ones into one GPU's memory as one gather
-/// ([`crate::gpu::queue_pulls`]: one kernel launch instead of a copy each), the others one
-/// by one. Each comes back with an event recorded after its copy.
+/// Queues the copies of a batch: those up to `gather_max` from the peer's pool into one
+/// GPU's memory as gathers ([`crate::gpu::queue_pulls`]: one kernel launch instead of a
+/// copy engine's copy each; one launch for the small records on the express stream, one
+/// for the larger on the copy stream), the others one by one. Each comes back with an
+/// event recorded after its copy.
 fn queue(
     batch: Vec<Result<Prepared, TakeError>>,
     cx: &RxContext,
     events: &mut Events,
 ) -> Vec<Result<Landing, TakeError>> {
     let mut batch = batch;
-    let device = batch.iter().find_map(|p| match p {
-        Ok(p) if gatherable(p, None) => p.dst.device_memory().map(|m| m.device().clone()),
-        _ => None,
-    });
-    let mut gathered = None;
-    if let Some(device) = &device {
-        let mut items: Vec<_> = batch
-            .iter_mut()
-            .filter_map(|p| p.as_mut().ok())
-            .filter(|p| gatherable(p, Some(device)))
-            .map(|p| (&p.source, &mut p.dst))
-            .collect();
-        if items.len() > 1 {
-            let queued = crate::gpu::queue_pulls(&mut items, &cx.pools, &cx.imports, &cx.gpus)
-                .map_err(TakeError::from)
-                .and_then(|stream| record(events, &stream));
-            match queued {
-                Ok(event) => gathered = Some(event),
-                // Copied one by one below instead.
-                Err(e) => tracing::debug!(peer = %cx.peer, error = %e, "a lane gather failed"),
-            }
-        }
-    }
+    let gathers: Vec<_> = [true, false]
+        .into_iter()
+        .filter_map(|express| gather(&mut batch, cx, events, express))
+        .collect();
     batch
         .into_iter()
         .map(|p| {
             let p = p?;
-            let copied = match (&gathered, &device) {
-                (Some(event), Some(device)) if gatherable(&p, Some(device)) => {
-                    Some(Rc::clone(event))
-                }
-                _ => None,
-            };
-            let (dst, copied) = match copied {
+            let gathered = gathers
+                .iter()
+                .find(|g| gatherable(&p, cx, Some(&g.device), g.express))
+                .map(|g| Rc::clone(&g.event));
+            let (dst, copied) = match gathered {
                 Some(event) => (p.dst, Some(event)),
                 None => {
                     let express = p.len <= AHEAD_LEN;
@@ -382,10 +363,56 @@ fn queue(
         .collect()
 }
 
-/// Whether a record's copy may join a batch's gather (on `device`, when given): a small
-/// one, from the peer's pool, into device memory.
-fn gatherable(p: &Prepared, device: Option<&Device>) -> bool {
-    p.len <= AHEAD_LEN
+/// One gather of a batch: its GPU, its stream (express or not) and the event after it.
+struct Gathered {
+    device: Device,
+    express: bool,
+    event: Rc<Event>,
+}
+
+/// Queues the records of `batch` that may be gathered on the express stream (`express`)
+/// or the copy stream, into the GPU of the first of them, as one gather. `None`: no such
+/// record, or the gather failed to queue (logged; those records are copied one by one).
+fn gather(
+    batch: &mut [Result<Prepared, TakeError>],
+    cx: &RxContext,
+    events: &mut Events,
+    express: bool,
+) -> Option<Gathered> {
+    let device = batch.iter().find_map(|p| match p {
+        Ok(p) if gatherable(p, cx, None, express) => {
+            p.dst.device_memory().map(|m| m.device().clone())
+        }
+        _ => None,
+    })?;
+    let mut items: Vec<_> = batch
+        .iter_mut()
+        .filter_map(|p| p.as_mut().ok())
+        .filter(|p| gatherable(p, cx, Some(&device), express))
+        .map(|p| (&p.source, &mut p.dst))
+        .collect();
+    let queued = crate::gpu::queue_pulls(&mut items, &cx.pools, &cx.imports, &cx.gpus, express)
+        .map_err(TakeError::from)
+        .and_then(|stream| record(events, &stream));
+    match queued {
+        Ok(event) => Some(Gathered {
+            device,
+            express,
+            event,
+        }),
+        Err(e) => {
+            tracing::debug!(peer = %cx.peer, error = %e, "a lane gather failed");
+            None
+        }
+    }
+}
+
+/// Whether a record's copy may join a gather on the express stream (`express`: records
+/// of at most [`AHEAD_LEN`]) or the copy stream (larger ones, up to `gather_max`), on
+/// `device` when given: from the peer's pool, into device memory.
+fn gatherable(p: &Prepared, cx: &RxContext, device: Option<&Device>, express: bool) -> bool {
+    p.len <= cx.settings.gather_max
+        && (p.len <= AHEAD_LEN) == express
         && p.source.legacy.is_none()
         && p.dst
             .device_memory()

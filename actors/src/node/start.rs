@@ -323,6 +323,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         lane: crate::lane::LaneSettings {
             max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
             spin: config.transport.ipc.lane_spin,
+            gather_max: usize::try_from(config.transport.ipc.gather_max).unwrap_or(0),
         },
         staged: crate::staged::StagedSettings {
             slots: config.transport.staged.slots,
