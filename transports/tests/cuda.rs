@@ -343,6 +343,37 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
     ));
 }
 
+/// The gather kernel lives with the device that loaded it: a device closed (its primary
+/// context destroyed when no one else holds it) and opened again loads it anew, and a
+/// gather then copies (a kernel kept by context address was launched from the destroyed
+/// context's module once, and the driver crashed).
+#[test]
+fn the_gather_kernel_outlives_no_context() {
+    if gpus().is_none() {
+        return;
+    }
+    for round in 0..3u64 {
+        let dev = Device::all().expect("devices").remove(0);
+        let pool = ExportablePool::new(&dev).expect("exportable pool");
+        let stream = Stream::new(&dev).expect("stream");
+        let host = pattern(round + 40, 200_000);
+        let mut src = pool.alloc(host.len(), &stream).expect("alloc");
+        copy_from_host(&mut src, 0, &host, &stream).expect("H2D");
+        let mut dst = pool.alloc(host.len(), &stream).expect("alloc");
+        let mut pairs = [Pair {
+            dst: &mut dst,
+            src: &src,
+            src_offset: 0,
+            len: host.len(),
+        }];
+        copy_many_async(&mut pairs, &stream).expect("queued");
+        stream.synchronize().expect("copied");
+        let mut got = vec![0u8; host.len()];
+        copy_to_host(&mut got, &dst, 0, &stream).expect("D2H");
+        assert!(got == host, "round {round}: other bytes");
+    }
+}
+
 /// A buffer lent to a peer's push is exported before any peer fetched the pool: a new
 /// pool's pointers export at once.
 #[test]

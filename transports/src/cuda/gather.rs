@@ -1,15 +1,15 @@
-//! A block list's runs between device memories of one GPU, copied by one kernel launch.
+//! A block list's runs (or a lane batch's records) between device memories of one GPU,
+//! copied by one kernel launch.
 //!
 //! The copy engine pays a fixed cost per copy, batched or not: on an H100,
 //! `cuMemcpyBatchAsync` of 64 to 4,000 blocks took 5–8 µs a block whatever its size
 //! (docs/PERFORMANCE.md, "Block lists over ipc"). A kernel whose thread blocks each copy
-//! one run pays the launch once. The kernel is PTX text, compiled by the driver when first
-//! used in a context (no CUDA toolkit at build or run time); where it does not load, copies
-//! go back to the batch. The kernel reads the runs from a table of its device's, reused
+//! a piece of a run pays the launch once. The kernel is PTX text, compiled by the driver
+//! when a device first uses it (no CUDA toolkit at build or run time; unloaded when the
+//! device releases its context); where it does not load, copies go back to the batch. The kernel reads the runs from a table of its device's, reused
 //! from call to call ([`Tables`]): nothing is allocated, and the host never waits for the
 //! stream, to queue a gather (unless every table is still being read).
 
-use std::collections::HashMap;
 use std::ffi::{CString, c_uint, c_void};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -107,44 +107,56 @@ fn pieces(dst: u64, src: u64, len: u64) -> impl Iterator<Item = [u64; 3]> {
     whole.chain(tail)
 }
 
-/// The kernel, by context (as addresses: the handles are only passed to the driver), or
-/// `None` where it did not load (the driver's error was logged once). A context that was
-/// destroyed (its last user released the primary context) and made again may come back at
-/// the same address without the module: a launch that finds the handle invalid forgets the
-/// entry and loads again ([`forget`]).
-static KERNELS: Mutex<Option<HashMap<usize, Option<usize>>>> = Mutex::new(None);
-
-/// The kernel in the current context, loading it on first use there.
-fn kernel() -> Option<sys::CUfunction> {
-    let ctx = current_context()?;
-    let mut kernels = KERNELS.lock().unwrap_or_else(|p| p.into_inner());
-    let found = kernels
-        .get_or_insert_with(HashMap::new)
-        .entry(ctx)
-        .or_insert_with(|| match timed_load() {
-            Ok(f) => Some(f as usize),
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "the gather kernel does not load: block lists are copied by the copy engine"
-                );
-                None
-            }
-        });
-    found.map(|f| f as sys::CUfunction)
+/// The gather kernel of one device's context: loaded at the first gather, unloaded when
+/// the device releases its context ([`Tables::release`]). Kept with the device rather than
+/// by context address: a context destroyed (its last user released the primary context)
+/// and made again may come back at the same address, and launching the old module's
+/// function there crashed inside the driver (a segfault, not an error).
+#[derive(Default)]
+enum Kernel {
+    /// Not tried yet.
+    #[default]
+    Unloaded,
+    /// Loaded: the module (unloaded with the device) and its function.
+    Loaded {
+        module: sys::CUmodule,
+        function: sys::CUfunction,
+    },
+    /// The driver refused it (logged once): gathers go to the copy engine.
+    Refused,
 }
 
-/// [`load`], its time traced (the driver compiles the PTX: a one-off cost per context).
-fn timed_load() -> Result<sys::CUfunction, CudaError> {
-    let started = Instant::now();
-    let loaded = load();
-    tracing::debug!(
-        target: "ferry::blocks",
-        us = started.elapsed().as_micros() as u64,
-        ok = loaded.is_ok(),
-        "loaded the gather kernel"
-    );
-    loaded
+impl Kernel {
+    /// The function, loading the module on first use.
+    ///
+    /// # Safety
+    /// The context of the device that owns the kernel is current.
+    unsafe fn function(&mut self) -> Option<sys::CUfunction> {
+        if let Kernel::Unloaded = self {
+            let started = Instant::now();
+            let loaded = load();
+            tracing::debug!(
+                target: "ferry::blocks",
+                us = started.elapsed().as_micros() as u64,
+                ok = loaded.is_ok(),
+                "loaded the gather kernel"
+            );
+            *self = match loaded {
+                Ok((module, function)) => Kernel::Loaded { module, function },
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "the gather kernel does not load: block lists are copied by the copy engine"
+                    );
+                    Kernel::Refused
+                }
+            };
+        }
+        match self {
+            Kernel::Loaded { function, .. } => Some(*function),
+            _ => None,
+        }
+    }
 }
 
 /// Whether the gather kernel loads on `device` (binding its primary context on this
@@ -155,30 +167,14 @@ fn timed_load() -> Result<sys::CUfunction, CudaError> {
 /// The driver's, binding the context or loading the module (the PTX JIT's error).
 pub fn kernel_loads(device: &super::Device) -> Result<(), CudaError> {
     device.bind()?;
-    load().map(drop)
+    let (module, _) = load()?;
+    // SAFETY: loaded just above in the current context; nothing launched from it.
+    unsafe { unload(module) };
+    Ok(())
 }
 
-/// Forgets the kernel of the current context (its handle was found invalid).
-fn forget() {
-    if let Some(ctx) = current_context() {
-        let mut kernels = KERNELS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(map) = kernels.as_mut() {
-            map.remove(&ctx);
-        }
-    }
-}
-
-/// The calling thread's current context, as an address (the key of [`KERNELS`]).
-fn current_context() -> Option<usize> {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one handle into `ctx`.
-    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) }).ok()?;
-    (!ctx.is_null()).then_some(ctx as usize)
-}
-
-/// Loads the module into the current context (kept for the process's life, as the
-/// context's primary reference is) and finds the kernel.
-fn load() -> Result<sys::CUfunction, CudaError> {
+/// Loads the module into the current context and finds the kernel.
+fn load() -> Result<(sys::CUmodule, sys::CUfunction), CudaError> {
     let image = CString::new(PTX).map_err(|_| CudaError::Misuse("PTX with a NUL".into()))?;
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `image` is NUL-terminated PTX text that lives through the call.
@@ -188,10 +184,28 @@ fn load() -> Result<sys::CUfunction, CudaError> {
     let name = c"ferry_gather";
     let mut function: sys::CUfunction = std::ptr::null_mut();
     // SAFETY: the module was just loaded; the name is a C string.
-    check("cuModuleGetFunction", unsafe {
+    let found = check("cuModuleGetFunction", unsafe {
         sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
-    })?;
-    Ok(function)
+    });
+    match found {
+        Ok(()) => Ok((module, function)),
+        Err(e) => {
+            // SAFETY: loaded just above; nothing launched from it.
+            unsafe { unload(module) };
+            Err(e)
+        }
+    }
+}
+
+/// Unloads a module of ours (a failure is logged).
+///
+/// # Safety
+/// Its context is current and no queued launch uses it.
+unsafe fn unload(module: sys::CUmodule) {
+    // SAFETY: caller.
+    if let Err(e) = check("cuModuleUnload", unsafe { sys::cuModuleUnload(module) }) {
+        teardown_failed!(e, "unloading the gather kernel failed");
+    }
 }
 
 /// Bytes of one run in a table: destination, source, length.
@@ -225,7 +239,13 @@ struct Pool {
     slots: Vec<Slot>,
     /// Gathers queued so far; a slot's `used` is the number of the last one that read it.
     launches: u64,
+    /// The kernel in the device's context.
+    kernel: Kernel,
 }
+
+// SAFETY: the module and function handles are only passed to the driver (whose API is
+// thread-safe), under the pool's mutex.
+unsafe impl Send for Kernel {}
 
 /// One reusable table.
 struct Slot {
@@ -257,7 +277,7 @@ impl Tables {
     /// `ctx` is the context the tables were made in, still retained.
     pub(super) unsafe fn release(&mut self, ctx: sys::CUcontext) {
         let pool = self.pool.get_mut().unwrap_or_else(|p| p.into_inner());
-        if pool.slots.is_empty() {
+        if pool.slots.is_empty() && !matches!(pool.kernel, Kernel::Loaded { .. }) {
             return;
         }
         // SAFETY: the context is retained (caller).
@@ -268,6 +288,9 @@ impl Tables {
             );
             return;
         }
+        // Every launch is followed by its slot's event: once all have passed, no launch
+        // uses the module.
+        let mut settled = true;
         for slot in pool.slots.drain(..) {
             let done = if slot.used == 0 {
                 Ok(())
@@ -278,16 +301,25 @@ impl Tables {
             match done {
                 // SAFETY: nothing queued reads the table any more (waited for above).
                 Ok(()) => unsafe { free_table(slot.host, slot.device) },
-                Err(e) => teardown_failed!(
-                    e,
-                    "waiting for a gather before freeing its table failed; leaked"
-                ),
+                Err(e) => {
+                    settled = false;
+                    teardown_failed!(
+                        e,
+                        "waiting for a gather before freeing its table failed; leaked"
+                    )
+                }
             }
             // SAFETY: created by cuEventCreate in this context; not used afterwards (the
             // driver defers the release past a pending record).
             if let Err(e) = unsafe { super::raw::event_destroy(slot.event) } {
                 teardown_failed!(e, "destroying a gather table's event failed");
             }
+        }
+        if let Kernel::Loaded { module, .. } = std::mem::take(&mut pool.kernel)
+            && settled
+        {
+            // SAFETY: the context is current (bound above); every launch has passed.
+            unsafe { unload(module) };
         }
     }
 }
@@ -417,59 +449,40 @@ unsafe fn free_table(host: *mut u8, device: sys::CUdeviceptr) {
     }
 }
 
-/// Launches the kernel over the `blocks` runs of the device table `table` on `stream`;
-/// a handle found invalid (a context made again) is loaded again and launched once more.
-/// `Ok(false)`: the kernel is not available here (nothing launched).
+/// Launches the kernel over the `blocks` runs of the device table `table` on `stream`.
 ///
 /// # Safety
-/// As [`gather_async`]; `table` holds `blocks` runs, uploaded in stream order before this.
+/// As [`gather_async`]; `function` is of the stream's context; `table` holds `blocks`
+/// runs, uploaded in stream order before this.
 unsafe fn launch(
     function: sys::CUfunction,
     table: sys::CUdeviceptr,
     blocks: c_uint,
     stream: sys::CUstream,
-) -> Result<bool, CudaError> {
-    let once = |function: sys::CUfunction| {
-        let mut table_param = table;
-        let mut count_param = blocks;
-        let mut params = [
-            (&raw mut table_param).cast::<c_void>(),
-            (&raw mut count_param).cast::<c_void>(),
-        ];
-        // SAFETY: the kernel takes (u64, u32), the two parameters here, read during the
-        // call; it reads `blocks` runs of the table and copies inside the runs (caller).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                function,
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
-    };
-    match once(function) {
-        Ok(()) => Ok(true),
-        // A kernel of a context that is gone: load it into this one and launch again (or
-        // leave the runs to the copy engine when it does not load).
-        Err(CudaError::Driver {
-            code: sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
-            ..
-        }) => {
-            forget();
-            match kernel() {
-                Some(again) => once(again).map(|()| true),
-                None => Ok(false),
-            }
-        }
-        Err(e) => Err(e),
-    }
+) -> Result<(), CudaError> {
+    let mut table_param = table;
+    let mut count_param = blocks;
+    let mut params = [
+        (&raw mut table_param).cast::<c_void>(),
+        (&raw mut count_param).cast::<c_void>(),
+    ];
+    // SAFETY: the kernel takes (u64, u32), the two parameters here, read during the call;
+    // it reads `blocks` runs of the table and copies inside the runs (caller).
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            function,
+            blocks,
+            1,
+            1,
+            THREADS,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 /// Queues the runs (`dsts[i]` ← `srcs[i]`, `sizes[i]` bytes) as one kernel launch on
@@ -500,14 +513,15 @@ pub(super) unsafe fn gather_async(
     if count == 0 || blocks > i32::MAX as c_uint {
         return Ok(false);
     }
-    let Some(function) = kernel() else {
-        return Ok(false);
-    };
     let bytes = count
         .checked_mul(RUN_BYTES)
         .ok_or_else(|| CudaError::Misuse(format!("a gather of {count} runs")))?;
     let started = Instant::now();
     let mut pool = stream.device().gather_tables().lock();
+    // SAFETY: the stream's context, its device's, is current (caller).
+    let Some(function) = (unsafe { pool.kernel.function() }) else {
+        return Ok(false);
+    };
     // SAFETY: the stream's context, its device's, is current (caller).
     let (index, waited) = unsafe { pool.slot_for(bytes) }?;
     let slot_at = started.elapsed();
@@ -541,7 +555,7 @@ pub(super) unsafe fn gather_async(
         Ok(())
     };
     drop(pool);
-    let ran = launched?;
+    launched?;
     settled?;
     tracing::trace!(
         target: "ferry::blocks",
@@ -552,10 +566,9 @@ pub(super) unsafe fn gather_async(
         slot_us = slot_at.as_micros() as u64,
         fill_us = (filled_at - slot_at).as_micros() as u64,
         queue_us = (started.elapsed() - filled_at).as_micros() as u64,
-        launched = ran,
         "gather queued"
     );
-    Ok(ran)
+    Ok(true)
 }
 
 /// Records slot `index`'s event on `stream` after the work just queued that reads it, as
