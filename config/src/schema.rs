@@ -301,7 +301,7 @@ pub struct IpcTuning {
     /// Largest lane record a receiver copies with ferry's copy kernel (the records of one
     /// batch into one GPU in one launch) rather than the copy engine (a copy each, a fixed
     /// cost of several microseconds of CPU per copy from a peer's memory; no SMs used).
-    /// Default `"8 MiB"`; `0`: every copy by the copy engine. At most 1 GiB.
+    /// Default `"1 MiB"`; `0`: every copy by the copy engine. At most 1 GiB.
     #[serde(with = "size")]
     pub gather_max: u64,
     /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
@@ -317,7 +317,7 @@ impl Default for IpcTuning {
         IpcTuning {
             lane_max: 1 << 40,
             lane_spin: Duration::from_micros(100),
-            gather_max: 8 << 20,
+            gather_max: 1 << 20,
             recv_spin: Duration::ZERO,
         }
     }
