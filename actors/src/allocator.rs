@@ -223,6 +223,16 @@ impl Domain {
         parts: &[u64],
         on: Option<&ferry_transports::cuda::Stream>,
     ) -> Result<Option<Vec<Buffer>>, Error> {
+        match self.take_budget_now(parts) {
+            Ok(true) => self.grant(parts, on).map(Some),
+            Ok(false) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Counts `parts` as granted when they fit now with nobody waiting ahead (true); the
+    /// buffers are then the caller's to make ([`Self::grant`]).
+    fn take_budget_now(&self, parts: &[u64]) -> Result<bool, Error> {
         let granted = {
             let mut budget = self.budget();
             if budget.stats().waiting == 0 {
@@ -234,11 +244,13 @@ impl Domain {
             }
             budget.handle_try_reserve(parts)
         };
-        match granted {
-            Ok(true) => self.grant(parts, on).map(Some),
-            Ok(false) => Ok(None),
-            Err(e) => Err(refusal(self.kind, parts, e)),
-        }
+        granted.map_err(|e| refusal(self.kind, parts, e))
+    }
+
+    /// True when granting makes device memory (a driver call that waits for its stream:
+    /// never on the actor thread).
+    fn on_device(&self) -> bool {
+        self.device.get().is_some()
     }
 
     /// Makes buffers for `parts`, already counted as granted. A device allocation can still
@@ -387,18 +399,26 @@ impl Allocator {
         DomainHandle { actor, domain }
     }
 
-    /// Hands `parts` (already counted as granted) to `claim`, or takes them back.
-    fn deliver(&mut self, parts: &[u64], claim: &Claim) {
+    /// Hands `parts` (already counted as granted) to `claim`, or takes them back. Device
+    /// memory is made on a blocking thread (the allocation waits for its stream), never on
+    /// this actor's; the claim's requester awaits it either way.
+    fn deliver(&mut self, parts: Vec<u64>, claim: Arc<Claim>) {
         if claim.is_taken() {
             self.domain.budget().handle_release(parts.iter().sum());
             return;
         }
-        match self.domain.grant(parts, None) {
+        let domain = Arc::clone(&self.domain);
+        let grant = move || match domain.grant(&parts, None) {
             // Buffers that come back are dropped here, which releases them.
             Ok(buffers) => drop(claim.deliver(buffers)),
             Err(e) => {
-                tracing::warn!(domain = %self.domain.kind, error = %e, "a waiting reservation failed")
+                tracing::warn!(domain = %domain.kind, error = %e, "a waiting reservation failed")
             }
+        };
+        if self.domain.on_device() {
+            drop(tokio::task::spawn_blocking(grant));
+        } else {
+            grant();
         }
     }
 
@@ -424,7 +444,7 @@ impl Allocator {
             match ev {
                 ReservationEvent::Granted(id) => {
                     if let Some((parts, claim)) = self.waiting.remove(&id) {
-                        self.deliver(&parts, &claim);
+                        self.deliver(parts, claim);
                     }
                 }
                 ReservationEvent::TimedOut(id) => {
@@ -519,12 +539,29 @@ impl Handler<Returned> for Allocator {
 }
 
 impl Handler<Reserve> for Allocator {
-    type Result = Result<Option<Vec<Buffer>>, Error>;
+    type Result = ResponseFuture<Result<Option<Vec<Buffer>>, Error>>;
 
     fn handle(&mut self, msg: Reserve, ctx: &mut Self::Context) -> Self::Result {
         self.collect_returned();
         let result = match msg.wait {
-            Wait::No => self.domain.try_now(&msg.parts),
+            // The budget is decided here, in the queue's order; device memory is made on a
+            // blocking thread, never on this actor's.
+            Wait::No => match self.domain.take_budget_now(&msg.parts) {
+                Ok(true) if self.domain.on_device() => {
+                    let domain = Arc::clone(&self.domain);
+                    let parts = msg.parts;
+                    self.drive(ctx);
+                    return Box::pin(async move {
+                        tokio::task::spawn_blocking(move || domain.grant(&parts, None))
+                            .await
+                            .map_err(|_| Error::ShuttingDown)?
+                            .map(Some)
+                    });
+                }
+                Ok(true) => self.domain.grant(&msg.parts, None).map(Some),
+                Ok(false) => Ok(None),
+                Err(e) => Err(e),
+            },
             Wait::Claim(claim) => {
                 let id = ReservationId(self.next_id);
                 self.next_id += 1;
@@ -536,7 +573,7 @@ impl Handler<Reserve> for Allocator {
                 );
                 match reserved {
                     Ok(Reserved::Now) => {
-                        self.deliver(&msg.parts, &claim);
+                        self.deliver(msg.parts, claim);
                         Ok(None)
                     }
                     Ok(Reserved::Queued) => {
@@ -548,7 +585,7 @@ impl Handler<Reserve> for Allocator {
             }
         };
         self.drive(ctx);
-        result
+        Box::pin(std::future::ready(result))
     }
 }
 
@@ -666,6 +703,46 @@ pub async fn reserve_in_tiers(
     if let Some(buffers) = reserve_now_in_tiers(tiers, parts, None) {
         return Ok(buffers);
     }
+    wait_in_tiers(tiers, parts, deadline).await
+}
+
+/// [`reserve_in_tiers`] for a caller on an actor's thread: a try that may allocate device
+/// memory runs on a blocking thread of `io` (the allocation waits for its stream), and
+/// nothing else blocks.
+///
+/// # Errors
+/// As [`reserve_in_tiers`].
+pub async fn reserve_in_tiers_off_actor(
+    tiers: &[Tier],
+    parts: &[u64],
+    deadline: Instant,
+    io: &tokio::runtime::Handle,
+) -> Result<Vec<Buffer>, Error> {
+    let device = tiers
+        .iter()
+        .any(|t| matches!(t.kind, MemoryKind::Device(_)));
+    let now = if device {
+        let (tiers, parts) = (tiers.to_vec(), parts.to_vec());
+        io.spawn_blocking(move || reserve_now_in_tiers(&tiers, &parts, None))
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    } else {
+        reserve_now_in_tiers(tiers, parts, None)
+    };
+    match now {
+        Some(buffers) => Ok(buffers),
+        None => wait_in_tiers(tiers, parts, deadline).await,
+    }
+}
+
+/// The waiting part of [`reserve_in_tiers`]: each tier's actor is asked, in order, to
+/// grant now, then every tier able to is asked to queue the reservation until one grants
+/// or `deadline` passes.
+async fn wait_in_tiers(
+    tiers: &[Tier],
+    parts: &[u64],
+    deadline: Instant,
+) -> Result<Vec<Buffer>, Error> {
     let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
     let mut last_refusal = None;
     let mut able = Vec::new();

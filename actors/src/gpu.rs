@@ -63,8 +63,9 @@ pub struct Gpu {
     pub allocator: crate::allocator::DomainHandle,
     /// The stream pulls into this device's memory are copied on.
     pub copy_stream: Stream,
-    /// The stream of small pulls copied on the actor thread: apart from `copy_stream`, so
-    /// that waiting for a few bytes never waits behind a large copy queued before them.
+    /// The stream of small pulls (the lane's small records, a socket-path pull of at most
+    /// [`EXPRESS_PULL_MAX`]): apart from `copy_stream`, so that waiting for a few bytes never
+    /// waits behind a large copy queued before them.
     pub express_stream: Stream,
 }
 
@@ -187,19 +188,9 @@ pub fn open_pool(device: &Device) -> Result<(ExportablePool, GpuStreams), CudaEr
     Ok((pool, streams))
 }
 
-/// Pulls of at most this many bytes whose source is already mapped are copied on the actor
-/// thread (on the express stream), saving the two thread hops of a blocking pull; the copy
-/// takes a few microseconds.
-pub const INLINE_PULL_MAX: usize = 256 << 10;
-
-/// True when `source` is pool memory whose import `imports` holds now (a pull of it would
-/// not import). Never waits for the lock: a busy cache answers false.
-pub fn is_mapped(source: &IpcSource, imports: &std::sync::Mutex<ImportCache>) -> bool {
-    source.legacy.is_none()
-        && imports
-            .try_lock()
-            .is_ok_and(|cache| cache.entries.contains_key(&buffer_ref(source)))
-}
+/// Pulls of at most this many bytes are copied on the express stream and their end polled
+/// (the copy takes a few microseconds: a wake-up would cost as much).
+pub const EXPRESS_PULL_MAX: usize = 256 << 10;
 
 /// A peer's pools imported into this process, by the peer's device UUID.
 pub type ImportedPools = HashMap<String, ImportedPool>;

@@ -23,13 +23,24 @@ impl TransferActor {
             self.setup.tiers.clone()
         };
         let deadline = Instant::now() + self.setup.reserve_timeout;
+        // One reservation at a time, in offer order: each waits for the one before it
+        // (whose result this actor then handles first: it is ready in the same poll).
+        let previous = self.reserving.take();
+        let (reserved, next) = oneshot::channel();
+        self.reserving = Some(next);
+        let io = self.setup.io.clone();
+        let lends = how == Landing::Push;
         let request = async move {
-            let mut got = reserve_in_tiers(&tiers, &[len], deadline).await?;
-            got.pop().ok_or(Error::ShuttingDown)
+            if let Some(previous) = previous {
+                let _ = previous.await;
+            }
+            let got = reserve_off_actor(&tiers, len, deadline, &io, lends).await;
+            let _ = reserved.send(());
+            got
         };
         ctx.spawn(request.into_actor(self).map(move |res, act, ctx| {
             match res {
-                Ok(buffer) => {
+                Ok((buffer, lent)) => {
                     let landing = buffer.kind();
                     if act.setup.tiers.first().is_some_and(|t| t.kind != landing) {
                         metrics::counter!("ferry_spill_bytes_total").increment(len);
@@ -56,8 +67,8 @@ impl TransferActor {
                         }
                         return act.drive(ctx);
                     }
-                    if how == Landing::Push && buffer.device_memory().is_some() {
-                        act.lend(id, buffer);
+                    if let Some(target) = lent {
+                        act.lend(id, buffer, target);
                         return act.drive(ctx);
                     }
                     // The region must exist before the grant leaves, since the peer
@@ -106,6 +117,31 @@ impl TransferActor {
             self.complete.insert(id, (buffer, self.undelivered.enter()));
         }
     }
+}
+
+/// Reserves `len` bytes across `tiers` without blocking the actor's thread (device memory
+/// is allocated, and exported, on a blocking thread of `io`); with `lends` and device
+/// memory, also exports the buffer for the peer's push: the export, or why it failed.
+async fn reserve_off_actor(
+    tiers: &[Tier],
+    len: u64,
+    deadline: Instant,
+    io: &tokio::runtime::Handle,
+    lends: bool,
+) -> Result<(Buffer, Option<Result<IpcSource, String>>), Error> {
+    let mut got = reserve_in_tiers_off_actor(tiers, &[len], deadline, io).await?;
+    let buffer = got.pop().ok_or(Error::ShuttingDown)?;
+    if !lends || buffer.device_memory().is_none() {
+        return Ok((buffer, None));
+    }
+    let exported = io
+        .spawn_blocking(move || {
+            let target = crate::gpu::export_source(&buffer, false).map_err(|e| e.to_string());
+            (buffer, target)
+        })
+        .await
+        .map_err(|_| Error::ShuttingDown)?;
+    Ok((exported.0, Some(exported.1)))
 }
 
 /// Where an inbound transfer's bytes land, and who puts them there.

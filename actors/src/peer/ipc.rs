@@ -27,22 +27,16 @@ impl TransferActor {
         let gpus = Arc::clone(&self.setup.gpus);
         let exporter = self.peer.clone();
         let in_process = self.ipc.in_process();
-        // Small copies from memory mapped already take a few microseconds: on this thread.
-        let inline = buffer.len() <= crate::gpu::INLINE_PULL_MAX
-            && layout == Layout::Contiguous
-            && (in_process || crate::gpu::is_mapped(&source, &imports));
-        let copy = move |express: bool| {
+        // Never on this thread, however small: a copy is a driver call and a wait. (Small
+        // contiguous pulls from another process take the lane.)
+        let express = buffer.len() <= crate::gpu::EXPRESS_PULL_MAX;
+        let copy = self.setup.io.spawn_blocking(move || {
             if in_process {
                 crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
             } else {
                 crate::gpu::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
             }
-        };
-        if inline {
-            let pulled = copy(true).map_err(|(_, why)| PullError::from(why));
-            return self.pull_ended(id, pulled, ctx);
-        }
-        let copy = self.setup.io.spawn_blocking(move || copy(false));
+        });
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
@@ -96,15 +90,18 @@ impl TransferActor {
 
     /// Lends `buffer`, reserved in device memory for inbound push `id`, to the peer: its
     /// export goes in the grant, and the buffer is kept until the peer says `Written`.
-    pub(super) fn lend(&mut self, id: InboundId, buffer: Buffer) {
-        let target = match crate::gpu::export_source(&buffer, false) {
+    pub(super) fn lend(
+        &mut self,
+        id: InboundId,
+        buffer: Buffer,
+        exported: Result<IpcSource, String>,
+    ) {
+        let target = match exported {
             Ok(target) => target,
             Err(why) => {
-                return self.session.handle_reserve_failed(
-                    id,
-                    WireReason::Unsupported,
-                    why.to_string(),
-                );
+                return self
+                    .session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
             }
         };
         // False: abandoned meanwhile, nothing lent; the buffer is freed here.

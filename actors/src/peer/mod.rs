@@ -43,7 +43,7 @@ use ferry_transports::wire::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{Export, PeerGone, Tier, reserve_in_tiers};
+use crate::allocator::{Export, PeerGone, Tier, reserve_in_tiers_off_actor};
 use crate::core::exports::ExportId;
 use crate::core::ipc_setup::{
     Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
@@ -374,6 +374,9 @@ pub struct TransferActor {
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
     /// their turn to be delivered).
     inbound_spans: HashMap<InboundId, InboundSpans>,
+    /// Ends when the latest inbound reservation was made: the next one waits for it, so
+    /// this peer's reservations (made off this actor's thread) end in offer order.
+    reserving: Option<oneshot::Receiver<()>>,
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
@@ -414,6 +417,7 @@ impl TransferActor {
             complete: HashMap::new(),
             undelivered: crate::lane::Undelivered::default(),
             inbound_spans: HashMap::new(),
+            reserving: None,
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
