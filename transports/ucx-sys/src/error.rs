@@ -194,6 +194,17 @@ pub enum UcxError {
         /// The C function.
         call: &'static str,
     },
+    /// The loaded UCX is older than the release that added what was asked for; UCX was not
+    /// called (an older release may accept the call and ignore the request).
+    #[error("{what} needs UCX {since} or later; the loaded UCX is {found}")]
+    NotInRelease {
+        /// What was asked for (the C call and field).
+        what: &'static str,
+        /// The first release that has it.
+        since: Version,
+        /// The loaded release.
+        found: Version,
+    },
     /// The caller used the API wrongly (a bad argument, a range outside a buffer); UCX was
     /// not called.
     #[error("{0}")]

@@ -6,7 +6,7 @@
 //! (`ucp_config_read/modify/release`), contexts (`ucp_init_version`, `ucp_cleanup`,
 //! `ucp_context_query`), workers (`ucp_worker_create/destroy/progress/get_address/
 //! release_address/get_efd/arm/flush_nbx`), endpoints (`ucp_ep_create`, `ucp_ep_close_nbx`,
-//! `ucp_ep_flush_nbx`), memory (`ucp_mem_map/unmap/query`, `ucp_rkey_pack`,
+//! `ucp_ep_flush_nbx`, `ucp_ep_query` for the lanes' transports), memory (`ucp_mem_map/unmap/query`, `ucp_rkey_pack`,
 //! `ucp_rkey_buffer_release`, `ucp_ep_rkey_unpack`, `ucp_rkey_destroy`), one-sided
 //! operations (`ucp_put_nbx`, `ucp_get_nbx`), tagged messages (`ucp_tag_send_nbx`,
 //! `ucp_tag_recv_nbx`, `ucp_tag_recv_request_test`) and requests
@@ -102,4 +102,5 @@ pub mod sys;
 pub mod testing;
 
 pub use error::{LibraryLocation, LibrarySource, LoadError, Status, UcxError, Version};
+pub use result::TransportEntry;
 pub use safe::*;

@@ -387,6 +387,96 @@ pub unsafe fn ep_flush_nbx(
     status_ptr(lib, "ucp_ep_flush_nbx", p)
 }
 
+/// The first release whose `ucp_ep_query` reports an endpoint's transports
+/// (`UCP_EP_ATTR_FIELD_TRANSPORTS`).
+pub const EP_TRANSPORTS_SINCE: Version = Version {
+    major: 1,
+    minor: 14,
+    release: 0,
+};
+
+/// One lane of an endpoint, as `ucp_ep_query` names it: a UCT transport (`tcp`, `rc_mlx5`,
+/// `cuda_ipc`, ...) on a device (`lo`, `mlx5_0:1`, ...). Copied out of UCX's strings.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransportEntry {
+    /// The transport's name.
+    pub transport: String,
+    /// The device's name (empty where UCX gave none).
+    pub device: String,
+}
+
+/// `ucp_ep_query` with `UCP_EP_ATTR_FIELD_TRANSPORTS`: the transport and device of each of
+/// the endpoint's lanes, at most `capacity` of them, in UCX's lane order.
+///
+/// # Errors
+///
+/// [`UcxError::NotInRelease`] for a UCX older than [`EP_TRANSPORTS_SINCE`] (1.13 has
+/// `ucp_ep_query` but ignores the field, so it is not called); [`UcxError::Unavailable`]
+/// when the library lacks `ucp_ep_query`; UCX's status; [`UcxError::Misuse`] when UCX
+/// reports more entries than it was given room for.
+///
+/// # Safety
+///
+/// `ep` is live and used by this thread only.
+pub unsafe fn ep_query_transports(
+    lib: &Library,
+    ep: NonNull<sys::ucp_ep>,
+    capacity: usize,
+) -> Result<Vec<TransportEntry>, UcxError> {
+    const WHAT: &str = "ucp_ep_query(UCP_EP_ATTR_FIELD_TRANSPORTS)";
+    if lib.version < EP_TRANSPORTS_SINCE {
+        return Err(UcxError::NotInRelease {
+            what: WHAT,
+            since: EP_TRANSPORTS_SINCE,
+            found: lib.version,
+        });
+    }
+    let f = lib.fns.ucp_ep_query.ok_or(UcxError::Unavailable {
+        call: "ucp_ep_query",
+    })?;
+    let room = u32::try_from(capacity).unwrap_or(u32::MAX);
+    // Null names until UCX writes them: an entry it skips reads as empty, not as garbage.
+    let mut entries = vec![sys::ucp_transport_entry_t::default(); room as usize];
+    let mut attr = sys::ucp_ep_attr_t {
+        field_mask: sys::UCP_EP_ATTR_FIELD_TRANSPORTS,
+        transports: sys::ucp_transports_t {
+            entries: entries.as_mut_ptr(),
+            num_entries: room,
+            entry_size: std::mem::size_of::<sys::ucp_transport_entry_t>(),
+        },
+        ..Default::default()
+    };
+    // SAFETY: `ep` is live on this thread (caller). The library is 1.14 or later (checked
+    // above), whose `ucp_ep_attr_t` has `transports` where ours does and which writes only
+    // the masked field: at most `num_entries` entries into `entries`, each within the
+    // `entry_size` bytes given, which is our entry's size, so inside the vector.
+    check(lib, "ucp_ep_query", unsafe { f(ep.as_ptr(), &mut attr) })?;
+    let filled = attr.transports.num_entries as usize;
+    if filled > entries.len() {
+        return Err(UcxError::Misuse(format!(
+            "{WHAT} reported {filled} entries for room of {}",
+            entries.len()
+        )));
+    }
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null names UCX wrote are NUL-terminated strings it keeps until
+            // the endpoint is closed; the endpoint is live for this call (caller), and the
+            // text is copied out here.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    Ok(entries[..filled]
+        .iter()
+        .map(|e| TransportEntry {
+            transport: text(e.transport_name),
+            device: text(e.device_name),
+        })
+        .collect())
+}
+
 /// `ucp_mem_map`.
 ///
 /// # Errors

@@ -339,3 +339,49 @@ fn readable(fds: &mut [std::os::fd::RawFd; 1]) -> bool {
     let n = unsafe { poll(&mut p, 1, 1) };
     n > 0 && p.revents & 1 != 0
 }
+
+/// `Endpoint::transports` names the lanes' transports: over tcp alone on `lo`, every lane
+/// is `tcp` on `lo`, before and after the first get (which completes the wireup); a UCX
+/// older than 1.14 cannot say, and says so instead of answering with nothing.
+#[test]
+fn an_endpoint_names_its_lanes_transports() {
+    let Some(ucx) = ucx_test("an_endpoint_names_its_lanes_transports") else {
+        return;
+    };
+    let p = pair_over(&ucx, None, "tcp");
+    let before = p.a_to_b.transports();
+    println!("UCX {}: before the first get: {before:?}", ucx.version());
+    if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
+        match before {
+            Err(UcxError::NotInRelease { since, found, .. }) => {
+                assert_eq!(since, ucx_sys::result::EP_TRANSPORTS_SINCE);
+                assert_eq!(found, ucx.version());
+            }
+            other => panic!("UCX {} answered {other:?}", ucx.version()),
+        }
+        return;
+    }
+    let memory = MemoryHandle::allocate(p.b.context(), 4096).expect("mem_map");
+    let rkey = p
+        .a_to_b
+        .unpack_rkey(&memory.pack_rkey().expect("rkey_pack"))
+        .expect("rkey_unpack");
+    let mut get = p
+        .a_to_b
+        .get(vec![0u8; 4096], memory.address(), &rkey)
+        .expect("get_nbx");
+    get.wait_progressing(DEADLINE, || {
+        p.b.progress();
+    })
+    .expect("the get completes");
+    let after = p.a_to_b.transports().expect("transports after the get");
+    println!("after the first get: {after:?}");
+    assert!(!after.is_empty(), "no lanes reported");
+    for entry in after
+        .iter()
+        .chain(before.expect("transports before").iter())
+    {
+        assert_eq!(entry.transport, "tcp", "{entry:?}");
+        assert_eq!(entry.device, "lo", "{entry:?}");
+    }
+}

@@ -108,6 +108,24 @@ impl Endpoint {
         }
     }
 
+    /// The transport and device of each of the endpoint's lanes (`ucp_ep_query` with
+    /// `UCP_EP_ATTR_FIELD_TRANSPORTS`), in UCX's lane order, at most
+    /// [`Endpoint::MAX_TRANSPORTS`]. UCX picks the lanes when the endpoint is created from
+    /// the two workers' addresses; they hold for its life unless UCX reconfigures it during
+    /// wireup, which completes on first use.
+    ///
+    /// # Errors
+    ///
+    /// [`UcxError::NotInRelease`] on a UCX older than 1.14 (which cannot say);
+    /// [`UcxError::Unavailable`]; UCX's status.
+    pub fn transports(&self) -> Result<Vec<result::TransportEntry>, UcxError> {
+        // SAFETY: the endpoint is live and on its worker's thread (not `Send`).
+        unsafe { result::ep_query_transports(self.lib(), self.inner.handle, Self::MAX_TRANSPORTS) }
+    }
+
+    /// The most lanes [`Endpoint::transports`] reports: more than UCX gives one endpoint.
+    pub const MAX_TRANSPORTS: usize = 128;
+
     /// Unpacks a peer's remote key for use on this endpoint.
     ///
     /// # Errors

@@ -116,6 +116,7 @@ function_table! {
     }
     optional {
         ucp_context_query: fn(context: ucp_context_h, attr: *mut ucp_context_attr_t) -> ucs_status_t;
+        ucp_ep_query: fn(ep: ucp_ep_h, attr: *mut ucp_ep_attr_t) -> ucs_status_t;
         ucp_get_version_string: fn() -> *const c_char;
         ucs_status_string: fn(status: ucs_status_t) -> *const c_char;
     }

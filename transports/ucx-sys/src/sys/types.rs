@@ -410,6 +410,75 @@ pub struct ucp_ep_params_t {
 /// use `UCP_ERR_HANDLING_MODE_PEER`.
 pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 
+// ---- ucp_ep_attr_t (ucp_ep_query) ----
+
+/// `UCP_EP_ATTR_FIELD_NAME`.
+pub const UCP_EP_ATTR_FIELD_NAME: u64 = 1 << 0;
+/// `UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR`.
+pub const UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR: u64 = 1 << 1;
+/// `UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR`.
+pub const UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR: u64 = 1 << 2;
+/// `UCP_EP_ATTR_FIELD_TRANSPORTS`: the transport and device of each of the endpoint's
+/// lanes. **Since UCX 1.14**: 1.13 has `ucp_ep_query` but ignores this bit and returns
+/// `UCS_OK` with `transports` untouched, so the caller must check the version first.
+pub const UCP_EP_ATTR_FIELD_TRANSPORTS: u64 = 1 << 3;
+/// `UCP_EP_ATTR_FIELD_USER_DATA` (a release after 1.14; ferry never asks for it).
+pub const UCP_EP_ATTR_FIELD_USER_DATA: u64 = 1 << 4;
+
+/// `struct sockaddr_storage` (Linux: 128 bytes, 8-byte aligned). Only its size matters
+/// here: ferry never asks for the socket-address fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct sockaddr_storage {
+    /// The bytes.
+    pub _bytes: [u64; 16],
+}
+
+/// `ucp_transport_entry_t` (since 1.14): one lane's transport and device. Both strings
+/// are UCX's, valid until the endpoint is closed. UCX may grow the struct at its end and
+/// writes no byte of an entry beyond the `entry_size` the caller gives.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ucp_transport_entry_t {
+    /// `const char *`: the transport (`tcp`, `rc_mlx5`, `cuda_ipc`, ...).
+    pub transport_name: *const c_char,
+    /// `const char *`: the device (`lo`, `mlx5_0:1`, ...).
+    pub device_name: *const c_char,
+}
+
+/// `ucp_transports_t` (since 1.14): the caller's array of entries.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ucp_transports_t {
+    /// The caller's array.
+    pub entries: *mut ucp_transport_entry_t,
+    /// In: room in `entries`. Out: how many UCX filled.
+    pub num_entries: c_uint,
+    /// The caller's `sizeof(ucp_transport_entry_t)`: UCX steps through `entries` by it.
+    pub entry_size: usize,
+}
+
+/// `ucp_ep_attr_t`: 296 bytes in 1.13 (up to `remote_sockaddr`); 1.14 appends
+/// `transports`, a later release `user_data`. UCX writes only the fields asked for.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ucp_ep_attr_t {
+    /// Which fields to fill (`UCP_EP_ATTR_FIELD_*`).
+    pub field_mask: u64,
+    /// The endpoint's name.
+    pub name: [c_char; UCP_ENTITY_NAME_MAX],
+    /// Local socket address (client–server endpoints only).
+    pub local_sockaddr: sockaddr_storage,
+    /// Remote socket address (client–server endpoints only).
+    pub remote_sockaddr: sockaddr_storage,
+    /// Since 1.14: the lanes' transports and devices, into the caller's array.
+    pub transports: ucp_transports_t,
+    /// Later than 1.14: the endpoint's user data.
+    pub user_data: *mut c_void,
+    /// Room for fields of later versions.
+    pub _reserved: [u64; 8],
+}
+
 // ---- ucp_mem_map_params_t ----
 
 /// `UCP_MEM_MAP_PARAM_FIELD_ADDRESS`.
@@ -597,7 +666,9 @@ zeroed_default!(
     ucp_ep_params_t,
     ucp_mem_map_params_t,
     ucp_mem_attr_t,
-    ucp_request_param_t
+    ucp_request_param_t,
+    ucp_ep_attr_t,
+    ucp_transport_entry_t
 );
 
 #[cfg(test)]
@@ -674,6 +745,19 @@ mod tests {
         assert_eq!(offset_of!(ucp_request_param_t, recv_info), 56);
         assert_eq!(offset_of!(ucp_request_param_t, memh), 64);
         assert_eq!(offset_of!(ucp_request_param_t, _reserved), 72);
+
+        assert_eq!(size_of::<sockaddr_storage>(), 128);
+        assert_eq!(offset_of!(ucp_ep_attr_t, name), 8);
+        assert_eq!(offset_of!(ucp_ep_attr_t, local_sockaddr), 40);
+        assert_eq!(offset_of!(ucp_ep_attr_t, remote_sockaddr), 168);
+        // Appended after 1.13 (offsets from the 1.22 headers; 1.14 added `transports`):
+        assert_eq!(offset_of!(ucp_ep_attr_t, transports), 296);
+        assert_eq!(offset_of!(ucp_ep_attr_t, user_data), 320);
+        assert_eq!(size_of::<ucp_transports_t>(), 24);
+        assert_eq!(offset_of!(ucp_transports_t, num_entries), 8);
+        assert_eq!(offset_of!(ucp_transports_t, entry_size), 16);
+        assert_eq!(size_of::<ucp_transport_entry_t>(), 16);
+        assert_eq!(offset_of!(ucp_transport_entry_t, device_name), 8);
 
         assert_eq!(size_of::<ucp_tag_recv_info_t>(), 16);
         assert_eq!(align_of::<ucp_request_param_t>(), 8);
