@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use ferry_transports::ucx::{
-    Engine, OpKind, Operation, PeerFailure, Registration, RemoteKey, UcxPeer, UcxSettings,
+    Engine, OpKind, Operation, PeerFailure, Registration, RemoteKey, RmaPath, UcxPeer, UcxSettings,
     UcxTransportError,
 };
 use ucx_sys::testing::ucx_test;
@@ -311,6 +311,52 @@ fn blocking_small_gets_from_a_plain_thread() {
         us(lat[lat.len() / 2]),
         us(lat[lat.len() * 99 / 100]),
     );
+}
+
+/// Over tcp alone, a peer's endpoint names its lanes (`tcp` on `lo`), when created and
+/// again after its first get, and is judged emulated; a UCX older than 1.14 says it cannot
+/// tell, and the endpoint works all the same.
+#[test]
+fn an_endpoint_over_tcp_names_its_lanes_and_is_judged_emulated() {
+    let Some(ucx) = ucx_test("an_endpoint_over_tcp_names_its_lanes_and_is_judged_emulated") else {
+        return;
+    };
+    let mut s = settings();
+    s.tls = Some("tcp".into());
+    let (a, b) = (engine(&s), engine(&s));
+    let to_b = a.connect(b.address()).expect("connect");
+    let chosen = to_b.lanes();
+    assert!(!chosen.after_first_use, "{chosen:?}");
+    let exposed = Exposed::new(&b, pattern(7, 4096));
+    let got = get(&to_b, 4096, exposed.address(0), &exposed.key(&to_b)).expect("get");
+    assert_eq!(got, pattern(7, 4096));
+    let used = to_b.lanes();
+    println!(
+        "UCX {}: created: {chosen}; after a get: {used}",
+        ucx.version()
+    );
+    assert!(used.after_first_use, "{used:?}");
+    if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
+        assert_eq!(used.rma(), None, "{used:?}");
+        assert!(!used.emulated());
+        assert!(
+            used.to_string().starts_with("unknown (UCX < 1.14"),
+            "{used}"
+        );
+        return;
+    }
+    for lanes in [&chosen, &used] {
+        let entries = lanes.lanes.as_ref().expect("UCX >= 1.14 names the lanes");
+        assert!(!entries.is_empty(), "{lanes}");
+        assert!(
+            entries
+                .iter()
+                .all(|e| e.transport == "tcp" && e.device == "lo"),
+            "{lanes}"
+        );
+        assert_eq!(lanes.rma(), Some(RmaPath::EmulatedOverTcp), "{lanes}");
+        assert!(lanes.emulated());
+    }
 }
 
 #[test]

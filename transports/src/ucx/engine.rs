@@ -9,6 +9,7 @@ use ucx_sys::{MemoryType, Ucx, Version};
 
 use super::envelope::{self, EnvelopeKind};
 use super::error::{OpKind, PeerName, UcxTransportError};
+use super::lanes::{EndpointLanes, LaneSlot};
 use super::operation::{Operation, block_on};
 use super::queue::{Command, Control, LocalBuffer, OpCommand, Shared};
 use super::rkeys::RemoteKey;
@@ -151,12 +152,14 @@ impl Engine {
         self.shared
             .control(request)
             .map_err(|_| UcxTransportError::EngineStopped { op: None })?;
-        let id = block_on(rx).unwrap_or(Err(UcxTransportError::EngineStopped { op: None }))?;
+        let (id, lanes) =
+            block_on(rx).unwrap_or(Err(UcxTransportError::EngineStopped { op: None }))?;
         Ok(UcxPeer {
             shared: self.shared.clone(),
             name: PeerName { id, origin },
             ucx: self.ucx.version(),
             moves_cuda: self.moves_cuda,
+            lanes,
         })
     }
 
@@ -290,12 +293,23 @@ pub struct UcxPeer {
     name: PeerName,
     ucx: Version,
     moves_cuda: bool,
+    lanes: Arc<LaneSlot>,
 }
 
 impl UcxPeer {
     /// How errors name this peer.
     pub fn name(&self) -> &PeerName {
         &self.name
+    }
+
+    /// The endpoint's lanes: the UCX transport and device of each, and whether UCX moves
+    /// gets and puts over them one-sided or emulates them over tcp
+    /// ([`EndpointLanes::rma`]). Asked of UCX when the endpoint was created, and again
+    /// once its first get, put or flush completed ([`EndpointLanes::after_first_use`]);
+    /// on a UCX older than 1.14 they are unknown, and say so. Never blocks on UCX (a lock
+    /// the progress thread holds for a copy).
+    pub fn lanes(&self) -> EndpointLanes {
+        self.lanes.get()
     }
 
     /// Whether the engine this endpoint belongs to moves memory of `memory`'s type (as

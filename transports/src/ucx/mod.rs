@@ -7,7 +7,9 @@
 //! - [`Engine::connect`] gives a [`UcxPeer`]: an endpoint in error mode PEER, with
 //!   [`UcxPeer::get`], [`UcxPeer::put`] and [`UcxPeer::flush`], each an [`Operation`] to
 //!   await or [`Operation::wait`] on, and a bounded cache of the peer's unpacked keys
-//!   ([`UcxPeer::forget_rkey`]).
+//!   ([`UcxPeer::forget_rkey`]). [`UcxPeer::lanes`] names the UCX transports the endpoint
+//!   uses and whether gets and puts over them are one-sided or emulated over tcp
+//!   ([`RmaPath`]; UCX 1.14 and later).
 //! - [`Engine::register`] maps memory for peers; its [`Registration::rkey`] and
 //!   [`Registration::address`] travel to them over ferry's link.
 //!
@@ -52,6 +54,7 @@ mod buffers;
 mod engine;
 mod envelope;
 mod error;
+mod lanes;
 mod operation;
 mod queue;
 mod rkeys;
@@ -64,8 +67,10 @@ pub use buffers::{Exported, capabilities, moves_cuda, viability};
 pub use engine::{Engine, Registration, UcxPeer};
 pub use envelope::{EnvelopeError, EnvelopeKind};
 pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
+pub use lanes::{EndpointLanes, RmaPath};
 pub use operation::Operation;
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
 /// Where memory lives, as UCX names it (host or CUDA device memory).
 pub use ucx_sys::MemoryType;
+pub use ucx_sys::TransportEntry;

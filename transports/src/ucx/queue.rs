@@ -23,6 +23,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 
 use super::error::{OpKind, UcxTransportError};
+use super::lanes::LaneSlot;
 use super::operation::Reply;
 use super::rkeys::RemoteKey;
 use super::wake::Wake;
@@ -80,11 +81,12 @@ impl Command {
 /// What runs before the ordered lane.
 #[derive(Debug)]
 pub(crate) enum Control {
-    /// Create an endpoint to `address` (UCX's bytes, out of a checked envelope).
+    /// Create an endpoint to `address` (UCX's bytes, out of a checked envelope); the
+    /// answer is the peer's number and where its lanes are reported.
     Connect {
         address: Vec<u8>,
         origin: Arc<str>,
-        reply: oneshot::Sender<Result<u64, UcxTransportError>>,
+        reply: oneshot::Sender<Result<(u64, Arc<LaneSlot>), UcxTransportError>>,
     },
     /// Map memory and pack its key; the answer is the registration's number and its key
     /// (sealed).

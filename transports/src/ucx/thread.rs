@@ -27,6 +27,7 @@ use ucx_sys::{Ucx, UcxError};
 
 use super::envelope::{self, EnvelopeKind};
 use super::error::{OpKind, PeerFailure, PeerName, UcxTransportError};
+use super::lanes::{EndpointLanes, LaneSlot};
 use super::operation::Reply;
 use super::queue::{Command, Control, OpCommand, Shared};
 use super::rkeys::{RkeyCache, RkeyId};
@@ -100,6 +101,10 @@ struct Peer {
     in_flight: usize,
     /// The handle was dropped: remove the peer once nothing is in flight.
     dropped: bool,
+    /// The endpoint's lanes, as the peer's handle reads them.
+    lanes: Arc<LaneSlot>,
+    /// Whether the lanes were asked again after the first operation completed.
+    lanes_settled: bool,
 }
 
 /// An operation in UCX.
@@ -286,6 +291,10 @@ impl ProgressThread {
                     Ok(ep) => {
                         let id = self.next_peer;
                         self.next_peer += 1;
+                        // SAFETY: the endpoint was just created on this worker.
+                        let chosen = unsafe { self.ucp.lanes(ep) };
+                        let lanes =
+                            Arc::new(LaneSlot::new(EndpointLanes::from_query(chosen, false)));
                         self.endpoints.insert(ep.as_ptr() as usize, id);
                         self.peers.insert(
                             id,
@@ -296,9 +305,11 @@ impl ProgressThread {
                                 rkeys: RkeyCache::new(self.settings.rkey_cache),
                                 in_flight: 0,
                                 dropped: false,
+                                lanes: lanes.clone(),
+                                lanes_settled: false,
                             },
                         );
-                        Ok(id)
+                        Ok((id, lanes))
                     }
                     Err(source) => Err(UcxTransportError::Connect { origin, source }),
                 };
@@ -456,6 +467,7 @@ impl ProgressThread {
             }
             Ok(None) => {
                 self.release_rkey(peer, rkey);
+                self.settle_lanes(peer);
                 let _ = reply.send(Ok(()));
             }
             Err(source) => {
@@ -567,6 +579,23 @@ impl ProgressThread {
         }
     }
 
+    /// After a peer's first operation completed (its wireup done): asks UCX for the
+    /// endpoint's lanes again, which are then final, and logs them.
+    fn settle_lanes(&mut self, peer: u64) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let Some(ep) = p.ep.filter(|_| !p.lanes_settled) else {
+            return;
+        };
+        p.lanes_settled = true;
+        // SAFETY: the endpoint is live (`ep` is cleared when it is closed) and this is its
+        // worker's thread.
+        let lanes = EndpointLanes::from_query(unsafe { self.ucp.lanes(ep) }, true);
+        tracing::debug!(peer = %p.name, %lanes, "ucx: the endpoint's lanes");
+        p.lanes.set(lanes);
+    }
+
     fn release_rkey(&mut self, peer: u64, rkey: Option<RkeyId>) {
         let Some(id) = rkey else { return };
         if let Some(p) = self.peers.get_mut(&peer)
@@ -614,6 +643,7 @@ impl ProgressThread {
             }
             self.release_rkey(op.peer, op.rkey);
             let outcome = if status == sys::UCS_OK {
+                self.settle_lanes(op.peer);
                 Ok(())
             } else if op.timed_out {
                 Err(UcxTransportError::TimedOut {

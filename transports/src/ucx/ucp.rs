@@ -271,6 +271,19 @@ impl Ucp {
         unsafe { result::ep_create(self.lib, self.worker()?, &params) }
     }
 
+    /// `ucp_ep_query` for the endpoint's lanes: each one's transport and device.
+    ///
+    /// # Safety
+    ///
+    /// `ep` is a live endpoint of this worker.
+    pub(crate) unsafe fn lanes(
+        &self,
+        ep: NonNull<sys::ucp_ep>,
+    ) -> Result<Vec<ucx_sys::TransportEntry>, UcxError> {
+        // SAFETY: the caller's contract; this is the worker's thread (`Ucp` is not `Send`).
+        unsafe { result::ep_query_transports(self.lib, ep, ucx_sys::Endpoint::MAX_TRANSPORTS) }
+    }
+
     /// `ucp_ep_close_nbx`, forced or in flush mode; `Ok(Some)` is a request to track.
     ///
     /// # Safety
