@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Scratch, patterned};
+use common::{Scratch, Served, eventually, http_get, patterned};
 use ferry::Node;
 
 const RULE: &str = "[[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\", \"tcp\"]\n";
@@ -146,5 +146,132 @@ async fn a_peer_on_another_ucx_release_falls_back_to_tcp_with_the_reason() {
         let got = a.recv(Some("b"), Some(tag)).await.expect("echo");
         assert_eq!(got.transport, "tcp", "tag {tag}");
     }
+    a.shutdown().await;
+}
+
+/// Over UCX's tcp alone on loopback, a node names the lanes of its endpoint to a peer: on
+/// UCX 1.14 and later `tcp` on `lo`, judged as reads emulated over tcp; on 1.13 unknown,
+/// said so. After a send the peer pulled, the peer (b) reports its own endpoint (to a) the
+/// same way. Runs against whichever UCX this process loads (CI: the system's 1.13, then
+/// the libucx-cu12 1.22 wheel through `FERRY_UCX_LIBRARY`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
+    let test = "a_node_names_its_ucx_lanes_to_a_peer_over_tcp";
+    if !ucx_here(test) {
+        return;
+    }
+    let Ok(ucx) = ucx_sys::Ucx::load(None) else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let extra =
+        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let b = Node::start(scratch.config("b", &[], &extra))
+        .await
+        .expect("b");
+    let addr = b.tcp_addrs()[0].clone();
+    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
+        .await
+        .expect("a");
+    a.connect("b").await.expect("link");
+    let probed = a.ucx_lanes("b").await.expect("a's lanes to b");
+    println!("UCX {}: a -> b: {probed}", ucx.version());
+    assert!(
+        probed.after_first_use,
+        "flushed before answering: {probed:?}"
+    );
+
+    let buffer = patterned(&a, 1 << 20, 1).await;
+    drop(a.send("b", 1, buffer).await.expect("a send over ucx"));
+    let got = b.recv(Some("a"), Some(1)).await.expect("recv");
+    assert_eq!(got.transport, "ucx");
+    drop(got);
+    let pulled = b.ucx_lanes("a").await.expect("b's lanes to a");
+    println!("b -> a, after its pull: {pulled}");
+
+    for lanes in [&probed, &pulled] {
+        if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
+            assert_eq!(lanes.rma(), None, "{lanes:?}");
+            assert!(
+                lanes.to_string().starts_with("unknown (UCX < 1.14"),
+                "{lanes}"
+            );
+            continue;
+        }
+        let entries = lanes.lanes.as_ref().expect("UCX >= 1.14 names the lanes");
+        assert!(!entries.is_empty(), "{lanes}");
+        assert!(
+            entries
+                .iter()
+                .all(|l| l.transport == "tcp" && l.device == "lo"),
+            "{lanes}"
+        );
+        assert_eq!(
+            lanes.rma(),
+            Some(ferry::RmaPath::EmulatedOverTcp),
+            "{lanes}"
+        );
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A `ferry serve` echo peer that pulls over UCX's tcp alone warns (on its stderr) and
+/// counts the peer once in `ferry_ucx_emulated_rma_peers_total`, however many pulls follow,
+/// where UCX can name the lanes (1.14 and later); on 1.13 the counter stays at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_pulling_over_tcp_only_is_counted_once() {
+    let test = "a_peer_pulling_over_tcp_only_is_counted_once";
+    if !ucx_here(test) {
+        return;
+    }
+    let Ok(ucx) = ucx_sys::Ucx::load(None) else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let extra =
+        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let metrics = "[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\n\n";
+    let echo_cfg = scratch.write(
+        "echo.toml",
+        &scratch.toml("echo", &[], &format!("{metrics}{extra}")),
+    );
+    // The child loads the UCX this process does (FERRY_UCX_LIBRARY is inherited).
+    let echo = Served::start(&echo_cfg, "echo");
+    let scrape_at = echo
+        .ready
+        .split("metrics http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .map(|s| s.trim().to_string())
+        .expect("a metrics address in the ready line");
+    let counted = || {
+        let (_, body) = http_get(&scrape_at, "/metrics").expect("/metrics answers");
+        body.lines()
+            .find_map(|l| l.strip_prefix("ferry_ucx_emulated_rma_peers_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    assert_eq!(counted(), Some(0.0), "registered at 0 before any pull");
+    let a = Node::start(scratch.config("a", &[("echo", &echo.addr)], &extra))
+        .await
+        .expect("a");
+    for tag in 1..=3u64 {
+        let buffer = patterned(&a, 1 << 20, tag).await;
+        drop(a.send("echo", tag, buffer).await.expect("send over ucx"));
+        let got = a.recv(Some("echo"), Some(tag)).await.expect("echo");
+        assert_eq!(got.transport, "ucx", "tag {tag}");
+    }
+    let expect = if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
+        0.0
+    } else {
+        1.0
+    };
+    let settled = eventually(Duration::from_secs(5), async || counted() == Some(expect)).await;
+    assert!(
+        settled,
+        "UCX {}: counted {:?}, expected {expect}",
+        ucx.version(),
+        counted()
+    );
     a.shutdown().await;
 }

@@ -110,6 +110,14 @@ pub struct Explain {
     pub dst: Option<MemoryClass>,
 }
 
+/// The lanes of this node's UCX endpoint to `peer` (see [`crate::peer::AskUcxLanes`]).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<ferry_transports::ucx::EndpointLanes, Error>")]
+pub struct UcxLanesOf {
+    /// Peer name.
+    pub peer: String,
+}
+
 /// A link finished its handshake.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -889,6 +897,30 @@ impl Handler<FetchFrom> for Coordinator {
         });
         Box::pin(async move {
             request.await.unwrap_or_else(|_| {
+                Err(Error::PeerLost {
+                    peer,
+                    detail: "its transfer actor stopped".into(),
+                })
+            })
+        })
+    }
+}
+
+impl Handler<UcxLanesOf> for Coordinator {
+    type Result = ResponseFuture<Result<ferry_transports::ucx::EndpointLanes, Error>>;
+
+    fn handle(&mut self, msg: UcxLanesOf, ctx: &mut Self::Context) -> Self::Result {
+        if self.draining {
+            return Box::pin(async { Err(Error::ShuttingDown) });
+        }
+        let addr = match self.session_for(&msg.peer, ctx) {
+            Ok(a) => a,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let peer = msg.peer;
+        let asked = addr.send(crate::peer::AskUcxLanes);
+        Box::pin(async move {
+            asked.await.unwrap_or_else(|_| {
                 Err(Error::PeerLost {
                     peer,
                     detail: "its transfer actor stopped".into(),

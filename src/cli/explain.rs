@@ -101,11 +101,14 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         .build()
         .context("cannot start the runtime")?;
     let connect = !args.no_connect;
-    let (setup, explanation) =
+    let (setup, explanation, ucx) =
         runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
-    let report = Report::new(&args, &rules, &explanation, setup, gpu);
+    let mut report = Report::new(&args, &rules, &explanation, setup, gpu);
+    if let Some(lanes) = ucx {
+        report = report.with_ucx_lanes(lanes);
+    }
     let text = if args.json {
         serde_json::to_string_pretty(&report)? + "\n"
     } else {
@@ -120,7 +123,16 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     })
 }
 
-/// Starts the node, dials if asked, asks for the explanation, and stops the node.
+/// What the node answered: the link's setup, the route, and, for a route over ucx with
+/// the link up, the lanes of its UCX endpoint to the peer (or why it could not say).
+type Answers = (
+    Setup,
+    Explanation,
+    Option<Result<ferry::EndpointLanes, String>>,
+);
+
+/// Starts the node, dials if asked, asks for the explanation (and, for a route over ucx,
+/// the lanes of a UCX endpoint to the peer), and stops the node.
 async fn ask_node(
     config: ferry::Config,
     peer: &str,
@@ -128,7 +140,7 @@ async fn ask_node(
     src: MemoryClass,
     dst: Option<MemoryClass>,
     connect: bool,
-) -> anyhow::Result<(Setup, Explanation)> {
+) -> anyhow::Result<Answers> {
     let limit =
         config.limits.connect_timeout + config.limits.handshake_timeout + Duration::from_secs(2);
     let node = Node::start(config)
@@ -147,8 +159,23 @@ async fn ask_node(
         Setup::NotTried
     };
     let explanation = node.explain(peer, bytes, src, dst).await;
+    let over_ucx = explanation
+        .as_ref()
+        .is_ok_and(|e| e.chosen.as_ref().map(|r| r.transport) == Some(TransportName::Ucx));
+    let ucx = if over_ucx && setup == Setup::Connected {
+        let asked = tokio::time::timeout(limit, node.ucx_lanes(peer)).await;
+        Some(match asked {
+            Ok(answer) => answer.map_err(|e| e.to_string()),
+            Err(_) => Err(format!(
+                "no answer within {}",
+                humantime::format_duration(limit)
+            )),
+        })
+    } else {
+        None
+    };
     node.shutdown().await;
-    Ok((setup, explanation?))
+    Ok((setup, explanation?, ucx))
 }
 
 /// Whether the link to the peer came up.
@@ -431,7 +458,76 @@ pub struct Report {
     chosen: Option<Chosen>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu: Option<String>,
+    /// For a route over ucx with the link up: the lanes of this node's UCX endpoint to the
+    /// peer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ucx_lanes: Option<UcxLanesReport>,
     warnings: Vec<String>,
+}
+
+/// The lanes of a UCX endpoint to the peer, as `ferry explain` reports them.
+#[derive(Debug, Clone, Serialize)]
+struct UcxLanesReport {
+    /// `one-sided`, `emulated-over-tcp`, `unrecognised`, or `unknown` (UCX < 1.14, or the
+    /// endpoint could not be asked).
+    rma: &'static str,
+    /// Each lane's UCX transport and device, in UCX's order (empty when unknown).
+    lanes: Vec<LaneReport>,
+    /// In words.
+    text: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct LaneReport {
+    transport: String,
+    device: String,
+}
+
+/// The report of what a node said of its UCX endpoint to `peer`, and a warning when UCX
+/// emulates reads over tcp on it. Pure.
+fn ucx_lanes_report(
+    peer: &str,
+    answer: &Result<ferry::EndpointLanes, String>,
+) -> (UcxLanesReport, Option<String>) {
+    let lanes = match answer {
+        Ok(lanes) => lanes,
+        Err(why) => {
+            let report = UcxLanesReport {
+                rma: "unknown",
+                lanes: Vec::new(),
+                text: format!("could not ask this node's UCX endpoint to {peer}: {why}"),
+            };
+            return (report, None);
+        }
+    };
+    let rma = match lanes.rma() {
+        None => "unknown",
+        Some(ferry::RmaPath::OneSided { .. }) => "one-sided",
+        Some(ferry::RmaPath::EmulatedOverTcp) => "emulated-over-tcp",
+        Some(ferry::RmaPath::Unrecognised { .. }) => "unrecognised",
+    };
+    let entries = lanes.lanes.as_deref().unwrap_or_default();
+    let report = UcxLanesReport {
+        rma,
+        lanes: entries
+            .iter()
+            .map(|l| LaneReport {
+                transport: l.transport.clone(),
+                device: l.device.clone(),
+            })
+            .collect(),
+        // The peer pulls what this node sends over its own endpoint to here; UCX picks its
+        // lanes from the same two worker addresses.
+        text: format!("this node's endpoint to {peer}: {lanes}"),
+    };
+    let warning = lanes.emulated().then(|| {
+        format!(
+            "UCX reads between this node and {peer} go over tcp (software emulation, no \
+             RDMA/cuda_ipc lane): expect ~0.4 GB/s; allow an RDMA transport in \
+             transport.ucx.tls, or route this through another transport"
+        )
+    });
+    (report, warning)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -512,8 +608,18 @@ impl Report {
                 landing: r.landing.to_string(),
             }),
             gpu,
+            ucx_lanes: None,
             warnings: performance_warnings(e, rules, ferry_actors::node::has_rdma_device()),
         }
+    }
+
+    /// Adds what the node said of its UCX endpoint to the peer (and a warning when UCX
+    /// emulates reads over tcp on it).
+    fn with_ucx_lanes(mut self, answer: Result<ferry::EndpointLanes, String>) -> Self {
+        let (report, warning) = ucx_lanes_report(&self.peer, &answer);
+        self.ucx_lanes = Some(report);
+        self.warnings.extend(warning);
+        self
     }
 
     /// The human form: a header, then one labelled, aligned line per fact.
@@ -575,6 +681,9 @@ impl Report {
         }
         if let Some(gpu) = &self.gpu {
             line("gpu", gpu.clone());
+        }
+        if let Some(ucx) = &self.ucx_lanes {
+            line("ucx lanes", ucx.text.clone());
         }
         for w in &self.warnings {
             line("warning", w.clone());
@@ -768,6 +877,55 @@ pub(crate) mod tests {
         );
         // With an RDMA device the NIC can read GPU memory: nothing to say.
         assert!(performance_warnings(&e, &rules, true).is_empty());
+    }
+
+    #[test]
+    fn ucx_lanes_over_tcp_alone_warn_and_unknown_ones_do_not() {
+        let lane = |t: &str, d: &str| ferry::TransportEntry {
+            transport: t.into(),
+            device: d.into(),
+        };
+        let tcp = ferry::EndpointLanes {
+            lanes: Ok(vec![lane("tcp", "eth0"), lane("cuda_copy", "cuda")]),
+            after_first_use: true,
+        };
+        let (report, warning) = ucx_lanes_report("b", &Ok(tcp));
+        assert_eq!(report.rma, "emulated-over-tcp");
+        assert_eq!(report.lanes.len(), 2);
+        assert!(
+            report
+                .text
+                .starts_with("this node's endpoint to b: tcp/eth0"),
+            "{}",
+            report.text
+        );
+        let warning = warning.expect("a warning");
+        assert!(
+            warning.contains("go over tcp (software emulation"),
+            "{warning}"
+        );
+
+        let rdma = ferry::EndpointLanes {
+            lanes: Ok(vec![lane("rc_mlx5", "mlx5_0:1"), lane("tcp", "eth0")]),
+            after_first_use: true,
+        };
+        let (report, warning) = ucx_lanes_report("b", &Ok(rdma));
+        assert_eq!((report.rma, warning), ("one-sided", None));
+
+        let old = ferry::EndpointLanes {
+            lanes: Err("unknown (UCX < 1.14: 1.13.1 cannot say)".into()),
+            after_first_use: true,
+        };
+        let (report, warning) = ucx_lanes_report("b", &Ok(old));
+        assert_eq!((report.rma, warning), ("unknown", None));
+        assert!(
+            report
+                .text
+                .ends_with("unknown (UCX < 1.14: 1.13.1 cannot say)")
+        );
+        let (report, warning) = ucx_lanes_report("b", &Err("no link".into()));
+        assert_eq!((report.rma, warning), ("unknown", None));
+        assert!(report.text.contains("no link"), "{}", report.text);
     }
 
     #[test]

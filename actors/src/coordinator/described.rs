@@ -150,6 +150,12 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
     ),
     (
         MetricKind::Counter,
+        "ferry_ucx_emulated_rma_peers_total",
+        None,
+        "Peers whose UCX endpoint has no one-sided lane (tcp only): UCX emulates its reads in software over tcp (~0.4 GB/s); counted once per peer, after its first ucx pull",
+    ),
+    (
+        MetricKind::Counter,
         "ferry_staged_ring_chunks_total",
         None,
         "Staged chunks received through a same-host peer's shared-memory ring (not the link)",
@@ -217,6 +223,7 @@ pub fn describe_metrics() {
         metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
     }
     metrics::counter!("ferry_pull_failures_total").absolute(0);
+    metrics::counter!("ferry_ucx_emulated_rma_peers_total").absolute(0);
     metrics::counter!("ferry_push_failures_total").absolute(0);
     metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);

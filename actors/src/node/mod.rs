@@ -844,6 +844,28 @@ impl Node {
             .map_err(|_| Error::ShuttingDown)?
     }
 
+    /// The lanes of this node's UCX endpoint to `peer`, the one its ucx pulls from the peer
+    /// use: each lane's UCX transport and device, and whether UCX reads over them one-sided
+    /// or emulates reads over tcp. Connects (link and endpoint) if needed; an endpoint no
+    /// pull used yet is flushed first, so its wireup is done. On a UCX older than 1.14 the
+    /// lanes are unknown, and say so.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when this node or the peer does not serve ucx;
+    /// [`Error::Transport`] when the endpoint cannot be made or flushed; as
+    /// [`Node::connect`] for the link.
+    pub async fn ucx_lanes(
+        &self,
+        peer: &str,
+    ) -> Result<ferry_transports::ucx::EndpointLanes, Error> {
+        self.coordinator
+            .send(crate::coordinator::UcxLanesOf {
+                peer: peer.to_string(),
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
     /// Peers with a live link.
     pub async fn connected_peers(&self) -> Result<Vec<String>, Error> {
         self.coordinator

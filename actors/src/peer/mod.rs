@@ -21,6 +21,7 @@ mod staged_ring;
 mod ucx;
 
 pub use self::fetch::AskFetch;
+pub use self::ucx::AskUcxLanes;
 use self::{fetch::*, inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};

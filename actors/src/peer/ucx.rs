@@ -7,7 +7,7 @@
 //! (sends keep their order), reads as tasks on the node's I/O runtime.
 
 use super::*;
-use ferry_transports::ucx::{Engine, Exported, UcxPeer, UcxTransportError};
+use ferry_transports::ucx::{EndpointLanes, Engine, Exported, UcxPeer, UcxTransportError};
 use ferry_transports::wire::UcxSource;
 
 /// The ucx state of one peer.
@@ -23,6 +23,76 @@ pub(super) struct UcxState {
     /// Our buffers registered for the peer to read, until it says `Done` or `Cancel`, or
     /// the link goes.
     pub(super) exported: HashMap<OpId, Exported>,
+    /// Whether the lanes of our endpoint to the peer were reported (logged, and counted
+    /// when emulated over tcp): once per peer, after the first pull that completed.
+    lanes_reported: bool,
+}
+
+/// Ask for the lanes of this node's UCX endpoint to the peer: the one pulls use, made now
+/// (and flushed, so its wireup completes) if no pull made it yet.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<EndpointLanes, Error>")]
+pub struct AskUcxLanes;
+
+impl Handler<AskUcxLanes> for TransferActor {
+    type Result = ResponseFuture<Result<EndpointLanes, Error>>;
+
+    fn handle(&mut self, _: AskUcxLanes, _: &mut Self::Context) -> Self::Result {
+        let peer = self.peer.clone();
+        let Some(engine) = self.engine().cloned() else {
+            return Box::pin(async {
+                Err(Error::unsupported(
+                    "this node does not serve ucx (transport.ucx.enabled)",
+                ))
+            });
+        };
+        if self.ucx.address.is_empty() {
+            return Box::pin(async move {
+                Err(Error::unsupported(format!(
+                    "peer {peer} does not serve ucx (or no link to it came up yet)"
+                )))
+            });
+        }
+        let endpoint = Arc::clone(&self.ucx.endpoint);
+        let address = self.ucx.address.clone();
+        let asked = self.setup.io.spawn(async move {
+            let ucx = connected(&endpoint, engine, address).await?;
+            if !ucx.lanes().after_first_use {
+                ucx.flush()?.await?;
+            }
+            Ok::<_, PullError>(ucx.lanes())
+        });
+        Box::pin(async move {
+            let failed = |detail: String| Error::Transport {
+                peer: peer.clone(),
+                detail,
+            };
+            match asked.await {
+                Ok(Ok(lanes)) => Ok(lanes),
+                Ok(Err(e)) => Err(failed(format!("the UCX endpoint: {e}"))),
+                Err(e) => Err(failed(format!("the UCX endpoint task: {e}"))),
+            }
+        })
+    }
+}
+
+/// Our endpoint to the peer's worker at `address`: the one in `endpoint`, or a new one
+/// (connected on a blocking thread).
+async fn connected(
+    endpoint: &tokio::sync::OnceCell<Arc<UcxPeer>>,
+    engine: Arc<Engine>,
+    address: Vec<u8>,
+) -> Result<Arc<UcxPeer>, PullError> {
+    endpoint
+        .get_or_try_init(|| async {
+            tokio::task::spawn_blocking(move || engine.connect(address))
+                .await
+                .map_err(|e| PullError::Task(e.to_string()))?
+                .map(Arc::new)
+                .map_err(PullError::from)
+        })
+        .await
+        .map(Arc::clone)
 }
 
 /// Why a pull failed, by the transport that pulled.
@@ -138,6 +208,28 @@ impl TransferActor {
         });
     }
 
+    /// Says, once per peer, which UCX lanes its reads take (logged), and warns and counts
+    /// when UCX emulates them over tcp. Only lanes asked after the endpoint's first use
+    /// count (they are final then).
+    fn report_ucx_lanes(&mut self, lanes: &EndpointLanes) {
+        if self.ucx.lanes_reported || !lanes.after_first_use {
+            return;
+        }
+        self.ucx.lanes_reported = true;
+        let peer = &self.peer;
+        if lanes.emulated() {
+            metrics::counter!("ferry_ucx_emulated_rma_peers_total").increment(1);
+            tracing::warn!(
+                %peer,
+                %lanes,
+                "UCX reads from peer {peer} go over tcp (software emulation, no RDMA/cuda_ipc \
+                 lane): expect ~0.4 GB/s"
+            );
+        } else {
+            tracing::info!(%peer, %lanes, "UCX reads from peer {peer}: the endpoint's lanes");
+        }
+    }
+
     /// Reads pulled transfer `id` out of the peer's registered buffer into `buffer`, as a
     /// task on the I/O runtime; the result comes back to the session.
     pub(super) fn start_ucx_pull(
@@ -164,17 +256,8 @@ impl TransferActor {
         let endpoint = Arc::clone(&self.ucx.endpoint);
         let address = self.ucx.address.clone();
         let pull = self.setup.io.spawn(async move {
-            let peer = endpoint
-                .get_or_try_init(|| async {
-                    tokio::task::spawn_blocking(move || engine.connect(address))
-                        .await
-                        .map_err(|e| PullError::Task(e.to_string()))?
-                        .map(Arc::new)
-                        .map_err(PullError::from)
-                })
-                .await;
-            let peer = match peer {
-                Ok(peer) => Arc::clone(peer),
+            let peer = match connected(&endpoint, engine, address).await {
+                Ok(peer) => peer,
                 Err(e) => return (buffer, Err(e)),
             };
             let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
@@ -194,6 +277,11 @@ impl TransferActor {
                 && Arc::ptr_eq(&act.ucx.endpoint, &used)
             {
                 act.ucx.endpoint = Arc::default();
+            }
+            if pulled.is_ok()
+                && let Some(endpoint) = used.get()
+            {
+                act.report_ucx_lanes(&endpoint.lanes());
             }
             act.pull_ended(id, pulled, ctx);
         }));
