@@ -275,3 +275,51 @@ async fn a_peer_pulling_over_tcp_only_is_counted_once() {
     );
     a.shutdown().await;
 }
+
+/// `ferry explain` for a route over ucx names the lanes of a UCX endpoint to the peer, and
+/// warns when UCX emulates reads over tcp (1.14 and later); on 1.13 it says they are
+/// unknown, and why.
+#[test]
+fn explain_names_the_ucx_lanes_of_a_route_over_ucx() {
+    let test = "explain_names_the_ucx_lanes_of_a_route_over_ucx";
+    if !ucx_here(test) {
+        return;
+    }
+    let Ok(ucx) = ucx_sys::Ucx::load(None) else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let extra =
+        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let b = scratch.write("b.toml", &scratch.toml("b", &[], &extra));
+    let served = Served::start(&b, "echo");
+    let a = scratch.write("a.toml", &scratch.toml("a", &[("b", &served.addr)], &extra));
+    let out = std::process::Command::new(common::ferry_bin())
+        .arg("explain")
+        .arg("--config")
+        .arg(&a)
+        .args(["--peer", "b", "--bytes", "1M", "--memory", "host"])
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("run ferry explain");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("ucx, pull"), "{text}");
+    if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
+        assert!(
+            text.contains("this node's endpoint to b: unknown (UCX < 1.14"),
+            "{text}"
+        );
+        assert!(!text.contains("software emulation"), "{text}");
+    } else {
+        assert!(
+            text.contains("this node's endpoint to b: tcp/lo: gets and puts emulated"),
+            "{text}"
+        );
+        assert!(
+            text.contains("UCX reads between this node and b go over tcp (software emulation"),
+            "{text}"
+        );
+    }
+}
