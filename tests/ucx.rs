@@ -49,6 +49,9 @@ async fn first_sends_to_a_peer_without_ucx_go_over_tcp() {
         let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
         assert_eq!(got.transport, "tcp", "tag {tag}");
     }
+    // No endpoint to a peer that does not serve ucx, and its lanes say so.
+    let lanes = a.ucx_lanes("b").await.expect_err("b does not serve ucx");
+    assert!(lanes.to_string().contains("does not serve ucx"), "{lanes}");
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -35,23 +35,20 @@ pub(super) struct UcxState {
 pub struct AskUcxLanes;
 
 impl Handler<AskUcxLanes> for TransferActor {
-    type Result = ResponseFuture<Result<EndpointLanes, Error>>;
+    type Result = ResponseActFuture<Self, Result<EndpointLanes, Error>>;
 
     fn handle(&mut self, _: AskUcxLanes, _: &mut Self::Context) -> Self::Result {
         let peer = self.peer.clone();
         let Some(engine) = self.engine().cloned() else {
-            return Box::pin(async {
-                Err(Error::unsupported(
-                    "this node does not serve ucx (transport.ucx.enabled)",
-                ))
-            });
+            let refused =
+                Error::unsupported("this node does not serve ucx (transport.ucx.enabled)");
+            return Box::pin(actix::fut::ready(Err(refused)));
         };
         if self.ucx.address.is_empty() {
-            return Box::pin(async move {
-                Err(Error::unsupported(format!(
-                    "peer {peer} does not serve ucx (or no link to it came up yet)"
-                )))
-            });
+            let refused = Error::unsupported(format!(
+                "peer {peer} does not serve ucx (or no link to it came up yet)"
+            ));
+            return Box::pin(actix::fut::ready(Err(refused)));
         }
         let endpoint = Arc::clone(&self.ucx.endpoint);
         let address = self.ucx.address.clone();
@@ -62,17 +59,21 @@ impl Handler<AskUcxLanes> for TransferActor {
             }
             Ok::<_, PullError>(ucx.lanes())
         });
-        Box::pin(async move {
+        let used = Arc::clone(&self.ucx.endpoint);
+        Box::pin(asked.into_actor(self).map(move |joined, act, _| {
             let failed = |detail: String| Error::Transport {
                 peer: peer.clone(),
                 detail,
             };
-            match asked.await {
+            match joined {
                 Ok(Ok(lanes)) => Ok(lanes),
-                Ok(Err(e)) => Err(failed(format!("the UCX endpoint: {e}"))),
+                Ok(Err(e)) => {
+                    act.forget_failed_endpoint(&used, &e);
+                    Err(failed(format!("the UCX endpoint: {e}")))
+                }
                 Err(e) => Err(failed(format!("the UCX endpoint task: {e}"))),
             }
-        })
+        }))
     }
 }
 
@@ -208,6 +209,21 @@ impl TransferActor {
         });
     }
 
+    /// A failed or timed-out endpoint fails everything sent on it afterwards: the next use
+    /// connects anew (unless a newer link already replaced `used`).
+    fn forget_failed_endpoint(
+        &mut self,
+        used: &Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
+        error: &PullError,
+    ) {
+        if let PullError::Ucx(e) = error
+            && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
+            && Arc::ptr_eq(&self.ucx.endpoint, used)
+        {
+            self.ucx.endpoint = Arc::default();
+        }
+    }
+
     /// Says, once per peer, which UCX lanes its reads take (logged), and warns and counts
     /// when UCX emulates them over tcp. Only lanes asked after the endpoint's first use
     /// count (they are final then).
@@ -270,18 +286,13 @@ impl TransferActor {
                 Ok((_buffer, Err(e))) => Err(e),
                 Err(e) => Err(PullError::Task(e.to_string())),
             };
-            // A failed or timed-out endpoint fails everything sent on it afterwards: the
-            // next pull connects anew (unless a newer link already replaced it).
-            if let Err(PullError::Ucx(e)) = &pulled
-                && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
-                && Arc::ptr_eq(&act.ucx.endpoint, &used)
-            {
-                act.ucx.endpoint = Arc::default();
-            }
-            if pulled.is_ok()
-                && let Some(endpoint) = used.get()
-            {
-                act.report_ucx_lanes(&endpoint.lanes());
+            match &pulled {
+                Err(e) => act.forget_failed_endpoint(&used, e),
+                Ok(_) => {
+                    if let Some(endpoint) = used.get() {
+                        act.report_ucx_lanes(&endpoint.lanes());
+                    }
+                }
             }
             act.pull_ended(id, pulled, ctx);
         }));

@@ -4,10 +4,11 @@
 //!
 //! Why it matters: where no lane can do one-sided RMA, UCX still completes every get and
 //! put, silently, by emulating them in software over its tcp active messages: the reader
-//! asks, the peer's progress thread copies the bytes into a reply. Measured at about
-//! 0.4 GB/s (NIXL; UCX 1.22, H100 ×1), hundreds of times below RDMA or the copy engine. One
-//! way to get there without asking: UCX drops the `cuda_ipc` lane when NVML reports no
-//! NVLink between the GPUs. ferry names the lanes and says when this happens.
+//! asks, the peer's progress thread copies the bytes into a reply. About 0.4 GB/s
+//! (docs/PERFORMANCE.md: UCX 1.22 on the H100; NIXL measured 0.45 GB/s), hundreds of times
+//! below RDMA or the copy engine. One way to get there without asking: UCX turns `cuda_ipc`
+//! gets off when NVML reports no NVLink between the GPUs. ferry names the lanes and says
+//! when this happens.
 
 use std::fmt;
 use std::sync::{Mutex, PoisonError};

@@ -59,7 +59,10 @@
 //!   managed memory.
 //!
 //! UCX keeps its ABI by growing structs only at the end and reading fields only when their
-//! mask bit is set, so later versions work. Peers must load the same UCX build: remote keys
+//! mask bit is set, so later versions work. What a later release added is asked for only of
+//! that release: [`Endpoint::transports`] (`ucp_ep_query`'s transports, 1.14) answers
+//! [`UcxError::NotInRelease`] under 1.13, whose `ucp_ep_query` would ignore the request and
+//! report success. Peers must load the same UCX build: remote keys
 //! packed by one version generally do not unpack in another.
 //!
 //! # Load order
