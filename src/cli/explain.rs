@@ -468,8 +468,8 @@ pub struct Report {
 /// The lanes of a UCX endpoint to the peer, as `ferry explain` reports them.
 #[derive(Debug, Clone, Serialize)]
 struct UcxLanesReport {
-    /// `one-sided`, `emulated-over-tcp`, `unrecognised`, or `unknown` (UCX < 1.14, or the
-    /// endpoint could not be asked).
+    /// `one-sided`, `emulated-over-tcp`, `gpu-ipc-beside-tcp`, `unrecognised`, or `unknown`
+    /// (UCX < 1.14, or the endpoint could not be asked).
     rma: &'static str,
     /// Each lane's UCX transport and device, in UCX's order (empty when unknown).
     lanes: Vec<LaneReport>,
@@ -504,6 +504,7 @@ fn ucx_lanes_report(
         None => "unknown",
         Some(ferry::RmaPath::OneSided { .. }) => "one-sided",
         Some(ferry::RmaPath::EmulatedOverTcp) => "emulated-over-tcp",
+        Some(ferry::RmaPath::GpuIpcBesideTcp { .. }) => "gpu-ipc-beside-tcp",
         Some(ferry::RmaPath::Unrecognised { .. }) => "unrecognised",
     };
     let entries = lanes.lanes.as_deref().unwrap_or_default();
@@ -520,13 +521,14 @@ fn ucx_lanes_report(
         // lanes from the same two worker addresses.
         text: format!("this node's endpoint to {peer}: {lanes}"),
     };
-    let warning = lanes.emulated().then(|| {
-        format!(
-            "UCX reads between this node and {peer} go over tcp (software emulation, no \
-             RDMA/cuda_ipc lane): expect ~0.4 GB/s; allow an RDMA transport in \
-             transport.ucx.tls, or route this through another transport"
-        )
-    });
+    let warning = lanes
+        .warning(&format!("UCX reads between this node and {peer}"))
+        .map(|w| {
+            format!(
+                "{w}; allow an RDMA transport in transport.ucx.tls, or route this through \
+                 another transport"
+            )
+        });
     (report, warning)
 }
 
@@ -911,6 +913,15 @@ pub(crate) mod tests {
         };
         let (report, warning) = ucx_lanes_report("b", &Ok(rdma));
         assert_eq!((report.rma, warning), ("one-sided", None));
+
+        let gpu_ipc = ferry::EndpointLanes {
+            lanes: Ok(vec![lane("tcp", "lo"), lane("cuda_ipc", "cuda")]),
+            after_first_use: true,
+        };
+        let (report, warning) = ucx_lanes_report("b", &Ok(gpu_ipc));
+        assert_eq!(report.rma, "gpu-ipc-beside-tcp");
+        let warning = warning.expect("a warning");
+        assert!(warning.contains("unless UCX found NVLink"), "{warning}");
 
         let old = ferry::EndpointLanes {
             lanes: Err("unknown (UCX < 1.14: 1.13.1 cannot say)".into()),

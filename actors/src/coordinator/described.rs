@@ -152,7 +152,7 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
         MetricKind::Counter,
         "ferry_ucx_emulated_rma_peers_total",
         None,
-        "Peers whose UCX endpoint has no one-sided lane (tcp only): UCX emulates its reads in software over tcp (~0.4 GB/s); counted once per peer, after its first ucx pull",
+        "Peers whose UCX endpoint reads over tcp emulation (~0.4 GB/s): tcp lanes only, or tcp beside cuda_ipc alone (whose gets UCX turns off without NVLink); counted once per peer, after its first ucx pull",
     ),
     (
         MetricKind::Counter,

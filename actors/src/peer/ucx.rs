@@ -233,14 +233,9 @@ impl TransferActor {
         }
         self.ucx.lanes_reported = true;
         let peer = &self.peer;
-        if lanes.emulated() {
+        if let Some(warning) = lanes.warning(&format!("UCX reads from peer {peer}")) {
             metrics::counter!("ferry_ucx_emulated_rma_peers_total").increment(1);
-            tracing::warn!(
-                %peer,
-                %lanes,
-                "UCX reads from peer {peer} go over tcp (software emulation, no RDMA/cuda_ipc \
-                 lane): expect ~0.4 GB/s"
-            );
+            tracing::warn!(%peer, %lanes, "{warning}");
         } else {
             tracing::info!(%peer, %lanes, "UCX reads from peer {peer}: the endpoint's lanes");
         }

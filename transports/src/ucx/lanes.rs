@@ -15,13 +15,18 @@ use std::sync::{Mutex, PoisonError};
 
 use ucx_sys::{TransportEntry, UcxError};
 
-/// UCT transports that read and write a peer's memory themselves (RDMA NICs, CUDA/ROCm
-/// IPC, kernel-assisted or mapped shared memory, the loopback `self`), by name prefix.
-/// `ud` has no RDMA: UCX runs RMA over its messages, but on the NIC, not over tcp.
+/// UCT transports that read and write a peer's memory themselves (RDMA NICs,
+/// kernel-assisted or mapped shared memory, the loopback `self`), by name prefix. `ud` has
+/// no RDMA: UCX runs RMA over its messages, but on the NIC, not over tcp.
 const ONE_SIDED: &[&str] = &[
-    "rc", "dc", "ud", "gga", "cuda_ipc", "rocm_ipc", "cma", "knem", "xpmem", "sysv", "posix",
-    "self",
+    "rc", "dc", "ud", "gga", "cma", "knem", "xpmem", "sysv", "posix", "self",
 ];
+
+/// GPU IPC transports: one-sided for device memory only, and for gets (ferry's reads) only
+/// where UCX enables them: UCX 1.22 turns `cuda_ipc` gets off when NVML reports no NVLink
+/// ("cuda-ipc get zcopy disabled as no nvlinks detected"; `UCX_CUDA_IPC_ENABLE_GET_ZCOPY`),
+/// keeping the lane. The lane alone proves nothing about reads.
+const GPU_IPC: &[&str] = &["cuda_ipc", "rocm_ipc"];
 
 /// UCT transports that copy between memory types inside this process (host and GPU): a
 /// lane of theirs carries nothing to the peer, so it neither proves nor rules out a fast
@@ -40,6 +45,13 @@ pub enum RmaPath {
     /// Every lane that reaches the peer is `tcp`: UCX emulates gets and puts in software
     /// over its tcp messages (~0.4 GB/s measured).
     EmulatedOverTcp,
+    /// `tcp` beside GPU IPC lanes (`via`) alone: reads of host memory are emulated over
+    /// tcp, and reads of device memory too unless UCX enabled gets over `via` (NVLink
+    /// between the GPUs).
+    GpuIpcBesideTcp {
+        /// The GPU IPC transports.
+        via: Vec<String>,
+    },
     /// Lanes of transports this list does not know (a newer UCX's, or none that reach the
     /// peer): not judged. `names` are the unknown ones (each once).
     Unrecognised {
@@ -52,6 +64,7 @@ impl RmaPath {
     /// Judges the transports of an endpoint's lanes (`tcp`, `rc_mlx5`, ...). Pure.
     pub fn classify<'a>(transports: impl IntoIterator<Item = &'a str>) -> RmaPath {
         let mut via: Vec<String> = Vec::new();
+        let mut gpu_ipc: Vec<String> = Vec::new();
         let mut unknown: Vec<String> = Vec::new();
         let mut tcp = false;
         for name in transports {
@@ -62,6 +75,8 @@ impl RmaPath {
             };
             if ONE_SIDED.iter().any(|p| name.starts_with(p)) {
                 once(&mut via);
+            } else if GPU_IPC.contains(&name) {
+                once(&mut gpu_ipc);
             } else if name == "tcp" {
                 tcp = true;
             } else if !LOCAL_COPY.contains(&name) {
@@ -70,8 +85,15 @@ impl RmaPath {
         }
         if !via.is_empty() {
             RmaPath::OneSided { via }
-        } else if tcp && unknown.is_empty() {
+        } else if !unknown.is_empty() {
+            RmaPath::Unrecognised { names: unknown }
+        } else if tcp && !gpu_ipc.is_empty() {
+            RmaPath::GpuIpcBesideTcp { via: gpu_ipc }
+        } else if tcp {
             RmaPath::EmulatedOverTcp
+        } else if !gpu_ipc.is_empty() {
+            // No tcp lane to emulate over: device memory goes over the IPC lane or fails.
+            RmaPath::OneSided { via: gpu_ipc }
         } else {
             RmaPath::Unrecognised { names: unknown }
         }
@@ -85,6 +107,13 @@ impl fmt::Display for RmaPath {
             RmaPath::EmulatedOverTcp => f.write_str(
                 "gets and puts emulated in software over tcp (no RDMA, cuda_ipc or \
                  shared-memory lane): expect ~0.4 GB/s",
+            ),
+            RmaPath::GpuIpcBesideTcp { via } => write!(
+                f,
+                "reads of host memory emulated in software over tcp (~0.4 GB/s); reads of \
+                 device memory over {} only where UCX found NVLink between the GPUs, else \
+                 emulated over tcp too",
+                via.join(", ")
             ),
             RmaPath::Unrecognised { names } if names.is_empty() => {
                 f.write_str("no lane that reaches the peer")
@@ -136,9 +165,32 @@ impl EndpointLanes {
         ))
     }
 
-    /// Whether UCX emulates gets and puts over tcp on this endpoint.
+    /// The warning to log when UCX emulates reads over tcp on this endpoint (`None` when it
+    /// does not, or cannot say), about `reads`, e.g. "UCX reads from peer b".
+    pub fn warning(&self, reads: &str) -> Option<String> {
+        match self.rma()? {
+            RmaPath::EmulatedOverTcp => Some(format!(
+                "{reads} go over tcp (software emulation, no RDMA/cuda_ipc lane): expect \
+                 ~0.4 GB/s"
+            )),
+            RmaPath::GpuIpcBesideTcp { via } => Some(format!(
+                "{reads} go over tcp (software emulation) for host memory, and for device \
+                 memory too unless UCX found NVLink between the GPUs (its one-sided lanes are \
+                 {} alone, whose gets UCX turns off without NVLink): expect ~0.4 GB/s",
+                via.join(", ")
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whether UCX emulates gets and puts over tcp on this endpoint: for all of them
+    /// ([`RmaPath::EmulatedOverTcp`]), or for those of host memory and perhaps device
+    /// memory ([`RmaPath::GpuIpcBesideTcp`]).
     pub fn emulated(&self) -> bool {
-        self.rma() == Some(RmaPath::EmulatedOverTcp)
+        matches!(
+            self.rma(),
+            Some(RmaPath::EmulatedOverTcp | RmaPath::GpuIpcBesideTcp { .. })
+        )
     }
 }
 
@@ -217,8 +269,8 @@ mod tests {
             one_sided(&["dc_mlx5", "ud_mlx5"])
         );
         assert_eq!(
-            classify(&["tcp", "cuda_ipc", "cuda_copy"]),
-            one_sided(&["cuda_ipc"])
+            classify(&["rc_mlx5", "cuda_ipc", "tcp"]),
+            one_sided(&["rc_mlx5"])
         );
         assert_eq!(
             classify(&["rc_verbs", "rc_verbs"]),
@@ -227,6 +279,39 @@ mod tests {
         for shm in ["sysv", "posix", "cma", "knem", "xpmem", "self"] {
             assert_eq!(classify(&["tcp", shm]), one_sided(&[shm]), "{shm}");
         }
+    }
+
+    #[test]
+    fn a_cuda_ipc_lane_beside_tcp_does_not_prove_reads_one_sided() {
+        // UCX keeps the cuda_ipc lane but turns its gets off without NVLink (NIXL's case).
+        let path = classify(&["tcp", "cuda_ipc", "cuda_copy"]);
+        assert_eq!(
+            path,
+            RmaPath::GpuIpcBesideTcp {
+                via: vec!["cuda_ipc".into()]
+            }
+        );
+        assert!(
+            path.to_string().contains("only where UCX found NVLink"),
+            "{path}"
+        );
+        let lanes = EndpointLanes {
+            lanes: Ok(["tcp", "cuda_ipc"]
+                .map(|t| TransportEntry {
+                    transport: t.into(),
+                    device: "x".into(),
+                })
+                .to_vec()),
+            after_first_use: true,
+        };
+        assert!(lanes.emulated());
+        // Without tcp there is nothing to emulate over.
+        assert_eq!(
+            classify(&["cuda_ipc"]),
+            RmaPath::OneSided {
+                via: vec!["cuda_ipc".into()]
+            }
+        );
     }
 
     #[test]
