@@ -26,6 +26,10 @@ pub fn capabilities() -> Capabilities {
         carrier: crate::transport::Carrier::Memory,
         per_peer_setup: true,
         opt_in: false,
+        lane: true,
+        registers_source: false,
+        device_path: crate::transport::DevicePath::CopyEngine,
+        library: Some(crate::transport::Library::Cuda),
     }
 }
 

@@ -3,7 +3,11 @@
 
 use ferry_config::TransportName;
 
-use crate::transport::{Capabilities, Viability};
+use crate::transport::{Capabilities, Carrier, Viability};
+
+/// The transport whose bytes travel on the control link itself, in its frames: what a put
+/// (which always streams over the link) is counted under.
+pub const LINK: TransportName = TransportName::Tcp;
 
 /// The transports this build knows, with their declarations and viability here.
 pub fn catalog() -> Vec<(Capabilities, Viability)> {
@@ -24,26 +28,33 @@ pub fn viable_names() -> Vec<TransportName> {
         .collect()
 }
 
+/// Every transport's declaration, in the catalog's order (whether or not it is viable
+/// here); made once per process.
+pub fn declarations() -> &'static [Capabilities] {
+    static DECLARED: std::sync::OnceLock<Vec<Capabilities>> = std::sync::OnceLock::new();
+    DECLARED.get_or_init(|| catalog().into_iter().map(|(c, _)| c).collect())
+}
+
 /// The declaration of `name` (whether or not it is viable here).
 pub fn declared(name: TransportName) -> Capabilities {
-    static DECLARED: std::sync::OnceLock<Vec<Capabilities>> = std::sync::OnceLock::new();
-    let all = DECLARED.get_or_init(|| catalog().into_iter().map(|(c, _)| c).collect());
-    all.iter()
+    declarations()
+        .iter()
         .find(|c| c.name == name)
         .cloned()
         .unwrap_or_else(crate::tcp::capabilities)
 }
 
 /// How `name`'s bytes travel.
-pub fn carrier(name: TransportName) -> crate::transport::Carrier {
+pub fn carrier(name: TransportName) -> Carrier {
     declared(name).carrier
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::Carrier;
+    use crate::transport::DevicePath;
     use crate::wire::WireDirection::{Pull, Push};
+    use ferry_config::{Direction, Locality, MemoryClass};
 
     #[test]
     fn every_name_is_declared_once_and_travels_as_itself() {
@@ -72,5 +83,46 @@ mod tests {
         assert_eq!(carrier(TransportName::Tcp), Carrier::Link);
         assert_eq!(carrier(TransportName::Staged), Carrier::Ring);
         assert_eq!(carrier(TransportName::Ipc), Carrier::Memory);
+    }
+
+    #[test]
+    fn the_link_transport_travels_on_the_link() {
+        assert_eq!(carrier(LINK), Carrier::Link);
+        assert_eq!(declared(LINK).device_path, DevicePath::HostCopy);
+    }
+
+    /// The declarations that node-level code acts on without naming a transport agree with
+    /// the rest of each declaration.
+    #[test]
+    fn every_declaration_is_consistent() {
+        for c in declarations() {
+            let name = c.name;
+            if c.lane {
+                // The lane is a ring both processes of one host map; it carries pulls of
+                // device memory straight between their buffers.
+                assert_eq!(c.localities, &[Locality::SameHost], "{name}");
+                assert_eq!(c.carrier, Carrier::Memory, "{name}");
+                assert!(c.directions.contains(&Direction::Pull), "{name}");
+                assert!(c.sources.contains(&MemoryClass::Device), "{name}");
+            }
+            if c.registers_source {
+                // What it registers is what the receiver's pull reads.
+                assert_eq!(c.carrier, Carrier::Memory, "{name}");
+                assert!(c.directions.contains(&Direction::Pull), "{name}");
+            }
+            match c.device_path {
+                DevicePath::HostCopy => {
+                    assert!(!c.memory.contains(&MemoryClass::Device), "{name}")
+                }
+                DevicePath::CopyEngine => {
+                    assert!(!c.localities.contains(&Locality::Remote), "{name}");
+                    assert_eq!(c.carrier, Carrier::Memory, "{name}");
+                }
+                DevicePath::PinnedStaging => assert_eq!(c.carrier, Carrier::Ring, "{name}"),
+                DevicePath::Rdma => assert!(c.localities.contains(&Locality::Remote), "{name}"),
+            }
+        }
+        // A peer has one lane, so received buffers it delivers have one transport.
+        assert!(declarations().iter().filter(|c| c.lane).count() <= 1);
     }
 }

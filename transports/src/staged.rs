@@ -59,6 +59,10 @@ pub fn capabilities() -> Capabilities {
         carrier: crate::transport::Carrier::Ring,
         per_peer_setup: false,
         opt_in: false,
+        lane: false,
+        registers_source: false,
+        device_path: crate::transport::DevicePath::PinnedStaging,
+        library: Some(crate::transport::Library::Cuda),
     }
 }
 

@@ -31,6 +31,10 @@ pub fn capabilities() -> Capabilities {
         carrier: crate::transport::Carrier::Link,
         per_peer_setup: false,
         opt_in: false,
+        lane: false,
+        registers_source: false,
+        device_path: crate::transport::DevicePath::HostCopy,
+        library: None,
     }
 }
 

@@ -32,6 +32,46 @@ pub struct Capabilities {
     /// hello says so, routing assumes the peer lacks it (a receiver that does not serve a
     /// transport refuses the offer, with no fallback).
     pub opt_in: bool,
+    /// True when contiguous device memory it pulls from a same-host peer may take the
+    /// node's lane instead (a ring both processes map, with no session round trip), for
+    /// the sizes the rules route over it by pull.
+    pub lane: bool,
+    /// True when a send's buffer is registered with the transport before its offer goes
+    /// (the offer carries what the peer needs to read it); its per-peer part does that.
+    pub registers_source: bool,
+    /// How it moves device memory, which `ferry explain` weighs against the hardware.
+    pub device_path: DevicePath,
+    /// The run-time library it is built on, which `ferry doctor` checks where a rule names
+    /// it; `None`: nothing beyond what every transport uses.
+    pub library: Option<Library>,
+}
+
+/// How a transport moves device memory between the two nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DevicePath {
+    /// Copied to host memory at the sender, then through the socket stack; it lands in host
+    /// memory.
+    HostCopy,
+    /// Through pinned host memory at both ends: a copy out and a copy in, each bounded by
+    /// the host<->device link, around a shared ring or the network.
+    PinnedStaging,
+    /// Between GPUs of one host by their copy engine.
+    CopyEngine,
+    /// Read out of GPU memory by the NIC (GPUDirect RDMA) where the machine has an RDMA
+    /// device; without one, the transport's library stages it through host memory.
+    Rdma,
+}
+
+/// A run-time library a transport is built on (loaded when the process starts using it,
+/// never linked at build time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Library {
+    /// The CUDA driver (`libcuda.so.1`).
+    Cuda,
+    /// UCX (`libucp.so.0`).
+    Ucx,
 }
 
 /// How a transport's bytes travel between the two nodes once the receiver has memory.

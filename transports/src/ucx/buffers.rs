@@ -35,6 +35,10 @@ pub fn capabilities() -> Capabilities {
         carrier: Carrier::Memory,
         per_peer_setup: false,
         opt_in: true,
+        lane: false,
+        registers_source: true,
+        device_path: crate::transport::DevicePath::Rdma,
+        library: Some(crate::transport::Library::Ucx),
     }
 }
 

@@ -171,6 +171,11 @@ pub struct UcxSource {
     pub rkey: Vec<u8>,
 }
 
+impl UcxSource {
+    /// The transport whose pulls read it (an offer of another carries none).
+    pub const TRANSPORT: TransportName = TransportName::Ucx;
+}
+
 /// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the
 /// pool is named by its device's UUID (imported once per peer and device through the
 /// peer's fd-sharing socket), the buffer by its 64-byte pointer export plus its lease. Registered
@@ -191,6 +196,11 @@ pub struct IpcSource {
     /// For memory the sender registered (not from its pool): the allocation's
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which keys the receiver's handle cache.
     pub legacy: Option<u64>,
+}
+
+impl IpcSource {
+    /// The transport whose pulls read it (an offer of another carries none).
+    pub const TRANSPORT: TransportName = TransportName::Ipc;
 }
 
 /// One small transfer on the same-host fast lane: what a slot of the lane's shared-memory
