@@ -279,14 +279,12 @@ impl NodeTransports {
         ucx_hold: Duration,
     ) -> Self {
         let mut catalog = ferry_transports::registry::catalog();
-        // Served exactly when the engine started (with the configured library, which the
-        // registry's own probe of the default library does not know).
-        let verdict = match &ucx {
-            Ok(_) => Viability::Viable,
-            Err(why) => Viability::NotViable(why.clone()),
-        };
+        // A transport the node starts with its own configuration is served exactly when it
+        // started (ucx's engine, with the configured library, which the registry's own probe
+        // of the default library does not know).
+        let (started, verdict) = crate::peer::ucx_verdict(&ucx);
         for (caps, viability) in &mut catalog {
-            if caps.name == ferry_config::TransportName::Ucx {
+            if caps.name == started {
                 *viability = verdict.clone();
             }
         }
@@ -297,18 +295,14 @@ impl NodeTransports {
         }
     }
 
-    /// Why this node cannot use ucx with a peer that sent `peer_address` in its hello
-    /// (another UCX release, or bytes that are not an address); `None` when it can, or
-    /// when either end does not serve ucx (routing says that on its own).
-    pub fn ucx_mismatch(&self, peer_address: &[u8]) -> Option<String> {
-        let engine = self.ucx.as_ref()?;
-        if peer_address.is_empty() {
-            return None;
-        }
-        engine
-            .check_address(peer_address)
-            .err()
-            .map(|e| format!("the peer's UCX cannot be used: {e}"))
+    /// The transports this node cannot use with a peer that greeted it with `hello`, each
+    /// with why (a peer on another UCX release: its addresses and keys do not unpack here).
+    /// A transport either end does not serve is not listed: routing says that on its own.
+    pub fn unusable_with(&self, hello: &Hello) -> Vec<(ferry_config::TransportName, String)> {
+        self.ucx
+            .iter()
+            .filter_map(|engine| crate::peer::ucx_unusable_with(engine, &hello.ucx_address))
+            .collect()
     }
 
     /// The names of the transports this node serves.
@@ -440,8 +434,8 @@ impl Coordinator {
         self.route(peer, bytes, src, dst, None)
     }
 
-    /// Which sizes of contiguous device buffer the rules send to `peer` over ipc by pull:
-    /// what its lane may carry. The route is asked once per range of sizes the rules make.
+    /// Which sizes of contiguous device buffer the rules send to `peer` by pull over the
+    /// transport that declares the lane: what its lane may carry. The route is asked once per range of sizes the rules make.
     fn lane_routes(&self, peer: &str) -> crate::lane::LaneRoutes {
         let rules = &self.setup.config.transport.rules;
         let ranges = crate::lane::LaneRoutes::bounds(rules)
@@ -451,7 +445,7 @@ impl Coordinator {
                     .route(peer, start, MemoryClass::Device, None, None)
                     .chosen;
                 let lane = chosen.is_some_and(|r| {
-                    r.transport == ferry_config::TransportName::Ipc
+                    ferry_transports::registry::declared(r.transport).lane
                         && r.direction == ferry_config::Direction::Pull
                 });
                 (start, lane)
@@ -481,19 +475,21 @@ impl Coordinator {
             crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
         );
         let settled = self.sessions.get(peer).and_then(|s| s.ipc.clone());
-        // A peer on another UCX release: its addresses and keys do not unpack here.
-        let ucx_mismatch = hello
-            .and_then(|h| self.setup.transfer.transports.ucx_mismatch(&h.ucx_address))
-            .map(|why| {
-                crate::core::ipc_setup::SetupOutcome::Bad(
-                    crate::core::ipc_setup::SetupFailure::Incompatible(why),
-                )
-            });
+        // What the peer's hello rules out here (another UCX release, say).
+        let unusable: Vec<_> = hello
+            .map(|h| self.setup.transfer.transports.unusable_with(h))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(t, why)| {
+                let why = crate::core::ipc_setup::SetupFailure::Incompatible(why);
+                (t, crate::core::ipc_setup::SetupOutcome::Bad(why))
+            })
+            .collect();
         let setup = |t: ferry_config::TransportName| {
             if Some(t) == failed {
                 Some(bad.clone())
-            } else if t == ferry_config::TransportName::Ucx && ucx_mismatch.is_some() {
-                ucx_mismatch.clone()
+            } else if let Some((_, why)) = unusable.iter().find(|(u, _)| *u == t) {
+                Some(why.clone())
             } else if ferry_transports::registry::declared(t).per_peer_setup {
                 settled.clone()
             } else {

@@ -151,6 +151,16 @@ pub enum PullSource {
     Ucx(UcxSource),
 }
 
+impl PullSource {
+    /// The transport that reads it.
+    pub fn transport(&self) -> TransportName {
+        match self {
+            Self::Ipc(_) => IpcSource::TRANSPORT,
+            Self::Ucx(_) => UcxSource::TRANSPORT,
+        }
+    }
+}
+
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionEvent {
@@ -657,12 +667,14 @@ impl PeerSession {
         let carrier = registry::carrier(transport);
         // What a pull reads: the source of the offer's own transport (a source of another
         // transport, or two, is refused as unsupported, like any offer not served here).
-        let (pull, foreign_source) = match (offer.ipc.clone(), offer.ucx.clone(), transport) {
-            (None, None, _) => (None, false),
-            (Some(ipc), None, TransportName::Ipc) => (Some(PullSource::Ipc(ipc)), false),
-            (None, Some(ucx), TransportName::Ucx) => (Some(PullSource::Ucx(ucx)), false),
-            _ => (None, true),
+        let (pull, foreign_source) = match (offer.ipc.clone(), offer.ucx.clone()) {
+            (None, None) => (None, false),
+            (Some(ipc), None) => (Some(PullSource::Ipc(ipc)), false),
+            (None, Some(ucx)) => (Some(PullSource::Ucx(ucx)), false),
+            (Some(_), Some(_)) => (None, true),
         };
+        let foreign_source =
+            foreign_source || pull.as_ref().is_some_and(|p| p.transport() != transport);
         let refuse = if self.draining {
             Some((
                 WireReason::ShuttingDown,

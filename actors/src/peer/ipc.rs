@@ -5,6 +5,17 @@ use super::*;
 use crate::gpu::IpcError;
 
 impl TransferActor {
+    /// A new link: where the peer is (its process, its host), and whether we take its ipc
+    /// offers (it is on this host and this node has GPUs).
+    pub(super) fn attach_ipc(&mut self, hello: &ferry_transports::wire::Hello) {
+        self.ipc.peer_pid = hello.pid;
+        self.ipc.same_host = *hello.host_id == *self.setup.host_id;
+        self.session.set_serves(
+            ferry_config::TransportName::Ipc,
+            self.ipc.same_host && !self.setup.gpus.is_empty(),
+        );
+    }
+
     /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
     /// thread; the result comes back to the session.
     pub(super) fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {

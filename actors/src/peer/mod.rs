@@ -22,6 +22,7 @@ mod ucx;
 
 pub use self::fetch::AskFetch;
 pub use self::ucx::AskUcxLanes;
+pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
 use self::{fetch::*, inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -574,13 +575,8 @@ impl Handler<Attach> for TransferActor {
             tracing::info!(peer = %self.peer, "moved to the peer's link");
         }
         self.link += 1;
-        self.ipc.peer_pid = link.peer_hello.pid;
         self.peer_max_frame = link.peer_hello.max_frame;
-        self.ipc.same_host = *link.peer_hello.host_id == *self.setup.host_id;
-        self.session.set_serves(
-            ferry_config::TransportName::Ipc,
-            self.ipc.same_host && !self.setup.gpus.is_empty(),
-        );
+        self.attach_ipc(&link.peer_hello);
         self.attach_ucx(&link.peer_hello.ucx_address);
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;

@@ -134,17 +134,17 @@ impl TransferActor {
         self.unexport_ucx(op);
     }
 
-    /// Queues a submission in the session; the outcome goes to `reply`. A send over ucx
-    /// has its buffer registered with UCX first.
+    /// Queues a submission in the session; the outcome goes to `reply`. A send over a
+    /// transport that registers its sources (ucx) has its buffer registered first.
     pub(super) fn queue_submit(
         &mut self,
         msg: Submit,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
-        let over_ucx = matches!(&msg.op, Op::Send { transport, .. }
-            if *transport == ferry_config::TransportName::Ucx);
-        if over_ucx {
+        let registers = matches!(&msg.op, Op::Send { transport, .. }
+            if registry::declared(*transport).registers_source);
+        if registers {
             return self.submit_ucx(msg, reply, ctx);
         }
         self.queue_submit_with(msg, None, reply, ctx);
@@ -186,9 +186,9 @@ impl TransferActor {
                         deadline: msg.deadline,
                     },
                 );
-                // A put always travels over the tcp link today.
+                // A put always travels over the link.
                 let labels = TransferLabels {
-                    transport: ferry_config::TransportName::Tcp,
+                    transport: registry::LINK,
                     direction: "put",
                     peer_class,
                 };

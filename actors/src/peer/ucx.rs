@@ -7,6 +7,8 @@
 //! (sends keep their order), reads as tasks on the node's I/O runtime.
 
 use super::*;
+use ferry_config::TransportName;
+use ferry_transports::transport::Viability;
 use ferry_transports::ucx::{EndpointLanes, Engine, Exported, UcxPeer, UcxTransportError};
 use ferry_transports::wire::UcxSource;
 
@@ -110,6 +112,33 @@ pub(super) enum PullError {
     Task(String),
 }
 
+/// What a node made of ucx, which it starts with its own configuration: served exactly when
+/// its engine started, else not viable for the reason given.
+pub(crate) fn ucx_verdict(engine: &Result<Arc<Engine>, String>) -> (TransportName, Viability) {
+    let verdict = match engine {
+        Ok(_) => Viability::Viable,
+        Err(why) => Viability::NotViable(why.clone()),
+    };
+    (TransportName::Ucx, verdict)
+}
+
+/// Why this node (with `engine`) cannot use ucx with a peer that sent `peer_address` in its
+/// hello (another UCX release, or bytes that are not an address); `None` when it can, or
+/// when the peer does not serve ucx (an empty address: routing says that on its own).
+pub(crate) fn ucx_unusable_with(
+    engine: &Engine,
+    peer_address: &[u8],
+) -> Option<(TransportName, String)> {
+    if peer_address.is_empty() {
+        return None;
+    }
+    let why = engine.check_address(peer_address).err()?;
+    Some((
+        TransportName::Ucx,
+        format!("the peer's UCX cannot be used: {why}"),
+    ))
+}
+
 impl TransferActor {
     /// The node's UCX engine, when this node serves ucx.
     pub(super) fn engine(&self) -> Option<&Arc<Engine>> {
@@ -125,10 +154,9 @@ impl TransferActor {
         // Another UCX release's keys do not unpack here: its offers are refused as
         // unsupported (its routes skip ucx for the same reason, in its coordinator).
         let compatible = self.engine().is_some_and(|e| {
-            !self.ucx.address.is_empty() && e.check_address(&self.ucx.address).is_ok()
+            !self.ucx.address.is_empty() && ucx_unusable_with(e, &self.ucx.address).is_none()
         });
-        self.session
-            .set_serves(ferry_config::TransportName::Ucx, compatible);
+        self.session.set_serves(TransportName::Ucx, compatible);
     }
 
     /// A send over ucx: its buffer is registered on a blocking thread while this actor's
