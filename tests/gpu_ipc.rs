@@ -172,7 +172,8 @@ async fn both_ways_byte_exact(p: Pair) {
             .expect("recv");
         assert_eq!(got.tag, i as u64);
         assert_eq!(
-            got.transport, "ipc",
+            got.transport.as_str(),
+            "ipc",
             "{len} bytes came back over {}",
             got.transport
         );
@@ -222,7 +223,7 @@ async fn round_trips(count: u64) {
         let b = device_buffer(&p.node, &want).await;
         drop(p.node.send("b", i, b).await.expect("send"));
         let got = p.node.recv(Some("b"), Some(i)).await.expect("recv");
-        assert_eq!(got.transport, "ipc");
+        assert_eq!(got.transport.as_str(), "ipc");
         if i % 100 == 0 {
             assert_eq!(got.buffer.to_vec().expect("read"), want, "buffer {i}");
         }
@@ -324,7 +325,7 @@ async fn a_peer_without_gpus_falls_back_to_staged() {
     let b = device_buffer(&p.node, &want).await;
     drop(p.node.send("b", 5, b).await.expect("send falls back"));
     let got = p.node.recv(Some("b"), Some(5)).await.expect("recv");
-    assert_eq!(got.transport, "tcp");
+    assert_eq!(got.transport.as_str(), "tcp");
     assert!(got.buffer.to_vec().expect("read") == want);
     // The node's explanation now says why ipc is passed over for b.
     let why = p
@@ -380,7 +381,7 @@ async fn registered_memory_crosses_by_legacy_handle() {
                     .expect("the echo came back in time")
                     .expect("recv");
             tag += 1;
-            assert_eq!(got.transport, "ipc");
+            assert_eq!(got.transport.as_str(), "ipc");
             assert!(
                 got.buffer.to_vec().expect("read") == want,
                 "round {round}, send {send}: the peer read other bytes than the registered ones"
@@ -511,7 +512,7 @@ async fn two_gpus_in_one_process_copy_directly() {
         let buf = device_buffer(&a, &want).await;
         drop(a.send("b", i as u64, buf).await.expect("a → b"));
         let got = b.recv(Some("a"), Some(i as u64)).await.expect("b receives");
-        assert_eq!(got.transport, "ipc");
+        assert_eq!(got.transport.as_str(), "ipc");
         assert_eq!(got.buffer.kind(), MemoryKind::Device(1));
         assert!(
             got.buffer.to_vec().expect("read") == want,
@@ -520,7 +521,7 @@ async fn two_gpus_in_one_process_copy_directly() {
         // And back, from GPU 1's memory.
         drop(b.send("a", i as u64, got.buffer).await.expect("b → a"));
         let back = a.recv(Some("b"), Some(i as u64)).await.expect("a receives");
-        assert_eq!(back.transport, "ipc");
+        assert_eq!(back.transport.as_str(), "ipc");
         assert!(
             back.buffer.to_vec().expect("read") == want,
             "b → a changed {len} bytes"
@@ -549,7 +550,7 @@ async fn a_node_with_two_gpus_offers_from_either() {
         buf.write(0, &want).expect("write");
         drop(p.node.send("b", i as u64, buf).await.expect("send"));
         let got = p.node.recv(Some("b"), Some(i as u64)).await.expect("echo");
-        assert_eq!(got.transport, "ipc", "from GPU {n}");
+        assert_eq!(got.transport.as_str(), "ipc", "from GPU {n}");
         assert!(got.buffer.to_vec().expect("read") == want, "from GPU {n}");
     }
     p.node.shutdown().await;
@@ -656,7 +657,7 @@ async fn mixed_sends_come_back_in_order(extra: &str) {
             .expect("the echo came back in time")
             .expect("recv");
         assert_eq!(got.tag, i as u64 + 1, "out of order");
-        assert_eq!(got.transport, "ipc");
+        assert_eq!(got.transport.as_str(), "ipc");
         assert_eq!(got.buffer.kind(), MemoryKind::Device(0));
         assert_eq!(got.buffer.len(), want.len());
         assert!(

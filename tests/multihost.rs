@@ -117,7 +117,7 @@ async fn round_trip(
     let bytes = got.buffer.to_vec().expect("host buffer");
     assert_eq!(bytes.len(), len, "tag {tag}: length changed on the way");
     assert!(bytes == want, "tag {tag}: {len} B came back changed");
-    Ok(got.transport)
+    Ok(got.transport.as_str())
 }
 
 /// The sum of the samples of metric `name` whose labels include `label` (`key="value"`).

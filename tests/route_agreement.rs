@@ -90,8 +90,7 @@ async fn agree(sender: &Node, receiver: &Node, kind: MemoryKind, tag: u64) -> (S
         .await
         .expect("recv");
     assert_eq!(
-        got.transport,
-        route.transport.as_str(),
+        got.transport, route.transport,
         "{src} -> {dst}: explain said {as_sent}"
     );
     assert!(got.buffer.to_vec().expect("host") == want, "bytes differ");

@@ -47,7 +47,7 @@ async fn first_sends_to_a_peer_without_ucx_go_over_tcp() {
         let buffer = patterned(&a, 4096, tag).await;
         a.send("b", tag, buffer).await.expect("send over tcp");
         let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
-        assert_eq!(got.transport, "tcp", "tag {tag}");
+        assert_eq!(got.transport.as_str(), "tcp", "tag {tag}");
     }
     // No endpoint to a peer that does not serve ucx, and its lanes say so.
     let lanes = a.ucx_lanes("b").await.expect_err("b does not serve ucx");
@@ -82,7 +82,7 @@ async fn a_timed_out_read_fails_its_transfer_and_later_sends_connect_anew() {
     let small = patterned(&a, 4096, 1).await;
     a.send("b", 1, small).await.expect("a small send");
     let got = b.recv(Some("a"), Some(1)).await.expect("recv");
-    assert_eq!(got.transport, "ucx");
+    assert_eq!(got.transport.as_str(), "ucx");
     drop(got);
     // 256 MiB: read in 16 MiB pieces, each of which may or may not finish within 100 ms
     // on a loaded machine. Either outcome is fine; what follows must work.
@@ -147,7 +147,7 @@ async fn a_peer_on_another_ucx_release_falls_back_to_tcp_with_the_reason() {
         let buffer = patterned(&a, 1 << 20, tag).await;
         drop(a.send("b", tag, buffer).await.expect("send over tcp"));
         let got = a.recv(Some("b"), Some(tag)).await.expect("echo");
-        assert_eq!(got.transport, "tcp", "tag {tag}");
+        assert_eq!(got.transport.as_str(), "tcp", "tag {tag}");
     }
     a.shutdown().await;
 }

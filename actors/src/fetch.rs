@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use ferry_config::TransportName;
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::wire::Layout;
 use tokio::sync::watch;
@@ -45,7 +46,7 @@ pub struct Fetched {
     /// The bytes, packed as the fetch's layout names them.
     pub buffer: Buffer,
     /// The transport they came over.
-    pub transport: &'static str,
+    pub transport: TransportName,
     /// True when this fetch joined another's flight (its bytes did not cross the link
     /// again).
     pub joined: bool,
@@ -76,7 +77,7 @@ pub struct Landed {
     /// The landed bytes.
     pub buffer: Buffer,
     /// The transport.
-    pub transport: &'static str,
+    pub transport: TransportName,
 }
 
 /// A landed flight, as its callers share it: each holds the `Arc` until it has what it
@@ -89,7 +90,7 @@ pub struct Share {
 
 impl Share {
     /// The transport the bytes came over.
-    pub fn transport(&self) -> &'static str {
+    pub fn transport(&self) -> TransportName {
         self.landed.transport
     }
 
@@ -255,7 +256,7 @@ mod tests {
             &Layout::Contiguous,
             Ok(Landed {
                 buffer: buffer(100),
-                transport: "tcp",
+                transport: TransportName::Tcp,
             }),
         );
         for seat in seats {
@@ -309,7 +310,7 @@ mod tests {
             &Layout::Contiguous,
             Ok(Landed {
                 buffer: buffer(8),
-                transport: "tcp",
+                transport: TransportName::Tcp,
             }),
         );
         assert!(
@@ -323,7 +324,7 @@ mod tests {
         let share = Arc::new(Share {
             landed: Landed {
                 buffer: buffer(8),
-                transport: "tcp",
+                transport: TransportName::Tcp,
             },
         });
         let other = Arc::clone(&share);

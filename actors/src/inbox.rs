@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use dashmap::DashMap;
+use ferry_config::TransportName;
 use ferry_transports::memory::Buffer;
 use ferry_transports::wire::Layout;
 use tokio::sync::Notify;
@@ -27,9 +28,9 @@ pub struct Received {
     pub peer: String,
     /// Its tag.
     pub tag: u64,
-    /// The transport it came over (`"tcp"`, `"ipc"`, ...): says whether the fast path was
-    /// taken.
-    pub transport: &'static str,
+    /// The transport it came over (its `Display` and [`TransportName::as_str`] say `"tcp"`,
+    /// `"ipc"`, ...): says whether the fast path was taken.
+    pub transport: TransportName,
     /// How the bytes lay in the sender's buffer. `buffer` holds them packed (the rows one
     /// after the other); [`Layout::scatter`] puts them back in that shape.
     pub layout: Layout,
@@ -39,7 +40,7 @@ pub struct Received {
 #[derive(Debug)]
 struct Item {
     buffer: Buffer,
-    transport: &'static str,
+    transport: TransportName,
     layout: Layout,
     /// Delivered by the peer's lane (counted in [`Claims::lane_taken`] when taken).
     lane: bool,
@@ -145,7 +146,7 @@ impl Inbox {
         &self,
         peer: &str,
         tag: u64,
-        transport: &'static str,
+        transport: TransportName,
         layout: Layout,
         buffer: Buffer,
     ) {
@@ -161,9 +162,10 @@ impl Inbox {
         );
     }
 
-    /// A contiguous buffer from `peer`'s lane (ipc) arrived: as [`Self::deliver`], and
-    /// counted in the peer's [`Claims::lane`] (and `lane_taken` once taken).
-    pub fn deliver_lane(&self, peer: &str, tag: u64, buffer: Buffer) {
+    /// A contiguous buffer from `peer`'s lane arrived, standing in for a pull over
+    /// `transport`: as [`Self::deliver`], and counted in the peer's [`Claims::lane`] (and
+    /// `lane_taken` once taken).
+    pub fn deliver_lane(&self, peer: &str, tag: u64, transport: TransportName, buffer: Buffer) {
         self.claims(peer)
             .lane
             .fetch_add(buffer.len() as u64, Ordering::Relaxed);
@@ -172,7 +174,7 @@ impl Inbox {
             tag,
             Item {
                 buffer,
-                transport: "ipc",
+                transport,
                 layout: Layout::Contiguous,
                 lane: true,
             },
@@ -326,8 +328,8 @@ mod tests {
         let claims = inbox.claims("p");
         let held =
             || claims.lane.load(Ordering::Relaxed) - claims.lane_taken.load(Ordering::Relaxed);
-        inbox.deliver("p", 1, "tcp", Layout::Contiguous, buffer(100));
-        inbox.deliver_lane("p", 2, buffer(10));
+        inbox.deliver("p", 1, TransportName::Tcp, Layout::Contiguous, buffer(100));
+        inbox.deliver_lane("p", 2, TransportName::Ipc, buffer(10));
         assert_eq!(held(), 10);
         let got = inbox.recv(Some("p"), Some(1)).await.expect("tcp's");
         assert_eq!(got.buffer.len(), 100);
@@ -337,13 +339,13 @@ mod tests {
             "taking a socket delivery frees none of the lane's share"
         );
         let got = inbox.recv(Some("p"), Some(2)).await.expect("the lane's");
-        assert_eq!((got.transport, got.buffer.len()), ("ipc", 10));
+        assert_eq!((got.transport, got.buffer.len()), (TransportName::Ipc, 10));
         assert_eq!(held(), 0);
         // Handed straight to a waiting receive: counted taken then.
         let waiting = inbox.recv(Some("p"), Some(3));
         tokio::pin!(waiting);
         assert!(futures::poll!(waiting.as_mut()).is_pending());
-        inbox.deliver_lane("p", 3, buffer(7));
+        inbox.deliver_lane("p", 3, TransportName::Ipc, buffer(7));
         assert_eq!(held(), 0);
         assert_eq!(waiting.await.expect("handed").buffer.len(), 7);
         assert_eq!(claims.taken.load(Ordering::Relaxed), 117);

@@ -75,7 +75,7 @@ pub(crate) struct Arrival {
     /// For a fetched buffer: it joined another fetch's flight (its bytes did not cross the
     /// link again).
     pub joined: bool,
-    pub transport: &'static str,
+    pub transport: ferry::TransportName,
     pub layout: Layout,
     pub spilled: bool,
 }
@@ -240,7 +240,7 @@ impl Buffer {
     /// the transport that transfer came over.
     #[getter]
     fn transport(&self) -> Option<&'static str> {
-        self.arrival.as_ref().map(|a| a.transport)
+        self.arrival.as_ref().map(|a| a.transport.as_str())
     }
 
     /// True when it landed in another memory tier than the node receives into

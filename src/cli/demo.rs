@@ -478,7 +478,7 @@ async fn run_class(
                     .await
                 {
                     Ok(Ok(r)) => {
-                        *transports.entry(r.transport).or_default() += 1;
+                        *transports.entry(r.transport.as_str()).or_default() += 1;
                         if let Some(rate) = drain {
                             let busy = r.buffer.len() as f64 / rate;
                             next_read = tokio::time::Instant::now().max(next_read)

@@ -206,7 +206,7 @@ impl Pair {
         // that transport can read the echo's memory (what landed here); else over tcp.
         if self.combo.caps.sources.contains(&self.combo.dst) {
             assert_eq!(
-                echo.transport,
+                echo.transport.as_str(),
                 self.combo.name(),
                 "{}: the echo came back over another transport",
                 self.combo
@@ -318,7 +318,7 @@ async fn echo(node: Arc<Node>, seen: Arc<Mutex<Vec<Seen>>>) {
         seen.lock().expect("seen").push(Seen {
             tag: got.tag,
             layout: got.layout.clone(),
-            transport: got.transport,
+            transport: got.transport.as_str(),
             kind: got.buffer.kind(),
             len: got.buffer.len(),
         });

@@ -29,6 +29,8 @@ const SHARE_RECHECK: Duration = Duration::from_micros(200);
 pub struct RxContext {
     /// The sending peer.
     pub peer: String,
+    /// The transport whose pulls the lane stands in for: what its deliveries report.
+    pub transport: ferry_config::TransportName,
     /// Its pools, imported by the ipc setup.
     pub pools: Arc<ImportedPools>,
     /// Its buffers we keep mapped (shared with the actor, which unmaps on request).
@@ -490,7 +492,7 @@ fn deliver(
         }
         std::thread::yield_now();
     }
-    cx.inbox.deliver_lane(&cx.peer, tag, dst);
+    cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,

@@ -208,7 +208,7 @@ impl TransferActor {
         let delivered = Delivered {
             peer: self.peer.clone(),
             tag,
-            transport: transport.as_str(),
+            transport,
             layout,
             buffer,
             pending,

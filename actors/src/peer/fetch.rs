@@ -239,10 +239,7 @@ impl TransferActor {
             .fetch_add(buffer.len() as u64, Ordering::Relaxed);
         // A caller that gave up drops it here, which frees it.
         if let Some((tx, _)) = self.fetch.pending.remove(&fetch) {
-            let _ = tx.send(Ok(Landed {
-                buffer,
-                transport: transport.as_str(),
-            }));
+            let _ = tx.send(Ok(Landed { buffer, transport }));
         }
     }
 

@@ -440,6 +440,7 @@ impl TransferActor {
         }));
         let cx = crate::lane::RxContext {
             peer: self.peer.clone(),
+            transport: ferry_config::TransportName::Ipc,
             pools: Arc::clone(&self.ipc.imported),
             imports,
             gpus: Arc::clone(&self.setup.gpus),

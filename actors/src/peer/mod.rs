@@ -67,7 +67,7 @@ pub struct Delivered {
     /// The sender's tag.
     pub tag: u64,
     /// The transport it came over.
-    pub transport: &'static str,
+    pub transport: ferry_config::TransportName,
     /// How the bytes lay at the sender (they arrive packed).
     pub layout: Layout,
     /// The data.

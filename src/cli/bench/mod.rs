@@ -778,7 +778,7 @@ async fn receive_returns(
         )
         .await
         .context("the peer stopped sending")??;
-        if r.transport != transport {
+        if r.transport.as_str() != transport {
             bail!(
                 "a buffer the peer sent back came over {}, not {transport}: that route fell \
                  back (RUST_LOG=info says why)",

@@ -225,7 +225,7 @@ impl Server {
                         return Err(anyhow::Error::new(e.error).context("answering a ping"));
                     }
                 }
-                self.count(&peer, transport, &buffer)?;
+                self.count(&peer, transport.as_str(), &buffer)?;
             }
             TAG_PUBLISH | TAG_PUBLICATION | TAG_UNPUBLISH => {
                 // Answered from a task of its own: an unpublish waits for its readers.
@@ -239,7 +239,7 @@ impl Server {
                     }
                 });
             }
-            _ => self.count(&peer, transport, &buffer)?,
+            _ => self.count(&peer, transport.as_str(), &buffer)?,
         }
         Ok(())
     }

@@ -76,7 +76,11 @@ pub async fn fetches_cross_once(combo: Combo, first: bool) {
     for (i, fetched) in got.into_iter().enumerate() {
         let fetched = fetched.unwrap_or_else(|e| panic!("{combo}: fetch {i}: {e}"));
         joined += usize::from(fetched.joined);
-        assert_eq!(fetched.transport, over, "{combo}: fetch {i} came over");
+        assert_eq!(
+            fetched.transport.as_str(),
+            over,
+            "{combo}: fetch {i} came over"
+        );
         assert_eq!(
             fetched.buffer.kind(),
             combo.dst_kind(),

@@ -55,7 +55,11 @@ pub fn assert_echo(combo: &Combo, got: &Received, want: &[u8], what: &str) {
     } else {
         "tcp"
     };
-    assert_eq!(got.transport, expected, "{combo}: {what} came back over");
+    assert_eq!(
+        got.transport.as_str(),
+        expected,
+        "{combo}: {what} came back over"
+    );
     assert_eq!(
         got.buffer.kind(),
         combo.dst_kind(),
