@@ -13,7 +13,7 @@ use std::process::ExitCode;
 
 use ferry_config::{Config, Locality, MemoryClass, Rule, TransportName};
 use ferry_transports::cuda::{BlockCopies, CudaDriver, CudaProbe};
-use ferry_transports::transport::{Capabilities, Viability};
+use ferry_transports::transport::{Capabilities, DevicePath, Library, Viability};
 use serde::Serialize;
 
 pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
@@ -186,9 +186,9 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     }
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
-    // UCX matters where a rule names ucx and the node would serve it: "on", or "auto"
-    // (which serves it on RDMA machines).
-    let ucx_wanted = named.contains(&TransportName::Ucx)
+    // UCX matters where a rule names a transport built on it and the node would serve ucx:
+    // "on", or "auto" (which serves it on RDMA machines).
+    let ucx_wanted = names_library(&named, Library::Ucx)
         && config.transport.ucx.enabled != ferry_config::UcxMode::Off;
     out.push(ucx_finding(&facts.ucx, ucx_wanted));
     out.extend(config_findings(config, &facts.transports));
@@ -220,6 +220,13 @@ fn named_transports(config: &Config) -> Vec<TransportName> {
     named
 }
 
+/// Whether any of `named` declares it is built on `library`.
+fn names_library(named: &[TransportName], library: Library) -> bool {
+    named
+        .iter()
+        .any(|t| ferry_transports::registry::declared(*t).library == Some(library))
+}
+
 const CUDA: &str = "cuda";
 
 fn cuda_findings(
@@ -227,9 +234,7 @@ fn cuda_findings(
     pool_export: &[PoolTest],
     named: &[TransportName],
 ) -> Vec<Finding> {
-    let gpu_named = named
-        .iter()
-        .any(|t| matches!(t, TransportName::Ipc | TransportName::Staged));
+    let gpu_named = names_library(named, Library::Cuda);
     match probe {
         CudaProbe::NoDriver => {
             let status = if gpu_named {
@@ -636,10 +641,10 @@ fn config_findings(config: &Config, catalog: &[(Capabilities, Viability)]) -> Ve
         .iter()
         .enumerate()
         .map(|(i, rule)| {
-            let ipc_viable = catalog
+            let copy_engine = catalog
                 .iter()
-                .any(|(c, v)| c.name == TransportName::Ipc && *v == Viability::Viable);
-            if *rule == ferry_config::Rule::same_host_gpu() && !ipc_viable {
+                .any(|(c, v)| c.device_path == DevicePath::CopyEngine && *v == Viability::Viable);
+            if *rule == ferry_config::Rule::same_host_gpu() && !copy_engine {
                 // The built-in GPU rule on a machine without GPU transports: device memory
                 // cannot exist here, so nothing is lost.
                 return Finding::new(

@@ -17,7 +17,7 @@ use ferry::{Explanation, Node};
 use ferry_actors::core::route::{DstSource, RouteQuery};
 use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
 use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
+use ferry_transports::transport::{Capabilities, DevicePath, Unsuitable, Viability};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -322,89 +322,128 @@ const PINNED_GBPS: u32 = 55;
 const UCX_TCP_DEVICE_GBPS: f32 = 0.4;
 
 /// Warnings when the route is expected to run far below what the hardware between the two
-/// ends allows; `rdma`: this machine has an RDMA device. Pure.
+/// ends allows; `rdma`: this machine has an RDMA device. Read from the transports' declared
+/// device paths ([`DevicePath`]). Pure.
 pub fn performance_warnings(explanation: &Explanation, rules: &[Rule], rdma: bool) -> Vec<String> {
     let q = &explanation.query;
     // Where the bytes really land: a transport that cannot land in the peer's device memory
     // lands in its host memory.
     let landing = explanation.chosen.as_ref().map_or(q.dst, |r| r.landing);
     let device = q.src == MemoryClass::Device || landing == MemoryClass::Device;
+    let Some(chosen) = explanation.chosen.as_ref().map(|r| r.transport) else {
+        return Vec::new();
+    };
     if !device {
         return Vec::new();
     }
     let same_host = matches!(q.locality, Locality::SameHost | Locality::SameProcess);
+    let mut out: Vec<String> = path_warning(explanation, chosen, same_host, rdma)
+        .into_iter()
+        .collect();
     let rule = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i));
-    let chosen = explanation.chosen.as_ref().map(|r| r.transport);
-    let mut out = Vec::new();
-    let ipc_status = || match explanation
-        .skipped
-        .iter()
-        .find(|(t, _)| *t == TransportName::Ipc)
+    if let Some(rule) = rule
+        && path(chosen) == DevicePath::HostCopy
     {
-        Some((t, why)) => format!("ipc was passed over: {}", skip(*t, why).reason),
-        None => "the rule does not list ipc".to_string(),
-    };
-    match chosen {
-        Some(TransportName::Staged) if same_host => out.push(format!(
-            "device memory on one host goes through staged (device -> pinned host -> device), \
-             bounded by pinned host<->device copies (~{PINNED_GBPS} GB/s each way); ipc would use \
-             the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs, about 7x more); {}",
-            ipc_status()
-        )),
-        Some(TransportName::Staged) => out.push(format!(
-            "device memory to another host goes through staged: two pinned host<->device copies \
-             (~{PINNED_GBPS} GB/s each) around the network; ucx with GPUDirect RDMA would let \
-             the NIC read and write GPU memory directly"
-        )),
-        Some(TransportName::Ucx) if !rdma => out.push(format!(
-            "device memory goes over ucx on a machine without an RDMA device: UCX reads GPU \
-             memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s measured), \
-             and between GPUs of one host without NVLink it does so too; {}",
-            if same_host {
-                "on one host ipc uses the copy engine"
-            } else {
-                "an RDMA NIC with GPUDirect RDMA lets the NIC read GPU memory directly"
-            }
-        )),
-        Some(TransportName::Tcp) => out.push(format!(
-            "device memory goes over tcp: it is copied to host memory first (~{PINNED_GBPS} GB/s \
-             pinned) and then through the socket stack, far below the copy engine \
-             (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs)"
-        )),
-        _ => {}
-    }
-    if let Some(rule) = rule {
-        let tcp_first = rule
-            .transports
-            .iter()
-            .position(|t| *t == TransportName::Tcp);
-        let gpu_first = rule.transports.iter().position(|t| {
-            matches!(
-                t,
-                TransportName::Ipc | TransportName::Staged | TransportName::Ucx
-            )
-        });
-        let tcp_before_gpu = match (tcp_first, gpu_first) {
-            (Some(t), Some(g)) => t < g,
-            (Some(_), None) => true,
-            _ => false,
-        };
-        if tcp_before_gpu && chosen == Some(TransportName::Tcp) {
-            let better = if same_host {
-                "ipc (or staged)"
-            } else {
-                "ucx or staged"
-            };
-            out.push(format!(
-                "rule \"{}\" sends device memory through tcp, which moves host memory only: \
-                 device buffers would cross host memory (~{PINNED_GBPS} GB/s pinned) and the \
-                 socket stack instead of the copy engine (~{COPY_ENGINE_GBPS} GB/s between \
-                 H200 GPUs); list {better} before tcp",
-                rule.name
-            ));
-        }
+        out.extend(rule_order_warning(rule, chosen, same_host));
     }
     out
+}
+
+/// How `transport` declares it moves device memory.
+fn path(transport: TransportName) -> DevicePath {
+    ferry_transports::registry::declared(transport).device_path
+}
+
+/// The transport whose device memory takes `path` (to name the faster way around a slow
+/// one), or the path in words where none declares it.
+fn taking(path: DevicePath) -> String {
+    ferry_transports::registry::declarations()
+        .iter()
+        .find(|c| c.device_path == path)
+        .map_or_else(|| format!("a {path:?} transport"), |c| c.name.to_string())
+}
+
+/// What the path of `chosen` costs device memory, where that is far below the hardware.
+fn path_warning(
+    explanation: &Explanation,
+    chosen: TransportName,
+    same_host: bool,
+    rdma: bool,
+) -> Option<String> {
+    let copy_engine = taking(DevicePath::CopyEngine);
+    let copy_engine_status = || match explanation
+        .skipped
+        .iter()
+        .find(|(t, _)| path(*t) == DevicePath::CopyEngine)
+    {
+        Some((t, why)) => format!("{t} was passed over: {}", skip(*t, why).reason),
+        None => format!("the rule does not list {copy_engine}"),
+    };
+    Some(match path(chosen) {
+        DevicePath::PinnedStaging if same_host => format!(
+            "device memory on one host goes through {chosen} (device -> pinned host -> device), \
+             bounded by pinned host<->device copies (~{PINNED_GBPS} GB/s each way); \
+             {copy_engine} would use the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 \
+             GPUs, about 7x more); {}",
+            copy_engine_status()
+        ),
+        DevicePath::PinnedStaging => format!(
+            "device memory to another host goes through {chosen}: two pinned host<->device \
+             copies (~{PINNED_GBPS} GB/s each) around the network; {} with GPUDirect RDMA \
+             would let the NIC read and write GPU memory directly",
+            taking(DevicePath::Rdma)
+        ),
+        DevicePath::Rdma if !rdma => format!(
+            "device memory goes over {chosen} on a machine without an RDMA device: UCX reads \
+             GPU memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s \
+             measured), and between GPUs of one host without NVLink it does so too; {}",
+            if same_host {
+                format!("on one host {copy_engine} uses the copy engine")
+            } else {
+                "an RDMA NIC with GPUDirect RDMA lets the NIC read GPU memory directly".into()
+            }
+        ),
+        DevicePath::HostCopy => format!(
+            "device memory goes over {chosen}: it is copied to host memory first \
+             (~{PINNED_GBPS} GB/s pinned) and then through the socket stack, far below the copy \
+             engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs)"
+        ),
+        _ => return None,
+    })
+}
+
+/// Whether `rule` lists `chosen`, a transport that copies device memory through host
+/// memory, before every transport with a device path of its own.
+fn rule_order_warning(rule: &Rule, chosen: TransportName, same_host: bool) -> Option<String> {
+    let host_first = rule
+        .transports
+        .iter()
+        .position(|t| path(*t) == DevicePath::HostCopy);
+    let device_first = rule
+        .transports
+        .iter()
+        .position(|t| path(*t) != DevicePath::HostCopy);
+    let host_before_device = match (host_first, device_first) {
+        (Some(h), Some(d)) => h < d,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    if !host_before_device {
+        return None;
+    }
+    let staging = taking(DevicePath::PinnedStaging);
+    let better = if same_host {
+        format!("{} (or {staging})", taking(DevicePath::CopyEngine))
+    } else {
+        format!("{} or {staging}", taking(DevicePath::Rdma))
+    };
+    Some(format!(
+        "rule \"{}\" sends device memory through {chosen}, which moves host memory only: device \
+         buffers would cross host memory (~{PINNED_GBPS} GB/s pinned) and the socket stack \
+         instead of the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs); list {better} \
+         before {chosen}",
+        rule.name
+    ))
 }
 
 /// What to say about GPU transports when device memory is involved. Pure.
