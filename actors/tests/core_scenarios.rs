@@ -1284,3 +1284,60 @@ fn a_slow_transfer_holds_the_window_so_the_peer_never_holds_more_than_it() {
     assert_eq!(p.delivered, vec![1, 2]);
     assert_eq!(p.offers_sent(), 3);
 }
+
+#[test]
+fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
+    let ucx = ferry_transports::wire::UcxSource {
+        address: 0x1000,
+        rkey: vec![7; 16],
+    };
+    let offer = |transfer, transport: TransportName, ipc, ucx| {
+        Message::Offer(ferry_transports::wire::Offer {
+            fetch: None,
+            transfer,
+            tag: 0,
+            len: 8,
+            source: WireMemoryKind::Device(0),
+            transport: transport.into(),
+            direction: WireDirection::Pull,
+            ipc,
+            ucx,
+            layout: Layout::Contiguous,
+        })
+    };
+    let mut s = PeerSession::new(LIMITS);
+    s.set_serves(TransportName::Ipc, true);
+    s.set_serves(TransportName::Ucx, true);
+    let refused = |s: &mut PeerSession| {
+        matches!(s.poll_transmit(),
+            Some(Message::Cancel(c)) if c.reason == WireReason::Unsupported)
+    };
+    // Another transport's source, or one of each, is refused as unsupported.
+    let foreign = offer(1, TransportName::Ipc, None, Some(ucx.clone()));
+    s.handle_message(foreign).expect("refused, not a violation");
+    assert!(refused(&mut s), "an ipc pull with a ucx source");
+    let foreign = offer(2, TransportName::Ucx, Some(Push::target()), None);
+    s.handle_message(foreign).expect("refused, not a violation");
+    assert!(refused(&mut s), "a ucx pull with an ipc source");
+    let both = offer(
+        3,
+        TransportName::Ucx,
+        Some(Push::target()),
+        Some(ucx.clone()),
+    );
+    s.handle_message(both).expect("refused, not a violation");
+    assert!(refused(&mut s), "a pull with two sources");
+    // Its own is read: the receiver is asked to reserve, with the source to pull from.
+    for (transfer, transport, ipc, ucx) in [
+        (4, TransportName::Ipc, Some(Push::target()), None),
+        (5, TransportName::Ucx, None, Some(ucx)),
+    ] {
+        s.handle_message(offer(transfer, transport, ipc, ucx))
+            .expect("valid");
+        assert_eq!(s.poll_transmit(), None, "{transport}");
+        let Some(SessionEvent::Reserve { pull: Some(p), .. }) = s.poll_event() else {
+            panic!("{transport}: no reservation for a pull");
+        };
+        assert_eq!(p.transport(), transport);
+    }
+}
