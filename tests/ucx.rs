@@ -187,7 +187,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
     let buffer = patterned(&a, 1 << 20, 1).await;
     drop(a.send("b", 1, buffer).await.expect("a send over ucx"));
     let got = b.recv(Some("a"), Some(1)).await.expect("recv");
-    assert_eq!(got.transport, "ucx");
+    assert_eq!(got.transport.as_str(), "ucx");
     drop(got);
     let pulled = b.ucx_lanes("a").await.expect("b's lanes to a");
     println!("b -> a, after its pull: {pulled}");
@@ -262,7 +262,7 @@ async fn a_peer_pulling_over_tcp_only_is_counted_once() {
         let buffer = patterned(&a, 1 << 20, tag).await;
         drop(a.send("echo", tag, buffer).await.expect("send over ucx"));
         let got = a.recv(Some("echo"), Some(tag)).await.expect("echo");
-        assert_eq!(got.transport, "ucx", "tag {tag}");
+        assert_eq!(got.transport.as_str(), "ucx", "tag {tag}");
     }
     let expect = if ucx.version() < ucx_sys::result::EP_TRANSPORTS_SINCE {
         0.0
