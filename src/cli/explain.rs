@@ -17,7 +17,7 @@ use ferry::{Explanation, Node};
 use ferry_actors::core::route::{DstSource, RouteQuery};
 use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
 use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{Capabilities, DevicePath, Unsuitable, Viability};
+use ferry_transports::transport::{Capabilities, DevicePath, Library, Unsuitable, Viability};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -159,9 +159,12 @@ async fn ask_node(
         Setup::NotTried
     };
     let explanation = node.explain(peer, bytes, src, dst).await;
-    let over_ucx = explanation
-        .as_ref()
-        .is_ok_and(|e| e.chosen.as_ref().map(|r| r.transport) == Some(TransportName::Ucx));
+    // A route over a transport built on UCX: its endpoint to the peer can name its lanes.
+    let over_ucx = explanation.as_ref().is_ok_and(|e| {
+        e.chosen.as_ref().is_some_and(|r| {
+            ferry_transports::registry::declared(r.transport).library == Some(Library::Ucx)
+        })
+    });
     let ucx = if over_ucx && setup == Setup::Connected {
         let asked = tokio::time::timeout(limit, node.ucx_lanes(peer)).await;
         Some(match asked {
