@@ -309,23 +309,23 @@ fn allocate(
     device: &DevicePool,
     len: u64,
     on: Option<&ferry_transports::cuda::Stream>,
-) -> Result<ferry_transports::cuda::DeviceBuffer, String> {
-    let n =
-        usize::try_from(len).map_err(|_| format!("{len} bytes do not fit the address space"))?;
+) -> Result<ferry_transports::cuda::DeviceBuffer, ferry_transports::cuda::CudaError> {
+    let n = usize::try_from(len).map_err(|_| {
+        ferry_transports::cuda::CudaError::Misuse(format!(
+            "{len} bytes do not fit the address space"
+        ))
+    })?;
     let started = Instant::now();
     if let Some(stream) = on.filter(|s| s.device().same_as(device.stream.device())) {
         // Stream-ordered: the caller's next work on `stream` follows the allocation.
-        return device.pool.alloc(n, stream).map_err(|e| e.to_string());
+        return device.pool.alloc(n, stream);
     }
-    let memory = device
-        .pool
-        .alloc(n, &device.stream)
-        .map_err(|e| e.to_string())?;
+    let memory = device.pool.alloc(n, &device.stream)?;
     // Usable from every stream (and exportable) once the allocation is done. Polled: the
     // stream usually holds only allocations and frees whose copies have ended (a buffer
     // dropped mid-copy makes it wait for that copy), so the wait is short and a blocking
     // wait's wake-up would cost more than it (see `cuda::Wait::Spin`).
-    device.stream.spin().map_err(|e| e.to_string())?;
+    device.stream.spin()?;
     tracing::trace!(
         bytes = n,
         us = started.elapsed().as_micros() as u64,

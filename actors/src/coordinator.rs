@@ -275,7 +275,7 @@ impl NodeTransports {
     /// The registry's transports with ucx as `ucx` says: served with its engine, or not
     /// viable for the reason given.
     pub fn new(
-        ucx: Result<Arc<ferry_transports::ucx::Engine>, String>,
+        ucx: Result<Arc<ferry_transports::ucx::Engine>, crate::peer::UcxOff>,
         ucx_hold: Duration,
     ) -> Self {
         let mut catalog = ferry_transports::registry::catalog();

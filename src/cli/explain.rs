@@ -966,7 +966,10 @@ pub(crate) mod tests {
         assert!(warning.contains("unless UCX found NVLink"), "{warning}");
 
         let old = ferry::EndpointLanes {
-            lanes: Err("unknown (UCX < 1.14: 1.13.1 cannot say)".into()),
+            lanes: Err(ferry_transports::ucx::LanesUnknown::NotInRelease {
+                since: "1.14".into(),
+                found: "1.13.1".into(),
+            }),
             after_first_use: true,
         };
         let (report, warning) = ucx_lanes_report("b", &Ok(old));

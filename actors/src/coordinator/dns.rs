@@ -15,14 +15,28 @@ use crate::core::discovery::{Discovery, Probed};
 /// why its lookup failed.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-struct Resolved(Vec<Result<Vec<SocketAddr>, String>>);
+struct Resolved(Vec<Result<Vec<SocketAddr>, LookupError>>);
+
+/// Why a name's lookup or an address's probe gave no answer this round.
+#[derive(Debug, thiserror::Error)]
+enum LookupError {
+    /// The resolver failed.
+    #[error(transparent)]
+    Failed(#[from] std::io::Error),
+    /// The dial of a probe failed.
+    #[error(transparent)]
+    Dial(#[from] ferry_transports::link::LinkError),
+    /// No answer in time.
+    #[error("no answer within {}", humantime::format_duration(*.0))]
+    TimedOut(std::time::Duration),
+}
 
 /// A discovery probe of `addr` ended: the name of the node that answered, or why none did.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 struct ProbeEnded {
     addr: SocketAddr,
-    result: Result<String, String>,
+    result: Result<String, LookupError>,
 }
 
 /// The longest one name's lookup may take; a lookup that takes longer fails this round (the
@@ -53,11 +67,8 @@ impl Coordinator {
                     let answer = match tokio::time::timeout(LOOKUP_TIMEOUT, lookup).await {
                         Ok(found) => found
                             .map(|addrs| addrs.collect())
-                            .map_err(|e| e.to_string()),
-                        Err(_) => Err(format!(
-                            "no answer from the resolver within {}",
-                            humantime::format_duration(LOOKUP_TIMEOUT)
-                        )),
+                            .map_err(LookupError::from),
+                        Err(_) => Err(LookupError::TimedOut(LOOKUP_TIMEOUT)),
                     };
                     answers.push(answer);
                 }
@@ -145,11 +156,8 @@ impl Coordinator {
                     });
                     Ok(name)
                 }
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err(format!(
-                    "no answer within {}",
-                    humantime::format_duration(connect_timeout)
-                )),
+                Ok(Err(e)) => Err(LookupError::from(e)),
+                Err(_) => Err(LookupError::TimedOut(connect_timeout)),
             };
             let _ = me.send(ProbeEnded { addr, result }).await;
         });
@@ -164,7 +172,7 @@ impl Handler<Resolved> for Coordinator {
             return;
         };
         let names = &self.setup.config.discovery.dns;
-        let mut errors = vec![String::new(); answers.len()];
+        let mut errors: Vec<Option<LookupError>> = (0..answers.len()).map(|_| None).collect();
         let answers = answers
             .into_iter()
             .enumerate()
@@ -172,13 +180,17 @@ impl Handler<Resolved> for Coordinator {
                 let outcome = if answer.is_ok() { "ok" } else { "failed" };
                 metrics::counter!("ferry_discovery_lookups_total", "outcome" => outcome)
                     .increment(1);
-                answer.map_err(|e| errors[i] = e).ok()
+                answer.map_err(|e| errors[i] = Some(e)).ok()
             })
             .collect();
         let report = discovery.handle_round(answers);
         for &i in &report.failing {
             let name = names.get(i).map_or("?", |n| n.name.as_str());
-            let error = errors.get(i).map_or("", String::as_str);
+            let error = errors
+                .get(i)
+                .and_then(Option::as_ref)
+                .map(ToString::to_string)
+                .unwrap_or_default();
             tracing::warn!(%name, %error, "DNS lookup failed; keeping its last answer");
         }
         for i in &report.recovered {
@@ -213,7 +225,7 @@ impl Handler<ProbeEnded> for Coordinator {
         };
         let addr = msg.addr;
         match (
-            discovery.handle_probed(addr, msg.result.clone().map_err(drop)),
+            discovery.handle_probed(addr, msg.result.as_ref().map(Clone::clone).map_err(drop)),
             msg.result,
         ) {
             (Probed::Peer(peer), _) => tracing::info!(%addr, %peer, "DNS discovery: found a peer"),

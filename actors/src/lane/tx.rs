@@ -67,7 +67,7 @@ impl LaneTx {
         ring: Arc<Ring>,
         settings: LaneSettings,
         unmapper: Arc<dyn Unmapper>,
-    ) -> Result<Arc<LaneTx>, String> {
+    ) -> Result<Arc<LaneTx>, std::io::Error> {
         let tx = Arc::new(LaneTx {
             peer: peer.to_string(),
             ring,
@@ -81,8 +81,7 @@ impl LaneTx {
         let watcher = Arc::clone(&tx);
         std::thread::Builder::new()
             .name("ferry-lane-tx".into())
-            .spawn(move || watcher.watch())
-            .map_err(|e| format!("cannot start the lane's watcher: {e}"))?;
+            .spawn(move || watcher.watch())?;
         Ok(tx)
     }
 

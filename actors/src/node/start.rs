@@ -361,17 +361,13 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
 pub(super) fn start_ucx(
     config: &Config,
     gpu: Option<&ferry_transports::cuda::Device>,
-) -> Result<Arc<ferry_transports::ucx::Engine>, String> {
+) -> Result<Arc<ferry_transports::ucx::Engine>, crate::peer::UcxOff> {
+    use crate::peer::UcxOff;
     use ferry_config::UcxMode;
     let ucx = &config.transport.ucx;
     match ucx.enabled {
-        UcxMode::Off => return Err("transport.ucx.enabled is \"off\"".into()),
-        UcxMode::Auto if !has_rdma_device() => {
-            return Err(
-                "no RDMA device here (transport.ucx.enabled is \"auto\"; \"on\" uses UCX over tcp)"
-                    .into(),
-            );
-        }
+        UcxMode::Off => return Err(UcxOff::Disabled),
+        UcxMode::Auto if !has_rdma_device() => return Err(UcxOff::NoRdmaDevice),
         UcxMode::Auto | UcxMode::On => {}
     }
     match start_ucx_engine(config, gpu) {
@@ -382,7 +378,7 @@ pub(super) fn start_ucx(
         }
         Err(e) => {
             tracing::warn!("the ucx transport is off: {e}");
-            Err(format!("UCX did not start: {e}"))
+            Err(UcxOff::DidNotStart(e))
         }
     }
 }

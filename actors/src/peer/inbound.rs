@@ -128,7 +128,7 @@ async fn reserve_off_actor(
     deadline: Instant,
     io: &tokio::runtime::Handle,
     lends: bool,
-) -> Result<(Buffer, Option<Result<IpcSource, String>>), Error> {
+) -> Result<(Buffer, Option<Result<IpcSource, crate::gpu::IpcError>>), Error> {
     let mut got = reserve_in_tiers_off_actor(tiers, &[len], deadline, io).await?;
     let buffer = got.pop().ok_or(Error::ShuttingDown)?;
     if !lends || buffer.device_memory().is_none() {
@@ -136,7 +136,7 @@ async fn reserve_off_actor(
     }
     let exported = io
         .spawn_blocking(move || {
-            let target = crate::gpu::export_source(&buffer, false).map_err(|e| e.to_string());
+            let target = crate::gpu::export_source(&buffer, false);
             (buffer, target)
         })
         .await

@@ -105,14 +105,16 @@ impl TransferActor {
         &mut self,
         id: InboundId,
         buffer: Buffer,
-        exported: Result<IpcSource, String>,
+        exported: Result<IpcSource, IpcError>,
     ) {
         let target = match exported {
             Ok(target) => target,
             Err(why) => {
-                return self
-                    .session
-                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+                return self.session.handle_reserve_failed(
+                    id,
+                    WireReason::Unsupported,
+                    why.to_string(),
+                );
             }
         };
         // False: abandoned meanwhile, nothing lent; the buffer is freed here.
@@ -425,7 +427,10 @@ impl TransferActor {
                     old.close();
                 }
             }
-            Err(why) => tracing::warn!(peer = %self.peer, "no fast lane to the peer: {why}"),
+            Err(why) => tracing::warn!(
+                peer = %self.peer,
+                "no fast lane to the peer: its watcher thread did not start: {why}"
+            ),
         }
     }
 

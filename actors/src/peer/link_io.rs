@@ -158,7 +158,8 @@ pub(super) async fn stream_host(
 }
 
 /// A chunk of device memory being copied out on a blocking thread.
-pub(super) type CopyOut = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
+pub(super) type CopyOut =
+    tokio::task::JoinHandle<Result<Vec<u8>, ferry_transports::memory::MemoryError>>;
 
 /// Streams `parts` of device memory, each copied out (a few 3D copies for strided rows) on
 /// a blocking thread one chunk ahead of the socket: the copy of chunk k+1 runs while chunk
@@ -180,8 +181,7 @@ pub(super) async fn stream_device(
             match layout {
                 Some(layout) => bytes.read_packed(&layout, at as u64, &mut into),
                 None => bytes.read(at, &mut into),
-            }
-            .map_err(|e| format!("copying the device buffer out: {e}"))?;
+            }?;
             Ok(into)
         })
     };
@@ -195,7 +195,10 @@ pub(super) async fn stream_device(
         let copy = ahead
             .take()
             .ok_or_else(|| io_error("a chunk was not copied out"))?;
-        let copied = copy.await.map_err(io_error)?.map_err(io_error)?;
+        let copied = copy
+            .await
+            .map_err(io_error)?
+            .map_err(|e| io_error(format!("copying the device buffer out: {e}")))?;
         if let Some(&next) = parts.get(i + 1) {
             *ahead = Some(copy_out(next, std::mem::take(&mut spare)));
         }

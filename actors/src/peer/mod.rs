@@ -22,6 +22,7 @@ mod ucx;
 
 pub use self::fetch::AskFetch;
 pub use self::ucx::AskUcxLanes;
+pub use self::ucx::UcxOff;
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
 use self::{fetch::*, inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
 

@@ -112,12 +112,27 @@ pub(super) enum PullError {
     Task(String),
 }
 
+/// Why this node does not serve ucx.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum UcxOff {
+    /// `transport.ucx.enabled = "off"`.
+    #[error("transport.ucx.enabled is \"off\"")]
+    Disabled,
+    /// `"auto"` on a machine without an RDMA device.
+    #[error("no RDMA device here (transport.ucx.enabled is \"auto\"; \"on\" uses UCX over tcp)")]
+    NoRdmaDevice,
+    /// The engine did not start.
+    #[error("UCX did not start: {0}")]
+    DidNotStart(#[source] UcxTransportError),
+}
+
 /// What a node made of ucx, which it starts with its own configuration: served exactly when
 /// its engine started, else not viable for the reason given.
-pub(crate) fn ucx_verdict(engine: &Result<Arc<Engine>, String>) -> (TransportName, Viability) {
+pub(crate) fn ucx_verdict(engine: &Result<Arc<Engine>, UcxOff>) -> (TransportName, Viability) {
     let verdict = match engine {
         Ok(_) => Viability::Viable,
-        Err(why) => Viability::NotViable(why.clone()),
+        Err(why) => Viability::NotViable(why.to_string()),
     };
     (TransportName::Ucx, verdict)
 }

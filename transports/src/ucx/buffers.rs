@@ -57,11 +57,12 @@ struct Probe {
 
 /// Loads UCX (`FERRY_UCX_LIBRARY`, else the system's `libucp.so.0`) and asks a context
 /// which memory it moves; once per process.
-fn probe() -> Result<Probe, String> {
-    static PROBE: std::sync::OnceLock<Result<Probe, String>> = std::sync::OnceLock::new();
+fn probe() -> Result<Probe, ucx_sys::UcxError> {
+    static PROBE: std::sync::OnceLock<Result<Probe, ucx_sys::UcxError>> =
+        std::sync::OnceLock::new();
     PROBE
         .get_or_init(|| {
-            let ucx = ucx_sys::Ucx::load(None).map_err(|e| format!("UCX does not load: {e}"))?;
+            let ucx = ucx_sys::Ucx::load(None)?;
             let cuda = ucx
                 .context()
                 .features(ucx_sys::Features::RMA)
@@ -78,7 +79,7 @@ fn probe() -> Result<Probe, String> {
 pub fn viability() -> Viability {
     match probe() {
         Ok(_) => Viability::Viable,
-        Err(why) => Viability::NotViable(why),
+        Err(why) => Viability::NotViable(format!("UCX does not load: {why}")),
     }
 }
 

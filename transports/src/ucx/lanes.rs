@@ -125,12 +125,29 @@ impl fmt::Display for RmaPath {
     }
 }
 
+/// Why UCX could not name an endpoint's lanes.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LanesUnknown {
+    /// The UCX loaded predates the query (`ucp_ep_query`'s transports came in 1.14).
+    #[error("unknown (UCX < {since}: {found} cannot say)")]
+    NotInRelease {
+        /// The first release that answers.
+        since: String,
+        /// The release loaded.
+        found: String,
+    },
+    /// The query failed.
+    #[error("unknown ({0})")]
+    Failed(#[source] UcxError),
+}
+
 /// An endpoint's lanes, as UCX reported them, and when.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct EndpointLanes {
     /// Each lane's transport and device, in UCX's lane order; or why UCX cannot name them
     /// (`unknown (UCX < 1.14)`: 1.13 has no such query).
-    pub lanes: Result<Vec<TransportEntry>, String>,
+    pub lanes: Result<Vec<TransportEntry>, LanesUnknown>,
     /// Whether they were asked after the endpoint's first operation completed (its wireup
     /// done); before, they are the lanes UCX chose when it created the endpoint.
     pub after_first_use: bool,
@@ -143,13 +160,11 @@ impl EndpointLanes {
         after_first_use: bool,
     ) -> Self {
         let lanes = answer.map_err(|e| match e {
-            UcxError::NotInRelease { since, found, .. } => {
-                format!(
-                    "unknown (UCX < {}.{}: {found} cannot say)",
-                    since.major, since.minor
-                )
-            }
-            other => format!("unknown ({other})"),
+            UcxError::NotInRelease { since, found, .. } => LanesUnknown::NotInRelease {
+                since: format!("{}.{}", since.major, since.minor),
+                found: found.to_string(),
+            },
+            other => LanesUnknown::Failed(other),
         });
         Self {
             lanes,
@@ -197,7 +212,7 @@ impl EndpointLanes {
 impl fmt::Display for EndpointLanes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let lanes = match &self.lanes {
-            Err(why) => return f.write_str(why),
+            Err(why) => return write!(f, "{why}"),
             Ok(lanes) => lanes,
         };
         let names: Vec<String> = lanes

@@ -67,7 +67,7 @@ pub use buffers::{Exported, capabilities, moves_cuda, viability};
 pub use engine::{Engine, Registration, UcxPeer};
 pub use envelope::{EnvelopeError, EnvelopeKind};
 pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
-pub use lanes::{EndpointLanes, RmaPath};
+pub use lanes::{EndpointLanes, LanesUnknown, RmaPath};
 pub use operation::Operation;
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
