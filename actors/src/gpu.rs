@@ -658,35 +658,7 @@ fn pull_registered(
             Lookup::Miss => {
                 // Opened under the lock: one open of an allocation at a time per peer (the
                 // driver maps a handle once per context).
-                let device = gpus.visible_by_uuid(&source.device_uuid).ok_or_else(|| {
-                    IpcError::Unsupported(format!(
-                        "the peer's GPU {} is not visible to this process",
-                        source.device_uuid
-                    ))
-                })?;
-                // Mapped with no copy in flight, as pool memory is (not seen to fault here,
-                // but the same kind of mapping change).
-                let quiet = gpus.drain_copies()?;
-                let opened = IpcMapping::open(device, handle)
-                    .map_err(at("opening the peer's legacy IPC handle"))?;
-                // A legacy mapping is read through each copying context's peer access (pool
-                // memory has its own access setting, granted when imported): enabled once
-                // here, for every GPU of ours that can reach the allocation's.
-                for (_, ours) in &gpus.gpus {
-                    if peer_access(&ours.device, device).unwrap_or(false) {
-                        enable_peer_access(&ours.device, device)
-                            .map_err(at("enabling peer access for the copy"))?;
-                    }
-                }
-                drop(quiet);
-                let mapping = cache
-                    .legacy
-                    .insert(key.clone(), Arc::new(opened))
-                    .map_err(|_| {
-                        IpcError::Gone(format!(
-                            "the peer freed the registered allocation {buffer_id}"
-                        ))
-                    })?;
+                let mapping = open_legacy(&mut cache, &key, source, handle, buffer_id, gpus)?;
                 (key, mapping, false)
             }
         }
@@ -731,6 +703,48 @@ fn pull_registered(
         "pulled registered memory"
     );
     Ok(())
+}
+
+/// Maps the peer's registered allocation `buffer_id` from its legacy IPC `handle` (with no
+/// copy in flight) and keeps the mapping in `cache` under `key`, with peer access enabled
+/// for every GPU of ours that can reach it.
+fn open_legacy(
+    cache: &mut ImportCache,
+    key: &AllocationKey,
+    source: &IpcSource,
+    handle: &[u8; POINTER_EXPORT_LEN],
+    buffer_id: u64,
+    gpus: &Gpus,
+) -> Result<Arc<IpcMapping>, IpcError> {
+    let device = gpus.visible_by_uuid(&source.device_uuid).ok_or_else(|| {
+        IpcError::Unsupported(format!(
+            "the peer's GPU {} is not visible to this process",
+            source.device_uuid
+        ))
+    })?;
+    // Mapped with no copy in flight, as pool memory is (not seen to fault here,
+    // but the same kind of mapping change).
+    let quiet = gpus.drain_copies()?;
+    let opened =
+        IpcMapping::open(device, handle).map_err(at("opening the peer's legacy IPC handle"))?;
+    // A legacy mapping is read through each copying context's peer access (pool
+    // memory has its own access setting, granted when imported): enabled once
+    // here, for every GPU of ours that can reach the allocation's.
+    for (_, ours) in &gpus.gpus {
+        if peer_access(&ours.device, device).unwrap_or(false) {
+            enable_peer_access(&ours.device, device)
+                .map_err(at("enabling peer access for the copy"))?;
+        }
+    }
+    drop(quiet);
+    cache
+        .legacy
+        .insert(key.clone(), Arc::new(opened))
+        .map_err(|_| {
+            IpcError::Gone(format!(
+                "the peer freed the registered allocation {buffer_id}"
+            ))
+        })
 }
 
 /// Writes `source` (our device buffer) into the peer's buffer `target` (an ipc push) and

@@ -14,7 +14,10 @@ use tokio::sync::{Notify, oneshot};
 use super::{LaneRoutes, LaneSettings, OrderGuard, PARK};
 use crate::error::{Error, SendError};
 
-type Completion = oneshot::Sender<Result<Buffer, (Buffer, ConsumerRefused)>>;
+/// The receiver's answer to a record: the buffer back, or with why it was not taken.
+type Answer = Result<Buffer, (Buffer, ConsumerRefused)>;
+
+type Completion = oneshot::Sender<Answer>;
 
 struct Waiter {
     seq: u64,
@@ -174,18 +177,40 @@ impl LaneTx {
         // The watcher may be parked with nothing outstanding.
         self.ring.wake_producer();
         tracing::trace!(peer = %self.peer, tag, us = started.elapsed().as_micros() as u64, "lane record published");
+        let answer = self.answer(done, alone, deadline).await;
+        match answer {
+            Ok(Ok(Ok(buffer))) => Ok(buffer),
+            Ok(Ok(Err((buffer, why)))) => fail(
+                Error::Transport {
+                    peer: self.peer.clone(),
+                    detail: format!("the peer did not take it: {why}"),
+                },
+                Some(buffer),
+            ),
+            Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
+            Err(_) => fail(Error::DeadlineExceeded, None),
+        }
+    }
+
+    /// Waits for the receiver's answer to a published record, until `deadline`: the outer
+    /// `Err` when it passed, the inner when the lane stopped first.
+    async fn answer(
+        &self,
+        mut done: oneshot::Receiver<Answer>,
+        alone: bool,
+        deadline: tokio::time::Instant,
+    ) -> Result<Result<Answer, ()>, tokio::time::error::Elapsed> {
         // Alone on the lane, the answer usually comes within the spin: polled, the task
         // yielding to others in between, so no thread sleeps and none pays a wake-up for
         // it. With others in flight, throughput counts: polling tasks would only crowd the
         // runtime (measured: 4 KiB with 32 in flight lost a quarter of its rate).
-        let mut done = done;
         let spin = if alone {
             self.settings.spin
         } else {
             Duration::ZERO
         };
         let spin_until = Instant::now() + spin;
-        let answer = loop {
+        loop {
             match done.try_recv() {
                 Ok(answer) => break Ok(Ok(answer)),
                 Err(oneshot::error::TryRecvError::Closed) => break Ok(Err(())),
@@ -198,18 +223,6 @@ impl LaneTx {
                         .map(|r| r.map_err(drop));
                 }
             }
-        };
-        match answer {
-            Ok(Ok(Ok(buffer))) => Ok(buffer),
-            Ok(Ok(Err((buffer, why)))) => fail(
-                Error::Transport {
-                    peer: self.peer.clone(),
-                    detail: format!("the peer did not take it: {why}"),
-                },
-                Some(buffer),
-            ),
-            Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
-            Err(_) => fail(Error::DeadlineExceeded, None),
         }
     }
 

@@ -38,73 +38,89 @@ impl TransferActor {
             let _ = reserved.send(());
             got
         };
-        ctx.spawn(request.into_actor(self).map(move |res, act, ctx| {
-            match res {
-                Ok((buffer, lent)) => {
-                    let landing = buffer.kind();
-                    if act.setup.tiers.first().is_some_and(|t| t.kind != landing) {
-                        metrics::counter!("ferry_spill_bytes_total").increment(len);
-                        tracing::debug!(peer = %act.peer, id = id.0, %landing, "receive spilled");
-                    }
-                    if how == Landing::Pull {
-                        if let Some(spans) = act.inbound_spans.get(&id) {
-                            tracing::trace!(
-                                target: crate::TRACE_BLOCKS,
-                                id = id.0,
-                                blocks = spans.blocks,
-                                reserve_us = spans.offered.elapsed().as_micros() as u64,
-                                %landing,
-                                "reserved: pulling"
-                            );
-                        }
-                        if !act.session.handle_reserved_pull(id) {
-                            act.ipc.sources.remove(&id);
-                            act.ucx.sources.remove(&id);
-                        } else if act.ucx.sources.contains_key(&id) {
-                            act.start_ucx_pull(id, buffer, ctx);
-                        } else {
-                            act.start_pull(id, buffer, ctx);
-                        }
-                        return act.drive(ctx);
-                    }
-                    if let Some(target) = lent {
-                        act.lend(id, buffer, target);
-                        return act.drive(ctx);
-                    }
-                    // The region must exist before the grant leaves, since the peer
-                    // streams as soon as it reads the grant. (A push that spilled to host
-                    // memory streams too.)
-                    act.regions.insert(id.0, InboundRegion::new(buffer));
-                    if act
-                        .session
-                        .handle_reserved(Instant::now(), id, landing.to_wire(), None)
-                    {
-                        if let Some(spans) = act.inbound_spans.get_mut(&id) {
-                            spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
-                        }
-                    } else {
-                        act.regions.remove(&id.0);
-                    }
+        ctx.spawn(
+            request
+                .into_actor(self)
+                .map(move |res, act, ctx| act.reserve_ended(id, len, how, res, ctx)),
+        );
+    }
+
+    /// The reservation for inbound `id` ended: start moving its bytes (pull, lend, or a
+    /// region the peer streams into), or fail the transfer with the reason.
+    fn reserve_ended(
+        &mut self,
+        id: InboundId,
+        len: u64,
+        how: Landing,
+        res: Result<(Buffer, Option<Result<IpcSource, crate::gpu::IpcError>>), Error>,
+        ctx: &mut Context<Self>,
+    ) {
+        match res {
+            Ok((buffer, lent)) => {
+                let landing = buffer.kind();
+                if self.setup.tiers.first().is_some_and(|t| t.kind != landing) {
+                    metrics::counter!("ferry_spill_bytes_total").increment(len);
+                    tracing::debug!(peer = %self.peer, id = id.0, %landing, "receive spilled");
                 }
-                Err(e) => {
-                    act.ipc.sources.remove(&id);
-                    act.ucx.sources.remove(&id);
-                    if let Some(spans) = act.inbound_spans.remove(&id) {
-                        tracing::debug!(parent: &spans.span, error = %e, "no memory");
+                if how == Landing::Pull {
+                    if let Some(spans) = self.inbound_spans.get(&id) {
+                        tracing::trace!(
+                            target: crate::TRACE_BLOCKS,
+                            id = id.0,
+                            blocks = spans.blocks,
+                            reserve_us = spans.offered.elapsed().as_micros() as u64,
+                            %landing,
+                            "reserved: pulling"
+                        );
                     }
-                    let reason = match &e {
-                        Error::NoMemory {
-                            cause: crate::error::NoMemoryCause::DeadlinePassed,
-                            ..
-                        } => WireReason::DeadlineExceeded,
-                        Error::NoMemory { .. } => WireReason::TooLarge,
-                        _ => WireReason::ShuttingDown,
-                    };
-                    act.session.handle_reserve_failed(id, reason, e.to_string());
+                    if !self.session.handle_reserved_pull(id) {
+                        self.ipc.sources.remove(&id);
+                        self.ucx.sources.remove(&id);
+                    } else if self.ucx.sources.contains_key(&id) {
+                        self.start_ucx_pull(id, buffer, ctx);
+                    } else {
+                        self.start_pull(id, buffer, ctx);
+                    }
+                    return self.drive(ctx);
+                }
+                if let Some(target) = lent {
+                    self.lend(id, buffer, target);
+                    return self.drive(ctx);
+                }
+                // The region must exist before the grant leaves, since the peer
+                // streams as soon as it reads the grant. (A push that spilled to host
+                // memory streams too.)
+                self.regions.insert(id.0, InboundRegion::new(buffer));
+                if self
+                    .session
+                    .handle_reserved(Instant::now(), id, landing.to_wire(), None)
+                {
+                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                        spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
+                    }
+                } else {
+                    self.regions.remove(&id.0);
                 }
             }
-            act.drive(ctx);
-        }));
+            Err(e) => {
+                self.ipc.sources.remove(&id);
+                self.ucx.sources.remove(&id);
+                if let Some(spans) = self.inbound_spans.remove(&id) {
+                    tracing::debug!(parent: &spans.span, error = %e, "no memory");
+                }
+                let reason = match &e {
+                    Error::NoMemory {
+                        cause: crate::error::NoMemoryCause::DeadlinePassed,
+                        ..
+                    } => WireReason::DeadlineExceeded,
+                    Error::NoMemory { .. } => WireReason::TooLarge,
+                    _ => WireReason::ShuttingDown,
+                };
+                self.session
+                    .handle_reserve_failed(id, reason, e.to_string());
+            }
+        }
+        self.drive(ctx);
     }
 
     /// Every byte of inbound `id` is in `buffer` (streamed, pulled or pushed): it waits for
