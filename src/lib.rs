@@ -45,7 +45,7 @@ pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::region::RegionKey;
 /// The chunk size `transport.staged.chunk = "auto"` picks in this process (measured once).
 pub use ferry_transports::staged::auto_chunk as staged_auto_chunk;
-pub use ferry_transports::ucx::{EndpointLanes, RmaPath, TransportEntry};
+pub use ferry_transports::ucx::{EndpointLanes, LanesUnknown, RmaPath, TransportEntry};
 pub use ferry_transports::wire::{Block, Layout, LayoutError, MAX_BLOCKS};
 
 #[doc(hidden)]
