@@ -2,7 +2,7 @@
 //! send runs, slow sends pass in first-poll order, and a receiver's lane record waits for
 //! the slow transfers that completed before it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -134,36 +134,98 @@ impl Drop for OrderGuard {
 }
 
 /// Counts, on the receiver, slow transfers from one peer that completed (the peer may
-/// already know) but are not in the inbox yet. Lane records wait for it to reach zero.
+/// already know) but are not in the inbox yet. Lane records wait for it to reach zero,
+/// asleep (the last one's delivery wakes them).
 #[derive(Debug, Default, Clone)]
-pub struct Undelivered(Arc<AtomicU64>);
+pub struct Undelivered(Arc<Count>);
+
+#[derive(Debug, Default)]
+struct Count {
+    pending: Mutex<u64>,
+    clear: std::sync::Condvar,
+}
+
+impl Count {
+    fn pending(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
 
 impl Undelivered {
     /// One more completed transfer on its way to the inbox; the guard's drop counts it
     /// delivered (or dropped).
     pub fn enter(&self) -> Pending {
-        self.0.fetch_add(1, Ordering::SeqCst);
+        *self.0.pending() += 1;
         Pending(Arc::clone(&self.0))
     }
 
-    pub(super) fn is_clear(&self) -> bool {
-        self.0.load(Ordering::SeqCst) == 0
+    /// Waits until no slow transfer is on its way to the inbox; false when `stop` was set
+    /// first (looked at every millisecond).
+    pub(super) fn wait_clear(&self, stop: &std::sync::atomic::AtomicBool) -> bool {
+        let mut pending = self.0.pending();
+        while *pending > 0 {
+            if stop.load(Ordering::SeqCst) {
+                return false;
+            }
+            pending = match self
+                .0
+                .clear
+                .wait_timeout(pending, std::time::Duration::from_millis(1))
+            {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+        true
     }
 }
 
 /// A completed slow transfer not yet in the inbox (see [`Undelivered`]).
 #[derive(Debug)]
-pub struct Pending(Arc<AtomicU64>);
+pub struct Pending(Arc<Count>);
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        let mut pending = self.0.pending();
+        *pending = pending.saturating_sub(1);
+        if *pending == 0 {
+            self.0.clear.notify_all();
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lane record waits, asleep, until the last slow transfer ahead of it is delivered,
+    /// and stops waiting when its thread is told to stop.
+    #[test]
+    fn a_record_waits_for_the_slow_transfers_ahead_and_no_longer() {
+        let undelivered = Undelivered::default();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        assert!(undelivered.wait_clear(&stop), "nothing pending: no wait");
+        let (a, b) = (undelivered.enter(), undelivered.enter());
+        let started = std::time::Instant::now();
+        let delivering = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            drop(a);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            drop(b);
+        });
+        assert!(undelivered.wait_clear(&stop));
+        assert!(
+            started.elapsed() >= std::time::Duration::from_millis(40),
+            "returned before the last delivery"
+        );
+        delivering.join().expect("the delivering thread");
+        let _held = undelivered.enter();
+        stop.store(true, Ordering::SeqCst);
+        assert!(
+            !undelivered.wait_clear(&stop),
+            "a stopped lane stops waiting"
+        );
+    }
 
     #[tokio::test]
     async fn slow_sends_pass_in_ticket_order_even_when_one_gives_up() {

@@ -486,11 +486,8 @@ fn deliver(
     }
     let pulled = started.elapsed();
     // Slow transfers that completed before this record go first.
-    while !cx.undelivered.is_clear() {
-        if stop.load(Ordering::SeqCst) {
-            return Err(TakeError::Stopped);
-        }
-        std::thread::yield_now();
+    if !cx.undelivered.wait_clear(stop) {
+        return Err(TakeError::Stopped);
     }
     cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
     tracing::trace!(
