@@ -51,12 +51,15 @@ impl Releaser for ReturnedBytes {
 #[derive(Debug)]
 pub struct Claim {
     taken: AtomicBool,
-    tx: Mutex<Option<oneshot::Sender<Vec<Buffer>>>>,
+    tx: Mutex<Option<ClaimSender>>,
 }
 
+/// Where a claim's buffers go, or why the tier that granted it could not make them.
+type ClaimSender = oneshot::Sender<Result<Vec<Buffer>, Error>>;
+
 impl Claim {
-    /// A claim and the receiver its buffers arrive on.
-    pub fn new() -> (Arc<Self>, oneshot::Receiver<Vec<Buffer>>) {
+    /// A claim and the receiver its buffers (or the granting tier's failure) arrive on.
+    pub fn new() -> (Arc<Self>, oneshot::Receiver<Result<Vec<Buffer>, Error>>) {
         let (tx, rx) = oneshot::channel();
         let claim = Arc::new(Self {
             taken: AtomicBool::new(false),
@@ -65,17 +68,13 @@ impl Claim {
         (claim, rx)
     }
 
-    /// Delivers `buffers` unless another tier did, or the requester gave up; then they come
-    /// back (and are freed by the caller dropping them).
-    fn deliver(&self, buffers: Vec<Buffer>) -> Option<Vec<Buffer>> {
+    /// Marks the claim taken (no other tier delivers to it from now on) and hands over
+    /// where its buffers go: `None` when another tier took it, or the requester gave up.
+    fn take(&self) -> Option<ClaimSender> {
         if self.taken.swap(true, Ordering::AcqRel) {
-            return Some(buffers);
+            return None;
         }
-        let tx = self.tx.lock().ok().and_then(|mut t| t.take());
-        match tx {
-            Some(tx) => tx.send(buffers).err(),
-            None => Some(buffers),
-        }
+        self.tx.lock().ok().and_then(|mut t| t.take())
     }
 
     /// The requester stopped waiting.
@@ -403,17 +402,21 @@ impl Allocator {
     /// memory is made on a blocking thread (the allocation waits for its stream), never on
     /// this actor's; the claim's requester awaits it either way.
     fn deliver(&mut self, parts: Vec<u64>, claim: Arc<Claim>) {
-        if claim.is_taken() {
+        // Taken here, on the actor: no other tier delivers to it while its buffers are
+        // made, and a requester that gives up meanwhile gets them freed.
+        let Some(tx) = claim.take() else {
             self.domain.budget().handle_release(parts.iter().sum());
             return;
-        }
+        };
         let domain = Arc::clone(&self.domain);
-        let grant = move || match domain.grant(&parts, None) {
-            // Buffers that come back are dropped here, which releases them.
-            Ok(buffers) => drop(claim.deliver(buffers)),
-            Err(e) => {
-                tracing::warn!(domain = %domain.kind, error = %e, "a waiting reservation failed")
+        let grant = move || {
+            let made = domain.grant(&parts, None);
+            if let Err(e) = &made {
+                tracing::warn!(domain = %domain.kind, error = %e, "a waiting reservation failed");
             }
+            // Buffers that come back (the requester left) are dropped here, which
+            // releases them.
+            drop(tx.send(made));
         };
         if self.domain.on_device() {
             drop(tokio::task::spawn_blocking(grant));
@@ -706,18 +709,20 @@ pub async fn reserve_in_tiers(
     wait_in_tiers(tiers, parts, deadline).await
 }
 
-/// [`reserve_in_tiers`] for a caller on an actor's thread: a try that may allocate device
-/// memory runs on a blocking thread of `io` (the allocation waits for its stream), and
-/// nothing else blocks.
+/// Places a reservation across `tiers` for a caller on an actor's thread: granted now (a
+/// try that may allocate device memory runs on a blocking thread of `io`: the allocation
+/// waits for its stream), or queued at every tier able to grant it. Only the placing is
+/// ordered: a caller that places its reservations one after another keeps their order in
+/// each tier's queue, and may await [`Placement::granted`] side by side.
 ///
 /// # Errors
-/// As [`reserve_in_tiers`].
-pub async fn reserve_in_tiers_off_actor(
+/// As [`reserve_in_tiers`], for a request no tier takes.
+pub async fn place_in_tiers_off_actor(
     tiers: &[Tier],
     parts: &[u64],
     deadline: Instant,
     io: &tokio::runtime::Handle,
-) -> Result<Vec<Buffer>, Error> {
+) -> Result<Placement, Error> {
     let device = tiers
         .iter()
         .any(|t| matches!(t.kind, MemoryKind::Device(_)));
@@ -730,19 +735,70 @@ pub async fn reserve_in_tiers_off_actor(
         reserve_now_in_tiers(tiers, parts, None)
     };
     match now {
-        Some(buffers) => Ok(buffers),
-        None => wait_in_tiers(tiers, parts, deadline).await,
+        Some(buffers) => Ok(Placement::Granted(buffers)),
+        None => place(tiers, parts, deadline).await,
     }
 }
 
-/// The waiting part of [`reserve_in_tiers`]: each tier's actor is asked, in order, to
-/// grant now, then every tier able to is asked to queue the reservation until one grants
-/// or `deadline` passes.
+/// A reservation placed: granted already, or queued at the tiers able to grant it.
+#[derive(Debug)]
+pub enum Placement {
+    /// Granted at once.
+    Granted(Vec<Buffer>),
+    /// Queued until one of the tiers grants, or the deadline.
+    Queued(Queued),
+}
+
+/// A reservation queued at one or more tiers (see [`Placement`]).
+#[derive(Debug)]
+pub struct Queued {
+    claim: Arc<Claim>,
+    rx: oneshot::Receiver<Result<Vec<Buffer>, Error>>,
+    kind: MemoryKind,
+    total: u64,
+    deadline: Instant,
+}
+
+impl Placement {
+    /// The buffers, once a tier granted them.
+    ///
+    /// # Errors
+    /// [`Error::NoMemory`] when the deadline passed first, or the granting GPU refused the
+    /// allocation; [`Error::ShuttingDown`] when the node stopped.
+    pub async fn granted(self) -> Result<Vec<Buffer>, Error> {
+        let q = match self {
+            Placement::Granted(buffers) => return Ok(buffers),
+            Placement::Queued(q) => q,
+        };
+        let waited =
+            tokio::time::timeout_at(tokio::time::Instant::from_std(q.deadline), q.rx).await;
+        q.claim.close();
+        match waited {
+            Ok(Ok(made)) => made,
+            // Taken by a tier whose making of the buffers never ran: the node stops.
+            Ok(Err(_)) => Err(Error::ShuttingDown),
+            Err(_) => Err(Error::NoMemory {
+                kind: q.kind,
+                len: q.total,
+                cause: crate::error::NoMemoryCause::DeadlinePassed,
+                detail: "deadline passed while waiting for budget".into(),
+            }),
+        }
+    }
+}
+
+/// The waiting part of [`reserve_in_tiers`]: [`place`], then wait for the grant.
 async fn wait_in_tiers(
     tiers: &[Tier],
     parts: &[u64],
     deadline: Instant,
 ) -> Result<Vec<Buffer>, Error> {
+    place(tiers, parts, deadline).await?.granted().await
+}
+
+/// Each tier's actor is asked, in order, to grant now; if none can, every tier able to is
+/// asked to queue the reservation (the first to grant delivers, until `deadline`).
+async fn place(tiers: &[Tier], parts: &[u64], deadline: Instant) -> Result<Placement, Error> {
     let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
     let mut last_refusal = None;
     let mut able = Vec::new();
@@ -753,19 +809,20 @@ async fn wait_in_tiers(
             wait: Wait::No,
         });
         match asked.await.map_err(|_| Error::ShuttingDown)? {
-            Ok(Some(buffers)) => return Ok(buffers),
+            Ok(Some(buffers)) => return Ok(Placement::Granted(buffers)),
             Ok(None) => able.push(tier),
             Err(e) => last_refusal = Some(e),
         }
     }
-    if able.is_empty() {
+    let Some(first) = able.first() else {
         return Err(last_refusal.unwrap_or(Error::NoMemory {
             kind: MemoryKind::Host,
             len: total,
             cause: crate::error::NoMemoryCause::NoTier,
             detail: "no memory tier configured".into(),
         }));
-    }
+    };
+    let kind = first.kind;
     let (claim, rx) = Claim::new();
     for tier in &able {
         let asked = tier.allocator.send(Reserve {
@@ -776,21 +833,11 @@ async fn wait_in_tiers(
         // A tier that refuses (queue full) just does not take part.
         let _ = asked.await;
     }
-    let waited = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), rx).await;
-    claim.close();
-    match waited {
-        Ok(Ok(buffers)) => Ok(buffers),
-        Ok(Err(_)) => Err(Error::NoMemory {
-            kind: able[0].kind,
-            len: total,
-            cause: crate::error::NoMemoryCause::QueueFull,
-            detail: "every tier's queue was full".into(),
-        }),
-        Err(_) => Err(Error::NoMemory {
-            kind: able[0].kind,
-            len: total,
-            cause: crate::error::NoMemoryCause::DeadlinePassed,
-            detail: "deadline passed while waiting for budget".into(),
-        }),
-    }
+    Ok(Placement::Queued(Queued {
+        claim,
+        rx,
+        kind,
+        total,
+        deadline,
+    }))
 }

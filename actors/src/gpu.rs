@@ -188,9 +188,19 @@ pub fn open_pool(device: &Device) -> Result<(ExportablePool, GpuStreams), CudaEr
     Ok((pool, streams))
 }
 
-/// Pulls of at most this many bytes are copied on the express stream and their end polled
-/// (the copy takes a few microseconds: a wake-up would cost as much).
+/// Pulls of at most this many bytes whose source is mapped already are copied on the
+/// express stream and their end polled (the copy takes a few microseconds: a wake-up would
+/// cost as much); the others wait on the copy stream, outside the imports' lock.
 pub const EXPRESS_PULL_MAX: usize = 256 << 10;
+
+/// True when `source` is pool memory whose import `imports` holds now (a pull of it would
+/// not import). Never waits for the lock: a busy cache answers false.
+pub fn is_mapped(source: &IpcSource, imports: &std::sync::Mutex<ImportCache>) -> bool {
+    source.legacy.is_none()
+        && imports
+            .try_lock()
+            .is_ok_and(|cache| cache.entries.contains_key(&buffer_ref(source)))
+}
 
 /// A peer's pools imported into this process, by the peer's device UUID.
 pub type ImportedPools = HashMap<String, ImportedPool>;

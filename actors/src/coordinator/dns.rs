@@ -26,7 +26,10 @@ enum LookupError {
     /// The dial of a probe failed.
     #[error(transparent)]
     Dial(#[from] ferry_transports::link::LinkError),
-    /// No answer in time.
+    /// The resolver gave no answer in time.
+    #[error("no answer from the resolver within {}", humantime::format_duration(*.0))]
+    ResolverTimedOut(std::time::Duration),
+    /// A probe's dial gave no answer in time.
     #[error("no answer within {}", humantime::format_duration(*.0))]
     TimedOut(std::time::Duration),
 }
@@ -68,7 +71,7 @@ impl Coordinator {
                         Ok(found) => found
                             .map(|addrs| addrs.collect())
                             .map_err(LookupError::from),
-                        Err(_) => Err(LookupError::TimedOut(LOOKUP_TIMEOUT)),
+                        Err(_) => Err(LookupError::ResolverTimedOut(LOOKUP_TIMEOUT)),
                     };
                     answers.push(answer);
                 }

@@ -23,19 +23,32 @@ impl TransferActor {
             self.setup.tiers.clone()
         };
         let deadline = Instant::now() + self.setup.reserve_timeout;
-        // One reservation at a time, in offer order: each waits for the one before it
-        // (whose result this actor then handles first: it is ready in the same poll).
-        let previous = self.reserving.take();
-        let (reserved, next) = oneshot::channel();
-        self.reserving = Some(next);
+        // Placed one at a time, in offer order (so each tier's queue holds this peer's
+        // reservations in that order: a try never passes one waiting there), granted side
+        // by side (one waiting for a full tier holds up no other's), and each result handled
+        // only after the one before it (ready in the same poll as its signal), so grants
+        // leave in offer order.
+        let (previous_placed, previous_handled) = (self.placing.take(), self.reserving.take());
+        let (placed, next_placed) = oneshot::channel();
+        let (handled, next_handled) = oneshot::channel();
+        self.placing = Some(next_placed);
+        self.reserving = Some(next_handled);
         let io = self.setup.io.clone();
         let lends = how == Landing::Push;
         let request = async move {
-            if let Some(previous) = previous {
+            if let Some(previous) = previous_placed {
                 let _ = previous.await;
             }
-            let got = reserve_off_actor(&tiers, len, deadline, &io, lends).await;
-            let _ = reserved.send(());
+            let placement = place_in_tiers_off_actor(&tiers, &[len], deadline, &io).await;
+            let _ = placed.send(());
+            let got = match placement {
+                Ok(placement) => reserve_off_actor(placement, &io, lends).await,
+                Err(e) => Err(e),
+            };
+            if let Some(previous) = previous_handled {
+                let _ = previous.await;
+            }
+            let _ = handled.send(());
             got
         };
         ctx.spawn(
@@ -135,17 +148,15 @@ impl TransferActor {
     }
 }
 
-/// Reserves `len` bytes across `tiers` without blocking the actor's thread (device memory
-/// is allocated, and exported, on a blocking thread of `io`); with `lends` and device
-/// memory, also exports the buffer for the peer's push: the export, or why it failed.
+/// Waits for `placement`'s buffer without blocking the actor's thread; with `lends` and
+/// device memory, also exports it for the peer's push (on a blocking thread of `io`): the
+/// export, or why it failed.
 async fn reserve_off_actor(
-    tiers: &[Tier],
-    len: u64,
-    deadline: Instant,
+    placement: Placement,
     io: &tokio::runtime::Handle,
     lends: bool,
 ) -> Result<(Buffer, Option<Result<IpcSource, crate::gpu::IpcError>>), Error> {
-    let mut got = reserve_in_tiers_off_actor(tiers, &[len], deadline, io).await?;
+    let mut got = placement.granted().await?;
     let buffer = got.pop().ok_or(Error::ShuttingDown)?;
     if !lends || buffer.device_memory().is_none() {
         return Ok((buffer, None));

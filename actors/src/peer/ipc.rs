@@ -40,7 +40,9 @@ impl TransferActor {
         let in_process = self.ipc.in_process();
         // Never on this thread, however small: a copy is a driver call and a wait. (Small
         // contiguous pulls from another process take the lane.)
-        let express = buffer.len() <= crate::gpu::EXPRESS_PULL_MAX;
+        let express = buffer.len() <= crate::gpu::EXPRESS_PULL_MAX
+            && layout == Layout::Contiguous
+            && (in_process || crate::gpu::is_mapped(&source, &imports));
         let copy = self.setup.io.spawn_blocking(move || {
             if in_process {
                 crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)

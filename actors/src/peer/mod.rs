@@ -46,7 +46,7 @@ use ferry_transports::wire::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{Export, PeerGone, Tier, reserve_in_tiers_off_actor};
+use crate::allocator::{Export, PeerGone, Placement, Tier, place_in_tiers_off_actor};
 use crate::core::exports::ExportId;
 use crate::core::ipc_setup::{
     Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
@@ -377,9 +377,13 @@ pub struct TransferActor {
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
     /// their turn to be delivered).
     inbound_spans: HashMap<InboundId, InboundSpans>,
-    /// Ends when the latest inbound reservation was made: the next one waits for it, so
-    /// this peer's reservations (made off this actor's thread) end in offer order.
+    /// Ends when the latest inbound reservation's result is handled: the next one's
+    /// result waits for it, so this peer's reservations (made off this actor's thread)
+    /// are handled in offer order.
     reserving: Option<oneshot::Receiver<()>>,
+    /// Ends when the latest inbound reservation is placed (granted, or queued at its
+    /// tiers): the next one is placed after it.
+    placing: Option<oneshot::Receiver<()>>,
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
@@ -421,6 +425,7 @@ impl TransferActor {
             undelivered: crate::lane::Undelivered::default(),
             inbound_spans: HashMap::new(),
             reserving: None,
+            placing: None,
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),

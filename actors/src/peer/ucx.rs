@@ -123,7 +123,7 @@ pub enum UcxOff {
     #[error("no RDMA device here (transport.ucx.enabled is \"auto\"; \"on\" uses UCX over tcp)")]
     NoRdmaDevice,
     /// The engine did not start.
-    #[error("UCX did not start: {0}")]
+    #[error("UCX did not start")]
     DidNotStart(#[source] UcxTransportError),
 }
 
@@ -132,9 +132,21 @@ pub enum UcxOff {
 pub(crate) fn ucx_verdict(engine: &Result<Arc<Engine>, UcxOff>) -> (TransportName, Viability) {
     let verdict = match engine {
         Ok(_) => Viability::Viable,
-        Err(why) => Viability::NotViable(why.to_string()),
+        Err(why) => Viability::NotViable(with_causes(why)),
     };
     (TransportName::Ucx, verdict)
+}
+
+/// `error` and its causes, as one line ("a: b: c").
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        line.push_str(": ");
+        line.push_str(&c.to_string());
+        cause = c.source();
+    }
+    line
 }
 
 /// Why this node (with `engine`) cannot use ucx with a peer that sent `peer_address` in its

@@ -254,6 +254,9 @@ struct Pool {
     launches: u64,
     /// The kernel in the device's context.
     kernel: Kernel,
+    /// A slot was given up with its launch perhaps in flight (its event could not be
+    /// recorded nor the stream waited for): the module is never unloaded then.
+    unsettled: bool,
 }
 
 // SAFETY: the module and function handles are only passed to the driver (whose API is
@@ -302,8 +305,8 @@ impl Tables {
             return;
         }
         // Every launch is followed by its slot's event: once all have passed, no launch
-        // uses the module.
-        let mut settled = true;
+        // uses the module (unless a slot was given up unsettled).
+        let mut settled = !pool.unsettled;
         for slot in pool.slots.drain(..) {
             let done = if slot.used == 0 {
                 Ok(())
@@ -607,8 +610,10 @@ unsafe fn settle(
         Err(e) => {
             // SAFETY: the stream is live (caller).
             if unsafe { super::raw::stream_synchronize(stream.handle()) }.is_err() {
-                // Dropping a slot frees nothing: its tables and event are leaked.
+                // Dropping a slot frees nothing: its tables and event are leaked, and the
+                // module stays loaded (its launch may still run).
                 let _leaked = pool.slots.swap_remove(index);
+                pool.unsettled = true;
             }
             Err(e)
         }
