@@ -11,6 +11,11 @@ use ferry::Node;
 
 const RULE: &str = "[[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\", \"tcp\"]\n";
 
+/// A node's extra settings: ucx on, over UCX's tcp alone on loopback, routed first.
+fn over_tcp_only() -> String {
+    format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}")
+}
+
 fn ucx_here(test: &str) -> bool {
     match ucx_sys::Ucx::load(None) {
         Ok(_) => true,
@@ -167,8 +172,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
         return;
     };
     let scratch = Scratch::new();
-    let extra =
-        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let extra = over_tcp_only();
     let b = Node::start(scratch.config("b", &[], &extra))
         .await
         .expect("b");
@@ -232,8 +236,7 @@ async fn a_peer_pulling_over_tcp_only_is_counted_once() {
         return;
     };
     let scratch = Scratch::new();
-    let extra =
-        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let extra = over_tcp_only();
     let metrics = "[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\n\n";
     let echo_cfg = scratch.write(
         "echo.toml",
@@ -292,8 +295,7 @@ fn explain_names_the_ucx_lanes_of_a_route_over_ucx() {
         return;
     };
     let scratch = Scratch::new();
-    let extra =
-        format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}");
+    let extra = over_tcp_only();
     let b = scratch.write("b.toml", &scratch.toml("b", &[], &extra));
     let served = Served::start(&b, "echo");
     let a = scratch.write("a.toml", &scratch.toml("a", &[("b", &served.addr)], &extra));

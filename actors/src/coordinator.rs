@@ -878,27 +878,12 @@ impl Handler<FetchFrom> for Coordinator {
     type Result = ResponseFuture<Result<crate::fetch::Landed, Error>>;
 
     fn handle(&mut self, msg: FetchFrom, ctx: &mut Self::Context) -> Self::Result {
-        if self.draining {
-            return Box::pin(async { Err(Error::ShuttingDown) });
-        }
-        let addr = match self.session_for(&msg.peer, ctx) {
-            Ok(a) => a,
-            Err(e) => return Box::pin(async move { Err(e) }),
-        };
-        let peer = msg.peer;
-        let request = addr.send(crate::peer::AskFetch {
+        let ask = crate::peer::AskFetch {
             key: msg.key,
             layout: msg.layout,
             deadline: msg.deadline,
-        });
-        Box::pin(async move {
-            request.await.unwrap_or_else(|_| {
-                Err(Error::PeerLost {
-                    peer,
-                    detail: "its transfer actor stopped".into(),
-                })
-            })
-        })
+        };
+        self.ask_peer(msg.peer, ask, ctx)
     }
 }
 
@@ -906,15 +891,32 @@ impl Handler<UcxLanesOf> for Coordinator {
     type Result = ResponseFuture<Result<ferry_transports::ucx::EndpointLanes, Error>>;
 
     fn handle(&mut self, msg: UcxLanesOf, ctx: &mut Self::Context) -> Self::Result {
+        self.ask_peer(msg.peer, crate::peer::AskUcxLanes, ctx)
+    }
+}
+
+impl Coordinator {
+    /// Asks `peer`'s transfer actor (dialling it if need be) and hands back its answer:
+    /// `ShuttingDown` while the node drains, `PeerLost` when the actor stopped first.
+    fn ask_peer<M, T>(
+        &mut self,
+        peer: String,
+        ask: M,
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<T, Error>>
+    where
+        M: Message<Result = Result<T, Error>> + Send + 'static,
+        T: Send + 'static,
+        crate::peer::TransferActor: Handler<M>,
+    {
         if self.draining {
             return Box::pin(async { Err(Error::ShuttingDown) });
         }
-        let addr = match self.session_for(&msg.peer, ctx) {
+        let addr = match self.session_for(&peer, ctx) {
             Ok(a) => a,
             Err(e) => return Box::pin(async move { Err(e) }),
         };
-        let peer = msg.peer;
-        let asked = addr.send(crate::peer::AskUcxLanes);
+        let asked = addr.send(ask);
         Box::pin(async move {
             asked.await.unwrap_or_else(|_| {
                 Err(Error::PeerLost {
