@@ -87,25 +87,18 @@ impl Claim {
     }
 }
 
-/// How a reservation waits.
-#[derive(Debug, Clone)]
-pub enum Wait {
-    /// Grant now or answer `Ok(None)`; never queue.
-    No,
-    /// Queue until the deadline; the buffers go to the claim.
-    Claim(Arc<Claim>),
-}
-
-/// Ask for buffers of these sizes, all or none, from this domain.
+/// Queue a reservation for buffers of these sizes, all or none, in this domain until
+/// `deadline`; the buffers go to the claim (at once when they fit now with nobody waiting).
+/// Refused when larger than the domain, or its queue is full.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Option<Vec<Buffer>>, Error>")]
+#[rtype(result = "Result<(), Error>")]
 pub struct Reserve {
     /// Bytes of each part.
     pub parts: Vec<u64>,
     /// When to give up waiting.
     pub deadline: Instant,
-    /// Whether to wait.
-    pub wait: Wait,
+    /// Where the buffers go.
+    pub claim: Arc<Claim>,
 }
 
 /// A domain's counters.
@@ -172,7 +165,7 @@ pub struct DevicePool {
 }
 
 /// One domain's budget and the way its memory is made, shared by its actor and the
-/// threads that reserve at once ([`Domain::try_now`]: a lane thread, a blocking copy).
+/// threads that reserve at once ([`Domain::try_now_on`]: a lane thread, a blocking copy).
 /// The actor alone queues reservations, times them out and tracks exports; a reservation
 /// that fits now, with nobody waiting ahead of it, needs no message.
 pub struct Domain {
@@ -202,21 +195,14 @@ impl Domain {
     /// Reserves every part now, on the caller's thread (a device allocation included), or
     /// answers `Ok(None)`: the parts do not fit now, or reservations wait ahead of them
     /// (then only the actor's queue keeps their order). Never call it on the actor thread
-    /// for device memory: the allocation waits for its stream.
+    /// for device memory: the allocation waits for its stream. Device memory is allocated
+    /// in order on `on` when it is a stream of this domain's GPU: usable by work queued on
+    /// `on` next, without waiting for the allocation, and by anything else once that work
+    /// is waited for (a copy into the buffer on that stream needs no other ordering: the
+    /// buffer is freed on it too).
     ///
     /// # Errors
     /// The request is larger than the whole budget, or the GPU refused the allocation.
-    pub fn try_now(&self, parts: &[u64]) -> Result<Option<Vec<Buffer>>, Error> {
-        self.try_now_on(parts, None)
-    }
-
-    /// [`Self::try_now`], device memory allocated in order on `on` when it is a stream of
-    /// this domain's GPU: usable by work queued on `on` next, without waiting for the
-    /// allocation, and by anything else once that work is waited for (a copy into the
-    /// buffer on that stream needs no other ordering: the buffer is freed on it too).
-    ///
-    /// # Errors
-    /// As [`Self::try_now`].
     pub fn try_now_on(
         &self,
         parts: &[u64],
@@ -542,53 +528,29 @@ impl Handler<Returned> for Allocator {
 }
 
 impl Handler<Reserve> for Allocator {
-    type Result = ResponseFuture<Result<Option<Vec<Buffer>>, Error>>;
+    type Result = Result<(), Error>;
 
     fn handle(&mut self, msg: Reserve, ctx: &mut Self::Context) -> Self::Result {
         self.collect_returned();
-        let result = match msg.wait {
-            // The budget is decided here, in the queue's order; device memory is made on a
-            // blocking thread, never on this actor's.
-            Wait::No => match self.domain.take_budget_now(&msg.parts) {
-                Ok(true) if self.domain.on_device() => {
-                    let domain = Arc::clone(&self.domain);
-                    let parts = msg.parts;
-                    self.drive(ctx);
-                    return Box::pin(async move {
-                        tokio::task::spawn_blocking(move || domain.grant(&parts, None))
-                            .await
-                            .map_err(|_| Error::ShuttingDown)?
-                            .map(Some)
-                    });
-                }
-                Ok(true) => self.domain.grant(&msg.parts, None).map(Some),
-                Ok(false) => Ok(None),
-                Err(e) => Err(e),
-            },
-            Wait::Claim(claim) => {
-                let id = ReservationId(self.next_id);
-                self.next_id += 1;
-                let reserved = self.domain.budget().handle_reserve(
-                    Instant::now(),
-                    id,
-                    &msg.parts,
-                    msg.deadline,
-                );
-                match reserved {
-                    Ok(Reserved::Now) => {
-                        self.deliver(msg.parts, claim);
-                        Ok(None)
-                    }
-                    Ok(Reserved::Queued) => {
-                        self.waiting.insert(id, (msg.parts, claim));
-                        Ok(None)
-                    }
-                    Err(e) => Err(refusal(self.domain.kind, &msg.parts, e)),
-                }
+        let id = ReservationId(self.next_id);
+        self.next_id += 1;
+        let reserved =
+            self.domain
+                .budget()
+                .handle_reserve(Instant::now(), id, &msg.parts, msg.deadline);
+        let result = match reserved {
+            Ok(Reserved::Now) => {
+                self.deliver(msg.parts, msg.claim);
+                Ok(())
             }
+            Ok(Reserved::Queued) => {
+                self.waiting.insert(id, (msg.parts, msg.claim));
+                Ok(())
+            }
+            Err(e) => Err(refusal(self.domain.kind, &msg.parts, e)),
         };
         self.drive(ctx);
-        Box::pin(std::future::ready(result))
+        result
     }
 }
 
@@ -682,11 +644,45 @@ pub fn reserve_now_in_tiers(
     parts: &[u64],
     on: Option<&ferry_transports::cuda::Stream>,
 ) -> Option<Vec<Buffer>> {
-    tiers.iter().find_map(|tier| {
-        // A domain gone: the node is shutting down (the waiting path says so).
-        let domain = tier.domain.upgrade()?;
-        domain.try_now_on(parts, on).ok().flatten()
-    })
+    match try_tiers_now(tiers, parts, on) {
+        TriedNow::Granted(buffers) => Some(buffers),
+        TriedNow::Not { .. } => None,
+    }
+}
+
+/// What one pass over the tiers on the caller's thread gave.
+enum TriedNow {
+    /// A tier granted every part.
+    Granted(Vec<Buffer>),
+    /// None could now: the tiers that may later (a reservation queues there), and the last
+    /// refusal of one that never can (larger than its budget, its GPU refused, it stopped).
+    Not {
+        able: Vec<Tier>,
+        refusal: Option<Error>,
+    },
+}
+
+/// Tries each tier in order on this thread (see [`reserve_now_in_tiers`]).
+fn try_tiers_now(
+    tiers: &[Tier],
+    parts: &[u64],
+    on: Option<&ferry_transports::cuda::Stream>,
+) -> TriedNow {
+    let mut able = Vec::new();
+    let mut refusal = None;
+    for tier in tiers {
+        // A domain gone: the node is shutting down.
+        let Some(domain) = tier.domain.upgrade() else {
+            refusal = Some(Error::ShuttingDown);
+            continue;
+        };
+        match domain.try_now_on(parts, on) {
+            Ok(Some(buffers)) => return TriedNow::Granted(buffers),
+            Ok(None) => able.push(tier.clone()),
+            Err(e) => refusal = Some(e),
+        }
+    }
+    TriedNow::Not { able, refusal }
 }
 
 /// Reserves every part in the first tier that can grant them all now, in order (on this
@@ -703,10 +699,10 @@ pub async fn reserve_in_tiers(
     parts: &[u64],
     deadline: Instant,
 ) -> Result<Vec<Buffer>, Error> {
-    if let Some(buffers) = reserve_now_in_tiers(tiers, parts, None) {
-        return Ok(buffers);
-    }
-    wait_in_tiers(tiers, parts, deadline).await
+    queue(try_tiers_now(tiers, parts, None), parts, deadline)
+        .await?
+        .granted()
+        .await
 }
 
 /// Places a reservation across `tiers` for a caller on an actor's thread: granted now (a
@@ -726,18 +722,15 @@ pub async fn place_in_tiers_off_actor(
     let device = tiers
         .iter()
         .any(|t| matches!(t.kind, MemoryKind::Device(_)));
-    let now = if device {
+    let tried = if device {
         let (tiers, parts) = (tiers.to_vec(), parts.to_vec());
-        io.spawn_blocking(move || reserve_now_in_tiers(&tiers, &parts, None))
+        io.spawn_blocking(move || try_tiers_now(&tiers, &parts, None))
             .await
             .map_err(|_| Error::ShuttingDown)?
     } else {
-        reserve_now_in_tiers(tiers, parts, None)
+        try_tiers_now(tiers, parts, None)
     };
-    match now {
-        Some(buffers) => Ok(Placement::Granted(buffers)),
-        None => place(tiers, parts, deadline).await,
-    }
+    queue(tried, parts, deadline).await
 }
 
 /// A reservation placed: granted already, or queued at the tiers able to grant it.
@@ -787,35 +780,16 @@ impl Placement {
     }
 }
 
-/// The waiting part of [`reserve_in_tiers`]: [`place`], then wait for the grant.
-async fn wait_in_tiers(
-    tiers: &[Tier],
-    parts: &[u64],
-    deadline: Instant,
-) -> Result<Vec<Buffer>, Error> {
-    place(tiers, parts, deadline).await?.granted().await
-}
-
-/// Each tier's actor is asked, in order, to grant now; if none can, every tier able to is
-/// asked to queue the reservation (the first to grant delivers, until `deadline`).
-async fn place(tiers: &[Tier], parts: &[u64], deadline: Instant) -> Result<Placement, Error> {
+/// After a pass over the tiers that granted nothing, asks every tier able to grant later
+/// to queue the reservation (the first to grant delivers, until `deadline`).
+async fn queue(tried: TriedNow, parts: &[u64], deadline: Instant) -> Result<Placement, Error> {
     let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
-    let mut last_refusal = None;
-    let mut able = Vec::new();
-    for tier in tiers {
-        let asked = tier.allocator.send(Reserve {
-            parts: parts.to_vec(),
-            deadline,
-            wait: Wait::No,
-        });
-        match asked.await.map_err(|_| Error::ShuttingDown)? {
-            Ok(Some(buffers)) => return Ok(Placement::Granted(buffers)),
-            Ok(None) => able.push(tier),
-            Err(e) => last_refusal = Some(e),
-        }
-    }
+    let (able, refusal) = match tried {
+        TriedNow::Granted(buffers) => return Ok(Placement::Granted(buffers)),
+        TriedNow::Not { able, refusal } => (able, refusal),
+    };
     let Some(first) = able.first() else {
-        return Err(last_refusal.unwrap_or(Error::NoMemory {
+        return Err(refusal.unwrap_or(Error::NoMemory {
             kind: MemoryKind::Host,
             len: total,
             cause: crate::error::NoMemoryCause::NoTier,
@@ -828,7 +802,7 @@ async fn place(tiers: &[Tier], parts: &[u64], deadline: Instant) -> Result<Place
         let asked = tier.allocator.send(Reserve {
             parts: parts.to_vec(),
             deadline,
-            wait: Wait::Claim(Arc::clone(&claim)),
+            claim: Arc::clone(&claim),
         });
         // A tier that refuses (queue full) just does not take part.
         let _ = asked.await;

@@ -42,7 +42,7 @@ impl TransferActor {
             let placement = place_in_tiers_off_actor(&tiers, &[len], deadline, &io).await;
             let _ = placed.send(());
             let got = match placement {
-                Ok(placement) => reserve_off_actor(placement, &io, lends).await,
+                Ok(placement) => landing_when_granted(placement, &io, lends).await,
                 Err(e) => Err(e),
             };
             if let Some(previous) = previous_handled {
@@ -151,7 +151,7 @@ impl TransferActor {
 /// Waits for `placement`'s buffer without blocking the actor's thread; with `lends` and
 /// device memory, also exports it for the peer's push (on a blocking thread of `io`): the
 /// export, or why it failed.
-async fn reserve_off_actor(
+async fn landing_when_granted(
     placement: Placement,
     io: &tokio::runtime::Handle,
     lends: bool,
