@@ -15,7 +15,7 @@ use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, Event, ExportablePool, Pair, PinnedBuffer, Stream, Wait,
     copy_and_wait, copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host,
     copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
-    enable_peer_access, fill_async, gather_kernel_loads, peer_access,
+    enable_peer_access, fill_async, load_gather_kernel, peer_access,
 };
 use ferry_transports::link::fdpass;
 
@@ -286,7 +286,7 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
         (3 << 16, 0),
         ((2 << 20) + 5, 4096),
     ];
-    let kernel = gather_kernel_loads(dev).is_ok();
+    let kernel = load_gather_kernel(dev).is_ok();
     let hosts: Vec<Vec<u8>> = shapes
         .iter()
         .enumerate()

@@ -117,7 +117,8 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
             if let MemoryKind::Device(n) = tier.kind
                 && let Some(gpu) = cx.gpus.get(n)
             {
-                ferry_transports::cuda::load_gather_kernel(&gpu.device);
+                // Refused: logged once by the loader; records are copied one by one.
+                let _ = ferry_transports::cuda::load_gather_kernel(&gpu.device);
             }
         }
     }
@@ -159,13 +160,9 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
         // finished in order as its copy ends.
         let batch_started = Instant::now();
         let mut batch: Vec<Result<Prepared, TakeError>> = Vec::new();
+        // Bytes this batch landed so far, not delivered yet: the share counts them.
+        let mut pending = 0u64;
         for seq in tail..head.min(tail + BATCH) {
-            // Bytes this batch landed so far, not delivered yet: the share counts them.
-            let pending = batch
-                .iter()
-                .filter_map(|p| p.as_ref().ok())
-                .map(|p| p.len as u64)
-                .sum::<u64>();
             let first = batch.is_empty();
             let prepared = match ring.read(seq, &mut record) {
                 Ok(()) => prepare(&record, cx, &mut ahead, stop, first, pending),
@@ -175,7 +172,12 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
                 // Waiting for memory or for the peer's share with copies in flight: those
                 // are delivered first (the application may be waiting for them).
                 Err(TakeError::NotNow) => break,
-                other => batch.push(other),
+                other => {
+                    if let Ok(p) = &other {
+                        pending += p.len as u64;
+                    }
+                    batch.push(other);
+                }
             }
         }
         let (records, prepared_at) = (batch.len(), batch_started.elapsed());

@@ -66,7 +66,7 @@ impl Facts {
         let gather_kernel = match &cuda {
             cuda::CudaProbe::Ready(driver) if !driver.devices.is_empty() => Some(
                 cuda::Device::open(0)
-                    .and_then(|d| cuda::gather_kernel_loads(&d))
+                    .and_then(|d| cuda::load_gather_kernel(&d))
                     .map_err(|e| e.to_string()),
             ),
             _ => None,

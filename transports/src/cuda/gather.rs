@@ -123,7 +123,7 @@ enum Kernel {
         function: sys::CUfunction,
     },
     /// The driver refused it (logged once): gathers go to the copy engine.
-    Refused,
+    Refused(CudaError),
 }
 
 impl Kernel {
@@ -131,7 +131,7 @@ impl Kernel {
     ///
     /// # Safety
     /// The context of the device that owns the kernel is current.
-    unsafe fn function(&mut self) -> Option<sys::CUfunction> {
+    unsafe fn function(&mut self) -> Result<sys::CUfunction, CudaError> {
         if let Kernel::Unloaded = self {
             let started = Instant::now();
             let loaded = load();
@@ -148,42 +148,31 @@ impl Kernel {
                         error = %e,
                         "the gather kernel does not load: block lists are copied by the copy engine"
                     );
-                    Kernel::Refused
+                    Kernel::Refused(e)
                 }
             };
         }
         match self {
-            Kernel::Loaded { function, .. } => Some(*function),
-            _ => None,
+            Kernel::Loaded { function, .. } => Ok(*function),
+            Kernel::Refused(e) => Err(e.clone()),
+            Kernel::Unloaded => Err(CudaError::Misuse("the gather kernel was not loaded".into())),
         }
     }
 }
 
-/// Whether the gather kernel loads on `device` (binding its primary context on this
-/// thread): what `ferry doctor` reports. Where it does not, block lists of one GPU are
-/// copied as between GPUs (a batch of copies).
+/// Loads the gather kernel into `device` (binding its primary context on this thread),
+/// once per device: a lane calls it when it starts, so that its first gather does not pay
+/// the driver's compilation (165 ms measured on an H100); `ferry doctor` reports the
+/// answer. Where it does not load, block lists of one GPU are copied as between GPUs (a
+/// batch of copies) and lane records one by one.
 ///
 /// # Errors
 /// The driver's, binding the context or loading the module (the PTX JIT's error).
-pub fn kernel_loads(device: &super::Device) -> Result<(), CudaError> {
+pub fn load_kernel(device: &super::Device) -> Result<(), CudaError> {
     device.bind()?;
-    let (module, _) = load()?;
-    // SAFETY: loaded just above in the current context; nothing launched from it.
-    unsafe { unload(module) };
-    Ok(())
-}
-
-/// Loads the gather kernel into `device` now (binding its primary context on this
-/// thread), so that the first gather does not pay the driver's compilation (165 ms
-/// measured on an H100) on its copy's path. Returns whether it loaded (the driver's refusal
-/// is logged once, as at a gather).
-pub fn load_kernel(device: &super::Device) -> bool {
-    if device.bind().is_err() {
-        return false;
-    }
     let mut pool = device.gather_tables().lock();
     // SAFETY: the device's context is current (bound above).
-    unsafe { pool.kernel.function() }.is_some()
+    unsafe { pool.kernel.function() }.map(drop)
 }
 
 /// Loads the module into the current context and finds the kernel.
@@ -535,7 +524,7 @@ pub(super) unsafe fn gather_async(
     let started = Instant::now();
     let mut pool = stream.device().gather_tables().lock();
     // SAFETY: the stream's context, its device's, is current (caller).
-    let Some(function) = (unsafe { pool.kernel.function() }) else {
+    let Ok(function) = (unsafe { pool.kernel.function() }) else {
         return Ok(false);
     };
     // SAFETY: the stream's context, its device's, is current (caller).

@@ -34,7 +34,7 @@ mod device;
 mod error;
 mod external;
 mod gather;
-pub use gather::{kernel_loads as gather_kernel_loads, load_kernel as load_gather_kernel};
+pub use gather::load_kernel as load_gather_kernel;
 pub mod pattern;
 mod pool;
 mod probe;
