@@ -134,6 +134,7 @@ async fn a_corrupt_control_frame_ends_the_link_and_its_transfers_at_once() {
             transfer,
             landing: WireMemoryKind::Host,
             target: None,
+            ucx: None,
         });
         let mut bytes = ferry_transports::wire::encode(&grant).expect("encode");
         let last = bytes.len() - 1;
@@ -375,6 +376,7 @@ async fn a_peer_that_stops_reading_loses_both_halves_of_its_link() {
                 transfer,
                 landing: WireMemoryKind::Host,
                 target: None,
+                ucx: None,
             }))
             .await
             .expect("grant");

@@ -328,3 +328,166 @@ fn explain_names_the_ucx_lanes_of_a_route_over_ucx() {
         );
     }
 }
+
+/// Ucx alone, by push: the sender writes (`ucp_put`) into the buffer the receiver lends,
+/// over UCX's tcp, where the receiver lends only with `emulated_push` (else the pushes
+/// stream over ferry's link).
+fn pushed_over_tcp_only(emulated_push: bool) -> String {
+    format!(
+        "[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\
+         emulated_push = {emulated_push}\n\n\
+         [[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\"]\ndirection = \"push\"\n"
+    )
+}
+
+/// Pushes over UCX's tcp (the receiver lends memory there with `emulated_push`): each is
+/// delivered only once every byte is in the receiver's buffer, though UCX's puts travel on
+/// a connection of their own and the `Written` that says so on ferry's link: the sender
+/// flushes its endpoint before `Written`. Many pushes of 4 MiB at once, every byte checked
+/// as it is delivered. (On loopback a missing flush went unseen here: UCX's tcp puts
+/// completed after the peer had the bytes. It matters where puts complete locally, as
+/// RDMA writes do.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_bytes_are_all_there_when_delivered() {
+    let test = "pushed_bytes_are_all_there_when_delivered";
+    if !ucx_here(test) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let extra = pushed_over_tcp_only(true);
+    let b = Node::start(scratch.config("b", &[], &extra))
+        .await
+        .expect("b");
+    let addr = b.tcp_addrs()[0].clone();
+    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
+        .await
+        .expect("a");
+    a.connect("b").await.expect("link");
+    let a = std::sync::Arc::new(a);
+    let e = a
+        .explain("b", 4 << 20, ferry::MemoryClass::Host, None)
+        .await
+        .expect("explain");
+    let chosen = e.chosen.as_ref().map(|r| (r.transport, r.direction));
+    assert_eq!(
+        chosen,
+        Some((ferry::TransportName::Ucx, ferry::Direction::Push)),
+        "{e}"
+    );
+    const LEN: usize = 4 << 20;
+    let rounds = 4u64;
+    let window = 8u64;
+    for round in 0..rounds {
+        let mut sends = Vec::new();
+        for i in 0..window {
+            let tag = round * window + i + 1;
+            let buffer = patterned(&a, LEN, tag).await;
+            let a = a.clone();
+            sends.push(tokio::spawn(async move { a.send("b", tag, buffer).await }));
+        }
+        for i in 0..window {
+            let tag = round * window + i + 1;
+            let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
+            assert_eq!(got.transport.as_str(), "ucx", "tag {tag}");
+            let want = patterned(&b, LEN, tag).await;
+            let (got, want) = (got.buffer.as_slice(), want.as_slice());
+            assert!(
+                got == want,
+                "tag {tag}: the pushed bytes differ (first at {:?})",
+                got.zip(want)
+                    .and_then(|(g, w)| g.iter().zip(w).position(|(x, y)| x != y))
+            );
+        }
+        for send in sends {
+            drop(send.await.expect("task").expect("pushed"));
+        }
+    }
+    let a = std::sync::Arc::into_inner(a).expect("no send holds a");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A peer killed while it pushes to this node over ucx (a `ferry serve` echo peer pushing
+/// back what it got, over UCX's tcp, with the default `emulated_push = false`): this
+/// process lends it no memory there (UCX would apply the writes itself, and a writer that
+/// dies mid-write can abort this process: `transports/tests/ucx_engine.rs`), so the
+/// pushes stream over ferry's link; the process lives on, every send ends, the memory
+/// comes back, and the node goes on sending to another peer over UCX.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_killed_mid_push_ends_its_transfers_and_this_node_lives() {
+    let test = "a_writer_killed_mid_push_ends_its_transfers_and_this_node_lives";
+    if !ucx_here(test) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let extra = format!(
+        "[memory]\nexport_lease_timeout = \"1s\"\n\n{}",
+        pushed_over_tcp_only(false)
+    );
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], &extra));
+    let mut echo = Served::start(&echo_cfg, "echo");
+    let other = Node::start(scratch.config("other", &[], &extra))
+        .await
+        .expect("other");
+    let other_addr = other.tcp_addrs()[0].clone();
+    let peers = [("echo", echo.addr.as_str()), ("other", other_addr.as_str())];
+    let a = Node::start(scratch.config("a", &peers, &extra))
+        .await
+        .expect("a");
+    let a = std::sync::Arc::new(a);
+    let idle = a.host_memory().await.expect("stats").granted;
+    const LEN: usize = 64 << 20;
+    let mut sends = Vec::new();
+    for tag in 1..=8u64 {
+        let buffer = patterned(&a, LEN, tag).await;
+        let a = std::sync::Arc::clone(&a);
+        sends.push(tokio::spawn(
+            async move { a.send("echo", tag, buffer).await },
+        ));
+    }
+    // The first echo back means the peer is pushing the rest into our lent buffers.
+    let first = a.recv(Some("echo"), Some(1)).await.expect("the first echo");
+    drop(first);
+    echo.child.kill().expect("SIGKILL");
+    let killed = std::time::Instant::now();
+    let mut failed = 0;
+    for send in sends {
+        let ended = tokio::time::timeout(Duration::from_secs(5), send)
+            .await
+            .expect("a send ends within 5 s of the kill")
+            .expect("task");
+        failed += usize::from(ended.is_err());
+    }
+    println!(
+        "{failed} of 8 sends failed; all ended {:?} after the kill",
+        killed.elapsed()
+    );
+    // Echoes delivered before the kill wait in the inbox: taken and dropped.
+    while let Ok(Ok(got)) =
+        tokio::time::timeout(Duration::from_millis(200), a.recv(Some("echo"), None)).await
+    {
+        drop(got);
+    }
+    let back = eventually(Duration::from_secs(10), async || {
+        a.host_memory().await.is_ok_and(|s| s.granted == idle)
+    })
+    .await;
+    let now = a.host_memory().await.expect("stats").granted;
+    assert!(
+        back,
+        "host memory granted: {now} bytes, {idle} before the sends"
+    );
+    // This process lived through the kill; its UCX still moves bytes to another peer.
+    let buffer = patterned(&a, 1 << 20, 99).await;
+    drop(
+        a.send("other", 99, buffer)
+            .await
+            .expect("a send to another peer"),
+    );
+    let got = other.recv(Some("a"), Some(99)).await.expect("recv");
+    assert_eq!(got.transport.as_str(), "ucx");
+    drop(got);
+    let a = std::sync::Arc::into_inner(a).expect("no send holds a");
+    a.shutdown().await;
+    other.shutdown().await;
+}

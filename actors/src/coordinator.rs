@@ -269,6 +269,9 @@ pub struct NodeTransports {
     pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
     /// How long a registration a peer may still read is held after a cancel or a lost link.
     pub ucx_hold: Duration,
+    /// `transport.ucx.emulated_push`: lend memory to a peer's ucx push even where UCX
+    /// would emulate its writes over tcp.
+    pub ucx_emulated_push: bool,
 }
 
 impl NodeTransports {
@@ -292,6 +295,7 @@ impl NodeTransports {
             catalog,
             ucx: ucx.ok(),
             ucx_hold,
+            ucx_emulated_push: false,
         }
     }
 
@@ -550,6 +554,7 @@ impl Coordinator {
             staged: base.staged,
             ucx: base.transports.ucx,
             ucx_hold: base.transports.ucx_hold,
+            ucx_emulated_push: base.transports.ucx_emulated_push,
             published: base.published,
             serve: ctx.address().recipient(),
         }

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use ferry_actors::core::session::{
-    FailKind, InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent,
-    SessionLimits,
+    FailKind, InboundId, OpId, Outcome, PeerSession, PushTarget, PutRequest, SendRequest,
+    SessionEvent, SessionLimits,
 };
 use ferry_config::TransportName;
 use ferry_transports::wire::{
@@ -506,6 +506,7 @@ fn protocol_violations_are_errors() {
         transfer: 77,
         landing: WireMemoryKind::Host,
         target: None,
+        ucx: None,
     });
     assert!(
         s.handle_message(grant).is_err(),
@@ -705,7 +706,7 @@ impl Push {
                 id,
                 len: 4096,
                 pull: None,
-                push: true,
+                push: Some(TransportName::Ipc),
                 staged: false,
                 layout: Layout::Contiguous,
             }) => (op, id),
@@ -719,7 +720,7 @@ impl Push {
             self.now,
             id,
             WireMemoryKind::Device(1),
-            Some(Self::target())
+            Some(PushTarget::Ipc(Self::target()))
         ));
         let grant = self.b.poll_transmit().expect("granted");
         assert!(
@@ -746,7 +747,10 @@ impl Push {
 fn an_ipc_push_lends_the_receivers_buffer_until_written() {
     let mut p = Push::new();
     let (op, id) = p.offer();
-    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::target())));
+    assert_eq!(
+        p.lend(id),
+        Some(SessionEvent::Write(op, PushTarget::Ipc(Push::target())))
+    );
     // A's copy is done: it tells B, and waits for B's Done.
     p.a.handle_stream_ended(op);
     assert_eq!(p.a.poll_event(), None, "A waits for B's Done");
@@ -887,6 +891,7 @@ fn push_offers_and_lending_grants_are_checked() {
         transfer: op.0,
         landing: WireMemoryKind::Device(0),
         target: Some(Push::target()),
+        ucx: None,
     });
     let err = s.handle_message(grant).expect_err("a lent buffer for tcp");
     assert!(err.to_string().contains("lends a buffer"), "{err}");
@@ -899,18 +904,99 @@ fn push_offers_and_lending_grants_are_checked() {
     assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
 }
 
+/// A ucx push is reserved for and granted with the receiver's registration; a grant that
+/// lends a buffer of the other transport, or two buffers at once, breaks the protocol.
+#[test]
+fn a_grant_lends_only_the_pushing_transports_buffer() {
+    let ucx_target = || ferry_transports::wire::UcxSource {
+        address: 0x1000,
+        rkey: vec![7; 32],
+    };
+    // B serves ucx: a ucx push offer asks it to reserve and lend for ucx.
+    let mut b = PeerSession::new(LIMITS);
+    b.set_serves(TransportName::Ucx, true);
+    let mut a = PeerSession::new(LIMITS);
+    let now = Instant::now();
+    let request = |transport| SendRequest {
+        fetch: None,
+        tag: 1,
+        len: 64,
+        source: WireMemoryKind::Host,
+        transport,
+        direction: WireDirection::Push,
+        ipc: None,
+        ucx: None,
+        layout: Layout::Contiguous,
+        deadline: now + Duration::from_secs(5),
+    };
+    let op = a
+        .handle_send(now, request(TransportName::Ucx))
+        .expect("queued");
+    b.handle_message(a.poll_transmit().expect("offered"))
+        .expect("a valid offer");
+    let id = match b.poll_event() {
+        Some(SessionEvent::Reserve {
+            id,
+            push: Some(TransportName::Ucx),
+            pull: None,
+            ..
+        }) => id,
+        other => panic!("B should reserve for a ucx push, got {other:?}"),
+    };
+    assert!(b.handle_reserved(
+        now,
+        id,
+        WireMemoryKind::Host,
+        Some(PushTarget::Ucx(ucx_target()))
+    ));
+    let grant = b.poll_transmit().expect("granted");
+    assert!(
+        matches!(&grant, Message::Grant(g) if g.ucx == Some(ucx_target()) && g.target.is_none()),
+        "{grant:?}"
+    );
+    a.handle_message(grant).expect("a valid grant");
+    assert_eq!(
+        a.poll_event(),
+        Some(SessionEvent::Write(op, PushTarget::Ucx(ucx_target())))
+    );
+    // An ipc buffer lent to a ucx push, and a ucx one to an ipc push: violations.
+    for (transport, ipc, ucx) in [
+        (TransportName::Ucx, Some(Push::target()), None),
+        (TransportName::Ipc, None, Some(ucx_target())),
+        (TransportName::Ucx, Some(Push::target()), Some(ucx_target())),
+    ] {
+        let mut s = PeerSession::new(LIMITS);
+        let op = s.handle_send(now, request(transport)).expect("queued");
+        let _ = s.poll_transmit();
+        let grant = Message::Grant(ferry_transports::wire::Grant {
+            transfer: op.0,
+            landing: WireMemoryKind::Host,
+            target: ipc,
+            ucx,
+        });
+        let err = s
+            .handle_message(grant)
+            .expect_err("a buffer the push cannot write");
+        assert!(err.to_string().contains("lends"), "{transport}: {err}");
+    }
+}
+
 #[test]
 fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
     // A grant for an op whose copy is under way (Ending after a cancel) must not be answered
     // Written: that would let the peer free the buffer the first grant lent.
     let mut p = Push::new();
     let (op, id) = p.offer();
-    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::target())));
+    assert_eq!(
+        p.lend(id),
+        Some(SessionEvent::Write(op, PushTarget::Ipc(Push::target())))
+    );
     assert!(p.a.handle_cancel(op));
     let again = Message::Grant(ferry_transports::wire::Grant {
         transfer: op.0,
         landing: WireMemoryKind::Device(1),
         target: Some(Push::target()),
+        ucx: None,
     });
     let err =
         p.a.handle_message(again)
@@ -1042,7 +1128,7 @@ fn staged_offers_reserve_for_staging_and_stream() {
             id,
             len: 4096,
             pull: None,
-            push: false,
+            push: None,
             staged: true,
             layout: Layout::Contiguous,
         }) => id,

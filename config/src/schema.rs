@@ -396,6 +396,13 @@ pub struct UcxTuning {
     /// transfers fail. Default `"30s"`; at least 100 ms.
     #[serde(with = "duration")]
     pub op_timeout: Duration,
+    /// Whether this node lends its memory to a peer's ucx push (a rule's `direction =
+    /// "push"`) where UCX would emulate the peer's writes in software over tcp (no RDMA,
+    /// shared-memory or, for device memory, cuda_ipc lane). There, a writer that dies in
+    /// the middle of its writes can abort this process inside UCX (measured with UCX 1.13
+    /// and 1.22). Default `false`: such pushes stream over ferry's link instead, said once
+    /// per peer in the log.
+    pub emulated_push: bool,
 }
 
 impl Default for UcxTuning {
@@ -408,6 +415,7 @@ impl Default for UcxTuning {
             env: std::collections::BTreeMap::new(),
             progress_spin: Duration::from_micros(50),
             op_timeout: Duration::from_secs(30),
+            emulated_push: false,
         }
     }
 }

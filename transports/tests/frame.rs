@@ -146,6 +146,7 @@ fn corpus() -> Vec<Item> {
             transfer: 1,
             landing: WireMemoryKind::PinnedHost,
             target: None,
+            ucx: None,
         }),
         Message::Grant(Grant {
             transfer: 4,
@@ -157,6 +158,16 @@ fn corpus() -> Vec<Item> {
                 offset: 0,
                 export: vec![5; 64],
                 legacy: None,
+            }),
+            ucx: None,
+        }),
+        Message::Grant(Grant {
+            transfer: 6,
+            landing: WireMemoryKind::Host,
+            target: None,
+            ucx: Some(ferry_transports::wire::UcxSource {
+                address: 0x7f00_0000_1000,
+                rkey: vec![9; 40],
             }),
         }),
         Message::Written(ferry_transports::wire::Written {

@@ -161,15 +161,49 @@ impl PullSource {
     }
 }
 
+/// The buffer a receiver lends for a push, by the transport that writes it (the grant's
+/// `target` or `ucx`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PushTarget {
+    /// The receiver's exported device buffer (ipc).
+    Ipc(IpcSource),
+    /// The receiver's registered buffer (ucx).
+    Ucx(UcxSource),
+}
+
+impl PushTarget {
+    /// The transport that writes it.
+    pub fn transport(&self) -> TransportName {
+        match self {
+            Self::Ipc(_) => IpcSource::TRANSPORT,
+            Self::Ucx(_) => UcxSource::TRANSPORT,
+        }
+    }
+
+    /// What `grant` lends: nothing (the bytes stream over the link), one buffer, or a
+    /// grant that breaks the protocol by lending two.
+    fn of(grant: &Grant) -> Result<Option<Self>, ProtocolViolation> {
+        match (&grant.target, &grant.ucx) {
+            (None, None) => Ok(None),
+            (Some(ipc), None) => Ok(Some(Self::Ipc(ipc.clone()))),
+            (None, Some(ucx)) => Ok(Some(Self::Ucx(ucx.clone()))),
+            (Some(_), Some(_)) => Err(ProtocolViolation(format!(
+                "grant for transfer {} lends two buffers",
+                grant.transfer
+            ))),
+        }
+    }
+}
+
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionEvent {
     /// Stream the op's bytes now (a granted transfer, or a put).
     Stream(OpId),
-    /// Copy the op's bytes into the peer's buffer `target` (an ipc push), then tell the peer
-    /// [`Message::Written`] and report [`PeerSession::handle_stream_ended`] (or
-    /// [`PeerSession::handle_write_failed`]).
-    Write(OpId, IpcSource),
+    /// Write the op's bytes into the peer's buffer lent in its grant (an ipc or ucx push),
+    /// then tell the peer [`Message::Written`] and report
+    /// [`PeerSession::handle_stream_ended`] (or [`PeerSession::handle_write_failed`]).
+    Write(OpId, PushTarget),
     /// Stop the op's running stream at the next chunk; `StreamEnded` still follows.
     StopStream(OpId),
     /// The op ended; its buffer can go back to its owner.
@@ -183,8 +217,9 @@ pub enum SessionEvent {
         /// For a pulled transfer: where to read the bytes once reserved
         /// ([`PeerSession::handle_reserved_pull`]).
         pull: Option<PullSource>,
-        /// An ipc push: reserve device memory where possible and lend it in the grant.
-        push: bool,
+        /// A push that borrows the receiver's memory: the transport that writes it (ipc,
+        /// ucx). Reserve it (device memory where possible) and lend it in the grant.
+        push: Option<TransportName>,
         /// A staged push: reserve device memory where possible; the chunks come through
         /// host memory (a shared ring, or the link).
         staged: bool,
@@ -711,7 +746,8 @@ impl PeerSession {
             }));
             return Ok(());
         }
-        let push = carrier.push_lends() && offer.direction == WireDirection::Push;
+        let push =
+            (carrier.push_lends() && offer.direction == WireDirection::Push).then_some(transport);
         let reserve = SessionEvent::Reserve {
             id,
             len: offer.len,
@@ -778,14 +814,21 @@ impl PeerSession {
 
     fn on_grant(&mut self, grant: &Grant) -> Result<(), ProtocolViolation> {
         let id = OpId(grant.transfer);
+        let target = PushTarget::of(grant)?;
         match self.ops.remove(&id) {
             Some(Phase::AwaitGrant(req)) => {
                 let pushes = registry::carrier(req.transport).push_lends()
                     && req.direction == WireDirection::Push;
-                if grant.target.is_some() && !pushes {
+                if let Some(lent) = &target
+                    && (!pushes || lent.transport() != req.transport)
+                {
                     let why = format!(
-                        "grant for transfer {} lends a buffer to a transfer over {} ({:?})",
-                        id.0, req.transport, req.direction
+                        "grant for transfer {} lends a buffer for {} to a transfer over {} \
+                         ({:?})",
+                        id.0,
+                        lent.transport(),
+                        req.transport,
+                        req.direction
                     );
                     self.ops.insert(id, Phase::AwaitGrant(req));
                     return Err(ProtocolViolation(why));
@@ -798,8 +841,8 @@ impl PeerSession {
                     },
                 );
                 // A push whose landing is not lent (host memory) streams over the link.
-                self.events.push_back(match &grant.target {
-                    Some(target) => SessionEvent::Write(id, target.clone()),
+                self.events.push_back(match target {
+                    Some(target) => SessionEvent::Write(id, target),
                     None => SessionEvent::Stream(id),
                 });
                 Ok(())
@@ -809,7 +852,7 @@ impl PeerSession {
             // the peer free the buffer the first grant lent while our copy may still run).
             Some(ending @ Phase::Ending { .. }) => {
                 self.ops.insert(id, ending);
-                if grant.target.is_some() {
+                if target.is_some() {
                     return Err(ProtocolViolation(format!(
                         "a second grant lending a buffer for transfer {}",
                         id.0
@@ -839,7 +882,7 @@ impl PeerSession {
 
     /// A grant that lent a buffer to an op that already ended: the peer gets it back.
     fn give_back(&mut self, grant: &Grant) {
-        if grant.target.is_some() {
+        if grant.target.is_some() || grant.ucx.is_some() {
             self.transmit.push_back(Message::Written(Written {
                 transfer: grant.transfer,
                 error: Some("the transfer ended before its grant arrived".into()),
@@ -898,7 +941,7 @@ impl PeerSession {
         }
     }
 
-    /// Memory for inbound transfer `id` was reserved, and for an ipc push lent as `target`.
+    /// Memory for inbound transfer `id` was reserved, and for a push lent as `target`.
     /// Returns false if the transfer was abandoned meanwhile, in which case the shell frees
     /// the memory itself (nothing was lent).
     ///
@@ -910,7 +953,7 @@ impl PeerSession {
         now: Instant,
         id: InboundId,
         landing: WireMemoryKind,
-        target: Option<IpcSource>,
+        target: Option<PushTarget>,
     ) -> bool {
         match self.inbound.get_mut(&id) {
             Some(op) if op.phase == InPhase::Reserving => {
@@ -918,10 +961,16 @@ impl PeerSession {
                 op.stalls = target.is_none();
                 // The grant about to leave is progress: the clock starts no earlier.
                 self.progress.1 = self.progress.1.max(Some(now));
+                let (ipc, ucx) = match target {
+                    None => (None, None),
+                    Some(PushTarget::Ipc(ipc)) => (Some(ipc), None),
+                    Some(PushTarget::Ucx(ucx)) => (None, Some(ucx)),
+                };
                 self.transmit.push_back(Message::Grant(Grant {
                     transfer: id.0,
                     landing,
-                    target,
+                    target: ipc,
+                    ucx,
                 }));
                 true
             }

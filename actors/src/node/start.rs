@@ -304,10 +304,11 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     if host_tiers.is_empty() {
         host_tiers.push(host.tier());
     }
-    let transports = crate::coordinator::NodeTransports::new(
+    let mut transports = crate::coordinator::NodeTransports::new(
         start_ucx(&config, gpus.gpus.first().map(|(_, g)| &g.device)),
         config.memory.export_lease_timeout,
     );
+    transports.ucx_emulated_push = config.transport.ucx.emulated_push;
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),

@@ -2,7 +2,7 @@
 //! on the link, its deadlines a timer.
 
 use super::*;
-use crate::core::session::PullSource;
+use crate::core::session::{PullSource, PushTarget};
 
 impl TransferActor {
     /// Carries out everything the session asks for.
@@ -153,14 +153,17 @@ impl TransferActor {
                         self.ucx.sources.insert(id, (source, layout));
                         Landing::Pull
                     }
-                    (None, true) => Landing::Push,
-                    (None, false) if staged => Landing::Staged,
-                    (None, false) => Landing::Stream,
+                    (None, Some(transport)) => Landing::Push(transport),
+                    (None, None) if staged => Landing::Staged,
+                    (None, None) => Landing::Stream,
                 };
                 self.reserve(id, len, landing, ctx);
             }
-            SessionEvent::Write(op, target) => self.start_write(op, target, ctx),
-            SessionEvent::Written { id, error } => self.on_written(id, error),
+            SessionEvent::Write(op, PushTarget::Ipc(target)) => self.start_write(op, target, ctx),
+            SessionEvent::Write(op, PushTarget::Ucx(target)) => {
+                self.start_ucx_write(op, target, ctx)
+            }
+            SessionEvent::Written { id, error } => self.on_written(id, error, ctx),
             SessionEvent::Deliver {
                 id,
                 fetch: Some(fetch),
@@ -241,20 +244,8 @@ impl TransferActor {
         }
         self.regions.remove(&id.0);
         self.complete.remove(&id);
-        if self.ipc.lent.contains_key(&id) {
-            // The peer may be copying into it: kept until it says Written.
-            self.ipc.lent_abandoned.insert(id);
-            if self.ipc.lent_abandoned.len() > self.setup.limits.inbound {
-                tracing::warn!(
-                    peer = %self.peer,
-                    "the peer keeps more abandoned lent buffers than it may have \
-                     transfers open; dropping the link"
-                );
-                self.session
-                    .handle_link_lost("the peer kept too many abandoned lent buffers");
-            }
-            self.watch_lent(id, ctx);
-        }
+        // A lent buffer the peer may be writing into is kept until it says Written.
+        self.abandon_lent(id, ctx);
         let ucx = self.ucx.sources.remove(&id).is_some();
         if self.ipc.sources.remove(&id).is_some() || ucx {
             if self.ipc.pulling.contains(&id) {

@@ -11,9 +11,22 @@ impl TransferActor {
         how: Landing,
         ctx: &mut Context<Self>,
     ) {
-        // Streamed bytes, and reads over a UCX that does not move device memory, land in
-        // a host tier.
-        let ucx_host_only = self.ucx.sources.contains_key(&id)
+        // Streamed bytes, and reads and writes over a UCX that does not move device
+        // memory, land in a host tier.
+        let lender = match how {
+            Landing::Push(transport) => match self.lender(transport) {
+                Some(lender) => Some(lender),
+                None => {
+                    let why = format!("this node no longer serves {transport}");
+                    self.session
+                        .handle_reserve_failed(id, WireReason::Unsupported, why);
+                    return self.drive(ctx);
+                }
+            },
+            _ => None,
+        };
+        let ucx_host_only = (self.ucx.sources.contains_key(&id)
+            || matches!(lender, Some(Lender::Ucx(_))))
             && !self
                 .engine()
                 .is_some_and(|e| e.moves(ferry_transports::ucx::MemoryType::Cuda));
@@ -34,7 +47,6 @@ impl TransferActor {
         self.placing = Some(next_placed);
         self.reserving = Some(next_handled);
         let io = self.setup.io.clone();
-        let lends = how == Landing::Push;
         let request = async move {
             if let Some(previous) = previous_placed {
                 let _ = previous.await;
@@ -42,7 +54,7 @@ impl TransferActor {
             let placement = place_in_tiers_off_actor(&tiers, &[len], deadline, &io).await;
             let _ = placed.send(());
             let got = match placement {
-                Ok(placement) => landing_when_granted(placement, &io, lends).await,
+                Ok(placement) => landing_when_granted(placement, &io, lender).await,
                 Err(e) => Err(e),
             };
             if let Some(previous) = previous_handled {
@@ -65,11 +77,15 @@ impl TransferActor {
         id: InboundId,
         len: u64,
         how: Landing,
-        res: Result<(Buffer, Option<Result<IpcSource, crate::gpu::IpcError>>), Error>,
+        res: Result<Landed, Error>,
         ctx: &mut Context<Self>,
     ) {
         match res {
-            Ok((buffer, lent)) => {
+            Ok(Landed::Lent(lent)) => {
+                self.lend(id, lent);
+                return self.drive(ctx);
+            }
+            Ok(Landed::Plain(buffer)) => {
                 let landing = buffer.kind();
                 if self.setup.tiers.first().is_some_and(|t| t.kind != landing) {
                     metrics::counter!("ferry_spill_bytes_total").increment(len);
@@ -94,10 +110,6 @@ impl TransferActor {
                     } else {
                         self.start_pull(id, buffer, ctx);
                     }
-                    return self.drive(ctx);
-                }
-                if let Some(target) = lent {
-                    self.lend(id, buffer, target);
                     return self.drive(ctx);
                 }
                 // The region must exist before the grant leaves, since the peer
@@ -148,27 +160,26 @@ impl TransferActor {
     }
 }
 
-/// Waits for `placement`'s buffer without blocking the actor's thread; with `lends` and
-/// device memory, also exports it for the peer's push (on a blocking thread of `io`): the
-/// export, or why it failed.
+/// Waits for `placement`'s buffer without blocking the actor's thread; for a push, also
+/// lends it with `lender` (on a blocking thread of `io`: an export or a registration).
 async fn landing_when_granted(
     placement: Placement,
     io: &tokio::runtime::Handle,
-    lends: bool,
-) -> Result<(Buffer, Option<Result<IpcSource, crate::gpu::IpcError>>), Error> {
+    lender: Option<Lender>,
+) -> Result<Landed, Error> {
     let mut got = placement.granted().await?;
     let buffer = got.pop().ok_or(Error::ShuttingDown)?;
-    if !lends || buffer.device_memory().is_none() {
-        return Ok((buffer, None));
+    let Some(lender) = lender else {
+        return Ok(Landed::Plain(buffer));
+    };
+    if let Lender::Ucx(ucx) = &lender
+        && !ucx.lends(&buffer).await
+    {
+        return Ok(Landed::Plain(buffer));
     }
-    let exported = io
-        .spawn_blocking(move || {
-            let target = crate::gpu::export_source(&buffer, false);
-            (buffer, target)
-        })
+    io.spawn_blocking(move || lender.lend(buffer))
         .await
-        .map_err(|_| Error::ShuttingDown)?;
-    Ok((exported.0, Some(exported.1)))
+        .map_err(|_| Error::ShuttingDown)
 }
 
 /// Where an inbound transfer's bytes land, and who puts them there.
@@ -178,9 +189,9 @@ pub(super) enum Landing {
     Stream,
     /// We copy them out of the peer's memory (ipc pull).
     Pull,
-    /// The peer copies them into our memory (ipc push), or streams them when the
-    /// reservation spilled to host memory.
-    Push,
+    /// The peer writes them into our memory lent to it (an ipc or ucx push; the transport
+    /// named), or streams them when this memory is not lent (ipc into host memory).
+    Push(ferry_config::TransportName),
     /// Any tier, device memory first; the chunks come through host memory (our staged
     /// receiver thread copies them in from the peer's ring, or the link's reader does).
     Staged,

@@ -53,8 +53,8 @@ impl TransferActor {
         ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok(Ok(buffer)) => Ok(buffer),
-                Ok(Err((_buffer, why))) => Err(PullError::from(why)),
-                Err(e) => Err(PullError::Task(e.to_string())),
+                Ok(Err((_buffer, why))) => Err(MoveError::from(why)),
+                Err(e) => Err(MoveError::Task(e.to_string())),
             };
             act.pull_ended(id, pulled, ctx);
         }));
@@ -65,7 +65,7 @@ impl TransferActor {
     pub(super) fn pull_ended(
         &mut self,
         id: InboundId,
-        pulled: Result<Buffer, PullError>,
+        pulled: Result<Buffer, MoveError>,
         ctx: &mut Context<Self>,
     ) {
         self.ipc.pulling.remove(&id);
@@ -101,87 +101,18 @@ impl TransferActor {
         self.drive(ctx);
     }
 
-    /// Lends `buffer`, reserved in device memory for inbound push `id`, to the peer: its
-    /// export goes in the grant, and the buffer is kept until the peer says `Written`.
-    pub(super) fn lend(
-        &mut self,
-        id: InboundId,
-        buffer: Buffer,
-        exported: Result<IpcSource, IpcError>,
-    ) {
-        let target = match exported {
-            Ok(target) => target,
-            Err(why) => {
-                return self.session.handle_reserve_failed(
-                    id,
-                    WireReason::Unsupported,
-                    why.to_string(),
-                );
-            }
-        };
-        // False: abandoned meanwhile, nothing lent; the buffer is freed here.
-        if self
-            .session
-            .handle_reserved(Instant::now(), id, buffer.kind().to_wire(), Some(target))
-        {
-            if let Some(spans) = self.inbound_spans.get_mut(&id) {
-                spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
-            }
-            self.ipc.lent.insert(id, buffer);
-        }
-    }
-
-    /// The peer no longer writes the buffer lent for inbound `id`: the transfer completes
-    /// with it, or fails and the buffer is freed.
-    pub(super) fn on_written(&mut self, id: InboundId, error: Option<String>) {
-        let Some(buffer) = self.ipc.lent.remove(&id) else {
-            return;
-        };
-        self.ipc.lent_abandoned.remove(&id);
-        match error {
-            None => self.completed(id, buffer),
-            Some(why) => {
-                tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
-                self.session.handle_reserve_failed(
-                    id,
-                    WireReason::Unsupported,
-                    format!("the push failed: {why}"),
-                );
-            }
-        }
-    }
-
-    /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
-    /// (`Written`) within the lease timeout, or the link goes (its session ends, which ends
-    /// its copies) and the buffer is quarantined with the rest.
-    pub(super) fn watch_lent(&mut self, id: InboundId, ctx: &mut Context<Self>) {
-        let link = self.link;
-        ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
-            if act.link == link && act.ipc.lent.contains_key(&id) {
-                tracing::warn!(
-                    peer = %act.peer,
-                    id = id.0,
-                    "the peer kept a buffer it was pushing into past the lease timeout; \
-                     dropping the link"
-                );
-                act.session
-                    .handle_link_lost("the peer did not give back a lent buffer in time");
-                act.drive(ctx);
-            }
-        });
-    }
-
     /// Copies op `op`'s bytes into the peer's buffer `target` (an ipc push) on a blocking
     /// thread: the peer's pool is imported on the first push to its device, the buffer is
     /// imported, copied into and freed; then the peer hears `Written`.
     pub(super) fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
         let Some(entry) = self.outbound.get_mut(&op) else {
-            return self.written(op, Err(IpcError::Gone("the transfer ended".into())), ctx);
+            let gone = IpcError::Gone("the transfer ended".into());
+            return self.written(op, Err(gone.into()), ctx);
         };
         if let Some(why) = self.session.lost_reason() {
             // The grant was read just before the link went: no copy on a dead link.
             let why = IpcError::Gone(format!("the link is gone: {why}"));
-            return self.written(op, Err(why), ctx);
+            return self.written(op, Err(why.into()), ctx);
         }
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
         let source = entry.buffer.share();
@@ -217,40 +148,8 @@ impl TransferActor {
             .map_err(|e| IpcError::Gone(format!("the push task failed: {e}")))?
         };
         ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
-            act.written(op, pushed, ctx);
+            act.written(op, pushed.map_err(MoveError::from), ctx);
         }));
-    }
-
-    /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits
-    /// for the peer's `Done` or fails.
-    pub(super) fn written(
-        &mut self,
-        op: OpId,
-        pushed: Result<(), IpcError>,
-        ctx: &mut Context<Self>,
-    ) {
-        let frame = Message::Written(Written {
-            transfer: op.0,
-            error: pushed.as_ref().err().map(ToString::to_string),
-        });
-        let sent = self
-            .writer
-            .as_ref()
-            .is_some_and(|w| w.try_send(Outgoing::Frame(frame)).is_ok());
-        if !sent {
-            // The peer's buffer must not stay lent on a link that goes on: it goes.
-            self.session
-                .handle_link_lost("the link's send queue overflowed or closed");
-        }
-        match pushed {
-            Ok(()) => self.session.handle_stream_ended(op),
-            Err(why) => {
-                tracing::warn!(peer = %self.peer, id = op.0, "push failed: {why}");
-                metrics::counter!("ferry_push_failures_total").increment(1);
-                self.session.handle_write_failed(op, why.to_string());
-            }
-        }
-        self.drive(ctx);
     }
 
     /// This session's unmapper, made on first use, with the task that hands its work to
@@ -612,12 +511,6 @@ pub(super) struct IpcState {
     pub(super) lane_tx: Option<Arc<crate::lane::LaneTx>>,
     /// The receiving end of the peer's lane (importing side).
     pub(super) lane_rx: Option<crate::lane::LaneRx>,
-    /// Our buffers lent to the peer for its pushes (receiving side), by inbound transfer,
-    /// until it says `Written`; quarantined if the session ends first.
-    pub(super) lent: HashMap<InboundId, Buffer>,
-    /// Those of `lent` whose transfer was abandoned: no longer counted by the session, so
-    /// bounded here (a peer past `limits.inbound` of them loses the link).
-    pub(super) lent_abandoned: HashSet<InboundId>,
     /// The peer's pools we push into (sending side), by device UUID, each fetched on the
     /// first push to it; the lock makes one fetch at a time.
     pub(super) push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,

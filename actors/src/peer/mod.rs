@@ -17,6 +17,7 @@ mod inbound;
 mod ipc;
 mod link_io;
 mod outbound;
+mod push;
 mod staged_ring;
 mod ucx;
 
@@ -24,7 +25,7 @@ pub use self::fetch::AskFetch;
 pub use self::ucx::AskUcxLanes;
 pub use self::ucx::UcxOff;
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
-use self::{fetch::*, inbound::*, ipc::*, link_io::*, staged_ring::*, ucx::*};
+use self::{fetch::*, inbound::*, ipc::*, link_io::*, push::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -154,6 +155,9 @@ pub struct TransferSetup {
     /// How long a registration the peer may still read is held after a cancel or a lost
     /// link (`memory.export_lease_timeout`, as for memory a lost ipc peer may still map).
     pub ucx_hold: Duration,
+    /// `transport.ucx.emulated_push`: lend memory to the peer's ucx pushes even where UCX
+    /// would emulate its writes over tcp (else those pushes stream over the link).
+    pub ucx_emulated_push: bool,
     /// The buffers this node published, which peers fetch.
     pub published: Arc<crate::publish::Publications>,
     /// Where the answer to a peer's fetch is sent from (routed like any send).
@@ -389,6 +393,8 @@ pub struct TransferActor {
     timer: DeadlineTimer,
     ipc: IpcState,
     ucx: UcxState,
+    /// Our buffers lent to the peer's pushes.
+    lent: LentState,
     staged: StagedState,
     fetch: FetchState,
     /// Bytes the current link (and its staged rings) moved, for the stall clock.
@@ -432,6 +438,7 @@ impl TransferActor {
             staged: StagedState::default(),
             ipc: IpcState::default(),
             ucx: UcxState::default(),
+            lent: LentState::default(),
             fetch: FetchState::default(),
             activity: None,
             reader: None,
@@ -490,15 +497,8 @@ impl Actor for TransferActor {
                 exports.push((gpu.allocator.actor.clone(), op, view));
             }
         }
-        // Buffers lent to the peer for its pushes: it may still be copying into them.
-        for (id, buffer) in self.ipc.lent.drain() {
-            let view = buffer.share();
-            if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
-                && let Some(gpu) = self.setup.gpus.get(n)
-            {
-                exports.push((gpu.allocator.actor.clone(), OpId(LENT | id.0), view));
-            }
-        }
+        // Buffers lent to the peer for its pushes: it may still be writing into them.
+        exports.extend(self.quarantine_lent());
         // Whatever the peer held of our memory is quarantined for the lease timeout.
         let recipients = self.setup.peer_gone.clone();
         let peer = self.peer.clone();

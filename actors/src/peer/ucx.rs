@@ -28,6 +28,72 @@ pub(super) struct UcxState {
     /// Whether the lanes of our endpoint to the peer were reported (logged, and counted
     /// when emulated over tcp): once per peer, after the first pull that completed.
     lanes_reported: bool,
+    /// Whether we said that the peer's ucx pushes stream over the link (once per peer).
+    pushes_streamed: Arc<AtomicBool>,
+}
+
+/// What lending memory to the peer's ucx pushes takes: the engine, and whether the peer's
+/// writes would be one-sided here.
+#[derive(Clone)]
+pub(super) struct UcxLender {
+    pub(super) engine: Arc<Engine>,
+    endpoint: Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
+    address: Vec<u8>,
+    emulated_push: bool,
+    peer: String,
+    said: Arc<AtomicBool>,
+}
+
+impl UcxLender {
+    /// Whether `buffer` is lent to the peer's puts: always with
+    /// `transport.ucx.emulated_push`, else only where our endpoint's lanes to the peer
+    /// make writes into such memory one-sided (the endpoint is made, and flushed so that
+    /// its lanes are final, on the first push). Where they would be emulated over tcp, a
+    /// writer that dies mid-write can abort this process inside UCX: the push streams over
+    /// the link instead, said once per peer.
+    pub(super) async fn lends(&self, buffer: &Buffer) -> bool {
+        if self.emulated_push {
+            return true;
+        }
+        let memory = if buffer.device_memory().is_some() {
+            ferry_transports::ucx::MemoryType::Cuda
+        } else {
+            ferry_transports::ucx::MemoryType::Host
+        };
+        let lanes = match connected(
+            &self.endpoint,
+            Arc::clone(&self.engine),
+            self.address.clone(),
+        )
+        .await
+        {
+            Ok(ucx) => {
+                if !ucx.lanes().after_first_use
+                    && let Ok(flush) = ucx.flush()
+                {
+                    let _ = flush.await;
+                }
+                ucx.lanes()
+            }
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, "no UCX endpoint to judge a push by: {e}");
+                return false;
+            }
+        };
+        let lends = lanes.writes_one_sided(memory);
+        if !lends && !self.said.swap(true, Ordering::Relaxed) {
+            let peer = &self.peer;
+            tracing::warn!(
+                %peer,
+                "pushes from peer {peer} over ucx stream over ferry's link: its writes \
+                 into {memory:?} memory would not be one-sided here ({lanes}), and where \
+                 UCX applies a peer's writes itself, a writer that dies mid-write can abort \
+                 this process (transport.ucx.emulated_push = true lends memory all the \
+                 same)"
+            );
+        }
+        lends
+    }
 }
 
 /// Ask for the lanes of this node's UCX endpoint to the peer: the one pulls use, made now
@@ -59,7 +125,7 @@ impl Handler<AskUcxLanes> for TransferActor {
             if !ucx.lanes().after_first_use {
                 ucx.flush()?.await?;
             }
-            Ok::<_, PullError>(ucx.lanes())
+            Ok::<_, MoveError>(ucx.lanes())
         });
         let used = Arc::clone(&self.ucx.endpoint);
         Box::pin(asked.into_actor(self).map(move |joined, act, _| {
@@ -85,22 +151,22 @@ async fn connected(
     endpoint: &tokio::sync::OnceCell<Arc<UcxPeer>>,
     engine: Arc<Engine>,
     address: Vec<u8>,
-) -> Result<Arc<UcxPeer>, PullError> {
+) -> Result<Arc<UcxPeer>, MoveError> {
     endpoint
         .get_or_try_init(|| async {
             tokio::task::spawn_blocking(move || engine.connect(address))
                 .await
-                .map_err(|e| PullError::Task(e.to_string()))?
+                .map_err(|e| MoveError::Task(e.to_string()))?
                 .map(Arc::new)
-                .map_err(PullError::from)
+                .map_err(MoveError::from)
         })
         .await
         .map(Arc::clone)
 }
 
-/// Why a pull failed, by the transport that pulled.
+/// Why a pull or a push failed, by the transport that moved the bytes.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum PullError {
+pub(super) enum MoveError {
     /// The ipc copy.
     #[error(transparent)]
     Ipc(#[from] crate::gpu::IpcError),
@@ -108,7 +174,7 @@ pub(super) enum PullError {
     #[error(transparent)]
     Ucx(#[from] UcxTransportError),
     /// The task that ran it.
-    #[error("the pull task failed: {0}")]
+    #[error("the task that moved the bytes failed: {0}")]
     Task(String),
 }
 
@@ -167,6 +233,19 @@ pub(crate) fn ucx_unusable_with(
 }
 
 impl TransferActor {
+    /// What lending memory to the peer's ucx pushes takes; `None` when this node does not
+    /// serve ucx.
+    pub(super) fn ucx_lender(&self) -> Option<UcxLender> {
+        Some(UcxLender {
+            engine: self.engine().cloned()?,
+            endpoint: Arc::clone(&self.ucx.endpoint),
+            address: self.ucx.address.clone(),
+            emulated_push: self.setup.ucx_emulated_push,
+            peer: self.peer.clone(),
+            said: Arc::clone(&self.ucx.pushes_streamed),
+        })
+    }
+
     /// The node's UCX engine, when this node serves ucx.
     pub(super) fn engine(&self) -> Option<&Arc<Engine>> {
         self.setup.ucx.as_ref()
@@ -256,7 +335,7 @@ impl TransferActor {
         }
     }
 
-    fn hold_then_drop(&self, exported: Vec<Exported>) {
+    pub(super) fn hold_then_drop<T: Send + 'static>(&self, exported: Vec<T>) {
         let hold = self.setup.ucx_hold;
         self.setup.io.spawn(async move {
             tokio::time::sleep(hold).await;
@@ -269,9 +348,9 @@ impl TransferActor {
     fn forget_failed_endpoint(
         &mut self,
         used: &Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
-        error: &PullError,
+        error: &MoveError,
     ) {
-        if let PullError::Ucx(e) = error
+        if let MoveError::Ucx(e) = error
             && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
             && Arc::ptr_eq(&self.ucx.endpoint, used)
         {
@@ -296,6 +375,52 @@ impl TransferActor {
         }
     }
 
+    /// Writes op `op`'s bytes into the peer's buffer lent as `target` (a ucx push), as a
+    /// task on the I/O runtime: the puts, then a flush of the endpoint, so every byte is
+    /// at the peer before it hears `Written`.
+    pub(super) fn start_ucx_write(&mut self, op: OpId, target: UcxSource, ctx: &mut Context<Self>) {
+        let Some(engine) = self.engine().cloned() else {
+            let off = MoveError::Task("this node no longer serves ucx".into());
+            return self.written(op, Err(off), ctx);
+        };
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            let gone = MoveError::Task("the transfer ended".into());
+            return self.written(op, Err(gone), ctx);
+        };
+        if let Some(why) = self.session.lost_reason() {
+            let gone = MoveError::Task(format!("the link is gone: {why}"));
+            return self.written(op, Err(gone), ctx);
+        }
+        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
+        let source = entry.buffer.share();
+        let layout = match &entry.what {
+            StreamWhat::Transfer(layout) => layout.clone(),
+            StreamWhat::Put { .. } => Layout::Contiguous,
+        };
+        let packed = match layout.check(source.len() as u64) {
+            Ok(packed) => packed,
+            Err(e) => {
+                let bad = MoveError::Task(format!("the layout does not fit the buffer: {e}"));
+                return self.written(op, Err(bad), ctx);
+            }
+        };
+        let endpoint = Arc::clone(&self.ucx.endpoint);
+        let address = self.ucx.address.clone();
+        let push = self.setup.io.spawn(async move {
+            let peer = connected(&endpoint, engine, address).await?;
+            peer.put_from(source, &layout, packed, &target).await?;
+            Ok::<_, MoveError>(())
+        });
+        let used = Arc::clone(&self.ucx.endpoint);
+        ctx.spawn(push.into_actor(self).map(move |joined, act, ctx| {
+            let pushed = joined.unwrap_or_else(|e| Err(MoveError::Task(e.to_string())));
+            if let Err(e) = &pushed {
+                act.forget_failed_endpoint(&used, e);
+            }
+            act.written(op, pushed, ctx);
+        }));
+    }
+
     /// Reads pulled transfer `id` out of the peer's registered buffer into `buffer`, as a
     /// task on the I/O runtime; the result comes back to the session.
     pub(super) fn start_ucx_pull(
@@ -310,7 +435,7 @@ impl TransferActor {
         let Some(engine) = self.engine().cloned() else {
             return self.pull_ended(
                 id,
-                Err(PullError::Task("this node does not serve ucx".into())),
+                Err(MoveError::Task("this node does not serve ucx".into())),
                 ctx,
             );
         };
@@ -327,14 +452,14 @@ impl TransferActor {
                 Err(e) => return (buffer, Err(e)),
             };
             let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
-            (buffer, got.map_err(PullError::from))
+            (buffer, got.map_err(MoveError::from))
         });
         let used = Arc::clone(&self.ucx.endpoint);
         ctx.spawn(pull.into_actor(self).map(move |joined, act, ctx| {
             let pulled = match joined {
                 Ok((buffer, Ok(()))) => Ok(buffer),
                 Ok((_buffer, Err(e))) => Err(e),
-                Err(e) => Err(PullError::Task(e.to_string())),
+                Err(e) => Err(MoveError::Task(e.to_string())),
             };
             match &pulled {
                 Err(e) => act.forget_failed_endpoint(&used, e),

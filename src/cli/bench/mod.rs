@@ -280,6 +280,11 @@ impl Baseline {
     fn label(&self, bidir: bool) -> String {
         match self {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
+            Baseline::Ucx(reader) if reader.push => {
+                "UCX's own ucp_put + flush loop between the same two processes (ferry's \
+                 engine, none of its protocol), the same memory"
+                    .into()
+            }
             Baseline::Ucx(_) => {
                 "UCX's own ucp_get loop between the same two processes (ferry's engine, none \
                  of its protocol), the same memory"
@@ -449,6 +454,7 @@ async fn start_local(
             node.config(),
             &f,
             gpus.map(|g| g.ours),
+            args.direction.as_deref() == Some("push"),
         )?)),
         None => None,
     };

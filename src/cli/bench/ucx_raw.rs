@@ -1,8 +1,9 @@
-//! The ucx bench's baseline: UCX's own read loop between the same two processes, through
-//! ferry's UCX engine but none of ferry's protocol. The peer registers one buffer (host
-//! memory, or device memory of its GPU for `--memory device`) and says where it is on its
-//! ready line; the bench reads it into the same kind of memory with `window` gets in
-//! flight.
+//! The ucx bench's baseline: UCX's own read (or, for `--direction push`, write) loop
+//! between the same two processes, through ferry's UCX engine but none of ferry's protocol.
+//! The peer registers one buffer (host memory, or device memory of its GPU for `--memory
+//! device`) and says where it is on its ready line; the bench reads it into the same kind
+//! of memory with `window` gets in flight, or writes into it from such memory (each write a
+//! put and a flush of the endpoint, as a ucx push ends).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -89,6 +90,8 @@ pub struct Reader {
     peer: Arc<UcxPeer>,
     source: UcxSource,
     gpu: Option<u32>,
+    /// Writes into the peer's buffer instead of reading it.
+    pub push: bool,
 }
 
 impl Reader {
@@ -98,6 +101,7 @@ impl Reader {
         config: &ferry::Config,
         field: &str,
         gpu: Option<u32>,
+        push: bool,
     ) -> anyhow::Result<Reader> {
         let mut parts = field.split('/');
         let (Some(address), Some(rkey), Some(at)) = (parts.next(), parts.next(), parts.next())
@@ -116,6 +120,7 @@ impl Reader {
                 rkey: unhex(rkey)?,
             },
             gpu,
+            push,
         })
     }
 
@@ -147,12 +152,21 @@ impl Reader {
                 && let Some(buffer) = free.pop()
             {
                 let (peer, source) = (Arc::clone(&self.peer), self.source.clone());
-                flying
-                    .push(async move { peer.get_into(buffer, &source, &Layout::Contiguous).await });
+                let push = self.push;
+                flying.push(async move {
+                    if !push {
+                        return peer.get_into(buffer, &source, &Layout::Contiguous).await;
+                    }
+                    let len = buffer.len() as u64;
+                    let put = peer
+                        .put_from(buffer.share(), &Layout::Contiguous, len, &source)
+                        .await;
+                    (buffer, put)
+                });
                 started += 1;
             }
             if let Some((buffer, got)) = flying.next().await {
-                got.context("a baseline read")?;
+                got.context("a baseline read or write")?;
                 free.push(buffer);
             }
         }

@@ -12,10 +12,9 @@ use crate::wire::{Layout, UcxSource};
 use ucx_sys::MemoryType;
 
 /// The ucx transport's declaration: host memory of a peer on another host (or this one),
-/// pulled by the receiver (`ucp_get`) out of the sender's registered buffer.
-///
-/// Pull only: under UCX 1.13 over tcp, a peer that dies while it writes into our memory
-/// aborts this process inside UCX (the put handler meets the failed endpoint).
+/// pulled by the receiver (`ucp_get`) out of the sender's registered buffer (the preferred
+/// direction), or pushed by the sender (`ucp_put` + a flush) into a buffer the receiver
+/// registered and lent in its grant, where a rule asks for push.
 ///
 /// Device memory too where the UCX this process loads moves it ([`moves_cuda`]: a UCX
 /// built with CUDA, such as the `libucx-cu12`/`-cu13` wheels', on a machine with the
@@ -29,7 +28,7 @@ pub fn capabilities() -> Capabilities {
         sources: memory,
         memory,
         localities: &[Locality::SameHost, Locality::Remote],
-        directions: &[Direction::Pull],
+        directions: &[Direction::Pull, Direction::Push],
         needs_fd_passing: false,
         one_sided_put: false,
         carrier: Carrier::Memory,
@@ -94,19 +93,37 @@ fn span_of(
     engine: &Engine,
     bytes: &SharedBytes,
 ) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
+    settle(bytes)?;
+    span_moved(engine.moves(MemoryType::Cuda), bytes)
+}
+
+/// Waits until the writes queued on a device buffer's stream are complete (blocks; nothing
+/// to wait for in host memory).
+fn settle(bytes: &SharedBytes) -> Result<(), UcxTransportError> {
+    match bytes.device_memory() {
+        Some(device) => device
+            .stream()
+            .synchronize()
+            .map_err(UcxTransportError::Cuda),
+        None => Ok(()),
+    }
+}
+
+/// Where a buffer's bytes are, and of which type (device memory only where the engine
+/// moves it, `moves_cuda`), as they are now: see [`span_of`].
+fn span_moved(
+    moves_cuda: bool,
+    bytes: &SharedBytes,
+) -> Result<(MemoryType, *mut u8, usize), UcxTransportError> {
     if let Some(host) = bytes.as_slice() {
         return Ok((MemoryType::Host, host.as_ptr().cast_mut(), host.len()));
     }
     let Some(device) = bytes.device_memory() else {
         return Err(UcxTransportError::Misuse("memory of no kind UCX can read"));
     };
-    if !engine.moves(MemoryType::Cuda) {
+    if !moves_cuda {
         return Err(UcxTransportError::Misuse(NO_CUDA));
     }
-    device
-        .stream()
-        .synchronize()
-        .map_err(UcxTransportError::Cuda)?;
     Ok((MemoryType::Cuda, device.address() as *mut u8, device.len()))
 }
 
@@ -147,6 +164,62 @@ impl Engine {
     }
 }
 
+/// A receiver's buffer lent to a peer's push: registered for the peer to write until
+/// [`Lent::give_back`] (the registration is dropped before the buffer: fields drop in
+/// order).
+#[derive(Debug)]
+pub struct Lent {
+    registration: Registration,
+    buffer: Buffer,
+}
+
+impl Engine {
+    /// Registers `buffer` (host memory, or device memory where this engine moves it) for a
+    /// peer's push to write into. Blocks for the registration.
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::register`], and [`UcxTransportError::Misuse`] for memory UCX cannot
+    /// write (the buffer is dropped).
+    pub fn lend(&self, mut buffer: Buffer) -> Result<Lent, UcxTransportError> {
+        let (memory, ptr, len) = landing_of(&mut buffer, self.moves(MemoryType::Cuda))?;
+        // SAFETY: `Lent` owns the buffer, so its memory stays allocated and nothing in this
+        // process reads or writes it until the registration is gone: `give_back` drops
+        // the registration (which unmaps before it returns) before it hands the buffer
+        // out, and a dropped `Lent` drops its registration first. Only the peer writes it.
+        let registration = unsafe { self.register_in(memory, ptr, len) }?;
+        Ok(Lent {
+            registration,
+            buffer,
+        })
+    }
+}
+
+impl Lent {
+    /// The memory it is.
+    pub fn kind(&self) -> crate::memory::MemoryKind {
+        self.buffer.kind()
+    }
+
+    /// What the sender needs to write it: the address and the packed key.
+    pub fn target(&self) -> UcxSource {
+        UcxSource {
+            address: self.registration.address(),
+            rkey: self.registration.rkey().to_vec(),
+        }
+    }
+
+    /// Unregisters the buffer (blocks until UCX let go of it) and hands it back.
+    pub fn give_back(self) -> Buffer {
+        let Self {
+            registration,
+            buffer,
+        } = self;
+        drop(registration);
+        buffer
+    }
+}
+
 /// Most gets of one pull in UCX at once (the engine queues 1024 from every caller, and a
 /// node has up to `pipeline_depth` pulls per peer).
 const ROWS_IN_FLIGHT: usize = 32;
@@ -182,19 +255,7 @@ impl UcxPeer {
             return Ok(());
         }
         let rkey = self.remote_key(source.rkey.clone())?;
-        // (offset at the peer, offset here, bytes): one get per row or block, a long one in
-        // pieces.
-        let rows: Vec<(u64, u64, u64)> = match layout.extent() {
-            Ok(None) => pieces(0, 0, len as u64).collect(),
-            Ok(Some(span)) => layout
-                .boxes(span, 0, len as u64)
-                .map_err(|_| UcxTransportError::Misuse("the offer's layout does not fit"))?
-                .iter()
-                .flat_map(|b| b.rows().collect::<Vec<_>>())
-                .flat_map(|(theirs, ours, n)| pieces(theirs, ours, n))
-                .collect(),
-            Err(_) => return Err(UcxTransportError::Misuse("the offer's layout is invalid")),
-        };
+        let rows = rows_of(layout, len as u64)?;
         for batch in rows.chunks(ROWS_IN_FLIGHT) {
             let ops = self.start_gets(dst, source.address, &rkey, batch)?;
             let mut first_error = None;
@@ -241,6 +302,104 @@ impl UcxPeer {
             ops.push(op);
         }
         Ok(ops)
+    }
+}
+
+impl UcxPeer {
+    /// Writes the bytes of `source` that `layout` describes (`packed` of them, packed)
+    /// into the peer's buffer lent as `target`, then flushes the endpoint: when this
+    /// returns `Ok`, every byte is in place and visible at the peer, and the sender may
+    /// say so (`Written`). A device source's queued writes complete first (its stream is
+    /// synchronized on a blocking thread).
+    ///
+    /// If the future is dropped early, the drop waits until UCX no longer reads `source`
+    /// (bounded by the engine's operation timeout).
+    pub async fn put_from(
+        &self,
+        source: SharedBytes,
+        layout: &Layout,
+        packed: u64,
+        target: &UcxSource,
+    ) -> Result<(), UcxTransportError> {
+        if packed == 0 {
+            return Ok(());
+        }
+        let source = if source.device_memory().is_some() {
+            let settled = tokio::task::spawn_blocking(move || settle(&source).map(|()| source));
+            settled
+                .await
+                .map_err(|_| UcxTransportError::EngineStopped { op: None })??
+        } else {
+            source
+        };
+        let rkey = self.remote_key(target.rkey.clone())?;
+        let rows = rows_of(layout, packed)?;
+        for batch in rows.chunks(ROWS_IN_FLIGHT) {
+            let ops = self.start_puts(&source, target.address, &rkey, batch)?;
+            let mut first_error = None;
+            for op in ops {
+                if let Err(e) = op.await {
+                    first_error.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first_error {
+                return Err(e);
+            }
+        }
+        // A put completes when its source may be reused, not when its bytes are at the
+        // peer: the flush waits for that, so `Written` (on another connection) cannot
+        // overtake them.
+        self.flush()?.await
+    }
+}
+
+impl UcxPeer {
+    /// Starts one put per row of `batch` (offset in `source`, offset at the peer from
+    /// `remote`, bytes). On an error, the puts started so far are waited for (by their
+    /// drop) before it returns.
+    fn start_puts(
+        &self,
+        source: &SharedBytes,
+        remote: u64,
+        rkey: &RemoteKey,
+        batch: &[(u64, u64, u64)],
+    ) -> Result<Vec<Operation>, UcxTransportError> {
+        let (memory, base, room) = span_moved(self.moves(MemoryType::Cuda), source)?;
+        let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
+        for &(ours, theirs, bytes) in batch {
+            if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
+                return Err(UcxTransportError::Misuse(
+                    "a row past the end of the source buffer",
+                ));
+            }
+            let at = remote
+                .checked_add(theirs)
+                .ok_or(UcxTransportError::Misuse("a remote address overflows"))?;
+            let local = base.wrapping_add(ours as usize);
+            // SAFETY: the row lies inside `source` (checked above), memory of the type
+            // named, which `source` keeps allocated; nothing writes it while the transfer
+            // holds the buffer, and `put_from` awaits every operation returned here (or
+            // its drop waits for it) before `source` can go.
+            let op = unsafe { self.put_in(memory, local, bytes as usize, at, rkey) }?;
+            ops.push(op);
+        }
+        Ok(ops)
+    }
+}
+
+/// (offset in the buffer that `layout` describes, offset in the packed bytes, bytes) of
+/// each row or block, a long one in pieces: one get or put each.
+fn rows_of(layout: &Layout, packed: u64) -> Result<Vec<(u64, u64, u64)>, UcxTransportError> {
+    match layout.extent() {
+        Ok(None) => Ok(pieces(0, 0, packed).collect()),
+        Ok(Some(span)) => Ok(layout
+            .boxes(span, 0, packed)
+            .map_err(|_| UcxTransportError::Misuse("the offer's layout does not fit"))?
+            .iter()
+            .flat_map(|b| b.rows().collect::<Vec<_>>())
+            .flat_map(|(theirs, ours, n)| pieces(theirs, ours, n))
+            .collect()),
+        Err(_) => Err(UcxTransportError::Misuse("the offer's layout is invalid")),
     }
 }
 

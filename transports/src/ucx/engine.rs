@@ -411,6 +411,28 @@ impl UcxPeer {
         )
     }
 
+    /// As [`UcxPeer::put`], from memory of the given type (device memory where the loaded
+    /// UCX moves it; see [`Engine::register_in`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`UcxPeer::put`], and `local..local+len` is memory of type `memory`.
+    ///
+    /// # Errors
+    ///
+    /// As [`UcxPeer::get`].
+    pub unsafe fn put_in(
+        &self,
+        memory: MemoryType,
+        local: *const u8,
+        len: usize,
+        remote_address: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Operation, UcxTransportError> {
+        let local = local.cast_mut();
+        self.rma(OpKind::Put(len), memory, local, len, remote_address, rkey)
+    }
+
     fn rma(
         &self,
         kind: OpKind,

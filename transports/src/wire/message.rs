@@ -14,7 +14,8 @@ use rkyv::{Archive, Deserialize, Serialize};
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
 /// 10: lane records of any size (a receiver of version 9 refused those over 64 KiB).
-pub const PROTOCOL_VERSION: u16 = 10;
+/// 11: a grant may lend a UCX registration for a ucx push ([`Grant::ucx`]).
+pub const PROTOCOL_VERSION: u16 = 11;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -276,7 +277,7 @@ pub enum IpcSetupStep {
 }
 
 /// The receiver has reserved memory for a transfer; the sender may stream it, or, for an
-/// ipc push, write it into `target`.
+/// ipc or ucx push, write it into the buffer lent (`target` or `ucx`; at most one).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct Grant {
@@ -289,9 +290,12 @@ pub struct Grant {
     /// `None`: the bytes stream over the link (a push whose landing spilled to host memory
     /// takes that way too).
     pub target: Option<IpcSource>,
+    /// For a ucx push: the receiver's buffer, registered with its UCX for the sender to
+    /// write (`ucp_put`) and flush into. Lent until the sender answers [`Message::Written`].
+    pub ucx: Option<UcxSource>,
 }
 
-/// The sender of an ipc push no longer touches the receiver's buffer lent in the grant: its
+/// The sender of an ipc or ucx push no longer touches the receiver's buffer lent in the grant: its
 /// copy completed (`error` is `None`, every byte is in place and visible) or failed or never
 /// ran. Sent exactly once for every grant that lent a buffer.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]

@@ -1,0 +1,256 @@
+//! Pushes that borrow the receiver's memory (ipc, ucx). Receiving: a buffer reserved, lent
+//! in the grant (an ipc export of device memory, or a UCX registration), kept until the
+//! peer says `Written`, then delivered or freed. A lent buffer the peer may still write is
+//! never freed at once: abandoned, it waits for `Written` within the lease timeout (else
+//! the link goes); on a lost session it is quarantined. Sending: each transport writes
+//! (`peer/ipc.rs`, `peer/ucx.rs`), and [`TransferActor::written`] tells the peer.
+
+use super::*;
+use crate::core::session::PushTarget;
+use ferry_transports::ucx::Lent;
+use ferry_transports::wire::UcxSource;
+
+/// One buffer lent to the peer, by the transport that writes it.
+#[derive(Debug)]
+pub(super) enum LentBuffer {
+    /// Device memory exported to the peer's ipc push.
+    Ipc(Buffer),
+    /// Memory registered with our UCX for the peer's `ucp_put`.
+    Ucx(Lent),
+}
+
+/// The buffers lent to the peer.
+#[derive(Debug, Default)]
+pub(super) struct LentState {
+    /// By inbound transfer, until the peer says `Written`.
+    pub(super) buffers: HashMap<InboundId, LentBuffer>,
+    /// Those whose transfer was abandoned: no longer counted by the session, so bounded
+    /// here (a peer past `limits.inbound` of them loses the link).
+    pub(super) abandoned: HashSet<InboundId>,
+}
+
+/// How a push's landing is lent, by the transport that writes it.
+#[derive(Clone)]
+pub(super) enum Lender {
+    /// Device memory is exported for the peer to import; host memory is not lent (the
+    /// bytes stream over the link).
+    Ipc,
+    /// Memory the engine moves is registered for the peer's puts, where they would be
+    /// one-sided (else the bytes stream over the link).
+    Ucx(UcxLender),
+}
+
+/// A landing reserved for an inbound transfer.
+pub(super) enum Landed {
+    /// The bytes land here: pulled, or streamed over the link.
+    Plain(Buffer),
+    /// Lent to the peer's push (what goes in the grant), or why it could not be.
+    Lent(Result<(LentBuffer, PushTarget), String>),
+}
+
+impl Lender {
+    /// Lends `buffer` (blocking: an export or a registration), or hands it back plain when
+    /// this transport does not lend such memory.
+    pub(super) fn lend(&self, buffer: Buffer) -> Landed {
+        match self {
+            Self::Ipc if buffer.device_memory().is_none() => Landed::Plain(buffer),
+            Self::Ipc => Landed::Lent(
+                crate::gpu::export_source(&buffer, false)
+                    .map(|target| (LentBuffer::Ipc(buffer), PushTarget::Ipc(target)))
+                    .map_err(|e| e.to_string()),
+            ),
+            Self::Ucx(ucx) => Landed::Lent(match ucx.engine.lend(buffer) {
+                Ok(lent) => {
+                    let target = PushTarget::Ucx(lent.target());
+                    Ok((LentBuffer::Ucx(lent), target))
+                }
+                Err(e) => Err(format!("cannot register the buffer with UCX: {e}")),
+            }),
+        }
+    }
+}
+
+impl TransferActor {
+    /// Who lends the landing of a push over `transport`: `None` when this node cannot (a
+    /// ucx push while our UCX is gone; the reservation then fails).
+    pub(super) fn lender(&self, transport: ferry_config::TransportName) -> Option<Lender> {
+        if transport == UcxSource::TRANSPORT {
+            self.ucx_lender().map(Lender::Ucx)
+        } else {
+            Some(Lender::Ipc)
+        }
+    }
+
+    /// Lends `lent`, reserved for inbound push `id`, to the peer: `target` goes in the
+    /// grant, and the buffer is kept until the peer says `Written`.
+    pub(super) fn lend(&mut self, id: InboundId, lent: Result<(LentBuffer, PushTarget), String>) {
+        let (buffer, target) = match lent {
+            Ok(lent) => lent,
+            Err(why) => {
+                return self
+                    .session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why);
+            }
+        };
+        let landing = match &buffer {
+            LentBuffer::Ipc(b) => b.kind(),
+            LentBuffer::Ucx(l) => l.kind(),
+        };
+        if self
+            .session
+            .handle_reserved(Instant::now(), id, landing.to_wire(), Some(target))
+        {
+            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
+            }
+            self.lent.buffers.insert(id, buffer);
+        } else {
+            // Abandoned meanwhile: nothing was lent (no grant left).
+            self.free_lent(buffer);
+        }
+    }
+
+    /// The peer no longer writes the buffer lent for inbound `id`: the transfer completes
+    /// with it (a UCX registration is dropped first, off this thread), or fails and the
+    /// buffer is freed.
+    pub(super) fn on_written(
+        &mut self,
+        id: InboundId,
+        error: Option<String>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(buffer) = self.lent.buffers.remove(&id) else {
+            return;
+        };
+        self.lent.abandoned.remove(&id);
+        if let Some(why) = error {
+            tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
+            self.free_lent(buffer);
+            return self.session.handle_reserve_failed(
+                id,
+                WireReason::Unsupported,
+                format!("the push failed: {why}"),
+            );
+        }
+        match buffer {
+            LentBuffer::Ipc(buffer) => self.completed(id, buffer),
+            LentBuffer::Ucx(lent) => {
+                let unregistered = self.setup.io.spawn_blocking(move || lent.give_back());
+                ctx.spawn(unregistered.into_actor(self).map(move |joined, act, ctx| {
+                    match joined {
+                        Ok(buffer) => act.completed(id, buffer),
+                        Err(e) => act.session.handle_reserve_failed(
+                            id,
+                            WireReason::ShuttingDown,
+                            format!("the UCX unregistration task failed: {e}"),
+                        ),
+                    }
+                    act.drive(ctx);
+                }));
+            }
+        }
+    }
+
+    /// A lent buffer the peer no longer writes goes (a registration off this thread).
+    fn free_lent(&self, buffer: LentBuffer) {
+        match buffer {
+            LentBuffer::Ipc(buffer) => drop(buffer),
+            LentBuffer::Ucx(lent) => {
+                self.setup.io.spawn_blocking(move || drop(lent));
+            }
+        }
+    }
+
+    /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
+    /// (`Written`) within the lease timeout, or the link goes (its session ends, which ends
+    /// its copies) and the buffer is quarantined with the rest.
+    pub(super) fn abandon_lent(&mut self, id: InboundId, ctx: &mut Context<Self>) {
+        if !self.lent.buffers.contains_key(&id) {
+            return;
+        }
+        self.lent.abandoned.insert(id);
+        if self.lent.abandoned.len() > self.setup.limits.inbound {
+            tracing::warn!(
+                peer = %self.peer,
+                "the peer keeps more abandoned lent buffers than it may have \
+                 transfers open; dropping the link"
+            );
+            self.session
+                .handle_link_lost("the peer kept too many abandoned lent buffers");
+        }
+        let link = self.link;
+        ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
+            if act.link == link && act.lent.buffers.contains_key(&id) {
+                tracing::warn!(
+                    peer = %act.peer,
+                    id = id.0,
+                    "the peer kept a buffer it was pushing into past the lease timeout; \
+                     dropping the link"
+                );
+                act.session
+                    .handle_link_lost("the peer did not give back a lent buffer in time");
+                act.drive(ctx);
+            }
+        });
+    }
+
+    /// The session ended with buffers lent: the peer may still be writing them. Device
+    /// memory lent over ipc goes to its domain's quarantine (returned for `exports`); a
+    /// UCX registration is held as long as a cancelled read's before it goes.
+    pub(super) fn quarantine_lent(
+        &mut self,
+    ) -> Vec<(Addr<crate::allocator::Allocator>, OpId, SharedBytes)> {
+        let mut exports = Vec::new();
+        let mut registered = Vec::new();
+        for (id, buffer) in self.lent.buffers.drain() {
+            match buffer {
+                LentBuffer::Ipc(buffer) => {
+                    let view = buffer.share();
+                    if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
+                        && let Some(gpu) = self.setup.gpus.get(n)
+                    {
+                        exports.push((gpu.allocator.actor.clone(), OpId(LENT | id.0), view));
+                    }
+                }
+                LentBuffer::Ucx(lent) => registered.push(lent),
+            }
+        }
+        self.lent.abandoned.clear();
+        if !registered.is_empty() {
+            self.hold_then_drop(registered);
+        }
+        exports
+    }
+
+    /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits
+    /// for the peer's `Done` or fails.
+    pub(super) fn written(
+        &mut self,
+        op: OpId,
+        pushed: Result<(), MoveError>,
+        ctx: &mut Context<Self>,
+    ) {
+        let frame = Message::Written(Written {
+            transfer: op.0,
+            error: pushed.as_ref().err().map(ToString::to_string),
+        });
+        let sent = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.try_send(Outgoing::Frame(frame)).is_ok());
+        if !sent {
+            // The peer's buffer must not stay lent on a link that goes on: it goes.
+            self.session
+                .handle_link_lost("the link's send queue overflowed or closed");
+        }
+        match pushed {
+            Ok(()) => self.session.handle_stream_ended(op),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = op.0, "push failed: {why}");
+                metrics::counter!("ferry_push_failures_total").increment(1);
+                self.session.handle_write_failed(op, why.to_string());
+            }
+        }
+        self.drive(ctx);
+    }
+}
