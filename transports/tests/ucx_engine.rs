@@ -939,9 +939,10 @@ fn killed_client_leaves_us_standing(mode: &str) {
 }
 
 #[test]
-#[ignore = "UCX 1.13 over tcp aborts this process: ucp_put_handler's completion meets the \
-            failed endpoint (ucs_fatal 'unexpected error: Endpoint timeout'); run with \
-            --ignored against a newer UCX"]
+#[ignore = "UCX over tcp aborts this process: ucp_put_handler's completion meets the \
+            failed endpoint (ucs_fatal 'unexpected error: Endpoint timeout'); measured \
+            2026-11-24: 1.13 in 4 runs of 6, the 1.22 wheel in 1 of 6. Why a ucx push lends \
+            memory only where writes are one-sided (transport.ucx.emulated_push)"]
 fn a_client_killed_mid_put_to_us_leaves_us_standing() {
     if ucx_test("a_client_killed_mid_put_to_us_leaves_us_standing").is_none() {
         return;

@@ -56,9 +56,9 @@ impl UcxLender {
             return true;
         }
         let memory = if buffer.device_memory().is_some() {
-            ferry_transports::ucx::MemoryType::Cuda
+            "device"
         } else {
-            ferry_transports::ucx::MemoryType::Host
+            "host"
         };
         let lanes = match connected(
             &self.endpoint,
@@ -80,13 +80,13 @@ impl UcxLender {
                 return false;
             }
         };
-        let lends = lanes.writes_one_sided(memory);
+        let lends = lanes.writes_one_sided();
         if !lends && !self.said.swap(true, Ordering::Relaxed) {
             let peer = &self.peer;
             tracing::warn!(
                 %peer,
                 "pushes from peer {peer} over ucx stream over ferry's link: its writes \
-                 into {memory:?} memory would not be one-sided here ({lanes}), and where \
+                 into {memory} memory would not be one-sided here ({lanes}), and where \
                  UCX applies a peer's writes itself, a writer that dies mid-write can abort \
                  this process (transport.ucx.emulated_push = true lends memory all the \
                  same)"
