@@ -491,3 +491,50 @@ async fn a_writer_killed_mid_push_ends_its_transfers_and_this_node_lives() {
     a.shutdown().await;
     other.shutdown().await;
 }
+
+/// A key of a peer's registration is used for the one transfer it was made for and no
+/// other: each registration lives from its offer (or grant) until the transfer ends, and
+/// the endpoint that used its key forgets it then, so no key of memory the peer may since
+/// have freed stays unpacked. Pulls (b reads a's buffers) and pushes (a writes b's) alike:
+/// after 16 transfers each way, neither endpoint holds a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_forgotten_when_its_transfer_ends() {
+    let test = "a_key_is_forgotten_when_its_transfer_ends";
+    if !ucx_here(test) {
+        return;
+    }
+    for (extra, reader_of_keys) in [
+        (over_tcp_only(), "pull"),
+        (pushed_over_tcp_only(true), "push"),
+    ] {
+        let scratch = Scratch::new();
+        let b = Node::start(scratch.config("b", &[], &extra))
+            .await
+            .expect("b");
+        let addr = b.tcp_addrs()[0].clone();
+        let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
+            .await
+            .expect("a");
+        a.connect("b").await.expect("link");
+        for tag in 1..=16u64 {
+            let buffer = patterned(&a, 256 << 10, tag).await;
+            drop(a.send("b", tag, buffer).await.expect("send over ucx"));
+            let got = b.recv(Some("a"), Some(tag)).await.expect("recv");
+            assert_eq!(got.transport.as_str(), "ucx", "{reader_of_keys} {tag}");
+        }
+        // The pulling side (b) or the writing side (a) used 16 keys; none is left.
+        let (user, peer) = if reader_of_keys == "pull" {
+            (&b, "a")
+        } else {
+            (&a, "b")
+        };
+        let none_left = eventually(Duration::from_secs(5), async || {
+            user.ucx_unpacked_keys(peer).await.is_ok_and(|n| n == 0)
+        })
+        .await;
+        let held = user.ucx_unpacked_keys(peer).await;
+        assert!(none_left, "{reader_of_keys}: {held:?} keys still unpacked");
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}

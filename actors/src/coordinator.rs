@@ -118,6 +118,15 @@ pub struct UcxLanesOf {
     pub peer: String,
 }
 
+/// How many keys of `peer`'s registrations this node's UCX endpoint to it holds unpacked
+/// (see [`crate::peer::AskUcxKeys`]).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<usize, Error>")]
+pub struct UcxKeysOf {
+    /// Peer name.
+    pub peer: String,
+}
+
 /// A link finished its handshake.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -897,6 +906,14 @@ impl Handler<UcxLanesOf> for Coordinator {
 
     fn handle(&mut self, msg: UcxLanesOf, ctx: &mut Self::Context) -> Self::Result {
         self.ask_peer(msg.peer, crate::peer::AskUcxLanes, ctx)
+    }
+}
+
+impl Handler<UcxKeysOf> for Coordinator {
+    type Result = ResponseFuture<Result<usize, Error>>;
+
+    fn handle(&mut self, msg: UcxKeysOf, ctx: &mut Self::Context) -> Self::Result {
+        self.ask_peer(msg.peer, crate::peer::AskUcxKeys, ctx)
     }
 }
 

@@ -866,6 +866,21 @@ impl Node {
             .map_err(|_| Error::ShuttingDown)?
     }
 
+    /// How many keys of `peer`'s UCX registrations this node's endpoint to it holds
+    /// unpacked: each is forgotten when the one transfer it served ended (the peer drops
+    /// the registration then), so between transfers this is 0. A diagnostic.
+    ///
+    /// # Errors
+    /// As [`Node::connect`] for the link.
+    pub async fn ucx_unpacked_keys(&self, peer: &str) -> Result<usize, Error> {
+        self.coordinator
+            .send(crate::coordinator::UcxKeysOf {
+                peer: peer.to_string(),
+            })
+            .await
+            .map_err(|_| Error::ShuttingDown)?
+    }
+
     /// Peers with a live link.
     pub async fn connected_peers(&self) -> Result<Vec<String>, Error> {
         self.coordinator

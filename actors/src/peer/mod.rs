@@ -22,8 +22,8 @@ mod staged_ring;
 mod ucx;
 
 pub use self::fetch::AskFetch;
-pub use self::ucx::AskUcxLanes;
 pub use self::ucx::UcxOff;
+pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
 use self::{fetch::*, inbound::*, ipc::*, link_io::*, push::*, staged_ring::*, ucx::*};
 

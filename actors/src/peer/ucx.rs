@@ -145,6 +145,21 @@ impl Handler<AskUcxLanes> for TransferActor {
     }
 }
 
+/// Ask how many keys of the peer's registrations our UCX endpoint to it holds unpacked (0
+/// without an endpoint). Each registration serves one transfer, and its key is forgotten
+/// when that transfer ends: between transfers the answer is 0.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<usize, Error>")]
+pub struct AskUcxKeys;
+
+impl Handler<AskUcxKeys> for TransferActor {
+    type Result = Result<usize, Error>;
+
+    fn handle(&mut self, _: AskUcxKeys, _: &mut Self::Context) -> Self::Result {
+        Ok(self.ucx.endpoint.get().map_or(0, |e| e.unpacked_keys()))
+    }
+}
+
 /// Our endpoint to the peer's worker at `address`: the one in `endpoint`, or a new one
 /// (connected on a blocking thread).
 async fn connected(
@@ -162,6 +177,17 @@ async fn connected(
         })
         .await
         .map(Arc::clone)
+}
+
+/// Drops our endpoint's unpacked copy of the key of the peer's registration `of` once the
+/// one transfer it was made for has ended: the peer drops the registration when it hears
+/// `Done` or `Written` (each registration serves one transfer), so a key kept would only
+/// stand for memory the peer may since have freed, and could never be used rightly again.
+fn forget_key(peer: &UcxPeer, of: &UcxSource) {
+    if let Ok(key) = peer.remote_key(of.rkey.clone()) {
+        // Fails only when the engine stopped, which dropped every key already.
+        let _ = peer.forget_rkey(&key);
+    }
 }
 
 /// Why a pull or a push failed, by the transport that moved the bytes.
@@ -408,7 +434,9 @@ impl TransferActor {
         let address = self.ucx.address.clone();
         let push = self.setup.io.spawn(async move {
             let peer = connected(&endpoint, engine, address).await?;
-            peer.put_from(source, &layout, packed, &target).await?;
+            let put = peer.put_from(source, &layout, packed, &target).await;
+            forget_key(&peer, &target);
+            put?;
             Ok::<_, MoveError>(())
         });
         let used = Arc::clone(&self.ucx.endpoint);
@@ -452,6 +480,7 @@ impl TransferActor {
                 Err(e) => return (buffer, Err(e)),
             };
             let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
+            forget_key(&peer, &source);
             (buffer, got.map_err(MoveError::from))
         });
         let used = Arc::clone(&self.ucx.endpoint);

@@ -152,7 +152,7 @@ impl Engine {
         self.shared
             .control(request)
             .map_err(|_| UcxTransportError::EngineStopped { op: None })?;
-        let (id, lanes) =
+        let (id, lanes, keys) =
             block_on(rx).unwrap_or(Err(UcxTransportError::EngineStopped { op: None }))?;
         Ok(UcxPeer {
             shared: self.shared.clone(),
@@ -160,6 +160,7 @@ impl Engine {
             ucx: self.ucx.version(),
             moves_cuda: self.moves_cuda,
             lanes,
+            keys,
         })
     }
 
@@ -294,9 +295,18 @@ pub struct UcxPeer {
     ucx: Version,
     moves_cuda: bool,
     lanes: Arc<LaneSlot>,
+    keys: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl UcxPeer {
+    /// How many of the peer's keys this endpoint holds unpacked (cached, or in use by an
+    /// operation after [`UcxPeer::forget_rkey`]): each is UCX state about a registration of
+    /// the peer's. Read without waiting for the progress thread, so it may lag a forget
+    /// queued just before.
+    pub fn unpacked_keys(&self) -> usize {
+        self.keys.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// How errors name this peer.
     pub fn name(&self) -> &PeerName {
         &self.name

@@ -78,6 +78,10 @@ impl Command {
     }
 }
 
+/// A new endpoint: the peer's number, where its lanes are reported, and its count of
+/// unpacked keys.
+pub(crate) type Connected = (u64, Arc<LaneSlot>, Arc<std::sync::atomic::AtomicUsize>);
+
 /// What runs before the ordered lane.
 #[derive(Debug)]
 pub(crate) enum Control {
@@ -86,7 +90,7 @@ pub(crate) enum Control {
     Connect {
         address: Vec<u8>,
         origin: Arc<str>,
-        reply: oneshot::Sender<Result<(u64, Arc<LaneSlot>), UcxTransportError>>,
+        reply: oneshot::Sender<Result<Connected, UcxTransportError>>,
     },
     /// Map memory and pack its key; the answer is the registration's number and its key
     /// (sealed).

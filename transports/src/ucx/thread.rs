@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::time::{Duration, Instant};
 
@@ -105,6 +106,9 @@ struct Peer {
     lanes: Arc<LaneSlot>,
     /// Whether the lanes were asked again after the first operation completed.
     lanes_settled: bool,
+    /// How many of the peer's keys are unpacked and not yet destroyed, as the peer's
+    /// handle reads it.
+    keys: Arc<AtomicUsize>,
 }
 
 /// An operation in UCX.
@@ -263,6 +267,7 @@ impl ProgressThread {
                         // SAFETY: handed back by the cache: unused, destroyed once; the
                         // worker is live.
                         unsafe { self.ucp.destroy_rkey(rkey) };
+                        p.keys.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
                 Command::DropPeer { peer } => {
@@ -295,6 +300,7 @@ impl ProgressThread {
                         let chosen = unsafe { self.ucp.lanes(ep) };
                         let lanes =
                             Arc::new(LaneSlot::new(EndpointLanes::from_query(chosen, false)));
+                        let keys = Arc::new(AtomicUsize::new(0));
                         self.endpoints.insert(ep.as_ptr() as usize, id);
                         self.peers.insert(
                             id,
@@ -307,9 +313,10 @@ impl ProgressThread {
                                 dropped: false,
                                 lanes: lanes.clone(),
                                 lanes_settled: false,
+                                keys: Arc::clone(&keys),
                             },
                         );
-                        Ok((id, lanes))
+                        Ok((id, lanes, keys))
                     }
                     Err(source) => Err(UcxTransportError::Connect { origin, source }),
                 };
@@ -408,10 +415,12 @@ impl ProgressThread {
                 // by ferry's link.
                 match unsafe { self.ucp.unpack(ep, key.payload()) } {
                     Ok(rkey) => {
+                        peer.keys.fetch_add(1, Ordering::Relaxed);
                         let (id, evicted) = peer.rkeys.insert(key.clone(), rkey);
                         if let Some(old) = evicted {
                             // SAFETY: handed back by the cache: unused, destroyed once.
                             unsafe { self.ucp.destroy_rkey(old) };
+                            peer.keys.fetch_sub(1, Ordering::Relaxed);
                         }
                         (id, rkey)
                     }
@@ -565,6 +574,7 @@ impl ProgressThread {
             // SAFETY: nothing is in flight to the peer, so no operation uses its keys;
             // each is destroyed once (drained out of the cache); the worker is live.
             unsafe { self.ucp.destroy_rkey(rkey) };
+            p.keys.fetch_sub(1, Ordering::Relaxed);
         }
         if !p.dropped {
             return;
@@ -603,6 +613,7 @@ impl ProgressThread {
         {
             // SAFETY: handed back by the cache: its last user completed; destroyed once.
             unsafe { self.ucp.destroy_rkey(rkey) };
+            p.keys.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
