@@ -970,3 +970,35 @@ fn handles_cross_threads() {
     fn send<T: Send>() {}
     send::<Operation>();
 }
+
+/// What one registration costs (`ucp_mem_map` + packing its key, then `ucp_mem_unmap`),
+/// the price of registering every transfer's buffer afresh: printed, not asserted (a
+/// measurement; run with `--ignored --nocapture`).
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn registration_cost() {
+    if ucx_test("registration_cost").is_none() {
+        return;
+    }
+    let a = engine(&settings());
+    for len in [4 << 10, 1 << 20, 64 << 20] {
+        let mut bytes = pattern(1, len);
+        let rounds = 50u32;
+        let mut mapped = Duration::ZERO;
+        let mut unmapped = Duration::ZERO;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            // SAFETY: `bytes` outlives the registration, dropped in this iteration.
+            let r = unsafe { a.register(bytes.as_mut_ptr(), bytes.len()) }.expect("register");
+            mapped += t.elapsed();
+            let t = Instant::now();
+            drop(r);
+            unmapped += t.elapsed();
+        }
+        println!(
+            "{len} bytes: register {:?}, unregister {:?} (mean of {rounds})",
+            mapped / rounds,
+            unmapped / rounds
+        );
+    }
+}
