@@ -911,6 +911,7 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
     let ucx_target = || ferry_transports::wire::UcxSource {
         address: 0x1000,
         rkey: vec![7; 32],
+        packed: false,
     };
     // B serves ucx: a ucx push offer asks it to reserve and lend for ucx.
     let mut b = PeerSession::new(LIMITS);
@@ -1376,6 +1377,7 @@ fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
     let ucx = ferry_transports::wire::UcxSource {
         address: 0x1000,
         rkey: vec![7; 16],
+        packed: false,
     };
     let offer = |transfer, transport: TransportName, ipc, ucx| {
         Message::Offer(ferry_transports::wire::Offer {

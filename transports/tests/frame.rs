@@ -33,7 +33,7 @@ fn hello() -> Hello {
 /// One frame of the corpus: a message, or the raw bytes of a chunk.
 #[derive(Debug, Clone, PartialEq)]
 enum Item {
-    Msg(Message),
+    Msg(Box<Message>),
     Payload(Vec<u8>),
 }
 
@@ -62,7 +62,7 @@ impl Item {
         match self {
             Self::Msg(msg) => {
                 assert_eq!(frame.message().map(|m| m.kind()), Ok(msg.kind()));
-                assert_eq!(frame.to_owned_message().as_ref(), Ok(msg));
+                assert_eq!(frame.to_owned_message().as_ref(), Ok(&**msg));
             }
             Self::Payload(bytes) => {
                 assert_eq!(frame.payload(), &bytes[..]);
@@ -103,6 +103,7 @@ fn corpus() -> Vec<Item> {
             ucx: Some(ferry_transports::wire::UcxSource {
                 address: 0x7f00_0000_1000,
                 rkey: vec![5; 30],
+                packed: false,
             }),
             layout: ferry_transports::wire::Layout::Strided3D {
                 depth: 2,
@@ -168,6 +169,7 @@ fn corpus() -> Vec<Item> {
             ucx: Some(ferry_transports::wire::UcxSource {
                 address: 0x7f00_0000_1000,
                 rkey: vec![9; 40],
+                packed: false,
             }),
         }),
         Message::Written(ferry_transports::wire::Written {
@@ -229,7 +231,7 @@ fn corpus() -> Vec<Item> {
         Message::Goodbye,
         Message::Welcome,
     ];
-    let mut items: Vec<Item> = msgs.into_iter().map(Item::Msg).collect();
+    let mut items: Vec<Item> = msgs.into_iter().map(|m| Item::Msg(Box::new(m))).collect();
     items.extend(
         [Vec::new(), pattern(4096), vec![0xab; 300]]
             .into_iter()

@@ -317,7 +317,7 @@ impl OpKind {
 #[derive(Debug)]
 enum Phase {
     Waiting(OpKind),
-    AwaitGrant(SendRequest),
+    AwaitGrant(Box<SendRequest>),
     Streaming {
         op: OpKind,
         confirmed: bool,
@@ -532,7 +532,7 @@ impl PeerSession {
                     let phase = if req.direction == WireDirection::Pull {
                         Phase::AwaitConfirm(OpKind::Transfer(req))
                     } else {
-                        Phase::AwaitGrant(*req)
+                        Phase::AwaitGrant(req)
                     };
                     self.ops.insert(id, phase);
                 }
@@ -836,7 +836,7 @@ impl PeerSession {
                 self.ops.insert(
                     id,
                     Phase::Streaming {
-                        op: OpKind::Transfer(Box::new(req)),
+                        op: OpKind::Transfer(req),
                         confirmed: false,
                     },
                 );
@@ -1144,8 +1144,7 @@ impl PeerSession {
         for id in ids {
             match self.ops.remove(&id) {
                 Some(Phase::AwaitGrant(req)) => {
-                    self.ops
-                        .insert(id, Phase::Waiting(OpKind::Transfer(Box::new(req))));
+                    self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
                 }
                 // A pull awaits Done right after its offer, which the peer never read.
                 Some(Phase::AwaitConfirm(OpKind::Transfer(req)))

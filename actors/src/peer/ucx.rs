@@ -308,7 +308,14 @@ impl TransferActor {
             return;
         };
         let view = msg.buffer.share();
-        let registered = self.setup.io.spawn_blocking(move || engine.export(view));
+        let layout = match &msg.op {
+            Op::Send { layout, .. } => layout.clone(),
+            Op::Put { .. } => Layout::Contiguous,
+        };
+        let registered = self
+            .setup
+            .io
+            .spawn_blocking(move || engine.export_layout(view, &layout));
         ctx.wait(registered.into_actor(self).map(move |joined, act, ctx| {
             let exported = match joined {
                 Ok(Ok(exported)) => exported,

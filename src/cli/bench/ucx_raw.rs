@@ -118,6 +118,7 @@ impl Reader {
             source: UcxSource {
                 address: u64::from_str_radix(at, 16).context("the baseline buffer's address")?,
                 rkey: unhex(rkey)?,
+                packed: false,
             },
             gpu,
             push,

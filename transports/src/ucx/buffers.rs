@@ -127,23 +127,44 @@ fn span_moved(
     Ok((MemoryType::Cuda, device.address() as *mut u8, device.len()))
 }
 
-/// A buffer registered for peers to read: the view keeps its memory allocated until the
-/// registration is gone (dropped first: fields drop in order).
+/// A buffer registered for peers to read: what it holds keeps the memory allocated until
+/// the registration is gone (dropped first: fields drop in order).
 #[derive(Debug)]
 pub struct Exported {
     registration: Registration,
-    _view: SharedBytes,
+    keep: Kept,
+}
+
+/// What an [`Exported`] registration covers (held for its memory, never read).
+#[derive(Debug)]
+#[expect(dead_code, reason = "the memory is held alive, not read")]
+enum Kept {
+    /// The sender's buffer itself.
+    View(SharedBytes),
+    /// A packed copy of the layout's bytes of it.
+    Packed(Box<[u8]>),
 }
 
 impl Exported {
-    /// What the receiver needs to pull it: the address and the packed key.
+    /// What the receiver needs to pull it: the address, the packed key, and whether it is
+    /// the layout's bytes packed.
     pub fn source(&self) -> UcxSource {
         UcxSource {
             address: self.registration.address(),
             rkey: self.registration.rkey().to_vec(),
+            packed: matches!(self.keep, Kept::Packed(_)),
         }
     }
 }
+
+/// The most bytes a sender packs for a pull (a larger layout is read a get per row).
+pub const PACK_MAX: u64 = 64 << 20;
+
+/// Rows shorter than this on average are packed: measured on the development machine
+/// (UCX 1.13 over tcp, 1–16 MiB in all), a get per row of 4 KiB read at 0.32–0.47 GB/s and
+/// of 256 B at 0.04 GB/s, against 0.75–0.94 contiguous, while a host gather copies at
+/// several GB/s.
+pub const PACK_ROWS_BELOW: u64 = 64 << 10;
 
 impl Engine {
     /// Registers `view`'s memory for peers to read.
@@ -159,7 +180,44 @@ impl Engine {
         let registration = unsafe { self.register_in(memory, ptr, len) }?;
         Ok(Exported {
             registration,
-            _view: view,
+            keep: Kept::View(view),
+        })
+    }
+
+    /// Registers `view`'s bytes that `layout` describes for a peer to read: host memory in
+    /// short rows (or blocks), at most [`PACK_MAX`] of them, is first gathered into one
+    /// packed buffer, registered in its place (the receiver then reads it as one run,
+    /// [`UcxSource::packed`]); anything else is registered as it is ([`Engine::export`]).
+    /// Blocks for the copy and the registration.
+    ///
+    /// # Errors
+    /// As [`Engine::export`]; [`UcxTransportError::Misuse`] for a layout that does not fit
+    /// the buffer.
+    pub fn export_layout(
+        &self,
+        view: SharedBytes,
+        layout: &Layout,
+    ) -> Result<Exported, UcxTransportError> {
+        let Some(host) = view.as_slice().filter(|_| !layout.is_contiguous()) else {
+            return self.export(view);
+        };
+        let packed = layout
+            .check(host.len() as u64)
+            .map_err(|_| UcxTransportError::Misuse("the layout does not fit the buffer"))?;
+        let runs = layout.runs(host.len() as u64).count() as u64;
+        if packed == 0 || packed > PACK_MAX || packed / runs.max(1) >= PACK_ROWS_BELOW {
+            return self.export(view);
+        }
+        let mut out = vec![0u8; packed as usize].into_boxed_slice();
+        layout
+            .gather(host, 0, &mut out)
+            .map_err(|_| UcxTransportError::Misuse("the layout does not fit the buffer"))?;
+        // SAFETY: `out` is host memory that `Exported` owns (a boxed slice never moves its
+        // bytes) and keeps until after the registration was dropped; peers only read it.
+        let registration = unsafe { self.register(out.as_mut_ptr(), out.len()) }?;
+        Ok(Exported {
+            registration,
+            keep: Kept::Packed(out),
         })
     }
 }
@@ -206,6 +264,7 @@ impl Lent {
         UcxSource {
             address: self.registration.address(),
             rkey: self.registration.rkey().to_vec(),
+            packed: false,
         }
     }
 
@@ -240,6 +299,12 @@ impl UcxPeer {
         source: &UcxSource,
         layout: &Layout,
     ) -> (Buffer, Result<(), UcxTransportError>) {
+        // A packed source holds the layout's bytes as one run.
+        let layout = if source.packed {
+            &Layout::Contiguous
+        } else {
+            layout
+        };
         let got = self.get_rows(&mut dst, source, layout).await;
         (dst, got)
     }

@@ -170,6 +170,9 @@ pub struct UcxSource {
     pub address: u64,
     /// The registration's packed remote key.
     pub rkey: Vec<u8>,
+    /// The sender gathered the offer's layout into one contiguous buffer (registered in
+    /// its place): the receiver reads the packed bytes as one run, not a get per row.
+    pub packed: bool,
 }
 
 impl UcxSource {
