@@ -63,7 +63,7 @@ mod thread;
 mod ucp;
 mod wake;
 
-pub use buffers::{Exported, Lent, capabilities, moves_cuda, viability};
+pub use buffers::{Exported, Lent, PACK_MAX, PACK_ROWS_BELOW, capabilities, moves_cuda, viability};
 pub use engine::{Engine, Registration, UcxPeer};
 pub use envelope::{EnvelopeError, EnvelopeKind};
 pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
