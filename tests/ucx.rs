@@ -538,3 +538,45 @@ async fn a_key_is_forgotten_when_its_transfer_ends() {
         b.shutdown().await;
     }
 }
+
+/// Over UCX's tcp alone a receiver lends no memory to a peer's push (UCX would apply the
+/// writes itself there): every push streams over ferry's link and is counted in
+/// `ferry_ucx_pushes_streamed_total`, one per push, and arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_stream_over_the_link_where_ucx_would_apply_the_writes() {
+    let test = "pushes_stream_over_the_link_where_ucx_would_apply_the_writes";
+    if !ucx_here(test) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let extra = pushed_over_tcp_only(false);
+    let metrics = "[telemetry]\nmetrics_listen = \"127.0.0.1:0\"\n\n";
+    let sink_cfg = scratch.write(
+        "sink.toml",
+        &scratch.toml("sink", &[], &format!("{metrics}{extra}")),
+    );
+    let sink = Served::start(&sink_cfg, "echo");
+    let scrape_at = sink.metrics_addr();
+    let streamed = || {
+        let (_, body) = http_get(&scrape_at, "/metrics").expect("/metrics answers");
+        body.lines()
+            .find_map(|l| l.strip_prefix("ferry_ucx_pushes_streamed_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    assert_eq!(streamed(), Some(0.0), "registered at 0 before any push");
+    let a = Node::start(scratch.config("a", &[("sink", &sink.addr)], &extra))
+        .await
+        .expect("a");
+    a.connect("sink").await.expect("link");
+    for tag in 1..=4u64 {
+        let buffer = patterned(&a, 1 << 20, tag).await;
+        drop(a.send("sink", tag, buffer).await.expect("pushed"));
+        // The echo comes back the same way (a streams too) and whole.
+        let got = a.recv(Some("sink"), Some(tag)).await.expect("echo");
+        let want = patterned(&a, 1 << 20, tag).await;
+        assert_eq!(got.buffer.as_slice(), want.as_slice(), "tag {tag}");
+    }
+    let counted = eventually(Duration::from_secs(5), async || streamed() == Some(4.0)).await;
+    assert!(counted, "streamed pushes counted: {:?}", streamed());
+    a.shutdown().await;
+}

@@ -980,6 +980,42 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
             .expect_err("a buffer the push cannot write");
         assert!(err.to_string().contains("lends"), "{transport}: {err}");
     }
+    // A ucx buffer lent to a ucx pull: a pull awaits no grant at all.
+    let mut s = PeerSession::new(LIMITS);
+    let pull = SendRequest {
+        direction: WireDirection::Pull,
+        ucx: Some(ucx_target()),
+        ..request(TransportName::Ucx)
+    };
+    let op = s.handle_send(now, pull).expect("queued");
+    let _ = s.poll_transmit();
+    let grant = Message::Grant(ferry_transports::wire::Grant {
+        transfer: op.0,
+        landing: WireMemoryKind::Host,
+        target: None,
+        ucx: Some(ucx_target()),
+    });
+    assert!(s.handle_message(grant).is_err(), "a grant for a pull");
+    // A ucx buffer lent to a push that ended before its grant came goes back at once.
+    let mut s = PeerSession::new(LIMITS);
+    let op = s
+        .handle_send(now, request(TransportName::Ucx))
+        .expect("queued");
+    let _ = s.poll_transmit();
+    assert!(s.handle_cancel(op));
+    while s.poll_transmit().is_some() {}
+    let grant = Message::Grant(ferry_transports::wire::Grant {
+        transfer: op.0,
+        landing: WireMemoryKind::Host,
+        target: None,
+        ucx: Some(ucx_target()),
+    });
+    s.handle_message(grant)
+        .expect("a late grant is no violation");
+    assert!(
+        matches!(s.poll_transmit(), Some(Message::Written(w)) if w.transfer == op.0 && w.error.is_some()),
+        "the lent buffer goes back"
+    );
 }
 
 #[test]

@@ -150,6 +150,12 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
     ),
     (
         MetricKind::Counter,
+        "ferry_ucx_pushes_streamed_total",
+        None,
+        "Pushes over ucx this node received over its link instead of lending memory to the writer's puts, which UCX would have applied itself (no one-sided lane for them; transport.ucx.emulated_push = false)",
+    ),
+    (
+        MetricKind::Counter,
         "ferry_ucx_emulated_rma_peers_total",
         None,
         "Peers whose UCX endpoint reads over tcp emulation (~0.4 GB/s): tcp lanes only, or tcp beside cuda_ipc alone (whose gets UCX turns off without NVLink); counted once per peer, after its first ucx pull",
@@ -224,6 +230,7 @@ pub fn describe_metrics() {
     }
     metrics::counter!("ferry_pull_failures_total").absolute(0);
     metrics::counter!("ferry_ucx_emulated_rma_peers_total").absolute(0);
+    metrics::counter!("ferry_ucx_pushes_streamed_total").absolute(0);
     metrics::counter!("ferry_push_failures_total").absolute(0);
     metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);

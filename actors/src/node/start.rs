@@ -304,6 +304,10 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     if host_tiers.is_empty() {
         host_tiers.push(host.tier());
     }
+    // A registration the peer may still read or write is held as long as memory a lost
+    // ipc peer may map: each of its UCX operations is at most 16 MiB, served or applied
+    // here within milliseconds of arriving (op_timeout bounds the peer's wait for an
+    // answer, not how long ours takes), so the lease (10 s by default) covers them.
     let mut transports = crate::coordinator::NodeTransports::new(
         start_ucx(&config, gpus.gpus.first().map(|(_, g)| &g.device)),
         config.memory.export_lease_timeout,

@@ -134,16 +134,18 @@ impl TransferActor {
         self.unexport_ucx(op);
     }
 
-    /// Queues a submission in the session; the outcome goes to `reply`. A send over a
-    /// transport that registers its sources (ucx) has its buffer registered first.
+    /// Queues a submission in the session; the outcome goes to `reply`. A pull over a
+    /// transport that registers its sources (ucx) has its buffer registered first (a push
+    /// writes from it: nothing to register).
     pub(super) fn queue_submit(
         &mut self,
         msg: Submit,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
-        let registers = matches!(&msg.op, Op::Send { transport, .. }
-            if registry::declared(*transport).registers_source);
+        let registers = matches!(&msg.op, Op::Send { transport, direction, .. }
+            if registry::declared(*transport).registers_source
+                && *direction == WireDirection::Pull);
         if registers {
             return self.submit_ucx(msg, reply, ctx);
         }
@@ -255,9 +257,11 @@ impl TransferActor {
         // What moves: the layout's rows, packed (checked by the node, which gave the
         // length).
         let len = packed;
-        // A node of this process reads our memory directly: a push to it is pulled (the
-        // same single peer copy, with no buffer to lend).
+        // A node of this process reads our memory directly over ipc: a push to it is
+        // pulled (the same single peer copy, with no buffer to lend). (Not over a
+        // transport that registers what it reads: ucx moves in-process bytes as any.)
         let direction = if registry::carrier(transport) == Carrier::Memory
+            && !registry::declared(transport).registers_source
             && direction == WireDirection::Push
             && self.ipc.in_process()
         {

@@ -105,8 +105,14 @@ impl TransferActor {
             }
             self.lent.buffers.insert(id, buffer);
         } else {
-            // Abandoned meanwhile: nothing was lent (no grant left).
-            self.free_lent(buffer);
+            // Abandoned meanwhile: nothing was lent (no grant left); a registration goes
+            // at once, off this thread.
+            match buffer {
+                LentBuffer::Ipc(buffer) => drop(buffer),
+                LentBuffer::Ucx(lent) => {
+                    self.setup.io.spawn_blocking(move || drop(lent));
+                }
+            }
         }
     }
 
@@ -151,13 +157,14 @@ impl TransferActor {
         }
     }
 
-    /// A lent buffer the peer no longer writes goes (a registration off this thread).
+    /// A lent buffer the peer says it no longer writes goes: device memory lent over ipc
+    /// at once (the peer's copy ended before its `Written`); a UCX registration after the
+    /// same hold as a cancelled read's, since a failed writer's last puts may still be on
+    /// their way where UCX applies them here.
     fn free_lent(&self, buffer: LentBuffer) {
         match buffer {
             LentBuffer::Ipc(buffer) => drop(buffer),
-            LentBuffer::Ucx(lent) => {
-                self.setup.io.spawn_blocking(move || drop(lent));
-            }
+            LentBuffer::Ucx(lent) => self.hold_then_drop(vec![lent]),
         }
     }
 

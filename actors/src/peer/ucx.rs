@@ -48,53 +48,64 @@ impl UcxLender {
     /// Whether `buffer` is lent to the peer's puts: always with
     /// `transport.ucx.emulated_push`, else only where our endpoint's lanes to the peer
     /// make writes into such memory one-sided (the endpoint is made, and flushed so that
-    /// its lanes are final, on the first push). Where they would be emulated over tcp, a
-    /// writer that dies mid-write can abort this process inside UCX: the push streams over
-    /// the link instead, said once per peer.
+    /// its lanes are final, on the first push: [`JUDGE_WITHIN`] at most, else not lent).
+    /// Where they would be emulated over tcp, a writer that dies mid-write can abort this
+    /// process inside UCX: the push streams over the link instead, said once per peer and
+    /// counted (`ferry_ucx_pushes_streamed_total`).
     pub(super) async fn lends(&self, buffer: &Buffer) -> bool {
         if self.emulated_push {
             return true;
         }
-        let memory = if buffer.device_memory().is_some() {
-            "device"
+        let (memory, name) = if buffer.device_memory().is_some() {
+            (ferry_transports::ucx::MemoryType::Cuda, "device")
         } else {
-            "host"
+            (ferry_transports::ucx::MemoryType::Host, "host")
         };
-        let lanes = match connected(
-            &self.endpoint,
-            Arc::clone(&self.engine),
-            self.address.clone(),
-        )
-        .await
-        {
-            Ok(ucx) => {
-                if !ucx.lanes().after_first_use
-                    && let Ok(flush) = ucx.flush()
-                {
-                    let _ = flush.await;
-                }
-                ucx.lanes()
-            }
-            Err(e) => {
+        let lanes = match tokio::time::timeout(JUDGE_WITHIN, self.final_lanes()).await {
+            Ok(Ok(lanes)) => Some(lanes),
+            Ok(Err(e)) => {
                 tracing::debug!(peer = %self.peer, "no UCX endpoint to judge a push by: {e}");
-                return false;
+                None
+            }
+            Err(_) => {
+                tracing::debug!(peer = %self.peer, "the UCX endpoint's lanes took too long");
+                None
             }
         };
-        let lends = lanes.writes_one_sided();
-        if !lends && !self.said.swap(true, Ordering::Relaxed) {
+        if lanes.as_ref().is_some_and(|l| l.writes_one_sided(memory)) {
+            return true;
+        }
+        metrics::counter!("ferry_ucx_pushes_streamed_total").increment(1);
+        if !self.said.swap(true, Ordering::Relaxed) {
             let peer = &self.peer;
+            let lanes = lanes.map_or_else(|| "not known".to_string(), |l| l.to_string());
             tracing::warn!(
                 %peer,
                 "pushes from peer {peer} over ucx stream over ferry's link: its writes \
-                 into {memory} memory would not be one-sided here ({lanes}), and where \
+                 into {name} memory would not be one-sided here ({lanes}), and where \
                  UCX applies a peer's writes itself, a writer that dies mid-write can abort \
                  this process (transport.ucx.emulated_push = true lends memory all the \
                  same)"
             );
         }
-        lends
+        false
+    }
+
+    /// Our endpoint's lanes to the peer, final (asked after a first use: a flush when
+    /// nothing used the endpoint yet).
+    async fn final_lanes(&self) -> Result<EndpointLanes, MoveError> {
+        let engine = Arc::clone(&self.engine);
+        let ucx = connected(&self.endpoint, engine, self.address.clone()).await?;
+        if !ucx.lanes().after_first_use {
+            ucx.flush()?.await?;
+        }
+        Ok(ucx.lanes())
     }
 }
+
+/// The longest the first push from a peer waits to learn our endpoint's lanes to it
+/// (connecting and flushing the endpoint) before its bytes stream over the link instead.
+const JUDGE_WITHIN: Duration = Duration::from_secs(2);
 
 /// Ask for the lanes of this node's UCX endpoint to the peer: the one pulls use, made now
 /// (and flushed, so its wireup completes) if no pull made it yet.
@@ -439,9 +450,10 @@ impl TransferActor {
         };
         let endpoint = Arc::clone(&self.ucx.endpoint);
         let address = self.ucx.address.clone();
+        let stop = Arc::clone(&entry.stop);
         let push = self.setup.io.spawn(async move {
             let peer = connected(&endpoint, engine, address).await?;
-            let put = peer.put_from(source, &layout, packed, &target).await;
+            let put = peer.put_from(source, &layout, packed, &target, &stop).await;
             forget_key(&peer, &target);
             put?;
             Ok::<_, MoveError>(())

@@ -159,8 +159,9 @@ impl Reader {
                         return peer.get_into(buffer, &source, &Layout::Contiguous).await;
                     }
                     let len = buffer.len() as u64;
+                    let never = std::sync::atomic::AtomicBool::new(false);
                     let put = peer
-                        .put_from(buffer.share(), &Layout::Contiguous, len, &source)
+                        .put_from(buffer.share(), &Layout::Contiguous, len, &source, &never)
                         .await;
                     (buffer, put)
                 });

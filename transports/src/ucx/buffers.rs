@@ -375,7 +375,8 @@ impl UcxPeer {
     /// into the peer's buffer lent as `target`, then flushes the endpoint: when this
     /// returns `Ok`, every byte is in place and visible at the peer, and the sender may
     /// say so (`Written`). A device source's queued writes complete first (its stream is
-    /// synchronized on a blocking thread).
+    /// synchronized on a blocking thread). `stop`, set, ends it between batches of puts
+    /// (with an error); the endpoint is flushed whatever the outcome.
     ///
     /// If the future is dropped early, the drop waits until UCX no longer reads `source`
     /// (bounded by the engine's operation timeout).
@@ -385,6 +386,7 @@ impl UcxPeer {
         layout: &Layout,
         packed: u64,
         target: &UcxSource,
+        stop: &std::sync::atomic::AtomicBool,
     ) -> Result<(), UcxTransportError> {
         if packed == 0 {
             return Ok(());
@@ -399,8 +401,35 @@ impl UcxPeer {
         };
         let rkey = self.remote_key(target.rkey.clone())?;
         let rows = rows_of(layout, packed)?;
+        let put = self
+            .put_rows(&source, &rows, target.address, &rkey, stop)
+            .await;
+        // A put completes when its source may be reused, not when its bytes are at the
+        // peer: the flush waits for that, so `Written` (on another connection) cannot
+        // overtake them. Also after a failure: the receiver frees its buffer when it
+        // hears `Written`, and puts completed here may not have landed there yet.
+        let flushed = match self.flush() {
+            Ok(flush) => flush.await,
+            Err(e) => Err(e),
+        };
+        put.and(flushed)
+    }
+
+    /// Puts `rows` of `source` (see [`rows_of`]) at `remote` in batches, until the first
+    /// failure, or until `stop` is set between batches.
+    async fn put_rows(
+        &self,
+        source: &SharedBytes,
+        rows: &[(u64, u64, u64)],
+        remote: u64,
+        rkey: &RemoteKey,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<(), UcxTransportError> {
         for batch in rows.chunks(ROWS_IN_FLIGHT) {
-            let ops = self.start_puts(&source, target.address, &rkey, batch)?;
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(UcxTransportError::Misuse("the push was stopped"));
+            }
+            let ops = self.start_puts(source, remote, rkey, batch)?;
             let mut first_error = None;
             for op in ops {
                 if let Err(e) = op.await {
@@ -411,10 +440,7 @@ impl UcxPeer {
                 return Err(e);
             }
         }
-        // A put completes when its source may be reused, not when its bytes are at the
-        // peer: the flush waits for that, so `Written` (on another connection) cannot
-        // overtake them.
-        self.flush()?.await
+        Ok(())
     }
 }
 

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::sync::{Mutex, PoisonError};
 
-use ucx_sys::{TransportEntry, UcxError};
+use ucx_sys::{MemoryType, TransportEntry, UcxError};
 
 /// UCT transports that read and write a peer's memory themselves (RDMA NICs,
 /// kernel-assisted or mapped shared memory, the loopback `self`), by name prefix. `ud` has
@@ -21,6 +21,17 @@ use ucx_sys::{TransportEntry, UcxError};
 const ONE_SIDED: &[&str] = &[
     "rc", "dc", "ud", "gga", "cma", "knem", "xpmem", "sysv", "posix", "self",
 ];
+
+/// UCT transports whose puts land in a peer's registered memory without the peer's UCX
+/// applying them, by name prefix: RDMA writes (`rc`, `dc`, `gga`) anywhere, and kernel
+/// copies into another process's memory (`cma`, `knem`, `xpmem`) for host memory. Not
+/// `ud` (RMA over its messages, applied by the target), `sysv`/`posix` (they reach UCX's
+/// own segments, not a registered buffer), `self`, nor `cuda_ipc` (UCX emulated device
+/// puts over tcp on the H100, no NVLink).
+const WRITES_HOST: &[&str] = &["rc", "dc", "gga", "cma", "knem", "xpmem"];
+
+/// As [`WRITES_HOST`], for device memory: RDMA writes only (GPUDirect).
+const WRITES_DEVICE: &[&str] = &["rc", "dc", "gga"];
 
 /// GPU IPC transports: one-sided for device memory only, and for gets (ferry's reads) only
 /// where UCX enables them: UCX 1.22 turns `cuda_ipc` gets off when NVML reports no NVLink
@@ -198,17 +209,26 @@ impl EndpointLanes {
         }
     }
 
-    /// Whether a peer's puts into memory here go one-sided (the NIC, or a shared-memory
-    /// copy) rather than as messages this process's UCX applies: UCX 1.13 and 1.22 abort
-    /// the target process when a writer dies in the middle of such emulated puts
-    /// (`ucp_put_handler` meets the failed endpoint: `transports/tests/ucx_engine.rs`).
-    /// `false` when the lanes are unknown (UCX < 1.14), and for a `cuda_ipc` lane beside
-    /// tcp: on the H100 (no NVLink) UCX's own put-and-flush loop into a peer's device
-    /// memory ran at 0.22–0.38 GB/s with the 1.22 wheel, tcp emulation's rate, so UCX
-    /// emulated those puts too. The lanes are those of this node's endpoint to the writer,
-    /// which UCX picks from the same transports as the writer's endpoint here.
-    pub fn writes_one_sided(&self) -> bool {
-        matches!(self.rma(), Some(RmaPath::OneSided { .. }))
+    /// Whether a peer's puts into memory of type `memory` here go one-sided (an RDMA
+    /// write, or for host memory a kernel copy: [`WRITES_HOST`], [`WRITES_DEVICE`]) rather
+    /// than as messages this process's UCX applies: UCX 1.13 and 1.22 abort the target
+    /// process when a writer dies in the middle of such emulated puts (`ucp_put_handler`
+    /// meets the failed endpoint: `transports/tests/ucx_engine.rs`). `false` when the
+    /// lanes are unknown (UCX < 1.14), and for a `cuda_ipc` lane: on the H100 (no NVLink)
+    /// UCX 1.22's protocol table chose "software emulation, tcp/lo" for puts into device
+    /// memory. The lanes are those of this node's endpoint to the writer, which UCX picks
+    /// from the same transports as the writer's endpoint here.
+    pub fn writes_one_sided(&self, memory: MemoryType) -> bool {
+        let Ok(lanes) = &self.lanes else {
+            return false;
+        };
+        let writers = match memory {
+            MemoryType::Cuda => WRITES_DEVICE,
+            _ => WRITES_HOST,
+        };
+        lanes
+            .iter()
+            .any(|l| writers.iter().any(|w| l.transport.starts_with(w)))
     }
 
     /// Whether UCX emulates gets and puts over tcp on this endpoint: for all of them
@@ -354,13 +374,22 @@ mod tests {
                 .collect()),
             after_first_use: true,
         };
-        assert!(!lanes(&["tcp"]).writes_one_sided());
-        assert!(!lanes(&["tcp", "cuda_copy"]).writes_one_sided());
-        assert!(lanes(&["rc_mlx5", "tcp"]).writes_one_sided());
-        assert!(lanes(&["tcp", "cma"]).writes_one_sided());
-        // cuda_ipc beside tcp: UCX emulated puts into device memory too (H100, 1.22).
-        assert!(!lanes(&["tcp", "cuda_ipc"]).writes_one_sided());
-        assert!(!lanes(&["tcp", "srd"]).writes_one_sided());
+        let (host, cuda) = (MemoryType::Host, MemoryType::Cuda);
+        for memory in [host, cuda] {
+            assert!(!lanes(&["tcp"]).writes_one_sided(memory));
+            assert!(!lanes(&["tcp", "cuda_copy"]).writes_one_sided(memory));
+            assert!(lanes(&["rc_mlx5", "tcp"]).writes_one_sided(memory));
+            assert!(lanes(&["dc_mlx5"]).writes_one_sided(memory));
+            // cuda_ipc: UCX emulated puts into device memory (H100, 1.22, no NVLink).
+            assert!(!lanes(&["tcp", "cuda_ipc"]).writes_one_sided(memory));
+            // ud's RMA runs over its messages; posix/sysv reach UCX's own segments.
+            for name in ["ud_mlx5", "ud_verbs", "posix", "sysv", "self", "srd"] {
+                assert!(!lanes(&["tcp", name]).writes_one_sided(memory), "{name}");
+            }
+        }
+        // A kernel copy writes host memory, not device memory.
+        assert!(lanes(&["tcp", "cma"]).writes_one_sided(host));
+        assert!(!lanes(&["tcp", "cuda_ipc", "cma"]).writes_one_sided(cuda));
         // Lanes UCX cannot name (1.13): not lent.
         let unknown = EndpointLanes {
             lanes: Err(LanesUnknown::NotInRelease {
@@ -369,7 +398,7 @@ mod tests {
             }),
             after_first_use: true,
         };
-        assert!(!unknown.writes_one_sided());
+        assert!(!unknown.writes_one_sided(MemoryType::Host));
     }
 
     #[test]

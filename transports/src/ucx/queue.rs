@@ -72,9 +72,10 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    /// Whether it counts against the queue's capacity.
+    /// Whether it counts against the queue's capacity. Forgetting a key and dropping a
+    /// peer only end UCX state: refused for a full queue, they would leave it behind.
     fn limited(&self) -> bool {
-        !matches!(self, Command::DropPeer { .. })
+        !matches!(self, Command::DropPeer { .. } | Command::Forget { .. })
     }
 }
 
