@@ -210,7 +210,7 @@ impl EndpointLanes {
     }
 
     /// Whether a peer's puts into memory of type `memory` here go one-sided (an RDMA
-    /// write, or for host memory a kernel copy: [`WRITES_HOST`], [`WRITES_DEVICE`]) rather
+    /// write, or for host memory a kernel copy: `WRITES_HOST`, `WRITES_DEVICE`) rather
     /// than as messages this process's UCX applies: UCX 1.13 and 1.22 abort the target
     /// process when a writer dies in the middle of such emulated puts (`ucp_put_handler`
     /// meets the failed endpoint: `transports/tests/ucx_engine.rs`). `false` when the
