@@ -15,7 +15,8 @@ use rkyv::{Archive, Deserialize, Serialize};
 /// with an error naming both.
 /// 10: lane records of any size (a receiver of version 9 refused those over 64 KiB).
 /// 11: a grant may lend a UCX registration for a ucx push ([`Grant::ucx`]).
-pub const PROTOCOL_VERSION: u16 = 11;
+/// 12: a ucx source may be the sender's packed copy of its layout ([`UcxSource::packed`]).
+pub const PROTOCOL_VERSION: u16 = 12;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
