@@ -16,6 +16,19 @@ fn over_tcp_only() -> String {
     format!("[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n{RULE}")
 }
 
+/// Nodes `a` and `b` of this process with `extra` settings, `a` linked to `b`.
+async fn linked_pair(scratch: &Scratch, extra: &str) -> (Node, Node) {
+    let b = Node::start(scratch.config("b", &[], extra))
+        .await
+        .expect("b");
+    let addr = b.tcp_addrs()[0].clone();
+    let a = Node::start(scratch.config("a", &[("b", &addr)], extra))
+        .await
+        .expect("a");
+    a.connect("b").await.expect("link");
+    (a, b)
+}
+
 fn ucx_here(test: &str) -> bool {
     match ucx_sys::Ucx::load(None) {
         Ok(_) => true,
@@ -75,14 +88,7 @@ async fn a_timed_out_read_fails_its_transfer_and_later_sends_connect_anew() {
         "[transport.ucx]\nenabled = \"on\"\nop_timeout = \"100ms\"\n\n\
          [memory]\nexport_lease_timeout = \"1s\"\n\n{RULE}"
     );
-    let b = Node::start(scratch.config("b", &[], &extra))
-        .await
-        .expect("b");
-    let addr = b.tcp_addrs()[0].clone();
-    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
-        .await
-        .expect("a");
-    a.connect("b").await.expect("link");
+    let (a, b) = linked_pair(&scratch, &extra).await;
     // Warm: the endpoint exists and works.
     let small = patterned(&a, 4096, 1).await;
     a.send("b", 1, small).await.expect("a small send");
@@ -173,14 +179,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
     };
     let scratch = Scratch::new();
     let extra = over_tcp_only();
-    let b = Node::start(scratch.config("b", &[], &extra))
-        .await
-        .expect("b");
-    let addr = b.tcp_addrs()[0].clone();
-    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
-        .await
-        .expect("a");
-    a.connect("b").await.expect("link");
+    let (a, b) = linked_pair(&scratch, &extra).await;
     let probed = a.ucx_lanes("b").await.expect("a's lanes to b");
     println!("UCX {}: a -> b: {probed}", ucx.version());
     assert!(
@@ -355,14 +354,7 @@ async fn pushed_bytes_are_all_there_when_delivered() {
     }
     let scratch = Scratch::new();
     let extra = pushed_over_tcp_only(true);
-    let b = Node::start(scratch.config("b", &[], &extra))
-        .await
-        .expect("b");
-    let addr = b.tcp_addrs()[0].clone();
-    let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
-        .await
-        .expect("a");
-    a.connect("b").await.expect("link");
+    let (a, b) = linked_pair(&scratch, &extra).await;
     let a = std::sync::Arc::new(a);
     let e = a
         .explain("b", 4 << 20, ferry::MemoryClass::Host, None)
@@ -508,14 +500,7 @@ async fn a_key_is_forgotten_when_its_transfer_ends() {
         (pushed_over_tcp_only(true), "push"),
     ] {
         let scratch = Scratch::new();
-        let b = Node::start(scratch.config("b", &[], &extra))
-            .await
-            .expect("b");
-        let addr = b.tcp_addrs()[0].clone();
-        let a = Node::start(scratch.config("a", &[("b", &addr)], &extra))
-            .await
-            .expect("a");
-        a.connect("b").await.expect("link");
+        let (a, b) = linked_pair(&scratch, &extra).await;
         for tag in 1..=16u64 {
             let buffer = patterned(&a, 256 << 10, tag).await;
             drop(a.send("b", tag, buffer).await.expect("send over ucx"));

@@ -322,16 +322,7 @@ impl UcxPeer {
         let rkey = self.remote_key(source.rkey.clone())?;
         let rows = rows_of(layout, len as u64)?;
         for batch in rows.chunks(ROWS_IN_FLIGHT) {
-            let ops = self.start_gets(dst, source.address, &rkey, batch)?;
-            let mut first_error = None;
-            for op in ops {
-                if let Err(e) = op.await {
-                    first_error.get_or_insert(e);
-                }
-            }
-            if let Some(e) = first_error {
-                return Err(e);
-            }
+            completed(self.start_gets(dst, source.address, &rkey, batch)?).await?;
         }
         Ok(())
     }
@@ -347,23 +338,52 @@ impl UcxPeer {
         batch: &[(u64, u64, u64)],
     ) -> Result<Vec<Operation>, UcxTransportError> {
         let (memory, base, room) = landing_of(dst, self.moves(MemoryType::Cuda))?;
-        let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
-        for &(theirs, ours, bytes) in batch {
-            if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
+        let local = Span { memory, base, room };
+        let rows = batch.iter().map(|&(theirs, ours, n)| (ours, theirs, n));
+        // SAFETY: `dst` is borrowed mutably until every operation returned here has
+        // completed: `get_rows` awaits each, and if its future is dropped, `Operation`'s
+        // drop waits for UCX to let go of the memory before the borrow (and the buffer)
+        // can end. Nothing else reads or writes it meanwhile.
+        unsafe { self.start_rows(Way::Get, local, remote, rkey, rows) }
+    }
+
+    /// Starts one get or put (`way`) per row: (offset in `local`, offset at the peer
+    /// from `remote`, bytes), each row checked to lie inside `local`. On an error, the
+    /// operations started so far are waited for (by their drop) before it returns.
+    ///
+    /// # Safety
+    ///
+    /// `local` is memory of its type that stays allocated, and that nothing else writes
+    /// (nor, for gets, reads), until every operation returned has completed.
+    unsafe fn start_rows(
+        &self,
+        way: Way,
+        local: Span,
+        remote: u64,
+        rkey: &RemoteKey,
+        rows: impl Iterator<Item = (u64, u64, u64)>,
+    ) -> Result<Vec<Operation>, UcxTransportError> {
+        let mut ops: Vec<Operation> = Vec::new();
+        for (ours, theirs, bytes) in rows {
+            if ours
+                .checked_add(bytes)
+                .is_none_or(|e| e > local.room as u64)
+            {
                 return Err(UcxTransportError::Misuse(
-                    "a row past the end of the landing buffer",
+                    "a row past the end of the local buffer",
                 ));
             }
             let at = remote
                 .checked_add(theirs)
                 .ok_or(UcxTransportError::Misuse("a remote address overflows"))?;
-            let local = base.wrapping_add(ours as usize);
-            // SAFETY: the row lies inside `dst` (checked above) and is memory of the type
-            // named, which the caller borrows mutably until every operation returned here
-            // has completed: `get_rows` awaits each, and if its future is dropped,
-            // `Operation`'s drop waits for UCX to let go of the memory before the borrow
-            // (and the buffer) can end.
-            let op = unsafe { self.get_in(memory, local, bytes as usize, at, rkey) }?;
+            let ptr = local.base.wrapping_add(ours as usize);
+            let (memory, len) = (local.memory, bytes as usize);
+            // SAFETY: the row lies inside `local` (checked above), which the caller keeps
+            // valid and unshared until the operations complete (this function's contract).
+            let op = match way {
+                Way::Put => unsafe { self.put_in(memory, ptr, len, at, rkey) },
+                Way::Get => unsafe { self.get_in(memory, ptr, len, at, rkey) },
+            }?;
             ops.push(op);
         }
         Ok(ops)
@@ -429,16 +449,7 @@ impl UcxPeer {
             if stop.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(UcxTransportError::Misuse("the push was stopped"));
             }
-            let ops = self.start_puts(source, remote, rkey, batch)?;
-            let mut first_error = None;
-            for op in ops {
-                if let Err(e) = op.await {
-                    first_error.get_or_insert(e);
-                }
-            }
-            if let Some(e) = first_error {
-                return Err(e);
-            }
+            completed(self.start_puts(source, remote, rkey, batch)?).await?;
         }
         Ok(())
     }
@@ -456,26 +467,38 @@ impl UcxPeer {
         batch: &[(u64, u64, u64)],
     ) -> Result<Vec<Operation>, UcxTransportError> {
         let (memory, base, room) = span_moved(self.moves(MemoryType::Cuda), source)?;
-        let mut ops: Vec<Operation> = Vec::with_capacity(batch.len());
-        for &(ours, theirs, bytes) in batch {
-            if ours.checked_add(bytes).is_none_or(|e| e > room as u64) {
-                return Err(UcxTransportError::Misuse(
-                    "a row past the end of the source buffer",
-                ));
-            }
-            let at = remote
-                .checked_add(theirs)
-                .ok_or(UcxTransportError::Misuse("a remote address overflows"))?;
-            let local = base.wrapping_add(ours as usize);
-            // SAFETY: the row lies inside `source` (checked above), memory of the type
-            // named, which `source` keeps allocated; nothing writes it while the transfer
-            // holds the buffer, and `put_from` awaits every operation returned here (or
-            // its drop waits for it) before `source` can go.
-            let op = unsafe { self.put_in(memory, local, bytes as usize, at, rkey) }?;
-            ops.push(op);
-        }
-        Ok(ops)
+        let local = Span { memory, base, room };
+        // SAFETY: `source` keeps the memory allocated; nothing writes it while the
+        // transfer holds the buffer, and `put_from` awaits every operation returned here
+        // (or its drop waits for it) before `source` can go.
+        unsafe { self.start_rows(Way::Put, local, remote, rkey, batch.iter().copied()) }
     }
+}
+
+/// Waits for every one of `ops` to complete; the first failure, if any.
+async fn completed(ops: Vec<Operation>) -> Result<(), UcxTransportError> {
+    let mut first_error = None;
+    for op in ops {
+        if let Err(e) = op.await {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Which way rows move: into our memory (get) or out of it (put).
+#[derive(Clone, Copy)]
+enum Way {
+    Get,
+    Put,
+}
+
+/// Local memory that gets land in or puts read from.
+#[derive(Clone, Copy)]
+struct Span {
+    memory: MemoryType,
+    base: *mut u8,
+    room: usize,
 }
 
 /// (offset in the buffer that `layout` describes, offset in the packed bytes, bytes) of
