@@ -172,13 +172,12 @@ async fn landing_when_granted(
     let Some(lender) = lender else {
         return Ok(Landed::Plain(buffer));
     };
-    if let Lender::Ucx(ucx) = &lender
-        && !ucx.lends(&buffer).await
-    {
+    if !lender.lends(&buffer).await {
         return Ok(Landed::Plain(buffer));
     }
-    io.spawn_blocking(move || lender.lend(buffer))
-        .await
+    let lent = io.spawn_blocking(move || lender.lend(buffer));
+    lent.await
+        .map(Landed::Lent)
         .map_err(|_| Error::ShuttingDown)
 }
 

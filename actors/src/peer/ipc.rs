@@ -105,21 +105,9 @@ impl TransferActor {
     /// thread: the peer's pool is imported on the first push to its device, the buffer is
     /// imported, copied into and freed; then the peer hears `Written`.
     pub(super) fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
-        let Some(entry) = self.outbound.get_mut(&op) else {
-            let gone = IpcError::Gone("the transfer ended".into());
-            return self.written(op, Err(gone.into()), ctx);
-        };
-        if let Some(why) = self.session.lost_reason() {
-            // The grant was read just before the link went: no copy on a dead link.
-            let why = IpcError::Gone(format!("the link is gone: {why}"));
-            return self.written(op, Err(why.into()), ctx);
-        }
-        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
-        let source = entry.buffer.share();
-        let stop = Arc::clone(&entry.stop);
-        let layout = match &entry.what {
-            StreamWhat::Transfer(layout) => layout.clone(),
-            StreamWhat::Put { .. } => Layout::Contiguous,
+        let (source, layout, stop) = match self.push_source(op) {
+            Ok(started) => started,
+            Err(why) => return self.written(op, Err(why), ctx),
         };
         let pools = Arc::clone(&self.ipc.push_pools);
         let peer = self.peer.clone();

@@ -48,24 +48,41 @@ pub(super) enum Landed {
     Lent(Result<(LentBuffer, PushTarget), String>),
 }
 
-impl Lender {
-    /// Lends `buffer` (blocking: an export or a registration), or hands it back plain when
-    /// this transport does not lend such memory.
-    pub(super) fn lend(&self, buffer: Buffer) -> Landed {
+impl LentBuffer {
+    /// The memory it is.
+    fn kind(&self) -> ferry_transports::memory::MemoryKind {
         match self {
-            Self::Ipc if buffer.device_memory().is_none() => Landed::Plain(buffer),
-            Self::Ipc => Landed::Lent(
-                crate::gpu::export_source(&buffer, false)
-                    .map(|target| (LentBuffer::Ipc(buffer), PushTarget::Ipc(target)))
-                    .map_err(|e| e.to_string()),
-            ),
-            Self::Ucx(ucx) => Landed::Lent(match ucx.engine.lend(buffer) {
+            Self::Ipc(buffer) => buffer.kind(),
+            Self::Ucx(lent) => lent.kind(),
+        }
+    }
+}
+
+impl Lender {
+    /// Whether this transport lends `buffer` to the peer's push (else the bytes stream
+    /// over the link): ipc lends device memory; ucx, memory the peer's writes into would
+    /// be one-sided ([`UcxLender::lends`]).
+    pub(super) async fn lends(&self, buffer: &Buffer) -> bool {
+        match self {
+            Self::Ipc => buffer.device_memory().is_some(),
+            Self::Ucx(ucx) => ucx.lends(buffer).await,
+        }
+    }
+
+    /// Lends `buffer` (blocking: an export or a registration): what goes in the grant, or
+    /// why it cannot be lent.
+    pub(super) fn lend(&self, buffer: Buffer) -> Result<(LentBuffer, PushTarget), String> {
+        match self {
+            Self::Ipc => crate::gpu::export_source(&buffer, false)
+                .map(|target| (LentBuffer::Ipc(buffer), PushTarget::Ipc(target)))
+                .map_err(|e| e.to_string()),
+            Self::Ucx(ucx) => match ucx.engine.lend(buffer) {
                 Ok(lent) => {
                     let target = PushTarget::Ucx(lent.target());
                     Ok((LentBuffer::Ucx(lent), target))
                 }
                 Err(e) => Err(format!("cannot register the buffer with UCX: {e}")),
-            }),
+            },
         }
     }
 }
@@ -92,13 +109,10 @@ impl TransferActor {
                     .handle_reserve_failed(id, WireReason::Unsupported, why);
             }
         };
-        let landing = match &buffer {
-            LentBuffer::Ipc(b) => b.kind(),
-            LentBuffer::Ucx(l) => l.kind(),
-        };
+        let landing = buffer.kind().to_wire();
         if self
             .session
-            .handle_reserved(Instant::now(), id, landing.to_wire(), Some(target))
+            .handle_reserved(Instant::now(), id, landing, Some(target))
         {
             if let Some(spans) = self.inbound_spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
@@ -227,6 +241,27 @@ impl TransferActor {
             self.hold_then_drop(registered);
         }
         exports
+    }
+
+    /// What a push of `op` writes from: its buffer's bytes, their layout, and its stop flag
+    /// (its phase becomes "push"); or why it cannot start (the op ended, or the link went
+    /// just after the grant was read: no write on a dead link).
+    pub(super) fn push_source(
+        &mut self,
+        op: OpId,
+    ) -> Result<(SharedBytes, Layout, Arc<AtomicBool>), MoveError> {
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            return Err(MoveError::Task("the transfer ended".into()));
+        };
+        if let Some(why) = self.session.lost_reason() {
+            return Err(MoveError::Task(format!("the link is gone: {why}")));
+        }
+        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
+        let layout = match &entry.what {
+            StreamWhat::Transfer(layout) => layout.clone(),
+            StreamWhat::Put { .. } => Layout::Contiguous,
+        };
+        Ok((entry.buffer.share(), layout, Arc::clone(&entry.stop)))
     }
 
     /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits

@@ -427,19 +427,9 @@ impl TransferActor {
             let off = MoveError::Task("this node no longer serves ucx".into());
             return self.written(op, Err(off), ctx);
         };
-        let Some(entry) = self.outbound.get_mut(&op) else {
-            let gone = MoveError::Task("the transfer ended".into());
-            return self.written(op, Err(gone), ctx);
-        };
-        if let Some(why) = self.session.lost_reason() {
-            let gone = MoveError::Task(format!("the link is gone: {why}"));
-            return self.written(op, Err(gone), ctx);
-        }
-        entry.phase = tracing::debug_span!(parent: &entry.span, "push");
-        let source = entry.buffer.share();
-        let layout = match &entry.what {
-            StreamWhat::Transfer(layout) => layout.clone(),
-            StreamWhat::Put { .. } => Layout::Contiguous,
+        let (source, layout, stop) = match self.push_source(op) {
+            Ok(started) => started,
+            Err(why) => return self.written(op, Err(why), ctx),
         };
         let packed = match layout.check(source.len() as u64) {
             Ok(packed) => packed,
@@ -450,7 +440,6 @@ impl TransferActor {
         };
         let endpoint = Arc::clone(&self.ucx.endpoint);
         let address = self.ucx.address.clone();
-        let stop = Arc::clone(&entry.stop);
         let push = self.setup.io.spawn(async move {
             let peer = connected(&endpoint, engine, address).await?;
             let put = peer.put_from(source, &layout, packed, &target, &stop).await;
