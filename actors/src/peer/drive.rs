@@ -2,7 +2,6 @@
 //! on the link, its deadlines a timer.
 
 use super::*;
-use crate::core::session::{PullSource, PushTarget};
 
 impl TransferActor {
     /// Carries out everything the session asks for.
@@ -36,7 +35,7 @@ impl TransferActor {
                     }
                     if let Message::Offer(offer) = &msg {
                         if offer.direction == WireDirection::Pull {
-                            self.ipc.offered.insert(OpId(offer.transfer));
+                            self.offered.insert(OpId(offer.transfer));
                         }
                         tracing::trace!(
                             target: crate::TRACE_BLOCKS,
@@ -145,12 +144,8 @@ impl TransferActor {
                     },
                 );
                 let landing = match (pull, push) {
-                    (Some(PullSource::Ipc(source)), _) => {
-                        self.ipc.sources.insert(id, (source, layout));
-                        Landing::Pull
-                    }
-                    (Some(PullSource::Ucx(source)), _) => {
-                        self.ucx.sources.insert(id, (source, layout));
+                    (Some(source), _) => {
+                        self.pulls.sources.insert(id, (source, layout));
                         Landing::Pull
                     }
                     (None, Some(transport)) => Landing::Push(transport),
@@ -159,10 +154,7 @@ impl TransferActor {
                 };
                 self.reserve(id, len, landing, ctx);
             }
-            SessionEvent::Write(op, PushTarget::Ipc(target)) => self.start_write(op, target, ctx),
-            SessionEvent::Write(op, PushTarget::Ucx(target)) => {
-                self.start_ucx_write(op, target, ctx)
-            }
+            SessionEvent::Write(op, target) => self.start_write(op, target, ctx),
             SessionEvent::Written { id, error } => self.on_written(id, error, ctx),
             SessionEvent::Deliver {
                 id,
@@ -246,10 +238,9 @@ impl TransferActor {
         self.complete.remove(&id);
         // A lent buffer the peer may be writing into is kept until it says Written.
         self.abandon_lent(id, ctx);
-        let ucx = self.ucx.sources.remove(&id).is_some();
-        if self.ipc.sources.remove(&id).is_some() || ucx {
-            if self.ipc.pulling.contains(&id) {
-                self.ipc.abandoned.insert(id);
+        if self.pulls.sources.remove(&id).is_some() {
+            if self.pulls.pulling.contains(&id) {
+                self.pulls.abandoned.insert(id);
             } else {
                 // Never imported: the peer may let go of its buffer now.
                 self.release_to_peer(id);
@@ -283,7 +274,7 @@ impl TransferActor {
     pub(super) fn finish(&mut self, op: OpId, outcome: Outcome) {
         // A pull never offered cannot be read by the peer, which will not say Done: its
         // view goes now. An offered one stays until the peer lets go.
-        if !self.ipc.offered.remove(&op) {
+        if !self.offered.remove(&op) {
             self.unexport(op);
         }
         let Some(entry) = self.outbound.remove(&op) else {

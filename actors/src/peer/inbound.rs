@@ -25,12 +25,17 @@ impl TransferActor {
             },
             _ => None,
         };
-        let ucx_host_only = (self.ucx.sources.contains_key(&id)
-            || matches!(lender, Some(Lender::Ucx(_))))
-            && !self
-                .engine()
-                .is_some_and(|e| e.moves(ferry_transports::ucx::MemoryType::Cuda));
-        let tiers = if how == Landing::Stream || ucx_host_only {
+        // The transport that reads or writes it, if not the link's streams: where it cannot
+        // move device memory, host tiers.
+        let by = match how {
+            Landing::Pull => self.pulls.sources.get(&id).map(|(s, _)| s.transport()),
+            Landing::Push(transport) => Some(transport),
+            Landing::Stream | Landing::Staged => None,
+        };
+        let host_only = by
+            .and_then(|t| self.part(t))
+            .is_some_and(|(part, cx)| !part.lands_in_device(&cx));
+        let tiers = if how == Landing::Stream || host_only {
             self.setup.host_tiers.clone()
         } else {
             self.setup.tiers.clone()
@@ -103,10 +108,7 @@ impl TransferActor {
                         );
                     }
                     if !self.session.handle_reserved_pull(id) {
-                        self.ipc.sources.remove(&id);
-                        self.ucx.sources.remove(&id);
-                    } else if self.ucx.sources.contains_key(&id) {
-                        self.start_ucx_pull(id, buffer, ctx);
+                        self.pulls.sources.remove(&id);
                     } else {
                         self.start_pull(id, buffer, ctx);
                     }
@@ -128,8 +130,7 @@ impl TransferActor {
                 }
             }
             Err(e) => {
-                self.ipc.sources.remove(&id);
-                self.ucx.sources.remove(&id);
+                self.pulls.sources.remove(&id);
                 if let Some(spans) = self.inbound_spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, error = %e, "no memory");
                 }
@@ -160,12 +161,88 @@ impl TransferActor {
     }
 }
 
+/// The peer's offers we pull, by inbound transfer: where to read (and the layout of the
+/// bytes there) until the pull ends, and which pulls run now.
+#[derive(Default)]
+pub(super) struct Pulls {
+    pub(super) sources: HashMap<InboundId, (PullSource, Layout)>,
+    /// Pulls whose copy runs now.
+    pub(super) pulling: HashSet<InboundId>,
+    /// Pulls abandoned while their copy ran: the peer is told once the copy ended.
+    pub(super) abandoned: HashSet<InboundId>,
+}
+
+impl TransferActor {
+    /// Copies pulled transfer `id` out of the peer's memory into `buffer`, by the source's
+    /// transport, off this thread; the result comes back to the session.
+    pub(super) fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
+        let Some((source, layout)) = self.pulls.sources.get(&id).cloned() else {
+            return;
+        };
+        self.pulls.pulling.insert(id);
+        if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
+            spans.pulling = Some(Instant::now());
+        }
+        let transport = source.transport();
+        let Some((part, cx)) = self.part(transport) else {
+            let why = MoveError::Task(format!("{transport} pulls nothing"));
+            return self.pull_ended(id, Err(why), ctx);
+        };
+        let pull = part.pull(source, layout, buffer, &cx);
+        ctx.spawn(
+            pull.into_actor(self)
+                .map(move |pulled, act, ctx| act.pull_ended(id, pulled, ctx)),
+        );
+    }
+
+    /// Pull `id` ended: deliver the buffer, or fail the transfer; an abandoned one only
+    /// tells the peer it may let go.
+    fn pull_ended(
+        &mut self,
+        id: InboundId,
+        pulled: Result<Buffer, MoveError>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.pulls.pulling.remove(&id);
+        if let Some(spans) = self.inbound_spans.get(&id) {
+            // The copy's own steps are traced by the transport; this is them plus the hops
+            // to where it ran and back to this actor.
+            tracing::trace!(
+                target: crate::TRACE_BLOCKS,
+                id = id.0,
+                blocks = spans.blocks,
+                ok = pulled.is_ok(),
+                pull_us = spans.pulling.map(|t| t.elapsed().as_micros() as u64),
+                "pull ended"
+            );
+        }
+        if self.pulls.abandoned.remove(&id) {
+            // The import is freed; the peer may let go of its buffer. Ours (if any) is
+            // dropped here, which frees it.
+            self.release_to_peer(id);
+            return self.drive(ctx);
+        }
+        self.pulls.sources.remove(&id);
+        match pulled {
+            Ok(buffer) => self.completed(id, buffer),
+            Err(why) => {
+                tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
+                metrics::counter!("ferry_pull_failures_total").increment(1);
+                self.session
+                    .handle_reserve_failed(id, WireReason::Unsupported, why.to_string());
+            }
+        }
+        self.drive(ctx);
+    }
+}
+
 /// Waits for `placement`'s buffer without blocking the actor's thread; for a push, also
 /// lends it with `lender` (on a blocking thread of `io`: an export or a registration).
 async fn landing_when_granted(
     placement: Placement,
     io: &tokio::runtime::Handle,
-    lender: Option<Lender>,
+    lender: Option<Arc<dyn Lend>>,
 ) -> Result<Landed, Error> {
     let mut got = placement.granted().await?;
     let buffer = got.pop().ok_or(Error::ShuttingDown)?;

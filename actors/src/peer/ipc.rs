@@ -1,121 +1,130 @@
-//! The ipc transport's part of a peer: pulls out of the peer's pools, pushes into buffers
-//! the peer lends, the unmap protocol, the lazy setup and the fast lane.
+//! The ipc transport's part of a peer ([`PeerPart`]): pulls out of the peer's pools, pushes
+//! into buffers the peer lends, and our buffers lent for its pushes; outside the seam, its
+//! own control plane: the unmap protocol, the lazy setup and the fast lane.
 
 use super::*;
 use crate::gpu::IpcError;
 
-impl TransferActor {
-    /// A new link: where the peer is (its process, its host), and whether we take its ipc
-    /// offers (it is on this host and this node has GPUs).
-    pub(super) fn attach_ipc(&mut self, hello: &ferry_transports::wire::Hello) {
-        self.ipc.peer_pid = hello.pid;
-        self.ipc.same_host = *hello.host_id == *self.setup.host_id;
-        self.session.set_serves(
-            ferry_config::TransportName::Ipc,
-            self.ipc.same_host && !self.setup.gpus.is_empty(),
-        );
+impl PeerPart for IpcState {
+    fn transport(&self) -> ferry_config::TransportName {
+        IpcSource::TRANSPORT
     }
 
-    /// Copies pulled transfer `id` out of the peer's memory into `buffer`, on a blocking
-    /// thread; the result comes back to the session.
-    pub(super) fn start_pull(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
-        let Some((source, layout)) = self.ipc.sources.get(&id).cloned() else {
-            return;
-        };
-        self.ipc.pulling.insert(id);
-        if let Some(spans) = self.inbound_spans.get_mut(&id) {
-            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
-            spans.pulling = Some(Instant::now());
+    /// Where the peer is (its process, its host); we take its offers when it is on this
+    /// host and this node has GPUs.
+    fn attach(&mut self, hello: &ferry_transports::wire::Hello, cx: &PartCx) -> bool {
+        self.peer_pid = hello.pid;
+        self.same_host = *hello.host_id == *cx.setup.host_id;
+        self.same_host && !cx.setup.gpus.is_empty()
+    }
+
+    /// The buffer's place in its pool, which the peer imports (nothing to import for a
+    /// node of this process).
+    fn export(&mut self, buffer: &Buffer, _: &Layout, _: &PartCx) -> Exporting {
+        Exporting::Now(
+            crate::gpu::export_source(buffer, self.in_process())
+                .map(|source| Exported {
+                    source: PullSource::Ipc(source),
+                    kept: None,
+                })
+                .map_err(|e| Error::unsupported(e.to_string())),
+        )
+    }
+
+    fn pulls_pushes(&self) -> bool {
+        self.in_process()
+    }
+
+    /// The peer reads `buffer` (op `op`) until it says otherwise (Done or Cancel), and may
+    /// keep it mapped after: its memory is freed only once the peer unmapped it.
+    fn keep(
+        &mut self,
+        op: OpId,
+        (_, buffer): (Exported, &Buffer),
+        me: &Addr<TransferActor>,
+        cx: &PartCx,
+    ) {
+        let view = buffer.share();
+        if self.in_process() {
+            // The peer copies straight from our memory, which it finds here.
+            crate::gpu::offer_in_process(&cx.setup.node, view.clone());
+        } else {
+            let unmapper: Arc<dyn Unmapper> = self.unmapper(cx.setup, me);
+            buffer.note_mapped(unmapper);
         }
-        let pools = Arc::clone(&self.ipc.imported);
-        let peer = &self.peer;
-        let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
+        self.exported.insert(op, view);
+    }
+
+    fn released(&mut self, op: OpId, cx: &PartCx) {
+        if let Some(view) = self.exported.remove(&op) {
+            crate::gpu::withdraw_in_process(&cx.setup.node, &view);
+        }
+    }
+
+    fn lands_in_device(&self, _: &PartCx) -> bool {
+        true
+    }
+
+    /// Copies on a blocking thread, however small: a copy is a driver call and a wait.
+    /// (Small contiguous pulls from another process take the lane.)
+    fn pull(
+        &mut self,
+        source: PullSource,
+        layout: Layout,
+        buffer: Buffer,
+        cx: &PartCx,
+    ) -> Moving<Buffer> {
+        let PullSource::Ipc(source) = source else {
+            return foreign(source.transport());
+        };
+        let pools = Arc::clone(&self.imported);
+        let imports = Arc::clone(self.imports.get_or_insert_with(|| {
             Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
-                peer,
+                cx.peer,
                 crate::gpu::IMPORT_CACHE_CAPACITY,
             )))
         }));
-        let gpus = Arc::clone(&self.setup.gpus);
-        let exporter = self.peer.clone();
-        let in_process = self.ipc.in_process();
-        // Never on this thread, however small: a copy is a driver call and a wait. (Small
-        // contiguous pulls from another process take the lane.)
+        let gpus = Arc::clone(&cx.setup.gpus);
+        let exporter = cx.peer.to_string();
+        let in_process = self.in_process();
         let express = buffer.len() <= crate::gpu::EXPRESS_PULL_MAX
             && layout == Layout::Contiguous
             && (in_process || crate::gpu::is_mapped(&source, &imports));
-        let copy = self.setup.io.spawn_blocking(move || {
+        let copy = cx.setup.io.spawn_blocking(move || {
             if in_process {
                 crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
             } else {
                 crate::gpu::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
             }
         });
-        ctx.spawn(copy.into_actor(self).map(move |joined, act, ctx| {
-            let pulled = match joined {
+        Box::pin(async move {
+            match copy.await {
                 Ok(Ok(buffer)) => Ok(buffer),
                 Ok(Err((_buffer, why))) => Err(MoveError::from(why)),
                 Err(e) => Err(MoveError::Task(e.to_string())),
-            };
-            act.pull_ended(id, pulled, ctx);
-        }));
-    }
-
-    /// Pull `id` ended: deliver the buffer, or fail the transfer; an abandoned one only
-    /// tells the peer it may let go.
-    pub(super) fn pull_ended(
-        &mut self,
-        id: InboundId,
-        pulled: Result<Buffer, MoveError>,
-        ctx: &mut Context<Self>,
-    ) {
-        self.ipc.pulling.remove(&id);
-        if let Some(spans) = self.inbound_spans.get(&id) {
-            // The copy's own steps are traced by `gpu::pull`; this is them plus the hops to
-            // the blocking thread and back to this actor.
-            tracing::trace!(
-                target: crate::TRACE_BLOCKS,
-                id = id.0,
-                blocks = spans.blocks,
-                ok = pulled.is_ok(),
-                pull_us = spans.pulling.map(|t| t.elapsed().as_micros() as u64),
-                "pull ended"
-            );
-        }
-        if self.ipc.abandoned.remove(&id) {
-            // The import is freed; the peer may let go of its buffer. Ours (if any) is
-            // dropped here, which frees it.
-            self.release_to_peer(id);
-            return self.drive(ctx);
-        }
-        self.ipc.sources.remove(&id);
-        self.ucx.sources.remove(&id);
-        match pulled {
-            Ok(buffer) => self.completed(id, buffer),
-            Err(why) => {
-                tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
-                metrics::counter!("ferry_pull_failures_total").increment(1);
-                self.session
-                    .handle_reserve_failed(id, WireReason::Unsupported, why.to_string());
             }
-        }
-        self.drive(ctx);
+        })
     }
 
-    /// Copies op `op`'s bytes into the peer's buffer `target` (an ipc push) on a blocking
-    /// thread: the peer's pool is imported on the first push to its device, the buffer is
-    /// imported, copied into and freed; then the peer hears `Written`.
-    pub(super) fn start_write(&mut self, op: OpId, target: IpcSource, ctx: &mut Context<Self>) {
-        let (source, layout, stop) = match self.push_source(op) {
-            Ok(started) => started,
-            Err(why) => return self.written(op, Err(why), ctx),
+    /// On a blocking thread: the peer's pool is imported on the first push to its device,
+    /// the buffer is imported, copied into and freed.
+    fn write(
+        &mut self,
+        target: PushTarget,
+        (source, layout): (SharedBytes, Layout),
+        stop: Arc<AtomicBool>,
+        cx: &PartCx,
+    ) -> Moving<()> {
+        let PushTarget::Ipc(target) = target else {
+            return foreign(target.transport());
         };
-        let pools = Arc::clone(&self.ipc.push_pools);
-        let peer = self.peer.clone();
-        let pid = self.ipc.peer_pid;
-        let secret = self.setup.secret.clone();
-        let gpus = Arc::clone(&self.setup.gpus);
-        let io = self.setup.io.clone();
-        let push = async move {
+        let pools = Arc::clone(&self.push_pools);
+        let peer = cx.peer.to_string();
+        let pid = self.peer_pid;
+        let secret = cx.setup.secret.clone();
+        let gpus = Arc::clone(&cx.setup.gpus);
+        let io = cx.setup.io.clone();
+        Box::pin(async move {
             let pool = {
                 let mut pools = pools.lock().await;
                 if !pools.contains_key(&target.device_uuid) {
@@ -133,28 +142,107 @@ impl TransferActor {
                 crate::gpu::push(&target, &pool, &gpus, &source, &layout, &stop)
             })
             .await
-            .map_err(|e| IpcError::Gone(format!("the push task failed: {e}")))?
-        };
-        ctx.spawn(push.into_actor(self).map(move |pushed, act, ctx| {
-            act.written(op, pushed.map_err(MoveError::from), ctx);
-        }));
+            .map_err(|e| IpcError::Gone(format!("the push task failed: {e}")))??;
+            Ok(())
+        })
     }
 
+    fn lender(&self, _: &PartCx) -> Option<Arc<dyn Lend>> {
+        Some(Arc::new(IpcLender))
+    }
+
+    /// Frees our imports (off the actor thread: it waits for their copies); our buffers the
+    /// peer may still read go to quarantine; our freed buffers it may still map are freed
+    /// after the lease timeout (a live peer's session with us ends too, which frees its
+    /// imports).
+    fn close(&mut self, cx: &PartCx) -> Vec<(u64, Retired)> {
+        if let Some(imports) = self.imports.take() {
+            cx.setup.io.spawn_blocking(move || drop(imports));
+        }
+        if let Some(unmapper) = self.unmapper.take() {
+            let pending = unmapper.close();
+            // Wakes the forwarding task, which then finds the actor gone and ends.
+            unmapper.wake.notify_one();
+            for (_, done) in pending {
+                unmapper.free_later(done);
+            }
+            for (_, done) in self.unmapping.drain() {
+                unmapper.free_later(done);
+            }
+        }
+        self.exported
+            .drain()
+            .map(|(op, view)| {
+                crate::gpu::withdraw_in_process(&cx.setup.node, &view);
+                (op.0, Retired::Quarantine(view))
+            })
+            .collect()
+    }
+}
+
+/// Lends device memory to the peer's ipc pushes: exported for the peer to import. Host
+/// memory is not lent (the bytes stream over the link).
+struct IpcLender;
+
+impl Lend for IpcLender {
+    fn lends<'a>(&'a self, buffer: &'a Buffer) -> futures::future::BoxFuture<'a, bool> {
+        Box::pin(std::future::ready(buffer.device_memory().is_some()))
+    }
+
+    fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String> {
+        let target = crate::gpu::export_source(&buffer, false).map_err(|e| e.to_string())?;
+        Ok((Box::new(LentDevice(buffer)), PushTarget::Ipc(target)))
+    }
+}
+
+/// Device memory lent to the peer's ipc push.
+#[derive(Debug)]
+struct LentDevice(Buffer);
+
+impl LentMemory for LentDevice {
+    fn kind(&self) -> ferry_transports::memory::MemoryKind {
+        self.0.kind()
+    }
+
+    fn give_back_blocks(&self) -> bool {
+        false
+    }
+
+    fn give_back(self: Box<Self>) -> Buffer {
+        self.0
+    }
+
+    /// After a failed push it goes at once (the peer's copy ended before its `Written`);
+    /// at the end of the session, to quarantine (the peer may still be copying).
+    fn retire(self: Box<Self>, written: bool) -> Retired {
+        if written {
+            Retired::Gone
+        } else {
+            Retired::Quarantine(self.0.share())
+        }
+    }
+}
+
+impl IpcState {
     /// This session's unmapper, made on first use, with the task that hands its work to
-    /// the actor (it ends with the actor).
-    pub(super) fn unmapper(&mut self, ctx: &mut Context<Self>) -> Arc<PeerUnmapper> {
-        if let Some(u) = &self.ipc.unmapper {
+    /// the actor `me` (it ends with the actor).
+    pub(super) fn unmapper(
+        &mut self,
+        setup: &TransferSetup,
+        me: &Addr<TransferActor>,
+    ) -> Arc<PeerUnmapper> {
+        if let Some(u) = &self.unmapper {
             return Arc::clone(u);
         }
         let unmapper = Arc::new(PeerUnmapper {
             pending: std::sync::Mutex::default(),
             wake: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
-            io: self.setup.io.clone(),
-            lease_timeout: self.setup.lease_timeout,
+            io: setup.io.clone(),
+            lease_timeout: setup.lease_timeout,
         });
-        self.ipc.unmapper = Some(Arc::clone(&unmapper));
-        let me = ctx.address();
+        self.unmapper = Some(Arc::clone(&unmapper));
+        let me = me.clone();
         let watched = Arc::clone(&unmapper);
         actix::spawn(async move {
             loop {
@@ -166,7 +254,9 @@ impl TransferActor {
         });
         unmapper
     }
+}
 
+impl TransferActor {
     /// Carries out what the ipc setup asks for: its messages, its checks, and the
     /// submissions it releases.
     pub(super) fn drive_ipc_setup(&mut self, ctx: &mut Context<Self>) {
@@ -307,7 +397,8 @@ impl TransferActor {
             tracing::info!(peer = %self.peer, "the peer did not take the fast lane");
             return;
         }
-        let unmapper: Arc<dyn ferry_transports::memory::Unmapper> = self.unmapper(ctx);
+        let unmapper: Arc<dyn ferry_transports::memory::Unmapper> =
+            self.ipc.unmapper(&self.setup, &ctx.address());
         match crate::lane::LaneTx::start(&self.peer, ring, self.setup.lane, unmapper) {
             Ok(tx) => {
                 tracing::info!(peer = %self.peer, max = self.setup.lane.max, "fast lane to the peer open");
@@ -457,9 +548,9 @@ impl TransferActor {
     }
 }
 
-/// The ipc side of a session: the lazy setup (as the exporting side), submissions waiting
-/// for it, the peer's pools we imported (as the importing side), pulls under way, and the
-/// views of our buffers the peer may still be reading.
+/// The ipc part of a session: the lazy setup (as the exporting side), submissions waiting
+/// for it, the peer's pools and buffers we imported (as the importing side), the views of
+/// our buffers the peer may still be reading, and the fast lane.
 #[derive(Default)]
 pub(super) struct IpcState {
     pub(super) setup: Option<IpcSetup<u64>>,
@@ -472,18 +563,9 @@ pub(super) struct IpcState {
     pub(super) same_host: bool,
     /// The peer's pools, imported when it asked (we pull from them).
     pub(super) imported: Arc<crate::gpu::ImportedPools>,
-    /// Offers to pull, with the layout of the bytes in the peer's buffer, by inbound
-    /// transfer, until the pull ends.
-    pub(super) sources: HashMap<InboundId, (IpcSource, Layout)>,
-    /// Pulls whose copy runs now.
-    pub(super) pulling: HashSet<InboundId>,
-    /// Pulls abandoned while their copy ran: the peer is told once the copy ended.
-    pub(super) abandoned: HashSet<InboundId>,
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them
     /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
     pub(super) exported: HashMap<OpId, SharedBytes>,
-    /// Pulls whose offer went to the writer: only those can be read by the peer.
-    pub(super) offered: HashSet<OpId>,
     /// The peer's buffers we keep mapped (importing side).
     pub(super) imports: Option<crate::gpu::SharedImports>,
     /// Told when one of our buffers the peer may keep mapped is freed (exporting side).
@@ -603,10 +685,6 @@ impl Handler<UnmapRequests> for TransferActor {
         self.drive(ctx);
     }
 }
-
-/// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
-/// from those of our own buffers offered for pulling (our op ids): both stay below it.
-pub(super) const LENT: u64 = crate::core::session::MAX_TRANSFER_ID;
 
 /// Sends frames and streams buffers until the queue closes or the socket fails. Every
 /// stream it takes ends with a `StreamEnded`, after its view of the buffer was dropped.

@@ -17,6 +17,7 @@ mod inbound;
 mod ipc;
 mod link_io;
 mod outbound;
+mod part;
 mod push;
 mod staged_ring;
 mod ucx;
@@ -25,7 +26,7 @@ pub use self::fetch::AskFetch;
 pub use self::ucx::UcxOff;
 pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
-use self::{fetch::*, inbound::*, ipc::*, link_io::*, push::*, staged_ring::*, ucx::*};
+use self::{fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -54,7 +55,8 @@ use crate::core::ipc_setup::{
     SetupTransmit,
 };
 use crate::core::session::{
-    InboundId, OpId, Outcome, PeerSession, PutRequest, SendRequest, SessionEvent, SessionLimits,
+    InboundId, OpId, Outcome, PeerSession, PullSource, PushTarget, PutRequest, SendRequest,
+    SessionEvent, SessionLimits,
 };
 use crate::data_event::DataEvent;
 use crate::error::{Error, SendError};
@@ -391,6 +393,10 @@ pub struct TransferActor {
     drained: Vec<oneshot::Sender<()>>,
     link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
     timer: DeadlineTimer,
+    /// Our pulls whose offer went to the writer: only those can be read by the peer.
+    offered: HashSet<OpId>,
+    /// The peer's offers we pull.
+    pulls: Pulls,
     ipc: IpcState,
     ucx: UcxState,
     /// Our buffers lent to the peer's pushes.
@@ -435,6 +441,8 @@ impl TransferActor {
             drained: Vec::new(),
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
+            offered: HashSet::new(),
+            pulls: Pulls::default(),
             staged: StagedState::default(),
             ipc: IpcState::default(),
             ucx: UcxState::default(),
@@ -467,37 +475,10 @@ impl Actor for TransferActor {
                 buffer: Some(msg.buffer),
             }));
         }
-        // Freeing imports waits for their copies: not on the actor thread.
-        if let Some(imports) = self.ipc.imports.take() {
-            self.setup.io.spawn_blocking(move || drop(imports));
-        }
-        // Our freed buffers the peer may still map: freed after the lease timeout (a live
-        // peer's session with us ends too, which frees its imports).
-        if let Some(unmapper) = self.ipc.unmapper.take() {
-            let pending = unmapper.close();
-            // Wakes the forwarding task, which then finds the actor gone and ends.
-            unmapper.wake.notify_one();
-            for (_, done) in pending {
-                unmapper.free_later(done);
-            }
-            for (_, done) in self.ipc.unmapping.drain() {
-                unmapper.free_later(done);
-            }
-        }
-        // Registrations for the peer's UCX reads: unmapped (off this thread).
-        self.unexport_all_ucx();
-        // Buffers the peer may still be reading go to their domain's quarantine first.
-        let mut exports = Vec::new();
-        for (op, view) in self.ipc.exported.drain() {
-            crate::gpu::withdraw_in_process(&self.setup.node, &view);
-            let kind = view.lease().kind;
-            if let ferry_transports::memory::MemoryKind::Device(n) = kind
-                && let Some(gpu) = self.setup.gpus.get(n)
-            {
-                exports.push((gpu.allocator.actor.clone(), op, view));
-            }
-        }
-        // Buffers lent to the peer for its pushes: it may still be writing into them.
+        // What the peer may still read or write of ours is held or quarantined.
+        let (parts, cx) = self.parts();
+        let retired = parts.into_iter().flat_map(|p| p.close(&cx)).collect();
+        let mut exports = self.retire(retired);
         exports.extend(self.quarantine_lent());
         // Whatever the peer held of our memory is quarantined for the lease timeout.
         let recipients = self.setup.peer_gone.clone();
@@ -582,8 +563,7 @@ impl Handler<Attach> for TransferActor {
         }
         self.link += 1;
         self.peer_max_frame = link.peer_hello.max_frame;
-        self.attach_ipc(&link.peer_hello);
-        self.attach_ucx(&link.peer_hello.ucx_address);
+        self.attach_parts(&link.peer_hello);
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -791,8 +771,7 @@ impl Handler<FromPeer> for TransferActor {
                 self.unexport(OpId(transfer));
             }
             Message::Cancel(ref cancel) if cancel.by_receiver => {
-                self.quarantine_ucx(OpId(cancel.transfer));
-                self.unexport(OpId(cancel.transfer));
+                self.cancelled_by_peer(OpId(cancel.transfer));
             }
             _ => {}
         }

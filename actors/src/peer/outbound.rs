@@ -126,38 +126,83 @@ impl TransferActor {
         }
     }
 
-    /// The peer no longer reads the buffer of `op`: its view goes.
+    /// The peer no longer reads the buffer of `op` (or never will): what its transport
+    /// kept for it goes.
     pub(super) fn unexport(&mut self, op: OpId) {
-        if let Some(view) = self.ipc.exported.remove(&op) {
-            crate::gpu::withdraw_in_process(&self.setup.node, &view);
+        let (parts, cx) = self.parts();
+        for part in parts {
+            part.released(op, &cx);
         }
-        self.unexport_ucx(op);
     }
 
-    /// Queues a submission in the session; the outcome goes to `reply`. A pull over a
-    /// transport that registers its sources (ucx) has its buffer registered first (a push
-    /// writes from it: nothing to register).
+    /// The peer gave up reading the buffer of `op` (`Cancel`): what its transport kept goes,
+    /// as the transport says (reads may still be under way).
+    pub(super) fn cancelled_by_peer(&mut self, op: OpId) {
+        let (parts, cx) = self.parts();
+        for part in parts {
+            part.cancelled(op, &cx);
+        }
+    }
+
+    /// Queues a submission in the session; the outcome goes to `reply`. A pull's buffer is
+    /// made readable for the peer first, by its transport (an export, or a registration on
+    /// a blocking thread while this actor's mailbox waits: later sends queue behind it, in
+    /// order). A push to a node of this process over ipc goes as a pull.
     pub(super) fn queue_submit(
         &mut self,
-        msg: Submit,
+        mut msg: Submit,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
-        let registers = matches!(&msg.op, Op::Send { transport, direction, .. }
-            if registry::declared(*transport).registers_source
-                && *direction == WireDirection::Pull);
-        if registers {
-            return self.submit_ucx(msg, reply, ctx);
+        let Op::Send {
+            transport,
+            direction,
+            layout,
+            ..
+        } = &mut msg.op
+        else {
+            return self.queue_submit_with(msg, None, reply, ctx);
+        };
+        let layout = layout.clone();
+        let Some((part, cx)) = self.part(*transport) else {
+            return self.queue_submit_with(msg, None, reply, ctx);
+        };
+        if *direction == WireDirection::Push && part.pulls_pushes() {
+            *direction = WireDirection::Pull;
         }
-        self.queue_submit_with(msg, None, reply, ctx);
+        if *direction == WireDirection::Push {
+            return self.queue_submit_with(msg, None, reply, ctx);
+        }
+        match part.export(&msg.buffer, &layout, &cx) {
+            Exporting::Now(Ok(exported)) => self.queue_submit_with(msg, Some(exported), reply, ctx),
+            Exporting::Now(Err(error)) => {
+                let _ = reply.send(Err(SendError {
+                    error,
+                    buffer: Some(msg.buffer),
+                }));
+            }
+            Exporting::Later(exporting) => {
+                ctx.wait(exporting.into_actor(self).map(
+                    move |exported, act, ctx| match exported {
+                        Ok(exported) => act.queue_submit_with(msg, Some(exported), reply, ctx),
+                        Err(error) => {
+                            let _ = reply.send(Err(SendError {
+                                error,
+                                buffer: Some(msg.buffer),
+                            }));
+                        }
+                    },
+                ));
+            }
+        }
     }
 
-    /// Queues a submission in the session, with its buffer's UCX registration when it goes
-    /// over ucx.
-    pub(super) fn queue_submit_with(
+    /// Queues a submission in the session, with what makes its buffer readable for the
+    /// peer when it is pulled.
+    fn queue_submit_with(
         &mut self,
         msg: Submit,
-        exported: Option<ferry_transports::ucx::Exported>,
+        exported: Option<Exported>,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
@@ -177,7 +222,7 @@ impl TransferActor {
                 now,
                 &msg,
                 (tag, transport, direction, layout.clone(), fetch, packed),
-                exported.as_ref(),
+                exported.as_ref().map(|e| e.source.clone()),
                 peer_class,
             ),
             Op::Put { key, offset } => {
@@ -220,10 +265,11 @@ impl TransferActor {
             }
         };
         if let Some(exported) = exported {
-            // The peer reads it with UCX until it says Done or Cancel.
-            self.ucx.exported.insert(id, exported);
-        } else if labels.direction == "pull" {
-            self.lend_for_pull(id, &msg.buffer, ctx);
+            // The peer reads it until it says Done or Cancel.
+            let me = ctx.address();
+            if let Some((part, cx)) = self.part(labels.transport) {
+                part.keep(id, (exported, &msg.buffer), &me, &cx);
+            }
         }
         self.track(id, msg.buffer, (what, moved), labels, reply, now);
         self.drive(ctx);
@@ -243,7 +289,7 @@ impl TransferActor {
             Option<u64>,
             u64,
         ),
-        exported: Option<&ferry_transports::ucx::Exported>,
+        pull: Option<PullSource>,
         peer_class: &'static str,
     ) -> Result<
         (
@@ -257,18 +303,6 @@ impl TransferActor {
         // What moves: the layout's rows, packed (checked by the node, which gave the
         // length).
         let len = packed;
-        // A node of this process reads our memory directly over ipc: a push to it is
-        // pulled (the same single peer copy, with no buffer to lend). (Not over a
-        // transport that registers what it reads: ucx moves in-process bytes as any.)
-        let direction = if registry::carrier(transport) == Carrier::Memory
-            && !registry::declared(transport).registers_source
-            && direction == WireDirection::Push
-            && self.ipc.in_process()
-        {
-            WireDirection::Pull
-        } else {
-            direction
-        };
         let labels = TransferLabels {
             transport,
             direction: match direction {
@@ -277,20 +311,14 @@ impl TransferActor {
             },
             peer_class,
         };
-        // What a pull reads: the UCX registration, or the ipc export.
-        let building = Instant::now();
-        let (ipc, ucx) = match (direction, exported) {
-            (WireDirection::Pull, Some(exported)) => (None, Some(exported.source())),
-            (WireDirection::Pull, None) => (
-                Some(
-                    crate::gpu::export_source(&msg.buffer, self.ipc.in_process())
-                        .map_err(|e| Error::unsupported(e.to_string()))?,
-                ),
-                None,
-            ),
+        // What a pull reads: made readable by its transport (`queue_submit`).
+        let (ipc, ucx) = match (direction, pull) {
+            (WireDirection::Pull, Some(source)) => source.into_offer(),
+            (WireDirection::Pull, None) => {
+                return Err(Error::unsupported(format!("{transport} does not pull")));
+            }
             (WireDirection::Push, _) => (None, None),
         };
-        let exported_at = building.elapsed();
         let queued = self.session.handle_send(
             now,
             SendRequest {
@@ -311,18 +339,18 @@ impl TransferActor {
             op = queued.as_ref().ok().map(|op| op.0),
             blocks = crate::block_count(&layout),
             bytes = len,
-            export_us = exported_at.as_micros() as u64,
-            queue_us = (building.elapsed() - exported_at).as_micros() as u64,
+            queue_us = now.elapsed().as_micros() as u64,
             since_submit_us = now.elapsed().as_micros() as u64,
             "offer built"
         );
         Ok((queued, StreamWhat::Transfer(layout), labels, len))
     }
 
-    /// Drops a UCX registration on a blocking thread (unmapping waits for UCX's thread).
-    fn drop_off_thread(&self, exported: Option<ferry_transports::ucx::Exported>) {
-        if let Some(exported) = exported {
-            self.setup.io.spawn_blocking(move || drop(exported));
+    /// Drops what made a buffer readable on a blocking thread (unmapping a registration
+    /// waits for UCX's thread).
+    fn drop_off_thread(&self, exported: Option<Exported>) {
+        if let Some(kept) = exported.and_then(|e| e.kept) {
+            self.setup.io.spawn_blocking(move || drop(kept));
         }
     }
 
@@ -338,20 +366,6 @@ impl TransferActor {
                 detail: other.to_string(),
             },
         }
-    }
-
-    /// The peer reads `buffer` (op `id`) until it says otherwise (Done or Cancel), and may
-    /// keep it mapped after: its memory is freed only once the peer unmapped it.
-    fn lend_for_pull(&mut self, id: OpId, buffer: &Buffer, ctx: &mut Context<Self>) {
-        let view = buffer.share();
-        if self.ipc.in_process() {
-            // The peer copies straight from our memory, which it finds here.
-            crate::gpu::offer_in_process(&self.setup.node, view.clone());
-        } else {
-            let unmapper: Arc<dyn Unmapper> = self.unmapper(ctx);
-            buffer.note_mapped(unmapper);
-        }
-        self.ipc.exported.insert(id, view);
     }
 
     /// Keeps op `id`'s buffer and reply until it ends, with its spans.

@@ -2,42 +2,20 @@
 //! in the grant (an ipc export of device memory, or a UCX registration), kept until the
 //! peer says `Written`, then delivered or freed. A lent buffer the peer may still write is
 //! never freed at once: abandoned, it waits for `Written` within the lease timeout (else
-//! the link goes); on a lost session it is quarantined. Sending: each transport writes
-//! (`peer/ipc.rs`, `peer/ucx.rs`), and [`TransferActor::written`] tells the peer.
+//! the link goes); on a lost session it is quarantined. How a buffer is lent, given back
+//! and retired is its transport's ([`Lend`], [`LentMemory`]). Sending: the target's
+//! transport writes ([`PeerPart::write`]), and [`TransferActor::written`] tells the peer.
 
 use super::*;
-use crate::core::session::PushTarget;
-use ferry_transports::ucx::Lent;
-use ferry_transports::wire::UcxSource;
-
-/// One buffer lent to the peer, by the transport that writes it.
-#[derive(Debug)]
-pub(super) enum LentBuffer {
-    /// Device memory exported to the peer's ipc push.
-    Ipc(Buffer),
-    /// Memory registered with our UCX for the peer's `ucp_put`.
-    Ucx(Lent),
-}
 
 /// The buffers lent to the peer.
 #[derive(Debug, Default)]
 pub(super) struct LentState {
     /// By inbound transfer, until the peer says `Written`.
-    pub(super) buffers: HashMap<InboundId, LentBuffer>,
+    pub(super) buffers: HashMap<InboundId, Box<dyn LentMemory>>,
     /// Those whose transfer was abandoned: no longer counted by the session, so bounded
     /// here (a peer past `limits.inbound` of them loses the link).
     pub(super) abandoned: HashSet<InboundId>,
-}
-
-/// How a push's landing is lent, by the transport that writes it.
-#[derive(Clone)]
-pub(super) enum Lender {
-    /// Device memory is exported for the peer to import; host memory is not lent (the
-    /// bytes stream over the link).
-    Ipc,
-    /// Memory the engine moves is registered for the peer's puts, where they would be
-    /// one-sided (else the bytes stream over the link).
-    Ucx(UcxLender),
 }
 
 /// A landing reserved for an inbound transfer.
@@ -45,62 +23,31 @@ pub(super) enum Landed {
     /// The bytes land here: pulled, or streamed over the link.
     Plain(Buffer),
     /// Lent to the peer's push (what goes in the grant), or why it could not be.
-    Lent(Result<(LentBuffer, PushTarget), String>),
+    Lent(Result<(Box<dyn LentMemory>, PushTarget), String>),
 }
 
-impl LentBuffer {
-    /// The memory it is.
-    fn kind(&self) -> ferry_transports::memory::MemoryKind {
-        match self {
-            Self::Ipc(buffer) => buffer.kind(),
-            Self::Ucx(lent) => lent.kind(),
-        }
-    }
-}
-
-impl Lender {
-    /// Whether this transport lends `buffer` to the peer's push (else the bytes stream
-    /// over the link): ipc lends device memory; ucx, memory the peer's writes into would
-    /// be one-sided ([`UcxLender::lends`]).
-    pub(super) async fn lends(&self, buffer: &Buffer) -> bool {
-        match self {
-            Self::Ipc => buffer.device_memory().is_some(),
-            Self::Ucx(ucx) => ucx.lends(buffer).await,
-        }
-    }
-
-    /// Lends `buffer` (blocking: an export or a registration): what goes in the grant, or
-    /// why it cannot be lent.
-    pub(super) fn lend(&self, buffer: Buffer) -> Result<(LentBuffer, PushTarget), String> {
-        match self {
-            Self::Ipc => crate::gpu::export_source(&buffer, false)
-                .map(|target| (LentBuffer::Ipc(buffer), PushTarget::Ipc(target)))
-                .map_err(|e| e.to_string()),
-            Self::Ucx(ucx) => match ucx.engine.lend(buffer) {
-                Ok(lent) => {
-                    let target = PushTarget::Ucx(lent.target());
-                    Ok((LentBuffer::Ucx(lent), target))
-                }
-                Err(e) => Err(format!("cannot register the buffer with UCX: {e}")),
-            },
-        }
-    }
-}
+/// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
+/// from those of our own buffers offered for pulling (our op ids): both stay below it.
+pub(super) const LENT: u64 = crate::core::session::MAX_TRANSFER_ID;
 
 impl TransferActor {
     /// Who lends the landing of a push over `transport`: `None` when this node cannot (a
     /// ucx push while our UCX is gone; the reservation then fails).
-    pub(super) fn lender(&self, transport: ferry_config::TransportName) -> Option<Lender> {
-        if transport == UcxSource::TRANSPORT {
-            self.ucx_lender().map(Lender::Ucx)
-        } else {
-            Some(Lender::Ipc)
-        }
+    pub(super) fn lender(
+        &mut self,
+        transport: ferry_config::TransportName,
+    ) -> Option<Arc<dyn Lend>> {
+        let (part, cx) = self.part(transport)?;
+        part.lender(&cx)
     }
 
     /// Lends `lent`, reserved for inbound push `id`, to the peer: `target` goes in the
     /// grant, and the buffer is kept until the peer says `Written`.
-    pub(super) fn lend(&mut self, id: InboundId, lent: Result<(LentBuffer, PushTarget), String>) {
+    pub(super) fn lend(
+        &mut self,
+        id: InboundId,
+        lent: Result<(Box<dyn LentMemory>, PushTarget), String>,
+    ) {
         let (buffer, target) = match lent {
             Ok(lent) => lent,
             Err(why) => {
@@ -119,14 +66,9 @@ impl TransferActor {
             }
             self.lent.buffers.insert(id, buffer);
         } else {
-            // Abandoned meanwhile: nothing was lent (no grant left); a registration goes
-            // at once, off this thread.
-            match buffer {
-                LentBuffer::Ipc(buffer) => drop(buffer),
-                LentBuffer::Ucx(lent) => {
-                    self.setup.io.spawn_blocking(move || drop(lent));
-                }
-            }
+            // Abandoned meanwhile: nothing was lent (no grant left); it goes at once, off
+            // this thread (a registration's unmapping waits).
+            self.setup.io.spawn_blocking(move || drop(buffer));
         }
     }
 
@@ -145,41 +87,37 @@ impl TransferActor {
         self.lent.abandoned.remove(&id);
         if let Some(why) = error {
             tracing::debug!(peer = %self.peer, id = id.0, "the peer's push failed: {why}");
-            self.free_lent(buffer);
+            self.free_lent(id, buffer);
             return self.session.handle_reserve_failed(
                 id,
                 WireReason::Unsupported,
                 format!("the push failed: {why}"),
             );
         }
-        match buffer {
-            LentBuffer::Ipc(buffer) => self.completed(id, buffer),
-            LentBuffer::Ucx(lent) => {
-                let unregistered = self.setup.io.spawn_blocking(move || lent.give_back());
-                ctx.spawn(unregistered.into_actor(self).map(move |joined, act, ctx| {
-                    match joined {
-                        Ok(buffer) => act.completed(id, buffer),
-                        Err(e) => act.session.handle_reserve_failed(
-                            id,
-                            WireReason::ShuttingDown,
-                            format!("the UCX unregistration task failed: {e}"),
-                        ),
-                    }
-                    act.drive(ctx);
-                }));
-            }
+        if !buffer.give_back_blocks() {
+            return self.completed(id, buffer.give_back());
         }
+        let unregistered = self.setup.io.spawn_blocking(move || buffer.give_back());
+        ctx.spawn(unregistered.into_actor(self).map(move |joined, act, ctx| {
+            match joined {
+                Ok(buffer) => act.completed(id, buffer),
+                Err(e) => act.session.handle_reserve_failed(
+                    id,
+                    WireReason::ShuttingDown,
+                    format!("the lent buffer's release task failed: {e}"),
+                ),
+            }
+            act.drive(ctx);
+        }));
     }
 
-    /// A lent buffer the peer says it no longer writes goes: device memory lent over ipc
-    /// at once (the peer's copy ended before its `Written`); a UCX registration after the
-    /// same hold as a cancelled read's, since a failed writer's last puts may still be on
-    /// their way where UCX applies them here.
-    fn free_lent(&self, buffer: LentBuffer) {
-        match buffer {
-            LentBuffer::Ipc(buffer) => drop(buffer),
-            LentBuffer::Ucx(lent) => self.hold_then_drop(vec![lent]),
-        }
+    /// A lent buffer the peer says it no longer writes goes, as its transport says (device
+    /// memory lent over ipc at once: the peer's copy ended before its `Written`; a UCX
+    /// registration after the same hold as a cancelled read's, since a failed writer's
+    /// last puts may still be on their way where UCX applies them here).
+    fn free_lent(&self, id: InboundId, buffer: Box<dyn LentMemory>) {
+        let exports = self.retire(vec![(LENT | id.0, buffer.retire(true))]);
+        quarantine(exports, &self.peer, self.epoch);
     }
 
     /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
@@ -221,26 +159,11 @@ impl TransferActor {
     pub(super) fn quarantine_lent(
         &mut self,
     ) -> Vec<(Addr<crate::allocator::Allocator>, OpId, SharedBytes)> {
-        let mut exports = Vec::new();
-        let mut registered = Vec::new();
-        for (id, buffer) in self.lent.buffers.drain() {
-            match buffer {
-                LentBuffer::Ipc(buffer) => {
-                    let view = buffer.share();
-                    if let ferry_transports::memory::MemoryKind::Device(n) = view.lease().kind
-                        && let Some(gpu) = self.setup.gpus.get(n)
-                    {
-                        exports.push((gpu.allocator.actor.clone(), OpId(LENT | id.0), view));
-                    }
-                }
-                LentBuffer::Ucx(lent) => registered.push(lent),
-            }
-        }
+        let retired = (self.lent.buffers.drain())
+            .map(|(id, buffer)| (LENT | id.0, buffer.retire(false)))
+            .collect();
         self.lent.abandoned.clear();
-        if !registered.is_empty() {
-            self.hold_then_drop(registered);
-        }
-        exports
+        self.retire(retired)
     }
 
     /// What a push of `op` writes from: its buffer's bytes, their layout, and its stop flag
@@ -262,6 +185,26 @@ impl TransferActor {
             StreamWhat::Put { .. } => Layout::Contiguous,
         };
         Ok((entry.buffer.share(), layout, Arc::clone(&entry.stop)))
+    }
+
+    /// Writes op `op`'s bytes into the buffer the peer lent as `target`, by the target's
+    /// transport, off this thread; then the peer hears `Written`.
+    pub(super) fn start_write(&mut self, op: OpId, target: PushTarget, ctx: &mut Context<Self>) {
+        let (source, layout, stop) = match self.push_source(op) {
+            Ok(started) => started,
+            Err(why) => return self.written(op, Err(why), ctx),
+        };
+        let transport = target.transport();
+        let Some((part, cx)) = self.part(transport) else {
+            let why = MoveError::Task(format!("{transport} writes into no lent memory"));
+            return self.written(op, Err(why), ctx);
+        };
+        let write = part.write(target, (source, layout), stop, &cx);
+        ctx.spawn(
+            write
+                .into_actor(self)
+                .map(move |pushed, act, ctx| act.written(op, pushed, ctx)),
+        );
     }
 
     /// The push of `op` ended: the peer gets its buffer back (`Written`), and the op waits

@@ -1,4 +1,4 @@
-//! The ucx transport's part of a peer: the endpoint to the peer's UCX worker (connected on
+//! The ucx transport's part of a peer ([`PeerPart`]): the endpoint to the peer's UCX worker (connected on
 //! the first pull from it, from the address in its hello), our buffers registered for the
 //! peer to read until it lets go, and pulls out of the peer's.
 //!
@@ -9,27 +9,56 @@
 use super::*;
 use ferry_config::TransportName;
 use ferry_transports::transport::Viability;
-use ferry_transports::ucx::{EndpointLanes, Engine, Exported, UcxPeer, UcxTransportError};
+use ferry_transports::ucx::{EndpointLanes, Engine, UcxPeer, UcxTransportError};
 use ferry_transports::wire::UcxSource;
 
-/// The ucx state of one peer.
+/// The ucx part of one peer's session.
 #[derive(Default)]
 pub(super) struct UcxState {
     /// The peer's UCX worker address, from its hello (empty: it does not serve ucx).
     pub(super) address: Vec<u8>,
-    /// Our endpoint to the peer's worker, made by the first pull on this link.
-    pub(super) endpoint: Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
-    /// Pull offers from the peer, with the layout of the bytes in its buffer, by inbound
-    /// transfer, until the pull ends.
-    pub(super) sources: HashMap<InboundId, (UcxSource, Layout)>,
+    /// Our endpoint to the peer's worker, made by the first use on this link.
+    pub(super) endpoint: EndpointSlot,
     /// Our buffers registered for the peer to read, until it says `Done` or `Cancel`, or
     /// the link goes.
-    pub(super) exported: HashMap<OpId, Exported>,
+    pub(super) exported: HashMap<OpId, Box<dyn Send>>,
     /// Whether the lanes of our endpoint to the peer were reported (logged, and counted
     /// when emulated over tcp): once per peer, after the first pull that completed.
-    lanes_reported: bool,
+    lanes_reported: Arc<AtomicBool>,
     /// Whether we said that the peer's ucx pushes stream over the link (once per peer).
     pushes_streamed: Arc<AtomicBool>,
+}
+
+/// Our endpoint to the peer's worker: made on first use, made anew on a new link and after
+/// a failure (a task that used a failed endpoint forgets it only if no newer one replaced
+/// it meanwhile).
+#[derive(Clone, Default)]
+pub(super) struct EndpointSlot(Arc<std::sync::Mutex<Endpoint>>);
+
+type Endpoint = Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>;
+
+impl EndpointSlot {
+    /// The endpoint now (maybe not made yet).
+    fn current(&self) -> Endpoint {
+        Arc::clone(&self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The next use makes a new endpoint.
+    fn reset(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Endpoint::default();
+    }
+
+    /// A failed or timed-out endpoint fails everything sent on it afterwards: the next use
+    /// connects anew (unless a newer link already replaced `used`).
+    fn forget_failed(&self, used: &Endpoint, error: &MoveError) {
+        let mut current = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let MoveError::Ucx(e) = error
+            && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
+            && Arc::ptr_eq(&current, used)
+        {
+            *current = Endpoint::default();
+        }
+    }
 }
 
 /// What lending memory to the peer's ucx pushes takes: the engine, and whether the peer's
@@ -37,7 +66,7 @@ pub(super) struct UcxState {
 #[derive(Clone)]
 pub(super) struct UcxLender {
     pub(super) engine: Arc<Engine>,
-    endpoint: Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
+    endpoint: EndpointSlot,
     address: Vec<u8>,
     emulated_push: bool,
     peer: String,
@@ -52,7 +81,7 @@ impl UcxLender {
     /// Where they would be emulated over tcp, a writer that dies mid-write can abort this
     /// process inside UCX: the push streams over the link instead, said once per peer and
     /// counted (`ferry_ucx_pushes_streamed_total`).
-    pub(super) async fn lends(&self, buffer: &Buffer) -> bool {
+    async fn lends(&self, buffer: &Buffer) -> bool {
         if self.emulated_push {
             return true;
         }
@@ -95,11 +124,49 @@ impl UcxLender {
     /// nothing used the endpoint yet).
     async fn final_lanes(&self) -> Result<EndpointLanes, MoveError> {
         let engine = Arc::clone(&self.engine);
-        let ucx = connected(&self.endpoint, engine, self.address.clone()).await?;
+        let ucx = connected(&self.endpoint.current(), engine, self.address.clone()).await?;
         if !ucx.lanes().after_first_use {
             ucx.flush()?.await?;
         }
         Ok(ucx.lanes())
+    }
+}
+
+impl Lend for UcxLender {
+    fn lends<'a>(&'a self, buffer: &'a Buffer) -> futures::future::BoxFuture<'a, bool> {
+        Box::pin(UcxLender::lends(self, buffer))
+    }
+
+    fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String> {
+        let lent = (self.engine.lend(buffer))
+            .map_err(|e| format!("cannot register the buffer with UCX: {e}"))?;
+        let target = PushTarget::Ucx(lent.target());
+        Ok((Box::new(LentRegistered(lent)), target))
+    }
+}
+
+/// Memory registered with our UCX for the peer's `ucp_put`.
+#[derive(Debug)]
+struct LentRegistered(ferry_transports::ucx::Lent);
+
+impl LentMemory for LentRegistered {
+    fn kind(&self) -> ferry_transports::memory::MemoryKind {
+        self.0.kind()
+    }
+
+    fn give_back_blocks(&self) -> bool {
+        true
+    }
+
+    fn give_back(self: Box<Self>) -> Buffer {
+        self.0.give_back()
+    }
+
+    /// Held as long as a cancelled read's registration, whether the push failed or the
+    /// session ended: a failed writer's last puts may still be on their way where UCX
+    /// applies them here.
+    fn retire(self: Box<Self>, _: bool) -> Retired {
+        Retired::Hold(Box::new(self.0))
     }
 }
 
@@ -118,7 +185,7 @@ impl Handler<AskUcxLanes> for TransferActor {
 
     fn handle(&mut self, _: AskUcxLanes, _: &mut Self::Context) -> Self::Result {
         let peer = self.peer.clone();
-        let Some(engine) = self.engine().cloned() else {
+        let Some(engine) = self.setup.ucx.clone() else {
             let refused =
                 Error::unsupported("this node does not serve ucx (transport.ucx.enabled)");
             return Box::pin(actix::fut::ready(Err(refused)));
@@ -129,8 +196,9 @@ impl Handler<AskUcxLanes> for TransferActor {
             ));
             return Box::pin(actix::fut::ready(Err(refused)));
         }
-        let endpoint = Arc::clone(&self.ucx.endpoint);
+        let endpoint = self.ucx.endpoint.current();
         let address = self.ucx.address.clone();
+        let used = Arc::clone(&endpoint);
         let asked = self.setup.io.spawn(async move {
             let ucx = connected(&endpoint, engine, address).await?;
             if !ucx.lanes().after_first_use {
@@ -138,7 +206,6 @@ impl Handler<AskUcxLanes> for TransferActor {
             }
             Ok::<_, MoveError>(ucx.lanes())
         });
-        let used = Arc::clone(&self.ucx.endpoint);
         Box::pin(asked.into_actor(self).map(move |joined, act, _| {
             let failed = |detail: String| Error::Transport {
                 peer: peer.clone(),
@@ -147,7 +214,7 @@ impl Handler<AskUcxLanes> for TransferActor {
             match joined {
                 Ok(Ok(lanes)) => Ok(lanes),
                 Ok(Err(e)) => {
-                    act.forget_failed_endpoint(&used, &e);
+                    act.ucx.endpoint.forget_failed(&used, &e);
                     Err(failed(format!("the UCX endpoint: {e}")))
                 }
                 Err(e) => Err(failed(format!("the UCX endpoint task: {e}"))),
@@ -167,7 +234,12 @@ impl Handler<AskUcxKeys> for TransferActor {
     type Result = Result<usize, Error>;
 
     fn handle(&mut self, _: AskUcxKeys, _: &mut Self::Context) -> Self::Result {
-        Ok(self.ucx.endpoint.get().map_or(0, |e| e.unpacked_keys()))
+        Ok(self
+            .ucx
+            .endpoint
+            .current()
+            .get()
+            .map_or(0, |e| e.unpacked_keys()))
     }
 }
 
@@ -199,20 +271,6 @@ fn forget_key(peer: &UcxPeer, of: &UcxSource) {
         // Fails only when the engine stopped, which dropped every key already.
         let _ = peer.forget_rkey(&key);
     }
-}
-
-/// Why a pull or a push failed, by the transport that moved the bytes.
-#[derive(Debug, thiserror::Error)]
-pub(super) enum MoveError {
-    /// The ipc copy.
-    #[error(transparent)]
-    Ipc(#[from] crate::gpu::IpcError),
-    /// The UCX read.
-    #[error(transparent)]
-    Ucx(#[from] UcxTransportError),
-    /// The task that ran it.
-    #[error("the task that moved the bytes failed: {0}")]
-    Task(String),
 }
 
 /// Why this node does not serve ucx.
@@ -269,244 +327,215 @@ pub(crate) fn ucx_unusable_with(
     ))
 }
 
-impl TransferActor {
-    /// What lending memory to the peer's ucx pushes takes; `None` when this node does not
-    /// serve ucx.
-    pub(super) fn ucx_lender(&self) -> Option<UcxLender> {
-        Some(UcxLender {
-            engine: self.engine().cloned()?,
-            endpoint: Arc::clone(&self.ucx.endpoint),
-            address: self.ucx.address.clone(),
-            emulated_push: self.setup.ucx_emulated_push,
-            peer: self.peer.clone(),
-            said: Arc::clone(&self.ucx.pushes_streamed),
+impl PeerPart for UcxState {
+    fn transport(&self) -> TransportName {
+        UcxSource::TRANSPORT
+    }
+
+    /// The peer's (maybe new) worker address; we take its offers when both ends serve ucx
+    /// and its UCX is one ours can talk to (another release's keys do not unpack here; its
+    /// routes skip ucx for the same reason, in its coordinator).
+    fn attach(&mut self, hello: &ferry_transports::wire::Hello, cx: &PartCx) -> bool {
+        self.address = hello.ucx_address.to_vec();
+        // A peer that reconnects may be a new process: a fresh endpoint on first use.
+        self.endpoint.reset();
+        cx.setup.ucx.as_ref().is_some_and(|e| {
+            !self.address.is_empty() && ucx_unusable_with(e, &self.address).is_none()
         })
     }
 
-    /// The node's UCX engine, when this node serves ucx.
-    pub(super) fn engine(&self) -> Option<&Arc<Engine>> {
-        self.setup.ucx.as_ref()
-    }
-
-    /// A new link: the peer's (maybe new) worker address, and whether we take its ucx
-    /// offers (both ends serve ucx).
-    pub(super) fn attach_ucx(&mut self, peer_address: &[u8]) {
-        self.ucx.address = peer_address.to_vec();
-        // A peer that reconnects may be a new process: a fresh endpoint on first use.
-        self.ucx.endpoint = Arc::default();
-        // Another UCX release's keys do not unpack here: its offers are refused as
-        // unsupported (its routes skip ucx for the same reason, in its coordinator).
-        let compatible = self.engine().is_some_and(|e| {
-            !self.ucx.address.is_empty() && ucx_unusable_with(e, &self.ucx.address).is_none()
-        });
-        self.session.set_serves(TransportName::Ucx, compatible);
-    }
-
-    /// A send over ucx: its buffer is registered on a blocking thread while this actor's
-    /// mailbox waits (later sends queue behind it, in order), then it is queued with the
-    /// registration's key in its offer.
-    pub(super) fn submit_ucx(
-        &mut self,
-        msg: Submit,
-        reply: oneshot::Sender<Result<Buffer, SendError>>,
-        ctx: &mut Context<Self>,
-    ) {
-        let Some(engine) = self.engine().cloned() else {
-            let _ = reply.send(Err(SendError {
-                error: Error::unsupported("this node does not serve ucx (transport.ucx.enabled)"),
-                buffer: Some(msg.buffer),
-            }));
-            return;
+    /// Registers the buffer on a blocking thread (the sends behind it wait, in order).
+    fn export(&mut self, buffer: &Buffer, layout: &Layout, cx: &PartCx) -> Exporting {
+        let Some(engine) = cx.setup.ucx.clone() else {
+            return Exporting::Now(Err(Error::unsupported(
+                "this node does not serve ucx (transport.ucx.enabled)",
+            )));
         };
-        let view = msg.buffer.share();
-        let layout = match &msg.op {
-            Op::Send { layout, .. } => layout.clone(),
-            Op::Put { .. } => Layout::Contiguous,
-        };
-        let registered = self
+        let view = buffer.share();
+        let layout = layout.clone();
+        let registered = cx
             .setup
             .io
             .spawn_blocking(move || engine.export_layout(view, &layout));
-        ctx.wait(registered.into_actor(self).map(move |joined, act, ctx| {
-            let exported = match joined {
-                Ok(Ok(exported)) => exported,
-                Ok(Err(e)) => {
-                    let _ = reply.send(Err(SendError {
-                        error: Error::Unsupported {
-                            detail: format!("cannot register the buffer with UCX: {e}"),
-                            source: None,
-                        },
-                        buffer: Some(msg.buffer),
-                    }));
-                    return;
-                }
+        Exporting::Later(Box::pin(async move {
+            match registered.await {
+                Ok(Ok(exported)) => Ok(Exported {
+                    source: PullSource::Ucx(exported.source()),
+                    kept: Some(Box::new(exported)),
+                }),
+                Ok(Err(e)) => Err(Error::Unsupported {
+                    detail: format!("cannot register the buffer with UCX: {e}"),
+                    source: None,
+                }),
                 Err(e) => {
-                    let _ = reply.send(Err(SendError {
-                        error: Error::ShuttingDown,
-                        buffer: Some(msg.buffer),
-                    }));
                     tracing::warn!("the UCX registration task failed: {e}");
-                    return;
+                    Err(Error::ShuttingDown)
                 }
-            };
-            act.queue_submit_with(msg, Some(exported), reply, ctx);
-        }));
+            }
+        }))
     }
 
-    /// The peer finished reading op `op`'s buffer (`Done`): its registration goes now
-    /// (unmapped on a blocking thread; the buffer is freed after it).
-    pub(super) fn unexport_ucx(&mut self, op: OpId) {
-        if let Some(exported) = self.ucx.exported.remove(&op) {
-            self.setup.io.spawn_blocking(move || drop(exported));
-        }
-    }
-
-    /// The peer gave up op `op` (`Cancel`), or the link went: reads it started may still be
-    /// served by our UCX (over tcp, our progress thread answers them from the buffer, and
-    /// checks no key), so the registration and the buffer are held for the longest a read
-    /// may take before they go.
-    pub(super) fn quarantine_ucx(&mut self, op: OpId) {
-        if let Some(exported) = self.ucx.exported.remove(&op) {
-            self.hold_then_drop(vec![exported]);
-        }
-    }
-
-    /// Every registration goes with the link, after the same hold as a cancelled one.
-    pub(super) fn unexport_all_ucx(&mut self) {
-        let all: Vec<Exported> = self.ucx.exported.drain().map(|(_, e)| e).collect();
-        if !all.is_empty() {
-            self.hold_then_drop(all);
-        }
-    }
-
-    pub(super) fn hold_then_drop<T: Send + 'static>(&self, exported: Vec<T>) {
-        let hold = self.setup.ucx_hold;
-        self.setup.io.spawn(async move {
-            tokio::time::sleep(hold).await;
-            let _ = tokio::task::spawn_blocking(move || drop(exported)).await;
-        });
-    }
-
-    /// A failed or timed-out endpoint fails everything sent on it afterwards: the next use
-    /// connects anew (unless a newer link already replaced `used`).
-    fn forget_failed_endpoint(
+    fn keep(
         &mut self,
-        used: &Arc<tokio::sync::OnceCell<Arc<UcxPeer>>>,
-        error: &MoveError,
+        op: OpId,
+        (exported, _): (Exported, &Buffer),
+        _: &Addr<TransferActor>,
+        _: &PartCx,
     ) {
-        if let MoveError::Ucx(e) = error
-            && (e.is_peer_failure() || matches!(e, UcxTransportError::TimedOut { .. }))
-            && Arc::ptr_eq(&self.ucx.endpoint, used)
-        {
-            self.ucx.endpoint = Arc::default();
+        if let Some(kept) = exported.kept {
+            self.exported.insert(op, kept);
         }
     }
 
-    /// Says, once per peer, which UCX lanes its reads take (logged), and warns and counts
-    /// when UCX emulates them over tcp. Only lanes asked after the endpoint's first use
-    /// count (they are final then).
-    fn report_ucx_lanes(&mut self, lanes: &EndpointLanes) {
-        if self.ucx.lanes_reported || !lanes.after_first_use {
-            return;
-        }
-        self.ucx.lanes_reported = true;
-        let peer = &self.peer;
-        if let Some(warning) = lanes.warning(&format!("UCX reads from peer {peer}")) {
-            metrics::counter!("ferry_ucx_emulated_rma_peers_total").increment(1);
-            tracing::warn!(%peer, %lanes, "{warning}");
-        } else {
-            tracing::info!(%peer, %lanes, "UCX reads from peer {peer}: the endpoint's lanes");
+    /// The registration goes now (unmapped on a blocking thread; the buffer is freed after
+    /// it).
+    fn released(&mut self, op: OpId, cx: &PartCx) {
+        if let Some(exported) = self.exported.remove(&op) {
+            cx.setup.io.spawn_blocking(move || drop(exported));
         }
     }
 
-    /// Writes op `op`'s bytes into the peer's buffer lent as `target` (a ucx push), as a
-    /// task on the I/O runtime: the puts, then a flush of the endpoint, so every byte is
-    /// at the peer before it hears `Written`.
-    pub(super) fn start_ucx_write(&mut self, op: OpId, target: UcxSource, ctx: &mut Context<Self>) {
-        let Some(engine) = self.engine().cloned() else {
-            let off = MoveError::Task("this node no longer serves ucx".into());
-            return self.written(op, Err(off), ctx);
-        };
-        let (source, layout, stop) = match self.push_source(op) {
-            Ok(started) => started,
-            Err(why) => return self.written(op, Err(why), ctx),
-        };
-        let packed = match layout.check(source.len() as u64) {
-            Ok(packed) => packed,
-            Err(e) => {
-                let bad = MoveError::Task(format!("the layout does not fit the buffer: {e}"));
-                return self.written(op, Err(bad), ctx);
-            }
-        };
-        let endpoint = Arc::clone(&self.ucx.endpoint);
-        let address = self.ucx.address.clone();
-        let push = self.setup.io.spawn(async move {
-            let peer = connected(&endpoint, engine, address).await?;
-            let put = peer.put_from(source, &layout, packed, &target, &stop).await;
-            forget_key(&peer, &target);
-            put?;
-            Ok::<_, MoveError>(())
-        });
-        let used = Arc::clone(&self.ucx.endpoint);
-        ctx.spawn(push.into_actor(self).map(move |joined, act, ctx| {
-            let pushed = joined.unwrap_or_else(|e| Err(MoveError::Task(e.to_string())));
-            if let Err(e) = &pushed {
-                act.forget_failed_endpoint(&used, e);
-            }
-            act.written(op, pushed, ctx);
-        }));
+    /// Reads the peer started may still be served by our UCX (over tcp, our progress
+    /// thread answers them from the buffer, and checks no key), so the registration and
+    /// the buffer are held for the longest a read may take before they go.
+    fn cancelled(&mut self, op: OpId, cx: &PartCx) {
+        if let Some(exported) = self.exported.remove(&op) {
+            hold_then_drop(cx.setup, vec![exported]);
+        }
     }
 
-    /// Reads pulled transfer `id` out of the peer's registered buffer into `buffer`, as a
-    /// task on the I/O runtime; the result comes back to the session.
-    pub(super) fn start_ucx_pull(
+    fn lands_in_device(&self, cx: &PartCx) -> bool {
+        (cx.setup.ucx.as_ref()).is_some_and(|e| e.moves(ferry_transports::ucx::MemoryType::Cuda))
+    }
+
+    /// Reads as a task on the I/O runtime, over our endpoint to the peer (made on first
+    /// use); the key is forgotten when the read ends.
+    fn pull(
         &mut self,
-        id: InboundId,
+        source: PullSource,
+        layout: Layout,
         buffer: Buffer,
-        ctx: &mut Context<Self>,
-    ) {
-        let Some((source, layout)) = self.ucx.sources.get(&id).cloned() else {
-            return;
+        cx: &PartCx,
+    ) -> Moving<Buffer> {
+        let PullSource::Ucx(source) = source else {
+            return foreign(source.transport());
         };
-        let Some(engine) = self.engine().cloned() else {
-            return self.pull_ended(
-                id,
-                Err(MoveError::Task("this node does not serve ucx".into())),
-                ctx,
-            );
+        let Some(engine) = cx.setup.ucx.clone() else {
+            return off();
         };
-        self.ipc.pulling.insert(id);
-        if let Some(spans) = self.inbound_spans.get_mut(&id) {
-            spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
-            spans.pulling = Some(Instant::now());
-        }
-        let endpoint = Arc::clone(&self.ucx.endpoint);
-        let address = self.ucx.address.clone();
-        let pull = self.setup.io.spawn(async move {
-            let peer = match connected(&endpoint, engine, address).await {
-                Ok(peer) => peer,
+        let slot = self.endpoint.clone();
+        let endpoint = slot.current();
+        let address = self.address.clone();
+        let reported = Arc::clone(&self.lanes_reported);
+        let peer = cx.peer.to_string();
+        let pull = cx.setup.io.spawn(async move {
+            let ucx = match connected(&endpoint, engine, address).await {
+                Ok(ucx) => ucx,
                 Err(e) => return (buffer, Err(e)),
             };
-            let (buffer, got) = peer.get_into(buffer, &source, &layout).await;
-            forget_key(&peer, &source);
+            let (buffer, got) = ucx.get_into(buffer, &source, &layout).await;
+            forget_key(&ucx, &source);
             (buffer, got.map_err(MoveError::from))
         });
-        let used = Arc::clone(&self.ucx.endpoint);
-        ctx.spawn(pull.into_actor(self).map(move |joined, act, ctx| {
-            let pulled = match joined {
+        let used = self.endpoint.current();
+        Box::pin(async move {
+            let pulled = match pull.await {
                 Ok((buffer, Ok(()))) => Ok(buffer),
                 Ok((_buffer, Err(e))) => Err(e),
                 Err(e) => Err(MoveError::Task(e.to_string())),
             };
             match &pulled {
-                Err(e) => act.forget_failed_endpoint(&used, e),
+                Err(e) => slot.forget_failed(&used, e),
                 Ok(_) => {
                     if let Some(endpoint) = used.get() {
-                        act.report_ucx_lanes(&endpoint.lanes());
+                        report_lanes(&peer, &reported, &endpoint.lanes());
                     }
                 }
             }
-            act.pull_ended(id, pulled, ctx);
-        }));
+            pulled
+        })
+    }
+
+    /// As a task on the I/O runtime: the puts, then a flush of the endpoint, so every byte
+    /// is at the peer before it hears `Written`.
+    fn write(
+        &mut self,
+        target: PushTarget,
+        (source, layout): (SharedBytes, Layout),
+        stop: Arc<AtomicBool>,
+        cx: &PartCx,
+    ) -> Moving<()> {
+        let PushTarget::Ucx(target) = target else {
+            return foreign(target.transport());
+        };
+        let Some(engine) = cx.setup.ucx.clone() else {
+            return off();
+        };
+        let packed = match layout.check(source.len() as u64) {
+            Ok(packed) => packed,
+            Err(e) => {
+                let bad = MoveError::Task(format!("the layout does not fit the buffer: {e}"));
+                return Box::pin(std::future::ready(Err(bad)));
+            }
+        };
+        let slot = self.endpoint.clone();
+        let endpoint = slot.current();
+        let used = Arc::clone(&endpoint);
+        let address = self.address.clone();
+        let push = cx.setup.io.spawn(async move {
+            let ucx = connected(&endpoint, engine, address).await?;
+            let put = ucx.put_from(source, &layout, packed, &target, &stop).await;
+            forget_key(&ucx, &target);
+            put?;
+            Ok::<_, MoveError>(())
+        });
+        Box::pin(async move {
+            let pushed = push
+                .await
+                .unwrap_or_else(|e| Err(MoveError::Task(e.to_string())));
+            if let Err(e) = &pushed {
+                slot.forget_failed(&used, e);
+            }
+            pushed
+        })
+    }
+
+    fn lender(&self, cx: &PartCx) -> Option<Arc<dyn Lend>> {
+        Some(Arc::new(UcxLender {
+            engine: cx.setup.ucx.clone()?,
+            endpoint: self.endpoint.clone(),
+            address: self.address.clone(),
+            emulated_push: cx.setup.ucx_emulated_push,
+            peer: cx.peer.to_string(),
+            said: Arc::clone(&self.pushes_streamed),
+        }))
+    }
+
+    /// Every registration goes with the session, after the same hold as a cancelled one.
+    fn close(&mut self, _: &PartCx) -> Vec<(u64, Retired)> {
+        (self.exported.drain())
+            .map(|(op, exported)| (op.0, Retired::Hold(exported)))
+            .collect()
+    }
+}
+
+/// A ucx move on a node whose UCX is gone.
+fn off<T: 'static>() -> Moving<T> {
+    let off = MoveError::Task("this node no longer serves ucx".into());
+    Box::pin(std::future::ready(Err(off)))
+}
+
+/// Says, once per peer, which UCX lanes its reads take (logged), and warns and counts
+/// when UCX emulates them over tcp. Only lanes asked after the endpoint's first use count
+/// (they are final then).
+fn report_lanes(peer: &str, reported: &AtomicBool, lanes: &EndpointLanes) {
+    if !lanes.after_first_use || reported.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    if let Some(warning) = lanes.warning(&format!("UCX reads from peer {peer}")) {
+        metrics::counter!("ferry_ucx_emulated_rma_peers_total").increment(1);
+        tracing::warn!(%peer, %lanes, "{warning}");
+    } else {
+        tracing::info!(%peer, %lanes, "UCX reads from peer {peer}: the endpoint's lanes");
     }
 }

@@ -114,6 +114,14 @@ pub enum PullSource {
 }
 
 impl PullSource {
+    /// The offer's fields that carry it (`ipc`, `ucx`).
+    pub fn into_offer(self) -> (Option<IpcSource>, Option<UcxSource>) {
+        match self {
+            Self::Ipc(s) => (Some(s), None),
+            Self::Ucx(s) => (None, Some(s)),
+        }
+    }
+
     /// The transport that reads it.
     pub fn transport(&self) -> TransportName {
         match self {
