@@ -27,7 +27,6 @@ pub fn capabilities() -> Capabilities {
         per_peer_setup: true,
         opt_in: false,
         lane: true,
-        registers_source: false,
         device_path: crate::transport::DevicePath::CopyEngine,
         library: Some(crate::transport::Library::Cuda),
     }

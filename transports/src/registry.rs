@@ -105,11 +105,6 @@ mod tests {
                 assert!(c.directions.contains(&Direction::Pull), "{name}");
                 assert!(c.sources.contains(&MemoryClass::Device), "{name}");
             }
-            if c.registers_source {
-                // What it registers is what the receiver's pull reads.
-                assert_eq!(c.carrier, Carrier::Memory, "{name}");
-                assert!(c.directions.contains(&Direction::Pull), "{name}");
-            }
             match c.device_path {
                 DevicePath::HostCopy => {
                     assert!(!c.memory.contains(&MemoryClass::Device), "{name}")

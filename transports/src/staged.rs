@@ -60,7 +60,6 @@ pub fn capabilities() -> Capabilities {
         per_peer_setup: false,
         opt_in: false,
         lane: false,
-        registers_source: false,
         device_path: crate::transport::DevicePath::PinnedStaging,
         library: Some(crate::transport::Library::Cuda),
     }

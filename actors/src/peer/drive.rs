@@ -69,15 +69,11 @@ impl TransferActor {
             let why = why.to_string();
             self.fail_fetches(&why);
             // Submissions still waiting for ipc setup end now, with their buffers.
-            for (_, (msg, reply)) in self.ipc.waiting.drain() {
-                let _ = reply.send(Err(SendError {
-                    error: Error::PeerLost {
-                        peer: self.peer.clone(),
-                        detail: why.to_string(),
-                    },
-                    buffer: Some(msg.buffer),
-                }));
-            }
+            let peer = self.peer.clone();
+            self.fail_ipc_waiting(|| Error::PeerLost {
+                peer: peer.clone(),
+                detail: why.clone(),
+            });
             for tx in self.link_waiters.drain(..) {
                 let _ = tx.send(Err(Error::PeerUnreachable {
                     peer: self.peer.clone(),
@@ -249,7 +245,7 @@ impl TransferActor {
     }
 
     pub(super) fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let setup = self.ipc.setup.as_ref().and_then(|s| s.poll_timeout());
+        let setup = self.ipc_setup_timeout();
         let next = self.session.poll_timeout().into_iter().chain(setup).min();
         self.timer.arm(
             ctx,
@@ -263,9 +259,7 @@ impl TransferActor {
                     act.session.handle_link_progress(activity.bytes(), now);
                 }
                 act.session.handle_stall_check(now);
-                if let Some(setup) = &mut act.ipc.setup {
-                    setup.handle_timeout(now);
-                }
+                act.ipc_setup_timer(now);
                 act.drive(ctx);
             },
         );

@@ -257,6 +257,80 @@ impl IpcState {
 }
 
 impl TransferActor {
+    /// A send over ipc: queued once the setup with the peer is ready (it starts with the
+    /// first), or falls back to the rule's next transport when the setup failed.
+    pub(super) fn submit_after_ipc_setup(
+        &mut self,
+        msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let ticket = self.ipc.next_ticket;
+        self.ipc.next_ticket += 1;
+        let setup = (self.ipc.setup).get_or_insert_with(|| IpcSetup::new(SetupPolicy::DEFAULT));
+        match setup.handle_want(Instant::now(), ticket) {
+            Admission::Ready(_) => self.queue_submit(msg, reply, ctx),
+            Admission::Queued => {
+                self.ipc.waiting.insert(ticket, (msg, reply));
+                self.drive(ctx);
+            }
+            Admission::FallBack(_, why) => self.fall_back(msg, reply, &why, ctx),
+        }
+    }
+
+    /// Sends still waiting for the setup end with `error`, their buffers given back.
+    pub(super) fn fail_ipc_waiting(&mut self, error: impl Fn() -> Error) {
+        for (_, (msg, reply)) in self.ipc.waiting.drain() {
+            let _ = reply.send(Err(SendError {
+                error: error(),
+                buffer: Some(msg.buffer),
+            }));
+        }
+    }
+
+    /// When the setup next needs the timer.
+    pub(super) fn ipc_setup_timeout(&self) -> Option<Instant> {
+        self.ipc.setup.as_ref().and_then(|s| s.poll_timeout())
+    }
+
+    /// The timer fired at `now`.
+    pub(super) fn ipc_setup_timer(&mut self, now: Instant) {
+        if let Some(setup) = &mut self.ipc.setup {
+            setup.handle_timeout(now);
+        }
+    }
+
+    /// We are the importer: the owner frees buffer `r`, which we unmap (off this thread: a
+    /// pull may hold the cache's lock through a copy, and freeing waits for the import's
+    /// copies), then say so.
+    pub(super) fn on_ipc_unmap(&mut self, r: IpcBufferRef, ctx: &mut Context<Self>) {
+        let Some(imports) = self.ipc.imports.clone() else {
+            return self.ipc.out.push_back(Message::IpcUnmapped(r));
+        };
+        let key = r.clone();
+        let freed = self.setup.io.spawn_blocking(move || {
+            let unmapped = imports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key);
+            drop(unmapped);
+            tracing::debug!(buffer = key.buffer, "unmapped at the owner's request");
+        });
+        ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
+            act.ipc.out.push_back(Message::IpcUnmapped(r));
+            act.drive(ctx);
+        }));
+    }
+
+    /// We are the owner: the peer no longer maps buffer `r`, which is freed now.
+    pub(super) fn on_ipc_unmapped(&mut self, r: &IpcBufferRef) {
+        tracing::debug!(
+            buffer = r.buffer,
+            "the peer unmapped our buffer; freeing it"
+        );
+        self.ipc.unmapping.remove(r);
+    }
+
     /// Carries out what the ipc setup asks for: its messages, its checks, and the
     /// submissions it releases.
     pub(super) fn drive_ipc_setup(&mut self, ctx: &mut Context<Self>) {

@@ -469,12 +469,7 @@ impl Actor for TransferActor {
         if let Some(rx) = self.staged.rx.take() {
             rx.stop();
         }
-        for (_, (msg, reply)) in self.ipc.waiting.drain() {
-            let _ = reply.send(Err(SendError {
-                error: Error::ShuttingDown,
-                buffer: Some(msg.buffer),
-            }));
-        }
+        self.fail_ipc_waiting(|| Error::ShuttingDown);
         // What the peer may still read or write of ours is held or quarantined.
         let (parts, cx) = self.parts();
         let retired = parts.into_iter().flat_map(|p| p.close(&cx)).collect();
@@ -520,24 +515,11 @@ impl Handler<Submit> for TransferActor {
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
         let (reply, rx) = oneshot::channel();
-        // A transport that needs a setup with the peer first (today ipc's pool import).
-        let wants_ipc = matches!(&msg.op, Op::Send { transport, .. }
+        // A transport that needs a setup with the peer first (ipc's pool import).
+        let set_up_first = matches!(&msg.op, Op::Send { transport, .. }
             if ferry_transports::registry::declared(*transport).per_peer_setup);
-        if wants_ipc {
-            let ticket = self.ipc.next_ticket;
-            self.ipc.next_ticket += 1;
-            let setup = self
-                .ipc
-                .setup
-                .get_or_insert_with(|| IpcSetup::new(SetupPolicy::DEFAULT));
-            match setup.handle_want(Instant::now(), ticket) {
-                Admission::Ready(_) => self.queue_submit(msg, reply, ctx),
-                Admission::Queued => {
-                    self.ipc.waiting.insert(ticket, (msg, reply));
-                    self.drive(ctx);
-                }
-                Admission::FallBack(_, why) => self.fall_back(msg, reply, &why, ctx),
-            }
+        if set_up_first {
+            self.submit_after_ipc_setup(msg, reply, ctx);
         } else {
             self.queue_submit(msg, reply, ctx);
         }
@@ -733,37 +715,12 @@ impl Handler<FromPeer> for TransferActor {
                 self.fetch_refused(refused);
                 return self.drive(ctx);
             }
-            // We are the importer: the owner frees this buffer.
             Message::IpcUnmap(r) => {
-                match self.ipc.imports.clone() {
-                    None => self.ipc.out.push_back(Message::IpcUnmapped(r)),
-                    Some(imports) => {
-                        // A pull may hold the cache's lock through a copy, and freeing waits
-                        // for the import's copies: neither on the actor thread.
-                        let key = r.clone();
-                        let freed = self.setup.io.spawn_blocking(move || {
-                            let unmapped = imports
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .remove(&key);
-                            drop(unmapped);
-                            tracing::debug!(buffer = key.buffer, "unmapped at the owner's request");
-                        });
-                        ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
-                            act.ipc.out.push_back(Message::IpcUnmapped(r));
-                            act.drive(ctx);
-                        }));
-                    }
-                }
+                self.on_ipc_unmap(r, ctx);
                 return self.drive(ctx);
             }
-            // We are the owner: the peer no longer maps this buffer.
             Message::IpcUnmapped(r) => {
-                tracing::debug!(
-                    buffer = r.buffer,
-                    "the peer unmapped our buffer; freeing it"
-                );
-                self.ipc.unmapping.remove(&r);
+                self.on_ipc_unmapped(&r);
                 return self.drive(ctx);
             }
             // The peer no longer reads a buffer we offered for pulling.

@@ -32,7 +32,6 @@ pub fn capabilities() -> Capabilities {
         per_peer_setup: false,
         opt_in: false,
         lane: false,
-        registers_source: false,
         device_path: crate::transport::DevicePath::HostCopy,
         library: None,
     }

@@ -36,9 +36,6 @@ pub struct Capabilities {
     /// node's lane instead (a ring both processes map, with no session round trip), for
     /// the sizes the rules route over it by pull.
     pub lane: bool,
-    /// True when a send's buffer is registered with the transport before its offer goes
-    /// (the offer carries what the peer needs to read it); its per-peer part does that.
-    pub registers_source: bool,
     /// How it moves device memory, which `ferry explain` weighs against the hardware.
     pub device_path: DevicePath,
     /// The run-time library it is built on, which `ferry doctor` checks where a rule names

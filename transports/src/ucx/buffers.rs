@@ -35,7 +35,6 @@ pub fn capabilities() -> Capabilities {
         per_peer_setup: false,
         opt_in: true,
         lane: false,
-        registers_source: true,
         device_path: crate::transport::DevicePath::Rdma,
         library: Some(crate::transport::Library::Ucx),
     }
