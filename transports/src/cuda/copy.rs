@@ -1,7 +1,7 @@
 //! Copies between device memory, host slices and pinned host memory, and the bookkeeping
 //! that keeps memory allocated until the copies that use it have finished.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::device::Device;
 use super::error::{CudaError, teardown_failed};
@@ -15,6 +15,11 @@ pub(super) mod sealed {
     pub trait Sealed {
         fn region(&self) -> (cudarc::driver::sys::CUdeviceptr, usize);
         fn note_use(&self, stream: &super::Stream) -> Result<(), super::CudaError>;
+        /// As `note_use`, with the event a batch of copies shares (by default an event of
+        /// its own).
+        fn note_shared(&self, shared: &mut super::SharedUse<'_>) -> Result<(), super::CudaError> {
+            self.note_use(shared.stream)
+        }
     }
 }
 
@@ -44,13 +49,64 @@ pub trait DeviceMemory: sealed::Sealed {
     }
 }
 
-/// Which streams used a region, and an event on each that captures its latest use.
+/// Which streams used a region, and an event on each that captures its latest use. An
+/// event may be shared by the buffers one batch of copies touched ([`SharedUse`]); whoever
+/// records it again captures a later point of the same stream, which only makes the others
+/// wait longer, never too little.
 #[derive(Default)]
 pub(super) struct Uses {
-    uses: Mutex<Vec<(Stream, Event)>>,
+    uses: Mutex<Vec<(Stream, Arc<Event>)>>,
+}
+
+/// One event recorded on `stream` after a batch of copies, made at its first use and shared
+/// by every buffer the batch touched: one record for the batch instead of one per buffer
+/// (about 1.5 µs each on an H100).
+pub struct SharedUse<'a> {
+    stream: &'a Stream,
+    event: Option<Arc<Event>>,
+}
+
+impl<'a> SharedUse<'a> {
+    /// Nothing recorded yet on `stream`.
+    pub(super) fn new(stream: &'a Stream) -> Self {
+        Self {
+            stream,
+            event: None,
+        }
+    }
+
+    /// The stream the batch was queued on.
+    pub(super) fn stream(&self) -> &Stream {
+        self.stream
+    }
+
+    /// The batch's event, recorded now at its first use.
+    fn event(&mut self) -> Result<Arc<Event>, CudaError> {
+        if let Some(event) = &self.event {
+            return Ok(Arc::clone(event));
+        }
+        let event = Event::new(self.stream.device())?;
+        event.record(self.stream)?;
+        let event = Arc::new(event);
+        self.event = Some(Arc::clone(&event));
+        Ok(event)
+    }
 }
 
 impl Uses {
+    /// Records that work touching the region, part of the batch `shared`, was just queued
+    /// on its stream: the batch's event stands for this region's latest use there.
+    pub(super) fn note_shared(&self, shared: &mut SharedUse<'_>) -> Result<(), CudaError> {
+        let event = shared.event()?;
+        let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        match uses.iter_mut().find(|(s, _)| s.same_as(shared.stream)) {
+            // Recorded after every earlier use on this stream: it replaces their event.
+            Some((_, latest)) => *latest = event,
+            None => uses.push((shared.stream.clone(), event)),
+        }
+        Ok(())
+    }
+
     /// Records that work touching the region was just queued on `stream`.
     pub(super) fn note(&self, stream: &Stream) -> Result<(), CudaError> {
         let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
@@ -61,7 +117,7 @@ impl Uses {
         }
         let event = Event::new(stream.device())?;
         event.record(stream)?;
-        uses.push((stream.clone(), event));
+        uses.push((stream.clone(), Arc::new(event)));
         Ok(())
     }
 
@@ -174,10 +230,11 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     // buffers (each borrowed mutably once); the stream's context is current (bound above).
     let queued = unsafe { runs.flush(stream, 1) };
     // Recorded whatever was queued, also when a later copy failed to queue: every buffer
-    // stays allocated until what did get queued has passed.
+    // stays allocated until what did get queued has passed. One event for them all.
+    let mut shared = SharedUse::new(stream);
     for p in pairs.iter() {
-        p.dst.note_use(stream)?;
-        p.src.note_use(stream)?;
+        p.dst.note_shared(&mut shared)?;
+        p.src.note_shared(&mut shared)?;
     }
     queued
 }

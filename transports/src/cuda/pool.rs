@@ -422,6 +422,15 @@ impl sealed::Sealed for DeviceBuffer {
         }
         self.uses.note(stream)
     }
+    fn note_shared(&self, shared: &mut super::copy::SharedUse<'_>) -> Result<(), CudaError> {
+        if shared
+            .stream()
+            .same_as(&Stream::from_shared(Arc::clone(&self.home)))
+        {
+            return Ok(());
+        }
+        self.uses.note_shared(shared)
+    }
 }
 
 impl DeviceMemory for DeviceBuffer {
@@ -567,6 +576,9 @@ impl sealed::Sealed for ImportedBuffer {
     }
     fn note_use(&self, stream: &Stream) -> Result<(), CudaError> {
         self.uses.note(stream)
+    }
+    fn note_shared(&self, shared: &mut super::copy::SharedUse<'_>) -> Result<(), CudaError> {
+        self.uses.note_shared(shared)
     }
 }
 
