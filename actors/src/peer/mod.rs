@@ -480,14 +480,7 @@ impl Actor for TransferActor {
         let peer = self.peer.clone();
         let epoch = self.epoch;
         actix::spawn(async move {
-            for (allocator, op, view) in exports {
-                let export = Export {
-                    id: ExportId(epoch << 40 | op.0),
-                    peer: peer.clone(),
-                    view,
-                };
-                let _ = allocator.send(export).await;
-            }
+            quarantine(exports, peer.clone(), epoch).await;
             for recipient in recipients {
                 let _ = recipient.send(PeerGone(peer.clone())).await;
             }

@@ -240,25 +240,19 @@ impl TransferActor {
 
 /// Hands `exports` to their domains' quarantine: the peer may still map them (its session
 /// `epoch` ends them; the export ids carry it).
-pub(super) fn quarantine(
+pub(super) async fn quarantine(
     exports: Vec<(Addr<crate::allocator::Allocator>, OpId, SharedBytes)>,
-    peer: &str,
+    peer: String,
     epoch: u64,
 ) {
-    if exports.is_empty() {
-        return;
+    for (allocator, op, view) in exports {
+        let export = Export {
+            id: ExportId(epoch << 40 | op.0),
+            peer: peer.clone(),
+            view,
+        };
+        let _ = allocator.send(export).await;
     }
-    let peer = peer.to_string();
-    actix::spawn(async move {
-        for (allocator, op, view) in exports {
-            let export = Export {
-                id: ExportId(epoch << 40 | op.0),
-                peer: peer.clone(),
-                view,
-            };
-            let _ = allocator.send(export).await;
-        }
-    });
 }
 
 /// A pull or a write handed to the wrong transport's part (the session names the

@@ -117,7 +117,9 @@ impl TransferActor {
     /// last puts may still be on their way where UCX applies them here).
     fn free_lent(&self, id: InboundId, buffer: Box<dyn LentMemory>) {
         let exports = self.retire(vec![(LENT | id.0, buffer.retire(true))]);
-        quarantine(exports, &self.peer, self.epoch);
+        if !exports.is_empty() {
+            actix::spawn(quarantine(exports, self.peer.clone(), self.epoch));
+        }
     }
 
     /// Inbound push `id` was abandoned while its buffer is lent: the peer must give it back
