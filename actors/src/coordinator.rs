@@ -36,8 +36,8 @@ use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
 use crate::peer::{
-    Attach, AwaitLink, Delivered, DialRefused, Drain, IpcSettled, Lost, Op, PeerClass,
-    SessionEnded, Submit, TransferActor, TransferSetup,
+    Attach, AwaitLink, DialRefused, Drain, IpcSettled, Lost, Op, PeerClass, SessionEnded, Submit,
+    TransferActor, TransferSetup,
 };
 
 /// Send `buffer` to `peer` under `tag`.
@@ -550,7 +550,6 @@ impl Coordinator {
             secret: self.setup.secret.clone(),
             lease_timeout: self.setup.config.memory.export_lease_timeout,
             peer_gone: base.peer_gone,
-            deliver: ctx.address().recipient(),
             ended: ctx.address().recipient(),
             refused: ctx.address().recipient(),
             settled: ctx.address().recipient(),
@@ -947,15 +946,6 @@ impl Coordinator {
                 })
             })
         })
-    }
-}
-
-impl Handler<Delivered> for Coordinator {
-    type Result = ();
-
-    fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
-        self.inbox
-            .deliver(&msg.peer, msg.tag, msg.transport, msg.layout, msg.buffer);
     }
 }
 

@@ -164,20 +164,18 @@ impl TransferActor {
                 transport,
                 layout,
                 fetch: None,
-            } => self.deliver(id, tag, transport, layout, ctx),
+            } => self.deliver(id, tag, transport, layout),
             SessionEvent::Abandon(id) => self.abandon(id, ctx),
         }
     }
 
-    /// Inbound transfer `id` is complete and it is its turn: to the coordinator, which
-    /// puts it in the inbox.
+    /// Inbound transfer `id` is complete and it is its turn: into the inbox.
     fn deliver(
         &mut self,
         id: InboundId,
         tag: u64,
         transport: ferry_config::TransportName,
         layout: Layout,
-        ctx: &mut Context<Self>,
     ) {
         let spans = self.inbound_spans.remove(&id);
         if let Some(spans) = &spans {
@@ -196,32 +194,10 @@ impl TransferActor {
                 "delivering"
             );
         }
-        let delivered = Delivered {
-            peer: self.peer.clone(),
-            tag,
-            transport,
-            layout,
-            buffer,
-            pending,
-        };
-        // Queued in the coordinator's mailbox (first in, first out) when it has room. When
-        // it is full, queued at once all the same through a fresh sender (the shared one,
-        // parked, would hold it until polled, and held deliveries are polled newest first),
-        // and this actor waits until the coordinator took it before handling anything
-        // else: the order is kept and the mailbox overruns by at most one session batch.
-        // The coordinator never waits on us.
-        match self.setup.deliver.try_send(delivered) {
-            Ok(()) | Err(actix::prelude::SendError::Closed(_)) => {}
-            Err(actix::prelude::SendError::Full(delivered)) => {
-                let send = self.setup.deliver.clone().send(delivered);
-                ctx.wait(
-                    async move {
-                        let _ = send.await;
-                    }
-                    .into_actor(self),
-                );
-            }
-        }
+        // Straight into the inbox (a short lock, no mailbox between): then it no longer
+        // counts as on its way, and a lane record from this peer waiting for it goes on.
+        (self.setup.inbox).deliver(&self.peer, tag, transport, layout, buffer);
+        drop(pending);
     }
 
     /// Inbound transfer `id` was abandoned: what was reserved for it goes, except a buffer

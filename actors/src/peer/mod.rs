@@ -62,25 +62,6 @@ use crate::data_event::DataEvent;
 use crate::error::{Error, SendError};
 use crate::timer::DeadlineTimer;
 
-/// A buffer delivered to the application, in the peer's send order.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Delivered {
-    /// The sending peer.
-    pub peer: String,
-    /// The sender's tag.
-    pub tag: u64,
-    /// The transport it came over.
-    pub transport: ferry_config::TransportName,
-    /// How the bytes lay at the sender (they arrive packed).
-    pub layout: Layout,
-    /// The data.
-    pub buffer: Buffer,
-    /// Counts it as on its way to the inbox until the coordinator put it there (fast-lane
-    /// records from the same peer wait for that, see [`crate::lane`]).
-    pub pending: crate::lane::Pending,
-}
-
 /// The transfer actor stopped; the coordinator forgets it.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -129,8 +110,6 @@ pub struct TransferSetup {
     pub lease_timeout: Duration,
     /// Told when the peer is gone, so what it held is quarantined.
     pub peer_gone: Vec<Recipient<PeerGone>>,
-    /// Where delivered buffers go.
-    pub deliver: Recipient<Delivered>,
     /// Told when the actor stops.
     pub ended: Recipient<SessionEnded>,
     /// Told when the ipc setup with the peer settles.
