@@ -143,6 +143,62 @@ async fn concurrent_sends_arrive_in_first_poll_order() {
     }
 }
 
+/// Once a peer's link is up, the node routes its sends itself and hands them to the peer's
+/// transfer actor (no coordinator mailbox); sends that went through the coordinator before
+/// and those that go directly after arrive in the order they were made; when the peer is
+/// gone its routes are withdrawn, and sends go through the coordinator again (which dials).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_to_a_connected_peer_skip_the_coordinator_and_keep_their_order() {
+    let scratch = Scratch::new();
+    let (node, echo) = with_echo(&scratch, "[limits]\npeer_queue = 8").await;
+    assert!(!node.routes_directly("echo"), "no link yet");
+    // The first of these go through the coordinator (it dials), the later ones directly
+    // once the link is up and the earlier ones were answered.
+    let sizes = [8usize, 70_000, 1, (1 << 20) + 3, 4096];
+    let mut buffers = Vec::new();
+    let mut crcs = Vec::new();
+    for i in 0..sizes.len() * 20 {
+        let b = patterned(&node, sizes[i % sizes.len()], i as u64).await;
+        crcs.push(crc32c::crc32c(b.as_slice().expect("host")));
+        buffers.push(b);
+    }
+    let sends = futures::stream::iter(buffers.into_iter().enumerate())
+        .then(|(i, b)| {
+            let node = &node;
+            async move { node.send("echo", 3, b).await.map(|_| i) }
+        })
+        .collect::<Vec<_>>();
+    let receive = async {
+        for (i, crc) in crcs.iter().enumerate() {
+            let got = node.recv(Some("echo"), Some(3)).await.expect("echo back");
+            let bytes = got.buffer.as_slice().expect("host");
+            assert_eq!(
+                crc32c::crc32c(bytes),
+                *crc,
+                "buffer {i} out of order or changed"
+            );
+        }
+    };
+    let (sent, ()) = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join(sends, receive),
+    )
+    .await
+    .expect("every echo came back in time");
+    assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+    assert!(
+        node.routes_directly("echo"),
+        "the link is up: routes published"
+    );
+    drop(echo);
+    assert!(
+        eventually(Duration::from_secs(10), async || !node
+            .routes_directly("echo"))
+        .await,
+        "a gone peer's routes are withdrawn"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_into_a_granted_region() {
     let scratch = Scratch::new();

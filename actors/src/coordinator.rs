@@ -256,6 +256,9 @@ pub struct TransferSetupBase {
     pub io: tokio::runtime::Handle,
     /// The fast lanes to same-host peers (the node's `send` looks here first).
     pub lanes: Arc<dashmap::DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// Each connected peer's routes, which the node's `send` takes without asking the
+    /// coordinator ([`crate::direct`]).
+    pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     /// `transport.ipc.lane_max` and `lane_spin`.
     pub lane: crate::lane::LaneSettings,
     /// `[transport.staged]`.
@@ -447,6 +450,72 @@ impl Coordinator {
         self.route(peer, bytes, src, dst, None)
     }
 
+    /// The route of a send of `bytes` from `src` memory to `peer`, with the fallback its
+    /// transport's failed setup would take; or why there is none.
+    fn routed(
+        &self,
+        peer: &str,
+        bytes: u64,
+        src: MemoryClass,
+    ) -> Result<crate::direct::Routed, Explanation> {
+        let explanation = self.explain(peer, bytes, src, None);
+        let Some(route) = explanation.chosen.clone() else {
+            return Err(explanation);
+        };
+        let wire = |d: ferry_config::Direction| match d {
+            ferry_config::Direction::Push => WireDirection::Push,
+            ferry_config::Direction::Pull => WireDirection::Pull,
+        };
+        // If the chosen transport's setup with the peer fails, the next of the rule.
+        let fallback = ferry_transports::registry::declared(route.transport)
+            .per_peer_setup
+            .then(|| {
+                self.route(peer, bytes, src, None, Some(route.transport))
+                    .chosen
+            })
+            .flatten()
+            .map(|r| (r.transport, wire(r.direction)));
+        let failed_over = explanation
+            .skipped
+            .iter()
+            .filter(|(_, why)| {
+                matches!(why, ferry_transports::transport::Unsuitable::SetupFailed(_))
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        Ok(crate::direct::Routed {
+            transport: route.transport,
+            direction: wire(route.direction),
+            fallback,
+            failed_over,
+        })
+    }
+
+    /// Publishes `peer`'s routes for the node's sends to take directly, once its link is up
+    /// (its hello known); else withdraws them (its sends come here, which dials).
+    fn publish_direct(&self, peer: &str) {
+        let direct = &self.setup.transfer.direct;
+        let Some(s) = self
+            .sessions
+            .get(peer)
+            .filter(|s| s.hello.is_some() && matches!(s.state, LinkState::Up { .. }))
+            .filter(|_| !self.draining)
+        else {
+            direct.remove(peer);
+            return;
+        };
+        let bounds = crate::lane::LaneRoutes::bounds(&self.setup.config.transport.rules);
+        let table = crate::direct::RouteTable::new(&bounds, |src, bytes| {
+            self.routed(peer, bytes, src).ok()
+        });
+        let routes = crate::direct::DirectRoutes {
+            addr: s.addr.clone(),
+            peer_class: PeerClass::of(self.locality(peer)),
+            table,
+        };
+        direct.insert(peer.to_string(), Arc::new(routes));
+    }
+
     /// Which sizes of contiguous device buffer the rules send to `peer` by pull over the
     /// transport that declares the lane: what its lane may carry. The route is asked once per range of sizes the rules make.
     fn lane_routes(&self, peer: &str) -> crate::lane::LaneRoutes {
@@ -590,6 +659,7 @@ impl Coordinator {
             // The old session's actor fails its ops and stops; its end is ignored.
             send_lost(&old.addr, "replaced by a newer connection");
         }
+        self.publish_direct(peer);
         epoch
     }
 
@@ -807,54 +877,45 @@ impl Handler<SendTo> for Coordinator {
     type Result = ResponseFuture<Result<Buffer, SendError>>;
 
     fn handle(&mut self, msg: SendTo, ctx: &mut Self::Context) -> Self::Result {
-        let src = memory_class(msg.buffer.kind());
-        // Routed by what moves: the layout's packed bytes.
-        let bytes = msg.packed;
-        // Routed for the memory the peer receives into, from its hello (host until the first
-        // link to it is up: the first sends to a peer are routed before its hello arrives).
-        let explanation = self.explain(&msg.peer, bytes, src, None);
-        let Some(route) = explanation.chosen.clone() else {
-            let buffer = msg.buffer;
-            return Box::pin(async move {
-                Err(SendError {
-                    error: Error::NoRoute(explanation.to_string()),
-                    buffer: Some(buffer),
-                })
-            });
-        };
-        for (skipped, why) in &explanation.skipped {
-            if matches!(why, ferry_transports::transport::Unsuitable::SetupFailed(_)) {
-                metrics::counter!(
-                    "ferry_failover_total",
-                    "from" => skipped.as_str(),
-                    "to" => route.transport.as_str()
-                )
-                .increment(1);
+        // Routed by what moves (the layout's packed bytes), for the memory the peer
+        // receives into, from its hello (host until the first link to it is up: the first
+        // sends to a peer are routed before its hello arrives).
+        let routed = match self.routed(&msg.peer, msg.packed, memory_class(msg.buffer.kind())) {
+            Ok(routed) => routed,
+            Err(explanation) => {
+                let buffer = msg.buffer;
+                return Box::pin(async move {
+                    Err(SendError {
+                        error: Error::NoRoute(explanation.to_string()),
+                        buffer: Some(buffer),
+                    })
+                });
             }
-        }
-        let wire = |d: ferry_config::Direction| match d {
-            ferry_config::Direction::Push => WireDirection::Push,
-            ferry_config::Direction::Pull => WireDirection::Pull,
         };
-        // If the chosen transport's setup with the peer fails, the next of the rule.
-        let fallback = ferry_transports::registry::declared(route.transport)
-            .per_peer_setup
-            .then(|| {
-                self.route(&msg.peer, bytes, src, None, Some(route.transport))
-                    .chosen
-            })
-            .flatten()
-            .map(|r| (r.transport, wire(r.direction)));
+        count_failovers(&routed);
         let op = Op::Send {
             tag: msg.tag,
-            transport: route.transport,
-            direction: wire(route.direction),
-            fallback,
+            transport: routed.transport,
+            direction: routed.direction,
+            fallback: routed.fallback,
             layout: msg.layout,
             fetch: msg.fetch,
             packed: msg.packed,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
+    }
+}
+
+/// Counts a send's failovers: the transports its rule names first whose setup with the
+/// peer failed.
+pub(crate) fn count_failovers(routed: &crate::direct::Routed) {
+    for skipped in &routed.failed_over {
+        metrics::counter!(
+            "ferry_failover_total",
+            "from" => skipped.as_str(),
+            "to" => routed.transport.as_str()
+        )
+        .increment(1);
     }
 }
 
@@ -1056,10 +1117,12 @@ impl Handler<LinkUp> for Coordinator {
             };
             s.hello = Some(msg.link.peer_hello.clone());
             let addr = s.addr.clone();
+            // Queued before the node's sends may go to the actor directly.
             let attach = addr.send(Attach {
                 link: msg.link,
                 dialed: msg.dialed.is_some(),
             });
+            self.publish_direct(&peer);
             ctx.spawn(
                 async move {
                     let _ = attach.await;
@@ -1100,6 +1163,7 @@ impl Handler<DialRefused> for Coordinator {
         // does not come, the session's ops fail.
         s.state = LinkState::Dialing;
         self.count_connected();
+        self.publish_direct(&msg.peer);
         let wait = self.setup.config.limits.connect_timeout;
         ctx.run_later(wait, move |act, _| {
             if let Some(s) = act.sessions.get(&msg.peer)
@@ -1127,6 +1191,7 @@ impl Handler<IpcSettled> for Coordinator {
         }
         let ok = msg.outcome == crate::core::ipc_setup::SetupOutcome::Ok;
         s.ipc = Some(msg.outcome);
+        self.publish_direct(&msg.peer);
         let lane = self
             .setup
             .transfer
@@ -1149,6 +1214,7 @@ impl Handler<SessionEnded> for Coordinator {
             .is_some_and(|s| s.epoch == msg.epoch)
         {
             self.sessions.remove(&msg.peer);
+            self.publish_direct(&msg.peer);
             self.count_connected();
         }
     }
@@ -1173,6 +1239,7 @@ impl Handler<Shutdown> for Coordinator {
 
     fn handle(&mut self, _: Shutdown, _: &mut Self::Context) -> Self::Result {
         self.draining = true;
+        self.setup.transfer.direct.clear();
         // Waiting `Connect`s end (as `ShuttingDown`) with their senders.
         self.connects.clear();
         let sessions: Vec<Addr<TransferActor>> =

@@ -475,6 +475,8 @@ pub fn queue_pulls(
         });
     }
     let _copying = gpus.copying();
+    // Under the cache's lock, as `copy_many_async` asks: no other copy from these imports
+    // is queued and noted meanwhile.
     ferry_transports::cuda::copy_many_async(&mut pairs, &stream)
         .map_err(at("copying from the peer"))?;
     Ok(stream)

@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod coordinator;
 pub mod core;
 pub mod data_event;
+pub mod direct;
 pub mod error;
 pub mod fetch;
 pub mod gpu;

@@ -15,6 +15,10 @@ use tokio::sync::Notify;
 pub struct Order {
     state: Mutex<OrderState>,
     changed: Notify,
+    /// Slow sends (and puts, fetches) handed to the coordinator whose answer has not come:
+    /// while any has not, the next goes through the coordinator too, since it may not have
+    /// passed the earlier ones to the peer's transfer actor yet.
+    coordinator: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -38,6 +42,19 @@ impl OrderState {
 }
 
 impl Order {
+    /// Whether no message to the coordinator for this peer is still unanswered: then a send
+    /// may go to the peer's transfer actor directly and stay in order.
+    pub fn coordinator_idle(&self) -> bool {
+        self.coordinator.load(Ordering::Acquire) == 0
+    }
+
+    /// Counts a message handed to the coordinator until the guard drops (its answer came,
+    /// or the caller gave up).
+    pub fn via_coordinator(self: &Arc<Self>) -> ViaCoordinator {
+        self.coordinator.fetch_add(1, Ordering::AcqRel);
+        ViaCoordinator(Arc::clone(self))
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, OrderState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -177,6 +194,16 @@ impl Undelivered {
             };
         }
         true
+    }
+}
+
+/// A message to the coordinator not answered yet (see [`Order::via_coordinator`]).
+#[derive(Debug)]
+pub struct ViaCoordinator(Arc<Order>);
+
+impl Drop for ViaCoordinator {
+    fn drop(&mut self) {
+        self.0.coordinator.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

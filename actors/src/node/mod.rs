@@ -58,6 +58,9 @@ pub struct Node {
     /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
     /// actors.
     lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    /// Each connected peer's routes and transfer actor: sends go there without the
+    /// coordinator's mailbox ([`crate::direct`]).
+    direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     /// Per peer, the order between lane sends and the rest.
     order: DashMap<String, Arc<crate::lane::Order>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
@@ -129,6 +132,7 @@ impl Node {
             gpu_pools: Arc::default(),
             lane_rings: Arc::default(),
             lanes: Arc::default(),
+            direct: Arc::default(),
             published: Arc::default(),
         };
         let (thread, rx) = spawn_actors(ActorParts {
@@ -174,6 +178,7 @@ impl Node {
             host_id: started.host_id,
             credit: DashMap::new(),
             lanes: shared.lanes,
+            direct: shared.direct,
             order: DashMap::new(),
             exposed: shared.exposed,
             next_region: AtomicU64::new(1),
@@ -427,6 +432,35 @@ impl Node {
         {
             return lane.send(tag, buffer, deadline, turn).await;
         }
+        // The peer's routes, when its link is up: the send goes to its transfer actor
+        // without the coordinator's mailbox.
+        let src = crate::coordinator::memory_class(buffer.kind());
+        let direct = self.direct.get(peer).and_then(|d| {
+            let routed = d.table.route(src, packed)?.clone();
+            Some((d.addr.clone(), d.peer_class, routed))
+        });
+        let direct_layout = layout.clone();
+        let direct = direct.map(|(addr, peer_class, routed)| {
+            move |buffer| {
+                crate::coordinator::count_failovers(&routed);
+                let op = crate::peer::Op::Send {
+                    tag,
+                    transport: routed.transport,
+                    direction: routed.direction,
+                    fallback: routed.fallback,
+                    layout: direct_layout,
+                    fetch: None,
+                    packed,
+                };
+                let submit = crate::peer::Submit {
+                    op,
+                    buffer,
+                    deadline,
+                    peer_class,
+                };
+                (addr, submit)
+            }
+        });
         let message = |buffer| SendTo {
             peer: peer.to_string(),
             tag,
@@ -436,7 +470,14 @@ impl Node {
             deadline,
             fetch: None,
         };
-        self.with_credit(peer, deadline, buffer, message).await
+        self.with_credit_or_direct(peer, deadline, buffer, message, direct)
+            .await
+    }
+
+    /// True when sends to `peer` go to its transfer actor without the coordinator's mailbox
+    /// (its link is up and its routes are known; see [`crate::direct`]).
+    pub fn routes_directly(&self, peer: &str) -> bool {
+        self.direct.contains_key(peer)
     }
 
     /// True when small device buffers to `peer` take the same-host fast lane (the ipc
@@ -465,10 +506,32 @@ impl Node {
         M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
         Coordinator: Handler<M>,
     {
+        type Direct = fn(Buffer) -> (Addr<crate::peer::TransferActor>, crate::peer::Submit);
+        self.with_credit_or_direct(peer, deadline, buffer, message, None::<Direct>)
+            .await
+    }
+
+    /// As [`Self::with_credit`]; with `direct` (the peer's routes are known), the submission
+    /// it makes of the buffer goes to the peer's transfer actor itself, unless a message to
+    /// the coordinator for the peer is still unanswered (it might not have passed it on yet:
+    /// then through the coordinator too, to keep the order).
+    async fn with_credit_or_direct<M, D>(
+        &self,
+        peer: &str,
+        deadline: Instant,
+        buffer: Buffer,
+        message: impl FnOnce(Buffer) -> M,
+        direct: Option<D>,
+    ) -> Result<Buffer, SendError>
+    where
+        M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
+        Coordinator: Handler<M>,
+        D: FnOnce(Buffer) -> (Addr<crate::peer::TransferActor>, crate::peer::Submit),
+    {
         // The turn has a deadline too: a send queued behind one that waits long for credit
         // fails at its own deadline (dropped, its ticket is skipped).
-        let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), self.order(peer).slow()).await
-        else {
+        let order = self.order(peer);
+        let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), order.slow()).await else {
             return Err(SendError {
                 error: Error::DeadlineExceeded,
                 buffer: Some(buffer),
@@ -486,6 +549,21 @@ impl Node {
         // Queued before the next send to the peer may queue its own. Through a fresh sender:
         // the shared one, once parked by a full mailbox, would hold the message until the
         // request is polled, after `pass` let the next send go.
+        if let Some(direct) = direct.filter(|_| order.coordinator_idle()) {
+            let (addr, submit) = direct(buffer);
+            let request = addr.send(submit);
+            turn.pass();
+            return request.await.unwrap_or_else(|_| {
+                Err(SendError {
+                    error: Error::PeerLost {
+                        peer: peer.to_string(),
+                        detail: "its transfer actor stopped".into(),
+                    },
+                    buffer: None,
+                })
+            });
+        }
+        let _unanswered = order.via_coordinator();
         let request = self.coordinator.clone().send(message(buffer));
         turn.pass();
         request.await.unwrap_or(Err(SendError {

@@ -209,6 +209,7 @@ pub(super) struct Shared {
     pub(super) gpu_pools: ferry_transports::fdshare::PoolDirectory,
     pub(super) lane_rings: ferry_transports::fdshare::RingDirectory,
     pub(super) lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    pub(super) direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     pub(super) published: Arc<crate::publish::Publications>,
 }
 
@@ -325,6 +326,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         exposed: shared.exposed,
         io,
         lanes: shared.lanes,
+        direct: shared.direct,
         lane: crate::lane::LaneSettings {
             max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
             spin: config.transport.ipc.lane_spin,

@@ -9,7 +9,7 @@
 //! | a link comes up | [`TransferActor::attach_parts`] | [`PeerPart::attach`] |
 //! | a send is pulled | `queue_submit` | [`PeerPart::export`], then [`PeerPart::keep`] |
 //! | the peer lets go, or gives up | `FromPeer` (`Done`, `Cancel`) | [`PeerPart::released`], [`PeerPart::cancelled`] |
-//! | an offer to pull | `reserve` | [`PeerPart::lands_in_device`], [`PeerPart::pull`] |
+//! | an offer to pull | `reserve`, then `start_pull` | [`PeerPart::lands_in_device`], then [`PeerPart::pull`] |
 //! | a grant lends a buffer | `start_write` | [`PeerPart::write`] |
 //! | a push to us | `reserve` | [`PeerPart::lender`] ([`Lend`], [`LentMemory`]) |
 //! | the session ends | `stopped` | [`PeerPart::close`] |
@@ -111,7 +111,7 @@ pub(super) struct Exported {
     /// Where the peer reads.
     pub(super) source: PullSource,
     /// The part's own keeping (a registration), if any.
-    pub(super) kept: Option<Box<dyn std::any::Any + Send>>,
+    pub(super) kept: Option<Box<dyn Send>>,
 }
 
 /// How [`PeerPart::export`] answers.

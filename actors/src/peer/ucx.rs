@@ -1,6 +1,6 @@
-//! The ucx transport's part of a peer ([`PeerPart`]): the endpoint to the peer's UCX worker (connected on
-//! the first pull from it, from the address in its hello), our buffers registered for the
-//! peer to read until it lets go, and pulls out of the peer's.
+//! The ucx transport's part of a peer ([`PeerPart`]): the endpoint to the peer's UCX worker
+//! (connected on first use, from the address in its hello), our buffers registered for the
+//! peer to read until it lets go, reads out of the peer's, writes into buffers it lends.
 //!
 //! Every UCX call that waits (registering, unregistering, connecting, the reads) runs off
 //! the actor thread: registrations on a blocking thread while this actor's mailbox waits
@@ -66,7 +66,7 @@ impl EndpointSlot {
 #[derive(Clone)]
 pub(super) struct UcxLender {
     pub(super) engine: Arc<Engine>,
-    endpoint: EndpointSlot,
+    endpoint: Endpoint,
     address: Vec<u8>,
     emulated_push: bool,
     peer: String,
@@ -124,7 +124,7 @@ impl UcxLender {
     /// nothing used the endpoint yet).
     async fn final_lanes(&self) -> Result<EndpointLanes, MoveError> {
         let engine = Arc::clone(&self.engine);
-        let ucx = connected(&self.endpoint.current(), engine, self.address.clone()).await?;
+        let ucx = connected(&self.endpoint, engine, self.address.clone()).await?;
         if !ucx.lanes().after_first_use {
             ucx.flush()?.await?;
         }
@@ -425,6 +425,7 @@ impl PeerPart for UcxState {
         };
         let slot = self.endpoint.clone();
         let endpoint = slot.current();
+        let used = Arc::clone(&endpoint);
         let address = self.address.clone();
         let reported = Arc::clone(&self.lanes_reported);
         let peer = cx.peer.to_string();
@@ -437,7 +438,6 @@ impl PeerPart for UcxState {
             forget_key(&ucx, &source);
             (buffer, got.map_err(MoveError::from))
         });
-        let used = self.endpoint.current();
         Box::pin(async move {
             let pulled = match pull.await {
                 Ok((buffer, Ok(()))) => Ok(buffer),
@@ -503,7 +503,7 @@ impl PeerPart for UcxState {
     fn lender(&self, cx: &PartCx) -> Option<Arc<dyn Lend>> {
         Some(Arc::new(UcxLender {
             engine: cx.setup.ucx.clone()?,
-            endpoint: self.endpoint.clone(),
+            endpoint: self.endpoint.current(),
             address: self.address.clone(),
             emulated_push: cx.setup.ucx_emulated_push,
             peer: cx.peer.to_string(),

@@ -52,44 +52,24 @@ pub trait DeviceMemory: sealed::Sealed {
 /// Which streams used a region, and an event on each that captures its latest use. An
 /// event may be shared by the buffers one batch of copies touched ([`SharedUse`]); whoever
 /// records it again captures a later point of the same stream, which only makes the others
-/// wait longer, never too little.
+/// wait longer (see [`copy_many_async`] for what sharing asks of its caller).
 #[derive(Default)]
 pub(super) struct Uses {
     uses: Mutex<Vec<(Stream, Arc<Event>)>>,
 }
 
-/// One event recorded on `stream` after a batch of copies, made at its first use and shared
-/// by every buffer the batch touched: one record for the batch instead of one per buffer
-/// (about 1.5 µs each on an H100).
+/// One event recorded on `stream` after a batch of copies, shared by every buffer the
+/// batch touched: one record for the batch instead of one per buffer (about 1.5 µs each on
+/// an H100).
 pub struct SharedUse<'a> {
     stream: &'a Stream,
-    event: Option<Arc<Event>>,
+    event: Arc<Event>,
 }
 
 impl<'a> SharedUse<'a> {
-    /// Nothing recorded yet on `stream`.
-    pub(super) fn new(stream: &'a Stream) -> Self {
-        Self {
-            stream,
-            event: None,
-        }
-    }
-
     /// The stream the batch was queued on.
     pub(super) fn stream(&self) -> &Stream {
         self.stream
-    }
-
-    /// The batch's event, recorded now at its first use.
-    fn event(&mut self) -> Result<Arc<Event>, CudaError> {
-        if let Some(event) = &self.event {
-            return Ok(Arc::clone(event));
-        }
-        let event = Event::new(self.stream.device())?;
-        event.record(self.stream)?;
-        let event = Arc::new(event);
-        self.event = Some(Arc::clone(&event));
-        Ok(event)
     }
 }
 
@@ -97,7 +77,7 @@ impl Uses {
     /// Records that work touching the region, part of the batch `shared`, was just queued
     /// on its stream: the batch's event stands for this region's latest use there.
     pub(super) fn note_shared(&self, shared: &mut SharedUse<'_>) -> Result<(), CudaError> {
-        let event = shared.event()?;
+        let event = Arc::clone(&shared.event);
         let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
         match uses.iter_mut().find(|(s, _)| s.same_as(shared.stream)) {
             // Recorded after every earlier use on this stream: it replaces their event.
@@ -197,7 +177,14 @@ pub struct Pair<'a, D, S> {
 /// fixed cost per copy, 5–8 µs on an H100 for a peer's memory, is paid once; a lone copy
 /// too), else (or where the kernel does not load) as [`copy_boxes_async`] queues a block
 /// list's runs. Returns once queued; every buffer is recorded as used on `stream`, as
-/// [`copy_async`] does. Returns whether the kernel took them.
+/// [`copy_async`] does, by one event recorded after them all. Returns whether the kernel
+/// took them.
+///
+/// No other thread may queue work touching these buffers on `stream` during the call: the
+/// batch's event, recorded before the buffers are noted, replaces each buffer's latest use
+/// on the stream, and a use queued and noted meanwhile would be forgotten (ferry's one
+/// caller, the lane's gathers, holds the import cache's lock, under which alone imported
+/// buffers are used; destinations are borrowed mutably).
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
@@ -225,13 +212,24 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
         return Ok(false);
     }
     stream.bind()?;
+    // Made before anything is queued, so that once copies are, noting them cannot fail for
+    // want of an event.
+    let event = Event::new(stream.device())?;
     // SAFETY: every run lies inside its live buffer (checked above); the uses recorded
     // below keep them allocated until the copies passed; destinations are distinct
     // buffers (each borrowed mutably once); the stream's context is current (bound above).
     let queued = unsafe { runs.flush(stream, 1) };
     // Recorded whatever was queued, also when a later copy failed to queue: every buffer
-    // stays allocated until what did get queued has passed. One event for them all.
-    let mut shared = SharedUse::new(stream);
+    // stays allocated until what did get queued has passed. One event for them all; should
+    // recording it fail, the copies are waited for here instead.
+    if let Err(e) = event.record(stream) {
+        stream.synchronize()?;
+        return Err(e);
+    }
+    let mut shared = SharedUse {
+        stream,
+        event: Arc::new(event),
+    };
     for p in pairs.iter() {
         p.dst.note_shared(&mut shared)?;
         p.src.note_shared(&mut shared)?;
