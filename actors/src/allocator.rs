@@ -9,7 +9,7 @@
 //! claim and delivers, the others give their grant back. A waiting reservation holds
 //! nothing, and all the parts of one reservation come from one tier or none.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -44,6 +44,96 @@ impl Releaser for ReturnedBytes {
     fn release(&self, lease: &Lease) {
         self.release_bytes(lease.len);
     }
+}
+
+/// The smallest host buffer worth keeping on a [`Shelf`]: below it a fresh allocation comes
+/// from the heap and costs little.
+const SHELF_MIN: u64 = 64 * 1024;
+/// The most buffers a shelf keeps.
+const SHELF_BUFFERS: usize = 16;
+
+/// Host memory of dropped buffers, kept for grants that overwrite it whole (a streamed
+/// receive): such a grant then costs no page faults and no zeroing, where a fresh megabyte
+/// buffer is a new zeroed allocation. Its bytes were given back to the budget when their
+/// buffer dropped, and the shelf holds at most what the budget has free: kept memory and
+/// granted memory together stay within the budget (a grant first frees kept memory that
+/// no longer fits, oldest first). At most [`SHELF_BUFFERS`] buffers.
+#[derive(Debug, Default)]
+struct Shelf {
+    kept: Mutex<VecDeque<Box<[u8]>>>,
+    /// The bytes kept, readable without the lock.
+    bytes: AtomicU64,
+}
+
+impl Shelf {
+    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<Box<[u8]>>> {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops the oldest memory kept until `room` more bytes and one more buffer fit in
+    /// `free` bytes; returns what it took out, to be freed outside the locks.
+    fn make_room(
+        kept: &mut VecDeque<Box<[u8]>>,
+        bytes: &AtomicU64,
+        room: u64,
+        free: u64,
+    ) -> Vec<Box<[u8]>> {
+        let mut evicted = Vec::new();
+        let mut total = bytes.load(Ordering::Acquire);
+        while total.saturating_add(room) > free || (room > 0 && kept.len() >= SHELF_BUFFERS) {
+            let Some(old) = kept.pop_front() else { break };
+            total = total.saturating_sub(old.len() as u64);
+            evicted.push(old);
+        }
+        bytes.store(total, Ordering::Release);
+        evicted
+    }
+
+    /// The most recently kept memory of exactly `len` bytes.
+    fn take(&self, len: u64) -> Option<Box<[u8]>> {
+        if self.bytes.load(Ordering::Acquire) < len {
+            return None;
+        }
+        let mut kept = self.kept();
+        let at = kept.iter().rposition(|b| b.len() as u64 == len)?;
+        let taken = kept.remove(at)?;
+        self.bytes.fetch_sub(len, Ordering::AcqRel);
+        Some(taken)
+    }
+}
+
+/// How a domain's buffers give their bytes back: to the budget, and host memory worth
+/// keeping to the domain's shelf.
+#[derive(Debug)]
+struct DomainReturn {
+    returned: Arc<ReturnedBytes>,
+    domain: std::sync::Weak<Domain>,
+}
+
+impl Releaser for DomainReturn {
+    fn release(&self, lease: &Lease) {
+        self.returned.release(lease);
+    }
+
+    fn release_host(&self, lease: &Lease, bytes: Box<[u8]>) {
+        self.returned.release(lease);
+        if bytes.len() as u64 >= SHELF_MIN
+            && let Some(domain) = self.domain.upgrade()
+        {
+            domain.shelve(bytes);
+        }
+    }
+}
+
+/// What a grant's memory holds when it is handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// Zeroes for host memory (device memory holds whatever its pool gives).
+    Zeroed,
+    /// Anything: the caller overwrites every byte before any is read (a streamed receive,
+    /// whose chunks arrive in order until the last byte). Host memory may then be memory
+    /// of a buffer dropped earlier, with its old bytes, granted without zeroing.
+    Overwritten,
 }
 
 /// One requester's claim on a reservation it placed at several tiers: exactly one tier
@@ -173,6 +263,10 @@ pub struct Domain {
     device: OnceLock<DevicePool>,
     budget: Mutex<Budget>,
     returned: Arc<ReturnedBytes>,
+    /// Host memory kept for grants that overwrite it (empty on a GPU domain).
+    shelf: Shelf,
+    /// Gives a buffer's bytes back to `returned`, and host memory to `shelf`.
+    releaser: Arc<dyn Releaser>,
     home: OnceLock<Arc<dyn MemoryHome>>,
     next_id: AtomicU64,
 }
@@ -192,7 +286,56 @@ impl Domain {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Reserves every part now, on the caller's thread (a device allocation included), or
+    /// Bytes of the budget neither granted nor waiting to be counted back.
+    fn free_now(&self, budget: &Budget) -> u64 {
+        let stats = budget.stats();
+        let returned = self.returned.bytes.load(Ordering::Acquire);
+        stats
+            .capacity
+            .saturating_sub(stats.granted.saturating_sub(returned))
+    }
+
+    /// Keeps the memory of a dropped host buffer (its lease already given back) on the
+    /// shelf, if the budget has room for it beside what is granted.
+    fn shelve(&self, bytes: Box<[u8]>) {
+        if self.on_device() {
+            return;
+        }
+        let len = bytes.len() as u64;
+        let evicted = {
+            let budget = self.budget();
+            let free = self.free_now(&budget);
+            if len > free {
+                vec![bytes]
+            } else {
+                let mut kept = self.shelf.kept();
+                let evicted = Shelf::make_room(&mut kept, &self.shelf.bytes, len, free);
+                kept.push_back(bytes);
+                self.shelf.bytes.fetch_add(len, Ordering::AcqRel);
+                evicted
+            }
+        };
+        // Freed outside the locks.
+        drop(evicted);
+    }
+
+    /// Frees kept memory that no longer fits beside what is granted (a grant just grew
+    /// it), oldest first.
+    fn trim_shelf(&self) {
+        if self.shelf.bytes.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let evicted = {
+            let budget = self.budget();
+            let free = self.free_now(&budget);
+            let mut kept = self.shelf.kept();
+            Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free)
+        };
+        drop(evicted);
+    }
+
+    /// Reserves every part now, on the caller's thread (a device allocation included),
+    /// holding what `fill` says, or
     /// answers `Ok(None)`: the parts do not fit now, or reservations wait ahead of them
     /// (then only the actor's queue keeps their order). Never call it on the actor thread
     /// for device memory: the allocation waits for its stream. Device memory is allocated
@@ -207,9 +350,10 @@ impl Domain {
         &self,
         parts: &[u64],
         on: Option<&ferry_transports::cuda::Stream>,
+        fill: Fill,
     ) -> Result<Option<Vec<Buffer>>, Error> {
         match self.take_budget_now(parts) {
-            Ok(true) => self.grant(parts, on).map(Some),
+            Ok(true) => self.grant(parts, on, fill).map(Some),
             Ok(false) => Ok(None),
             Err(e) => Err(e),
         }
@@ -238,14 +382,25 @@ impl Domain {
         self.device.get().is_some()
     }
 
-    /// Makes buffers for `parts`, already counted as granted. A device allocation can still
-    /// fail (another process filled the GPU): then every part is given back and the error
-    /// says why.
+    /// Makes buffers for `parts`, already counted as granted, holding what `fill` says. A
+    /// device allocation can still fail (another process filled the GPU): then every part
+    /// is given back and the error says why.
     fn grant(
         &self,
         parts: &[u64],
         on: Option<&ferry_transports::cuda::Stream>,
+        fill: Fill,
     ) -> Result<Vec<Buffer>, Error> {
+        // Kept memory first goes to the parts it fits; what is left of it must then fit
+        // beside what is granted, before any memory is made.
+        let mut kept: Vec<Option<Box<[u8]>>> = parts
+            .iter()
+            .map(|&len| match fill {
+                Fill::Overwritten if !self.on_device() => self.shelf.take(len),
+                _ => None,
+            })
+            .collect();
+        self.trim_shelf();
         let mut buffers = Vec::with_capacity(parts.len());
         for (i, &len) in parts.iter().enumerate() {
             let id = self.next_id();
@@ -255,10 +410,17 @@ impl Domain {
                 generation: Generation(id),
                 len,
             };
-            let releaser: Arc<dyn Releaser> = self.returned.clone();
+            let releaser = Arc::clone(&self.releaser);
             let home = self.home.get().cloned();
             let Some(device) = self.device.get() else {
-                buffers.push(Buffer::with_home(lease, releaser, home));
+                let buffer = kept[i]
+                    .take()
+                    .and_then(|bytes| {
+                        Buffer::from_host_bytes(lease, bytes, Arc::clone(&releaser), home.clone())
+                            .ok()
+                    })
+                    .unwrap_or_else(|| Buffer::with_home(lease, releaser, home));
+                buffers.push(buffer);
                 continue;
             };
             // A zero-length device buffer takes no device memory: host bytes stand in.
@@ -346,12 +508,18 @@ impl Allocator {
     /// A domain of `kind` with a budget of `capacity` bytes, room for `queue_cap` waiting
     /// reservations, and exports quarantined for `lease_timeout` after their peer died.
     pub fn new(kind: MemoryKind, capacity: u64, queue_cap: usize, lease_timeout: Duration) -> Self {
+        let returned = Arc::<ReturnedBytes>::default();
         Self {
-            domain: Arc::new(Domain {
+            domain: Arc::new_cyclic(|me| Domain {
                 kind,
                 device: OnceLock::new(),
                 budget: Mutex::new(Budget::new(capacity, queue_cap)),
-                returned: Arc::default(),
+                returned: Arc::clone(&returned),
+                shelf: Shelf::default(),
+                releaser: Arc::new(DomainReturn {
+                    returned,
+                    domain: me.clone(),
+                }),
                 home: OnceLock::new(),
                 next_id: AtomicU64::new(1),
             }),
@@ -396,7 +564,7 @@ impl Allocator {
         };
         let domain = Arc::clone(&self.domain);
         let grant = move || {
-            let made = domain.grant(&parts, None);
+            let made = domain.grant(&parts, None, Fill::Zeroed);
             if let Err(e) = &made {
                 tracing::warn!(domain = %domain.kind, error = %e, "a waiting reservation failed");
             }
@@ -644,7 +812,7 @@ pub fn reserve_now_in_tiers(
     parts: &[u64],
     on: Option<&ferry_transports::cuda::Stream>,
 ) -> Option<Vec<Buffer>> {
-    match try_tiers_now(tiers, parts, on) {
+    match try_tiers_now(tiers, parts, on, Fill::Zeroed) {
         TriedNow::Granted(buffers) => Some(buffers),
         TriedNow::Not { .. } => None,
     }
@@ -662,11 +830,13 @@ enum TriedNow {
     },
 }
 
-/// Tries each tier in order on this thread (see [`reserve_now_in_tiers`]).
+/// Tries each tier in order on this thread (see [`reserve_now_in_tiers`]), for buffers
+/// holding what `fill` says.
 fn try_tiers_now(
     tiers: &[Tier],
     parts: &[u64],
     on: Option<&ferry_transports::cuda::Stream>,
+    fill: Fill,
 ) -> TriedNow {
     let mut able = Vec::new();
     let mut refusal = None;
@@ -676,7 +846,7 @@ fn try_tiers_now(
             refusal = Some(Error::ShuttingDown);
             continue;
         };
-        match domain.try_now_on(parts, on) {
+        match domain.try_now_on(parts, on, fill) {
             Ok(Some(buffers)) => return TriedNow::Granted(buffers),
             Ok(None) => able.push(tier.clone()),
             Err(e) => refusal = Some(e),
@@ -699,17 +869,22 @@ pub async fn reserve_in_tiers(
     parts: &[u64],
     deadline: Instant,
 ) -> Result<Vec<Buffer>, Error> {
-    queue(try_tiers_now(tiers, parts, None), parts, deadline)
-        .await?
-        .granted()
-        .await
+    queue(
+        try_tiers_now(tiers, parts, None, Fill::Zeroed),
+        parts,
+        deadline,
+    )
+    .await?
+    .granted()
+    .await
 }
 
 /// Places a reservation across `tiers` for a caller on an actor's thread: granted now (a
 /// try that may allocate device memory runs on a blocking thread of `io`: the allocation
 /// waits for its stream), or queued at every tier able to grant it. Only the placing is
 /// ordered: a caller that places its reservations one after another keeps their order in
-/// each tier's queue, and may await [`Placement::granted`] side by side.
+/// each tier's queue, and may await [`Placement::granted`] side by side. A grant made now
+/// holds what `fill` says; one that waited is zeroed host memory either way.
 ///
 /// # Errors
 /// As [`reserve_in_tiers`], for a request no tier takes.
@@ -718,17 +893,18 @@ pub async fn place_in_tiers_off_actor(
     parts: &[u64],
     deadline: Instant,
     io: &tokio::runtime::Handle,
+    fill: Fill,
 ) -> Result<Placement, Error> {
     let device = tiers
         .iter()
         .any(|t| matches!(t.kind, MemoryKind::Device(_)));
     let tried = if device {
         let (tiers, parts) = (tiers.to_vec(), parts.to_vec());
-        io.spawn_blocking(move || try_tiers_now(&tiers, &parts, None))
+        io.spawn_blocking(move || try_tiers_now(&tiers, &parts, None, fill))
             .await
             .map_err(|_| Error::ShuttingDown)?
     } else {
-        try_tiers_now(tiers, parts, None)
+        try_tiers_now(tiers, parts, None, fill)
     };
     queue(tried, parts, deadline).await
 }
@@ -814,4 +990,56 @@ async fn queue(tried: TriedNow, parts: &[u64], deadline: Instant) -> Result<Plac
         total,
         deadline,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn one(domain: &Domain, len: u64, fill: Fill) -> Buffer {
+        match domain.try_now_on(&[len], None, fill) {
+            Ok(Some(mut buffers)) if buffers.len() == 1 => buffers.remove(0),
+            other => panic!("no grant of {len} bytes: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn memory_kept_for_overwriting_grants_stays_within_the_budget() {
+        let domain = Allocator::new(MemoryKind::Host, 4 * MIB, 16, Duration::from_secs(1)).domain();
+        let mut first = one(&domain, 2 * MIB, Fill::Overwritten);
+        let bytes = first.as_mut_slice().expect("host");
+        assert!(bytes.iter().all(|&b| b == 0), "fresh memory is zeroed");
+        bytes.fill(7);
+        let at = bytes.as_ptr();
+        drop(first);
+        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 2 * MIB);
+
+        // A zeroed grant never takes kept memory; an overwriting one of the same length does.
+        let zeroed = one(&domain, MIB, Fill::Zeroed);
+        assert!(zeroed.as_slice().is_some_and(|b| b.iter().all(|&x| x == 0)));
+        let again = one(&domain, 2 * MIB, Fill::Overwritten);
+        let reused = again.as_slice().expect("host");
+        assert_eq!(reused.as_ptr(), at, "the kept memory, not a new allocation");
+        assert_eq!(reused[0], 7, "not zeroed again");
+        assert_eq!(again.lease().len, 2 * MIB);
+        drop(zeroed);
+
+        // Granted and kept together never pass the budget: a grant that needs the room
+        // frees what is kept.
+        let held = one(&domain, MIB, Fill::Zeroed);
+        drop(again);
+        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 3 * MIB);
+        let more = one(&domain, 2 * MIB, Fill::Zeroed);
+        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        drop((held, more));
+
+        // Small buffers are not worth keeping, and a buffer kept holds no budget.
+        drop(one(&domain, 1024, Fill::Overwritten));
+        assert!(domain.shelf.bytes.load(Ordering::Acquire) <= 3 * MIB);
+        let whole = one(&domain, 4 * MIB, Fill::Zeroed);
+        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        drop(whole);
+    }
 }

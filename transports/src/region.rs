@@ -61,6 +61,16 @@ pub enum PlaceError {
     /// The buffer is lent out for another chunk, or a view of it is still alive.
     #[error("the receive buffer is busy with another chunk")]
     Busy,
+    /// A data chunk does not start where the transfer's bytes so far end: chunks of a
+    /// transfer arrive in order, each once, so that a completed buffer holds only bytes the
+    /// peer sent (the peer misbehaved).
+    #[error("chunk at offset {offset} where the transfer's next byte is {expected}")]
+    OutOfOrder {
+        /// Chunk offset.
+        offset: u64,
+        /// The offset the next chunk must start at.
+        expected: u64,
+    },
     /// No region of that id is exposed (withdrawn, or never exposed).
     #[error("region {0} is not exposed")]
     NotExposed(u64),
@@ -68,7 +78,9 @@ pub enum PlaceError {
 
 /// A receive buffer being filled by data chunks.
 ///
-/// The reader fills it one chunk at a time without holding the map it lives in locked
+/// Chunks arrive in order, each starting where the one before ended, so a region that
+/// completes has had every byte written by the peer: its buffer may start with any
+/// contents (recycled memory, not zeroed). The reader fills it one chunk at a time without holding the map it lives in locked
 /// across a socket read: [`InboundRegion::lend`] checks the chunk and lends the buffer out
 /// as a [`Landing`], the payload is read into [`Landing::destination`], and
 /// [`InboundRegion::restore`] takes the buffer back. If the region was dropped meanwhile (the
@@ -92,14 +104,22 @@ impl InboundRegion {
     /// Checks that `chunk` lies within the buffer and lends the buffer out for its bytes to
     /// be written; give it back with [`InboundRegion::restore`].
     ///
-    /// Fails with [`PlaceError::OutOfBounds`] when the chunk overruns the buffer (the peer
-    /// misbehaved) and [`PlaceError::Busy`] when the buffer is already lent out or not
-    /// writable. Device memory is lent too: its bytes go in through [`Landing::write`].
+    /// Fails with [`PlaceError::OutOfBounds`] when the chunk overruns the buffer and
+    /// [`PlaceError::OutOfOrder`] when it does not start where the bytes so far end (the
+    /// peer misbehaved either way), and [`PlaceError::Busy`] when the buffer is already
+    /// lent out or not writable. Device memory is lent too: its bytes go in through
+    /// [`Landing::write`].
     pub fn lend(&mut self, chunk: &DataChunk) -> Result<Landing, PlaceError> {
         let Some(buffer) = self.buffer.as_mut() else {
             return Err(PlaceError::Busy);
         };
         let range = checked_range(buffer, chunk.offset, u64::from(chunk.len))?;
+        if chunk.offset != self.received {
+            return Err(PlaceError::OutOfOrder {
+                offset: chunk.offset,
+                expected: self.received,
+            });
+        }
         if !buffer.is_exclusive() {
             return Err(PlaceError::Busy);
         }
@@ -275,7 +295,7 @@ mod tests {
     fn chunks_land_where_they_say_and_complete_the_region() {
         let released = Arc::default();
         let mut region = InboundRegion::new(buffer(10, &released));
-        for (offset, bytes) in [(6, &b"6789"[..]), (0, &b"012345"[..])] {
+        for (offset, bytes) in [(0, &b"012345"[..]), (6, &b"6789"[..])] {
             let chunk = data(offset, bytes.len() as u32);
             let mut landing = match region.lend(&chunk) {
                 Ok(l) => l,
@@ -283,10 +303,37 @@ mod tests {
             };
             assert_eq!(region.lend(&chunk).err(), Some(PlaceError::Busy));
             landing.destination().copy_from_slice(bytes);
-            assert_eq!(region.restore(landing), offset == 0);
+            assert_eq!(region.restore(landing), offset == 6);
         }
         let filled = region.into_buffer().map(|b| b.to_vec().expect("host"));
         assert_eq!(filled.as_deref(), Some(&b"0123456789"[..]));
+    }
+
+    #[test]
+    fn chunks_out_of_order_or_twice_are_refused() {
+        let released = Arc::default();
+        let mut region = InboundRegion::new(buffer(10, &released));
+        assert_eq!(
+            region.lend(&data(6, 4)).err(),
+            Some(PlaceError::OutOfOrder {
+                offset: 6,
+                expected: 0
+            })
+        );
+        let landing = region.lend(&data(0, 6)).expect("the first chunk");
+        assert!(!region.restore(landing));
+        // The same bytes again would complete the count with bytes 6.. never written.
+        for (offset, len) in [(0, 6), (2, 4), (8, 2)] {
+            assert!(
+                matches!(
+                    region.lend(&data(offset, len)),
+                    Err(PlaceError::OutOfOrder { expected: 6, .. })
+                ),
+                "{offset}+{len}"
+            );
+        }
+        let landing = region.lend(&data(6, 4)).expect("the next chunk");
+        assert!(region.restore(landing));
     }
 
     #[test]
@@ -299,7 +346,7 @@ mod tests {
                 Err(PlaceError::OutOfBounds { .. })
             ));
         }
-        let landing = region.lend(&data(10, 0));
+        let landing = region.lend(&data(0, 4));
         assert!(landing.is_ok());
         // The region was abandoned while the landing was out: dropping both frees it.
         drop(region);

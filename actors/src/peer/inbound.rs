@@ -41,6 +41,13 @@ impl TransferActor {
             self.setup.tiers.clone()
         };
         let deadline = Instant::now() + self.setup.reserve_timeout;
+        // A streamed receive overwrites every byte of its buffer, in order, before it
+        // completes: its host memory need not be zeroed.
+        let fill = if how == Landing::Stream {
+            Fill::Overwritten
+        } else {
+            Fill::Zeroed
+        };
         // Placed one at a time, in offer order (so each tier's queue holds this peer's
         // reservations in that order: a try never passes one waiting there), granted side
         // by side (one waiting for a full tier holds up no other's), and each result handled
@@ -56,7 +63,7 @@ impl TransferActor {
             if let Some(previous) = previous_placed {
                 let _ = previous.await;
             }
-            let placement = place_in_tiers_off_actor(&tiers, &[len], deadline, &io).await;
+            let placement = place_in_tiers_off_actor(&tiers, &[len], deadline, &io, fill).await;
             let _ = placed.send(());
             let got = match placement {
                 Ok(placement) => landing_when_granted(placement, &io, lender).await,

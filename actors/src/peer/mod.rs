@@ -48,7 +48,7 @@ use ferry_transports::wire::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{Export, PeerGone, Placement, Tier, place_in_tiers_off_actor};
+use crate::allocator::{Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor};
 use crate::core::exports::ExportId;
 use crate::core::ipc_setup::{
     Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,

@@ -87,6 +87,15 @@ pub struct Lease {
 pub trait Releaser: Send + Sync + 'static {
     /// Returns the lease's bytes to the domain's budget.
     fn release(&self, lease: &Lease);
+
+    /// Returns a host buffer's lease to the domain's budget, with its memory (`bytes`, of
+    /// whatever length the buffer had last), which the domain may keep for a later grant
+    /// that overwrites it whole. The default frees the memory and calls
+    /// [`Releaser::release`]. Same rules as `release`: called once, must not block.
+    fn release_host(&self, lease: &Lease, bytes: Box<[u8]>) {
+        drop(bytes);
+        self.release(lease);
+    }
 }
 
 /// Where a buffer can get memory in another tier: the node that granted it. Lets
@@ -224,6 +233,7 @@ impl Drop for Storage {
                     );
                 }
             }
+            Bytes::Host(bytes) => self.releaser.release_host(&self.lease, bytes),
             other => {
                 drop(other);
                 self.releaser.release(&self.lease);
@@ -273,6 +283,32 @@ impl Buffer {
                 mapped: std::sync::Mutex::default(),
             }),
         }
+    }
+
+    /// Wraps host memory granted under `lease` whose bytes are `bytes` as they are (not
+    /// zeroed): memory kept from an earlier buffer ([`Releaser::release_host`]), for a
+    /// grant that is overwritten whole before anyone reads it. Used by allocators.
+    ///
+    /// # Errors
+    /// Gives `bytes` back when their length is not `lease.len`.
+    pub fn from_host_bytes(
+        lease: Lease,
+        bytes: Box<[u8]>,
+        releaser: Arc<dyn Releaser>,
+        home: Option<Arc<dyn MemoryHome>>,
+    ) -> Result<Self, Box<[u8]>> {
+        if bytes.len() as u64 != lease.len {
+            return Err(bytes);
+        }
+        Ok(Self {
+            storage: Arc::new(Storage {
+                lease,
+                bytes: Bytes::Host(bytes),
+                releaser,
+                home,
+                mapped: std::sync::Mutex::default(),
+            }),
+        })
     }
 
     /// Wraps device memory granted under `lease` (its length is the memory's). Used by the
