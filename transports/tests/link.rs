@@ -751,6 +751,48 @@ async fn a_chunk_whose_header_does_not_announce_it_is_refused_locally() {
 }
 
 #[tokio::test]
+async fn a_chunk_framed_ahead_goes_out_with_its_header_and_another_is_refused_locally() {
+    let (listener, endpoint) = tcp_listener().await;
+    let (mut client, mut server) = connected_pair(endpoint, listener).await;
+    let header = Message::Data(DataChunk {
+        transfer: 1,
+        offset: 0,
+        len: 10,
+    });
+    let bytes = b"0123456789";
+    let framed = |kind, payload: &[u8]| match FrameHeader::for_payload(kind, payload) {
+        Ok(h) => h,
+        Err(e) => panic!("{e}"),
+    };
+    for wrong in [
+        framed(FrameKind::Payload, b"012345678"),
+        framed(FrameKind::Data, bytes),
+    ] {
+        assert!(matches!(
+            client.writer.feed_chunk_framed(&header, bytes, wrong).await,
+            Err(LinkError::Send(FrameError::Encode(_)))
+        ));
+    }
+    // Nothing was written: the chunk framed for these bytes arrives intact.
+    let right = framed(FrameKind::Payload, bytes);
+    assert!(
+        client
+            .writer
+            .feed_chunk_framed(&header, bytes, right)
+            .await
+            .is_ok()
+    );
+    assert!(client.writer.flush().await.is_ok());
+    match server.reader.next().await {
+        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(header)),
+        other => panic!("{other:?}"),
+    }
+    let mut dst = [0u8; 10];
+    assert!(server.reader.read_payload_into(&mut dst).await.is_ok());
+    assert_eq!(&dst, bytes);
+}
+
+#[tokio::test]
 async fn a_damaged_payload_is_counted_and_ends_the_link() {
     let bytes = vec![7u8; 3000];
     let header = frame_bytes(&Message::Data(DataChunk {

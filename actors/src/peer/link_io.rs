@@ -3,6 +3,7 @@
 //! their regions).
 
 use super::*;
+use ferry_transports::wire::{FrameHeader, FrameKind};
 
 pub(super) async fn write_loop(
     mut writer: LinkWriter,
@@ -113,18 +114,82 @@ pub(super) async fn stream(
             tcp::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
         }
     };
-    let mut ahead = None;
-    let streamed = match bytes.as_slice() {
-        Some(host) => stream_host(writer, host, layout, &parts, &header, stop).await,
-        None => stream_device(writer, bytes, layout, &parts, &header, stop, &mut ahead).await,
+    let (mut ahead, mut checksum_ahead) = (None, None);
+    let streamed = match (bytes.as_slice(), layout) {
+        (Some(_), None) if parts.len() > 1 => {
+            stream_host_checksummed_ahead(writer, bytes, &parts, &header, stop, &mut checksum_ahead)
+                .await
+        }
+        (Some(host), layout) => stream_host(writer, host, layout, &parts, &header, stop).await,
+        (None, layout) => {
+            stream_device(writer, bytes, layout, &parts, &header, stop, &mut ahead).await
+        }
     };
-    // A copy still running (the stream stopped or failed) holds a view of the buffer: wait
-    // for it, so that the buffer goes back only once nothing reads it.
+    // A copy or checksum still running (the stream stopped or failed) holds a view of the
+    // buffer: wait for it, so that the buffer goes back only once nothing reads it.
     if let Some(copy) = ahead.take() {
         let _ = copy.await;
     }
+    if let Some(checksum) = checksum_ahead.take() {
+        let _ = checksum.await;
+    }
     streamed?;
     writer.flush().await
+}
+
+/// A chunk's payload frame header, CRC and all, being computed on a blocking thread.
+pub(super) type ChecksumAhead =
+    tokio::task::JoinHandle<Result<FrameHeader, ferry_transports::wire::FrameError>>;
+
+/// Streams `parts` of contiguous host memory straight from the caller's buffer, each
+/// chunk's CRC computed on a blocking thread one chunk ahead of the socket: the CRC of chunk
+/// k+1 (a read of its bytes from memory) runs while chunk k is written, so the writing
+/// thread only writes. The checksum still running when this returns is left in `ahead`.
+pub(super) async fn stream_host_checksummed_ahead(
+    writer: &mut LinkWriter,
+    bytes: &SharedBytes,
+    parts: &[(usize, usize)],
+    header: &impl Fn(usize) -> Message,
+    stop: &AtomicBool,
+    ahead: &mut Option<ChecksumAhead>,
+) -> Result<(), LinkError> {
+    let host = bytes
+        .as_slice()
+        .ok_or_else(|| io_error("host memory expected"))?;
+    let checksum = |(at, n): (usize, usize)| {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || {
+            // Out of range only if the parts were not cut from this buffer: then the empty
+            // payload's header is refused by its length before anything is written.
+            let chunk = bytes
+                .as_slice()
+                .and_then(|host| host.get(at..at + n))
+                .unwrap_or_default();
+            FrameHeader::for_payload(FrameKind::Payload, chunk)
+        })
+    };
+    *ahead = parts.first().map(|&first| checksum(first));
+    for (i, &(at, n)) in parts.iter().enumerate() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let framed = ahead
+            .take()
+            .ok_or_else(|| io_error("a chunk was not checksummed"))?
+            .await
+            .map_err(io_error)?
+            .map_err(LinkError::Send)?;
+        if let Some(&next) = parts.get(i + 1) {
+            *ahead = Some(checksum(next));
+        }
+        let payload = host
+            .get(at..at + n)
+            .ok_or_else(|| io_error("a chunk past the buffer"))?;
+        writer
+            .feed_chunk_framed(&header(i), payload, framed)
+            .await?;
+    }
+    Ok(())
 }
 
 /// Streams `parts` of host memory: straight from the caller's buffer, or (strided rows)

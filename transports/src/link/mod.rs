@@ -469,7 +469,33 @@ impl LinkWriter {
     /// encoded, or either frame is larger than the peer's `max_frame`; with
     /// [`LinkError::Io`] if the socket fails. Not cancel-safe, like `send`.
     pub async fn feed_chunk(&mut self, header: &Message, bytes: &[u8]) -> Result<(), LinkError> {
+        let payload_header =
+            FrameHeader::for_payload(FrameKind::Payload, bytes).map_err(LinkError::Send)?;
+        self.feed_chunk_framed(header, bytes, payload_header).await
+    }
+
+    /// Like [`LinkWriter::feed_chunk`], with the payload frame's header (and so its CRC)
+    /// computed beforehand by [`FrameHeader::for_payload`] over these very bytes as
+    /// [`FrameKind::Payload`]: a stream checksums its next chunk on another thread while
+    /// this one is written. Its kind and length are checked here, not its CRC: a header
+    /// made for other bytes has the peer refuse the payload and drop the link. Same errors
+    /// and cancel safety as `feed_chunk` (also [`LinkError::Send`] for a header of another
+    /// kind or length).
+    pub async fn feed_chunk_framed(
+        &mut self,
+        header: &Message,
+        bytes: &[u8],
+        payload_header: FrameHeader,
+    ) -> Result<(), LinkError> {
         self.check_usable()?;
+        if payload_header.kind != FrameKind::Payload || payload_header.len as usize != bytes.len() {
+            return Err(LinkError::Send(FrameError::Encode(format!(
+                "a {:?} header of {} bytes for a payload of {}",
+                payload_header.kind,
+                payload_header.len,
+                bytes.len()
+            ))));
+        }
         let announced = match header {
             Message::Data(chunk) => chunk.len,
             Message::Put(chunk) => chunk.len,
@@ -492,8 +518,6 @@ impl LinkWriter {
         self.check_cap(archived.len() as u64)?;
         let message_header =
             FrameHeader::for_payload(header.kind(), &archived).map_err(LinkError::Send)?;
-        let payload_header =
-            FrameHeader::for_payload(FrameKind::Payload, bytes).map_err(LinkError::Send)?;
         self.write_parts(
             &[
                 &message_header.to_bytes(),
