@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::wire::{
@@ -48,7 +48,8 @@ pub(crate) type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
 /// Write half of either socket kind.
 pub(crate) type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
 
-/// Buffer size of each half of a link.
+/// Buffer size of each half of a link: many small frames go out, or come in, in one
+/// system call.
 const LINK_BUFFER: usize = 256 * 1024;
 
 /// Where a link's peer listens.
@@ -329,7 +330,13 @@ impl LinkReader {
 
 /// The sending half of a [`Link`].
 pub struct LinkWriter {
-    inner: BufWriter<BoxWrite>,
+    inner: BoxWrite,
+    /// Frames fed and not yet written, at most [`LINK_BUFFER`] bytes. What would not fit
+    /// goes out with them in vectored writes, straight from the caller's slices: a chunk's
+    /// small header frames and its large payload leave in one system call (before, the
+    /// buffered headers were written alone first: a small segment, and a wake-up of the
+    /// peer's reader, per chunk).
+    buffer: Vec<u8>,
     /// The peer's advertised cap on frame payloads (ours until its `Hello` arrived).
     peer_max_frame: u32,
     /// Set while a frame is partly written; if a send is cancelled or fails midway, the
@@ -353,7 +360,8 @@ impl fmt::Debug for LinkWriter {
 impl LinkWriter {
     fn new(write: BoxWrite, stall: Duration, peer: String) -> Self {
         Self {
-            inner: BufWriter::with_capacity(LINK_BUFFER, write),
+            inner: write,
+            buffer: Vec::with_capacity(LINK_BUFFER),
             peer_max_frame: u32::MAX,
             mid_frame: false,
             stall,
@@ -385,45 +393,33 @@ impl LinkWriter {
         Ok(())
     }
 
-    /// Writes `parts` as one frame (or several whole frames), each write bounded by the
+    /// Writes `parts` as one frame (or several whole frames): into the buffer when they fit
+    /// there, else out with what is buffered in vectored writes; each write bounded by the
     /// stall timeout: a peer that stops reading ends the link rather than holding the
     /// writer (and the transfers behind it) for ever.
     async fn write_parts(&mut self, parts: &[&[u8]], flush: bool) -> Result<(), LinkError> {
         self.mid_frame = true;
-        for part in parts {
-            let mut rest = *part;
-            while !rest.is_empty() {
-                let n = self.within_stall(|w| w.write(rest)).await?;
-                if n == 0 {
-                    return Err(io::Error::from(io::ErrorKind::WriteZero).into());
-                }
-                rest = &rest[n..];
+        let len = parts.iter().fold(0usize, |n, p| n.saturating_add(p.len()));
+        if self.buffer.len().saturating_add(len) <= LINK_BUFFER {
+            for part in parts {
+                self.buffer.extend_from_slice(part);
             }
+            if flush {
+                self.write_buffered().await?;
+            }
+        } else {
+            write_out(&mut self.inner, self.stall, &mut self.buffer, parts).await?;
         }
         if flush {
-            self.within_stall(|w| w.flush()).await?;
+            within_stall(self.stall, self.inner.flush()).await?;
         }
         self.mid_frame = false;
         Ok(())
     }
 
-    /// Runs one write step on the buffered socket, failing with `TimedOut` when it takes no
-    /// byte for the stall timeout.
-    async fn within_stall<'a, T, F>(
-        &'a mut self,
-        step: impl FnOnce(&'a mut BufWriter<BoxWrite>) -> F,
-    ) -> io::Result<T>
-    where
-        F: std::future::Future<Output = io::Result<T>> + 'a,
-    {
-        let stall = self.stall;
-        match tokio::time::timeout(stall, step(&mut self.inner)).await {
-            Ok(done) => done,
-            Err(_) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the peer took no byte for {stall:?}: it stopped reading"),
-            )),
-        }
+    /// Writes out what is buffered.
+    async fn write_buffered(&mut self) -> io::Result<()> {
+        write_out(&mut self.inner, self.stall, &mut self.buffer, &[]).await
     }
 
     async fn write_message(&mut self, msg: &Message, flush: bool) -> Result<(), LinkError> {
@@ -561,15 +557,85 @@ impl LinkWriter {
     /// [`LinkOptions::stall_timeout`]). Cancel-safe in the sense that a later `flush` finishes the job.
     pub async fn flush(&mut self) -> Result<(), LinkError> {
         self.check_usable()?;
-        self.within_stall(|w| w.flush()).await?;
+        self.write_buffered().await?;
+        within_stall(self.stall, self.inner.flush()).await?;
         Ok(())
     }
 
     /// Flushes, then closes our direction of the connection (the peer's reader sees a clean
     /// end of stream). Fails with [`LinkError::Io`].
     pub async fn shutdown(&mut self) -> Result<(), LinkError> {
-        self.within_stall(|w| w.shutdown()).await?;
+        self.write_buffered().await?;
+        within_stall(self.stall, self.inner.shutdown()).await?;
         Ok(())
+    }
+}
+
+/// Runs one write step on the socket, failing with `TimedOut` when it takes no byte for
+/// `stall`.
+async fn within_stall<T>(
+    stall: Duration,
+    step: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match tokio::time::timeout(stall, step).await {
+        Ok(done) => done,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the peer took no byte for {stall:?}: it stopped reading"),
+        )),
+    }
+}
+
+/// Writes what `buffer` holds, then every byte of `parts`, in order, in as few vectored
+/// writes as the socket takes, each bounded by `stall`. The bytes of `buffer` leave it as
+/// they are written, so a call dropped midway leaves there only what was not (a later
+/// flush finishes the job).
+async fn write_out(
+    inner: &mut BoxWrite,
+    stall: Duration,
+    buffer: &mut Vec<u8>,
+    parts: &[&[u8]],
+) -> io::Result<()> {
+    // The first part not yet written whole, and how much of it was.
+    let (mut at, mut done) = (0, 0);
+    loop {
+        while parts.get(at).is_some_and(|p| done >= p.len()) {
+            at += 1;
+            done = 0;
+        }
+        let rest = parts.get(at..).unwrap_or_default();
+        if buffer.is_empty() && rest.is_empty() {
+            return Ok(());
+        }
+        let slices: Vec<io::IoSlice<'_>> = std::iter::once(&buffer[..])
+            .chain(
+                rest.iter()
+                    .enumerate()
+                    .map(|(i, p)| if i == 0 { &p[done..] } else { *p }),
+            )
+            .filter(|b| !b.is_empty())
+            .map(io::IoSlice::new)
+            .collect();
+        let mut n = within_stall(stall, inner.write_vectored(&slices)).await?;
+        if n == 0 {
+            return Err(io::Error::from(io::ErrorKind::WriteZero));
+        }
+        let buffered = n.min(buffer.len());
+        buffer.drain(..buffered);
+        n -= buffered;
+        // Past the parts written whole, into the next one.
+        while let Some(p) = parts.get(at)
+            && n > 0
+        {
+            let left = p.len() - done;
+            if n < left {
+                done += n;
+                break;
+            }
+            n -= left;
+            at += 1;
+            done = 0;
+        }
     }
 }
 
@@ -762,5 +828,32 @@ impl LinkWriter {
     /// hostile or broken peer. Never use it to send real frames.
     pub async fn danger_send_raw(&mut self, bytes: &[u8]) -> Result<(), LinkError> {
         self.write_parts(&[bytes], true).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn write_out_sends_the_buffer_then_every_part_through_short_writes() {
+        // A pipe that takes at most 7 bytes at a time, and one slice per write.
+        let (write, mut read) = tokio::io::duplex(7);
+        let mut write: BoxWrite = Box::new(write);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            read.read_to_end(&mut got).await.map(|_| got)
+        });
+        let mut buffer = b"head:".to_vec();
+        let parts: [&[u8]; 4] = [b"0123456789", b"", b"abc", b"defghijklmnopqrstu"];
+        let wrote = write_out(&mut write, Duration::from_secs(5), &mut buffer, &parts).await;
+        assert!(wrote.is_ok(), "{wrote:?}");
+        assert!(buffer.is_empty(), "what was buffered left the buffer");
+        drop(write);
+        match reader.await {
+            Ok(Ok(got)) => assert_eq!(got, b"head:0123456789abcdefghijklmnopqrstu"),
+            other => panic!("{other:?}"),
+        }
     }
 }
