@@ -741,13 +741,18 @@ async fn a_chunk_whose_header_does_not_announce_it_is_refused_locally() {
             .is_ok()
     );
     assert!(client.writer.flush().await.is_ok());
+    expect_chunk(&mut server, header, b"0123456789").await;
+}
+
+/// The next frames `server` reads are `header`, then a payload of exactly `bytes`.
+async fn expect_chunk(server: &mut Link, header: Message, bytes: &[u8; 10]) {
     match server.reader.next().await {
         Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(header)),
         other => panic!("{other:?}"),
     }
     let mut dst = [0u8; 10];
     assert!(server.reader.read_payload_into(&mut dst).await.is_ok());
-    assert_eq!(&dst, b"0123456789");
+    assert_eq!(&dst, bytes);
 }
 
 #[tokio::test]
@@ -783,13 +788,7 @@ async fn a_chunk_framed_ahead_goes_out_with_its_header_and_another_is_refused_lo
             .is_ok()
     );
     assert!(client.writer.flush().await.is_ok());
-    match server.reader.next().await {
-        Ok(Some(f)) => assert_eq!(f.to_owned_message(), Ok(header)),
-        other => panic!("{other:?}"),
-    }
-    let mut dst = [0u8; 10];
-    assert!(server.reader.read_payload_into(&mut dst).await.is_ok());
-    assert_eq!(&dst, bytes);
+    expect_chunk(&mut server, header, bytes).await;
 }
 
 #[tokio::test]
