@@ -565,3 +565,70 @@ async fn pushes_stream_over_the_link_where_ucx_would_apply_the_writes() {
     assert!(counted, "streamed pushes counted: {:?}", streamed());
     a.shutdown().await;
 }
+
+/// Sends whose buffers UCX registers first (pulls over ucx, registered on a blocking thread
+/// while the actor goes on) and sends that need nothing (small ones over tcp) arrive in the
+/// order they were made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_behind_a_registration_keep_their_order() {
+    let test = "sends_behind_a_registration_keep_their_order";
+    if !ucx_here(test) {
+        return;
+    }
+    let small_over_tcp = "[[transport.rules]]\nname = \"small\"\nmax_bytes = \"64 KiB\"\n\
+                          transports = [\"tcp\"]\n\n";
+    let extra = format!(
+        "[transport.ucx]\nenabled = \"on\"\ntls = \"tcp\"\nnet_devices = \"lo\"\n\n\
+         {small_over_tcp}{RULE}"
+    );
+    let scratch = Scratch::new();
+    let (a, b) = linked_pair(&scratch, &extra).await;
+    let sizes = [300_000usize, 8, 1 << 20, 100, 70_000, 1];
+    let mut buffers = Vec::new();
+    for i in 0..sizes.len() * 8 {
+        buffers.push(patterned(&a, sizes[i % sizes.len()], i as u64).await);
+    }
+    let crcs: Vec<u32> = buffers
+        .iter()
+        .map(|b| crc32c::crc32c(b.as_slice().expect("host")))
+        .collect();
+    let mut sends = Vec::new();
+    for b in buffers {
+        let mut send = Box::pin(futures::future::maybe_done(a.send("b", 9, b)));
+        let _ = futures::poll!(send.as_mut());
+        sends.push(send);
+    }
+    let receive = async {
+        let mut transports = std::collections::HashSet::new();
+        for (i, crc) in crcs.iter().enumerate() {
+            let got = b.recv(Some("a"), Some(9)).await.expect("recv");
+            let bytes = got.buffer.as_slice().expect("host");
+            assert_eq!(
+                crc32c::crc32c(bytes),
+                *crc,
+                "buffer {i} out of order or changed"
+            );
+            transports.insert(got.transport.as_str().to_string());
+        }
+        transports
+    };
+    let (_, transports) = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join(
+            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
+            receive,
+        ),
+    )
+    .await
+    .expect("every buffer arrived in time");
+    for s in &mut sends {
+        drop(s.as_mut().take_output().expect("done").expect("send"));
+    }
+    drop(sends);
+    assert!(
+        transports.contains("ucx") && transports.contains("tcp"),
+        "both paths taken: {transports:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -23,6 +23,7 @@ mod staged_ring;
 mod ucx;
 
 pub use self::fetch::AskFetch;
+use self::outbound::ExportQueue;
 pub use self::ucx::UcxOff;
 pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
@@ -374,6 +375,9 @@ pub struct TransferActor {
     timer: DeadlineTimer,
     /// Our pulls whose offer went to the writer: only those can be read by the peer.
     offered: HashSet<OpId>,
+    /// A pulled send whose buffer its transport is making readable (a registration), and
+    /// the submissions behind it.
+    exporting: ExportQueue,
     /// The peer's offers we pull.
     pulls: Pulls,
     ipc: IpcState,
@@ -421,6 +425,7 @@ impl TransferActor {
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
             offered: HashSet::new(),
+            exporting: ExportQueue::default(),
             pulls: Pulls::default(),
             staged: StagedState::default(),
             ipc: IpcState::default(),
@@ -449,6 +454,12 @@ impl Actor for TransferActor {
             rx.stop();
         }
         self.fail_ipc_waiting(|| Error::ShuttingDown);
+        for (msg, reply) in self.exporting.behind.drain(..) {
+            let _ = reply.send(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: Some(msg.buffer),
+            }));
+        }
         // What the peer may still read or write of ours is held or quarantined.
         let (parts, cx) = self.parts();
         let retired = parts.into_iter().flat_map(|p| p.close(&cx)).collect();

@@ -146,14 +146,18 @@ impl TransferActor {
 
     /// Queues a submission in the session; the outcome goes to `reply`. A pull's buffer is
     /// made readable for the peer first, by its transport (an export, or a registration on
-    /// a blocking thread while this actor's mailbox waits: later sends queue behind it, in
-    /// order). A push to a node of this process over ipc goes as a pull.
+    /// a blocking thread, while later submissions wait in order in the [`ExportQueue`]). A
+    /// push to a node of this process over ipc goes as a pull.
     pub(super) fn queue_submit(
         &mut self,
         mut msg: Submit,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
+        if self.exporting.busy {
+            // Behind a send whose buffer is being made readable: in order after it.
+            return self.exporting.behind.push_back((msg, reply));
+        }
         let Op::Send {
             transport,
             direction,
@@ -182,8 +186,12 @@ impl TransferActor {
                 }));
             }
             Exporting::Later(exporting) => {
-                ctx.wait(exporting.into_actor(self).map(
-                    move |exported, act, ctx| match exported {
+                // The actor goes on meanwhile (pulls, grants, timers); later submissions
+                // queue behind this one until it is queued in the session.
+                self.exporting.busy = true;
+                ctx.spawn(exporting.into_actor(self).map(move |exported, act, ctx| {
+                    act.exporting.busy = false;
+                    match exported {
                         Ok(exported) => act.queue_submit_with(msg, Some(exported), reply, ctx),
                         Err(error) => {
                             let _ = reply.send(Err(SendError {
@@ -191,8 +199,14 @@ impl TransferActor {
                                 buffer: Some(msg.buffer),
                             }));
                         }
-                    },
-                ));
+                    }
+                    while !act.exporting.busy {
+                        let Some((msg, reply)) = act.exporting.behind.pop_front() else {
+                            break;
+                        };
+                        act.queue_submit(msg, reply, ctx);
+                    }
+                }));
             }
         }
     }
@@ -340,7 +354,6 @@ impl TransferActor {
             blocks = crate::block_count(&layout),
             bytes = len,
             queue_us = now.elapsed().as_micros() as u64,
-            since_submit_us = now.elapsed().as_micros() as u64,
             "offer built"
         );
         Ok((queued, StreamWhat::Transfer(layout), labels, len))
@@ -449,4 +462,14 @@ impl TransferActor {
             }
         }
     }
+}
+
+/// A pulled send whose buffer its transport is making readable (a registration on a
+/// blocking thread), and the submissions that came after it, queued in order until it is
+/// in the session: at most the peer's `limits.peer_queue`, since each holds one of the
+/// node's credits for the peer.
+#[derive(Default)]
+pub(super) struct ExportQueue {
+    pub(super) busy: bool,
+    pub(super) behind: VecDeque<(Submit, oneshot::Sender<Result<Buffer, SendError>>)>,
 }

@@ -3,8 +3,8 @@
 //! peer to read until it lets go, reads out of the peer's, writes into buffers it lends.
 //!
 //! Every UCX call that waits (registering, unregistering, connecting, the reads) runs off
-//! the actor thread: registrations on a blocking thread while this actor's mailbox waits
-//! (sends keep their order), reads as tasks on the node's I/O runtime.
+//! the actor thread: registrations on a blocking thread (the sends after one wait in the
+//! actor's export queue, in order), reads and writes as tasks on the node's I/O runtime.
 
 use super::*;
 use ferry_config::TransportName;
