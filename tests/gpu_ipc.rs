@@ -597,6 +597,75 @@ async fn mixed_sends_come_back_in_order_without_the_lane() {
     mixed_sends_come_back_in_order(NO_LANE).await;
 }
 
+/// Sends made while the ipc setup with the peer is still under way, device buffers (over
+/// ipc, which wait for it) mixed with host buffers (over tcp, which need none), come back
+/// in the order they were made: a host buffer does not pass a device one waiting for the
+/// setup, at either end.
+#[tokio::test(flavor = "multi_thread")]
+async fn sends_made_during_the_ipc_setup_keep_their_order_across_transports() {
+    let Some(_gpu) = ferry::testing::gpu_test("setup_order") else {
+        return;
+    };
+    let p = pair(GPU0, &GPU1).await;
+    let node = p.node;
+    let mut buffers = Vec::new();
+    let mut wants = Vec::new();
+    for i in 0..24u64 {
+        let want = pattern(1000 + i as usize, i + 1);
+        let b = if i % 3 == 0 {
+            device_buffer(&node, &want).await
+        } else {
+            let mut b = node
+                .alloc(MemoryKind::Host, want.len())
+                .await
+                .expect("host alloc");
+            b.write(0, &want).expect("write the host buffer");
+            b
+        };
+        buffers.push(b);
+        wants.push(want);
+    }
+    // No send yet: the first device buffer starts the setup; each send is polled once as
+    // it is made, which is its place in the order.
+    let mut sends = Vec::new();
+    for (i, b) in buffers.into_iter().enumerate() {
+        let mut send = Box::pin(futures::future::maybe_done(node.send("b", i as u64 + 1, b)));
+        let _ = futures::poll!(send.as_mut());
+        sends.push(send);
+    }
+    let receive = async {
+        let mut transports = std::collections::HashSet::new();
+        for (i, want) in wants.iter().enumerate() {
+            let got = node.recv(Some("b"), None).await.expect("recv");
+            assert_eq!(got.tag, i as u64 + 1, "out of order");
+            assert!(
+                got.buffer.to_vec().expect("read") == *want,
+                "transfer {i} changed"
+            );
+            transports.insert(got.transport.as_str().to_string());
+        }
+        transports
+    };
+    let (_, transports) = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join(
+            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
+            receive,
+        ),
+    )
+    .await
+    .expect("every echo came back in time");
+    for s in &mut sends {
+        drop(s.as_mut().take_output().expect("done").expect("send"));
+    }
+    drop(sends);
+    assert!(
+        transports.contains("ipc") && transports.len() > 1,
+        "ipc and another transport taken: {transports:?}"
+    );
+    node.shutdown().await;
+}
+
 /// Sizes on both sides of the lane's limit, many in flight, echoed by `b`: every buffer
 /// comes back in send order, byte-exact.
 async fn mixed_sends_come_back_in_order(extra: &str) {

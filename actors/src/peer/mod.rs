@@ -504,7 +504,7 @@ impl Handler<Submit> for TransferActor {
         if set_up_first {
             self.submit_after_ipc_setup(msg, reply, ctx);
         } else {
-            self.queue_submit(msg, reply, ctx);
+            self.submit_in_order(msg, reply, ctx);
         }
         Box::pin(async move {
             rx.await.unwrap_or(Err(SendError {
