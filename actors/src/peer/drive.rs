@@ -94,7 +94,8 @@ impl TransferActor {
             if let Some(rx) = self.staged.rx.take() {
                 rx.stop();
             }
-            if self.session.is_idle() && self.outbound.is_empty() {
+            // A registration under way ends first (its send then fails as lost).
+            if self.session.is_idle() && self.outbound.is_empty() && !self.exporting.busy {
                 ctx.stop();
             }
         }

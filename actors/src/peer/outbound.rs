@@ -158,6 +158,17 @@ impl TransferActor {
             // Behind a send whose buffer is being made readable: in order after it.
             return self.exporting.behind.push_back((msg, reply));
         }
+        if let Some(why) = self.session.lost_reason() {
+            // Nothing to make readable for a peer that is gone.
+            let _ = reply.send(Err(SendError {
+                error: Error::PeerLost {
+                    peer: self.peer.clone(),
+                    detail: why.to_string(),
+                },
+                buffer: Some(msg.buffer),
+            }));
+            return;
+        }
         let Op::Send {
             transport,
             direction,
@@ -206,6 +217,8 @@ impl TransferActor {
                         };
                         act.queue_submit(msg, reply, ctx);
                     }
+                    // A lost session may have waited for this to end.
+                    act.drive(ctx);
                 }));
             }
         }
