@@ -15,6 +15,9 @@
 
 mod described;
 mod dns;
+mod routes;
+
+pub(crate) use self::routes::{count_failovers, memory_class};
 
 pub use self::described::describe_metrics;
 
@@ -412,199 +415,6 @@ impl Coordinator {
             })
     }
 
-    /// Where `peer` is: from its hello when connected, else from its configured address.
-    fn locality(&self, peer: &str) -> Locality {
-        if let Some(hello) = self.sessions.get(peer).and_then(|s| s.hello.as_ref()) {
-            return if *hello.host_id == *self.setup.transfer.host_id {
-                Locality::SameHost
-            } else {
-                Locality::Remote
-            };
-        }
-        match self.peer_address(peer) {
-            Some(PeerAddress::Unix(_)) => Locality::SameHost,
-            Some(PeerAddress::Tcp(addr)) => {
-                let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
-                let host = host.trim_start_matches('[').trim_end_matches(']');
-                let loopback =
-                    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
-                if loopback {
-                    Locality::SameHost
-                } else {
-                    Locality::Remote
-                }
-            }
-            None => Locality::Remote,
-        }
-    }
-
-    /// The route of a transfer to `peer`, and why. `dst`: the memory at the peer's end, for
-    /// a what-if question; `None`, as sends ask: what the peer receives into.
-    fn explain(
-        &self,
-        peer: &str,
-        bytes: u64,
-        src: MemoryClass,
-        dst: Option<MemoryClass>,
-    ) -> Explanation {
-        self.route(peer, bytes, src, dst, None)
-    }
-
-    /// The route of a send of `bytes` from `src` memory to `peer`, with the fallback its
-    /// transport's failed setup would take; or why there is none.
-    fn routed(
-        &self,
-        peer: &str,
-        bytes: u64,
-        src: MemoryClass,
-    ) -> Result<crate::direct::Routed, Explanation> {
-        let explanation = self.explain(peer, bytes, src, None);
-        let Some(route) = explanation.chosen.clone() else {
-            return Err(explanation);
-        };
-        let wire = |d: ferry_config::Direction| match d {
-            ferry_config::Direction::Push => WireDirection::Push,
-            ferry_config::Direction::Pull => WireDirection::Pull,
-        };
-        // If the chosen transport's setup with the peer fails, the next of the rule.
-        let fallback = ferry_transports::registry::declared(route.transport)
-            .per_peer_setup
-            .then(|| {
-                self.route(peer, bytes, src, None, Some(route.transport))
-                    .chosen
-            })
-            .flatten()
-            .map(|r| (r.transport, wire(r.direction)));
-        let failed_over = explanation
-            .skipped
-            .iter()
-            .filter(|(_, why)| {
-                matches!(why, ferry_transports::transport::Unsuitable::SetupFailed(_))
-            })
-            .map(|(t, _)| *t)
-            .collect();
-        Ok(crate::direct::Routed {
-            transport: route.transport,
-            direction: wire(route.direction),
-            fallback,
-            failed_over,
-        })
-    }
-
-    /// Publishes `peer`'s routes for the node's sends to take directly, once its link is up
-    /// (its hello known); else withdraws them (its sends come here, which dials).
-    fn publish_direct(&self, peer: &str) {
-        let direct = &self.setup.transfer.direct;
-        let Some(s) = self
-            .sessions
-            .get(peer)
-            .filter(|s| s.hello.is_some() && matches!(s.state, LinkState::Up { .. }))
-            .filter(|_| !self.draining)
-        else {
-            direct.remove(peer);
-            return;
-        };
-        let bounds = crate::lane::LaneRoutes::bounds(&self.setup.config.transport.rules);
-        let table = crate::direct::RouteTable::new(&bounds, |src, bytes| {
-            self.routed(peer, bytes, src).ok()
-        });
-        let routes = crate::direct::DirectRoutes {
-            addr: s.addr.clone(),
-            peer_class: PeerClass::of(self.locality(peer)),
-            table,
-        };
-        direct.insert(peer.to_string(), Arc::new(routes));
-    }
-
-    /// Which sizes of contiguous device buffer the rules send to `peer` by pull over the
-    /// transport that declares the lane: what its lane may carry. The route is asked once per range of sizes the rules make.
-    fn lane_routes(&self, peer: &str) -> crate::lane::LaneRoutes {
-        let rules = &self.setup.config.transport.rules;
-        let ranges = crate::lane::LaneRoutes::bounds(rules)
-            .into_iter()
-            .map(|start| {
-                let chosen = self
-                    .route(peer, start, MemoryClass::Device, None, None)
-                    .chosen;
-                let lane = chosen.is_some_and(|r| {
-                    ferry_transports::registry::declared(r.transport).lane
-                        && r.direction == ferry_config::Direction::Pull
-                });
-                (start, lane)
-            })
-            .collect();
-        crate::lane::LaneRoutes::new(ranges)
-    }
-
-    /// The route of a transfer; with `failed`, as if that transport's setup with the peer
-    /// had failed (the route a transfer falls back to). `dst` as for [`Self::explain`].
-    fn route(
-        &self,
-        peer: &str,
-        bytes: u64,
-        src: MemoryClass,
-        dst: Option<MemoryClass>,
-        failed: Option<ferry_config::TransportName>,
-    ) -> Explanation {
-        let hello = self.sessions.get(peer).and_then(|s| s.hello.as_ref());
-        let offers: Option<Vec<ferry_config::TransportName>> =
-            hello.map(|h| h.transports.iter().map(|&t| t.into()).collect());
-        let offers = offers.as_deref();
-        // Before the first link to the peer there is no hello: `destination` assumes host.
-        let receives = hello.map(|h| memory_class(MemoryKind::from_wire(h.receives)));
-        let (dst, dst_from) = route::destination(dst, receives);
-        let bad = crate::core::ipc_setup::SetupOutcome::Bad(
-            crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
-        );
-        let settled = self.sessions.get(peer).and_then(|s| s.ipc.clone());
-        // What the peer's hello rules out here (another UCX release, say).
-        let unusable: Vec<_> = hello
-            .map(|h| self.setup.transfer.transports.unusable_with(h))
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(t, why)| {
-                let why = crate::core::ipc_setup::SetupFailure::Incompatible(why);
-                (t, crate::core::ipc_setup::SetupOutcome::Bad(why))
-            })
-            .collect();
-        let setup = |t: ferry_config::TransportName| {
-            if Some(t) == failed {
-                Some(bad.clone())
-            } else if let Some((_, why)) = unusable.iter().find(|(u, _)| *u == t) {
-                Some(why.clone())
-            } else if ferry_transports::registry::declared(t).per_peer_setup {
-                settled.clone()
-            } else {
-                None
-            }
-        };
-        let query = RouteQuery {
-            locality: self.locality(peer),
-            src,
-            dst,
-            dst_from,
-            bytes,
-        };
-        let rules = &self.setup.config.transport.rules;
-        if hello.is_none() {
-            // Before the first link, the peer's transports are not known: an opt-in one
-            // (ucx) is assumed missing, so the first sends take the rule's next transport
-            // when it has one.
-            let assumed: Vec<ferry_config::TransportName> = self
-                .catalog
-                .iter()
-                .filter(|(c, _)| !c.opt_in)
-                .map(|(c, _)| c.name)
-                .collect();
-            let first =
-                route::choose_with_setup(rules, &self.catalog, Some(&assumed), &setup, query);
-            if first.chosen.is_some() {
-                return first;
-            }
-        }
-        route::choose_with_setup(rules, &self.catalog, offers, &setup, query)
-    }
-
     fn transfer_setup(&self, ctx: &mut Context<Self>) -> TransferSetup {
         let base = self.setup.transfer.clone();
         TransferSetup {
@@ -659,7 +469,7 @@ impl Coordinator {
             // The old session's actor fails its ops and stops; its end is ignored.
             send_lost(&old.addr, "replaced by a newer connection");
         }
-        self.publish_direct(peer);
+        self.publish_direct(peer, None);
         epoch
     }
 
@@ -853,15 +663,6 @@ fn send_lost(addr: &Addr<TransferActor>, why: &str) {
     });
 }
 
-/// The rules' name for the memory `kind` is.
-pub(crate) fn memory_class(kind: MemoryKind) -> MemoryClass {
-    match kind {
-        MemoryKind::Device(_) => MemoryClass::Device,
-        MemoryKind::PinnedHost => MemoryClass::Pinned,
-        _ => MemoryClass::Host,
-    }
-}
-
 impl Actor for Coordinator {
     type Context = Context<Self>;
 
@@ -903,19 +704,6 @@ impl Handler<SendTo> for Coordinator {
             packed: msg.packed,
         };
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
-    }
-}
-
-/// Counts a send's failovers: the transports its rule names first whose setup with the
-/// peer failed.
-pub(crate) fn count_failovers(routed: &crate::direct::Routed) {
-    for skipped in &routed.failed_over {
-        metrics::counter!(
-            "ferry_failover_total",
-            "from" => skipped.as_str(),
-            "to" => routed.transport.as_str()
-        )
-        .increment(1);
     }
 }
 
@@ -1122,7 +910,7 @@ impl Handler<LinkUp> for Coordinator {
                 link: msg.link,
                 dialed: msg.dialed.is_some(),
             });
-            self.publish_direct(&peer);
+            self.publish_direct(&peer, None);
             ctx.spawn(
                 async move {
                     let _ = attach.await;
@@ -1163,7 +951,7 @@ impl Handler<DialRefused> for Coordinator {
         // does not come, the session's ops fail.
         s.state = LinkState::Dialing;
         self.count_connected();
-        self.publish_direct(&msg.peer);
+        self.publish_direct(&msg.peer, None);
         let wait = self.setup.config.limits.connect_timeout;
         ctx.run_later(wait, move |act, _| {
             if let Some(s) = act.sessions.get(&msg.peer)
@@ -1191,7 +979,7 @@ impl Handler<IpcSettled> for Coordinator {
         }
         let ok = msg.outcome == crate::core::ipc_setup::SetupOutcome::Ok;
         s.ipc = Some(msg.outcome);
-        self.publish_direct(&msg.peer);
+        let table = self.route_table(&msg.peer);
         let lane = self
             .setup
             .transfer
@@ -1199,8 +987,9 @@ impl Handler<IpcSettled> for Coordinator {
             .get(&msg.peer)
             .map(|l| Arc::clone(&l));
         if let Some(lane) = lane.filter(|_| ok) {
-            lane.set_routes(self.lane_routes(&msg.peer));
+            lane.set_routes(table.lane_routes());
         }
+        self.publish_direct(&msg.peer, Some(table));
     }
 }
 
@@ -1214,7 +1003,7 @@ impl Handler<SessionEnded> for Coordinator {
             .is_some_and(|s| s.epoch == msg.epoch)
         {
             self.sessions.remove(&msg.peer);
-            self.publish_direct(&msg.peer);
+            self.publish_direct(&msg.peer, None);
             self.count_connected();
         }
     }

@@ -62,6 +62,24 @@ impl RouteTable {
         Self { ranges }
     }
 
+    /// Which sizes of contiguous device buffer go by pull over the transport that declares
+    /// the lane: what the peer's lane may carry.
+    pub fn lane_routes(&self) -> crate::lane::LaneRoutes {
+        let device = self.ranges.iter().find(|(s, _)| *s == MemoryClass::Device);
+        let ranges = device.map_or_else(Vec::new, |(_, ranges)| {
+            (ranges.iter())
+                .map(|(start, routed)| {
+                    let lane = routed.as_ref().is_some_and(|r| {
+                        ferry_transports::registry::declared(r.transport).lane
+                            && r.direction == WireDirection::Pull
+                    });
+                    (*start, lane)
+                })
+                .collect()
+        });
+        crate::lane::LaneRoutes::new(ranges)
+    }
+
     /// The route of a send of `bytes` from `src` memory; `None` when no rule routes it (the
     /// coordinator then says why).
     pub fn route(&self, src: MemoryClass, bytes: u64) -> Option<&Routed> {
@@ -105,5 +123,8 @@ mod tests {
         );
         assert_eq!(of(MemoryClass::Host, 5), Some(TransportName::Tcp));
         assert_eq!(of(MemoryClass::Pinned, 5), None);
+        // The lane carries device pulls over ipc: up to 1 MiB.
+        let lane = table.lane_routes();
+        assert!(lane.takes(1 << 20) && !lane.takes((1 << 20) + 1));
     }
 }
