@@ -40,6 +40,14 @@ mod start;
 use self::start::*;
 pub use self::start::{has_rdma_device, start_ucx_engine, ucx_settings};
 
+/// Where a send's message goes (see `Node::with_credit`).
+enum Via<M> {
+    /// The coordinator, which routes it (dialing the peer first when need be).
+    Coordinator(M),
+    /// The peer's transfer actor, the send routed from the peer's table.
+    Actor(Addr<crate::peer::TransferActor>, crate::peer::Submit),
+}
+
 /// A running ferry node.
 pub struct Node {
     name: String,
@@ -439,16 +447,16 @@ impl Node {
             let routed = d.table.route(src, packed)?.clone();
             Some((d.addr.clone(), d.peer_class, routed))
         });
-        let direct_layout = layout.clone();
-        let direct = direct.map(|(addr, peer_class, routed)| {
-            move |buffer| {
+        // The layout moves into whichever message is made.
+        let make = move |buffer, may_go_direct: bool| match direct.filter(|_| may_go_direct) {
+            Some((addr, peer_class, routed)) => {
                 crate::coordinator::count_failovers(&routed);
                 let op = crate::peer::Op::Send {
                     tag,
                     transport: routed.transport,
                     direction: routed.direction,
                     fallback: routed.fallback,
-                    layout: direct_layout,
+                    layout,
                     fetch: None,
                     packed,
                 };
@@ -458,20 +466,19 @@ impl Node {
                     deadline,
                     peer_class,
                 };
-                (addr, submit)
+                Via::Actor(addr, submit)
             }
-        });
-        let message = |buffer| SendTo {
-            peer: peer.to_string(),
-            tag,
-            buffer,
-            layout,
-            packed,
-            deadline,
-            fetch: None,
+            None => Via::Coordinator(SendTo {
+                peer: peer.to_string(),
+                tag,
+                buffer,
+                layout,
+                packed,
+                deadline,
+                fetch: None,
+            }),
         };
-        self.with_credit_or_direct(peer, deadline, buffer, message, direct)
-            .await
+        self.with_credit(peer, deadline, buffer, make).await
     }
 
     /// True when sends to `peer` go to its transfer actor without the coordinator's mailbox
@@ -493,40 +500,21 @@ impl Node {
         Arc::clone(self.order.entry(peer.to_string()).or_default().value())
     }
 
-    /// Waits for credit to `peer` until `deadline`, then hands the coordinator the message
-    /// `message` makes of the buffer; the credit is held until the op ended.
+    /// Waits for credit to `peer` until `deadline`, then hands the message `make` makes of
+    /// the buffer to where it goes ([`Via`]); the credit is held until the op ended. `make`
+    /// may send to the peer's transfer actor itself (it is told so) only when no message to
+    /// the coordinator for the peer is still unanswered: the coordinator might not have
+    /// passed it on yet, and the order would break.
     async fn with_credit<M>(
         &self,
         peer: &str,
         deadline: Instant,
         buffer: Buffer,
-        message: impl FnOnce(Buffer) -> M,
+        make: impl FnOnce(Buffer, bool) -> Via<M>,
     ) -> Result<Buffer, SendError>
     where
         M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
         Coordinator: Handler<M>,
-    {
-        type Direct = fn(Buffer) -> (Addr<crate::peer::TransferActor>, crate::peer::Submit);
-        self.with_credit_or_direct(peer, deadline, buffer, message, None::<Direct>)
-            .await
-    }
-
-    /// As [`Self::with_credit`]; with `direct` (the peer's routes are known), the submission
-    /// it makes of the buffer goes to the peer's transfer actor itself, unless a message to
-    /// the coordinator for the peer is still unanswered (it might not have passed it on yet:
-    /// then through the coordinator too, to keep the order).
-    async fn with_credit_or_direct<M, D>(
-        &self,
-        peer: &str,
-        deadline: Instant,
-        buffer: Buffer,
-        message: impl FnOnce(Buffer) -> M,
-        direct: Option<D>,
-    ) -> Result<Buffer, SendError>
-    where
-        M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
-        Coordinator: Handler<M>,
-        D: FnOnce(Buffer) -> (Addr<crate::peer::TransferActor>, crate::peer::Submit),
     {
         // The turn has a deadline too: a send queued behind one that waits long for credit
         // fails at its own deadline (dropped, its ticket is skipped).
@@ -549,22 +537,24 @@ impl Node {
         // Queued before the next send to the peer may queue its own. Through a fresh sender:
         // the shared one, once parked by a full mailbox, would hold the message until the
         // request is polled, after `pass` let the next send go.
-        if let Some(direct) = direct.filter(|_| order.coordinator_idle()) {
-            let (addr, submit) = direct(buffer);
-            let request = addr.send(submit);
-            turn.pass();
-            return request.await.unwrap_or_else(|_| {
-                Err(SendError {
-                    error: Error::PeerLost {
-                        peer: peer.to_string(),
-                        detail: "its transfer actor stopped".into(),
-                    },
-                    buffer: None,
-                })
-            });
-        }
+        let message = match make(buffer, order.coordinator_idle()) {
+            Via::Coordinator(message) => message,
+            Via::Actor(addr, submit) => {
+                let request = addr.send(submit);
+                turn.pass();
+                return request.await.unwrap_or_else(|_| {
+                    Err(SendError {
+                        error: Error::PeerLost {
+                            peer: peer.to_string(),
+                            detail: "its transfer actor stopped".into(),
+                        },
+                        buffer: None,
+                    })
+                });
+            }
+        };
         let _unanswered = order.via_coordinator();
-        let request = self.coordinator.clone().send(message(buffer));
+        let request = self.coordinator.clone().send(message);
         turn.pass();
         request.await.unwrap_or(Err(SendError {
             error: Error::ShuttingDown,
@@ -642,7 +632,8 @@ impl Node {
             buffer,
             deadline,
         };
-        self.with_credit(peer, deadline, buffer, message).await
+        let make = |buffer, _| Via::Coordinator(message(buffer));
+        self.with_credit(peer, deadline, buffer, make).await
     }
 
     /// Publishes `buffer` under `key` for every peer to fetch ([`Self::fetch`]) until
