@@ -9,7 +9,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Scratch, Served};
+use common::{Scratch, Served, send_in_order_while};
 use ferry::{MemoryKind, Node};
 
 /// Two nodes: `a` (this process) and the echoing child `b`; `a_extra` and `b_extra` are
@@ -625,14 +625,6 @@ async fn sends_made_during_the_ipc_setup_keep_their_order_across_transports() {
         buffers.push(b);
         wants.push(want);
     }
-    // No send yet: the first device buffer starts the setup; each send is polled once as
-    // it is made, which is its place in the order.
-    let mut sends = Vec::new();
-    for (i, b) in buffers.into_iter().enumerate() {
-        let mut send = Box::pin(futures::future::maybe_done(node.send("b", i as u64 + 1, b)));
-        let _ = futures::poll!(send.as_mut());
-        sends.push(send);
-    }
     let receive = async {
         let mut transports = std::collections::HashSet::new();
         for (i, want) in wants.iter().enumerate() {
@@ -646,19 +638,10 @@ async fn sends_made_during_the_ipc_setup_keep_their_order_across_transports() {
         }
         transports
     };
-    let (_, transports) = tokio::time::timeout(
-        Duration::from_secs(60),
-        futures::future::join(
-            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
-            receive,
-        ),
-    )
-    .await
-    .expect("every echo came back in time");
-    for s in &mut sends {
-        drop(s.as_mut().take_output().expect("done").expect("send"));
-    }
-    drop(sends);
+    // No send yet: the first device buffer starts the setup.
+    let tag = |i: usize| i as u64 + 1;
+    let transports =
+        send_in_order_while(&node, "b", (buffers, tag), Duration::from_secs(60), receive).await;
     assert!(
         transports.contains("ipc") && transports.len() > 1,
         "ipc and another transport taken: {transports:?}"

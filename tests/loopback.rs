@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Scratch, Served, eventually, patterned};
+use common::{Scratch, Served, eventually, patterned, send_in_order_while};
 use ferry::echo::{TAG_EXPOSE, TAG_WITHDRAW, decode_key, encode_key};
 use ferry::{Error, MemoryKind, Node};
 use futures::StreamExt;
@@ -115,12 +115,6 @@ async fn concurrent_sends_arrive_in_first_poll_order() {
         crcs.push(crc32c::crc32c(b.as_slice().expect("host")));
         buffers.push(b);
     }
-    let mut sends = Vec::new();
-    for (i, b) in buffers.into_iter().enumerate() {
-        let mut send = Box::pin(futures::future::maybe_done(node.send("echo", i as u64, b)));
-        let _ = futures::poll!(send.as_mut());
-        sends.push(send);
-    }
     let receive = async {
         for (i, crc) in crcs.iter().enumerate() {
             let got = node.recv(Some("echo"), None).await.expect("echo back");
@@ -129,24 +123,17 @@ async fn concurrent_sends_arrive_in_first_poll_order() {
             assert_eq!(crc32c::crc32c(bytes), *crc, "tag {i} changed");
         }
     };
-    let (_, ()) = tokio::time::timeout(
+    let tag = |i: usize| i as u64;
+    send_in_order_while(
+        &node,
+        "echo",
+        (buffers, tag),
         Duration::from_secs(60),
-        futures::future::join(
-            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
-            receive,
-        ),
+        receive,
     )
-    .await
-    .expect("every echo came back in time");
-    for s in &mut sends {
-        drop(s.as_mut().take_output().expect("done").expect("send"));
-    }
+    .await;
 }
 
-/// Once a peer's link is up, the node routes its sends itself and hands them to the peer's
-/// transfer actor (no coordinator mailbox); sends that went through the coordinator before
-/// and those that go directly after arrive in the order they were made; when the peer is
-/// gone its routes are withdrawn, and sends go through the coordinator again (which dials).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sends_to_a_connected_peer_skip_the_coordinator_and_keep_their_order() {
     let scratch = Scratch::new();

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Scratch, Served, eventually, http_get, patterned};
+use common::{Scratch, Served, eventually, http_get, patterned, send_in_order_while};
 use ferry::Node;
 
 const RULE: &str = "[[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\", \"tcp\"]\n";
@@ -592,12 +592,6 @@ async fn sends_behind_a_registration_keep_their_order() {
         .iter()
         .map(|b| crc32c::crc32c(b.as_slice().expect("host")))
         .collect();
-    let mut sends = Vec::new();
-    for b in buffers {
-        let mut send = Box::pin(futures::future::maybe_done(a.send("b", 9, b)));
-        let _ = futures::poll!(send.as_mut());
-        sends.push(send);
-    }
     let receive = async {
         let mut transports = std::collections::HashSet::new();
         for (i, crc) in crcs.iter().enumerate() {
@@ -612,19 +606,8 @@ async fn sends_behind_a_registration_keep_their_order() {
         }
         transports
     };
-    let (_, transports) = tokio::time::timeout(
-        Duration::from_secs(60),
-        futures::future::join(
-            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
-            receive,
-        ),
-    )
-    .await
-    .expect("every buffer arrived in time");
-    for s in &mut sends {
-        drop(s.as_mut().take_output().expect("done").expect("send"));
-    }
-    drop(sends);
+    let transports =
+        send_in_order_while(&a, "b", (buffers, |_| 9), Duration::from_secs(60), receive).await;
     assert!(
         transports.contains("ucx") && transports.contains("tcp"),
         "both paths taken: {transports:?}"

@@ -176,6 +176,37 @@ pub async fn patterned(node: &Node, len: usize, seed: u64) -> ferry::Buffer {
     buffer
 }
 
+/// Sends `buffers` to `peer` in their order (each send polled once as it is made: its place
+/// in the peer's order), buffer `i` under tag `tag(i)`, while `receive` runs beside them;
+/// every send must succeed, and all of it end within `limit`. Gives what `receive` gave.
+pub async fn send_in_order_while<T>(
+    node: &Node,
+    peer: &str,
+    (buffers, tag): (Vec<ferry::Buffer>, impl Fn(usize) -> u64),
+    limit: Duration,
+    receive: impl std::future::Future<Output = T>,
+) -> T {
+    let mut sends = Vec::new();
+    for (i, b) in buffers.into_iter().enumerate() {
+        let mut send = Box::pin(futures::future::maybe_done(node.send(peer, tag(i), b)));
+        let _ = futures::poll!(send.as_mut());
+        sends.push(send);
+    }
+    let (_, received) = tokio::time::timeout(
+        limit,
+        futures::future::join(
+            futures::future::join_all(sends.iter_mut().map(|s| s.as_mut())),
+            receive,
+        ),
+    )
+    .await
+    .expect("every send and receive ended in time");
+    for s in &mut sends {
+        drop(s.as_mut().take_output().expect("done").expect("send"));
+    }
+    received
+}
+
 /// Waits until `check` holds, polling every 10 ms, for `limit` at most.
 pub async fn eventually(limit: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
