@@ -68,9 +68,9 @@ impl TransferActor {
         if let Some(why) = self.session.lost_reason() {
             let why = why.to_string();
             self.fail_fetches(&why);
-            // Submissions still waiting for ipc setup end now, with their buffers.
+            // Submissions still waiting their turn end now, with their buffers.
             let peer = self.peer.clone();
-            self.fail_ipc_waiting(|| Error::PeerLost {
+            self.fail_held(|| Error::PeerLost {
                 peer: peer.clone(),
                 detail: why.clone(),
             });
@@ -95,7 +95,7 @@ impl TransferActor {
                 rx.stop();
             }
             // A registration under way ends first (its send then fails as lost).
-            if self.session.is_idle() && self.outbound.is_empty() && !self.exporting.busy {
+            if self.session.is_idle() && self.outbound.is_empty() && !self.held.exporting {
                 ctx.stop();
             }
         }

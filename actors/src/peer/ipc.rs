@@ -257,14 +257,9 @@ impl IpcState {
 }
 
 impl TransferActor {
-    /// A send over ipc: queued once the setup with the peer is ready (it starts with the
-    /// first), or falls back to the rule's next transport when the setup failed.
-    pub(super) fn submit_after_ipc_setup(
-        &mut self,
-        msg: Submit,
-        reply: oneshot::Sender<Result<Buffer, SendError>>,
-        ctx: &mut Context<Self>,
-    ) {
+    /// A send over ipc asks the setup with the peer (started by the first): its ticket,
+    /// and the verdict when there is one already (go, or fall back saying why).
+    pub(super) fn ipc_admission(&mut self) -> (u64, Option<Option<SetupFailure>>) {
         let ticket = self.ipc.next_ticket;
         self.ipc.next_ticket += 1;
         let setup = (self.ipc.setup).get_or_insert_with(|| IpcSetup::new(SetupPolicy::DEFAULT));
@@ -273,70 +268,7 @@ impl TransferActor {
             Admission::Queued => None,
             Admission::FallBack(_, why) => Some(Some(why)),
         };
-        self.ipc.waiting.push_back(Waiting {
-            ticket: Some(ticket),
-            msg,
-            reply,
-            verdict,
-        });
-        self.release_waiting(ctx);
-        // A setup to start or go on with.
-        self.drive(ctx);
-    }
-
-    /// A send over a transport that needs no setup: queued now, unless sends made before it
-    /// wait for the ipc setup (then it waits behind them, so the peer's buffers arrive in
-    /// the order they were sent).
-    pub(super) fn submit_in_order(
-        &mut self,
-        msg: Submit,
-        reply: oneshot::Sender<Result<Buffer, SendError>>,
-        ctx: &mut Context<Self>,
-    ) {
-        if self.ipc.waiting.is_empty() {
-            return self.queue_submit(msg, reply, ctx);
-        }
-        self.ipc.waiting.push_back(Waiting {
-            ticket: None,
-            msg,
-            reply,
-            verdict: Some(None),
-        });
-    }
-
-    /// Queues (or falls back) the waiting sends from the oldest, up to the first whose
-    /// setup has not settled.
-    fn release_waiting(&mut self, ctx: &mut Context<Self>) {
-        while self
-            .ipc
-            .waiting
-            .front()
-            .is_some_and(|w| w.verdict.is_some())
-        {
-            let Some(Waiting {
-                msg,
-                reply,
-                verdict: Some(failed),
-                ..
-            }) = self.ipc.waiting.pop_front()
-            else {
-                break;
-            };
-            match failed {
-                None => self.queue_submit(msg, reply, ctx),
-                Some(why) => self.fall_back(msg, reply, &why, ctx),
-            }
-        }
-    }
-
-    /// Sends still waiting for the setup end with `error`, their buffers given back.
-    pub(super) fn fail_ipc_waiting(&mut self, error: impl Fn() -> Error) {
-        for w in self.ipc.waiting.drain(..) {
-            let _ = w.reply.send(Err(SendError {
-                error: error(),
-                buffer: Some(w.msg.buffer),
-            }));
-        }
+        (ticket, verdict)
     }
 
     /// When the setup next needs the timer.
@@ -466,12 +398,9 @@ impl TransferActor {
                 }
             }
             for (ticket, failed) in released {
-                let waiting = self.ipc.waiting.iter_mut();
-                if let Some(w) = waiting.into_iter().find(|w| w.ticket == Some(ticket)) {
-                    w.verdict = Some(failed);
-                }
+                self.held.settled(ticket, failed);
             }
-            self.release_waiting(ctx);
+            self.release_held(ctx);
             if !moved {
                 return;
             }
@@ -672,15 +601,12 @@ impl TransferActor {
     }
 }
 
-/// The ipc part of a session: the lazy setup (as the exporting side), submissions waiting
-/// for it, the peer's pools and buffers we imported (as the importing side), the views of
+/// The ipc part of a session: the lazy setup (as the exporting side; the sends waiting for
+/// it wait in the shell's `Held`), the peer's pools and buffers we imported (as the importing side), the views of
 /// our buffers the peer may still be reading, and the fast lane.
 #[derive(Default)]
 pub(super) struct IpcState {
     pub(super) setup: Option<IpcSetup<u64>>,
-    /// Sends waiting for the setup, and the sends made after them (whatever their
-    /// transport), in the order they were made.
-    pub(super) waiting: VecDeque<Waiting>,
     pub(super) next_ticket: u64,
     /// Setup messages waiting for the link (a handful at most, one per setup step).
     pub(super) out: VecDeque<Message>,
@@ -710,16 +636,6 @@ pub(super) struct IpcState {
     /// The peer's pools we push into (sending side), by device UUID, each fetched on the
     /// first push to it; the lock makes one fetch at a time.
     pub(super) push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,
-}
-
-/// A send waiting for the ipc setup, or behind one that does.
-pub(super) struct Waiting {
-    /// Its ticket with the setup (`None`: it needs none, it only keeps its place).
-    ticket: Option<u64>,
-    msg: Submit,
-    reply: oneshot::Sender<Result<Buffer, SendError>>,
-    /// Once decided: go (`None`) or fall back (why the setup failed).
-    verdict: Option<Option<SetupFailure>>,
 }
 
 impl IpcState {

@@ -23,7 +23,7 @@ mod staged_ring;
 mod ucx;
 
 pub use self::fetch::AskFetch;
-use self::outbound::ExportQueue;
+use self::outbound::Held;
 pub use self::ucx::UcxOff;
 pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
@@ -375,9 +375,8 @@ pub struct TransferActor {
     timer: DeadlineTimer,
     /// Our pulls whose offer went to the writer: only those can be read by the peer.
     offered: HashSet<OpId>,
-    /// A pulled send whose buffer its transport is making readable (a registration), and
-    /// the submissions behind it.
-    exporting: ExportQueue,
+    /// Submissions waiting their turn to enter the session.
+    held: Held,
     /// The peer's offers we pull.
     pulls: Pulls,
     ipc: IpcState,
@@ -425,7 +424,7 @@ impl TransferActor {
             link_waiters: Vec::new(),
             timer: DeadlineTimer::default(),
             offered: HashSet::new(),
-            exporting: ExportQueue::default(),
+            held: Held::default(),
             pulls: Pulls::default(),
             staged: StagedState::default(),
             ipc: IpcState::default(),
@@ -453,13 +452,7 @@ impl Actor for TransferActor {
         if let Some(rx) = self.staged.rx.take() {
             rx.stop();
         }
-        self.fail_ipc_waiting(|| Error::ShuttingDown);
-        for (msg, reply) in self.exporting.behind.drain(..) {
-            let _ = reply.send(Err(SendError {
-                error: Error::ShuttingDown,
-                buffer: Some(msg.buffer),
-            }));
-        }
+        self.fail_held(|| Error::ShuttingDown);
         // What the peer may still read or write of ours is held or quarantined.
         let (parts, cx) = self.parts();
         let retired = parts.into_iter().flat_map(|p| p.close(&cx)).collect();
@@ -498,14 +491,7 @@ impl Handler<Submit> for TransferActor {
 
     fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
         let (reply, rx) = oneshot::channel();
-        // A transport that needs a setup with the peer first (ipc's pool import).
-        let set_up_first = matches!(&msg.op, Op::Send { transport, .. }
-            if ferry_transports::registry::declared(*transport).per_peer_setup);
-        if set_up_first {
-            self.submit_after_ipc_setup(msg, reply, ctx);
-        } else {
-            self.submit_in_order(msg, reply, ctx);
-        }
+        self.hold(msg, reply, ctx);
         Box::pin(async move {
             rx.await.unwrap_or(Err(SendError {
                 error: Error::ShuttingDown,

@@ -146,18 +146,14 @@ impl TransferActor {
 
     /// Queues a submission in the session; the outcome goes to `reply`. A pull's buffer is
     /// made readable for the peer first, by its transport (an export, or a registration on
-    /// a blocking thread, while later submissions wait in order in the [`ExportQueue`]). A
-    /// push to a node of this process over ipc goes as a pull.
+    /// a blocking thread, while later submissions wait in [`Held`]). A push to a node of this
+    /// process over ipc goes as a pull. Only [`Held`] releases submissions here, in order.
     pub(super) fn queue_submit(
         &mut self,
         mut msg: Submit,
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
-        if self.exporting.busy {
-            // Behind a send whose buffer is being made readable: in order after it.
-            return self.exporting.behind.push_back((msg, reply));
-        }
         if let Some(why) = self.session.lost_reason() {
             // Nothing to make readable for a peer that is gone.
             let _ = reply.send(Err(SendError {
@@ -199,9 +195,9 @@ impl TransferActor {
             Exporting::Later(exporting) => {
                 // The actor goes on meanwhile (pulls, grants, timers); later submissions
                 // queue behind this one until it is queued in the session.
-                self.exporting.busy = true;
+                self.held.exporting = true;
                 ctx.spawn(exporting.into_actor(self).map(move |exported, act, ctx| {
-                    act.exporting.busy = false;
+                    act.held.exporting = false;
                     match exported {
                         Ok(exported) => act.queue_submit_with(msg, Some(exported), reply, ctx),
                         Err(error) => {
@@ -211,12 +207,7 @@ impl TransferActor {
                             }));
                         }
                     }
-                    while !act.exporting.busy {
-                        let Some((msg, reply)) = act.exporting.behind.pop_front() else {
-                            break;
-                        };
-                        act.queue_submit(msg, reply, ctx);
-                    }
+                    act.release_held(ctx);
                     // A lost session may have waited for this to end.
                     act.drive(ctx);
                 }));
@@ -477,12 +468,94 @@ impl TransferActor {
     }
 }
 
-/// A pulled send whose buffer its transport is making readable (a registration on a
-/// blocking thread), and the submissions that came after it, queued in order until it is
-/// in the session: at most the peer's `limits.peer_queue`, since each holds one of the
-/// node's credits for the peer.
+/// Submissions not in the session yet, in the order they came. The first may wait for the
+/// ipc setup with the peer (its verdict), or for the registration of the send before it
+/// (`exporting`); those after it, whatever their transport, wait their turn, so a peer's
+/// buffers enter the session, and arrive, in send order. At most the peer's
+/// `limits.peer_queue` (each holds one of the node's credits for the peer).
 #[derive(Default)]
-pub(super) struct ExportQueue {
-    pub(super) busy: bool,
-    pub(super) behind: VecDeque<(Submit, oneshot::Sender<Result<Buffer, SendError>>)>,
+pub(super) struct Held {
+    queue: VecDeque<HeldSubmit>,
+    /// A send's buffer is being registered (it left the queue; the next waits for it).
+    pub(super) exporting: bool,
+}
+
+struct HeldSubmit {
+    /// Its ticket with the ipc setup, if it needs it.
+    ticket: Option<u64>,
+    /// Once known: go (`None`), or fall back (why the setup failed).
+    verdict: Option<Option<SetupFailure>>,
+    msg: Submit,
+    reply: oneshot::Sender<Result<Buffer, SendError>>,
+}
+
+impl Held {
+    /// The ipc setup settled for `ticket`'s send.
+    pub(super) fn settled(&mut self, ticket: u64, failed: Option<SetupFailure>) {
+        if let Some(h) = self.queue.iter_mut().find(|h| h.ticket == Some(ticket)) {
+            h.verdict = Some(failed);
+        }
+    }
+}
+
+impl TransferActor {
+    /// A submission from the node: in the queue behind those before it (a send over ipc
+    /// with its ticket for the setup), then everything that may go, goes.
+    pub(super) fn hold(
+        &mut self,
+        msg: Submit,
+        reply: oneshot::Sender<Result<Buffer, SendError>>,
+        ctx: &mut Context<Self>,
+    ) {
+        // A transport that needs a setup with the peer first (ipc's pool import).
+        let set_up_first = matches!(&msg.op, Op::Send { transport, .. }
+            if registry::declared(*transport).per_peer_setup);
+        let (ticket, verdict) = if set_up_first {
+            let (ticket, verdict) = self.ipc_admission();
+            (Some(ticket), verdict)
+        } else {
+            (None, Some(None))
+        };
+        self.held.queue.push_back(HeldSubmit {
+            ticket,
+            verdict,
+            msg,
+            reply,
+        });
+        self.release_held(ctx);
+        if !self.held.queue.is_empty() {
+            // A setup to start or go on with (what was released drove the session already).
+            self.drive(ctx);
+        }
+    }
+
+    /// Queues (or falls back) the held submissions from the oldest, up to the first that
+    /// waits (for the setup, or for a registration under way).
+    pub(super) fn release_held(&mut self, ctx: &mut Context<Self>) {
+        while !self.held.exporting && self.held.queue.front().is_some_and(|h| h.verdict.is_some()) {
+            let Some(HeldSubmit {
+                msg,
+                reply,
+                verdict: Some(failed),
+                ..
+            }) = self.held.queue.pop_front()
+            else {
+                break;
+            };
+            match failed {
+                None => self.queue_submit(msg, reply, ctx),
+                Some(why) => self.fall_back(msg, reply, &why, ctx),
+            }
+        }
+    }
+
+    /// The held submissions end with `error`, their buffers given back.
+    pub(super) fn fail_held(&mut self, error: impl Fn() -> Error) {
+        for h in self.held.queue.drain(..) {
+            let _ = h.reply.send(Err(SendError {
+                error: error(),
+                buffer: Some(h.msg.buffer),
+            }));
+        }
+    }
 }
