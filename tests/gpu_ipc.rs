@@ -822,3 +822,52 @@ async fn one_fetch_fans_out_to_the_other_gpu() {
     assert_eq!((stats.flights, stats.joined), (1, 5), "one flight for all");
     p.node.shutdown().await;
 }
+
+/// The memory of a dropped device buffer comes back for the next grant of its length that
+/// overwrites it whole on the stream it was allocated on (a lane's landing), not for a
+/// zeroed grant or another stream's; kept memory never takes budget a grant needs.
+#[test]
+fn dropped_device_memory_serves_the_next_overwriting_grant_on_its_stream() {
+    use ferry::cuda::DeviceMemory;
+    use ferry_actors::allocator::{Allocator, DevicePool, Fill};
+    let Some(_gpu) = ferry::testing::gpu_test("device_shelf") else {
+        return;
+    };
+    let device = ferry::cuda::Device::open(0).expect("GPU 0");
+    let (pool, streams) = ferry_actors::gpu::open_pool(&device).expect("pool");
+    const MIB: u64 = 1 << 20;
+    let domain = Allocator::new(MemoryKind::Device(0), 4 * MIB, 16, Duration::from_secs(1))
+        .with_device(DevicePool {
+            pool,
+            stream: streams.alloc.clone(),
+        })
+        .domain();
+    let lane = streams.express.clone();
+    let grant = |len: u64, on: &ferry::cuda::Stream, fill: Fill| {
+        let got = domain
+            .try_now_on(&[len], Some(on), fill)
+            .expect("no refusal")
+            .expect("fits now");
+        let b = got.into_iter().next().expect("one buffer");
+        let at = b.device_memory().expect("device").device_ptr();
+        (b, at)
+    };
+    let (first, at) = grant(MIB, &lane, Fill::Overwritten);
+    drop(first);
+    let (again, at_again) = grant(MIB, &lane, Fill::Overwritten);
+    assert_eq!(at_again, at, "the kept allocation, not a new one");
+    drop(again);
+    let (zeroed, at_zeroed) = grant(MIB, &lane, Fill::Zeroed);
+    assert_ne!(at_zeroed, at, "a zeroed grant never takes kept memory");
+    let (elsewhere, at_elsewhere) = grant(MIB, &streams.copy, Fill::Overwritten);
+    assert_ne!(at_elsewhere, at, "kept memory serves only its own stream");
+    let (other_len, at_other) = grant(MIB / 2, &lane, Fill::Overwritten);
+    assert_ne!(at_other, at, "kept memory serves only its own length");
+    drop((zeroed, elsewhere, other_len));
+    // 4 MiB of budget, 3.5 MiB of it kept now: a grant of the whole budget still fits (the
+    // kept memory is freed to make room).
+    let (whole, _) = grant(4 * MIB, &lane, Fill::Zeroed);
+    assert_eq!(whole.len(), (4 * MIB) as usize);
+    drop(whole);
+    streams.alloc.synchronize().expect("sync");
+}

@@ -27,16 +27,31 @@ use crate::error::Error;
 use crate::timer::DeadlineTimer;
 
 /// Counts bytes given back by dropped buffers until the actor collects them.
+///
+/// The collecting task is woken at once while reservations wait (`wanted`); otherwise once
+/// per [`RETURN_COALESCE`] at most (`armed`): a thread dropping a buffer per transfer then
+/// pays no wake-up of the actor's thread (an eventfd write) per buffer, and a reservation
+/// made on a caller's thread collects what came back itself.
 #[derive(Debug, Default)]
 struct ReturnedBytes {
     bytes: AtomicU64,
     wake: Notify,
+    /// A wake-up is on its way (the collector has not swapped the count since).
+    armed: AtomicBool,
+    /// Reservations wait at the actor: every return may grant one.
+    wanted: AtomicBool,
 }
+
+/// How long the collecting task gathers returns before it tells the actor, while no
+/// reservation waits (the domain's gauges lag by this much at most).
+const RETURN_COALESCE: Duration = Duration::from_millis(1);
 
 impl ReturnedBytes {
     fn release_bytes(&self, bytes: u64) {
         self.bytes.fetch_add(bytes, Ordering::AcqRel);
-        self.wake.notify_one();
+        if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::AcqRel) {
+            self.wake.notify_one();
+        }
     }
 }
 
@@ -47,55 +62,99 @@ impl Releaser for ReturnedBytes {
 }
 
 /// The smallest host buffer worth keeping on a [`Shelf`]: below it a fresh allocation comes
-/// from the heap and costs little.
+/// from the heap and costs little. (Device memory of every size is worth keeping: a pool
+/// allocation and its free are driver calls of microseconds each.)
 const SHELF_MIN: u64 = 64 * 1024;
-/// The most buffers a shelf keeps.
+/// The most host buffers a shelf keeps.
 const SHELF_BUFFERS: usize = 16;
+/// The most device buffers a shelf keeps: a lane's records in flight, and some.
+const SHELF_DEVICE_BUFFERS: usize = 96;
+/// The most device memory a shelf keeps (GPU memory other processes may want), and the
+/// largest device buffer worth keeping (above it the copy's time dwarfs the allocation's).
+const SHELF_DEVICE_BYTES: u64 = 512 << 20;
+const SHELF_DEVICE_LARGEST: u64 = 64 << 20;
 
-/// Host memory of dropped buffers, kept for grants that overwrite it whole (a streamed
-/// receive): such a grant then costs no page faults and no zeroing, where a fresh megabyte
-/// buffer is a new zeroed allocation. Its bytes were given back to the budget when their
-/// buffer dropped, and the shelf holds at most what the budget has free: kept memory and
-/// granted memory together stay within the budget (a grant first frees kept memory that
-/// no longer fits, oldest first). At most [`SHELF_BUFFERS`] buffers.
+/// Memory a shelf keeps: a host buffer's bytes, or a device buffer's pool allocation.
+#[derive(Debug)]
+enum Kept {
+    Host(Box<[u8]>),
+    Device(ferry_transports::cuda::DeviceBuffer),
+}
+
+impl Kept {
+    /// The bytes it holds.
+    fn len(&self) -> u64 {
+        match self {
+            Kept::Host(bytes) => bytes.len() as u64,
+            Kept::Device(memory) => memory.capacity() as u64,
+        }
+    }
+}
+
+/// Memory of dropped buffers, kept for grants that overwrite it whole: a streamed receive
+/// (host memory: no page faults and no zeroing, where a fresh megabyte buffer is a new
+/// zeroed allocation) or a lane's landing (device memory allocated on the stream its copy
+/// goes on: no allocation and no free, each a driver call of microseconds, contended
+/// between the lane's thread and the application's). Its bytes were given back to the
+/// budget when their buffer dropped, and the shelf holds at most what the budget has free:
+/// kept memory and granted memory together stay within the budget (a grant first frees
+/// kept memory that no longer fits, oldest first). At most [`SHELF_BUFFERS`] host buffers,
+/// [`SHELF_DEVICE_BUFFERS`] device ones.
 #[derive(Debug, Default)]
 struct Shelf {
-    kept: Mutex<VecDeque<Box<[u8]>>>,
+    kept: Mutex<VecDeque<Kept>>,
     /// The bytes kept, readable without the lock.
     bytes: AtomicU64,
 }
 
 impl Shelf {
-    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<Box<[u8]>>> {
+    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<Kept>> {
         self.kept.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Drops the oldest memory kept until `room` more bytes and one more buffer fit in
-    /// `free` bytes; returns what it took out, to be freed outside the locks.
+    /// Drops the oldest memory kept until `room` more bytes and one more buffer (at most
+    /// `most`) fit in `free` bytes; returns what it took out, to be freed outside the locks.
     fn make_room(
-        kept: &mut VecDeque<Box<[u8]>>,
+        kept: &mut VecDeque<Kept>,
         bytes: &AtomicU64,
         room: u64,
         free: u64,
-    ) -> Vec<Box<[u8]>> {
+        most: usize,
+    ) -> Vec<Kept> {
         let mut evicted = Vec::new();
         let mut total = bytes.load(Ordering::Acquire);
-        while total.saturating_add(room) > free || (room > 0 && kept.len() >= SHELF_BUFFERS) {
+        while total.saturating_add(room) > free || (room > 0 && kept.len() >= most) {
             let Some(old) = kept.pop_front() else { break };
-            total = total.saturating_sub(old.len() as u64);
+            total = total.saturating_sub(old.len());
             evicted.push(old);
         }
         bytes.store(total, Ordering::Release);
         evicted
     }
 
-    /// The most recently kept memory of exactly `len` bytes.
-    fn take(&self, len: u64) -> Option<Box<[u8]>> {
+    /// The most recently kept host memory of exactly `len` bytes.
+    fn take_host(&self, len: u64) -> Option<Box<[u8]>> {
+        match self.take(len, |k| matches!(k, Kept::Host(_)))? {
+            Kept::Host(bytes) => Some(bytes),
+            Kept::Device(_) => None,
+        }
+    }
+
+    /// The most recently kept device allocation of exactly `len` bytes made on `on`.
+    fn take_device(&self, len: u64, on: &Stream) -> Option<ferry_transports::cuda::DeviceBuffer> {
+        let kept = self.take(len, |k| matches!(k, Kept::Device(m) if m.allocated_on(on)))?;
+        match kept {
+            Kept::Device(memory) => Some(memory),
+            Kept::Host(_) => None,
+        }
+    }
+
+    fn take(&self, len: u64, fits: impl Fn(&Kept) -> bool) -> Option<Kept> {
         if self.bytes.load(Ordering::Acquire) < len {
             return None;
         }
         let mut kept = self.kept();
-        let at = kept.iter().rposition(|b| b.len() as u64 == len)?;
+        let at = kept.iter().rposition(|k| k.len() == len && fits(k))?;
         let taken = kept.remove(at)?;
         self.bytes.fetch_sub(len, Ordering::AcqRel);
         Some(taken)
@@ -120,7 +179,14 @@ impl Releaser for DomainReturn {
         if bytes.len() as u64 >= SHELF_MIN
             && let Some(domain) = self.domain.upgrade()
         {
-            domain.shelve(bytes);
+            domain.shelve(Kept::Host(bytes));
+        }
+    }
+
+    fn release_device(&self, lease: &Lease, memory: ferry_transports::cuda::DeviceBuffer) {
+        self.returned.release(lease);
+        if let Some(domain) = self.domain.upgrade() {
+            domain.shelve(Kept::Device(memory));
         }
     }
 }
@@ -263,9 +329,9 @@ pub struct Domain {
     device: OnceLock<DevicePool>,
     budget: Mutex<Budget>,
     returned: Arc<ReturnedBytes>,
-    /// Host memory kept for grants that overwrite it (empty on a GPU domain).
+    /// Memory kept for grants that overwrite it.
     shelf: Shelf,
-    /// Gives a buffer's bytes back to `returned`, and host memory to `shelf`.
+    /// Gives a buffer's bytes back to `returned`, and its memory to `shelf`.
     releaser: Arc<dyn Releaser>,
     home: OnceLock<Arc<dyn MemoryHome>>,
     next_id: AtomicU64,
@@ -295,28 +361,53 @@ impl Domain {
             .saturating_sub(stats.granted.saturating_sub(returned))
     }
 
-    /// Keeps the memory of a dropped host buffer (its lease already given back) on the
-    /// shelf, if the budget has room for it beside what is granted.
-    fn shelve(&self, bytes: Box<[u8]>) {
-        if self.on_device() {
+    /// Keeps the memory of a dropped buffer (its lease already given back) on the shelf, if
+    /// the budget has room for it beside what is granted.
+    fn shelve(&self, memory: Kept) {
+        let (most, bound) = if self.on_device() {
+            (SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES)
+        } else {
+            (SHELF_BUFFERS, u64::MAX)
+        };
+        let len = memory.len();
+        if len > SHELF_DEVICE_LARGEST && matches!(memory, Kept::Device(_)) {
             return;
         }
-        let len = bytes.len() as u64;
         let evicted = {
             let budget = self.budget();
-            let free = self.free_now(&budget);
+            let free = self.free_now(&budget).min(bound);
             if len > free {
-                vec![bytes]
+                vec![memory]
             } else {
                 let mut kept = self.shelf.kept();
-                let evicted = Shelf::make_room(&mut kept, &self.shelf.bytes, len, free);
-                kept.push_back(bytes);
+                let evicted = Shelf::make_room(&mut kept, &self.shelf.bytes, len, free, most);
+                kept.push_back(memory);
                 self.shelf.bytes.fetch_add(len, Ordering::AcqRel);
                 evicted
             }
         };
         // Freed outside the locks.
         drop(evicted);
+    }
+
+    /// Frees all kept memory; returns the streams its device memory is freed on (in their
+    /// order: wait for them to have it back in the pool).
+    fn empty_shelf(&self) -> Vec<Stream> {
+        let evicted: Vec<Kept> = {
+            let mut kept = self.shelf.kept();
+            self.shelf.bytes.store(0, Ordering::Release);
+            kept.drain(..).collect()
+        };
+        let mut streams: Vec<Stream> = Vec::new();
+        for kept in evicted {
+            if let Kept::Device(memory) = kept {
+                let stream = memory.stream();
+                if !streams.iter().any(|s| s.same_as(&stream)) {
+                    streams.push(stream);
+                }
+            }
+        }
+        streams
     }
 
     /// Frees kept memory that no longer fits beside what is granted (a grant just grew
@@ -329,7 +420,7 @@ impl Domain {
             let budget = self.budget();
             let free = self.free_now(&budget);
             let mut kept = self.shelf.kept();
-            Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free)
+            Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free, usize::MAX)
         };
         drop(evicted);
     }
@@ -396,7 +487,16 @@ impl Domain {
         let mut kept: Vec<Option<Box<[u8]>>> = parts
             .iter()
             .map(|&len| match fill {
-                Fill::Overwritten if !self.on_device() => self.shelf.take(len),
+                Fill::Overwritten if !self.on_device() => self.shelf.take_host(len),
+                _ => None,
+            })
+            .collect();
+        let mut kept_device: Vec<Option<ferry_transports::cuda::DeviceBuffer>> = parts
+            .iter()
+            .map(|&len| match (fill, on) {
+                (Fill::Overwritten, Some(on)) if self.on_device() => {
+                    self.shelf.take_device(len, on)
+                }
                 _ => None,
             })
             .collect();
@@ -428,7 +528,30 @@ impl Domain {
                 buffers.push(Buffer::with_home(lease, releaser, home));
                 continue;
             }
-            match allocate(device, len, on) {
+            let reused = kept_device[i].take().and_then(|mut memory| {
+                let on = on?;
+                let len = usize::try_from(len).ok()?;
+                // Refused (the stream cannot wait): freed, and a fresh allocation instead.
+                memory.reuse(len, on).ok().map(|()| memory)
+            });
+            let made = reused.map_or_else(
+                || {
+                    allocate(device, len, on).or_else(|refused| {
+                        // Memory this domain keeps may be what the GPU lacks: freed (in
+                        // order on its streams, which the pool then reuses), then once more.
+                        let freed_on = self.empty_shelf();
+                        if freed_on.is_empty() {
+                            return Err(refused);
+                        }
+                        for stream in &freed_on {
+                            stream.synchronize()?;
+                        }
+                        allocate(device, len, on)
+                    })
+                },
+                Ok,
+            );
+            match made {
                 Ok(memory) => buffers.push(Buffer::new_device(lease, memory, releaser, home)),
                 Err(detail) => {
                     // The buffers made so far give their bytes back as they drop; the
@@ -580,6 +703,26 @@ impl Allocator {
     }
 
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        loop {
+            self.grant_waiting();
+            // While reservations wait, every return wakes the collector at once. Bytes that
+            // came back before it said so are collected here, and may grant at once.
+            let wanted = !self.waiting.is_empty();
+            let was = self.domain.returned.wanted.swap(wanted, Ordering::SeqCst);
+            if !wanted || was || self.domain.returned.bytes.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            self.collect_returned();
+        }
+        while let Some(view) = self.exports.poll_freed() {
+            drop(view);
+        }
+        self.publish_gauges();
+        self.arm_timer(ctx);
+    }
+
+    /// Withdraws the reservations served elsewhere, and delivers those the budget granted.
+    fn grant_waiting(&mut self) {
         // Requesters served by another tier, or gone: their places in the queue go.
         let stale: Vec<ReservationId> = self
             .waiting
@@ -610,11 +753,6 @@ impl Allocator {
                 }
             }
         }
-        while let Some(view) = self.exports.poll_freed() {
-            drop(view);
-        }
-        self.publish_gauges();
-        self.arm_timer(ctx);
     }
 
     fn stats(&self) -> DomainStats {
@@ -670,6 +808,12 @@ impl Allocator {
 impl Actor for Allocator {
     type Context = Context<Self>;
 
+    fn stopped(&mut self, _ctx: &mut Self::Context) {
+        // The node is going: memory kept for later grants goes back to the GPU now, not
+        // whenever the last handle on the domain does (not waited for here).
+        drop(self.domain.empty_shelf());
+    }
+
     fn started(&mut self, ctx: &mut Self::Context) {
         self.publish_gauges();
         let returned = Arc::clone(&self.domain.returned);
@@ -678,6 +822,10 @@ impl Actor for Allocator {
         actix::spawn(async move {
             loop {
                 returned.wake.notified().await;
+                if !returned.wanted.load(Ordering::SeqCst) {
+                    tokio::time::sleep(RETURN_COALESCE).await;
+                }
+                returned.armed.store(false, Ordering::SeqCst);
                 let bytes = returned.bytes.swap(0, Ordering::AcqRel);
                 if bytes > 0 && me.send(Returned(bytes)).await.is_err() {
                     break;
@@ -805,14 +953,16 @@ pub struct Tier {
 /// its GPU, when given: see [`Domain::try_now_on`]); `None` when none can now (then
 /// [`reserve_in_tiers`] waits). A tier that refuses (larger than its budget, or its GPU
 /// refused the allocation) is passed over, as a tier that is full: the waiting path asks
-/// again and names the reason if no tier grants. Blocking for device memory: never on the
-/// actor thread.
+/// again and names the reason if no tier grants. The buffers hold what `fill` says (with
+/// [`Fill::Overwritten`], memory of buffers dropped earlier may come back: device memory
+/// only when allocated on `on`). Blocking for device memory: never on the actor thread.
 pub fn reserve_now_in_tiers(
     tiers: &[Tier],
     parts: &[u64],
     on: Option<&ferry_transports::cuda::Stream>,
+    fill: Fill,
 ) -> Option<Vec<Buffer>> {
-    match try_tiers_now(tiers, parts, on, Fill::Zeroed) {
+    match try_tiers_now(tiers, parts, on, fill) {
         TriedNow::Granted(buffers) => Some(buffers),
         TriedNow::Not { .. } => None,
     }

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use ferry_actors::allocator::{
-    Allocator, Export, ExportReleased, PeerGone, Stats, reserve_in_tiers, reserve_now_in_tiers,
+    Allocator, Export, ExportReleased, Fill, PeerGone, Stats, reserve_in_tiers,
+    reserve_now_in_tiers,
 };
 use ferry_actors::core::exports::ExportId;
 use ferry_transports::memory::MemoryKind;
@@ -95,7 +96,7 @@ fn reservations_that_fit_are_made_at_once_and_never_jump_the_queue() {
             Allocator::new(MemoryKind::Host, 8 * MIB, 16, Duration::from_secs(1)).launch(16);
         let tier = handle.tier();
         let tiers = std::slice::from_ref(&tier);
-        let now = |parts: &[u64]| reserve_now_in_tiers(tiers, parts, None);
+        let now = |parts: &[u64]| reserve_now_in_tiers(tiers, parts, None, Fill::Zeroed);
 
         let first = now(&[6 * MIB]).expect("fits: made at once");
         assert_eq!(first.len(), 1);

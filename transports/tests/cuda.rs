@@ -764,3 +764,41 @@ fn small_copy_figures(
         );
     }
 }
+
+#[test]
+fn a_kept_pool_buffer_is_reused_only_on_its_stream_and_within_its_allocation() {
+    let Some(devices) = gpus() else {
+        return;
+    };
+    let device = &devices[0];
+    let pool = ExportablePool::new(device).expect("pool");
+    let (home, other) = (
+        Stream::new(device).expect("stream"),
+        Stream::new(device).expect("stream"),
+    );
+    let mut buffer = pool.alloc(1 << 20, &home).expect("alloc");
+    let at = buffer.device_ptr();
+    buffer.truncate(4096).expect("truncate");
+    assert_eq!((buffer.len(), buffer.capacity()), (4096, 1 << 20));
+    assert!(buffer.allocated_on(&home) && !buffer.allocated_on(&other));
+    // Used on the other stream (a copy out of it), then taken again on its own, whole:
+    // what is written now reaches every byte.
+    let mut out = pool.alloc(1 << 20, &other).expect("alloc");
+    copy_async(&mut out, 0, &buffer, 0, 4096, &other).expect("copy");
+    assert!(matches!(
+        buffer.reuse(1 << 20, &other),
+        Err(CudaError::Misuse(_))
+    ));
+    assert!(matches!(
+        buffer.reuse((1 << 20) + 1, &home),
+        Err(CudaError::Misuse(_))
+    ));
+    assert!(matches!(buffer.reuse(0, &home), Err(CudaError::Misuse(_))));
+    buffer.reuse(1 << 20, &home).expect("reuse on its stream");
+    assert_eq!((buffer.len(), buffer.device_ptr()), (1 << 20, at));
+    fill_async(&mut buffer, 0, 1 << 20, 0x5a, &home).expect("fill");
+    home.synchronize().expect("sync");
+    let mut host = vec![0u8; 1 << 20];
+    copy_to_host(&mut host, &buffer, 0, &home).expect("read");
+    assert!(host.iter().all(|&b| b == 0x5a));
+}

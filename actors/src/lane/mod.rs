@@ -15,8 +15,9 @@
 //!   [`LaneRecord`](ferry_transports::wire::LaneRecord) into the next slot; a watcher
 //!   thread sees the receiver finish it and completes the send (the receiver's outcome, or
 //!   its reason, comes back in the slot);
-//! - on the receiver (`rx.rs`), a lane thread polls the ring, pulls each buffer with one
-//!   peer copy and delivers it to the inbox itself. A buffer of at most 64 KiB lands in
+//! - on the receiver (`rx.rs`), an issuing thread polls the ring and queues each buffer's
+//!   copy (a batch's small ones as one gather), and a delivering thread waits for each copy
+//!   and delivers the buffer to the inbox itself, in order, while the next batch is queued. A buffer of at most 64 KiB lands in
 //!   memory allocated ahead (after the first such record, 4 buffers of 64 KiB from the
 //!   receive tiers, topped up while the lane is idle); a larger one is reserved on the lane
 //!   thread ([`reserve_now_in_tiers`](crate::allocator::reserve_now_in_tiers): no actor,
@@ -25,8 +26,9 @@
 //!   yet counts against the peer's share (`limits.peer_inbound_bytes`): past it, the lane
 //!   waits.
 //!
-//! Both threads spin for `transport.ipc.lane_spin` after the last record, then park on a
-//! futex in the ring: a busy lane makes no system call, an idle one costs nothing.
+//! The threads spin for `transport.ipc.lane_spin` after the last record, then park (on a
+//! futex in the ring, or the delivering thread on its channel): a busy lane makes no system
+//! call, an idle one costs nothing.
 //!
 //! **Order** (`order.rs`). A peer's buffers are delivered in send order whichever path
 //! carries them: [`Order`] lets a lane send start only while nothing to that peer goes the

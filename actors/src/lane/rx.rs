@@ -1,9 +1,11 @@
-//! The receiving end of a lane: a thread that reserves each record's landing, queues the
-//! copies of a batch (small ones as one gather), and delivers them in order.
+//! The receiving end of a lane: two threads. The issuing thread reserves each record's
+//! landing and queues the copies of a batch (small ones as one gather); the delivering
+//! thread waits for each copy, delivers the buffer and finishes its record, in order. So
+//! the next batch is prepared and queued while the last one is copied and delivered.
 
-use std::rc::Rc;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::{Device, DeviceMemory, Event};
@@ -11,8 +13,8 @@ use ferry_transports::link::ring::Ring;
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::wire::LaneRecord;
 
-use super::{LaneSettings, PARK, Undelivered};
-use crate::allocator::{Tier, reserve_in_tiers, reserve_now_in_tiers};
+use super::{LANE_SLOTS, LaneSettings, PARK, Undelivered};
+use crate::allocator::{Fill, Tier, reserve_in_tiers, reserve_now_in_tiers};
 use crate::error::Error;
 use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
 use crate::inbox::Inbox;
@@ -60,17 +62,28 @@ pub struct LaneRx {
 }
 
 impl LaneRx {
-    /// Attaches to `ring` and starts the lane thread.
+    /// Attaches to `ring` and starts the lane's threads.
     ///
     /// # Errors
-    /// When the thread cannot start.
+    /// When a thread cannot start (the other, if started, closes the ring and ends).
     pub fn start(ring: Ring, cx: RxContext) -> std::io::Result<LaneRx> {
         let ring = Arc::new(ring);
         let stop = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(Shared {
+            cx,
+            events: Events::default(),
+            flight: InFlight::default(),
+        });
+        // Bounded by the ring: no more records than its slots are ever queued.
+        let (to_deliver, queued) = std::sync::mpsc::sync_channel(LANE_SLOTS as usize);
+        let (r, s, sh) = (Arc::clone(&ring), Arc::clone(&stop), Arc::clone(&shared));
+        std::thread::Builder::new()
+            .name("ferry-lane-done".into())
+            .spawn(move || deliver_all(&queued, &r, &s, &sh))?;
         let (r, s) = (Arc::clone(&ring), Arc::clone(&stop));
         std::thread::Builder::new()
             .name("ferry-lane-rx".into())
-            .spawn(move || receive(&r, &s, &cx))?;
+            .spawn(move || issue(&r, &s, &shared, &to_deliver))?;
         ring.attach();
         Ok(LaneRx { stop })
     }
@@ -109,7 +122,62 @@ impl Ahead {
     }
 }
 
-fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
+/// What both lane threads share.
+struct Shared {
+    cx: RxContext,
+    events: Events,
+    flight: InFlight,
+}
+
+/// Records the issuing thread queued and the delivering thread did not finish yet, and
+/// the bytes they landed: those count against the peer's share until delivered.
+#[derive(Default)]
+struct InFlight {
+    records: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl InFlight {
+    fn add(&self, len: usize) {
+        self.bytes.fetch_add(len as u64, Ordering::SeqCst);
+        self.records.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn done(&self, len: usize) {
+        self.bytes.fetch_sub(len as u64, Ordering::SeqCst);
+        self.records.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.records.load(Ordering::SeqCst) == 0
+    }
+
+    /// Waits until every queued record was delivered (or `stop`): spins a little, then
+    /// naps (the delivering thread may wait for slow transfers of the peer).
+    fn drain(&self, stop: &AtomicBool) {
+        let started = Instant::now();
+        while !self.is_empty() && !stop.load(Ordering::SeqCst) {
+            if started.elapsed() < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+}
+
+/// A record on its way from the issuing thread to the delivering one: its landing (or why
+/// it was not taken) and how many bytes it holds in flight.
+struct Queued {
+    landing: Result<Landing, TakeError>,
+    flight: usize,
+}
+
+/// The issuing thread: polls the ring, reserves the landings of every record published so
+/// far (a batch at most), queues their copies and hands them, in order, to the delivering
+/// thread, which is still delivering the previous batch meanwhile.
+fn issue(ring: &Ring, stop: &AtomicBool, shared: &Shared, to_deliver: &SyncSender<Queued>) {
+    let cx = &shared.cx;
     // The driver compiles the gather kernel at its first load: done here, before the
     // first record waits for it.
     if cx.settings.gather_max > 0 {
@@ -124,22 +192,22 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
     }
     let mut ahead = Ahead::default();
     let mut top_up = false;
-    let mut tail = 0u64;
+    // The next record to read (the delivering thread finishes them, behind).
+    let mut next = 0u64;
     let mut record = Vec::with_capacity(ring.room());
     let mut idle_since = Instant::now();
-    let mut events = Events::default();
     loop {
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let head = match ring.published(tail) {
+        let head = match ring.published(next) {
             Ok(h) => h,
             Err(e) => {
                 tracing::warn!(peer = %cx.peer, "fast lane closed: {e}");
                 break;
             }
         };
-        if head == tail {
+        if head == next {
             if ring.is_closed() {
                 break;
             }
@@ -151,84 +219,144 @@ fn receive(ring: &Ring, stop: &AtomicBool, cx: &RxContext) {
                 }
                 std::hint::spin_loop();
             } else {
-                ring.park_consumer(tail, PARK);
+                ring.park_consumer(next, PARK);
             }
             continue;
         }
-        // Every record published so far (a batch at most) has its copy queued before the
-        // first is waited for, so the copies run back to back; each is then delivered and
-        // finished in order as its copy ends.
         let batch_started = Instant::now();
-        let mut batch: Vec<Result<Prepared, TakeError>> = Vec::new();
-        // Bytes this batch landed so far, not delivered yet: the share counts them.
-        let mut pending = 0u64;
-        for seq in tail..head.min(tail + BATCH) {
-            let first = batch.is_empty();
-            let prepared = match ring.read(seq, &mut record) {
-                Ok(()) => prepare(&record, cx, &mut ahead, stop, first, pending),
-                Err(e) => Err(TakeError::BadRecord(e.to_string())),
-            };
-            match prepared {
-                // Waiting for memory or for the peer's share with copies in flight: those
-                // are delivered first (the application may be waiting for them).
-                Err(TakeError::NotNow) => break,
-                other => {
-                    if let Ok(p) = &other {
-                        pending += p.len as u64;
-                    }
-                    batch.push(other);
-                }
-            }
+        let batch = prepare_batch(ring, next, head, shared, &mut ahead, stop, &mut record);
+        if batch.is_empty() {
+            // The next record waits (for memory or the peer's share) while records queued
+            // earlier are not delivered yet: they go first (the application may be waiting
+            // for them), then it may wait.
+            shared.flight.drain(stop);
+            continue;
         }
         let (records, prepared_at) = (batch.len(), batch_started.elapsed());
-        let landings = queue(batch, cx, &mut events);
-        let queued_at = batch_started.elapsed();
-        for landing in landings {
-            let outcome = landing.and_then(|l| deliver(l, cx, stop, &mut events));
-            let outcome = outcome.map_err(|why| why.to_string());
-            if let Err(why) = &outcome {
-                tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
-                metrics::counter!("ferry_pull_failures_total").increment(1);
+        for landing in queue(batch, cx, &shared.events) {
+            let flight = landing.as_ref().map_or(0, |l| l.len);
+            shared.flight.add(flight);
+            if to_deliver.send(Queued { landing, flight }).is_err() {
+                // The delivering thread is gone: nothing more can be finished.
+                ring.close();
+                return;
             }
-            ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
-            tail += 1;
+            next += 1;
         }
         tracing::trace!(
             peer = %cx.peer,
             records,
-            published = head - tail + records as u64,
+            published = head - next + records as u64,
             prepare_us = prepared_at.as_micros() as u64,
-            queue_us = (queued_at - prepared_at).as_micros() as u64,
-            deliver_us = (batch_started.elapsed() - queued_at).as_micros() as u64,
+            queue_us = (batch_started.elapsed() - prepared_at).as_micros() as u64,
             "lane batch"
         );
         idle_since = Instant::now();
         top_up = true;
     }
+    // Dropping the channel ends the delivering thread once it finished what was queued; it
+    // closes the ring then.
+}
+
+/// Reads and prepares the records from `next` up to `head` (a batch at most). Only the
+/// first may wait for memory or for the peer's share, and only when nothing queued earlier
+/// is still undelivered; the batch ends before a record that would wait.
+fn prepare_batch(
+    ring: &Ring,
+    next: u64,
+    head: u64,
+    shared: &Shared,
+    ahead: &mut Ahead,
+    stop: &AtomicBool,
+    record: &mut Vec<u8>,
+) -> Vec<Result<Prepared, TakeError>> {
+    let mut batch = Vec::new();
+    // Bytes landed and not delivered yet, this batch's included: the share counts them.
+    let mut pending = shared.flight.bytes.load(Ordering::SeqCst);
+    for seq in next..head.min(next + BATCH) {
+        let first = batch.is_empty() && shared.flight.is_empty();
+        let prepared = match ring.read(seq, record) {
+            Ok(()) => prepare(record, &shared.cx, ahead, stop, first, pending),
+            Err(e) => Err(TakeError::BadRecord(e.to_string())),
+        };
+        match prepared {
+            Err(TakeError::NotNow) => break,
+            other => {
+                if let Ok(p) = &other {
+                    pending += p.len as u64;
+                }
+                batch.push(other);
+            }
+        }
+    }
+    batch
+}
+
+/// The delivering thread: takes the queued records in order, waits for each copy, delivers
+/// it and finishes its record. Spins `lane_spin` for the next one, then sleeps on the
+/// channel. Closes the ring once the issuing thread is gone and everything it queued is
+/// finished.
+fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared: &Shared) {
+    let cx = &shared.cx;
+    let mut tail = 0u64;
+    let mut idle_since = Instant::now();
+    loop {
+        let item = match queued.try_recv() {
+            Ok(item) => item,
+            Err(TryRecvError::Disconnected) => break,
+            Err(TryRecvError::Empty) if idle_since.elapsed() < cx.settings.spin => {
+                std::hint::spin_loop();
+                continue;
+            }
+            Err(TryRecvError::Empty) => match queued.recv_timeout(PARK) {
+                Ok(item) => item,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            },
+        };
+        let outcome = item
+            .landing
+            .and_then(|l| deliver(l, cx, stop, &shared.events));
+        shared.flight.done(item.flight);
+        let outcome = outcome.map_err(|why| why.to_string());
+        if let Err(why) = &outcome {
+            tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
+            metrics::counter!("ferry_pull_failures_total").increment(1);
+        }
+        ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+        tail += 1;
+        idle_since = Instant::now();
+    }
     ring.close();
 }
 
-/// Records whose copies a lane queues before it waits for the first.
+/// Records whose copies a lane queues at once.
 const BATCH: u64 = 16;
 
-/// Events the lane records after each queued copy, reused.
+/// Events the lane records after each queued copy, reused (the issuing thread takes them,
+/// the delivering thread gives them back).
 #[derive(Default)]
-struct Events(Vec<Event>);
+struct Events(Mutex<Vec<Event>>);
 
 impl Events {
-    fn take(&mut self, device: &Device) -> Result<Event, TakeError> {
-        match self.0.iter().position(|e| e.device().same_as(device)) {
-            Some(i) => Ok(self.0.swap_remove(i)),
-            None => Event::new(device).map_err(driver("creating an event")),
+    fn take(&self, device: &Device) -> Result<Event, TakeError> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match kept.iter().position(|e| e.device().same_as(device)) {
+            Some(i) => Ok(kept.swap_remove(i)),
+            None => {
+                drop(kept);
+                Event::new(device).map_err(driver("creating an event"))
+            }
         }
     }
 
     /// Keeps `event` for reuse once its last landing is done with it.
-    fn give_back(&mut self, event: Rc<Event>) {
-        if let Ok(event) = Rc::try_unwrap(event)
-            && self.0.len() < BATCH as usize
-        {
-            self.0.push(event);
+    fn give_back(&self, event: Arc<Event>) {
+        if let Ok(event) = Arc::try_unwrap(event) {
+            let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if kept.len() < 2 * BATCH as usize {
+                kept.push(event);
+            }
         }
     }
 }
@@ -250,7 +378,7 @@ struct Landing {
     dst: Buffer,
     /// Recorded after the copy on its stream (shared by the records one gather copied);
     /// `None`: copied already.
-    copied: Option<Rc<Event>>,
+    copied: Option<Arc<Event>>,
     started: Instant,
     /// When its landing was reserved, and its copy queued.
     reserved: Duration,
@@ -343,7 +471,7 @@ fn prepare(
 fn queue(
     batch: Vec<Result<Prepared, TakeError>>,
     cx: &RxContext,
-    events: &mut Events,
+    events: &Events,
 ) -> Vec<Result<Landing, TakeError>> {
     let mut batch = batch;
     let gathers: Vec<_> = [true, false]
@@ -357,7 +485,7 @@ fn queue(
             let gathered = gathers
                 .iter()
                 .find(|g| gatherable(&p, cx, Some(&g.device), g.express))
-                .map(|g| Rc::clone(&g.event));
+                .map(|g| Arc::clone(&g.event));
             let (dst, copied) = match gathered {
                 Some(event) => (p.dst, Some(event)),
                 None => {
@@ -395,7 +523,7 @@ fn queue(
 struct Gathered {
     device: Device,
     express: bool,
-    event: Rc<Event>,
+    event: Arc<Event>,
 }
 
 /// Queues the records of `batch` that may be gathered on the express stream (`express`)
@@ -405,7 +533,7 @@ struct Gathered {
 fn gather(
     batch: &mut [Result<Prepared, TakeError>],
     cx: &RxContext,
-    events: &mut Events,
+    events: &Events,
     express: bool,
 ) -> Option<Gathered> {
     let device = batch.iter().find_map(|p| match p {
@@ -455,14 +583,14 @@ fn gatherable(p: &Prepared, cx: &RxContext, device: Option<&Device>, express: bo
 
 /// An event recorded on `stream` now.
 fn record(
-    events: &mut Events,
+    events: &Events,
     stream: &ferry_transports::cuda::Stream,
-) -> Result<Rc<Event>, TakeError> {
+) -> Result<Arc<Event>, TakeError> {
     let event = events.take(stream.device())?;
     event
         .record(stream)
         .map_err(driver("recording the copy's end"))?;
-    Ok(Rc::new(event))
+    Ok(Arc::new(event))
 }
 
 /// Waits for a landing's copy, then delivers it to the inbox.
@@ -470,7 +598,7 @@ fn deliver(
     landing: Landing,
     cx: &RxContext,
     stop: &AtomicBool,
-    events: &mut Events,
+    events: &Events,
 ) -> Result<(), TakeError> {
     let Landing {
         tag,
@@ -537,7 +665,7 @@ fn reserve(cx: &RxContext, len: u64, wait: bool, pooled: bool) -> Result<Buffer,
         })
         .filter(|_| pooled)
         .map(|g| copy_stream(g, len));
-    let got = match reserve_now_in_tiers(&cx.tiers, &[len], on.as_ref()) {
+    let got = match reserve_now_in_tiers(&cx.tiers, &[len], on.as_ref(), Fill::Overwritten) {
         Some(got) => got,
         None if !wait => return Err(TakeError::NotNow),
         None => {

@@ -113,6 +113,7 @@ impl ExportablePool {
             home: stream.shared(),
             ptr,
             len,
+            capacity: len,
             uses: Uses::default(),
             export: std::sync::OnceLock::new(),
         })
@@ -190,6 +191,8 @@ pub struct DeviceBuffer {
     home: Arc<StreamInner>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The allocation's length (`len` may be less: [`Self::truncate`]).
+    capacity: usize,
     uses: Uses,
     /// The pointer export, made once (it names the allocation, which does not change).
     export: std::sync::OnceLock<[u8; POINTER_EXPORT_LEN]>,
@@ -338,6 +341,7 @@ impl DeviceBuffer {
             home: stream.shared(),
             ptr,
             len,
+            capacity: len,
             uses: Uses::default(),
             export: std::sync::OnceLock::new(),
         })
@@ -396,6 +400,47 @@ impl DeviceBuffer {
                 self.len
             )));
         }
+        self.len = len;
+        Ok(())
+    }
+
+    /// The allocation's length: what [`Self::reuse`] may grow the buffer back to.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Whether the buffer was allocated on `stream` (and will be freed there).
+    pub fn allocated_on(&self, stream: &Stream) -> bool {
+        Stream::from_shared(Arc::clone(&self.home)).same_as(stream)
+    }
+
+    /// Makes this pool allocation, kept after the buffer that held it was dropped, ready to
+    /// serve as new memory of `len` bytes (up to [`Self::capacity`]) for work queued on `on`,
+    /// the stream it was allocated on: work queued on `on` from now on follows every use
+    /// recorded on other streams, as a stream-ordered free and allocation on `on` would.
+    /// Its bytes are the old ones: for memory the caller overwrites whole.
+    ///
+    /// # Errors
+    /// [`CudaError::Misuse`] for registered memory, another stream or a `len` past the
+    /// allocation; a driver error when the stream cannot wait.
+    pub fn reuse(&mut self, len: usize, on: &Stream) -> Result<(), CudaError> {
+        if !matches!(self.origin, Origin::Pool(_)) {
+            return Err(CudaError::Misuse(
+                "registered memory is not ours to reuse".into(),
+            ));
+        }
+        if !self.allocated_on(on) {
+            return Err(CudaError::Misuse(
+                "a pool buffer is reused on the stream it was allocated on".into(),
+            ));
+        }
+        if len == 0 || len > self.capacity {
+            return Err(CudaError::Misuse(format!(
+                "reusing an allocation of {} bytes for {len}",
+                self.capacity
+            )));
+        }
+        self.uses.order_before(on)?;
         self.len = len;
         Ok(())
     }

@@ -96,6 +96,16 @@ pub trait Releaser: Send + Sync + 'static {
         drop(bytes);
         self.release(lease);
     }
+
+    /// Returns a device buffer's lease to the domain's budget, with its memory, which no
+    /// peer keeps mapped: the domain may keep it for a later grant on the stream it was
+    /// allocated on that overwrites it whole ([`DeviceBuffer::reuse`]). The default frees
+    /// it (stream-ordered after its recorded uses) and calls [`Releaser::release`]. Same
+    /// rules as `release`.
+    fn release_device(&self, lease: &Lease, memory: DeviceBuffer) {
+        drop(memory);
+        self.release(lease);
+    }
 }
 
 /// Where a buffer can get memory in another tier: the node that granted it. Lets
@@ -234,10 +244,7 @@ impl Drop for Storage {
                 }
             }
             Bytes::Host(bytes) => self.releaser.release_host(&self.lease, bytes),
-            other => {
-                drop(other);
-                self.releaser.release(&self.lease);
-            }
+            Bytes::Device(memory) => self.releaser.release_device(&self.lease, memory),
         }
     }
 }
