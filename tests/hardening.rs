@@ -39,6 +39,7 @@ async fn rogue(scratch: &Scratch, node: &Node) -> Link {
 
 fn offer(transfer: u64, len: u64) -> Message {
     Message::Offer(Offer {
+        eager: false,
         fetch: None,
         transfer,
         tag: transfer,

@@ -968,6 +968,22 @@ pub fn reserve_now_in_tiers(
     }
 }
 
+/// Host memory for `len` bytes about to be written whole (an eager receive), from the
+/// first host tier of `tiers` that grants it now, on the caller's thread with no message
+/// to any actor; `None` when none can now (full, reservations waiting there, or larger
+/// than its budget). Device tiers are passed over: this never waits for a GPU.
+pub fn reserve_now_to_overwrite(tiers: &[Tier], len: u64) -> Option<Buffer> {
+    let host: Vec<Tier> = tiers
+        .iter()
+        .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
+        .cloned()
+        .collect();
+    match try_tiers_now(&host, &[len], None, Fill::Overwritten) {
+        TriedNow::Granted(mut buffers) => buffers.pop(),
+        TriedNow::Not { .. } => None,
+    }
+}
+
 /// What one pass over the tiers on the caller's thread gave.
 enum TriedNow {
     /// A tier granted every part.

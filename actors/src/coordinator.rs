@@ -232,6 +232,8 @@ pub(crate) fn node_hello(
             .as_ref()
             .map(|e| e.address())
             .unwrap_or_default(),
+        eager_max: transports.tcp_eager.max,
+        eager_credit: transports.tcp_eager.credit,
         ..link::local_hello(node, transports.served(), max_frame)
     }
 }
@@ -287,6 +289,9 @@ pub struct NodeTransports {
     /// `transport.ucx.emulated_push`: lend memory to a peer's ucx push even where UCX
     /// would emulate its writes over tcp.
     pub ucx_emulated_push: bool,
+    /// What this node takes eagerly over tcp (`transport.tcp.eager_max`, `eager_credit`),
+    /// as its hello grants it to every peer.
+    pub tcp_eager: crate::core::session::EagerTerms,
 }
 
 impl NodeTransports {
@@ -311,6 +316,7 @@ impl NodeTransports {
             ucx: ucx.ok(),
             ucx_hold,
             ucx_emulated_push: false,
+            tcp_eager: crate::core::session::EagerTerms::default(),
         }
     }
 
@@ -442,6 +448,7 @@ impl Coordinator {
             ucx: base.transports.ucx,
             ucx_hold: base.transports.ucx_hold,
             ucx_emulated_push: base.transports.ucx_emulated_push,
+            eager: base.transports.tcp_eager,
             published: base.published,
             serve: ctx.address().recipient(),
         }

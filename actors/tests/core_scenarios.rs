@@ -514,6 +514,7 @@ fn protocol_violations_are_errors() {
     );
     let offer = |id| {
         Message::Offer(ferry_transports::wire::Offer {
+            eager: false,
             fetch: None,
             transfer: id,
             tag: 0,
@@ -538,6 +539,8 @@ fn protocol_violations_are_errors() {
         receives: ferry_transports::wire::WireMemoryKind::Host,
         ucx_address: Vec::new(),
         purpose: ferry_transports::wire::HelloPurpose::Link,
+        eager_max: 0,
+        eager_credit: 0,
     });
     assert!(s.handle_message(hello).is_err());
 }
@@ -1042,6 +1045,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
     // Transfer ids at or past 2^39 are refused: quarantined memory is keyed by them.
     let mut s = PeerSession::new(LIMITS);
     let offer = Message::Offer(ferry_transports::wire::Offer {
+        eager: false,
         fetch: None,
         transfer: ferry_actors::core::session::MAX_TRANSFER_ID,
         tag: 0,
@@ -1061,6 +1065,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
 fn offers_whose_layout_does_not_match_are_refused() {
     let offer = |len, transport: TransportName, layout| {
         Message::Offer(ferry_transports::wire::Offer {
+            eager: false,
             fetch: None,
             transfer: 1,
             tag: 0,
@@ -1417,6 +1422,7 @@ fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
     };
     let offer = |transfer, transport: TransportName, ipc, ucx| {
         Message::Offer(ferry_transports::wire::Offer {
+            eager: false,
             fetch: None,
             transfer,
             tag: 0,

@@ -273,12 +273,24 @@ pub struct TcpTuning {
     /// `limits.max_frame` at most.
     #[serde(with = "size")]
     pub chunk_size: u64,
+    /// The largest transfer this node takes eagerly from a peer: the sender writes the
+    /// bytes right behind the offer, within this node's eager credit, instead of waiting
+    /// for a grant. Default `"64 KiB"`; `0` takes none (every offer waits for its grant).
+    /// At most `eager_credit` and 16 MiB.
+    #[serde(with = "size")]
+    pub eager_max: u64,
+    /// The bytes of eager transfers one peer may have on their way to this node at once
+    /// (sent, not yet answered). Default `"1 MiB"`.
+    #[serde(with = "size")]
+    pub eager_credit: u64,
 }
 
 impl Default for TcpTuning {
     fn default() -> Self {
         TcpTuning {
             chunk_size: 1 << 20,
+            eager_max: 64 << 10,
+            eager_credit: 1 << 20,
         }
     }
 }

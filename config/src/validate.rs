@@ -14,6 +14,8 @@ use crate::units::{Budget, format_size};
 const MIN_CHUNK: u64 = 4 << 10;
 /// Room a frame needs beyond its chunk of payload (header, control fields).
 const FRAME_OVERHEAD: u64 = 64 << 10;
+/// Largest accepted `transport.tcp.eager_max`.
+const MAX_EAGER: u64 = 16 << 20;
 /// Largest accepted `limits.max_frame`.
 const MAX_FRAME_CAP: u64 = 1 << 30;
 
@@ -264,6 +266,16 @@ impl Config {
                 ),
             );
         }
+        if tcp.eager_max > tcp.eager_credit || tcp.eager_max > MAX_EAGER {
+            return fail(
+                "transport.tcp.eager_max",
+                format!(
+                    "{} is above transport.tcp.eager_credit ({}) or 16 MiB",
+                    format_size(tcp.eager_max),
+                    format_size(tcp.eager_credit)
+                ),
+            );
+        }
         if self.limits.pipeline_depth < 1 || self.limits.pipeline_depth > crate::MAX_PIPELINE_DEPTH
         {
             return fail(
@@ -412,6 +424,7 @@ impl Config {
         }
         for (key, chunk) in [
             ("transport.tcp.chunk_size", self.transport.tcp.chunk_size),
+            ("transport.tcp.eager_max", self.transport.tcp.eager_max),
             (
                 "transport.staged.link_chunk",
                 self.transport.staged.link_chunk,
@@ -673,6 +686,17 @@ mod tests {
                 "transport.tcp.chunk_size",
             ),
             (|c| c.limits.pipeline_depth = 0, "limits.pipeline_depth"),
+            (
+                |c| c.transport.tcp.eager_max = (1 << 20) + 1,
+                "transport.tcp.eager_max",
+            ),
+            (
+                |c| {
+                    c.transport.tcp.eager_credit = 64 << 20;
+                    c.transport.tcp.eager_max = 32 << 20;
+                },
+                "transport.tcp.eager_max",
+            ),
             (|c| c.transport.rules.clear(), "transport.rules"),
             (
                 |c| c.transport.rules[0].transports.clear(),

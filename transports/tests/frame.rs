@@ -27,6 +27,8 @@ fn hello() -> Hello {
         receives: WireMemoryKind::Device(1),
         ucx_address: vec![3; 40],
         purpose: HelloPurpose::LinkTo("b".into()),
+        eager_max: 64 << 10,
+        eager_credit: 1 << 20,
     }
 }
 
@@ -85,6 +87,7 @@ fn corpus() -> Vec<Item> {
     let msgs = vec![
         Message::Hello(hello()),
         Message::Offer(Offer {
+            eager: false,
             fetch: None,
             transfer: 1,
             tag: 0xfeed,
@@ -115,6 +118,7 @@ fn corpus() -> Vec<Item> {
         }),
         // A block list: its blocks travel in the offer (a shared list in the archive).
         Message::Offer(Offer {
+            eager: false,
             fetch: None,
             transfer: 2,
             tag: 7,

@@ -3,7 +3,10 @@
 //! through `handle_*` and carries out what `poll_*` returns.
 //!
 //! Outbound transfer: `Waiting → AwaitGrant → Streaming → AwaitDone → Completed`, or
-//! `Failed`/`Cancelled` from any phase. A pulled transfer (ipc) skips the grant and the
+//! `Failed`/`Cancelled` from any phase. An eager transfer (a small tcp push within the
+//! peer's eager credit, [`EagerTerms`]) goes with its bytes: `Waiting → Eager → Completed`
+//! on the peer's `Done`; a `Grant` instead says the peer read past the bytes (no memory at
+//! once), and it goes on as any granted transfer (`Streaming`, its bytes sent again). A pulled transfer (ipc) skips the grant and the
 //! stream: `Waiting → AwaitDone → Completed`, the peer reading the bytes itself. A pushed
 //! ipc transfer's grant lends the receiver's buffer, and `Streaming` is the shell's copy
 //! into it, which ends by telling the peer `Written`. A put: `Waiting → Streaming →
@@ -13,7 +16,7 @@
 //! buffer never goes back to its owner while a copy can still touch it.
 //!
 //! Inbound transfer: `Reserving → Receiving → Complete → delivered`, in the peer's offer
-//! order (a later transfer that completes first waits for the earlier ones). For a pulled
+//! order (an eager one the shell placed on arrival starts `Complete`) (a later transfer that completes first waits for the earlier ones). For a pulled
 //! transfer, `Receiving` is the shell's copy out of the peer's memory; no grant is sent.
 //! For a pushed ipc transfer, `Receiving` waits for the peer's `Written`; the buffer the
 //! grant lent stays lent until then, even when the transfer is abandoned meanwhile (the
@@ -91,6 +94,10 @@ impl OpKind {
 enum Phase {
     Waiting(OpKind),
     AwaitGrant(Box<SendRequest>),
+    /// Offered with its bytes (eager): `Done` completes it; a `Grant` means the peer read
+    /// past the bytes, which then stream as for any grant. Counts against the peer's eager
+    /// credit until either, or a `Cancel`, arrives.
+    Eager(Box<SendRequest>),
     Streaming {
         op: OpKind,
         confirmed: bool,
@@ -163,6 +170,8 @@ pub struct PeerSession {
     claims: (u64, u64),
     /// When to look at `unclaimed` again while offers wait for room.
     recheck_at: Option<Instant>,
+    /// What the peer takes eagerly (its hello); none until told.
+    eager: EagerTerms,
 }
 
 impl PeerSession {
@@ -182,6 +191,7 @@ impl PeerSession {
             delivered: 0,
             claims: (0, 0),
             recheck_at: None,
+            eager: EagerTerms::default(),
         }
     }
 
@@ -215,6 +225,37 @@ impl PeerSession {
         if serves {
             self.serves_memory.push(transport);
         }
+    }
+
+    /// The peer's link came up and its hello says what it takes eagerly: small tcp pushes
+    /// offered from now on go with their bytes while they fit (see [`EagerTerms`]).
+    pub fn handle_peer_eager(&mut self, terms: EagerTerms) {
+        self.eager = terms;
+    }
+
+    /// Bytes of our eager offers the peer has not answered yet.
+    fn eager_in_use(&self) -> u64 {
+        self.ops
+            .values()
+            .map(|p| match p {
+                Phase::Eager(req) => req.len,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Whether `req` goes eagerly: a contiguous tcp push from host memory, of at most the
+    /// peer's eager size and within what is left of its credit.
+    fn goes_eagerly(&self, req: &SendRequest) -> bool {
+        req.len > 0
+            && req.len <= self.eager.max
+            && req.direction == WireDirection::Push
+            && registry::carrier(req.transport) == Carrier::Link
+            && req.layout == Layout::Contiguous
+            && !matches!(req.source, WireMemoryKind::Device(_))
+            && req.ipc.is_none()
+            && req.ucx.is_none()
+            && self.eager_in_use().saturating_add(req.len) <= self.eager.credit
     }
 
     /// Queues a transfer; it is offered in order once a pipeline slot is free.
@@ -289,6 +330,7 @@ impl PeerSession {
             };
             match op {
                 OpKind::Transfer(req) => {
+                    let eager = self.goes_eagerly(&req);
                     self.transmit.push_back(Message::Offer(Offer {
                         transfer: id.0,
                         tag: req.tag,
@@ -300,9 +342,12 @@ impl PeerSession {
                         ucx: req.ucx.clone(),
                         layout: req.layout.clone(),
                         fetch: req.fetch,
+                        eager,
                     }));
                     // A pull needs no grant: the peer reads, then says Done.
-                    let phase = if req.direction == WireDirection::Pull {
+                    let phase = if eager {
+                        Phase::Eager(req)
+                    } else if req.direction == WireDirection::Pull {
                         Phase::AwaitConfirm(OpKind::Transfer(req))
                     } else {
                         Phase::AwaitGrant(req)
@@ -332,7 +377,7 @@ impl PeerSession {
             Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
                 matches!(op, OpKind::Transfer(_))
             }
-            Phase::AwaitGrant(_) => true,
+            Phase::AwaitGrant(_) | Phase::Eager(_) => true,
             Phase::Ending { .. } => {
                 // Already decided: the first outcome stands.
                 self.ops.insert(id, phase);
@@ -457,6 +502,60 @@ impl PeerSession {
     }
 
     fn on_offer(&mut self, offer: Offer) -> Result<(), ProtocolViolation> {
+        if let Some((id, op)) = self.take_offer(offer)? {
+            self.inbound.insert(id, op);
+            self.admit_queued();
+        }
+        Ok(())
+    }
+
+    /// An eager offer whose bytes the shell already placed in memory of its own (within
+    /// the eager credit it granted, checked before it read them): the transfer is complete
+    /// on arrival, `Done` goes back, and it is delivered in its turn. Returns true when it
+    /// was taken (the shell keeps the buffer for [`SessionEvent::Deliver`]), false when it
+    /// was refused as any offer can be (draining, too many open), the peer told why in a
+    /// `Cancel` (the shell drops the buffer).
+    ///
+    /// # Errors
+    /// The offer breaks the protocol (an id reused or past the largest).
+    pub fn handle_eager_offer(&mut self, offer: Offer) -> Result<bool, ProtocolViolation> {
+        let Some((id, mut op)) = self.take_offer(offer)? else {
+            return Ok(false);
+        };
+        op.phase = InPhase::Complete;
+        op.reserve = None;
+        self.inbound.insert(id, op);
+        self.transmit
+            .push_back(Message::Done(Done { transfer: id.0 }));
+        self.deliver_ready();
+        Ok(true)
+    }
+
+    /// Inbound transfers waiting for room or memory (`Queued` or `Reserving`).
+    pub fn inbound_waiting(&self) -> usize {
+        self.inbound
+            .values()
+            .filter(|op| matches!(op.phase, InPhase::Queued | InPhase::Reserving))
+            .count()
+    }
+
+    /// Bytes the peer holds here against its share ([`SessionLimits::inbound_bytes`]):
+    /// what its transfers past `Queued` reserved, and what was delivered and not taken.
+    pub fn inbound_held(&self) -> u64 {
+        self.inbound
+            .values()
+            .filter(|op| op.phase != InPhase::Queued)
+            .map(|op| op.len)
+            .sum::<u64>()
+            .saturating_add(self.unclaimed())
+    }
+
+    /// Checks an offer: `None` when refused (its `Cancel` queued), else the inbound
+    /// transfer it makes, `Queued`, not yet inserted.
+    fn take_offer(
+        &mut self,
+        offer: Offer,
+    ) -> Result<Option<(InboundId, InboundOp)>, ProtocolViolation> {
         let id = InboundId(offer.transfer);
         if offer.transfer >= MAX_TRANSFER_ID {
             return Err(ProtocolViolation(format!(
@@ -517,7 +616,7 @@ impl PeerSession {
                 reason,
                 detail,
             }));
-            return Ok(());
+            return Ok(None);
         }
         let push =
             (carrier.push_lends() && offer.direction == WireDirection::Push).then_some(transport);
@@ -529,7 +628,7 @@ impl PeerSession {
             staged: carrier == Carrier::Ring,
             layout: offer.layout.clone(),
         };
-        self.inbound.insert(
+        Ok(Some((
             id,
             InboundOp {
                 tag: offer.tag,
@@ -541,9 +640,7 @@ impl PeerSession {
                 reserve: Some(reserve),
                 stalls: false,
             },
-        );
-        self.admit_queued();
-        Ok(())
+        )))
     }
 
     /// Starts reserving queued inbound transfers, in offer order, while the per-peer bounds
@@ -555,13 +652,7 @@ impl PeerSession {
             return;
         }
         let mut active = self.inbound.values().filter(|op| op.is_active()).count();
-        let mut held: u64 = self
-            .inbound
-            .values()
-            .filter(|op| op.phase != InPhase::Queued)
-            .map(|op| op.len)
-            .sum::<u64>()
-            .saturating_add(self.unclaimed());
+        let mut held = self.inbound_held();
         for op in self.inbound.values_mut() {
             if op.phase != InPhase::Queued {
                 continue;
@@ -589,7 +680,8 @@ impl PeerSession {
         let id = OpId(grant.transfer);
         let target = PushTarget::of(grant)?;
         match self.ops.remove(&id) {
-            Some(Phase::AwaitGrant(req)) => {
+            // An eager offer granted: the peer read past its bytes; they stream now.
+            Some(Phase::AwaitGrant(req) | Phase::Eager(req)) => {
                 let pushes = registry::carrier(req.transport).push_lends()
                     && req.direction == WireDirection::Push;
                 if let Some(lent) = &target
@@ -674,7 +766,7 @@ impl PeerSession {
                     },
                 );
             }
-            Some(Phase::AwaitConfirm(_)) => {
+            Some(Phase::AwaitConfirm(_) | Phase::Eager(_)) => {
                 self.events
                     .push_back(SessionEvent::Finished(id, Outcome::Completed));
                 self.start_waiting();
@@ -871,7 +963,7 @@ impl PeerSession {
                 Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
                     op.deadline() <= now
                 }
-                Phase::AwaitGrant(req) => req.deadline <= now,
+                Phase::AwaitGrant(req) | Phase::Eager(req) => req.deadline <= now,
                 Phase::Ending { .. } => false,
             })
             .map(|(id, _)| *id)
@@ -916,7 +1008,7 @@ impl PeerSession {
         let ids: Vec<OpId> = self.ops.keys().copied().collect();
         for id in ids {
             match self.ops.remove(&id) {
-                Some(Phase::AwaitGrant(req)) => {
+                Some(Phase::AwaitGrant(req) | Phase::Eager(req)) => {
                     self.ops.insert(id, Phase::Waiting(OpKind::Transfer(req)));
                 }
                 // A pull awaits Done right after its offer, which the peer never read.
@@ -986,7 +1078,7 @@ impl PeerSession {
                 Phase::Waiting(op) | Phase::Streaming { op, .. } | Phase::AwaitConfirm(op) => {
                     Some(op.deadline())
                 }
-                Phase::AwaitGrant(req) => Some(req.deadline),
+                Phase::AwaitGrant(req) | Phase::Eager(req) => Some(req.deadline),
                 Phase::Ending { .. } => None,
             })
             .chain(stalls)

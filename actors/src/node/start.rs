@@ -314,6 +314,10 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         config.memory.export_lease_timeout,
     );
     transports.ucx_emulated_push = config.transport.ucx.emulated_push;
+    transports.tcp_eager = crate::core::session::EagerTerms {
+        max: config.transport.tcp.eager_max,
+        credit: config.transport.tcp.eager_credit,
+    };
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),

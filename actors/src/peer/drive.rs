@@ -44,7 +44,20 @@ impl TransferActor {
                             "offer to the writer"
                         );
                     }
-                    if writer.try_send(Outgoing::Frame(msg)).is_err() {
+                    let out = match msg {
+                        Message::Offer(offer) if offer.eager => {
+                            match eager_outgoing(&self.outbound, offer) {
+                                Ok(out) => out,
+                                Err(op) => {
+                                    let why = "its bytes are not host memory".to_string();
+                                    self.session.handle_unsendable(op, why);
+                                    continue;
+                                }
+                            }
+                        }
+                        msg => Outgoing::Frame(msg),
+                    };
+                    if writer.try_send(out).is_err() {
                         self.session
                             .handle_link_lost("the link's send queue overflowed or closed");
                         break;
@@ -60,6 +73,7 @@ impl TransferActor {
             }
         }
         self.arm_timer(ctx);
+        self.publish_eager();
         if self.writer.is_some() && self.welcomed {
             for tx in self.link_waiters.drain(..) {
                 let _ = tx.send(Ok(()));
@@ -339,6 +353,7 @@ mod tests {
 
     fn offer(blocks: u64) -> Message {
         Message::Offer(Offer {
+            eager: false,
             fetch: None,
             transfer: 5,
             tag: 1,

@@ -57,6 +57,16 @@ pub(super) async fn write_loop(
                     break;
                 }
             }
+            Outgoing::Eager { offer, bytes } => {
+                let mut sent = writer.feed_chunk(&offer, &bytes).await;
+                if sent.is_ok() && rx.is_empty() {
+                    sent = writer.flush().await;
+                }
+                if let Err(e) = sent {
+                    failure = Some(e);
+                    break;
+                }
+            }
             Outgoing::Close => {
                 let _ = writer.send(&Message::Goodbye).await;
                 let _ = writer.shutdown().await;
@@ -280,6 +290,10 @@ pub(super) fn io_error(e: impl std::fmt::Display) -> LinkError {
 
 pub(super) struct ReadLoop {
     pub(super) me: Addr<TransferActor>,
+    /// The link's eager credit at this end.
+    pub(super) eager: Arc<EagerGate>,
+    /// Where eager transfers land (host memory, reserved at once).
+    pub(super) host_tiers: Vec<Tier>,
     pub(super) regions: Arc<DashMap<u64, InboundRegion>>,
     pub(super) exposed: Arc<DashMap<u64, ExposedRegion>>,
     pub(super) counters: Arc<LinkCounters>,
@@ -295,6 +309,8 @@ struct ReadState {
     put_bytes: Vec<u8>,
     /// A chunk bound for device memory, before its copy in.
     scratch: Vec<u8>,
+    /// The peer's offers handed to the actor that were not taken eagerly (wrapping).
+    offers: u32,
 }
 
 /// Why the reader stops: the reason the link ends with.
@@ -336,9 +352,20 @@ impl ReadLoop {
                     let chunk = ferry_transports::wire::PutChunk::from(chunk);
                     self.on_put(&mut reader, &chunk, &mut state).await
                 }
+                ArchivedMessage::Offer(offer) if offer.eager => {
+                    match ferry_transports::wire::owned_message(msg) {
+                        Ok(Message::Offer(offer)) => {
+                            self.on_eager(&mut reader, offer, &mut state.offers).await
+                        }
+                        Ok(_) | Err(_) => Err("undecodable eager offer".to_string()),
+                    }
+                }
                 // Checked by `message` above: deserialized without checking it again.
                 _ => match ferry_transports::wire::owned_message(msg) {
-                    Ok(owned) => self.forward(owned).await,
+                    Ok(owned) => {
+                        self.note_in_order(&owned, &mut state.offers);
+                        self.forward(owned).await
+                    }
                     Err(e) => Err(format!("undecodable frame: {e}")),
                 },
             };
@@ -461,12 +488,23 @@ impl ReadLoop {
         Ok(())
     }
 
+    /// What the eager gate must learn from a control frame in the link's order: an offer
+    /// handed to the actor (not taken eagerly) is counted; the peer's own cancel of an
+    /// eager transfer frees its credit at once (the peer counts it free as it sends it).
+    fn note_in_order(&self, msg: &Message, offers: &mut u32) {
+        match msg {
+            Message::Offer(_) => *offers = offers.wrapping_add(1),
+            Message::Cancel(cancel) if !cancel.by_receiver => self.eager.release(cancel.transfer),
+            _ => {}
+        }
+    }
+
     /// Hands a control frame to the actor: queued without waiting for the actor to handle
     /// it when its mailbox has room (first in, first out, so frames keep their order); a
     /// full mailbox makes the reader wait, and with it the socket. Data chunks never depend
     /// on a control frame still queued: a chunk's region exists before the grant that lets
     /// the peer send it.
-    async fn forward(&self, owned: Message) -> Result<(), Stop> {
+    pub(super) async fn forward(&self, owned: Message) -> Result<(), Stop> {
         match self.me.try_send(FromPeer(owned)) {
             Ok(()) => Ok(()),
             Err(actix::prelude::SendError::Full(msg)) => self

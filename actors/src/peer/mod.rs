@@ -12,6 +12,7 @@
 //! it; one that floods us loses its link), and the session's own op queue.
 
 mod drive;
+mod eager;
 mod fetch;
 mod inbound;
 mod ipc;
@@ -27,7 +28,7 @@ use self::outbound::Held;
 pub use self::ucx::UcxOff;
 pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
-use self::{fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*};
+use self::{eager::*, fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -49,7 +50,9 @@ use ferry_transports::wire::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor};
+use crate::allocator::{
+    self, Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor,
+};
 use crate::core::exports::ExportId;
 use crate::core::ipc_setup::{
     Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
@@ -140,6 +143,9 @@ pub struct TransferSetup {
     /// `transport.ucx.emulated_push`: lend memory to the peer's ucx pushes even where UCX
     /// would emulate its writes over tcp (else those pushes stream over the link).
     pub ucx_emulated_push: bool,
+    /// What this node takes eagerly over tcp from the peer (`transport.tcp.eager_max` and
+    /// `eager_credit`; its hello granted the same).
+    pub eager: crate::core::session::EagerTerms,
     /// The buffers this node published, which peers fetch.
     pub published: Arc<crate::publish::Publications>,
     /// Where the answer to a peer's fetch is sent from (routed like any send).
@@ -287,6 +293,11 @@ enum Outgoing {
         /// Bytes per data frame.
         chunk: usize,
     },
+    /// An eager offer and a copy of its bytes, written as one frame and its payload.
+    Eager {
+        offer: Message,
+        bytes: Vec<u8>,
+    },
     Close,
 }
 
@@ -393,6 +404,9 @@ pub struct TransferActor {
     /// The current link's reader task: ended with the link, so a peer that stopped reading
     /// our writes cannot keep its half of the socket, or feed a lost session.
     reader: Option<tokio::task::AbortHandle>,
+    /// The current link's eager credit at this end, and the peer's offers not taken
+    /// eagerly that the actor handled on it (see [`EagerGate`]).
+    eager: Option<(Arc<EagerGate>, u32)>,
 }
 
 impl TransferActor {
@@ -433,6 +447,7 @@ impl TransferActor {
             fetch: FetchState::default(),
             activity: None,
             reader: None,
+            eager: None,
             claims,
         }
     }
@@ -505,6 +520,11 @@ impl Handler<Attach> for TransferActor {
     type Result = ();
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
+        // What the peer takes eagerly, before anything is offered on this link.
+        self.session.handle_peer_eager(crate::core::session::EagerTerms {
+            max: link.peer_hello.eager_max,
+            credit: link.peer_hello.eager_credit,
+        });
         if let Some(old) = self.writer.take() {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
@@ -526,7 +546,14 @@ impl Handler<Attach> for TransferActor {
         self.setup
             .io
             .spawn(write_loop(link.writer, rx, me.clone(), self.link));
+        let gate = Arc::new(EagerGate::new(
+            self.setup.eager,
+            self.setup.limits.inbound_bytes,
+        ));
+        self.eager = Some((Arc::clone(&gate), 0));
         let reader = ReadLoop {
+            eager: gate,
+            host_tiers: self.setup.host_tiers.clone(),
             me,
             regions: Arc::clone(&self.regions),
             exposed: Arc::clone(&self.setup.exposed),
@@ -698,6 +725,12 @@ impl Handler<FromPeer> for TransferActor {
             }
             Message::Cancel(ref cancel) if cancel.by_receiver => {
                 self.cancelled_by_peer(OpId(cancel.transfer));
+            }
+            // An offer the reader did not take eagerly: counted for its eager gate.
+            Message::Offer(_) => {
+                if let Some((_, handled)) = &mut self.eager {
+                    *handled = handled.wrapping_add(1);
+                }
             }
             _ => {}
         }

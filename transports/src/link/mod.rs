@@ -454,14 +454,14 @@ impl LinkWriter {
     }
 
     /// Buffers a chunk: `header` (a [`Message::Data`] or [`Message::Put`] whose `len` is
-    /// `bytes.len()`) as one frame, then `bytes` as the [`FrameKind::Payload`] frame that
+    /// `bytes.len()`, or an eager [`Message::Offer`] of `bytes.len()`) as one frame, then `bytes` as the [`FrameKind::Payload`] frame that
     /// follows it. The bytes are written from the caller's slice as they are (the CRC is
     /// computed over them in place), never copied into an archive. Like
     /// [`LinkWriter::feed`], nothing is flushed; large payloads go to the socket directly
     /// once the write buffer cannot hold them.
     ///
     /// Fails with [`LinkError::Send`] (nothing written; the link stays usable) if `header`
-    /// is not a `Data` or `Put` message, its `len` differs from `bytes.len()`, it cannot be
+    /// is not a `Data`, `Put` or eager `Offer` message, its `len` differs from `bytes.len()`, it cannot be
     /// encoded, or either frame is larger than the peer's `max_frame`; with
     /// [`LinkError::Io`] if the socket fails. Not cancel-safe, like `send`.
     pub async fn feed_chunk(&mut self, header: &Message, bytes: &[u8]) -> Result<(), LinkError> {
@@ -493,8 +493,9 @@ impl LinkWriter {
             ))));
         }
         let announced = match header {
-            Message::Data(chunk) => chunk.len,
-            Message::Put(chunk) => chunk.len,
+            Message::Data(chunk) => u64::from(chunk.len),
+            Message::Put(chunk) => u64::from(chunk.len),
+            Message::Offer(offer) if offer.eager => offer.len,
             other => {
                 return Err(LinkError::Send(FrameError::Encode(format!(
                     "a {:?} frame announces no payload",
@@ -502,7 +503,7 @@ impl LinkWriter {
                 ))));
             }
         };
-        if announced as usize != bytes.len() {
+        if announced != bytes.len() as u64 {
             return Err(LinkError::Send(FrameError::Encode(format!(
                 "the header announces {announced} bytes, the chunk has {}",
                 bytes.len()
@@ -658,6 +659,8 @@ pub fn local_hello(
         receives: crate::wire::WireMemoryKind::Host,
         ucx_address: Vec::new(),
         purpose: crate::wire::HelloPurpose::Link,
+        eager_max: 0,
+        eager_credit: 0,
     }
 }
 

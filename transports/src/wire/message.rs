@@ -16,7 +16,9 @@ use rkyv::{Archive, Deserialize, Serialize};
 /// 10: lane records of any size (a receiver of version 9 refused those over 64 KiB).
 /// 11: a grant may lend a UCX registration for a ucx push ([`Grant::ucx`]).
 /// 12: a ucx source may be the sender's packed copy of its layout ([`UcxSource::packed`]).
-pub const PROTOCOL_VERSION: u16 = 12;
+/// 13: eager tcp transfers: a hello grants eager credit ([`Hello::eager_max`],
+/// [`Hello::eager_credit`]) and an [`Offer::eager`] carries its bytes.
+pub const PROTOCOL_VERSION: u16 = 13;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -115,6 +117,13 @@ pub struct Hello {
     pub ucx_address: Vec<u8>,
     /// What the sender wants of this link (see [`HelloPurpose`]).
     pub purpose: HelloPurpose,
+    /// The largest tcp transfer the sender takes eagerly (its bytes with the offer, no
+    /// grant asked): its `transport.tcp.eager_max`; 0 takes none.
+    pub eager_max: u64,
+    /// The eager credit the sender grants its peer: the bytes of eager offers the peer may
+    /// have sent and not yet seen answered (`Done`, a `Grant` or a `Cancel` of the
+    /// transfer, or the peer's own `Cancel` of it), its `transport.tcp.eager_credit`.
+    pub eager_credit: u64,
 }
 
 /// What the sender of a [`Hello`] wants of the link.
@@ -160,6 +169,11 @@ pub struct Offer {
     /// For the answer to a [`Message::Fetch`]: that fetch's id. The receiver hands the
     /// bytes to the fetch that asked, not to `recv` (`tag` is then 0).
     pub fetch: Option<u64>,
+    /// An eager tcp push: its `len` bytes follow this frame at once as one raw
+    /// [`FrameKind::Payload`] frame, within the eager credit the receiver granted in its
+    /// hello. The receiver either takes them (and answers `Done`) or reads past them and
+    /// answers with a `Grant` as for any offer, after which the sender streams them again.
+    pub eager: bool,
 }
 
 /// Where a ucx pull reads a buffer: its address in the sender's process and the packed
@@ -608,6 +622,7 @@ impl Message {
             return self.payload_len();
         };
         let bare = Self::Offer(Offer {
+            eager: false,
             layout: crate::wire::Layout::Blocks(std::sync::Arc::from([])),
             ipc: offer.ipc.clone(),
             ucx: offer.ucx.clone(),
@@ -703,6 +718,7 @@ mod tests {
 
     fn offer(blocks: u64, export: usize, ipc: bool) -> Message {
         Message::Offer(Offer {
+            eager: false,
             fetch: Some(u64::MAX),
             transfer: 7,
             tag: 9,
@@ -742,6 +758,7 @@ mod tests {
         }
         // Not an offer of blocks: the length itself.
         let contiguous = Message::Offer(Offer {
+            eager: false,
             layout: Layout::Contiguous,
             ..match offer(1, 64, true) {
                 Message::Offer(o) => o,

@@ -95,6 +95,17 @@ pub struct SendRequest {
     pub fetch: Option<u64>,
 }
 
+/// What a peer takes eagerly, as its hello says: tcp pushes of at most `max` bytes may go
+/// with their offer, their bytes right behind it, while the eager offers sent and not yet
+/// answered add up to at most `credit` bytes. Zero takes none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EagerTerms {
+    /// The largest eager transfer.
+    pub max: u64,
+    /// The bytes of eager transfers that may be unanswered at once.
+    pub credit: u64,
+}
+
 /// A one-sided put the application asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutRequest {

@@ -1,0 +1,294 @@
+//! Eager tcp transfers at the receiving end: the credit this node granted the peer in its
+//! hello, and the reader's handling of an eager offer. The reader reserves host memory at
+//! once (no actor, no queue) when the peer's share has room and no offer of the peer before
+//! it still waits for memory, reads the bytes straight into it and hands the transfer to
+//! the actor complete; otherwise it reads past the bytes and hands the offer on as any
+//! other, which the sender then streams once granted. Either way nothing waits on the
+//! actor, and the peer's transfers are delivered in its offer order (the session's).
+
+use super::*;
+use crate::core::session::EagerTerms;
+use std::sync::atomic::AtomicU64;
+use ferry_transports::wire::Offer;
+
+/// An eager offer that breaks the protocol: the peer misbehaved, and its link ends.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub(super) enum EagerViolation {
+    /// Only a contiguous, non-empty tcp push with no pull source goes eagerly.
+    #[error("transfer {0} offered eagerly is not a contiguous, non-empty tcp push")]
+    NotEager(u64),
+    /// Larger than this node takes eagerly.
+    #[error("an eager offer of {len} bytes, past the {max} this node takes eagerly")]
+    TooLarge {
+        /// The offer's bytes.
+        len: u64,
+        /// `transport.tcp.eager_max`.
+        max: u64,
+    },
+    /// Past the credit this node granted.
+    #[error(
+        "an eager offer of {len} bytes while {unanswered} of the {credit}-byte eager credit \
+         are unanswered"
+    )]
+    PastCredit {
+        /// The offer's bytes.
+        len: u64,
+        /// Eager bytes taken and not answered yet.
+        unanswered: u64,
+        /// `transport.tcp.eager_credit`.
+        credit: u64,
+    },
+    /// The same transfer id twice while the first is unanswered.
+    #[error("transfer {0} offered eagerly twice")]
+    Twice(u64),
+}
+
+/// The eager transfers the reader took and the actor has not answered yet, by transfer.
+#[derive(Default)]
+struct Ledger {
+    by_transfer: HashMap<u64, u64>,
+    bytes: u64,
+}
+
+/// One link's eager credit at the receiving end, shared by its reader and the actor.
+pub(super) struct EagerGate {
+    /// What this node takes (its hello said the same).
+    terms: EagerTerms,
+    /// The peer's share of this node's memory (`limits.peer_inbound_bytes`).
+    share: u64,
+    ledger: std::sync::Mutex<Ledger>,
+    /// What the actor last saw, in one word: the peer's offers it handled that were not
+    /// taken eagerly (high half, wrapping) and how many of its inbound transfers wait for
+    /// room or memory (low half, saturated).
+    seen: AtomicU64,
+    /// The bytes the peer held here against its share when the actor last looked.
+    held: AtomicU64,
+}
+
+impl EagerGate {
+    /// A gate granting `terms`, within a share of `share` bytes.
+    pub(super) fn new(terms: EagerTerms, share: u64) -> Self {
+        Self {
+            terms,
+            share,
+            ledger: std::sync::Mutex::default(),
+            seen: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+        }
+    }
+
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks an eager offer against the protocol and the credit granted. Only the reader
+    /// adds to the credit in use, so a check followed by [`Self::take`] on the reader holds.
+    pub(super) fn check(&self, offer: &Offer) -> Result<(), EagerViolation> {
+        let eager_kind = offer.len > 0
+            && offer.transport == ferry_transports::wire::WireTransport::Tcp
+            && offer.direction == WireDirection::Push
+            && offer.layout == Layout::Contiguous
+            && offer.ipc.is_none()
+            && offer.ucx.is_none();
+        if !eager_kind {
+            return Err(EagerViolation::NotEager(offer.transfer));
+        }
+        if offer.len > self.terms.max {
+            return Err(EagerViolation::TooLarge {
+                len: offer.len,
+                max: self.terms.max,
+            });
+        }
+        let ledger = self.ledger();
+        if ledger.by_transfer.contains_key(&offer.transfer) {
+            return Err(EagerViolation::Twice(offer.transfer));
+        }
+        if ledger.bytes.saturating_add(offer.len) > self.terms.credit {
+            return Err(EagerViolation::PastCredit {
+                len: offer.len,
+                unanswered: ledger.bytes,
+                credit: self.terms.credit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether `len` more bytes may land now: the actor has handled every offer the reader
+    /// handed it (`offers` of them, not taken eagerly) and none of the peer's transfers
+    /// waits for room or memory (an eager one must not take memory an earlier offer
+    /// waits for), and the peer's share has room for it beside what it holds.
+    pub(super) fn room(&self, offers: u32, len: u64) -> bool {
+        let seen = self.seen.load(Ordering::Acquire);
+        let (handled, waiting) = ((seen >> 32) as u32, seen as u32);
+        let taken = self.ledger().bytes;
+        handled == offers
+            && waiting == 0
+            && self
+                .held
+                .load(Ordering::Acquire)
+                .saturating_add(taken)
+                .saturating_add(len)
+                <= self.share
+    }
+
+    /// The reader took eager transfer `id` of `len` bytes (checked by [`Self::check`]).
+    pub(super) fn take(&self, id: u64, len: u64) {
+        let mut ledger = self.ledger();
+        ledger.by_transfer.insert(id, len);
+        ledger.bytes = ledger.bytes.saturating_add(len);
+    }
+
+    /// Eager transfer `id` is answered (the actor handled it), or the peer cancelled it:
+    /// its credit is free again. Nothing for a transfer not taken.
+    pub(super) fn release(&self, id: u64) {
+        let mut ledger = self.ledger();
+        if let Some(len) = ledger.by_transfer.remove(&id) {
+            ledger.bytes = ledger.bytes.saturating_sub(len);
+        }
+    }
+
+    /// The actor's view after its latest turn: `handled` offers not taken eagerly, so many
+    /// inbound transfers `waiting` for room or memory, `held` bytes against the share.
+    pub(super) fn publish(&self, handled: u32, waiting: usize, held: u64) {
+        let waiting = u32::try_from(waiting).unwrap_or(u32::MAX);
+        self.held.store(held, Ordering::Release);
+        self.seen.store(
+            (u64::from(handled) << 32) | u64::from(waiting),
+            Ordering::Release,
+        );
+    }
+}
+
+/// An eager transfer the reader took: its bytes are in `buffer`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(super) struct EagerArrived {
+    offer: Offer,
+    buffer: Buffer,
+    /// The link it came on; one replaced meanwhile is ignored.
+    link: u64,
+}
+
+impl ReadLoop {
+    /// An eager offer: its bytes land in host memory reserved now, or are read past and the
+    /// offer goes on as one that waits for its grant. `offers` counts the offers handed to
+    /// the actor that were not taken eagerly.
+    pub(super) async fn on_eager(
+        &self,
+        reader: &mut LinkReader,
+        mut offer: Offer,
+        offers: &mut u32,
+    ) -> Result<(), String> {
+        if let Err(e) = self.eager.check(&offer) {
+            note_protocol_violation();
+            return Err(format!("protocol violation: {e}"));
+        }
+        // Within `eager_max`, which the configuration keeps to 16 MiB.
+        let len = u32::try_from(offer.len).map_err(|e| e.to_string())?;
+        let buffer = if self.eager.room(*offers, offer.len) {
+            allocator::reserve_now_to_overwrite(&self.host_tiers, offer.len)
+        } else {
+            None
+        };
+        let Some(mut buffer) = buffer else {
+            reader
+                .discard_payload(len)
+                .await
+                .map_err(|e| e.to_string())?;
+            tracing::trace!(id = offer.transfer, "eager offer: no room now, read past");
+            metrics::counter!("ferry_eager_read_past_total").increment(1);
+            offer.eager = false;
+            *offers = offers.wrapping_add(1);
+            return self.forward(Message::Offer(offer)).await;
+        };
+        self.eager.take(offer.transfer, offer.len);
+        let Some(destination) = buffer.as_mut_slice() else {
+            return Err("eager memory is not host memory".into());
+        };
+        if let Err(e) = reader.read_payload_into(destination).await {
+            return Err(format!("eager transfer {} not received: {e}", offer.transfer));
+        }
+        let arrived = EagerArrived {
+            offer,
+            buffer,
+            link: self.link,
+        };
+        match self.me.try_send(arrived) {
+            Ok(()) => Ok(()),
+            Err(actix::prelude::SendError::Full(msg)) => self
+                .me
+                .send(msg)
+                .await
+                .map_err(|_| "node stopped".to_string()),
+            Err(actix::prelude::SendError::Closed(_)) => Err("node stopped".into()),
+        }
+    }
+}
+
+impl Handler<EagerArrived> for TransferActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: EagerArrived, ctx: &mut Self::Context) {
+        if msg.link != self.link {
+            return;
+        }
+        let id = msg.offer.transfer;
+        if let Some((gate, _)) = &self.eager {
+            gate.release(id);
+        }
+        let landing = msg.buffer.kind();
+        if self.setup.tiers.first().is_some_and(|t| t.kind != landing) {
+            metrics::counter!("ferry_spill_bytes_total").increment(msg.offer.len);
+        }
+        match self.session.handle_eager_offer(msg.offer) {
+            Ok(true) => {
+                tracing::trace!(peer = %self.peer, id, "eager transfer taken");
+                let pending = self.undelivered.enter();
+                self.complete.insert(InboundId(id), (msg.buffer, pending));
+            }
+            Ok(false) => {}
+            Err(violation) => {
+                tracing::warn!(peer = %self.peer, %violation, "dropping peer");
+                note_protocol_violation();
+                self.session.handle_link_lost(&violation.to_string());
+            }
+        }
+        self.drive(ctx);
+    }
+}
+
+impl TransferActor {
+    /// Tells the link's reader what the session holds now (after every turn of the actor),
+    /// so that it takes eager transfers only where an offer would be granted at once.
+    pub(super) fn publish_eager(&self) {
+        if let Some((gate, handled)) = &self.eager {
+            gate.publish(
+                *handled,
+                self.session.inbound_waiting(),
+                self.session.inbound_held(),
+            );
+        }
+    }
+
+}
+
+/// The offer of an eager op and a copy of its bytes (at most `transport.tcp.eager_max`,
+/// host memory): a copy, so that the buffer goes back to the caller at `Done` with no view
+/// of it left in the writer. `Err` gives the op back when its bytes are not host memory.
+pub(super) fn eager_outgoing(
+    outbound: &HashMap<OpId, OutEntry>,
+    offer: Offer,
+) -> Result<Outgoing, OpId> {
+    let op = OpId(offer.transfer);
+    let bytes = outbound
+        .get(&op)
+        .and_then(|e| e.buffer.as_slice())
+        .and_then(|b| b.get(..usize::try_from(offer.len).ok()?))
+        .map(<[u8]>::to_vec)
+        .ok_or(op)?;
+    Ok(Outgoing::Eager {
+        offer: Message::Offer(offer),
+        bytes,
+    })
+}
