@@ -406,3 +406,268 @@ async fn a_peer_that_stops_reading_loses_both_halves_of_its_link() {
     );
     hub.shutdown().await;
 }
+
+/// An eager offer of `len` bytes (its payload follows it at once).
+fn eager_offer(transfer: u64, len: u64) -> Message {
+    let Message::Offer(offer) = offer(transfer, len) else {
+        unreachable!("offer() makes an offer")
+    };
+    Message::Offer(Offer {
+        eager: true,
+        ..offer
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eager_transfer_from_a_hand_driven_peer_lands_without_a_grant() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "").await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+    rogue
+        .writer
+        .feed_chunk(&eager_offer(1, bytes.len() as u64), &bytes)
+        .await
+        .expect("eager offer");
+    rogue.writer.flush().await.expect("flush");
+    match next_message(&mut rogue, Duration::from_secs(5)).await {
+        Some(Message::Done(d)) if d.transfer == 1 => {}
+        other => panic!("expected Done for the eager transfer, got {other:?}"),
+    }
+    let got = tokio::time::timeout(Duration::from_secs(5), hub.recv(Some("rogue"), Some(1)))
+        .await
+        .expect("delivered")
+        .expect("recv");
+    assert_eq!(got.buffer.to_vec().expect("host bytes"), bytes);
+    hub.shutdown().await;
+}
+
+/// An eager offer larger than the node takes eagerly, or whose payload is not as long as
+/// the offer says, ends the link at once, and nothing it reserved stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eager_offer_past_the_credit_or_of_a_wrong_length_ends_the_link() {
+    let scratch = Scratch::new();
+    let hub = hub(
+        &scratch,
+        "[transport.tcp]\neager_max = \"64KiB\"\neager_credit = \"64KiB\"",
+    )
+    .await;
+    let baseline = host_granted(&hub).await;
+    // Past eager_max (and the whole credit).
+    let mut rogue_link = rogue(&scratch, &hub).await;
+    let big = vec![1u8; (64 << 10) + 1];
+    rogue_link
+        .writer
+        .feed_chunk(&eager_offer(1, big.len() as u64), &big)
+        .await
+        .expect("eager offer");
+    rogue_link.writer.flush().await.expect("flush");
+    assert!(
+        next_message(&mut rogue_link, Duration::from_secs(5))
+            .await
+            .is_none(),
+        "the node kept a link that sent an eager offer past its credit"
+    );
+    // A payload shorter than the eager offer says.
+    let mut rogue_link = rogue(&scratch, &hub).await;
+    rogue_link
+        .writer
+        .send(&eager_offer(1, 1000))
+        .await
+        .expect("eager offer");
+    let short = vec![2u8; 999];
+    let header = FrameHeader::for_payload(FrameKind::Payload, &short).expect("header");
+    let mut frame = header.to_bytes().to_vec();
+    frame.extend_from_slice(&short);
+    rogue_link
+        .writer
+        .danger_send_raw(&frame)
+        .await
+        .expect("payload");
+    assert!(
+        next_message(&mut rogue_link, Duration::from_secs(5))
+            .await
+            .is_none(),
+        "the node kept a link whose eager payload had the wrong length"
+    );
+    assert!(
+        memory_back_to(&hub, baseline, Duration::from_secs(5)).await,
+        "memory of a refused eager transfer is still held"
+    );
+    hub.shutdown().await;
+}
+
+/// A hand-driven peer "rogue" whose hello grants the node eager credit.
+async fn rogue_granting(scratch: &Scratch, node: &Node, eager_max: u64, credit: u64) -> Link {
+    let target = Endpoint::Tcp(node.tcp_addrs()[0].clone());
+    let hello = ferry_transports::wire::Hello {
+        eager_max,
+        eager_credit: credit,
+        ..ferry_transports::link::local_hello("rogue", vec![ferry::TransportName::Tcp], 4 << 20)
+    };
+    common::hand_driven_link_with(&scratch.secret, node, target, hello).await
+}
+
+/// The next offer from the node, and its bytes when it is eager (they follow it at once).
+async fn offer_and_bytes(link: &mut Link) -> (Offer, Option<Vec<u8>>) {
+    let offer = match next_message(link, Duration::from_secs(5)).await {
+        Some(Message::Offer(o)) => o,
+        other => panic!("expected an offer, got {other:?}"),
+    };
+    if !offer.eager {
+        return (offer, None);
+    }
+    let mut bytes = vec![0u8; offer.len as usize];
+    link.reader
+        .read_payload_into(&mut bytes)
+        .await
+        .expect("the eager bytes follow their offer");
+    (offer, Some(bytes))
+}
+
+/// A small send goes with its offer while it fits the peer's eager credit, and is offered
+/// as usual past it; a grant for an eager offer (the peer read the bytes past) makes the
+/// sender stream them again, and each send completes once the peer says `Done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_sends_go_with_their_offer_within_the_peer_credit() {
+    let scratch = Scratch::new();
+    let hub = std::sync::Arc::new(hub(&scratch, "").await);
+    let mut rogue = rogue_granting(&scratch, &hub, 64 << 10, 100 << 10).await;
+    // Sent one after the other without waiting: 60 KiB eager, the next 60 KiB past the
+    // 100 KiB credit.
+    let first = patterned(&hub, 60 << 10, 1).await;
+    let second = patterned(&hub, 60 << 10, 2).await;
+    let third = patterned(&hub, 60 << 10, 3).await;
+    let expect: Vec<Vec<u8>> = [&first, &second, &third]
+        .iter()
+        .map(|b| b.to_vec().expect("host"))
+        .collect();
+    let (n1, n2, n3) = (hub.clone(), hub.clone(), hub.clone());
+    // Each send runs as a task of its own while the peer is played here.
+    let s1 = tokio::spawn(async move { n1.send("rogue", 1, first).await.map(drop) });
+    let (o1, b1) = offer_and_bytes(&mut rogue).await;
+    assert!(o1.eager, "a send within the credit goes eagerly");
+    assert_eq!(b1.as_deref(), Some(&expect[0][..]));
+    let s2 = tokio::spawn(async move { n2.send("rogue", 2, second).await.map(drop) });
+    let (o2, b2) = offer_and_bytes(&mut rogue).await;
+    assert!(!o2.eager && b2.is_none(), "past the credit: a plain offer");
+    // The first is taken; the credit is free again, and the third goes eagerly.
+    rogue
+        .writer
+        .send(&Message::Done(ferry_transports::wire::Done {
+            transfer: o1.transfer,
+        }))
+        .await
+        .expect("done");
+    s1.await
+        .expect("task")
+        .expect("the eager send completes on Done");
+    let s3 = tokio::spawn(async move { n3.send("rogue", 3, third).await.map(drop) });
+    let (o3, b3) = offer_and_bytes(&mut rogue).await;
+    assert!(o3.eager && b3.is_some());
+    // Both answered with grants: the second as usual, the third as if its bytes were read
+    // past. Each streams its bytes, in order.
+    for (offer, bytes) in [(&o2, &expect[1]), (&o3, &expect[2])] {
+        rogue
+            .writer
+            .send(&Message::Grant(ferry_transports::wire::Grant {
+                transfer: offer.transfer,
+                landing: WireMemoryKind::Host,
+                target: None,
+                ucx: None,
+            }))
+            .await
+            .expect("grant");
+        let chunk = match next_message(&mut rogue, Duration::from_secs(5)).await {
+            Some(Message::Data(d)) => d,
+            other => panic!("expected the data of {}, got {other:?}", offer.transfer),
+        };
+        assert_eq!(
+            (chunk.transfer, chunk.len as usize),
+            (offer.transfer, bytes.len())
+        );
+        let mut got = vec![0u8; bytes.len()];
+        rogue
+            .reader
+            .read_payload_into(&mut got)
+            .await
+            .expect("payload");
+        assert_eq!(&got, bytes);
+        rogue
+            .writer
+            .send(&Message::Done(ferry_transports::wire::Done {
+                transfer: offer.transfer,
+            }))
+            .await
+            .expect("done");
+    }
+    s2.await.expect("task").expect("the plain send completes");
+    s3.await
+        .expect("task")
+        .expect("the eager send read past completes once streamed");
+    if let Ok(hub) = std::sync::Arc::try_unwrap(hub) {
+        hub.shutdown().await;
+    }
+}
+
+/// A receiver whose memory is full reads eager bytes past and grants them later, in
+/// order: nothing is lost and nothing waits unbounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_offers_meeting_full_memory_wait_for_their_grant_in_order() {
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "[memory]\nhost = \"256KiB\"").await;
+    let baseline = host_granted(&hub).await;
+    let mut rogue = rogue(&scratch, &hub).await;
+    const LEN: usize = 60 << 10;
+    let bytes = |i: u64| vec![i as u8; LEN];
+    // Four fill the budget (taken eagerly, answered Done); the fifth finds no memory and
+    // the sixth an earlier offer still waiting: both read past.
+    for i in 1..=6u64 {
+        rogue
+            .writer
+            .feed_chunk(&eager_offer(i, LEN as u64), &bytes(i))
+            .await
+            .expect("eager offer");
+        rogue.writer.flush().await.expect("flush");
+        if i <= 4 {
+            match next_message(&mut rogue, Duration::from_secs(5)).await {
+                Some(Message::Done(d)) if d.transfer == i => {}
+                other => panic!("expected Done for eager {i}, got {other:?}"),
+            }
+        }
+    }
+    // Each recv frees one; the oldest waiting offer is granted, streamed and done.
+    for (taken, waiting) in [(1u64, 5u64), (2, 6)] {
+        let got = hub.recv(Some("rogue"), Some(taken)).await.expect("recv");
+        assert_eq!(got.buffer.to_vec().expect("host"), bytes(taken));
+        drop(got);
+        granted(&mut rogue, waiting).await;
+        rogue
+            .writer
+            .feed_chunk(
+                &Message::Data(DataChunk {
+                    transfer: waiting,
+                    offset: 0,
+                    len: LEN as u32,
+                }),
+                &bytes(waiting),
+            )
+            .await
+            .expect("data");
+        rogue.writer.flush().await.expect("flush");
+        match next_message(&mut rogue, Duration::from_secs(5)).await {
+            Some(Message::Done(d)) if d.transfer == waiting => {}
+            other => panic!("expected Done for {waiting}, got {other:?}"),
+        }
+    }
+    for i in 3..=6u64 {
+        let got = hub.recv(Some("rogue"), None).await.expect("recv");
+        assert_eq!(got.tag, i, "delivered out of order");
+        assert_eq!(got.buffer.to_vec().expect("host"), bytes(i));
+    }
+    assert!(
+        memory_back_to(&hub, baseline, Duration::from_secs(5)).await,
+        "memory still held after every buffer was taken"
+    );
+    hub.shutdown().await;
+}

@@ -1471,3 +1471,146 @@ fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
         assert_eq!(p.transport(), transport);
     }
 }
+
+fn eager_request(tag: u64, len: u64, now: Instant) -> SendRequest {
+    SendRequest {
+        fetch: None,
+        tag,
+        len,
+        source: WireMemoryKind::Host,
+        transport: TransportName::Tcp,
+        direction: WireDirection::Push,
+        ipc: None,
+        ucx: None,
+        layout: Layout::Contiguous,
+        deadline: now + LONG,
+    }
+}
+
+fn drain(s: &mut PeerSession) -> (Vec<Message>, Vec<SessionEvent>) {
+    let sent = std::iter::from_fn(|| s.poll_transmit()).collect();
+    let events = std::iter::from_fn(|| s.poll_event()).collect();
+    (sent, events)
+}
+
+/// Within the peer's eager credit and size, a tcp push goes with its bytes and completes
+/// on `Done` with no grant; past either, it is a plain offer. A grant for an eager offer
+/// (the peer read the bytes past) streams them as for any grant. Device memory and other
+/// layouts never go eagerly.
+#[test]
+fn eager_offers_stay_within_the_peer_credit_and_fall_back_on_a_grant() {
+    use ferry_actors::core::session::EagerTerms;
+    use ferry_transports::wire::{Done, Grant};
+    let now = Instant::now();
+    let mut a = PeerSession::new(LIMITS);
+    a.handle_peer_eager(EagerTerms {
+        max: 100,
+        credit: 150,
+    });
+    let op1 = a
+        .handle_send(now, eager_request(1, 100, now))
+        .expect("queued");
+    let op2 = a
+        .handle_send(now, eager_request(2, 100, now))
+        .expect("queued");
+    let op3 = a
+        .handle_send(now, eager_request(3, 101, now))
+        .expect("queued");
+    let mut device = eager_request(4, 10, now);
+    device.source = WireMemoryKind::Device(0);
+    a.handle_send(now, device).expect("queued");
+    let (sent, events) = drain(&mut a);
+    let eager: Vec<bool> = sent
+        .iter()
+        .map(|m| match m {
+            Message::Offer(o) => o.eager,
+            other => panic!("expected offers, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(eager, [true, false, false, false]);
+    assert!(
+        events.is_empty(),
+        "an eager offer starts no stream: {events:?}"
+    );
+    // Done completes the eager one; its credit is free again.
+    a.handle_message(Message::Done(Done { transfer: op1.0 }))
+        .expect("done");
+    let (_, events) = drain(&mut a);
+    assert_eq!(events, [SessionEvent::Finished(op1, Outcome::Completed)]);
+    let op5 = a
+        .handle_send(now, eager_request(5, 100, now))
+        .expect("queued");
+    let (sent, _) = drain(&mut a);
+    assert!(matches!(&sent[..], [Message::Offer(o)] if o.eager && o.transfer == op5.0));
+    // A grant for it: the peer read its bytes past; they stream now.
+    let grant = |op: OpId| {
+        Message::Grant(Grant {
+            transfer: op.0,
+            landing: WireMemoryKind::Host,
+            target: None,
+            ucx: None,
+        })
+    };
+    a.handle_message(grant(op5)).expect("grant");
+    let (_, events) = drain(&mut a);
+    assert_eq!(events, [SessionEvent::Stream(op5)]);
+    a.handle_stream_ended(op5);
+    a.handle_message(Message::Done(Done { transfer: op5.0 }))
+        .expect("done");
+    let (_, events) = drain(&mut a);
+    assert_eq!(events, [SessionEvent::Finished(op5, Outcome::Completed)]);
+    // The plain ones go the usual way.
+    a.handle_message(grant(op2)).expect("grant");
+    a.handle_message(grant(op3)).expect("grant");
+    let (_, events) = drain(&mut a);
+    assert_eq!(
+        events,
+        [SessionEvent::Stream(op2), SessionEvent::Stream(op3)]
+    );
+}
+
+/// At the receiver, an eager transfer is complete on arrival and answered at once, but is
+/// delivered only after an earlier offer of the peer (still being granted) is.
+#[test]
+fn an_eager_transfer_is_delivered_behind_earlier_offers() {
+    use ferry_transports::wire::{Done, Offer};
+    let now = Instant::now();
+    let mut b = PeerSession::new(LIMITS);
+    let offer = |transfer: u64, eager: bool| Offer {
+        eager,
+        fetch: None,
+        transfer,
+        tag: transfer * 10,
+        len: 100,
+        source: WireMemoryKind::Host,
+        transport: ferry_transports::wire::WireTransport::Tcp,
+        direction: WireDirection::Push,
+        ipc: None,
+        ucx: None,
+        layout: Layout::Contiguous,
+    };
+    b.handle_message(Message::Offer(offer(1, false)))
+        .expect("offer");
+    assert_eq!(b.inbound_waiting(), 1);
+    assert!(b.handle_eager_offer(offer(2, true)).expect("eager offer"));
+    let (sent, events) = drain(&mut b);
+    assert_eq!(sent, [Message::Done(Done { transfer: 2 })]);
+    assert!(
+        events
+            .iter()
+            .all(|e| !matches!(e, SessionEvent::Deliver { .. })),
+        "delivered before the earlier offer: {events:?}"
+    );
+    assert!(b.handle_reserved(now, InboundId(1), WireMemoryKind::Host, None));
+    assert_eq!(b.inbound_waiting(), 0);
+    assert!(b.handle_inbound_complete(InboundId(1)));
+    let (_, events) = drain(&mut b);
+    let delivered: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            SessionEvent::Deliver { tag, .. } => Some(*tag),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(delivered, [10, 20]);
+}

@@ -342,7 +342,19 @@ pub async fn hand_driven_link(
     name: &str,
     transports: Vec<ferry::TransportName>,
 ) -> ferry_transports::link::Link {
+    let hello = ferry_transports::link::local_hello(name, transports, 4 << 20);
+    hand_driven_link_with(secret, node, target, hello).await
+}
+
+/// [`hand_driven_link`] greeting the node with `hello` (its name is the peer's).
+pub async fn hand_driven_link_with(
+    secret: &Path,
+    node: &Node,
+    target: ferry_transports::link::Endpoint,
+    hello: ferry_transports::wire::Hello,
+) -> ferry_transports::link::Link {
     use ferry_transports::link::{self, LinkCounters, LinkOptions, Secret};
+    let name = hello.node.clone();
     let secret = Secret::new(std::fs::read(secret).expect("secret"));
     let opts = LinkOptions {
         max_frame: 4 << 20,
@@ -350,14 +362,13 @@ pub async fn hand_driven_link(
         stall_timeout: Duration::from_secs(30),
         counters: std::sync::Arc::new(LinkCounters::new()),
     };
-    let hello = link::local_hello(name, transports, 4 << 20);
     let link = link::dial(&target, &secret, hello, &opts)
         .await
         .expect("the hand-driven peer holds the secret");
     let taken = eventually(Duration::from_secs(5), async || {
         node.connected_peers()
             .await
-            .is_ok_and(|p| p.iter().any(|n| n == name))
+            .is_ok_and(|p| p.contains(&name))
     })
     .await;
     assert!(taken, "the node never took {name}'s link");

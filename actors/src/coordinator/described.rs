@@ -48,6 +48,12 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
     ),
     (
         MetricKind::Counter,
+        "ferry_eager_read_past_total",
+        None,
+        "Eager tcp offers whose bytes were read past (no room or memory at once): granted later and sent again",
+    ),
+    (
+        MetricKind::Counter,
         "ferry_push_failures_total",
         None,
         "ipc pushes whose copy into the peer's lent buffer failed (import or copy refused)",
@@ -229,6 +235,7 @@ pub fn describe_metrics() {
         metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
     }
     metrics::counter!("ferry_pull_failures_total").absolute(0);
+    metrics::counter!("ferry_eager_read_past_total").absolute(0);
     metrics::counter!("ferry_ucx_emulated_rma_peers_total").absolute(0);
     metrics::counter!("ferry_ucx_pushes_streamed_total").absolute(0);
     metrics::counter!("ferry_push_failures_total").absolute(0);

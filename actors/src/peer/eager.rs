@@ -8,8 +8,8 @@
 
 use super::*;
 use crate::core::session::EagerTerms;
-use std::sync::atomic::AtomicU64;
 use ferry_transports::wire::Offer;
+use std::sync::atomic::AtomicU64;
 
 /// An eager offer that breaks the protocol: the peer misbehaved, and its link ends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -207,7 +207,10 @@ impl ReadLoop {
             return Err("eager memory is not host memory".into());
         };
         if let Err(e) = reader.read_payload_into(destination).await {
-            return Err(format!("eager transfer {} not received: {e}", offer.transfer));
+            return Err(format!(
+                "eager transfer {} not received: {e}",
+                offer.transfer
+            ));
         }
         let arrived = EagerArrived {
             offer,
@@ -270,7 +273,6 @@ impl TransferActor {
             );
         }
     }
-
 }
 
 /// The offer of an eager op and a copy of its bytes (at most `transport.tcp.eager_max`,
@@ -291,4 +293,89 @@ pub(super) fn eager_outgoing(
         offer: Message::Offer(offer),
         bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_transports::wire::{WireMemoryKind, WireTransport};
+
+    fn offer(transfer: u64, len: u64) -> Offer {
+        Offer {
+            eager: true,
+            fetch: None,
+            transfer,
+            tag: 1,
+            len,
+            source: WireMemoryKind::Host,
+            transport: WireTransport::Tcp,
+            direction: WireDirection::Push,
+            ipc: None,
+            ucx: None,
+            layout: Layout::Contiguous,
+        }
+    }
+
+    fn gate() -> EagerGate {
+        EagerGate::new(
+            EagerTerms {
+                max: 100,
+                credit: 150,
+            },
+            1000,
+        )
+    }
+
+    /// A hostile peer's eager offers: too large, past the credit, an id twice, or not a
+    /// contiguous tcp push, each refused with its reason; the credit comes back on release.
+    #[test]
+    fn eager_offers_past_the_terms_are_violations() {
+        let g = gate();
+        assert_eq!(
+            g.check(&offer(1, 101)),
+            Err(EagerViolation::TooLarge { len: 101, max: 100 })
+        );
+        assert_eq!(g.check(&offer(1, 0)), Err(EagerViolation::NotEager(1)));
+        let mut pull = offer(1, 10);
+        pull.direction = WireDirection::Pull;
+        assert_eq!(g.check(&pull), Err(EagerViolation::NotEager(1)));
+        let mut strided = offer(1, 10);
+        strided.layout = Layout::blocks([(0, 5), (8, 5)]);
+        assert_eq!(g.check(&strided), Err(EagerViolation::NotEager(1)));
+        assert_eq!(g.check(&offer(1, 100)), Ok(()));
+        g.take(1, 100);
+        assert_eq!(g.check(&offer(1, 10)), Err(EagerViolation::Twice(1)));
+        assert_eq!(
+            g.check(&offer(2, 51)),
+            Err(EagerViolation::PastCredit {
+                len: 51,
+                unanswered: 100,
+                credit: 150
+            })
+        );
+        assert_eq!(g.check(&offer(2, 50)), Ok(()));
+        g.release(1);
+        g.release(1);
+        assert_eq!(g.check(&offer(2, 100)), Ok(()));
+    }
+
+    /// Room only while the actor has handled every offer handed to it, none waits, and the
+    /// share has room beside what is held and what the reader took.
+    #[test]
+    fn room_waits_for_earlier_offers_and_the_share() {
+        let g = gate();
+        assert!(g.room(0, 100));
+        assert!(!g.room(1, 100), "an offer the actor has not handled yet");
+        g.publish(1, 1, 0);
+        assert!(!g.room(1, 100), "an offer waits for memory");
+        g.publish(1, 0, 850);
+        assert!(g.room(1, 100));
+        g.take(7, 60);
+        assert!(
+            !g.room(1, 100),
+            "the share: 850 held, 60 taken, 100 more > 1000"
+        );
+        g.release(7);
+        assert!(g.room(1, 150));
+    }
 }

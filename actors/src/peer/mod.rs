@@ -28,7 +28,9 @@ use self::outbound::Held;
 pub use self::ucx::UcxOff;
 pub use self::ucx::{AskUcxKeys, AskUcxLanes};
 pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
-use self::{eager::*, fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*};
+use self::{
+    eager::*, fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*,
+};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -50,9 +52,7 @@ use ferry_transports::wire::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::allocator::{
-    self, Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor,
-};
+use crate::allocator::{self, Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor};
 use crate::core::exports::ExportId;
 use crate::core::ipc_setup::{
     Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
@@ -521,10 +521,11 @@ impl Handler<Attach> for TransferActor {
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
         // What the peer takes eagerly, before anything is offered on this link.
-        self.session.handle_peer_eager(crate::core::session::EagerTerms {
-            max: link.peer_hello.eager_max,
-            credit: link.peer_hello.eager_credit,
-        });
+        self.session
+            .handle_peer_eager(crate::core::session::EagerTerms {
+                max: link.peer_hello.eager_max,
+                credit: link.peer_hello.eager_credit,
+            });
         if let Some(old) = self.writer.take() {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
