@@ -636,6 +636,15 @@ async fn eager_offers_meeting_full_memory_wait_for_their_grant_in_order() {
             }
         }
     }
+    // Both wait for memory before any is freed (else the reader, seeing room, would take
+    // the fifth eagerly).
+    assert!(
+        eventually(Duration::from_secs(5), async || {
+            hub.host_memory().await.expect("stats").waiting == 2
+        })
+        .await,
+        "the fifth and sixth offers never waited for memory"
+    );
     // Each recv frees one; the oldest waiting offer is granted, streamed and done.
     for (taken, waiting) in [(1u64, 5u64), (2, 6)] {
         let got = hub.recv(Some("rogue"), Some(taken)).await.expect("recv");
