@@ -48,8 +48,10 @@ const RETURN_COALESCE: Duration = Duration::from_millis(1);
 
 impl ReturnedBytes {
     fn release_bytes(&self, bytes: u64) {
-        self.bytes.fetch_add(bytes, Ordering::AcqRel);
-        if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::AcqRel) {
+        // SeqCst with `wanted`: the actor sets `wanted`, then reads `bytes`; a release
+        // adds to `bytes`, then reads `wanted`: one of the two sees the other.
+        self.bytes.fetch_add(bytes, Ordering::SeqCst);
+        if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::SeqCst) {
             self.wake.notify_one();
         }
     }
@@ -89,6 +91,22 @@ impl Kept {
             Kept::Device(memory) => memory.capacity() as u64,
         }
     }
+}
+
+/// Frees kept memory; returns the streams its device memory is freed on, in order on them
+/// (wait for those to have it back in the pool).
+fn free_kept(kept: Vec<Kept>) -> Vec<Stream> {
+    let mut streams: Vec<Stream> = Vec::new();
+    for kept in kept {
+        if let Kept::Device(memory) = kept {
+            let stream = memory.stream();
+            drop(memory);
+            if !streams.iter().any(|s| s.same_as(&stream)) {
+                streams.push(stream);
+            }
+        }
+    }
+    streams
 }
 
 /// Memory of dropped buffers, kept for grants that overwrite it whole: a streamed receive
@@ -331,6 +349,8 @@ pub struct Domain {
     returned: Arc<ReturnedBytes>,
     /// Memory kept for grants that overwrite it.
     shelf: Shelf,
+    /// Set when the actor stopped: dropped buffers' memory is freed, not kept.
+    closed: AtomicBool,
     /// Gives a buffer's bytes back to `returned`, and its memory to `shelf`.
     releaser: Arc<dyn Releaser>,
     home: OnceLock<Arc<dyn MemoryHome>>,
@@ -364,6 +384,11 @@ impl Domain {
     /// Keeps the memory of a dropped buffer (its lease already given back) on the shelf, if
     /// the budget has room for it beside what is granted.
     fn shelve(&self, memory: Kept) {
+        if self.closed.load(Ordering::Acquire) {
+            // The domain's actor stopped: nothing is kept any more.
+            drop(memory);
+            return;
+        }
         let (most, bound) = if self.on_device() {
             (SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES)
         } else {
@@ -390,31 +415,19 @@ impl Domain {
         drop(evicted);
     }
 
-    /// Frees all kept memory; returns the streams its device memory is freed on (in their
-    /// order: wait for them to have it back in the pool).
-    fn empty_shelf(&self) -> Vec<Stream> {
-        let evicted: Vec<Kept> = {
-            let mut kept = self.shelf.kept();
-            self.shelf.bytes.store(0, Ordering::Release);
-            kept.drain(..).collect()
-        };
-        let mut streams: Vec<Stream> = Vec::new();
-        for kept in evicted {
-            if let Kept::Device(memory) = kept {
-                let stream = memory.stream();
-                if !streams.iter().any(|s| s.same_as(&stream)) {
-                    streams.push(stream);
-                }
-            }
-        }
-        streams
+    /// Takes all kept memory off the shelf (the caller frees it).
+    fn take_shelf(&self) -> Vec<Kept> {
+        let mut kept = self.shelf.kept();
+        self.shelf.bytes.store(0, Ordering::Release);
+        kept.drain(..).collect()
     }
 
     /// Frees kept memory that no longer fits beside what is granted (a grant just grew
     /// it), oldest first.
-    fn trim_shelf(&self) {
+    /// Returns the streams its device memory is freed on.
+    fn trim_shelf(&self) -> Vec<Stream> {
         if self.shelf.bytes.load(Ordering::Acquire) == 0 {
-            return;
+            return Vec::new();
         }
         let evicted = {
             let budget = self.budget();
@@ -422,7 +435,7 @@ impl Domain {
             let mut kept = self.shelf.kept();
             Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free, usize::MAX)
         };
-        drop(evicted);
+        free_kept(evicted)
     }
 
     /// Reserves every part now, on the caller's thread (a device allocation included),
@@ -500,7 +513,8 @@ impl Domain {
                 _ => None,
             })
             .collect();
-        self.trim_shelf();
+        // Where kept memory was just freed: a refused allocation waits for it (below).
+        let mut freed_on = self.trim_shelf();
         let mut buffers = Vec::with_capacity(parts.len());
         for (i, &len) in parts.iter().enumerate() {
             let id = self.next_id();
@@ -532,18 +546,19 @@ impl Domain {
                 let on = on?;
                 let len = usize::try_from(len).ok()?;
                 // Refused (the stream cannot wait): freed, and a fresh allocation instead.
-                memory.reuse(len, on).ok().map(|()| memory)
+                memory.reuse(&device.pool, len, on).ok().map(|()| memory)
             });
             let made = reused.map_or_else(
                 || {
                     allocate(device, len, on).or_else(|refused| {
-                        // Memory this domain keeps may be what the GPU lacks: freed (in
-                        // order on its streams, which the pool then reuses), then once more.
-                        let freed_on = self.empty_shelf();
+                        // Memory this domain keeps, or just freed, may be what the GPU
+                        // lacks: freed (in order on its streams, which are waited for so the
+                        // pool has it back), then once more.
+                        freed_on.extend(free_kept(self.take_shelf()));
                         if freed_on.is_empty() {
                             return Err(refused);
                         }
-                        for stream in &freed_on {
+                        for stream in freed_on.drain(..) {
                             stream.synchronize()?;
                         }
                         allocate(device, len, on)
@@ -639,6 +654,7 @@ impl Allocator {
                 budget: Mutex::new(Budget::new(capacity, queue_cap)),
                 returned: Arc::clone(&returned),
                 shelf: Shelf::default(),
+                closed: AtomicBool::new(false),
                 releaser: Arc::new(DomainReturn {
                     returned,
                     domain: me.clone(),
@@ -709,7 +725,7 @@ impl Allocator {
             // came back before it said so are collected here, and may grant at once.
             let wanted = !self.waiting.is_empty();
             let was = self.domain.returned.wanted.swap(wanted, Ordering::SeqCst);
-            if !wanted || was || self.domain.returned.bytes.load(Ordering::Acquire) == 0 {
+            if !wanted || was || self.domain.returned.bytes.load(Ordering::SeqCst) == 0 {
                 break;
             }
             self.collect_returned();
@@ -810,8 +826,14 @@ impl Actor for Allocator {
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {
         // The node is going: memory kept for later grants goes back to the GPU now, not
-        // whenever the last handle on the domain does (not waited for here).
-        drop(self.domain.empty_shelf());
+        // whenever the last handle on the domain does, and what is dropped later is freed.
+        // Freeing device memory is a driver call: off the actor's thread.
+        self.domain.closed.store(true, Ordering::Release);
+        let kept = self.domain.take_shelf();
+        match tokio::runtime::Handle::try_current() {
+            Ok(io) if !kept.is_empty() => drop(io.spawn_blocking(move || drop(free_kept(kept)))),
+            _ => drop(free_kept(kept)),
+        }
     }
 
     fn started(&mut self, ctx: &mut Self::Context) {

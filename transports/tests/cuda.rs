@@ -786,15 +786,25 @@ fn a_kept_pool_buffer_is_reused_only_on_its_stream_and_within_its_allocation() {
     let mut out = pool.alloc(1 << 20, &other).expect("alloc");
     copy_async(&mut out, 0, &buffer, 0, 4096, &other).expect("copy");
     assert!(matches!(
-        buffer.reuse(1 << 20, &other),
+        buffer.reuse(&pool, 1 << 20, &other),
         Err(CudaError::Misuse(_))
     ));
     assert!(matches!(
-        buffer.reuse((1 << 20) + 1, &home),
+        buffer.reuse(&pool, (1 << 20) + 1, &home),
         Err(CudaError::Misuse(_))
     ));
-    assert!(matches!(buffer.reuse(0, &home), Err(CudaError::Misuse(_))));
-    buffer.reuse(1 << 20, &home).expect("reuse on its stream");
+    assert!(matches!(
+        buffer.reuse(&pool, 0, &home),
+        Err(CudaError::Misuse(_))
+    ));
+    let stranger = ExportablePool::new(device).expect("another pool");
+    assert!(matches!(
+        buffer.reuse(&stranger, 1 << 20, &home),
+        Err(CudaError::Misuse(_))
+    ));
+    buffer
+        .reuse(&pool, 1 << 20, &home)
+        .expect("reuse on its stream, through its pool");
     assert_eq!((buffer.len(), buffer.device_ptr()), (1 << 20, at));
     fill_async(&mut buffer, 0, 1 << 20, 0x5a, &home).expect("fill");
     home.synchronize().expect("sync");

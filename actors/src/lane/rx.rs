@@ -135,6 +135,17 @@ struct Shared {
 struct InFlight {
     records: AtomicU64,
     bytes: AtomicU64,
+    /// The delivering thread left (it finishes nothing more).
+    gone: AtomicBool,
+}
+
+/// Says, however the delivering thread leaves (a panic included), that it is gone.
+struct Leaving<'a>(&'a AtomicBool);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 impl InFlight {
@@ -156,7 +167,8 @@ impl InFlight {
     /// naps (the delivering thread may wait for slow transfers of the peer).
     fn drain(&self, stop: &AtomicBool) {
         let started = Instant::now();
-        while !self.is_empty() && !stop.load(Ordering::SeqCst) {
+        while !self.is_empty() && !stop.load(Ordering::SeqCst) && !self.gone.load(Ordering::SeqCst)
+        {
             if started.elapsed() < Duration::from_micros(50) {
                 std::hint::spin_loop();
             } else {
@@ -197,7 +209,7 @@ fn issue(ring: &Ring, stop: &AtomicBool, shared: &Shared, to_deliver: &SyncSende
     let mut record = Vec::with_capacity(ring.room());
     let mut idle_since = Instant::now();
     loop {
-        if stop.load(Ordering::SeqCst) {
+        if stop.load(Ordering::SeqCst) || shared.flight.gone.load(Ordering::SeqCst) {
             break;
         }
         let head = match ring.published(next) {
@@ -255,7 +267,10 @@ fn issue(ring: &Ring, stop: &AtomicBool, shared: &Shared, to_deliver: &SyncSende
         top_up = true;
     }
     // Dropping the channel ends the delivering thread once it finished what was queued; it
-    // closes the ring then.
+    // closes the ring then (or this thread does, when that one is gone already).
+    if shared.flight.gone.load(Ordering::SeqCst) {
+        ring.close();
+    }
 }
 
 /// Reads and prepares the records from `next` up to `head` (a batch at most). Only the
@@ -297,6 +312,7 @@ fn prepare_batch(
 /// channel. Closes the ring once the issuing thread is gone and everything it queued is
 /// finished.
 fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared: &Shared) {
+    let _leaving = Leaving(&shared.flight.gone);
     let cx = &shared.cx;
     let mut tail = 0u64;
     let mut idle_since = Instant::now();

@@ -140,11 +140,15 @@ impl EagerGate {
     }
 
     /// Eager transfer `id` is answered (the actor handled it), or the peer cancelled it:
-    /// its credit is free again. Nothing for a transfer not taken.
+    /// its credit is free again. Nothing for a transfer not taken. Its bytes still count
+    /// against the share as held until the actor publishes its next view (which counts the
+    /// transfer itself while it holds the buffer): the reader never sees room the share
+    /// does not have.
     pub(super) fn release(&self, id: u64) {
         let mut ledger = self.ledger();
         if let Some(len) = ledger.by_transfer.remove(&id) {
             ledger.bytes = ledger.bytes.saturating_sub(len);
+            self.held.fetch_add(len, Ordering::AcqRel);
         }
     }
 
@@ -359,6 +363,25 @@ mod tests {
         assert_eq!(g.check(&offer(2, 100)), Ok(()));
     }
 
+    /// A peer's hello grants what it likes; a sender uses at most its own bounds.
+    #[test]
+    fn a_peers_eager_terms_are_bounded() {
+        let t = |max, credit| EagerTerms { max, credit };
+        let frame = 64 << 20;
+        assert_eq!(
+            t(u64::MAX, u64::MAX).bounded(frame),
+            t(EagerTerms::MAX, EagerTerms::MAX_CREDIT)
+        );
+        assert_eq!(
+            t(1 << 20, 4 << 20).bounded(512 << 10),
+            t(448 << 10, 4 << 20),
+            "one payload frame of the peer's carries it"
+        );
+        assert_eq!(t(1 << 20, 1 << 10).bounded(frame), EagerTerms::default());
+        assert_eq!(t(0, 1 << 20).bounded(frame), EagerTerms::default());
+        assert_eq!(t(64 << 10, 1 << 20).bounded(frame), t(64 << 10, 1 << 20));
+    }
+
     /// Room only while the actor has handled every offer handed to it, none waits, and the
     /// share has room beside what is held and what the reader took.
     #[test]
@@ -376,6 +399,11 @@ mod tests {
             "the share: 850 held, 60 taken, 100 more > 1000"
         );
         g.release(7);
+        assert!(
+            !g.room(1, 150),
+            "released bytes count as held until the actor's next view"
+        );
+        g.publish(1, 0, 850);
         assert!(g.room(1, 150));
     }
 }

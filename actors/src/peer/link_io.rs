@@ -505,7 +505,7 @@ impl ReadLoop {
     /// on a control frame still queued: a chunk's region exists before the grant that lets
     /// the peer send it.
     pub(super) async fn forward(&self, owned: Message) -> Result<(), Stop> {
-        match self.me.try_send(FromPeer(owned)) {
+        match self.me.try_send(FromPeer(owned, self.link)) {
             Ok(()) => Ok(()),
             Err(actix::prelude::SendError::Full(msg)) => self
                 .me

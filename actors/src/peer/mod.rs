@@ -264,7 +264,7 @@ pub struct Drain;
 
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-struct FromPeer(Message);
+struct FromPeer(Message, u64);
 
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -521,11 +521,13 @@ impl Handler<Attach> for TransferActor {
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
         // What the peer takes eagerly, before anything is offered on this link.
-        self.session
-            .handle_peer_eager(crate::core::session::EagerTerms {
+        self.session.handle_peer_eager(
+            crate::core::session::EagerTerms {
                 max: link.peer_hello.eager_max,
                 credit: link.peer_hello.eager_credit,
-            });
+            }
+            .bounded(link.peer_hello.max_frame),
+        );
         if let Some(old) = self.writer.take() {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
@@ -689,7 +691,7 @@ impl TransferActor {
 
 impl Handler<FromPeer> for TransferActor {
     type Result = ();
-    fn handle(&mut self, FromPeer(msg): FromPeer, ctx: &mut Self::Context) {
+    fn handle(&mut self, FromPeer(msg, link): FromPeer, ctx: &mut Self::Context) {
         match msg {
             Message::Welcome if !self.welcomed => {
                 self.welcomed = true;
@@ -727,8 +729,9 @@ impl Handler<FromPeer> for TransferActor {
             Message::Cancel(ref cancel) if cancel.by_receiver => {
                 self.cancelled_by_peer(OpId(cancel.transfer));
             }
-            // An offer the reader did not take eagerly: counted for its eager gate.
-            Message::Offer(_) => {
+            // An offer the reader did not take eagerly: counted for its eager gate (only the
+            // current link's reader counts; one replaced may still have frames queued).
+            Message::Offer(_) if link == self.link => {
                 if let Some((_, handled)) = &mut self.eager {
                     *handled = handled.wrapping_add(1);
                 }

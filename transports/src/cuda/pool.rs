@@ -414,19 +414,26 @@ impl DeviceBuffer {
         Stream::from_shared(Arc::clone(&self.home)).same_as(stream)
     }
 
-    /// Makes this pool allocation, kept after the buffer that held it was dropped, ready to
-    /// serve as new memory of `len` bytes (up to [`Self::capacity`]) for work queued on `on`,
-    /// the stream it was allocated on: work queued on `on` from now on follows every use
-    /// recorded on other streams, as a stream-ordered free and allocation on `on` would.
-    /// Its bytes are the old ones: for memory the caller overwrites whole.
+    /// Makes this allocation of `pool`, kept after the buffer that held it was dropped,
+    /// ready to serve as new memory of `len` bytes (up to [`Self::capacity`]) for work
+    /// queued on `on`, the stream it was allocated on: work queued on `on` from now on
+    /// follows every use recorded on other streams, as a stream-ordered free and allocation
+    /// on `on` would. Its bytes are the old ones: for memory the caller overwrites whole.
+    /// Only the pool's owner may (it alone holds `pool`): a buffer's holder cannot grow it
+    /// back over bytes it was not given.
     ///
     /// # Errors
-    /// [`CudaError::Misuse`] for registered memory, another stream or a `len` past the
-    /// allocation; a driver error when the stream cannot wait.
-    pub fn reuse(&mut self, len: usize, on: &Stream) -> Result<(), CudaError> {
-        if !matches!(self.origin, Origin::Pool(_)) {
+    /// [`CudaError::Misuse`] for memory of another pool or registered memory, another
+    /// stream or a `len` past the allocation; a driver error when the stream cannot wait.
+    pub fn reuse(
+        &mut self,
+        pool: &ExportablePool,
+        len: usize,
+        on: &Stream,
+    ) -> Result<(), CudaError> {
+        if !matches!(&self.origin, Origin::Pool(p) if Arc::ptr_eq(p, &pool.inner)) {
             return Err(CudaError::Misuse(
-                "registered memory is not ours to reuse".into(),
+                "only memory of this pool is reused through it".into(),
             ));
         }
         if !self.allocated_on(on) {

@@ -106,6 +106,28 @@ pub struct EagerTerms {
     pub credit: u64,
 }
 
+impl EagerTerms {
+    /// The largest eager transfer a node offers whatever the peer's hello says (the
+    /// configuration's own bound on `transport.tcp.eager_max`).
+    pub const MAX: u64 = 16 << 20;
+    /// The most eager credit a node uses whatever the peer's hello grants.
+    pub const MAX_CREDIT: u64 = 256 << 20;
+
+    /// What a sender uses of the terms a peer's hello granted: `max` bounded by
+    /// [`Self::MAX`] and by what one payload frame of the peer carries (`max_frame`, less
+    /// room for its header), `credit` by [`Self::MAX_CREDIT`]; none when the credit does
+    /// not hold one transfer. A peer granting more gets no more.
+    pub fn bounded(self, max_frame: u32) -> Self {
+        let frame = u64::from(max_frame).saturating_sub(64 << 10);
+        let max = self.max.min(Self::MAX).min(frame);
+        let credit = self.credit.min(Self::MAX_CREDIT);
+        if max == 0 || credit < max {
+            return Self::default();
+        }
+        Self { max, credit }
+    }
+}
+
 /// A one-sided put the application asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutRequest {
