@@ -221,15 +221,7 @@ impl ReadLoop {
             buffer,
             link: self.link,
         };
-        match self.me.try_send(arrived) {
-            Ok(()) => Ok(()),
-            Err(actix::prelude::SendError::Full(msg)) => self
-                .me
-                .send(msg)
-                .await
-                .map_err(|_| "node stopped".to_string()),
-            Err(actix::prelude::SendError::Closed(_)) => Err("node stopped".into()),
-        }
+        self.hand_over(arrived).await
     }
 }
 

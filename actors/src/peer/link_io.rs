@@ -505,7 +505,16 @@ impl ReadLoop {
     /// on a control frame still queued: a chunk's region exists before the grant that lets
     /// the peer send it.
     pub(super) async fn forward(&self, owned: Message) -> Result<(), Stop> {
-        match self.me.try_send(FromPeer(owned, self.link)) {
+        self.hand_over(FromPeer(owned, self.link)).await
+    }
+
+    /// Hands `msg` to the actor in the link's order, as [`Self::forward`] does a frame.
+    pub(super) async fn hand_over<M>(&self, msg: M) -> Result<(), Stop>
+    where
+        M: actix::Message<Result = ()> + Send + 'static,
+        TransferActor: Handler<M>,
+    {
+        match self.me.try_send(msg) {
             Ok(()) => Ok(()),
             Err(actix::prelude::SendError::Full(msg)) => self
                 .me
