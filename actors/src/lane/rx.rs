@@ -178,11 +178,13 @@ impl InFlight {
     }
 }
 
-/// A record on its way from the issuing thread to the delivering one: its landing (or why
-/// it was not taken) and how many bytes it holds in flight.
-struct Queued {
-    landing: Result<Landing, TakeError>,
-    flight: usize,
+/// A record on its way from the issuing thread to the delivering one: its landing (whose
+/// bytes are in flight), or why it was not taken.
+type Queued = Result<Landing, TakeError>;
+
+/// The bytes a queued record holds in flight.
+fn in_flight(queued: &Queued) -> usize {
+    queued.as_ref().map_or(0, |l| l.len)
 }
 
 /// The issuing thread: polls the ring, reserves the landings of every record published so
@@ -246,9 +248,8 @@ fn issue(ring: &Ring, stop: &AtomicBool, shared: &Shared, to_deliver: &SyncSende
         }
         let (records, prepared_at) = (batch.len(), batch_started.elapsed());
         for landing in queue(batch, cx, &shared.events) {
-            let flight = landing.as_ref().map_or(0, |l| l.len);
-            shared.flight.add(flight);
-            if to_deliver.send(Queued { landing, flight }).is_err() {
+            shared.flight.add(in_flight(&landing));
+            if to_deliver.send(landing).is_err() {
                 // The delivering thread is gone: nothing more can be finished.
                 ring.close();
                 return;
@@ -330,10 +331,9 @@ fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared
                 Err(RecvTimeoutError::Disconnected) => break,
             },
         };
-        let outcome = item
-            .landing
-            .and_then(|l| deliver(l, cx, stop, &shared.events));
-        shared.flight.done(item.flight);
+        let flight = in_flight(&item);
+        let outcome = item.and_then(|l| deliver(l, cx, stop, &shared.events));
+        shared.flight.done(flight);
         let outcome = outcome.map_err(|why| why.to_string());
         if let Err(why) = &outcome {
             tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
