@@ -9,7 +9,7 @@
 //! claim and delivers, the others give their grant back. A waiting reservation holds
 //! nothing, and all the parts of one reservation come from one tier or none.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -19,165 +19,21 @@ use ferry_transports::cuda::{ExportablePool, Stream};
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser, SharedBytes,
 };
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::oneshot;
 
 use crate::core::budget::{Budget, BudgetStats, ReservationEvent, ReservationId, Reserved};
 use crate::core::exports::{ExportId, ExportStats, Exports};
 use crate::error::Error;
 use crate::timer::DeadlineTimer;
 
-/// Counts bytes given back by dropped buffers until the actor collects them.
-///
-/// The collecting task is woken at once while reservations wait (`wanted`); otherwise once
-/// per [`RETURN_COALESCE`] at most (`armed`): a thread dropping a buffer per transfer then
-/// pays no wake-up of the actor's thread (an eventfd write) per buffer, and a reservation
-/// made on a caller's thread collects what came back itself.
-#[derive(Debug, Default)]
-struct ReturnedBytes {
-    bytes: AtomicU64,
-    wake: Notify,
-    /// A wake-up is on its way (the collector has not swapped the count since).
-    armed: AtomicBool,
-    /// Reservations wait at the actor: every return may grant one.
-    wanted: AtomicBool,
-}
+mod returned;
+mod shelf;
 
-/// How long the collecting task gathers returns before it tells the actor, while no
-/// reservation waits (the domain's gauges lag by this much at most).
-const RETURN_COALESCE: Duration = Duration::from_millis(1);
-
-impl ReturnedBytes {
-    fn release_bytes(&self, bytes: u64) {
-        // SeqCst with `wanted`: the actor sets `wanted`, then reads `bytes`; a release
-        // adds to `bytes`, then reads `wanted`: one of the two sees the other.
-        self.bytes.fetch_add(bytes, Ordering::SeqCst);
-        if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::SeqCst) {
-            self.wake.notify_one();
-        }
-    }
-}
-
-impl Releaser for ReturnedBytes {
-    fn release(&self, lease: &Lease) {
-        self.release_bytes(lease.len);
-    }
-}
-
-/// The smallest host buffer worth keeping on a [`Shelf`]: below it a fresh allocation comes
-/// from the heap and costs little. (Device memory of every size is worth keeping: a pool
-/// allocation and its free are driver calls of microseconds each.)
-const SHELF_MIN: u64 = 64 * 1024;
-/// The most host buffers a shelf keeps.
-const SHELF_BUFFERS: usize = 16;
-/// The most device buffers a shelf keeps: a lane's records in flight, and some.
-const SHELF_DEVICE_BUFFERS: usize = 96;
-/// The most device memory a shelf keeps (GPU memory other processes may want), and the
-/// largest device buffer worth keeping (above it the copy's time dwarfs the allocation's).
-const SHELF_DEVICE_BYTES: u64 = 512 << 20;
-const SHELF_DEVICE_LARGEST: u64 = 64 << 20;
-
-/// Memory a shelf keeps: a host buffer's bytes, or a device buffer's pool allocation.
-#[derive(Debug)]
-enum Kept {
-    Host(Box<[u8]>),
-    Device(ferry_transports::cuda::DeviceBuffer),
-}
-
-impl Kept {
-    /// The bytes it holds.
-    fn len(&self) -> u64 {
-        match self {
-            Kept::Host(bytes) => bytes.len() as u64,
-            Kept::Device(memory) => memory.capacity() as u64,
-        }
-    }
-}
-
-/// Frees kept memory; returns the streams its device memory is freed on, in order on them
-/// (wait for those to have it back in the pool).
-fn free_kept(kept: Vec<Kept>) -> Vec<Stream> {
-    let mut streams: Vec<Stream> = Vec::new();
-    for kept in kept {
-        if let Kept::Device(memory) = kept {
-            let stream = memory.stream();
-            drop(memory);
-            if !streams.iter().any(|s| s.same_as(&stream)) {
-                streams.push(stream);
-            }
-        }
-    }
-    streams
-}
-
-/// Memory of dropped buffers, kept for grants that overwrite it whole: a streamed receive
-/// (host memory: no page faults and no zeroing, where a fresh megabyte buffer is a new
-/// zeroed allocation) or a lane's landing (device memory allocated on the stream its copy
-/// goes on: no allocation and no free, each a driver call of microseconds, contended
-/// between the lane's thread and the application's). Its bytes were given back to the
-/// budget when their buffer dropped, and the shelf holds at most what the budget has free:
-/// kept memory and granted memory together stay within the budget (a grant first frees
-/// kept memory that no longer fits, oldest first). At most [`SHELF_BUFFERS`] host buffers,
-/// [`SHELF_DEVICE_BUFFERS`] device ones.
-#[derive(Debug, Default)]
-struct Shelf {
-    kept: Mutex<VecDeque<Kept>>,
-    /// The bytes kept, readable without the lock.
-    bytes: AtomicU64,
-}
-
-impl Shelf {
-    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<Kept>> {
-        self.kept.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Drops the oldest memory kept until `room` more bytes and one more buffer (at most
-    /// `most`) fit in `free` bytes; returns what it took out, to be freed outside the locks.
-    fn make_room(
-        kept: &mut VecDeque<Kept>,
-        bytes: &AtomicU64,
-        room: u64,
-        free: u64,
-        most: usize,
-    ) -> Vec<Kept> {
-        let mut evicted = Vec::new();
-        let mut total = bytes.load(Ordering::Acquire);
-        while total.saturating_add(room) > free || (room > 0 && kept.len() >= most) {
-            let Some(old) = kept.pop_front() else { break };
-            total = total.saturating_sub(old.len());
-            evicted.push(old);
-        }
-        bytes.store(total, Ordering::Release);
-        evicted
-    }
-
-    /// The most recently kept host memory of exactly `len` bytes.
-    fn take_host(&self, len: u64) -> Option<Box<[u8]>> {
-        match self.take(len, |k| matches!(k, Kept::Host(_)))? {
-            Kept::Host(bytes) => Some(bytes),
-            Kept::Device(_) => None,
-        }
-    }
-
-    /// The most recently kept device allocation of exactly `len` bytes made on `on`.
-    fn take_device(&self, len: u64, on: &Stream) -> Option<ferry_transports::cuda::DeviceBuffer> {
-        let kept = self.take(len, |k| matches!(k, Kept::Device(m) if m.allocated_on(on)))?;
-        match kept {
-            Kept::Device(memory) => Some(memory),
-            Kept::Host(_) => None,
-        }
-    }
-
-    fn take(&self, len: u64, fits: impl Fn(&Kept) -> bool) -> Option<Kept> {
-        if self.bytes.load(Ordering::Acquire) < len {
-            return None;
-        }
-        let mut kept = self.kept();
-        let at = kept.iter().rposition(|k| k.len() == len && fits(k))?;
-        let taken = kept.remove(at)?;
-        self.bytes.fetch_sub(len, Ordering::AcqRel);
-        Some(taken)
-    }
-}
+use returned::{RETURN_COALESCE, ReturnedBytes};
+use shelf::{
+    Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES, SHELF_DEVICE_LARGEST, SHELF_MIN,
+    Shelf, free_kept,
+};
 
 /// How a domain's buffers give their bytes back: to the budget, and host memory worth
 /// keeping to the domain's shelf.
@@ -497,20 +353,11 @@ impl Domain {
     ) -> Result<Vec<Buffer>, Error> {
         // Kept memory first goes to the parts it fits; what is left of it must then fit
         // beside what is granted, before any memory is made.
-        let mut kept: Vec<Option<Box<[u8]>>> = parts
+        let mut kept: Vec<Option<Kept>> = parts
             .iter()
             .map(|&len| match fill {
-                Fill::Overwritten if !self.on_device() => self.shelf.take_host(len),
-                _ => None,
-            })
-            .collect();
-        let mut kept_device: Vec<Option<ferry_transports::cuda::DeviceBuffer>> = parts
-            .iter()
-            .map(|&len| match (fill, on) {
-                (Fill::Overwritten, Some(on)) if self.on_device() => {
-                    self.shelf.take_device(len, on)
-                }
-                _ => None,
+                Fill::Overwritten => self.shelf.take(len, on),
+                Fill::Zeroed => None,
             })
             .collect();
         // Where kept memory was just freed: a refused allocation waits for it (below).
@@ -527,13 +374,14 @@ impl Domain {
             let releaser = Arc::clone(&self.releaser);
             let home = self.home.get().cloned();
             let Some(device) = self.device.get() else {
-                let buffer = kept[i]
-                    .take()
-                    .and_then(|bytes| {
-                        Buffer::from_host_bytes(lease, bytes, Arc::clone(&releaser), home.clone())
-                            .ok()
-                    })
-                    .unwrap_or_else(|| Buffer::with_home(lease, releaser, home));
+                let buffer = match kept[i].take() {
+                    Some(Kept::Host(bytes)) => Some(bytes),
+                    _ => None,
+                }
+                .and_then(|bytes| {
+                    Buffer::from_host_bytes(lease, bytes, Arc::clone(&releaser), home.clone()).ok()
+                })
+                .unwrap_or_else(|| Buffer::with_home(lease, releaser, home));
                 buffers.push(buffer);
                 continue;
             };
@@ -542,30 +390,11 @@ impl Domain {
                 buffers.push(Buffer::with_home(lease, releaser, home));
                 continue;
             }
-            let reused = kept_device[i].take().and_then(|mut memory| {
-                let on = on?;
-                let len = usize::try_from(len).ok()?;
-                // Refused (the stream cannot wait): freed, and a fresh allocation instead.
-                memory.reuse(&device.pool, len, on).ok().map(|()| memory)
-            });
-            let made = reused.map_or_else(
-                || {
-                    allocate(device, len, on).or_else(|refused| {
-                        // Memory this domain keeps, or just freed, may be what the GPU
-                        // lacks: freed (in order on its streams, which are waited for so the
-                        // pool has it back), then once more.
-                        freed_on.extend(free_kept(self.take_shelf()));
-                        if freed_on.is_empty() {
-                            return Err(refused);
-                        }
-                        for stream in freed_on.drain(..) {
-                            stream.synchronize()?;
-                        }
-                        allocate(device, len, on)
-                    })
-                },
-                Ok,
-            );
+            let reusable = match kept[i].take() {
+                Some(Kept::Device(memory)) => Some(memory),
+                _ => None,
+            };
+            let made = self.device_memory(device, len, on, reusable, &mut freed_on);
             match made {
                 Ok(memory) => buffers.push(Buffer::new_device(lease, memory, releaser, home)),
                 Err(detail) => {
@@ -585,6 +414,38 @@ impl Domain {
             }
         }
         Ok(buffers)
+    }
+}
+
+impl Domain {
+    /// `len` bytes of this GPU's memory for [`Self::grant`]: `kept` (of that length, made
+    /// on `on`) when it can be reused, else a new allocation. The GPU refusing it frees all
+    /// kept memory and waits for that and for what `freed_on` names (memory the grant just
+    /// freed), then asks once more: kept memory may be what the GPU lacks.
+    fn device_memory(
+        &self,
+        device: &DevicePool,
+        len: u64,
+        on: Option<&Stream>,
+        kept: Option<ferry_transports::cuda::DeviceBuffer>,
+        freed_on: &mut Vec<Stream>,
+    ) -> Result<ferry_transports::cuda::DeviceBuffer, ferry_transports::cuda::CudaError> {
+        if let (Some(mut memory), Some(on), Ok(n)) = (kept, on, usize::try_from(len)) {
+            // Refused (the stream cannot wait): it is freed, and allocated anew below.
+            if memory.reuse(&device.pool, n, on).is_ok() {
+                return Ok(memory);
+            }
+        }
+        allocate(device, len, on).or_else(|refused| {
+            freed_on.extend(free_kept(self.take_shelf()));
+            if freed_on.is_empty() {
+                return Err(refused);
+            }
+            for stream in freed_on.drain(..) {
+                stream.synchronize()?;
+            }
+            allocate(device, len, on)
+        })
     }
 }
 

@@ -1,0 +1,44 @@
+//! Bytes given back by dropped buffers, on their way to the domain's actor.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use ferry_transports::memory::{Lease, Releaser};
+use tokio::sync::Notify;
+
+/// Counts bytes given back by dropped buffers until the actor collects them.
+///
+/// The collecting task is woken at once while reservations wait (`wanted`); otherwise once
+/// per [`RETURN_COALESCE`] at most (`armed`): a thread dropping a buffer per transfer then
+/// pays no wake-up of the actor's thread (an eventfd write) per buffer, and a reservation
+/// made on a caller's thread collects what came back itself.
+#[derive(Debug, Default)]
+pub(super) struct ReturnedBytes {
+    pub(super) bytes: AtomicU64,
+    pub(super) wake: Notify,
+    /// A wake-up is on its way (the collector has not swapped the count since).
+    pub(super) armed: AtomicBool,
+    /// Reservations wait at the actor: every return may grant one.
+    pub(super) wanted: AtomicBool,
+}
+
+/// How long the collecting task gathers returns before it tells the actor, while no
+/// reservation waits (the domain's gauges lag by this much at most).
+pub(super) const RETURN_COALESCE: Duration = Duration::from_millis(1);
+
+impl ReturnedBytes {
+    pub(super) fn release_bytes(&self, bytes: u64) {
+        // SeqCst with `wanted`: the actor sets `wanted`, then reads `bytes`; a release
+        // adds to `bytes`, then reads `wanted`: one of the two sees the other.
+        self.bytes.fetch_add(bytes, Ordering::SeqCst);
+        if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::SeqCst) {
+            self.wake.notify_one();
+        }
+    }
+}
+
+impl Releaser for ReturnedBytes {
+    fn release(&self, lease: &Lease) {
+        self.release_bytes(lease.len);
+    }
+}
