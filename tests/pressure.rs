@@ -138,8 +138,7 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
             crcs
         })
     };
-    // The drain starts once the receive tier is full, so what arrives next has to spill
-    // (on a busy machine, a drain started at once could keep up with a slowed echo).
+    // The drain starts once the receive tier is full...
     let filled = common::eventually(Duration::from_secs(30), async || {
         node.memory(MemoryKind::PinnedHost)
             .await
@@ -147,6 +146,19 @@ async fn twice_the_load_the_receiver_drains_spills_and_loses_nothing() {
     })
     .await;
     assert!(filled, "the receive tier never filled");
+    // ...and once an arrival had to spill: the host tier then holds more than the sends'
+    // own buffers (8 of 2 MiB at most). Undrained, the echo's next arrivals can only spill
+    // (a drain started earlier could keep up with an echo slowed by a busy machine).
+    let spilling = common::eventually(Duration::from_secs(30), async || {
+        node.memory(MemoryKind::Host)
+            .await
+            .is_ok_and(|m| m.budget.granted > 16 * MIB)
+    })
+    .await;
+    assert!(
+        spilling,
+        "no arrival spilled while the receive tier was full"
+    );
     let mut spilled = 0;
     let mut got = Vec::new();
     for _ in 0..count {
