@@ -1,7 +1,8 @@
 //! The receiving end of a lane: two threads. The issuing thread reserves each record's
 //! landing and queues the copies of a batch (small ones as one gather); the delivering
-//! thread waits for each copy, delivers the buffer and finishes its record, in order. So
-//! the next batch is prepared and queued while the last one is copied and delivered.
+//! thread waits for each copy, finishes its record (the sender's `Done`) and then delivers
+//! the buffer, in order. So the next batch is prepared and queued while the last one is
+//! copied and delivered, and the sender does not wait for the application's wake-up.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
@@ -308,8 +309,8 @@ fn prepare_batch(
     batch
 }
 
-/// The delivering thread: takes the queued records in order, waits for each copy, delivers
-/// it and finishes its record. Spins `lane_spin` for the next one, then sleeps on the
+/// The delivering thread: takes the queued records in order, waits for each copy,
+/// finishes its record and delivers it. Spins `lane_spin` for the next one, then sleeps on the
 /// channel. Closes the ring once the issuing thread is gone and everything it queued is
 /// finished.
 fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared: &Shared) {
@@ -332,15 +333,20 @@ fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared
             },
         };
         let flight = in_flight(&item);
-        let outcome = item.and_then(|l| deliver(l, cx, stop, &shared.events));
-        shared.flight.done(flight);
-        let outcome = outcome.map_err(|why| why.to_string());
+        let landed = item.and_then(|l| copied(l, &shared.events));
+        // The record is finished as soon as its bytes are in place: the sender's `Done`
+        // does not wait for the application's wake-up below.
+        let outcome = landed.as_ref().map(|_| ()).map_err(|why| why.to_string());
         if let Err(why) = &outcome {
             tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
             metrics::counter!("ferry_pull_failures_total").increment(1);
         }
-        ring.finish(tail, outcome.as_ref().map(|_| ()).map_err(String::as_str));
+        ring.finish(tail, outcome.as_ref().copied().map_err(String::as_str));
         tail += 1;
+        if let Ok(landing) = landed {
+            deliver(landing, cx, stop);
+        }
+        shared.flight.done(flight);
         idle_since = Instant::now();
     }
     ring.close();
@@ -399,6 +405,8 @@ struct Landing {
     /// When its landing was reserved, and its copy queued.
     reserved: Duration,
     queued: Duration,
+    /// When its copy was seen to end (set by the delivering thread).
+    pulled: Duration,
 }
 
 /// Why a lane record was not taken (its words go back to the sender in the ring).
@@ -530,6 +538,7 @@ fn queue(
                 started: p.started,
                 reserved: p.reserved,
                 queued: p.started.elapsed(),
+                pulled: Duration::ZERO,
             })
         })
         .collect()
@@ -609,31 +618,33 @@ fn record(
     Ok(Arc::new(event))
 }
 
-/// Waits for a landing's copy, then delivers it to the inbox.
-fn deliver(
-    landing: Landing,
-    cx: &RxContext,
-    stop: &AtomicBool,
-    events: &Events,
-) -> Result<(), TakeError> {
-    let Landing {
-        tag,
-        len,
-        dst,
-        copied,
-        started,
-        reserved,
-        queued,
-    } = landing;
-    if let Some(event) = copied {
+/// Waits for a landing's copy: the landing, with its bytes in place.
+fn copied(mut landing: Landing, events: &Events) -> Result<Landing, TakeError> {
+    if let Some(event) = landing.copied.take() {
         let waited = spin_on(&event);
         events.give_back(event);
         waited.map_err(driver("copying from the peer"))?;
     }
-    let pulled = started.elapsed();
-    // Slow transfers that completed before this record go first.
+    landing.pulled = landing.started.elapsed();
+    Ok(landing)
+}
+
+/// Delivers a landing whose bytes are in place to the inbox, after the slow transfers that
+/// completed before it (none, when the node stops first: then the buffer is dropped, as
+/// the stopped inbox would drop it).
+fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) {
+    let Landing {
+        tag,
+        len,
+        dst,
+        started,
+        reserved,
+        queued,
+        pulled,
+        ..
+    } = landing;
     if !cx.undelivered.wait_clear(stop) {
-        return Err(TakeError::Stopped);
+        return;
     }
     cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
     tracing::trace!(
@@ -645,7 +656,6 @@ fn deliver(
         deliver_us = (started.elapsed() - pulled).as_micros() as u64,
         "lane record delivered"
     );
-    Ok(())
 }
 
 /// A driver error at `step` of a lane pull.

@@ -109,7 +109,9 @@ impl LaneTx {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends `buffer` under `tag`; resolves once the peer's inbox holds it.
+    /// Sends `buffer` under `tag`; resolves once the peer holds every byte (its inbox then
+    /// has the buffer, or is about to: the receiver finishes a record before waking the
+    /// application).
     ///
     /// # Errors
     /// `DeadlineExceeded` (without the buffer: the peer may still read it), `PeerLost`
