@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferry_transports::cuda::{
-    CudaError, Device, DeviceMemory, ExportablePool, ImportedBuffer, ImportedPool, IpcMapping,
-    POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_boxes_async,
-    copy_boxes_to_host, copy_to_host, enable_peer_access, peer_access,
+    CudaError, Device, DeviceMemory, Event, ExportablePool, ImportedBuffer, ImportedPool,
+    IpcMapping, POINTER_EXPORT_LEN, Stream, Wait, copy_and_wait, copy_async, copy_async_marked,
+    copy_boxes_async, copy_boxes_to_host, copy_to_host, enable_peer_access, peer_access,
 };
 use ferry_transports::fdshare::{self, PoolDirectory};
 use ferry_transports::link::Secret;
@@ -371,13 +371,18 @@ pub fn pull(
 pub struct QueuedPull {
     /// Where the bytes land.
     pub dst: Buffer,
-    /// The stream the copy is queued on; `None` when it was copied and waited for already.
-    pub stream: Option<Stream>,
+    /// Recorded after the copy; `None` when it was copied and waited for already.
+    pub ended: Option<Arc<Event>>,
 }
 
+/// Gives the event a queued copy records after itself, of the copy stream's device: the
+/// caller's to wait for, and the buffers' record of their use (one event for the three).
+pub type TakeEvent<'a> = &'a dyn Fn(&Device) -> Result<Event, CudaError>;
+
 /// A contiguous [`pull`] that queues its copy (on the express stream when `express`, else
-/// the copy stream) and returns without waiting: the caller records an event on [`QueuedPull::stream`] and waits for that, so
-/// that several pulls are in flight at once. The import stays mapped until the copy ends:
+/// the copy stream) and returns without waiting: the caller waits for the event it gave
+/// (`event`), recorded after the copy ([`QueuedPull::ended`]), so that several pulls are in
+/// flight at once. The import stays mapped until the copy ends:
 /// the peer cannot free the buffer before we finish its transfer, and an eviction waits
 /// for every copy in flight. Memory the peer registered is copied and waited for at once.
 /// Blocking (briefly): call it off the actor thread.
@@ -391,10 +396,11 @@ pub fn queue_pull(
     gpus: &Gpus,
     dst: Buffer,
     express: bool,
+    event: TakeEvent<'_>,
 ) -> Result<QueuedPull, (Buffer, IpcError)> {
     if dst.is_empty() || source.legacy.is_some() {
         return pull(source, &Layout::Contiguous, pools, imports, gpus, dst, true)
-            .map(|dst| QueuedPull { dst, stream: None });
+            .map(|dst| QueuedPull { dst, ended: None });
     }
     let mut dst = dst;
     let layout = Layout::Contiguous;
@@ -405,9 +411,9 @@ pub fn queue_pull(
         imports,
         gpus,
         &mut dst,
-        How::Queue(express),
+        How::Queue(express, event),
     ) {
-        Ok(stream) => Ok(QueuedPull { dst, stream }),
+        Ok(ended) => Ok(QueuedPull { dst, ended }),
         Err(why) => Err((dst, why)),
     }
 }
@@ -415,8 +421,9 @@ pub fn queue_pull(
 /// Contiguous pulls of several of the peer's pooled buffers, each into the device memory
 /// of one GPU of ours, queued at once on that GPU's express stream (`express`) or its copy
 /// stream: one launch of the gather kernel where it loads ([`ferry_transports::cuda::copy_many_async`]), so the copy
-/// engine's fixed cost per copy is paid once. Nothing is waited for: the caller records an
-/// event on the returned stream. The imports stay as [`queue_pull`] says.
+/// engine's fixed cost per copy is paid once. Nothing is waited for: the caller waits for
+/// the event it gave (`event`), recorded after them all and returned. The imports stay as
+/// [`queue_pull`] says.
 ///
 /// # Errors
 /// As [`pull`]; [`IpcError::Unsupported`] for a landing that is not device memory or a
@@ -427,7 +434,8 @@ pub fn queue_pulls(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     express: bool,
-) -> Result<Stream, IpcError> {
+    event: TakeEvent<'_>,
+) -> Result<Arc<Event>, IpcError> {
     let device = items
         .first()
         .and_then(|(_, dst)| dst.device_memory())
@@ -474,23 +482,25 @@ pub fn queue_pulls(
             len,
         });
     }
+    let event = event(stream.device()).map_err(at("creating an event"))?;
     let _copying = gpus.copying();
     // Under the cache's lock, as `copy_many_async` asks: no other copy from these imports
     // is queued and noted meanwhile.
-    ferry_transports::cuda::copy_many_async(&mut pairs, &stream)
+    let gathered = ferry_transports::cuda::copy_many_async(&mut pairs, &stream, event)
         .map_err(at("copying from the peer"))?;
-    Ok(stream)
+    Ok(gathered.ended)
 }
 
 /// How a pooled pull waits for its copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum How {
+#[derive(Clone, Copy)]
+enum How<'a> {
     /// A few bytes: polled under the import lock, on the express stream.
     Express,
     /// Queued on the copy stream, waited for outside the lock.
     Wait,
-    /// Queued (on the express stream when true, else the copy stream), not waited for.
-    Queue(bool),
+    /// Queued (on the express stream when true, else the copy stream), not waited for:
+    /// the event given records its end.
+    Queue(bool, TakeEvent<'a>),
 }
 
 fn pull_pooled(
@@ -500,8 +510,8 @@ fn pull_pooled(
     imports: &std::sync::Mutex<ImportCache>,
     gpus: &Gpus,
     dst: &mut Buffer,
-    how: How,
-) -> Result<Option<Stream>, IpcError> {
+    how: How<'_>,
+) -> Result<Option<Arc<Event>>, IpcError> {
     let len = dst.len();
     let pool = pools.get(&source.device_uuid).ok_or_else(|| {
         IpcError::BadDescriptor(format!(
@@ -528,7 +538,7 @@ fn pull_pooled(
         return Err(IpcError::Gone("the import vanished".into()));
     };
     *last = tick;
-    if how == How::Express
+    if matches!(how, How::Express)
         && boxes.is_none()
         && let Some(memory) = dst.device_memory_mut()
     {
@@ -541,16 +551,24 @@ fn pull_pooled(
     } else {
         // Queue the copy under the lock (the import stays put), wait outside it.
         let at = imported.device_ptr();
-        let express = match how {
-            How::Express => true,
-            How::Wait => false,
-            How::Queue(express) => express,
+        let (express, mark) = match how {
+            How::Express => (true, None),
+            How::Wait => (false, None),
+            How::Queue(express, event) => (express, Some(event)),
         };
-        let stream = queue_copy(dst, &*imported, offset, boxes.as_deref(), gpus, express)?;
+        let (stream, ended) = queue_copy(
+            dst,
+            &*imported,
+            offset,
+            boxes.as_deref(),
+            gpus,
+            express,
+            mark,
+        )?;
         drop(cache);
         queued_at = Some(started.elapsed());
-        if matches!(how, How::Queue(_)) {
-            queued = Some(stream);
+        if ended.is_some() {
+            queued = ended;
         } else {
             finish_copy(&stream).inspect_err(|e| {
                 tracing::debug!(
@@ -684,7 +702,7 @@ fn pull_registered(
             )));
         }
         let queuing = std::time::Instant::now();
-        let stream = queue_copy(dst, &*mapping, offset, boxes.as_deref(), gpus, false)?;
+        let (stream, _) = queue_copy(dst, &*mapping, offset, boxes.as_deref(), gpus, false, None)?;
         let queued_at = queuing.elapsed();
         finish_copy(&stream)?;
         tracing::trace!(
@@ -902,18 +920,33 @@ fn queue_copy(
     boxes: Option<&[RowBox]>,
     gpus: &Gpus,
     express: bool,
-) -> Result<Stream, IpcError> {
+    mark: Option<TakeEvent<'_>>,
+) -> Result<(Stream, Option<Arc<Event>>), IpcError> {
     let len = dst.len();
     let device = dst
         .device_memory()
         .map_or(src.device(), |m| m.device())
         .clone();
     let stream = gpus.copy_stream(&device, express)?;
+    let event = mark
+        .map(|take| take(stream.device()))
+        .transpose()
+        .map_err(at("creating an event"))?;
     let _copying = gpus.copying();
-    match (dst.device_memory_mut(), boxes) {
-        (Some(memory), None) => copy_async(memory, 0, src, offset, len, &stream),
-        (Some(memory), Some(boxes)) => copy_boxes_async(memory, 0, src, offset, boxes, &stream),
-        (None, boxes) => {
+    let copied = match (dst.device_memory_mut(), boxes, event) {
+        // The common case: the given event stands for the copy's end and both buffers' use.
+        (Some(memory), None, Some(event)) => {
+            return copy_async_marked(memory, 0, src, offset, len, &stream, event)
+                .map(|ended| (stream.clone(), Some(ended)))
+                .map_err(at("copying from the peer"));
+        }
+        (Some(memory), None, event) => {
+            copy_async(memory, 0, src, offset, len, &stream).map(|()| event)
+        }
+        (Some(memory), Some(boxes), event) => {
+            copy_boxes_async(memory, 0, src, offset, boxes, &stream).map(|()| event)
+        }
+        (None, boxes, event) => {
             let host = dst
                 .as_mut_slice()
                 .ok_or_else(|| IpcError::Gone("the landing buffer is shared".into()))?;
@@ -921,10 +954,21 @@ fn queue_copy(
                 None => copy_to_host(host, src, offset, &stream),
                 Some(boxes) => copy_boxes_to_host(host, src, offset, boxes, &stream),
             }
+            .map(|()| event)
         }
     }
     .map_err(at("copying from the peer"))?;
-    Ok(stream)
+    // Any other copy: its own uses noted, the given event recorded after it.
+    let ended = match copied {
+        Some(event) => {
+            event
+                .record(&stream)
+                .map_err(at("recording the copy's end"))?;
+            Some(Arc::new(event))
+        }
+        None => None,
+    };
+    Ok((stream, ended))
 }
 
 fn finish_copy(stream: &Stream) -> Result<(), IpcError> {
@@ -1068,7 +1112,15 @@ pub fn pull_in_process(
         let started = std::time::Instant::now();
         let (offset, _, boxes) = source_span(source, layout, dst.len())?;
         let span_at = started.elapsed();
-        let stream = queue_copy(&mut dst, memory, offset, boxes.as_deref(), gpus, express)?;
+        let (stream, _) = queue_copy(
+            &mut dst,
+            memory,
+            offset,
+            boxes.as_deref(),
+            gpus,
+            express,
+            None,
+        )?;
         let queued_at = started.elapsed();
         finish_copy(&stream)?;
         let total = started.elapsed();

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
 use ferry_transports::cuda::{
     CudaError, Device, DeviceMemory, Event, ExportablePool, Pair, PinnedBuffer, Stream, Wait,
-    copy_and_wait, copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host,
-    copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
+    copy_and_wait, copy_async, copy_async_marked, copy_boxes_async, copy_boxes_to_host,
+    copy_from_host, copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
     enable_peer_access, fill_async, load_gather_kernel, peer_access,
 };
 use ferry_transports::link::fdpass;
@@ -286,6 +286,7 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
         (3 << 16, 0),
         ((2 << 20) + 5, 4096),
     ];
+    let other = Stream::new(dev).expect("stream");
     let kernel = load_gather_kernel(dev).is_ok();
     let hosts: Vec<Vec<u8>> = shapes
         .iter()
@@ -316,16 +317,18 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
                 len,
             })
             .collect();
-        let gathered = copy_many_async(&mut pairs, &stream).expect("queued");
+        let event = Event::new(dev).expect("event");
+        let gathered = copy_many_async(&mut pairs, &stream, event).expect("queued");
         assert_eq!(
-            gathered, kernel,
+            gathered.kernel, kernel,
             "the kernel takes every count where it loads"
         );
-        stream.synchronize().expect("copied");
+        // The returned event alone says the copies ended: read back on another stream.
+        gathered.ended.synchronize().expect("copied");
         for (i, dst) in dsts.iter().enumerate() {
             let (len, off) = shapes[i];
             let mut got = vec![0u8; len];
-            copy_to_host(&mut got, dst, 0, &stream).expect("D2H");
+            copy_to_host(&mut got, dst, 0, &other).expect("D2H");
             assert!(got == hosts[i][off..], "copy {i} of {count}: other bytes");
         }
     }
@@ -338,7 +341,42 @@ fn many_copies_queued_as_one_land_each_its_own_bytes() {
         len: 8,
     }];
     assert!(matches!(
-        copy_many_async(&mut bad, &stream),
+        copy_many_async(&mut bad, &stream, Event::new(dev).expect("event")),
+        Err(CudaError::Misuse(_))
+    ));
+}
+
+/// One copy with the caller's event: the event alone says when it ended (the bytes are
+/// read back on another stream, after the source was dropped right after queueing: its
+/// free waits for the event, which stands for its use).
+#[test]
+fn a_marked_copy_ends_at_its_event() {
+    let Some(gpus) = gpus() else { return };
+    let dev = &gpus[0];
+    let pool = ExportablePool::new(dev).expect("exportable pool");
+    let (stream, other) = (
+        Stream::new(dev).expect("stream"),
+        Stream::new(dev).expect("stream"),
+    );
+    for (round, len) in [(0u64, 8usize), (1, 1 << 20), (2, (64 << 20) + 3)] {
+        let host = pattern(round + 70, len + 5);
+        let mut src = pool.alloc(host.len(), &stream).expect("alloc");
+        copy_from_host(&mut src, 0, &host, &stream).expect("H2D");
+        let mut dst = pool.alloc(len, &stream).expect("alloc");
+        let event = Event::new(dev).expect("event");
+        let ended = copy_async_marked(&mut dst, 0, &src, 5, len, &stream, event).expect("queued");
+        drop(src);
+        ended.synchronize().expect("copied");
+        let mut got = vec![0u8; len];
+        copy_to_host(&mut got, &dst, 0, &other).expect("D2H");
+        assert!(got == host[5..], "{len} bytes: other bytes");
+    }
+    // A range past a buffer is refused before anything is queued.
+    let src = pool.alloc(16, &stream).expect("alloc");
+    let mut dst = pool.alloc(16, &stream).expect("alloc");
+    let event = Event::new(dev).expect("event");
+    assert!(matches!(
+        copy_async_marked(&mut dst, 0, &src, 4, 16, &stream, event),
         Err(CudaError::Misuse(_))
     ));
 }
@@ -366,7 +404,8 @@ fn the_gather_kernel_outlives_no_context() {
             src_offset: 0,
             len: host.len(),
         }];
-        copy_many_async(&mut pairs, &stream).expect("queued");
+        let event = Event::new(&dev).expect("event");
+        copy_many_async(&mut pairs, &stream, event).expect("queued");
         stream.synchronize().expect("copied");
         let mut got = vec![0u8; host.len()];
         copy_to_host(&mut got, &dst, 0, &stream).expect("D2H");

@@ -4,12 +4,13 @@
 //! the buffer, in order. So the next batch is prepared and queued while the last one is
 //! copied and delivered, and the sender does not wait for the application's wake-up.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_transports::cuda::{Device, DeviceMemory, Event};
+use ferry_transports::cuda::{CudaError, Device, DeviceMemory, Event};
 use ferry_transports::link::ring::Ring;
 use ferry_transports::memory::{Buffer, MemoryKind};
 use ferry_transports::wire::LaneRecord;
@@ -356,29 +357,41 @@ fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared
 const BATCH: u64 = 16;
 
 /// Events the lane records after each queued copy, reused (the issuing thread takes them,
-/// the delivering thread gives them back).
+/// the delivering thread gives them back). The same event records the copy's buffers' use
+/// ([`ferry_transports::cuda::copy_async_marked`]), so one given back is taken again only
+/// once no buffer refers to it any more (a later use of each replaced it): re-recorded
+/// before, it would stand for another point of a stream than the one they need.
 #[derive(Default)]
-struct Events(Mutex<Vec<Event>>);
+struct Events(Mutex<VecDeque<Arc<Event>>>);
 
 impl Events {
-    fn take(&self, device: &Device) -> Result<Event, TakeError> {
+    fn take(&self, device: &Device) -> Result<Event, CudaError> {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match kept.iter().position(|e| e.device().same_as(device)) {
-            Some(i) => Ok(kept.swap_remove(i)),
-            None => {
-                drop(kept);
-                Event::new(device).map_err(driver("creating an event"))
+        // Only this list holds a free one: no one else can clone it meanwhile.
+        let free = kept
+            .iter()
+            .position(|e| Arc::strong_count(e) == 1 && e.device().same_as(device));
+        if let Some(event) = free.and_then(|i| kept.remove(i)) {
+            match Arc::try_unwrap(event) {
+                Ok(event) => return Ok(event),
+                Err(event) => kept.push_back(event),
             }
         }
+        drop(kept);
+        Event::new(device)
     }
 
-    /// Keeps `event` for reuse once its last landing is done with it.
+    /// Keeps `event` for reuse once the buffers its copy touched are done with it (once: the
+    /// records of one gather share it); the oldest kept goes when there are more than
+    /// enough.
     fn give_back(&self, event: Arc<Event>) {
-        if let Ok(event) = Arc::try_unwrap(event) {
-            let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            if kept.len() < 2 * BATCH as usize {
-                kept.push(event);
-            }
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.iter().any(|e| Arc::ptr_eq(e, &event)) {
+            return;
+        }
+        kept.push_back(event);
+        if kept.len() > 4 * BATCH as usize {
+            kept.pop_front();
         }
     }
 }
@@ -521,13 +534,10 @@ fn queue(
                         &cx.gpus,
                         p.dst,
                         express,
+                        &|device| events.take(device),
                     )
                     .map_err(|(_, why)| why)?;
-                    let copied = match &queued.stream {
-                        Some(stream) => Some(record(events, stream)?),
-                        None => None,
-                    };
-                    (queued.dst, copied)
+                    (queued.dst, queued.ended)
                 }
             };
             Ok(Landing {
@@ -578,9 +588,14 @@ fn gather(
     if items.len() < 2 {
         return None;
     }
-    let queued = crate::gpu::queue_pulls(&mut items, &cx.pools, &cx.imports, &cx.gpus, express)
-        .map_err(TakeError::from)
-        .and_then(|stream| record(events, &stream));
+    let queued = crate::gpu::queue_pulls(
+        &mut items,
+        &cx.pools,
+        &cx.imports,
+        &cx.gpus,
+        express,
+        &|device| events.take(device),
+    );
     match queued {
         Ok(event) => Some(Gathered {
             device,
@@ -604,18 +619,6 @@ fn gatherable(p: &Prepared, cx: &RxContext, device: Option<&Device>, express: bo
         && p.dst
             .device_memory()
             .is_some_and(|m| device.is_none_or(|d| m.device().same_as(d)))
-}
-
-/// An event recorded on `stream` now.
-fn record(
-    events: &Events,
-    stream: &ferry_transports::cuda::Stream,
-) -> Result<Arc<Event>, TakeError> {
-    let event = events.take(stream.device())?;
-    event
-        .record(stream)
-        .map_err(driver("recording the copy's end"))?;
-    Ok(Arc::new(event))
 }
 
 /// Waits for a landing's copy: the landing, with its bytes in place.

@@ -159,6 +159,55 @@ pub fn copy_async(
     Ok(())
 }
 
+/// Queues a copy as [`copy_async`] does, then records `event` on `stream` after it and
+/// returns it: that one event stands for both buffers' use and tells the caller when the
+/// copy ended (one event recorded instead of one per buffer and one of the caller's, about
+/// 1.5 µs each on an H100). `event` is of the stream's device; it is recorded also when
+/// there was nothing to copy.
+///
+/// No other thread may queue work touching these buffers on `stream` during the call, as
+/// [`copy_many_async`] says (the event, recorded before the buffers are noted, replaces
+/// their latest use on the stream).
+///
+/// # Errors
+/// [`CudaError::Misuse`] for a range outside a buffer or an event of another device; a
+/// driver error otherwise (should recording the event fail after the copy was queued, the
+/// copy is waited for before the error returns, so both buffers may be freed).
+pub fn copy_async_marked(
+    dst: &mut impl DeviceMemory,
+    dst_offset: usize,
+    src: &impl DeviceMemory,
+    src_offset: usize,
+    len: usize,
+    stream: &Stream,
+    event: Event,
+) -> Result<Arc<Event>, CudaError> {
+    if !event.device().same_as(stream.device()) {
+        return Err(CudaError::Misuse(
+            "a copy's event is of another device than its stream".into(),
+        ));
+    }
+    // SAFETY: the uses noted below, by the event recorded after the copy, keep both buffers
+    // allocated until it has passed; when the event cannot be recorded, the copy is waited
+    // for here.
+    let queued = unsafe { enqueue(dst, dst_offset, src, src_offset, len, stream) }?;
+    if let Err(e) = event.record(stream) {
+        if queued {
+            stream.synchronize()?;
+        }
+        return Err(e);
+    }
+    let mut shared = SharedUse {
+        stream,
+        event: Arc::new(event),
+    };
+    if queued {
+        dst.note_shared(&mut shared)?;
+        src.note_shared(&mut shared)?;
+    }
+    Ok(shared.event)
+}
+
 /// One copy of [`copy_many_async`]: `len` bytes from `src` at `src_offset` to the start of
 /// `dst`.
 pub struct Pair<'a, D, S> {
@@ -177,8 +226,9 @@ pub struct Pair<'a, D, S> {
 /// fixed cost per copy, 5–8 µs on an H100 for a peer's memory, is paid once; a lone copy
 /// too), else (or where the kernel does not load) as [`copy_boxes_async`] queues a block
 /// list's runs. Returns once queued; every buffer is recorded as used on `stream`, as
-/// [`copy_async`] does, by one event recorded after them all. Returns whether the kernel
-/// took them.
+/// [`copy_async`] does, by one event, `event` (of the stream's device), recorded after them
+/// all: [`Gathered`] returns it, for the caller to wait for, and whether the kernel took
+/// them.
 ///
 /// No other thread may queue work touching these buffers on `stream` during the call: the
 /// batch's event, recorded before the buffers are noted, replaces each buffer's latest use
@@ -187,11 +237,18 @@ pub struct Pair<'a, D, S> {
 /// buffers are used; destinations are borrowed mutably).
 ///
 /// # Errors
-/// [`CudaError::Misuse`] for a range outside a buffer; a driver error otherwise.
+/// [`CudaError::Misuse`] for a range outside a buffer or an event of another device; a
+/// driver error otherwise.
 pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     pairs: &mut [Pair<'_, D, S>],
     stream: &Stream,
-) -> Result<bool, CudaError> {
+    event: Event,
+) -> Result<Gathered, CudaError> {
+    if !event.device().same_as(stream.device()) {
+        return Err(CudaError::Misuse(
+            "a copy's event is of another device than its stream".into(),
+        ));
+    }
     let mut runs = Runs {
         one_gpu: true,
         ..Runs::default()
@@ -209,12 +266,13 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
         runs.sizes.push(p.len);
     }
     if runs.sizes.is_empty() {
-        return Ok(false);
+        event.record(stream)?;
+        return Ok(Gathered {
+            kernel: false,
+            ended: Arc::new(event),
+        });
     }
     stream.bind()?;
-    // Made before anything is queued, so that once copies are, noting them cannot fail for
-    // want of an event.
-    let event = Event::new(stream.device())?;
     // SAFETY: every run lies inside its live buffer (checked above); the uses recorded
     // below keep them allocated until the copies passed; destinations are distinct
     // buffers (each borrowed mutably once); the stream's context is current (bound above).
@@ -234,7 +292,19 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
         p.dst.note_shared(&mut shared)?;
         p.src.note_shared(&mut shared)?;
     }
-    queued
+    Ok(Gathered {
+        kernel: queued?,
+        ended: shared.event,
+    })
+}
+
+/// What [`copy_many_async`] queued.
+#[derive(Debug)]
+pub struct Gathered {
+    /// Whether the gather kernel took the copies (else the copy engine did, one by one).
+    pub kernel: bool,
+    /// The event recorded after them all (the caller's to wait for).
+    pub ended: Arc<Event>,
 }
 
 /// How [`copy_and_wait`] waits for its copy.

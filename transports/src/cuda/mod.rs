@@ -42,10 +42,10 @@ mod raw;
 mod stream;
 
 pub use copy::{
-    BlockCopies, DeviceMemory, Pair, PinnedBuffer, PinnedRing, Wait, block_copies, copy_and_wait,
-    copy_async, copy_boxes_async, copy_boxes_to_host, copy_from_host, copy_from_pinned_async,
-    copy_many_async, copy_to_host, copy_to_pinned_async, fill_async, scatter_boxes_async,
-    scatter_boxes_from_host,
+    BlockCopies, DeviceMemory, Gathered, Pair, PinnedBuffer, PinnedRing, Wait, block_copies,
+    copy_and_wait, copy_async, copy_async_marked, copy_boxes_async, copy_boxes_to_host,
+    copy_from_host, copy_from_pinned_async, copy_many_async, copy_to_host, copy_to_pinned_async,
+    fill_async, scatter_boxes_async, scatter_boxes_from_host,
 };
 pub use device::{Device, enable_peer_access, peer_access};
 pub use error::CudaError;
