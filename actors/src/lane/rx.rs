@@ -1,8 +1,9 @@
 //! The receiving end of a lane: two threads. The issuing thread reserves each record's
 //! landing and queues the copies of a batch (small ones as one gather); the delivering
-//! thread waits for each copy, finishes its record (the sender's `Done`) and then delivers
-//! the buffer, in order. So the next batch is prepared and queued while the last one is
-//! copied and delivered, and the sender does not wait for the application's wake-up.
+//! thread waits for each copy, delivers the buffer, finishes its record (the sender's
+//! `Done`) and then wakes the receive it was handed to, in order. So the next batch is
+//! prepared and queued while the last one is copied and delivered, and the sender does not
+//! wait for the application's wake-up.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,7 +20,7 @@ use super::{LANE_SLOTS, LaneSettings, PARK, Undelivered};
 use crate::allocator::{Fill, Tier, reserve_in_tiers, reserve_now_in_tiers};
 use crate::error::Error;
 use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
-use crate::inbox::Inbox;
+use crate::inbox::{Inbox, Wake};
 
 /// Receive buffers a lane keeps allocated ahead.
 const AHEAD: usize = 4;
@@ -310,8 +311,8 @@ fn prepare_batch(
     batch
 }
 
-/// The delivering thread: takes the queued records in order, waits for each copy,
-/// finishes its record and delivers it. Spins `lane_spin` for the next one, then sleeps on the
+/// The delivering thread: takes the queued records in order, waits for each copy, delivers
+/// it, finishes its record and wakes its receive. Spins `lane_spin` for the next one, then sleeps on the
 /// channel. Closes the ring once the issuing thread is gone and everything it queued is
 /// finished.
 fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared: &Shared) {
@@ -334,19 +335,20 @@ fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared
             },
         };
         let flight = in_flight(&item);
-        let landed = item.and_then(|l| copied(l, &shared.events));
-        // The record is finished as soon as its bytes are in place: the sender's `Done`
-        // does not wait for the application's wake-up below.
-        let outcome = landed.as_ref().map(|_| ()).map_err(|why| why.to_string());
+        let placed = item
+            .and_then(|l| copied(l, &shared.events))
+            .and_then(|l| deliver(l, cx, stop));
+        // The record is finished once the buffer has its place in the inbox, and before the
+        // receive waiting for it is woken (`placed` going): the sender's `Done` does not
+        // wait for that wake-up.
+        let outcome = placed.as_ref().map(|_| ()).map_err(|why| why.to_string());
         if let Err(why) = &outcome {
             tracing::warn!(peer = %cx.peer, "a fast-lane transfer failed: {why}");
             metrics::counter!("ferry_pull_failures_total").increment(1);
         }
         ring.finish(tail, outcome.as_ref().copied().map_err(String::as_str));
         tail += 1;
-        if let Ok(landing) = landed {
-            deliver(landing, cx, stop);
-        }
+        drop(placed);
         shared.flight.done(flight);
         idle_since = Instant::now();
     }
@@ -633,9 +635,9 @@ fn copied(mut landing: Landing, events: &Events) -> Result<Landing, TakeError> {
 }
 
 /// Delivers a landing whose bytes are in place to the inbox, after the slow transfers that
-/// completed before it (none, when the node stops first: then the buffer is dropped, as
-/// the stopped inbox would drop it).
-fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) {
+/// completed before it; the receive it was handed to, if any, is woken when the returned
+/// [`Wake`] goes.
+fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) -> Result<Wake, TakeError> {
     let Landing {
         tag,
         len,
@@ -647,9 +649,9 @@ fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) {
         ..
     } = landing;
     if !cx.undelivered.wait_clear(stop) {
-        return;
+        return Err(TakeError::Stopped);
     }
-    cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
+    let wake = cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,
@@ -659,6 +661,7 @@ fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) {
         deliver_us = (started.elapsed() - pulled).as_micros() as u64,
         "lane record delivered"
     );
+    Ok(wake)
 }
 
 /// A driver error at `step` of a lane pull.

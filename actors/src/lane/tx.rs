@@ -109,9 +109,8 @@ impl LaneTx {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends `buffer` under `tag`; resolves once the peer holds every byte (its inbox then
-    /// has the buffer, or is about to: the receiver finishes a record before waking the
-    /// application).
+    /// Sends `buffer` under `tag`; resolves once the peer's inbox holds it (the receiver
+    /// wakes the application after it finished the record).
     ///
     /// # Errors
     /// `DeadlineExceeded` (without the buffer: the peer may still read it), `PeerLost`

@@ -171,8 +171,8 @@ pub fn copy_async(
 ///
 /// # Errors
 /// [`CudaError::Misuse`] for a range outside a buffer or an event of another device; a
-/// driver error otherwise (should recording the event fail after the copy was queued, the
-/// copy is waited for before the error returns, so both buffers may be freed).
+/// driver error otherwise (should recording the event fail after the copy was queued, each
+/// buffer notes a use of its own, so neither is freed before the copy passed).
 pub fn copy_async_marked(
     dst: &mut impl DeviceMemory,
     dst_offset: usize,
@@ -182,17 +182,36 @@ pub fn copy_async_marked(
     stream: &Stream,
     event: Event,
 ) -> Result<Arc<Event>, CudaError> {
-    if !event.device().same_as(stream.device()) {
-        return Err(CudaError::Misuse(
-            "a copy's event is of another device than its stream".into(),
-        ));
-    }
-    // SAFETY: the uses noted below, by the event recorded after the copy, keep both buffers
-    // allocated until it has passed; when the event cannot be recorded, the copy is waited
-    // for here.
+    of_stream(&event, stream)?;
+    // SAFETY: the uses `mark_uses` notes keep both buffers allocated until the copy has
+    // passed.
     let queued = unsafe { enqueue(dst, dst_offset, src, src_offset, len, stream) }?;
+    let used: &[&dyn sealed::Sealed] = if queued { &[&*dst, src] } else { &[] };
+    mark_uses(stream, event, used)
+}
+
+/// Refuses an event of another device than `stream`'s.
+fn of_stream(event: &Event, stream: &Stream) -> Result<(), CudaError> {
+    if event.device().same_as(stream.device()) {
+        Ok(())
+    } else {
+        Err(CudaError::Misuse(
+            "a copy's event is of another device than its stream".into(),
+        ))
+    }
+}
+
+/// Records `event` on `stream` after what was just queued there and notes it as the latest
+/// use there of each of `used`; returns it. Should recording fail, each buffer notes a use
+/// of its own instead (failing that too, the stream is waited for), so that none is freed
+/// before the copies passed, and the error returns.
+fn mark_uses(
+    stream: &Stream,
+    event: Event,
+    used: &[&dyn sealed::Sealed],
+) -> Result<Arc<Event>, CudaError> {
     if let Err(e) = event.record(stream) {
-        if queued {
+        if used.iter().try_for_each(|b| b.note_use(stream)).is_err() {
             stream.synchronize()?;
         }
         return Err(e);
@@ -201,9 +220,8 @@ pub fn copy_async_marked(
         stream,
         event: Arc::new(event),
     };
-    if queued {
-        dst.note_shared(&mut shared)?;
-        src.note_shared(&mut shared)?;
+    for b in used {
+        b.note_shared(&mut shared)?;
     }
     Ok(shared.event)
 }
@@ -244,11 +262,7 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     stream: &Stream,
     event: Event,
 ) -> Result<Gathered, CudaError> {
-    if !event.device().same_as(stream.device()) {
-        return Err(CudaError::Misuse(
-            "a copy's event is of another device than its stream".into(),
-        ));
-    }
+    of_stream(&event, stream)?;
     let mut runs = Runs {
         one_gpu: true,
         ..Runs::default()
@@ -278,23 +292,15 @@ pub fn copy_many_async<D: DeviceMemory, S: DeviceMemory>(
     // buffers (each borrowed mutably once); the stream's context is current (bound above).
     let queued = unsafe { runs.flush(stream, 1) };
     // Recorded whatever was queued, also when a later copy failed to queue: every buffer
-    // stays allocated until what did get queued has passed. One event for them all; should
-    // recording it fail, the copies are waited for here instead.
-    if let Err(e) = event.record(stream) {
-        stream.synchronize()?;
-        return Err(e);
-    }
-    let mut shared = SharedUse {
-        stream,
-        event: Arc::new(event),
-    };
-    for p in pairs.iter() {
-        p.dst.note_shared(&mut shared)?;
-        p.src.note_shared(&mut shared)?;
-    }
+    // stays allocated until what did get queued has passed. One event for them all.
+    let used: Vec<&dyn sealed::Sealed> = pairs
+        .iter()
+        .flat_map(|p| [&*p.dst as &dyn sealed::Sealed, p.src])
+        .collect();
+    let ended = mark_uses(stream, event, &used)?;
     Ok(Gathered {
         kernel: queued?,
-        ended: shared.event,
+        ended,
     })
 }
 
