@@ -312,9 +312,9 @@ fn prepare_batch(
 }
 
 /// The delivering thread: takes the queued records in order, waits for each copy, delivers
-/// it, finishes its record and wakes its receive. Spins `lane_spin` for the next one, then sleeps on the
-/// channel. Closes the ring once the issuing thread is gone and everything it queued is
-/// finished.
+/// it, finishes its record and wakes its receive. Spins `lane_spin` for the next one, then
+/// sleeps on the channel. Closes the ring once the issuing thread is gone and everything it
+/// queued is finished.
 fn deliver_all(queued: &Receiver<Queued>, ring: &Ring, stop: &AtomicBool, shared: &Shared) {
     let _leaving = Leaving(&shared.flight.gone);
     let cx = &shared.cx;
