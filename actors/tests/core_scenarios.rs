@@ -71,18 +71,7 @@ impl Pair {
     }
 
     fn request(&self, tag: u64, ttl: Duration) -> SendRequest {
-        SendRequest {
-            fetch: None,
-            tag,
-            len: 100,
-            source: WireMemoryKind::Host,
-            transport: TransportName::Tcp,
-            direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
-            layout: Layout::Contiguous,
-            deadline: self.now + ttl,
-        }
+        host_push(tag, 100, self.now + ttl)
     }
 
     fn send(&mut self, tag: u64, ttl: Duration) -> OpId {
@@ -243,16 +232,8 @@ fn an_unsendable_offer_fails_its_op_alone() {
     });
     let now = Instant::now();
     let request = |tag, layout: Layout, len| SendRequest {
-        fetch: None,
-        tag,
-        len,
-        source: WireMemoryKind::Host,
-        transport: TransportName::Tcp,
-        direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
         layout,
-        deadline: now + LONG,
+        ..host_push(tag, len, now + LONG)
     };
     let big = s
         .handle_send(now, request(1, Layout::blocks([(0, 8), (16, 8)]), 16))
@@ -1472,7 +1453,8 @@ fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
     }
 }
 
-fn eager_request(tag: u64, len: u64, now: Instant) -> SendRequest {
+/// A contiguous host buffer of `len` bytes pushed over tcp under `tag`.
+fn host_push(tag: u64, len: u64, deadline: Instant) -> SendRequest {
     SendRequest {
         fetch: None,
         tag,
@@ -1483,7 +1465,7 @@ fn eager_request(tag: u64, len: u64, now: Instant) -> SendRequest {
         ipc: None,
         ucx: None,
         layout: Layout::Contiguous,
-        deadline: now + LONG,
+        deadline,
     }
 }
 
@@ -1508,15 +1490,15 @@ fn eager_offers_stay_within_the_peer_credit_and_fall_back_on_a_grant() {
         credit: 150,
     });
     let op1 = a
-        .handle_send(now, eager_request(1, 100, now))
+        .handle_send(now, host_push(1, 100, now + LONG))
         .expect("queued");
     let op2 = a
-        .handle_send(now, eager_request(2, 100, now))
+        .handle_send(now, host_push(2, 100, now + LONG))
         .expect("queued");
     let op3 = a
-        .handle_send(now, eager_request(3, 101, now))
+        .handle_send(now, host_push(3, 101, now + LONG))
         .expect("queued");
-    let mut device = eager_request(4, 10, now);
+    let mut device = host_push(4, 10, now + LONG);
     device.source = WireMemoryKind::Device(0);
     a.handle_send(now, device).expect("queued");
     let (sent, events) = drain(&mut a);
@@ -1538,7 +1520,7 @@ fn eager_offers_stay_within_the_peer_credit_and_fall_back_on_a_grant() {
     let (_, events) = drain(&mut a);
     assert_eq!(events, [SessionEvent::Finished(op1, Outcome::Completed)]);
     let op5 = a
-        .handle_send(now, eager_request(5, 100, now))
+        .handle_send(now, host_push(5, 100, now + LONG))
         .expect("queued");
     let (sent, _) = drain(&mut a);
     assert!(matches!(&sent[..], [Message::Offer(o)] if o.eager && o.transfer == op5.0));
