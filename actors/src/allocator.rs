@@ -30,10 +30,7 @@ mod returned;
 mod shelf;
 
 use returned::{RETURN_COALESCE, ReturnedBytes};
-use shelf::{
-    Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES, SHELF_DEVICE_LARGEST, SHELF_MIN,
-    Shelf, free_kept,
-};
+use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES, Shelf, free_kept};
 
 /// How a domain's buffers give their bytes back: to the budget, and host memory worth
 /// keeping to the domain's shelf.
@@ -50,17 +47,22 @@ impl Releaser for DomainReturn {
 
     fn release_host(&self, lease: &Lease, bytes: Box<[u8]>) {
         self.returned.release(lease);
-        if bytes.len() as u64 >= SHELF_MIN
-            && let Some(domain) = self.domain.upgrade()
-        {
-            domain.shelve(Kept::Host(bytes));
-        }
+        self.shelve(Kept::Host(bytes));
     }
 
     fn release_device(&self, lease: &Lease, memory: ferry_transports::cuda::DeviceBuffer) {
         self.returned.release(lease);
-        if let Some(domain) = self.domain.upgrade() {
-            domain.shelve(Kept::Device(memory));
+        self.shelve(Kept::Device(memory));
+    }
+}
+
+impl DomainReturn {
+    /// Offers memory worth keeping to the domain's shelf (else it is freed here).
+    fn shelve(&self, memory: Kept) {
+        if memory.worth_keeping()
+            && let Some(domain) = self.domain.upgrade()
+        {
+            domain.shelve(memory);
         }
     }
 }
@@ -251,9 +253,6 @@ impl Domain {
             (SHELF_BUFFERS, u64::MAX)
         };
         let len = memory.len();
-        if len > SHELF_DEVICE_LARGEST && matches!(memory, Kept::Device(_)) {
-            return;
-        }
         let evicted = {
             let budget = self.budget();
             let free = self.free_now(&budget).min(bound);

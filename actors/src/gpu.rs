@@ -912,7 +912,8 @@ fn source_span(
 
 /// Queues the copy of `dst.len()` bytes from `src[offset..]` into `dst`, on a copy stream
 /// of the landing device (of the source's for a host landing, which is pageable memory: that
-/// copy is synchronous). Returns the stream to wait on.
+/// copy is synchronous). Returns the stream to wait on and, with `mark`, the event taken
+/// from it and recorded after the copy.
 fn queue_copy(
     dst: &mut Buffer,
     src: &impl DeviceMemory,
@@ -928,25 +929,18 @@ fn queue_copy(
         .map_or(src.device(), |m| m.device())
         .clone();
     let stream = gpus.copy_stream(&device, express)?;
-    let event = mark
-        .map(|take| take(stream.device()))
-        .transpose()
-        .map_err(at("creating an event"))?;
     let _copying = gpus.copying();
-    let copied = match (dst.device_memory_mut(), boxes, event) {
-        // The common case: the given event stands for the copy's end and both buffers' use.
-        (Some(memory), None, Some(event)) => {
-            return copy_async_marked(memory, 0, src, offset, len, &stream, event)
-                .map(|ended| (stream.clone(), Some(ended)))
-                .map_err(at("copying from the peer"));
-        }
-        (Some(memory), None, event) => {
-            copy_async(memory, 0, src, offset, len, &stream).map(|()| event)
-        }
-        (Some(memory), Some(boxes), event) => {
-            copy_boxes_async(memory, 0, src, offset, boxes, &stream).map(|()| event)
-        }
-        (None, boxes, event) => {
+    if let (Some(take), Some(memory), None) = (mark, dst.device_memory_mut(), boxes) {
+        // The common case: one event for the copy's end and both buffers' use.
+        let event = take(stream.device()).map_err(at("creating an event"))?;
+        let ended = copy_async_marked(memory, 0, src, offset, len, &stream, event)
+            .map_err(at("copying from the peer"))?;
+        return Ok((stream, Some(ended)));
+    }
+    match (dst.device_memory_mut(), boxes) {
+        (Some(memory), None) => copy_async(memory, 0, src, offset, len, &stream),
+        (Some(memory), Some(boxes)) => copy_boxes_async(memory, 0, src, offset, boxes, &stream),
+        (None, boxes) => {
             let host = dst
                 .as_mut_slice()
                 .ok_or_else(|| IpcError::Gone("the landing buffer is shared".into()))?;
@@ -954,13 +948,13 @@ fn queue_copy(
                 None => copy_to_host(host, src, offset, &stream),
                 Some(boxes) => copy_boxes_to_host(host, src, offset, boxes, &stream),
             }
-            .map(|()| event)
         }
     }
     .map_err(at("copying from the peer"))?;
-    // Any other copy: its own uses noted, the given event recorded after it.
-    let ended = match copied {
-        Some(event) => {
+    // Any other copy noted its buffers' uses itself: the caller's event goes after it.
+    let ended = match mark {
+        Some(take) => {
+            let event = take(stream.device()).map_err(at("creating an event"))?;
             event
                 .record(&stream)
                 .map_err(at("recording the copy's end"))?;

@@ -91,7 +91,7 @@ impl Slot {
     }
 }
 
-/// The wake-up of a receive that a lane delivery was handed to ([`Inbox::deliver_lane`]):
+/// The wake-up of a receive that a delivery was handed to ([`Inbox::deliver_lane`] returns it):
 /// done when this goes (a futex call, ~2 µs on the H100, that the sender need not wait for).
 #[must_use = "dropping it wakes the receive at once"]
 #[derive(Debug)]
@@ -170,16 +170,13 @@ impl Inbox {
         layout: Layout,
         buffer: Buffer,
     ) {
-        self.put(
-            peer,
-            tag,
-            Item {
-                buffer,
-                transport,
-                layout,
-                lane: false,
-            },
-        );
+        let item = Item {
+            buffer,
+            transport,
+            layout,
+            lane: false,
+        };
+        drop(self.put(peer, tag, item));
     }
 
     /// A contiguous buffer from `peer`'s lane arrived, standing in for a pull over
@@ -203,27 +200,23 @@ impl Inbox {
             layout: Layout::Contiguous,
             lane: true,
         };
+        self.put(peer, tag, item)
+    }
+
+    /// Queues `item`, or hands it to the first live receive waiting for it, which the
+    /// returned [`Wake`] wakes (after the inbox's lock is released).
+    fn put(&self, peer: &str, tag: u64, item: Item) -> Wake {
         let Ok(mut room) = self.room() else {
             return Wake(None);
         };
-        match room.deliver(peer, tag, item, Slot::is_live) {
-            Some((slot, item)) => {
-                self.lane_taken(peer, item.buffer.len());
-                slot.fill(item.received(peer.to_string(), tag));
-                Wake(Some(slot))
-            }
-            None => Wake(None),
+        let Some((slot, item)) = room.deliver(peer, tag, item, Slot::is_live) else {
+            return Wake(None);
+        };
+        if item.lane {
+            self.lane_taken(peer, item.buffer.len());
         }
-    }
-
-    fn put(&self, peer: &str, tag: u64, item: Item) {
-        let Ok(mut room) = self.room() else { return };
-        if let Some((slot, item)) = room.deliver(peer, tag, item, Slot::is_live) {
-            if item.lane {
-                self.lane_taken(peer, item.buffer.len());
-            }
-            slot.put(item.received(peer.to_string(), tag));
-        }
+        slot.fill(item.received(peer.to_string(), tag));
+        Wake(Some(slot))
     }
 
     fn lane_taken(&self, peer: &str, len: usize) {

@@ -9,7 +9,7 @@ use ferry_transports::cuda::Stream;
 /// The smallest host buffer worth keeping on a [`Shelf`]: below it a fresh allocation comes
 /// from the heap and costs little. (Device memory of every size is worth keeping: a pool
 /// allocation and its free are driver calls of microseconds each.)
-pub(super) const SHELF_MIN: u64 = 64 * 1024;
+const SHELF_MIN: u64 = 64 * 1024;
 /// The most host buffers a shelf keeps.
 pub(super) const SHELF_BUFFERS: usize = 16;
 /// The most device buffers a shelf keeps: a lane's records in flight, and some.
@@ -17,7 +17,7 @@ pub(super) const SHELF_DEVICE_BUFFERS: usize = 96;
 /// The most device memory a shelf keeps (GPU memory other processes may want), and the
 /// largest device buffer worth keeping (above it the copy's time dwarfs the allocation's).
 pub(super) const SHELF_DEVICE_BYTES: u64 = 512 << 20;
-pub(super) const SHELF_DEVICE_LARGEST: u64 = 64 << 20;
+const SHELF_DEVICE_LARGEST: u64 = 64 << 20;
 
 /// Memory a shelf keeps: a host buffer's bytes, or a device buffer's pool allocation.
 #[derive(Debug)]
@@ -32,6 +32,14 @@ impl Kept {
         match self {
             Kept::Host(bytes) => bytes.len() as u64,
             Kept::Device(memory) => memory.capacity() as u64,
+        }
+    }
+
+    /// Host memory from [`SHELF_MIN`], device memory up to [`SHELF_DEVICE_LARGEST`].
+    pub(super) fn worth_keeping(&self) -> bool {
+        match self {
+            Kept::Host(_) => self.len() >= SHELF_MIN,
+            Kept::Device(_) => self.len() <= SHELF_DEVICE_LARGEST,
         }
     }
 }

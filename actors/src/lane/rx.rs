@@ -373,14 +373,13 @@ impl Events {
         let free = kept
             .iter()
             .position(|e| Arc::strong_count(e) == 1 && e.device().same_as(device));
-        if let Some(event) = free.and_then(|i| kept.remove(i)) {
-            match Arc::try_unwrap(event) {
-                Ok(event) => return Ok(event),
-                Err(event) => kept.push_back(event),
+        match free.and_then(|i| kept.remove(i)).map(Arc::try_unwrap) {
+            Some(Ok(event)) => Ok(event),
+            _ => {
+                drop(kept);
+                Event::new(device)
             }
         }
-        drop(kept);
-        Event::new(device)
     }
 
     /// Keeps `event` for reuse once the buffers its copy touched are done with it (once: the
@@ -420,8 +419,6 @@ struct Landing {
     /// When its landing was reserved, and its copy queued.
     reserved: Duration,
     queued: Duration,
-    /// When its copy was seen to end (set by the delivering thread).
-    pulled: Duration,
 }
 
 /// Why a lane record was not taken (its words go back to the sender in the ring).
@@ -550,7 +547,6 @@ fn queue(
                 started: p.started,
                 reserved: p.reserved,
                 queued: p.started.elapsed(),
-                pulled: Duration::ZERO,
             })
         })
         .collect()
@@ -623,21 +619,25 @@ fn gatherable(p: &Prepared, cx: &RxContext, device: Option<&Device>, express: bo
             .is_some_and(|m| device.is_none_or(|d| m.device().same_as(d)))
 }
 
-/// Waits for a landing's copy: the landing, with its bytes in place.
-fn copied(mut landing: Landing, events: &Events) -> Result<Landing, TakeError> {
+/// Waits for a landing's copy: the landing, with its bytes in place, and when they were.
+fn copied(mut landing: Landing, events: &Events) -> Result<(Landing, Duration), TakeError> {
     if let Some(event) = landing.copied.take() {
         let waited = spin_on(&event);
         events.give_back(event);
         waited.map_err(driver("copying from the peer"))?;
     }
-    landing.pulled = landing.started.elapsed();
-    Ok(landing)
+    let pulled = landing.started.elapsed();
+    Ok((landing, pulled))
 }
 
 /// Delivers a landing whose bytes are in place to the inbox, after the slow transfers that
 /// completed before it; the receive it was handed to, if any, is woken when the returned
 /// [`Wake`] goes.
-fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) -> Result<Wake, TakeError> {
+fn deliver(
+    (landing, pulled): (Landing, Duration),
+    cx: &RxContext,
+    stop: &AtomicBool,
+) -> Result<Wake, TakeError> {
     let Landing {
         tag,
         len,
@@ -645,7 +645,6 @@ fn deliver(landing: Landing, cx: &RxContext, stop: &AtomicBool) -> Result<Wake, 
         started,
         reserved,
         queued,
-        pulled,
         ..
     } = landing;
     if !cx.undelivered.wait_clear(stop) {
