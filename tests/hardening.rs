@@ -47,8 +47,7 @@ fn offer(transfer: u64, len: u64) -> Message {
         source: WireMemoryKind::Host,
         transport: ferry_transports::wire::WireTransport::Tcp,
         direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
+        pull: None,
         layout: Layout::Contiguous,
     })
 }
@@ -134,8 +133,7 @@ async fn a_corrupt_control_frame_ends_the_link_and_its_transfers_at_once() {
         let grant = Message::Grant(ferry_transports::wire::Grant {
             transfer,
             landing: WireMemoryKind::Host,
-            target: None,
-            ucx: None,
+            lent: None,
         });
         let mut bytes = ferry_transports::wire::encode(&grant).expect("encode");
         let last = bytes.len() - 1;
@@ -376,8 +374,7 @@ async fn a_peer_that_stops_reading_loses_both_halves_of_its_link() {
             .send(&Message::Grant(ferry_transports::wire::Grant {
                 transfer,
                 landing: WireMemoryKind::Host,
-                target: None,
-                ucx: None,
+                lent: None,
             }))
             .await
             .expect("grant");
@@ -500,10 +497,16 @@ async fn an_eager_offer_past_the_credit_or_of_a_wrong_length_ends_the_link() {
 /// A hand-driven peer "rogue" whose hello grants the node eager credit.
 async fn rogue_granting(scratch: &Scratch, node: &Node, eager_max: u64, credit: u64) -> Link {
     let target = Endpoint::Tcp(node.tcp_addrs()[0].clone());
-    let hello = ferry_transports::wire::Hello {
+    let terms = ferry_transports::tcp::TcpTerms {
         eager_max,
         eager_credit: credit,
-        ..ferry_transports::link::local_hello("rogue", vec![ferry::TransportName::Tcp], 4 << 20)
+    };
+    let hello = ferry_transports::wire::Hello {
+        transports: vec![ferry_transports::wire::Announce {
+            transport: ferry_transports::wire::WireTransport::Tcp,
+            terms: terms.announce().expect("tcp's terms encode"),
+        }],
+        ..ferry_transports::link::local_hello("rogue", Vec::new(), 4 << 20)
     };
     common::hand_driven_link_with(&scratch.secret, node, target, hello).await
 }
@@ -573,8 +576,7 @@ async fn small_sends_go_with_their_offer_within_the_peer_credit() {
             .send(&Message::Grant(ferry_transports::wire::Grant {
                 transfer: offer.transfer,
                 landing: WireMemoryKind::Host,
-                target: None,
-                ucx: None,
+                lent: None,
             }))
             .await
             .expect("grant");

@@ -227,14 +227,8 @@ pub(crate) fn node_hello(
     Hello {
         host_id: host_id.to_owned(),
         receives: receives.to_wire(),
-        ucx_address: transports
-            .ucx
-            .as_ref()
-            .map(|e| e.address())
-            .unwrap_or_default(),
-        eager_max: transports.tcp_eager.max,
-        eager_credit: transports.tcp_eager.credit,
-        ..link::local_hello(node, transports.served(), max_frame)
+        transports: transports.announce(),
+        ..link::local_hello(node, Vec::new(), max_frame)
     }
 }
 
@@ -326,7 +320,35 @@ impl NodeTransports {
     pub fn unusable_with(&self, hello: &Hello) -> Vec<(ferry_config::TransportName, String)> {
         self.ucx
             .iter()
-            .filter_map(|engine| crate::peer::ucx_unusable_with(engine, &hello.ucx_address))
+            .filter_map(|engine| {
+                let address = hello.announced(ferry_transports::ucx::UcxSource::TRANSPORT)?;
+                crate::peer::ucx_unusable_with(engine, address)
+            })
+            .collect()
+    }
+
+    /// What this node's hello says of each transport it serves.
+    pub fn announce(&self) -> Vec<ferry_transports::wire::Announce> {
+        use ferry_transports::{tcp::TcpTerms, ucx::UcxSource};
+        self.served()
+            .into_iter()
+            .map(|name| {
+                let terms = if name == UcxSource::TRANSPORT {
+                    self.ucx.as_ref().map(|e| e.address())
+                } else if name == TcpTerms::TRANSPORT {
+                    let terms = TcpTerms {
+                        eager_max: self.tcp_eager.max,
+                        eager_credit: self.tcp_eager.credit,
+                    };
+                    terms.announce().ok()
+                } else {
+                    None
+                };
+                ferry_transports::wire::Announce {
+                    transport: name.into(),
+                    terms: terms.unwrap_or_default(),
+                }
+            })
             .collect()
     }
 

@@ -16,9 +16,10 @@ use ferry_transports::cuda::{
     copy_boxes_async, copy_boxes_to_host, copy_to_host, enable_peer_access, peer_access,
 };
 use ferry_transports::fdshare::{self, PoolDirectory};
+use ferry_transports::ipc::{IpcBufferRef, IpcSource};
 use ferry_transports::link::Secret;
 use ferry_transports::memory::{Buffer, SharedBytes};
-use ferry_transports::wire::{IpcBufferRef, IpcSource, Layout, LayoutError, RowBox};
+use ferry_transports::wire::{Layout, LayoutError, RowBox};
 
 use crate::core::handle_cache::{AllocationKey, HandleCache, Lookup};
 

@@ -11,7 +11,7 @@ use ferry_actors::core::session::{
 };
 use ferry_config::TransportName;
 use ferry_transports::wire::{
-    Layout, MAX_BLOCKS, Message, WireDirection, WireMemoryKind, WireReason,
+    Descriptor, Layout, MAX_BLOCKS, Message, WireDirection, WireMemoryKind, WireReason,
 };
 use proptest::prelude::*;
 
@@ -486,8 +486,7 @@ fn protocol_violations_are_errors() {
     let grant = Message::Grant(ferry_transports::wire::Grant {
         transfer: 77,
         landing: WireMemoryKind::Host,
-        target: None,
-        ucx: None,
+        lent: None,
     });
     assert!(
         s.handle_message(grant).is_err(),
@@ -503,8 +502,7 @@ fn protocol_violations_are_errors() {
             source: WireMemoryKind::Host,
             transport: TransportName::Tcp.into(),
             direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
+            pull: None,
             layout: Layout::Contiguous,
         })
     };
@@ -518,10 +516,7 @@ fn protocol_violations_are_errors() {
         transports: vec![],
         max_frame: 0,
         receives: ferry_transports::wire::WireMemoryKind::Host,
-        ucx_address: Vec::new(),
         purpose: ferry_transports::wire::HelloPurpose::Link,
-        eager_max: 0,
-        eager_credit: 0,
     });
     assert!(s.handle_message(hello).is_err());
 }
@@ -603,8 +598,7 @@ fn a_cancel_says_whose_transfer_it_names() {
                 source: WireMemoryKind::Host,
                 transport: TransportName::Tcp,
                 direction: WireDirection::Push,
-                ipc: None,
-                ucx: None,
+                pull: None,
                 layout: Layout::Contiguous,
                 deadline: now + Duration::from_secs(60),
             },
@@ -652,14 +646,16 @@ impl Push {
         }
     }
 
-    fn target() -> ferry_transports::wire::IpcSource {
-        ferry_transports::wire::IpcSource {
-            device_uuid: "GPU-b".into(),
-            buffer: 5,
-            generation: 1,
-            offset: 0,
-            export: vec![1; 64],
-            legacy: None,
+    /// B's lent buffer, as the grant describes it (opaque to the session).
+    fn target() -> Descriptor {
+        Descriptor(vec![1; 64])
+    }
+
+    /// The same, as the session hands it to ipc's part.
+    fn lent() -> PushTarget {
+        PushTarget {
+            transport: TransportName::Ipc,
+            descriptor: Self::target(),
         }
     }
 
@@ -676,8 +672,7 @@ impl Push {
                     source: WireMemoryKind::Device(0),
                     transport: TransportName::Ipc,
                     direction: WireDirection::Push,
-                    ipc: None,
-                    ucx: None,
+                    pull: None,
                     layout: Layout::Contiguous,
                     deadline: self.now + Duration::from_secs(5),
                 },
@@ -704,11 +699,11 @@ impl Push {
             self.now,
             id,
             WireMemoryKind::Device(1),
-            Some(PushTarget::Ipc(Self::target()))
+            Some(Self::lent())
         ));
         let grant = self.b.poll_transmit().expect("granted");
         assert!(
-            matches!(&grant, Message::Grant(g) if g.target == Some(Self::target())),
+            matches!(&grant, Message::Grant(g) if g.lent == Some(Self::target())),
             "{grant:?}"
         );
         self.a.handle_message(grant).expect("a valid grant");
@@ -731,10 +726,7 @@ impl Push {
 fn an_ipc_push_lends_the_receivers_buffer_until_written() {
     let mut p = Push::new();
     let (op, id) = p.offer();
-    assert_eq!(
-        p.lend(id),
-        Some(SessionEvent::Write(op, PushTarget::Ipc(Push::target())))
-    );
+    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::lent())));
     // A's copy is done: it tells B, and waits for B's Done.
     p.a.handle_stream_ended(op);
     assert_eq!(p.a.poll_event(), None, "A waits for B's Done");
@@ -839,8 +831,7 @@ fn push_offers_and_lending_grants_are_checked() {
             source: WireMemoryKind::Device(0),
             transport: TransportName::Ipc,
             direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
+            pull: None,
             layout: Layout::Contiguous,
             deadline: p.now + Duration::from_secs(1),
         },
@@ -863,8 +854,7 @@ fn push_offers_and_lending_grants_are_checked() {
                 source: WireMemoryKind::Host,
                 transport: TransportName::Tcp,
                 direction: WireDirection::Push,
-                ipc: None,
-                ucx: None,
+                pull: None,
                 layout: Layout::Contiguous,
                 deadline: Instant::now() + Duration::from_secs(1),
             },
@@ -874,8 +864,7 @@ fn push_offers_and_lending_grants_are_checked() {
     let grant = Message::Grant(ferry_transports::wire::Grant {
         transfer: op.0,
         landing: WireMemoryKind::Device(0),
-        target: Some(Push::target()),
-        ucx: None,
+        lent: Some(Push::target()),
     });
     let err = s.handle_message(grant).expect_err("a lent buffer for tcp");
     assert!(err.to_string().contains("lends a buffer"), "{err}");
@@ -892,10 +881,10 @@ fn push_offers_and_lending_grants_are_checked() {
 /// lends a buffer of the other transport, or two buffers at once, breaks the protocol.
 #[test]
 fn a_grant_lends_only_the_pushing_transports_buffer() {
-    let ucx_target = || ferry_transports::wire::UcxSource {
-        address: 0x1000,
-        rkey: vec![7; 32],
-        packed: false,
+    let ucx_target = || Descriptor(vec![7; 32]);
+    let ucx_lent = || PushTarget {
+        transport: TransportName::Ucx,
+        descriptor: ucx_target(),
     };
     // B serves ucx: a ucx push offer asks it to reserve and lend for ucx.
     let mut b = PeerSession::new(LIMITS);
@@ -909,8 +898,7 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
         source: WireMemoryKind::Host,
         transport,
         direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
+        pull: None,
         layout: Layout::Contiguous,
         deadline: now + Duration::from_secs(5),
     };
@@ -928,47 +916,37 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
         }) => id,
         other => panic!("B should reserve for a ucx push, got {other:?}"),
     };
-    assert!(b.handle_reserved(
-        now,
-        id,
-        WireMemoryKind::Host,
-        Some(PushTarget::Ucx(ucx_target()))
-    ));
+    assert!(b.handle_reserved(now, id, WireMemoryKind::Host, Some(ucx_lent())));
     let grant = b.poll_transmit().expect("granted");
     assert!(
-        matches!(&grant, Message::Grant(g) if g.ucx == Some(ucx_target()) && g.target.is_none()),
+        matches!(&grant, Message::Grant(g) if g.lent == Some(ucx_target())),
         "{grant:?}"
     );
     a.handle_message(grant).expect("a valid grant");
-    assert_eq!(
-        a.poll_event(),
-        Some(SessionEvent::Write(op, PushTarget::Ucx(ucx_target())))
-    );
-    // An ipc buffer lent to a ucx push, and a ucx one to an ipc push: violations.
-    for (transport, ipc, ucx) in [
-        (TransportName::Ucx, Some(Push::target()), None),
-        (TransportName::Ipc, None, Some(ucx_target())),
-        (TransportName::Ucx, Some(Push::target()), Some(ucx_target())),
-    ] {
+    assert_eq!(a.poll_event(), Some(SessionEvent::Write(op, ucx_lent())));
+    // What a grant lends is the transfer's transport's to read: the session hands it on
+    // as that transport's, whatever its bytes (the transport refuses bytes not its own).
+    for transport in [TransportName::Ucx, TransportName::Ipc] {
         let mut s = PeerSession::new(LIMITS);
         let op = s.handle_send(now, request(transport)).expect("queued");
         let _ = s.poll_transmit();
         let grant = Message::Grant(ferry_transports::wire::Grant {
             transfer: op.0,
             landing: WireMemoryKind::Host,
-            target: ipc,
-            ucx,
+            lent: Some(Descriptor(vec![0xff; 3])),
         });
-        let err = s
-            .handle_message(grant)
-            .expect_err("a buffer the push cannot write");
-        assert!(err.to_string().contains("lends"), "{transport}: {err}");
+        s.handle_message(grant).expect("a lent buffer for a push");
+        let expected = PushTarget {
+            transport,
+            descriptor: Descriptor(vec![0xff; 3]),
+        };
+        assert_eq!(s.poll_event(), Some(SessionEvent::Write(op, expected)));
     }
     // A ucx buffer lent to a ucx pull: a pull awaits no grant at all.
     let mut s = PeerSession::new(LIMITS);
     let pull = SendRequest {
         direction: WireDirection::Pull,
-        ucx: Some(ucx_target()),
+        pull: Some(ucx_target()),
         ..request(TransportName::Ucx)
     };
     let op = s.handle_send(now, pull).expect("queued");
@@ -976,8 +954,7 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
     let grant = Message::Grant(ferry_transports::wire::Grant {
         transfer: op.0,
         landing: WireMemoryKind::Host,
-        target: None,
-        ucx: Some(ucx_target()),
+        lent: Some(ucx_target()),
     });
     assert!(s.handle_message(grant).is_err(), "a grant for a pull");
     // A ucx buffer lent to a push that ended before its grant came goes back at once.
@@ -991,8 +968,7 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
     let grant = Message::Grant(ferry_transports::wire::Grant {
         transfer: op.0,
         landing: WireMemoryKind::Host,
-        target: None,
-        ucx: Some(ucx_target()),
+        lent: Some(ucx_target()),
     });
     s.handle_message(grant)
         .expect("a late grant is no violation");
@@ -1008,16 +984,12 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
     // Written: that would let the peer free the buffer the first grant lent.
     let mut p = Push::new();
     let (op, id) = p.offer();
-    assert_eq!(
-        p.lend(id),
-        Some(SessionEvent::Write(op, PushTarget::Ipc(Push::target())))
-    );
+    assert_eq!(p.lend(id), Some(SessionEvent::Write(op, Push::lent())));
     assert!(p.a.handle_cancel(op));
     let again = Message::Grant(ferry_transports::wire::Grant {
         transfer: op.0,
         landing: WireMemoryKind::Device(1),
-        target: Some(Push::target()),
-        ucx: None,
+        lent: Some(Push::target()),
     });
     let err =
         p.a.handle_message(again)
@@ -1034,8 +1006,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
         source: WireMemoryKind::Host,
         transport: TransportName::Tcp.into(),
         direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
+        pull: None,
         layout: Layout::Contiguous,
     });
     let err = s.handle_message(offer).expect_err("a huge id");
@@ -1054,8 +1025,7 @@ fn offers_whose_layout_does_not_match_are_refused() {
             source: WireMemoryKind::Host,
             transport: transport.into(),
             direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
+            pull: None,
             layout,
         })
     };
@@ -1124,20 +1094,19 @@ fn offers_whose_layout_does_not_match_are_refused() {
 
 /// A staged offer is served by any receiver (no ipc needed): it reserves for a staged
 /// landing (device memory first) and, once granted, the sender streams; a staged offer
-/// that carries an ipc source, or asks to pull, is refused as unsupported.
+/// that describes a buffer to pull, or asks to pull, is refused as unsupported.
 #[test]
 fn staged_offers_reserve_for_staging_and_stream() {
     let mut p = Push::new();
     p.b.set_serves(TransportName::Ipc, false);
-    let request = |direction, ipc| SendRequest {
+    let request = |direction, pull| SendRequest {
         fetch: None,
         tag: 1,
         len: 4096,
         source: WireMemoryKind::Device(0),
         transport: TransportName::Staged,
         direction,
-        ipc,
-        ucx: None,
+        pull,
         layout: Layout::Contiguous,
         deadline: p.now + Duration::from_secs(1),
     };
@@ -1161,12 +1130,12 @@ fn staged_offers_reserve_for_staging_and_stream() {
     let grant = p.b.poll_transmit().expect("granted");
     p.a.handle_message(grant).expect("valid");
     assert_eq!(p.a.poll_event(), Some(SessionEvent::Stream(op)));
-    for (direction, ipc) in [
+    for (direction, pull) in [
         (WireDirection::Pull, None),
         (WireDirection::Push, Some(Push::target())),
     ] {
         let mut p = Push::new();
-        let _ = p.a.handle_send(p.now, request(direction, ipc));
+        let _ = p.a.handle_send(p.now, request(direction, pull));
         let offer = p.a.poll_transmit().expect("offered");
         p.b.handle_message(offer).expect("refused, not a violation");
         assert!(
@@ -1394,14 +1363,11 @@ fn a_slow_transfer_holds_the_window_so_the_peer_never_holds_more_than_it() {
     assert_eq!(p.offers_sent(), 3);
 }
 
+/// A pull offer's descriptor is handed, unread, to the offer's own transport (which alone
+/// can tell whether its bytes are its own); a pull offer with none is refused.
 #[test]
-fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
-    let ucx = ferry_transports::wire::UcxSource {
-        address: 0x1000,
-        rkey: vec![7; 16],
-        packed: false,
-    };
-    let offer = |transfer, transport: TransportName, ipc, ucx| {
+fn a_pull_offers_descriptor_goes_to_its_own_transport() {
+    let offer = |transfer, transport: TransportName, pull| {
         Message::Offer(ferry_transports::wire::Offer {
             eager: false,
             fetch: None,
@@ -1411,45 +1377,28 @@ fn a_pull_offer_reads_only_a_source_of_its_own_transport() {
             source: WireMemoryKind::Device(0),
             transport: transport.into(),
             direction: WireDirection::Pull,
-            ipc,
-            ucx,
+            pull,
             layout: Layout::Contiguous,
         })
     };
     let mut s = PeerSession::new(LIMITS);
     s.set_serves(TransportName::Ipc, true);
     s.set_serves(TransportName::Ucx, true);
-    let refused = |s: &mut PeerSession| {
-        matches!(s.poll_transmit(),
-            Some(Message::Cancel(c)) if c.reason == WireReason::Unsupported)
-    };
-    // Another transport's source, or one of each, is refused as unsupported.
-    let foreign = offer(1, TransportName::Ipc, None, Some(ucx.clone()));
-    s.handle_message(foreign).expect("refused, not a violation");
-    assert!(refused(&mut s), "an ipc pull with a ucx source");
-    let foreign = offer(2, TransportName::Ucx, Some(Push::target()), None);
-    s.handle_message(foreign).expect("refused, not a violation");
-    assert!(refused(&mut s), "a ucx pull with an ipc source");
-    let both = offer(
-        3,
-        TransportName::Ucx,
-        Some(Push::target()),
-        Some(ucx.clone()),
-    );
-    s.handle_message(both).expect("refused, not a violation");
-    assert!(refused(&mut s), "a pull with two sources");
-    // Its own is read: the receiver is asked to reserve, with the source to pull from.
-    for (transfer, transport, ipc, ucx) in [
-        (4, TransportName::Ipc, Some(Push::target()), None),
-        (5, TransportName::Ucx, None, Some(ucx)),
-    ] {
-        s.handle_message(offer(transfer, transport, ipc, ucx))
+    // No descriptor to read: refused as unsupported.
+    s.handle_message(offer(1, TransportName::Ipc, None))
+        .expect("refused, not a violation");
+    assert!(matches!(s.poll_transmit(),
+        Some(Message::Cancel(c)) if c.reason == WireReason::Unsupported));
+    // Its descriptor goes with the reservation, as the offer's transport's.
+    for (transfer, transport) in [(4, TransportName::Ipc), (5, TransportName::Ucx)] {
+        let described = Descriptor(vec![transfer as u8; 20]);
+        s.handle_message(offer(transfer, transport, Some(described.clone())))
             .expect("valid");
         assert_eq!(s.poll_transmit(), None, "{transport}");
         let Some(SessionEvent::Reserve { pull: Some(p), .. }) = s.poll_event() else {
             panic!("{transport}: no reservation for a pull");
         };
-        assert_eq!(p.transport(), transport);
+        assert_eq!((p.transport, p.descriptor), (transport, described));
     }
 }
 
@@ -1462,8 +1411,7 @@ fn host_push(tag: u64, len: u64, deadline: Instant) -> SendRequest {
         source: WireMemoryKind::Host,
         transport: TransportName::Tcp,
         direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
+        pull: None,
         layout: Layout::Contiguous,
         deadline,
     }
@@ -1529,8 +1477,7 @@ fn eager_offers_stay_within_the_peer_credit_and_fall_back_on_a_grant() {
         Message::Grant(Grant {
             transfer: op.0,
             landing: WireMemoryKind::Host,
-            target: None,
-            ucx: None,
+            lent: None,
         })
     };
     a.handle_message(grant(op5)).expect("grant");
@@ -1567,8 +1514,7 @@ fn an_eager_transfer_is_delivered_behind_earlier_offers() {
         source: WireMemoryKind::Host,
         transport: ferry_transports::wire::WireTransport::Tcp,
         direction: WireDirection::Push,
-        ipc: None,
-        ucx: None,
+        pull: None,
         layout: Layout::Contiguous,
     };
     b.handle_message(Message::Offer(offer(1, false)))

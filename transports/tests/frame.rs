@@ -7,10 +7,10 @@ use std::pin::{Pin, pin};
 use std::task::{Context, Poll, Waker};
 
 use ferry_transports::wire::{
-    Cancel, DataChunk, Done, Frame, FrameError, FrameHeader, FrameKind, FrameReader, Grant,
-    HEADER_LEN, Hello, HelloPurpose, Message, Offer, PROTOCOL_VERSION, PutAck, PutChunk, ReadError,
-    WireDirection, WireMemoryKind, WireReason, WireTransport, decode, encode, encode_payload,
-    parse_header, read_frame,
+    Announce, Cancel, DataChunk, Descriptor, Done, Frame, FrameError, FrameHeader, FrameKind,
+    FrameReader, Grant, HEADER_LEN, Hello, HelloPurpose, Message, Offer, PROTOCOL_VERSION, PutAck,
+    PutChunk, ReadError, TransportMessage, WireDirection, WireMemoryKind, WireReason,
+    WireTransport, decode, encode, encode_payload, parse_header, read_frame,
 };
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
@@ -22,13 +22,23 @@ fn hello() -> Hello {
         version: PROTOCOL_VERSION,
         host_id: "0123456789abcdef".into(),
         pid: 4242,
-        transports: vec![WireTransport::Tcp, WireTransport::Ipc],
+        transports: vec![
+            Announce {
+                transport: WireTransport::Tcp,
+                terms: vec![1; 16],
+            },
+            Announce {
+                transport: WireTransport::Ucx,
+                terms: vec![3; 40],
+            },
+            Announce {
+                transport: WireTransport::Ipc,
+                terms: Vec::new(),
+            },
+        ],
         max_frame: CAP,
         receives: WireMemoryKind::Device(1),
-        ucx_address: vec![3; 40],
         purpose: HelloPurpose::LinkTo("b".into()),
-        eager_max: 64 << 10,
-        eager_credit: 1 << 20,
     }
 }
 
@@ -95,19 +105,7 @@ fn corpus() -> Vec<Item> {
             source: WireMemoryKind::Device(3),
             transport: WireTransport::Ipc,
             direction: WireDirection::Pull,
-            ipc: Some(ferry_transports::wire::IpcSource {
-                device_uuid: "GPU-0".into(),
-                buffer: 9,
-                generation: 9,
-                offset: 0,
-                export: vec![7; 64],
-                legacy: Some(3),
-            }),
-            ucx: Some(ferry_transports::wire::UcxSource {
-                address: 0x7f00_0000_1000,
-                rkey: vec![5; 30],
-                packed: false,
-            }),
+            pull: Some(Descriptor(vec![7; 130])),
             layout: ferry_transports::wire::Layout::Strided3D {
                 depth: 2,
                 rows: 3,
@@ -126,55 +124,26 @@ fn corpus() -> Vec<Item> {
             source: WireMemoryKind::Host,
             transport: WireTransport::Tcp,
             direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
+            pull: None,
             layout: ferry_transports::wire::Layout::blocks([(8192, 4096), (5, 1), (0, 300)]),
         }),
-        Message::IpcSetup(ferry_transports::wire::IpcSetupMessage {
-            attempt: 2,
-            step: ferry_transports::wire::IpcSetupStep::Request(
-                vec!["GPU-1".into()],
-                Some("lane/7".into()),
-            ),
+        Message::Transport(TransportMessage {
+            transport: WireTransport::Ipc,
+            body: vec![2; 90],
         }),
-        Message::IpcUnmap(ferry_transports::wire::IpcBufferRef {
-            device_uuid: "GPU-1".into(),
-            buffer: 3,
-            generation: 3,
-        }),
-        Message::IpcUnmapped(ferry_transports::wire::IpcBufferRef {
-            device_uuid: "GPU-1".into(),
-            buffer: 3,
-            generation: 3,
+        Message::Transport(TransportMessage {
+            transport: WireTransport::Staged,
+            body: Vec::new(),
         }),
         Message::Grant(Grant {
             transfer: 1,
             landing: WireMemoryKind::PinnedHost,
-            target: None,
-            ucx: None,
+            lent: None,
         }),
         Message::Grant(Grant {
             transfer: 4,
             landing: WireMemoryKind::Device(1),
-            target: Some(ferry_transports::wire::IpcSource {
-                device_uuid: "GPU-1".into(),
-                buffer: 12,
-                generation: 2,
-                offset: 0,
-                export: vec![5; 64],
-                legacy: None,
-            }),
-            ucx: None,
-        }),
-        Message::Grant(Grant {
-            transfer: 6,
-            landing: WireMemoryKind::Host,
-            target: None,
-            ucx: Some(ferry_transports::wire::UcxSource {
-                address: 0x7f00_0000_1000,
-                rkey: vec![9; 40],
-                packed: false,
-            }),
+            lent: Some(Descriptor(vec![5; 120])),
         }),
         Message::Written(ferry_transports::wire::Written {
             transfer: 4,
@@ -183,9 +152,6 @@ fn corpus() -> Vec<Item> {
         Message::Written(ferry_transports::wire::Written {
             transfer: 5,
             error: Some("importing the receiver's buffer: invalid value".into()),
-        }),
-        Message::StagedRing(ferry_transports::wire::StagedRing {
-            key: "staged/00ff".into(),
         }),
         Message::Fetch(ferry_transports::wire::FetchAsk {
             fetch: 1,
@@ -795,10 +761,10 @@ async fn a_payload_read_dropped_midway_fails_every_later_read() {
 
 #[test]
 fn lane_records_round_trip_and_garbage_is_refused() {
-    let record = ferry_transports::wire::LaneRecord {
+    let record = ferry_transports::ipc::LaneRecord {
         tag: 7,
         len: 8,
-        source: ferry_transports::wire::IpcSource {
+        source: ferry_transports::ipc::IpcSource {
             device_uuid: "GPU-1".into(),
             buffer: 3,
             generation: 4,
@@ -809,9 +775,9 @@ fn lane_records_round_trip_and_garbage_is_refused() {
     };
     let bytes = record.encode().expect("encode");
     assert_eq!(
-        ferry_transports::wire::LaneRecord::decode(&bytes).expect("decode"),
+        ferry_transports::ipc::LaneRecord::decode(&bytes).expect("decode"),
         record
     );
-    assert!(ferry_transports::wire::LaneRecord::decode(&bytes[..bytes.len() / 2]).is_err());
-    assert!(ferry_transports::wire::LaneRecord::decode(&[0xff; 64]).is_err());
+    assert!(ferry_transports::ipc::LaneRecord::decode(&bytes[..bytes.len() / 2]).is_err());
+    assert!(ferry_transports::ipc::LaneRecord::decode(&[0xff; 64]).is_err());
 }

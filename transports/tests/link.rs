@@ -113,10 +113,10 @@ fn check_hellos(client: &Link, server: &Link) {
     assert_eq!(client.peer_hello.node, "server");
     assert_eq!(server.peer_hello.node, "client");
     assert_eq!(
-        server.peer_hello.transports,
+        server.peer_hello.served().collect::<Vec<_>>(),
         vec![
-            ferry_transports::wire::WireTransport::Tcp,
-            ferry_transports::wire::WireTransport::Ipc
+            ferry_config::TransportName::Tcp,
+            ferry_config::TransportName::Ipc
         ]
     );
     assert_eq!(server.peer_hello.version, PROTOCOL_VERSION);

@@ -123,8 +123,7 @@ impl Coordinator {
         failed: Option<ferry_config::TransportName>,
     ) -> Explanation {
         let hello = self.sessions.get(peer).and_then(|s| s.hello.as_ref());
-        let offers: Option<Vec<ferry_config::TransportName>> =
-            hello.map(|h| h.transports.iter().map(|&t| t.into()).collect());
+        let offers: Option<Vec<ferry_config::TransportName>> = hello.map(|h| h.served().collect());
         let offers = offers.as_deref();
         // Before the first link to the peer there is no hello: `destination` assumes host.
         let receives = hello.map(|h| memory_class(MemoryKind::from_wire(h.receives)));

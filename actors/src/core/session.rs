@@ -253,8 +253,7 @@ impl PeerSession {
             && registry::carrier(req.transport) == Carrier::Link
             && req.layout == Layout::Contiguous
             && !matches!(req.source, WireMemoryKind::Device(_))
-            && req.ipc.is_none()
-            && req.ucx.is_none()
+            && req.pull.is_none()
             && self.eager_in_use().saturating_add(req.len) <= self.eager.credit
     }
 
@@ -338,8 +337,7 @@ impl PeerSession {
                         source: req.source,
                         transport: req.transport.into(),
                         direction: req.direction,
-                        ipc: req.ipc.clone(),
-                        ucx: req.ucx.clone(),
+                        pull: req.pull.clone(),
                         layout: req.layout.clone(),
                         fetch: req.fetch,
                         eager,
@@ -572,16 +570,12 @@ impl PeerSession {
         }
         let transport = TransportName::from(offer.transport);
         let carrier = registry::carrier(transport);
-        // What a pull reads: the source of the offer's own transport (a source of another
-        // transport, or two, is refused as unsupported, like any offer not served here).
-        let (pull, foreign_source) = match (offer.ipc.clone(), offer.ucx.clone()) {
-            (None, None) => (None, false),
-            (Some(ipc), None) => (Some(PullSource::Ipc(ipc)), false),
-            (None, Some(ucx)) => (Some(PullSource::Ucx(ucx)), false),
-            (Some(_), Some(_)) => (None, true),
-        };
-        let foreign_source =
-            foreign_source || pull.as_ref().is_some_and(|p| p.transport() != transport);
+        // What a pull reads: the offer's descriptor, read by the offer's transport (which
+        // refuses one that is not its own when it pulls).
+        let pull = offer.pull.clone().map(|descriptor| PullSource {
+            transport,
+            descriptor,
+        });
         let refuse = if self.draining {
             Some((
                 WireReason::ShuttingDown,
@@ -594,8 +588,7 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
-        } else if foreign_source
-            || !declares(transport, offer.direction)
+        } else if !declares(transport, offer.direction)
             || !(carrier.fits(offer.direction, pull.is_some())
                 && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
         {
@@ -678,26 +671,25 @@ impl PeerSession {
 
     fn on_grant(&mut self, grant: &Grant) -> Result<(), ProtocolViolation> {
         let id = OpId(grant.transfer);
-        let target = PushTarget::of(grant)?;
         match self.ops.remove(&id) {
             // An eager offer granted: the peer read past its bytes; they stream now.
             Some(Phase::AwaitGrant(req) | Phase::Eager(req)) => {
                 let pushes = registry::carrier(req.transport).push_lends()
                     && req.direction == WireDirection::Push;
-                if let Some(lent) = &target
-                    && (!pushes || lent.transport() != req.transport)
-                {
+                if grant.lent.is_some() && !pushes {
                     let why = format!(
-                        "grant for transfer {} lends a buffer for {} to a transfer over {} \
-                         ({:?})",
-                        id.0,
-                        lent.transport(),
-                        req.transport,
-                        req.direction
+                        "grant for transfer {} lends a buffer to a transfer over {} ({:?}), \
+                         which writes none",
+                        id.0, req.transport, req.direction
                     );
                     self.ops.insert(id, Phase::AwaitGrant(req));
                     return Err(ProtocolViolation(why));
                 }
+                // What the grant lends is the transfer's transport's to read.
+                let target = grant.lent.clone().map(|descriptor| PushTarget {
+                    transport: req.transport,
+                    descriptor,
+                });
                 self.ops.insert(
                     id,
                     Phase::Streaming {
@@ -717,7 +709,7 @@ impl PeerSession {
             // the peer free the buffer the first grant lent while our copy may still run).
             Some(ending @ Phase::Ending { .. }) => {
                 self.ops.insert(id, ending);
-                if target.is_some() {
+                if grant.lent.is_some() {
                     return Err(ProtocolViolation(format!(
                         "a second grant lending a buffer for transfer {}",
                         id.0
@@ -747,7 +739,7 @@ impl PeerSession {
 
     /// A grant that lent a buffer to an op that already ended: the peer gets it back.
     fn give_back(&mut self, grant: &Grant) {
-        if grant.target.is_some() || grant.ucx.is_some() {
+        if grant.lent.is_some() {
             self.transmit.push_back(Message::Written(Written {
                 transfer: grant.transfer,
                 error: Some("the transfer ended before its grant arrived".into()),
@@ -826,16 +818,10 @@ impl PeerSession {
                 op.stalls = target.is_none();
                 // The grant about to leave is progress: the clock starts no earlier.
                 self.progress.1 = self.progress.1.max(Some(now));
-                let (ipc, ucx) = match target {
-                    None => (None, None),
-                    Some(PushTarget::Ipc(ipc)) => (Some(ipc), None),
-                    Some(PushTarget::Ucx(ucx)) => (None, Some(ucx)),
-                };
                 self.transmit.push_back(Message::Grant(Grant {
                     transfer: id.0,
                     landing,
-                    target: ipc,
-                    ucx,
+                    lent: target.map(|t| t.descriptor),
                 }));
                 true
             }

@@ -12,7 +12,7 @@
 //!   per direction, made by the sender during the ipc setup and fetched by the receiver
 //!   from the sender's fd-sharing socket;
 //! - on the sender (`tx.rs`), the caller's own task exports the buffer and writes a
-//!   [`LaneRecord`](ferry_transports::wire::LaneRecord) into the next slot; a watcher
+//!   [`LaneRecord`](ferry_transports::ipc::LaneRecord) into the next slot; a watcher
 //!   thread sees the receiver finish it and completes the send (the receiver's outcome, or
 //!   its reason, comes back in the slot);
 //! - on the receiver (`rx.rs`), an issuing thread polls the ring and queues each buffer's

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::{CudaError, Device, DeviceMemory, Event};
+use ferry_transports::ipc::LaneRecord;
 use ferry_transports::link::ring::Ring;
 use ferry_transports::memory::{Buffer, MemoryKind};
-use ferry_transports::wire::LaneRecord;
 
 use super::{LANE_SLOTS, LaneSettings, PARK, Undelivered};
 use crate::allocator::{Fill, Tier, reserve_in_tiers, reserve_now_in_tiers};
@@ -401,7 +401,7 @@ impl Events {
 struct Prepared {
     tag: u64,
     len: usize,
-    source: ferry_transports::wire::IpcSource,
+    source: ferry_transports::ipc::IpcSource,
     dst: Buffer,
     started: Instant,
     reserved: Duration,

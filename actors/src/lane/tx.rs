@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ferry_transports::ipc::LaneRecord;
 use ferry_transports::link::ring::{ConsumerRefused, Ring};
 use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
-use ferry_transports::wire::LaneRecord;
 use tokio::sync::{Notify, oneshot};
 
 use super::{LaneRoutes, LaneSettings, OrderGuard, PARK};

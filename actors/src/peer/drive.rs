@@ -14,12 +14,16 @@ impl TransferActor {
         loop {
             let mut moved = false;
             if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
-                while let Some(msg) = self
-                    .ipc
-                    .out
-                    .pop_front()
-                    .or_else(|| self.fetch.out.pop_front())
-                {
+                let ipc = self.ipc.out.drain(..).map(|m| m.to_message());
+                let staged = self.staged.out.drain(..).map(|m| m.to_message());
+                let transports: Vec<_> = ipc.chain(staged).collect();
+                let fetches = self.fetch.out.drain(..).map(Ok);
+                for msg in transports.into_iter().chain(fetches) {
+                    let Ok(msg) = msg else {
+                        self.session
+                            .handle_link_lost("a transport's message could not be encoded");
+                        break;
+                    };
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
                             .handle_link_lost("the link's send queue overflowed or closed");
@@ -349,7 +353,7 @@ fn oversized_offer(msg: &Message, peer_max_frame: u32) -> Option<(OpId, String)>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_transports::wire::{IpcSource, Offer, WireMemoryKind, WireTransport};
+    use ferry_transports::wire::{Descriptor, Offer, WireMemoryKind, WireTransport};
 
     fn offer(blocks: u64) -> Message {
         Message::Offer(Offer {
@@ -361,15 +365,7 @@ mod tests {
             source: WireMemoryKind::Device(0),
             transport: WireTransport::Ipc,
             direction: WireDirection::Pull,
-            ipc: Some(IpcSource {
-                device_uuid: "GPU-12345678-1234-1234-1234-123456789abc".into(),
-                buffer: 2,
-                generation: 3,
-                offset: 0,
-                export: vec![7; 64],
-                legacy: None,
-            }),
-            ucx: None,
+            pull: Some(Descriptor(vec![7; 140])),
             layout: Layout::blocks((0..blocks).map(|b| (b * 32, 16))),
         })
     }

@@ -89,8 +89,7 @@ impl EagerGate {
             && offer.transport == ferry_transports::wire::WireTransport::Tcp
             && offer.direction == WireDirection::Push
             && offer.layout == Layout::Contiguous
-            && offer.ipc.is_none()
-            && offer.ucx.is_none();
+            && offer.pull.is_none();
         if !eager_kind {
             return Err(EagerViolation::NotEager(offer.transfer));
         }
@@ -306,8 +305,7 @@ mod tests {
             source: WireMemoryKind::Host,
             transport: WireTransport::Tcp,
             direction: WireDirection::Push,
-            ipc: None,
-            ucx: None,
+            pull: None,
             layout: Layout::Contiguous,
         }
     }

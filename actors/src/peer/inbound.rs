@@ -28,7 +28,7 @@ impl TransferActor {
         // The transport that reads or writes it, if not the link's streams: where it cannot
         // move device memory, host tiers.
         let by = match how {
-            Landing::Pull => self.pulls.sources.get(&id).map(|(s, _)| s.transport()),
+            Landing::Pull => self.pulls.sources.get(&id).map(|(s, _)| s.transport),
             Landing::Push(transport) => Some(transport),
             Landing::Stream | Landing::Staged => None,
         };
@@ -191,7 +191,7 @@ impl TransferActor {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
             spans.pulling = Some(Instant::now());
         }
-        let transport = source.transport();
+        let transport = source.transport;
         let Some((part, cx)) = self.part(transport) else {
             let why = MoveError::Task(format!("{transport} pulls nothing"));
             return self.pull_ended(id, Err(why), ctx);

@@ -21,13 +21,19 @@ impl PeerPart for IpcState {
     /// The buffer's place in its pool, which the peer imports (nothing to import for a
     /// node of this process).
     fn export(&mut self, buffer: &Buffer, _: &Layout, _: &PartCx) -> Exporting {
+        let described = crate::gpu::export_source(buffer, self.in_process())
+            .map_err(|e| e.to_string())
+            .and_then(|source| source.describe().map_err(|e| e.to_string()));
         Exporting::Now(
-            crate::gpu::export_source(buffer, self.in_process())
-                .map(|source| Exported {
-                    source: PullSource::Ipc(source),
+            described
+                .map(|descriptor| Exported {
+                    source: PullSource {
+                        transport: IpcSource::TRANSPORT,
+                        descriptor,
+                    },
                     kept: None,
                 })
-                .map_err(|e| Error::unsupported(e.to_string())),
+                .map_err(Error::unsupported),
         )
     }
 
@@ -74,8 +80,12 @@ impl PeerPart for IpcState {
         buffer: Buffer,
         cx: &PartCx,
     ) -> Moving<Buffer> {
-        let PullSource::Ipc(source) = source else {
-            return foreign(source.transport());
+        if source.transport != IpcSource::TRANSPORT {
+            return foreign(source.transport);
+        }
+        let source = match IpcSource::read(&source.descriptor) {
+            Ok(source) => source,
+            Err(e) => return Box::pin(std::future::ready(Err(MoveError::from(e)))),
         };
         let pools = Arc::clone(&self.imported);
         let imports = Arc::clone(self.imports.get_or_insert_with(|| {
@@ -115,8 +125,12 @@ impl PeerPart for IpcState {
         stop: Arc<AtomicBool>,
         cx: &PartCx,
     ) -> Moving<()> {
-        let PushTarget::Ipc(target) = target else {
-            return foreign(target.transport());
+        if target.transport != IpcSource::TRANSPORT {
+            return foreign(target.transport);
+        }
+        let target = match IpcSource::read(&target.descriptor) {
+            Ok(target) => target,
+            Err(e) => return Box::pin(std::future::ready(Err(MoveError::from(e)))),
         };
         let pools = Arc::clone(&self.push_pools);
         let peer = cx.peer.to_string();
@@ -191,7 +205,11 @@ impl Lend for IpcLender {
 
     fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String> {
         let target = crate::gpu::export_source(&buffer, false).map_err(|e| e.to_string())?;
-        Ok((Box::new(LentDevice(buffer)), PushTarget::Ipc(target)))
+        let target = PushTarget {
+            transport: IpcSource::TRANSPORT,
+            descriptor: target.describe().map_err(|e| e.to_string())?,
+        };
+        Ok((Box::new(LentDevice(buffer)), target))
     }
 }
 
@@ -288,7 +306,7 @@ impl TransferActor {
     /// copies), then say so.
     pub(super) fn on_ipc_unmap(&mut self, r: IpcBufferRef, ctx: &mut Context<Self>) {
         let Some(imports) = self.ipc.imports.clone() else {
-            return self.ipc.out.push_back(Message::IpcUnmapped(r));
+            return self.ipc.out.push_back(IpcMessage::Unmapped(r));
         };
         let key = r.clone();
         let freed = self.setup.io.spawn_blocking(move || {
@@ -300,7 +318,7 @@ impl TransferActor {
             tracing::debug!(buffer = key.buffer, "unmapped at the owner's request");
         });
         ctx.spawn(freed.into_actor(self).map(move |_, act, ctx| {
-            act.ipc.out.push_back(Message::IpcUnmapped(r));
+            act.ipc.out.push_back(IpcMessage::Unmapped(r));
             act.drive(ctx);
         }));
     }
@@ -355,7 +373,7 @@ impl TransferActor {
                     SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
                     SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
                 };
-                self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                self.ipc.out.push_back(IpcMessage::Setup(IpcSetupMessage {
                     attempt: attempt.0,
                     step,
                 }));
@@ -522,7 +540,7 @@ impl TransferActor {
             // We are the importing side.
             IpcSetupStep::Request(uuids, lane) => {
                 if self.setup.gpus.is_empty() {
-                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    self.ipc.out.push_back(IpcMessage::Setup(IpcSetupMessage {
                         attempt: msg.attempt,
                         step: IpcSetupStep::Reply(Some("the receiver has no GPU".into())),
                     }));
@@ -530,7 +548,7 @@ impl TransferActor {
                 }
                 if self.ipc.in_process() {
                     // A node of this process: its memory is ours to copy from already.
-                    self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    self.ipc.out.push_back(IpcMessage::Setup(IpcSetupMessage {
                         attempt: msg.attempt,
                         step: IpcSetupStep::Reply(None),
                     }));
@@ -566,7 +584,7 @@ impl TransferActor {
                             Some(why.to_string())
                         }
                     };
-                    act.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                    act.ipc.out.push_back(IpcMessage::Setup(IpcSetupMessage {
                         attempt: attempt.0,
                         step: IpcSetupStep::Reply(refused),
                     }));
@@ -574,7 +592,7 @@ impl TransferActor {
                 }));
             }
             IpcSetupStep::Ack(failed) => match failed {
-                None => self.ipc.out.push_back(Message::IpcSetup(IpcSetupMessage {
+                None => self.ipc.out.push_back(IpcMessage::Setup(IpcSetupMessage {
                     attempt: msg.attempt,
                     step: IpcSetupStep::Confirm,
                 })),
@@ -608,8 +626,9 @@ impl TransferActor {
 pub(super) struct IpcState {
     pub(super) setup: Option<IpcSetup<u64>>,
     pub(super) next_ticket: u64,
-    /// Setup messages waiting for the link (a handful at most, one per setup step).
-    pub(super) out: VecDeque<Message>,
+    /// Messages to the peer's part waiting for the link (a handful at most: one per setup
+    /// step, one per buffer to unmap).
+    pub(super) out: VecDeque<IpcMessage>,
     /// The peer's pid and whether it runs on this host, from its hello.
     pub(super) peer_pid: u32,
     pub(super) same_host: bool,
@@ -715,7 +734,7 @@ impl Handler<UnmapRequests> for TransferActor {
                 buffer = r.buffer,
                 "our buffer was freed; asking the peer to unmap it"
             );
-            self.ipc.out.push_back(Message::IpcUnmap(r.clone()));
+            self.ipc.out.push_back(IpcMessage::Unmap(r.clone()));
             self.ipc.unmapping.insert(r.clone(), done);
             // A peer that never answers cannot pin the memory for the session's life; nor
             // may the memory be freed while the peer still maps it. So the link goes: the

@@ -39,16 +39,17 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use dashmap::DashMap;
+use ferry_transports::ipc::{IpcBufferRef, IpcMessage, IpcSetupMessage, IpcSetupStep, IpcSource};
 use ferry_transports::link::{
     Activity, Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret,
 };
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
+use ferry_transports::staged::StagedMessage;
 use ferry_transports::tcp;
 use ferry_transports::wire::{
-    ArchivedMessage, Done, IpcBufferRef, IpcSetupMessage, IpcSetupStep, IpcSource, Layout, Message,
-    PutAck, StagedRing, WireDirection, WireReason, Written,
+    ArchivedMessage, Done, Layout, Message, PutAck, WireDirection, WireReason, Written,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -521,10 +522,14 @@ impl Handler<Attach> for TransferActor {
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
         // What the peer takes eagerly, before anything is offered on this link.
+        let tcp = ferry_transports::tcp::TcpTerms::of(
+            link.peer_hello
+                .announced(ferry_transports::tcp::TcpTerms::TRANSPORT),
+        );
         self.session.handle_peer_eager(
             crate::core::session::EagerTerms {
-                max: link.peer_hello.eager_max,
-                credit: link.peer_hello.eager_credit,
+                max: tcp.eager_max,
+                credit: tcp.eager_credit,
             }
             .bounded(link.peer_hello.max_frame),
         );
@@ -698,12 +703,8 @@ impl Handler<FromPeer> for TransferActor {
                 return self.drive(ctx);
             }
             Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
-            Message::StagedRing(StagedRing { key }) => {
-                self.attach_staged_ring(key, ctx);
-                return self.drive(ctx);
-            }
-            Message::IpcSetup(setup) => {
-                self.on_ipc_setup(setup, ctx);
+            Message::Transport(m) => {
+                self.on_transport_message(m, ctx);
                 return self.drive(ctx);
             }
             Message::Fetch(ask) => {
@@ -712,14 +713,6 @@ impl Handler<FromPeer> for TransferActor {
             }
             Message::FetchRefused(refused) => {
                 self.fetch_refused(refused);
-                return self.drive(ctx);
-            }
-            Message::IpcUnmap(r) => {
-                self.on_ipc_unmap(r, ctx);
-                return self.drive(ctx);
-            }
-            Message::IpcUnmapped(r) => {
-                self.on_ipc_unmapped(&r);
                 return self.drive(ctx);
             }
             // The peer no longer reads a buffer we offered for pulling.
@@ -744,6 +737,39 @@ impl Handler<FromPeer> for TransferActor {
             self.session.handle_link_lost(&violation.to_string());
         }
         self.drive(ctx);
+    }
+}
+
+impl TransferActor {
+    /// A control message of one transport, for its part of this session; one that is not
+    /// what its transport reads breaks the protocol.
+    fn on_transport_message(
+        &mut self,
+        m: ferry_transports::wire::TransportMessage,
+        ctx: &mut Context<Self>,
+    ) {
+        let transport = ferry_config::TransportName::from(m.transport);
+        let read = if transport == IpcSource::TRANSPORT {
+            IpcMessage::read(&m.body).map(|m| match m {
+                IpcMessage::Setup(setup) => self.on_ipc_setup(setup, ctx),
+                IpcMessage::Unmap(r) => self.on_ipc_unmap(r, ctx),
+                IpcMessage::Unmapped(r) => self.on_ipc_unmapped(&r),
+            })
+        } else if transport == StagedMessage::TRANSPORT {
+            StagedMessage::read(&m.body).map(|m| match m {
+                StagedMessage::Ring { key } => self.attach_staged_ring(key, ctx),
+            })
+        } else {
+            Err(ferry_transports::transport::DescriptorError(format!(
+                "{transport} sends no messages of its own"
+            )))
+        };
+        if let Err(why) = read {
+            let violation = format!("a message for {transport}: {why}");
+            tracing::warn!(peer = %self.peer, %violation, "dropping peer");
+            note_protocol_violation();
+            self.session.handle_link_lost(&violation);
+        }
     }
 }
 

@@ -330,12 +330,12 @@ impl TransferActor {
             peer_class,
         };
         // What a pull reads: made readable by its transport (`queue_submit`).
-        let (ipc, ucx) = match (direction, pull) {
-            (WireDirection::Pull, Some(source)) => source.into_offer(),
+        let pull = match (direction, pull) {
+            (WireDirection::Pull, Some(source)) => Some(source.descriptor),
             (WireDirection::Pull, None) => {
                 return Err(Error::unsupported(format!("{transport} does not pull")));
             }
-            (WireDirection::Push, _) => (None, None),
+            (WireDirection::Push, _) => None,
         };
         let queued = self.session.handle_send(
             now,
@@ -345,8 +345,7 @@ impl TransferActor {
                 source: msg.buffer.kind().to_wire(),
                 transport,
                 direction,
-                ipc,
-                ucx,
+                pull,
                 layout: layout.clone(),
                 deadline: msg.deadline,
                 fetch,

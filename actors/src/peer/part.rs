@@ -169,6 +169,9 @@ pub(super) enum MoveError {
     /// The UCX read or write.
     #[error(transparent)]
     Ucx(#[from] ferry_transports::ucx::UcxTransportError),
+    /// The peer's descriptor of its buffer is not one the transport reads.
+    #[error("the peer's descriptor of its buffer: {0}")]
+    Descriptor(#[from] ferry_transports::transport::DescriptorError),
     /// The task that ran it.
     #[error("the task that moved the bytes failed: {0}")]
     Task(String),

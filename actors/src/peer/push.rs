@@ -196,7 +196,7 @@ impl TransferActor {
             Ok(started) => started,
             Err(why) => return self.written(op, Err(why), ctx),
         };
-        let transport = target.transport();
+        let transport = target.transport;
         let Some((part, cx)) = self.part(transport) else {
             let why = MoveError::Task(format!("{transport} writes into no lent memory"));
             return self.written(op, Err(why), ctx);

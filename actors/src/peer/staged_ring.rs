@@ -84,9 +84,9 @@ impl TransferActor {
         match started {
             Ok(tx) => {
                 tracing::debug!(peer = %self.peer, chunk, slots = settings.slots, "staging ring offered");
-                self.ipc
+                self.staged
                     .out
-                    .push_back(Message::StagedRing(StagedRing { key: key.clone() }));
+                    .push_back(StagedMessage::Ring { key: key.clone() });
                 self.staged.tx = Some((tx, key));
             }
             Err(e) => {
@@ -179,6 +179,8 @@ pub(super) struct StagedState {
     pub(super) waiting: VecDeque<OpId>,
     /// True while a look at `waiting` is scheduled.
     pub(super) polling: bool,
+    /// Messages to the peer's part waiting for the link (our ring, once per link).
+    pub(super) out: VecDeque<StagedMessage>,
 }
 
 /// How long staged sends wait for a same-host peer to map a staging ring just offered

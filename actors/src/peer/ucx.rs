@@ -9,8 +9,8 @@
 use super::*;
 use ferry_config::TransportName;
 use ferry_transports::transport::Viability;
+use ferry_transports::ucx::UcxSource;
 use ferry_transports::ucx::{EndpointLanes, Engine, UcxPeer, UcxTransportError};
-use ferry_transports::wire::UcxSource;
 
 /// The ucx part of one peer's session.
 #[derive(Default)]
@@ -140,7 +140,10 @@ impl Lend for UcxLender {
     fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String> {
         let lent = (self.engine.lend(buffer))
             .map_err(|e| format!("cannot register the buffer with UCX: {e}"))?;
-        let target = PushTarget::Ucx(lent.target());
+        let target = PushTarget {
+            transport: UcxSource::TRANSPORT,
+            descriptor: lent.target().describe().map_err(|e| e.to_string())?,
+        };
         Ok((Box::new(LentRegistered(lent)), target))
     }
 }
@@ -336,7 +339,9 @@ impl PeerPart for UcxState {
     /// and its UCX is one ours can talk to (another release's keys do not unpack here; its
     /// routes skip ucx for the same reason, in its coordinator).
     fn attach(&mut self, hello: &ferry_transports::wire::Hello, cx: &PartCx) -> bool {
-        self.address = hello.ucx_address.to_vec();
+        self.address = (hello.announced(UcxSource::TRANSPORT))
+            .unwrap_or_default()
+            .to_vec();
         // A peer that reconnects may be a new process: a fresh endpoint on first use.
         self.endpoint.reset();
         cx.setup.ucx.as_ref().is_some_and(|e| {
@@ -360,7 +365,13 @@ impl PeerPart for UcxState {
         Exporting::Later(Box::pin(async move {
             match registered.await {
                 Ok(Ok(exported)) => Ok(Exported {
-                    source: PullSource::Ucx(exported.source()),
+                    source: PullSource {
+                        transport: UcxSource::TRANSPORT,
+                        descriptor: exported
+                            .source()
+                            .describe()
+                            .map_err(|e| Error::unsupported(e.to_string()))?,
+                    },
                     kept: Some(Box::new(exported)),
                 }),
                 Ok(Err(e)) => Err(Error::Unsupported {
@@ -417,8 +428,12 @@ impl PeerPart for UcxState {
         buffer: Buffer,
         cx: &PartCx,
     ) -> Moving<Buffer> {
-        let PullSource::Ucx(source) = source else {
-            return foreign(source.transport());
+        if source.transport != UcxSource::TRANSPORT {
+            return foreign(source.transport);
+        }
+        let source = match UcxSource::read(&source.descriptor) {
+            Ok(source) => source,
+            Err(e) => return Box::pin(std::future::ready(Err(MoveError::from(e)))),
         };
         let Some(engine) = cx.setup.ucx.clone() else {
             return off();
@@ -465,8 +480,12 @@ impl PeerPart for UcxState {
         stop: Arc<AtomicBool>,
         cx: &PartCx,
     ) -> Moving<()> {
-        let PushTarget::Ucx(target) = target else {
-            return foreign(target.transport());
+        if target.transport != UcxSource::TRANSPORT {
+            return foreign(target.transport);
+        }
+        let target = match UcxSource::read(&target.descriptor) {
+            Ok(target) => target,
+            Err(e) => return Box::pin(std::future::ready(Err(MoveError::from(e)))),
         };
         let Some(engine) = cx.setup.ucx.clone() else {
             return off();

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ferry::{Buffer, Layout, MemoryKind, Node};
+use ferry_transports::ucx::UcxSource;
 use ferry_transports::ucx::{Engine, Exported, UcxPeer};
-use ferry_transports::wire::UcxSource;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 

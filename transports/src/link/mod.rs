@@ -641,7 +641,8 @@ async fn write_out(
 }
 
 /// The `Hello` this process sends: our node name, [`PROTOCOL_VERSION`], [`host_id`], pid,
-/// the transports we serve and our frame cap. It says we receive into host memory, which
+/// the transports we serve (announced with no terms of their own) and our frame cap. It
+/// says we receive into host memory, which
 /// every node can take; a node that receives elsewhere sets [`Hello::receives`] (ferry's
 /// nodes do, in one place: `ferry_actors::coordinator::node_hello`).
 pub fn local_hello(
@@ -654,13 +655,13 @@ pub fn local_hello(
         version: PROTOCOL_VERSION,
         host_id: host_id(),
         pid: std::process::id(),
-        transports: transports.into_iter().map(Into::into).collect(),
+        transports: transports
+            .into_iter()
+            .map(crate::wire::Announce::bare)
+            .collect(),
         max_frame,
         receives: crate::wire::WireMemoryKind::Host,
-        ucx_address: Vec::new(),
         purpose: crate::wire::HelloPurpose::Link,
-        eager_max: 0,
-        eager_credit: 0,
     }
 }
 

@@ -71,3 +71,41 @@ pub fn put_header(
         last,
     })
 }
+
+/// What a node announces of tcp in its hello: the eager credit it grants its peer. Small
+/// tcp pushes of at most `eager_max` bytes may go with their offer, their bytes right
+/// behind it, while the eager offers sent and not yet answered (`Done`, a `Grant` or a
+/// `Cancel` of the transfer, or the sender's own `Cancel` of it) add up to at most
+/// `eager_credit` bytes (its `transport.tcp.eager_max` and `eager_credit`; 0 takes none).
+#[derive(
+    rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq,
+)]
+#[rkyv(derive(Debug))]
+pub struct TcpTerms {
+    /// The largest tcp transfer the node takes eagerly.
+    pub eager_max: u64,
+    /// The bytes of eager offers that may be unanswered at once.
+    pub eager_credit: u64,
+}
+
+impl TcpTerms {
+    /// The transport whose terms they are.
+    pub const TRANSPORT: TransportName = TransportName::Tcp;
+
+    /// Its announcement's bytes.
+    ///
+    /// # Errors
+    /// rkyv's (it does not fail for these terms).
+    pub fn announce(&self) -> Result<Vec<u8>, crate::transport::DescriptorError> {
+        crate::transport::encode(self)
+    }
+
+    /// The terms a peer's announcement of tcp holds: none taken eagerly when it says
+    /// nothing or what it says is not tcp's terms (an eager offer to it would break the
+    /// protocol, so a sender that cannot read them offers none).
+    pub fn of(announced: Option<&[u8]>) -> Self {
+        announced
+            .and_then(|bytes| crate::transport::decode(bytes).ok())
+            .unwrap_or_default()
+    }
+}

@@ -4,6 +4,10 @@
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
+mod descriptor;
+
+pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, decode, encode};
+
 /// A transport's declared abilities.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {

@@ -4,11 +4,12 @@
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
+use super::UcxSource;
 use super::{Engine, Operation, Registration, RemoteKey, UcxPeer, UcxTransportError};
 use crate::cuda::DeviceMemory as _;
 use crate::memory::{Buffer, SharedBytes};
 use crate::transport::{Capabilities, Carrier, Viability};
-use crate::wire::{Layout, UcxSource};
+use crate::wire::Layout;
 use ucx_sys::MemoryType;
 
 /// The ucx transport's declaration: host memory of a peer on another host (or this one),

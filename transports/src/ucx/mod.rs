@@ -62,6 +62,7 @@ mod settings;
 mod thread;
 mod ucp;
 mod wake;
+mod wire;
 
 pub use buffers::{Exported, Lent, PACK_MAX, PACK_ROWS_BELOW, capabilities, moves_cuda, viability};
 pub use engine::{Engine, Registration, UcxPeer};
@@ -74,3 +75,4 @@ pub use settings::UcxSettings;
 /// Where memory lives, as UCX names it (host or CUDA device memory).
 pub use ucx_sys::MemoryType;
 pub use ucx_sys::TransportEntry;
+pub use wire::UcxSource;

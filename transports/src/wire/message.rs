@@ -11,14 +11,19 @@
 use ferry_config::TransportName;
 use rkyv::{Archive, Deserialize, Serialize};
 
+pub use crate::transport::{Announce, Descriptor, TransportMessage};
+
 /// The wire protocol version this build speaks. A peer with another version is refused
 /// with an error naming both.
 /// 10: lane records of any size (a receiver of version 9 refused those over 64 KiB).
-/// 11: a grant may lend a UCX registration for a ucx push ([`Grant::ucx`]).
-/// 12: a ucx source may be the sender's packed copy of its layout ([`UcxSource::packed`]).
-/// 13: eager tcp transfers: a hello grants eager credit ([`Hello::eager_max`],
-/// [`Hello::eager_credit`]) and an [`Offer::eager`] carries its bytes.
-pub const PROTOCOL_VERSION: u16 = 13;
+/// 11: a grant may lend a UCX registration for a ucx push.
+/// 12: a ucx source may be the sender's packed copy of its layout.
+/// 13: eager tcp transfers: a hello grants eager credit and an [`Offer::eager`] carries
+/// its bytes.
+/// 14: what concerns one transport is opaque: offers and grants carry a [`Descriptor`],
+/// a hello [`Announce`]s each transport served, and a transport's control messages travel
+/// as [`Message::Transport`].
+pub const PROTOCOL_VERSION: u16 = 14;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -102,8 +107,9 @@ pub struct Hello {
     pub host_id: String,
     /// Process id of the sender (same-host peers use it in diagnostics).
     pub pid: u32,
-    /// Transports the sender can serve.
-    pub transports: Vec<WireTransport>,
+    /// Transports the sender can serve, each with what a peer needs to use it there (in
+    /// the transport's own terms).
+    pub transports: Vec<Announce>,
     /// The largest frame the sender accepts, in bytes.
     pub max_frame: u32,
     /// Where the sender lands the buffers it receives, by default: its
@@ -112,18 +118,29 @@ pub struct Hello {
     /// the sender with this as the destination memory class. Transports that cannot land
     /// there (tcp, for device memory) land in the sender's first host tier instead.
     pub receives: WireMemoryKind,
-    /// The sender's UCX worker address (the ucx transport's envelope), empty when it does
-    /// not serve ucx. A peer connects its UCX endpoint to it on its first ucx transfer.
-    pub ucx_address: Vec<u8>,
     /// What the sender wants of this link (see [`HelloPurpose`]).
     pub purpose: HelloPurpose,
-    /// The largest tcp transfer the sender takes eagerly (its bytes with the offer, no
-    /// grant asked): its `transport.tcp.eager_max`; 0 takes none.
-    pub eager_max: u64,
-    /// The eager credit the sender grants its peer: the bytes of eager offers the peer may
-    /// have sent and not yet seen answered (`Done`, a `Grant` or a `Cancel` of the
-    /// transfer, or the peer's own `Cancel` of it), its `transport.tcp.eager_credit`.
-    pub eager_credit: u64,
+}
+
+impl Hello {
+    /// Whether the sender serves `transport`.
+    pub fn serves(&self, transport: TransportName) -> bool {
+        self.announced(transport).is_some()
+    }
+
+    /// What the sender announced of `transport` (its own terms), if it serves it.
+    pub fn announced(&self, transport: TransportName) -> Option<&[u8]> {
+        let wire = WireTransport::from(transport);
+        self.transports
+            .iter()
+            .find(|a| a.transport == wire)
+            .map(|a| a.terms.as_slice())
+    }
+
+    /// The names of the transports the sender serves, in its order.
+    pub fn served(&self) -> impl Iterator<Item = TransportName> + '_ {
+        self.transports.iter().map(|a| a.transport.into())
+    }
 }
 
 /// What the sender of a [`Hello`] wants of the link.
@@ -159,10 +176,8 @@ pub struct Offer {
     pub transport: WireTransport,
     /// Who moves the bytes.
     pub direction: WireDirection,
-    /// For an ipc pull: where the receiver reads the bytes from.
-    pub ipc: Option<IpcSource>,
-    /// For a ucx pull: where the receiver reads the bytes from.
-    pub ucx: Option<UcxSource>,
+    /// For a pull: where the receiver reads the bytes, in the transport's own terms.
+    pub pull: Option<Descriptor>,
     /// How the bytes lie in the sender's buffer; they travel packed, and `len` is their
     /// packed length.
     pub layout: crate::wire::Layout,
@@ -176,126 +191,8 @@ pub struct Offer {
     pub eager: bool,
 }
 
-/// Where a ucx pull reads a buffer: its address in the sender's process and the packed
-/// remote key of its registration (in the ucx transport's envelope).
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-#[rkyv(derive(Debug))]
-pub struct UcxSource {
-    /// The buffer's address at the sender.
-    pub address: u64,
-    /// The registration's packed remote key.
-    pub rkey: Vec<u8>,
-    /// The sender gathered the offer's layout into one contiguous buffer (registered in
-    /// its place): the receiver reads the packed bytes as one run, not a get per row.
-    pub packed: bool,
-}
-
-impl UcxSource {
-    /// The transport whose pulls read it (an offer of another carries none).
-    pub const TRANSPORT: TransportName = TransportName::Ucx;
-}
-
-/// A buffer of a same-host peer's device memory, as an ipc pull reads it. Pool memory: the
-/// pool is named by its device's UUID (imported once per peer and device through the
-/// peer's fd-sharing socket), the buffer by its 64-byte pointer export plus its lease. Registered
-/// memory (`legacy` set): the allocation's 64-byte legacy IPC handle and its buffer id.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-#[rkyv(derive(Debug))]
-pub struct IpcSource {
-    /// UUID of the GPU the buffer lives on (`GPU-...`).
-    pub device_uuid: String,
-    /// The buffer's id at the sender.
-    pub buffer: u64,
-    /// The lease's generation at the sender.
-    pub generation: u64,
-    /// Where the bytes start within the allocation.
-    pub offset: u64,
-    /// `cuMemPoolExportPointer`'s 64 bytes, or `cuIpcGetMemHandle`'s when `legacy` is set.
-    pub export: Vec<u8>,
-    /// For memory the sender registered (not from its pool): the allocation's
-    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which keys the receiver's handle cache.
-    pub legacy: Option<u64>,
-}
-
-impl IpcSource {
-    /// The transport whose pulls read it (an offer of another carries none).
-    pub const TRANSPORT: TransportName = TransportName::Ipc;
-}
-
-/// One small transfer on the same-host fast lane: what a slot of the lane's shared-memory
-/// ring holds (an rkyv archive, validated like a frame before it is read).
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-#[rkyv(derive(Debug))]
-pub struct LaneRecord {
-    /// The transfer's tag.
-    pub tag: u64,
-    /// Bytes to copy.
-    pub len: u64,
-    /// Where to pull them from.
-    pub source: IpcSource,
-}
-
-impl LaneRecord {
-    /// The record's bytes, for a ring slot.
-    ///
-    /// # Errors
-    /// rkyv's, as text (it does not fail for a record of this shape).
-    pub fn encode(&self) -> Result<Vec<u8>, rkyv::rancor::Error> {
-        rkyv::to_bytes::<rkyv::rancor::Error>(self).map(|b| b.to_vec())
-    }
-
-    /// A record from a slot's bytes, validated first (the other process wrote them).
-    ///
-    /// # Errors
-    /// Why the bytes are not a record.
-    pub fn decode(bytes: &[u8]) -> Result<LaneRecord, rkyv::rancor::Error> {
-        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
-        aligned.extend_from_slice(bytes);
-        rkyv::from_bytes::<LaneRecord, rkyv::rancor::Error>(&aligned)
-    }
-}
-
-/// Names a buffer a peer pulled over ipc and may keep mapped: its device and lease.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Hash)]
-#[rkyv(derive(Debug))]
-pub struct IpcBufferRef {
-    /// UUID of the GPU the buffer lives on.
-    pub device_uuid: String,
-    /// The buffer's id at its owner.
-    pub buffer: u64,
-    /// The lease's generation at its owner.
-    pub generation: u64,
-}
-
-/// A step of the lazy ipc setup between two same-host peers, driven by the sending side
-/// (the exporter); see `ferry_actors::core::ipc_setup`.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-#[rkyv(derive(Debug))]
-pub struct IpcSetupMessage {
-    /// The attempt this step belongs to (1 for the first).
-    pub attempt: u32,
-    /// The step.
-    pub step: IpcSetupStep,
-}
-
-/// The steps of the ipc setup.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-#[rkyv(derive(Debug))]
-pub enum IpcSetupStep {
-    /// The exporter asks the peer to import its pools: the UUIDs of its GPUs, and the key
-    /// under which its fd-sharing socket hands out the shared-memory ring of the fast lane (none
-    /// when it offers no lane).
-    Request(Vec<String>, Option<String>),
-    /// The importer's answer: `None` when every pool was imported, else why not.
-    Reply(Option<String>),
-    /// The exporter's own checks passed (`None`) or failed (the reason).
-    Ack(Option<String>),
-    /// The importer confirms the ack: transfers may use ipc.
-    Confirm,
-}
-
-/// The receiver has reserved memory for a transfer; the sender may stream it, or, for an
-/// ipc or ucx push, write it into the buffer lent (`target` or `ucx`; at most one).
+/// The receiver has reserved memory for a transfer; the sender may stream it, or, for a
+/// push over a transport that writes the receiver's memory, write it into the buffer lent.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct Grant {
@@ -303,17 +200,14 @@ pub struct Grant {
     pub transfer: u64,
     /// Where the data will land at the receiver.
     pub landing: WireMemoryKind,
-    /// For an ipc push into device memory: the receiver's buffer, exported for the sender
-    /// to import and copy into. It is lent until the sender answers [`Message::Written`].
-    /// `None`: the bytes stream over the link (a push whose landing spilled to host memory
-    /// takes that way too).
-    pub target: Option<IpcSource>,
-    /// For a ucx push: the receiver's buffer, registered with its UCX for the sender to
-    /// write (`ucp_put`) and flush into. Lent until the sender answers [`Message::Written`].
-    pub ucx: Option<UcxSource>,
+    /// For a push into memory the receiver lends (an export, a registration): the
+    /// buffer, in the offer's transport's own terms, lent until the sender answers
+    /// [`Message::Written`]. `None`: the bytes stream over the link (a push whose landing
+    /// could not be lent, spilled to host memory say, takes that way too).
+    pub lent: Option<Descriptor>,
 }
 
-/// The sender of an ipc or ucx push no longer touches the receiver's buffer lent in the grant: its
+/// The sender of a push into a lent buffer no longer touches the receiver's buffer lent in the grant: its
 /// copy completed (`error` is `None`, every byte is in place and visible) or failed or never
 /// ran. Sent exactly once for every grant that lent a buffer.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -323,16 +217,6 @@ pub struct Written {
     pub transfer: u64,
     /// Why the bytes are not there, when they are not.
     pub error: Option<String>,
-}
-
-/// The sender of staged transfers to a same-host peer made a ring of staging slots in shared
-/// memory for them: the receiver fetches it from the sender's fd-sharing socket under `key`, maps
-/// it, and reads chunks from it. Until it has (or if it cannot), chunks come over the link.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-#[rkyv(derive(Debug))]
-pub struct StagedRing {
-    /// The ring's key at the sender's fd-sharing socket (unguessable).
-    pub key: String,
 }
 
 /// Describes one chunk of a transfer's payload. The bytes themselves follow on the link as
@@ -499,16 +383,10 @@ pub enum Message {
     Goodbye,
     /// The acceptor keeps this link; the dialer sends nothing before it.
     Welcome,
-    /// A step of the lazy ipc setup.
-    IpcSetup(IpcSetupMessage),
-    /// The buffer's owner is freeing it: unmap it, then answer `IpcUnmapped`.
-    IpcUnmap(IpcBufferRef),
-    /// The buffer is no longer mapped here (asked for, or evicted on our own).
-    IpcUnmapped(IpcBufferRef),
-    /// An ipc push let go of the receiver's buffer (written, or not).
+    /// A control message of one transport, for its part of the session.
+    Transport(TransportMessage),
+    /// A push let go of the receiver's buffer lent to it (written, or not).
     Written(Written),
-    /// Staged chunks to this peer will come through a shared-memory ring.
-    StagedRing(StagedRing),
     /// Asks for a published buffer.
     Fetch(FetchAsk),
     /// A fetch is refused.
@@ -547,16 +425,10 @@ pub enum FrameKind {
     /// [`Message::Put`] frame just before it, exactly as long as that header says. Nothing
     /// in it is interpreted; the frame CRC is its only check.
     Payload = 13,
-    /// [`Message::IpcSetup`]
-    IpcSetup = 14,
-    /// [`Message::IpcUnmap`]
-    IpcUnmap = 15,
-    /// [`Message::IpcUnmapped`]
-    IpcUnmapped = 16,
+    /// [`Message::Transport`]
+    Transport = 14,
     /// [`Message::Written`]
     Written = 17,
-    /// [`Message::StagedRing`]
-    StagedRing = 18,
     /// [`Message::Fetch`]
     Fetch = 19,
     /// [`Message::FetchRefused`]
@@ -580,11 +452,8 @@ impl FrameKind {
             11 => Self::Goodbye,
             12 => Self::Welcome,
             13 => Self::Payload,
-            14 => Self::IpcSetup,
-            15 => Self::IpcUnmap,
-            16 => Self::IpcUnmapped,
+            14 => Self::Transport,
             17 => Self::Written,
-            18 => Self::StagedRing,
             19 => Self::Fetch,
             20 => Self::FetchRefused,
             _ => return None,
@@ -624,8 +493,7 @@ impl Message {
         let bare = Self::Offer(Offer {
             eager: false,
             layout: crate::wire::Layout::Blocks(std::sync::Arc::from([])),
-            ipc: offer.ipc.clone(),
-            ucx: offer.ucx.clone(),
+            pull: offer.pull.clone(),
             ..*offer
         });
         let each = std::mem::size_of::<<crate::wire::Block as Archive>::Archived>();
@@ -650,11 +518,8 @@ impl Message {
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
-            Self::IpcSetup(_) => FrameKind::IpcSetup,
-            Self::IpcUnmap(_) => FrameKind::IpcUnmap,
-            Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
+            Self::Transport(_) => FrameKind::Transport,
             Self::Written(_) => FrameKind::Written,
-            Self::StagedRing(_) => FrameKind::StagedRing,
             Self::Fetch(_) => FrameKind::Fetch,
             Self::FetchRefused(_) => FrameKind::FetchRefused,
         }
@@ -677,11 +542,8 @@ impl ArchivedMessage {
             Self::Pong(_) => FrameKind::Pong,
             Self::Goodbye => FrameKind::Goodbye,
             Self::Welcome => FrameKind::Welcome,
-            Self::IpcSetup(_) => FrameKind::IpcSetup,
-            Self::IpcUnmap(_) => FrameKind::IpcUnmap,
-            Self::IpcUnmapped(_) => FrameKind::IpcUnmapped,
+            Self::Transport(_) => FrameKind::Transport,
             Self::Written(_) => FrameKind::Written,
-            Self::StagedRing(_) => FrameKind::StagedRing,
             Self::Fetch(_) => FrameKind::Fetch,
             Self::FetchRefused(_) => FrameKind::FetchRefused,
         }
@@ -726,15 +588,7 @@ mod tests {
             source: WireMemoryKind::Device(0),
             transport: WireTransport::Ipc,
             direction: WireDirection::Pull,
-            ipc: ipc.then(|| IpcSource {
-                device_uuid: "GPU-0000".repeat(export % 7),
-                buffer: 3,
-                generation: 1,
-                offset: 0,
-                export: vec![1; export],
-                legacy: None,
-            }),
-            ucx: None,
+            pull: ipc.then(|| Descriptor([export as u8; 3].repeat(export % 7 + export))),
             layout: Layout::blocks((0..blocks).map(|b| (b * 5, 3))),
         })
     }

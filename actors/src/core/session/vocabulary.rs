@@ -4,9 +4,7 @@
 use std::time::Instant;
 
 use ferry_config::TransportName;
-use ferry_transports::wire::{
-    Grant, IpcSource, Layout, UcxSource, WireDirection, WireMemoryKind, WireReason,
-};
+use ferry_transports::wire::{Descriptor, Layout, WireDirection, WireMemoryKind, WireReason};
 
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
 /// id carried on the wire.
@@ -83,10 +81,8 @@ pub struct SendRequest {
     pub transport: TransportName,
     /// Direction chosen by the route.
     pub direction: WireDirection,
-    /// For a pulled (ipc) transfer: where the peer reads the bytes.
-    pub ipc: Option<IpcSource>,
-    /// For a ucx pull: where the peer reads the bytes.
-    pub ucx: Option<UcxSource>,
+    /// For a pull: where the peer reads the bytes, as `transport` describes them.
+    pub pull: Option<Descriptor>,
     /// How the bytes lie in the buffer (`len` is their packed length).
     pub layout: Layout,
     /// When it must have ended.
@@ -137,65 +133,24 @@ pub struct PutRequest {
     pub deadline: Instant,
 }
 
-/// Where a pulled transfer's bytes are read from, by the transport that reads them.
+/// Where a pulled transfer's bytes are read from: the offer's descriptor, which only the
+/// transport that reads it looks inside.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PullSource {
-    /// The sender's exported device buffer (ipc).
-    Ipc(IpcSource),
-    /// The sender's registered buffer (ucx).
-    Ucx(UcxSource),
-}
-
-impl PullSource {
-    /// The offer's fields that carry it (`ipc`, `ucx`).
-    pub fn into_offer(self) -> (Option<IpcSource>, Option<UcxSource>) {
-        match self {
-            Self::Ipc(s) => (Some(s), None),
-            Self::Ucx(s) => (None, Some(s)),
-        }
-    }
-
+pub struct PullSource {
     /// The transport that reads it.
-    pub fn transport(&self) -> TransportName {
-        match self {
-            Self::Ipc(_) => IpcSource::TRANSPORT,
-            Self::Ucx(_) => UcxSource::TRANSPORT,
-        }
-    }
+    pub transport: TransportName,
+    /// Its descriptor of the peer's buffer.
+    pub descriptor: Descriptor,
 }
 
-/// The buffer a receiver lends for a push, by the transport that writes it (the grant's
-/// `target` or `ucx`).
+/// The buffer a receiver lends for a push: the grant's descriptor, which only the
+/// transport that writes it looks inside.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PushTarget {
-    /// The receiver's exported device buffer (ipc).
-    Ipc(IpcSource),
-    /// The receiver's registered buffer (ucx).
-    Ucx(UcxSource),
-}
-
-impl PushTarget {
+pub struct PushTarget {
     /// The transport that writes it.
-    pub fn transport(&self) -> TransportName {
-        match self {
-            Self::Ipc(_) => IpcSource::TRANSPORT,
-            Self::Ucx(_) => UcxSource::TRANSPORT,
-        }
-    }
-
-    /// What `grant` lends: nothing (the bytes stream over the link), one buffer, or a
-    /// grant that breaks the protocol by lending two.
-    pub(super) fn of(grant: &Grant) -> Result<Option<Self>, ProtocolViolation> {
-        match (&grant.target, &grant.ucx) {
-            (None, None) => Ok(None),
-            (Some(ipc), None) => Ok(Some(Self::Ipc(ipc.clone()))),
-            (None, Some(ucx)) => Ok(Some(Self::Ucx(ucx.clone()))),
-            (Some(_), Some(_)) => Err(ProtocolViolation(format!(
-                "grant for transfer {} lends two buffers",
-                grant.transfer
-            ))),
-        }
-    }
+    pub transport: TransportName,
+    /// Its descriptor of the peer's buffer.
+    pub descriptor: Descriptor,
 }
 
 /// What the shell must do.
@@ -203,7 +158,8 @@ impl PushTarget {
 pub enum SessionEvent {
     /// Stream the op's bytes now (a granted transfer, or a put).
     Stream(OpId),
-    /// Write the op's bytes into the peer's buffer lent in its grant (an ipc or ucx push),
+    /// Write the op's bytes into the peer's buffer lent in its grant (a push over a
+    /// transport that writes the peer's memory),
     /// then tell the peer [`Message::Written`](ferry_transports::wire::Message::Written) and report
     /// [`PeerSession::handle_stream_ended`](super::PeerSession::handle_stream_ended) (or [`PeerSession::handle_write_failed`](super::PeerSession::handle_write_failed)).
     Write(OpId, PushTarget),

@@ -1,10 +1,14 @@
 //! The ipc transport's pieces below the actors: its declaration and whether it can run
-//! here. A buffer crosses ipc as its 64-byte pointer export ([`crate::wire::IpcSource`]);
+//! here. A buffer crosses ipc as its 64-byte pointer export ([`IpcSource`]);
 //! that export grants nothing without the pool it came from, and the pool travels once per
 //! peer and device as a file descriptor, through the node's fd-sharing socket
 //! ([`crate::fdshare`]).
 
 use std::sync::OnceLock;
+
+mod wire;
+
+pub use wire::*;
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 

@@ -28,6 +28,10 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 use crate::link::ring::{Ring, RingError};
 use crate::transport::Capabilities;
 
+mod wire;
+
+pub use wire::StagedMessage;
+
 /// Bytes before a chunk's data in its slot's record; with the ring's 8-byte slot header
 /// the data starts 64 bytes into the slot.
 pub const CHUNK_HEADER: usize = 56;
