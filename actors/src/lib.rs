@@ -21,13 +21,5 @@ pub mod timer;
 
 pub use error::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};
 
-/// The target of the trace events that time each step of a transfer's layout path (block
-/// lists above all; a contiguous transfer's events say `blocks = 0`, to compare with):
-/// `RUST_LOG=ferry::blocks=trace` shows them, elapsed times in microseconds. Each is one
-/// `tracing::trace!`, which costs a level check and nothing else when disabled.
-pub const TRACE_BLOCKS: &str = "ferry::blocks";
-
-/// The blocks of `layout` (0 for any other layout), for the [`TRACE_BLOCKS`] events.
-pub(crate) fn block_count(layout: &ferry_transports::wire::Layout) -> usize {
-    layout.block_list().map_or(0, <[_]>::len)
-}
+pub use ferry_transports::TRACE_BLOCKS;
+pub(crate) use ferry_transports::block_count;

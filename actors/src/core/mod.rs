@@ -5,7 +5,6 @@
 pub mod budget;
 pub mod discovery;
 pub mod exports;
-pub mod handle_cache;
 pub mod ipc_setup;
 pub mod mailroom;
 pub mod route;

@@ -19,8 +19,9 @@ use ferry_transports::memory::{Buffer, MemoryKind};
 use super::{LANE_SLOTS, LaneSettings, PARK, Undelivered};
 use crate::allocator::{Fill, Tier, reserve_in_tiers, reserve_now_in_tiers};
 use crate::error::Error;
-use crate::gpu::{ImportedPools, SharedGpus, SharedImports};
+use crate::gpu::SharedGpus;
 use crate::inbox::{Inbox, Wake};
+use ferry_transports::ipc::{ImportedPools, SharedImports};
 
 /// Receive buffers a lane keeps allocated ahead.
 const AHEAD: usize = 4;
@@ -435,7 +436,7 @@ enum TakeError {
     NoneGranted,
     /// The pull failed.
     #[error(transparent)]
-    Pull(#[from] crate::gpu::IpcError),
+    Pull(#[from] ferry_transports::ipc::IpcError),
     /// This end stopped.
     #[error("the receiver stopped")]
     Stopped,
@@ -500,7 +501,7 @@ fn prepare(
 }
 
 /// Queues the copies of a batch: those up to `gather_max` from the peer's pool into one
-/// GPU's memory as gathers ([`crate::gpu::queue_pulls`]: one kernel launch instead of a
+/// GPU's memory as gathers ([`ferry_transports::ipc::queue_pulls`]: one kernel launch instead of a
 /// copy engine's copy each; one launch for the small records on the express stream, one
 /// for the larger on the copy stream), the others one by one. Each comes back with an
 /// event recorded after its copy.
@@ -526,7 +527,7 @@ fn queue(
                 Some(event) => (p.dst, Some(event)),
                 None => {
                     let express = p.len <= AHEAD_LEN;
-                    let queued = crate::gpu::queue_pull(
+                    let queued = ferry_transports::ipc::queue_pull(
                         &p.source,
                         &cx.pools,
                         &cx.imports,
@@ -586,7 +587,7 @@ fn gather(
     if items.len() < 2 {
         return None;
     }
-    let queued = crate::gpu::queue_pulls(
+    let queued = ferry_transports::ipc::queue_pulls(
         &mut items,
         &cx.pools,
         &cx.imports,
@@ -665,7 +666,7 @@ fn deliver(
 
 /// A driver error at `step` of a lane pull.
 fn driver(step: &'static str) -> impl FnOnce(ferry_transports::cuda::CudaError) -> TakeError {
-    move |source| TakeError::Pull(crate::gpu::IpcError::Driver { step, source })
+    move |source| TakeError::Pull(ferry_transports::ipc::IpcError::Driver { step, source })
 }
 
 /// Polls `event` until its copy ended (a lane thread is for this), for a second at most,
@@ -710,7 +711,7 @@ fn reserve(cx: &RxContext, len: u64, wait: bool, pooled: bool) -> Result<Buffer,
 
 /// The stream a lane copy of `len` bytes goes on: the express stream for small ones, the
 /// copy stream for the rest (small pulls the actor waits for never wait behind them).
-fn copy_stream(gpu: &crate::gpu::Gpu, len: u64) -> ferry_transports::cuda::Stream {
+fn copy_stream(gpu: &ferry_transports::gpus::Gpu, len: u64) -> ferry_transports::cuda::Stream {
     if len <= AHEAD_LEN as u64 {
         gpu.express_stream.clone()
     } else {

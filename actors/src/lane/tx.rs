@@ -124,7 +124,7 @@ impl LaneTx {
     ) -> Result<Buffer, SendError> {
         let fail = |error, buffer| Err(SendError { error, buffer });
         let started = Instant::now();
-        let source = match crate::gpu::export_source(&buffer, false) {
+        let source = match ferry_transports::ipc::export_source(&buffer, false) {
             Ok(s) => s,
             Err(why) => return fail(Error::unsupported(why.to_string()), Some(buffer)),
         };

@@ -247,7 +247,7 @@ impl Node {
         match kind {
             MemoryKind::Host => Ok(&self.host),
             MemoryKind::PinnedHost => Ok(&self.pinned),
-            MemoryKind::Device(n) => self.gpus.get(n).map(|g| &g.allocator).ok_or_else(|| {
+            MemoryKind::Device(n) => self.gpus.domain(n).ok_or_else(|| {
                 Error::unsupported(format!(
                     "GPU {n} is not one of this node's GPUs ({:?}; see gpu.devices)",
                     self.gpus

@@ -282,13 +282,13 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     );
     let gpus = Arc::new(start_gpus(opened, visible, &config, &shared));
     let mut all_tiers = vec![host.tier(), pinned.tier()];
-    for (_, gpu) in &gpus.gpus {
-        all_tiers.push(gpu.allocator.tier());
+    for (_, domain) in &gpus.domains {
+        all_tiers.push(domain.tier());
     }
     let home = Arc::new(NodeMemory { tiers: all_tiers });
     let domains: Vec<&Addr<Allocator>> = [&host.actor, &pinned.actor]
         .into_iter()
-        .chain(gpus.gpus.iter().map(|(_, g)| &g.allocator.actor))
+        .chain(gpus.domains.iter().map(|(_, d)| &d.actor))
         .collect();
     for a in &domains {
         let _ = a.send(SetHome(home.clone())).await;
@@ -472,7 +472,7 @@ pub(super) fn start_gpus(
 ) -> crate::gpu::Gpus {
     let (mailbox, queue) = (config.limits.mailbox, config.limits.reservation_queue);
     let lease = config.memory.export_lease_timeout;
-    let gpus = opened
+    let (gpus, domains) = opened
         .into_iter()
         .map(|g| {
             let kind = MemoryKind::Device(g.ordinal);
@@ -485,21 +485,24 @@ pub(super) fn start_gpus(
                 .with_device(pool)
                 .launch(mailbox);
             shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
-            let gpu = crate::gpu::Gpu {
+            let gpu = ferry_transports::gpus::Gpu {
                 device: g.device,
-                allocator,
                 copy_stream: g.streams.copy,
                 express_stream: g.streams.express,
             };
-            (g.ordinal, gpu)
+            ((g.ordinal, gpu), (g.ordinal, allocator))
         })
-        .collect();
-    crate::gpu::Gpus {
+        .unzip();
+    let devices = ferry_transports::gpus::Gpus {
         gpus,
         visible,
         pools: Arc::clone(&shared.gpu_pools),
         rings: Arc::clone(&shared.lane_rings),
         mapping: Arc::default(),
+    };
+    crate::gpu::Gpus {
+        devices: Arc::new(devices),
+        domains,
     }
 }
 
@@ -515,8 +518,8 @@ pub(super) fn receive_tiers(
         .map(|class| match class {
             MemoryClass::Host => host.tier(),
             MemoryClass::Pinned => pinned.tier(),
-            MemoryClass::Device => match gpus.gpus.first() {
-                Some((_, g)) => g.allocator.tier(),
+            MemoryClass::Device => match gpus.domains.first() {
+                Some((_, d)) => d.tier(),
                 None => {
                     tracing::warn!(
                         "memory.receive_into is \"device\" but this node has no GPU: \

@@ -3,7 +3,7 @@
 //! own control plane: the unmap protocol, the lazy setup and the fast lane.
 
 use super::*;
-use crate::gpu::IpcError;
+use ferry_transports::ipc::IpcError;
 
 impl PeerPart for IpcState {
     fn transport(&self) -> ferry_config::TransportName {
@@ -21,7 +21,7 @@ impl PeerPart for IpcState {
     /// The buffer's place in its pool, which the peer imports (nothing to import for a
     /// node of this process).
     fn export(&mut self, buffer: &Buffer, _: &Layout, _: &PartCx) -> Exporting {
-        let described = crate::gpu::export_source(buffer, self.in_process())
+        let described = ferry_transports::ipc::export_source(buffer, self.in_process())
             .map_err(|e| e.to_string())
             .and_then(|source| source.describe().map_err(|e| e.to_string()));
         Exporting::Now(
@@ -53,7 +53,7 @@ impl PeerPart for IpcState {
         let view = buffer.share();
         if self.in_process() {
             // The peer copies straight from our memory, which it finds here.
-            crate::gpu::offer_in_process(&cx.setup.node, view.clone());
+            ferry_transports::ipc::offer_in_process(&cx.setup.node, view.clone());
         } else {
             let unmapper: Arc<dyn Unmapper> = self.unmapper(cx.setup, me);
             buffer.note_mapped(unmapper);
@@ -63,7 +63,7 @@ impl PeerPart for IpcState {
 
     fn released(&mut self, op: OpId, cx: &PartCx) {
         if let Some(view) = self.exported.remove(&op) {
-            crate::gpu::withdraw_in_process(&cx.setup.node, &view);
+            ferry_transports::ipc::withdraw_in_process(&cx.setup.node, &view);
         }
     }
 
@@ -89,22 +89,28 @@ impl PeerPart for IpcState {
         };
         let pools = Arc::clone(&self.imported);
         let imports = Arc::clone(self.imports.get_or_insert_with(|| {
-            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
-                cx.peer,
-                crate::gpu::IMPORT_CACHE_CAPACITY,
-            )))
+            Arc::new(std::sync::Mutex::new(
+                ferry_transports::ipc::ImportCache::new(
+                    cx.peer,
+                    ferry_transports::ipc::IMPORT_CACHE_CAPACITY,
+                ),
+            ))
         }));
         let gpus = Arc::clone(&cx.setup.gpus);
         let exporter = cx.peer.to_string();
         let in_process = self.in_process();
-        let express = buffer.len() <= crate::gpu::EXPRESS_PULL_MAX
+        let express = buffer.len() <= ferry_transports::ipc::EXPRESS_PULL_MAX
             && layout == Layout::Contiguous
-            && (in_process || crate::gpu::is_mapped(&source, &imports));
+            && (in_process || ferry_transports::ipc::is_mapped(&source, &imports));
         let copy = cx.setup.io.spawn_blocking(move || {
             if in_process {
-                crate::gpu::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
+                ferry_transports::ipc::pull_in_process(
+                    &exporter, &source, &layout, &gpus, buffer, express,
+                )
             } else {
-                crate::gpu::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
+                ferry_transports::ipc::pull(
+                    &source, &layout, &pools, &imports, &gpus, buffer, express,
+                )
             }
         });
         Box::pin(async move {
@@ -144,7 +150,8 @@ impl PeerPart for IpcState {
                 if !pools.contains_key(&target.device_uuid) {
                     let uuids = std::slice::from_ref(&target.device_uuid);
                     let fetched =
-                        crate::gpu::import_pools(&peer, pid, uuids, &secret, &gpus).await?;
+                        ferry_transports::ipc::import_pools(&peer, pid, uuids, &secret, &gpus)
+                            .await?;
                     pools.extend(fetched);
                 }
                 pools
@@ -153,7 +160,7 @@ impl PeerPart for IpcState {
                     .ok_or_else(|| IpcError::Gone("the receiver's pool was not imported".into()))?
             };
             io.spawn_blocking(move || {
-                crate::gpu::push(&target, &pool, &gpus, &source, &layout, &stop)
+                ferry_transports::ipc::push(&target, &pool, &gpus, &source, &layout, &stop)
             })
             .await
             .map_err(|e| IpcError::Gone(format!("the push task failed: {e}")))??;
@@ -187,7 +194,7 @@ impl PeerPart for IpcState {
         self.exported
             .drain()
             .map(|(op, view)| {
-                crate::gpu::withdraw_in_process(&cx.setup.node, &view);
+                ferry_transports::ipc::withdraw_in_process(&cx.setup.node, &view);
                 (op.0, Retired::Quarantine(view))
             })
             .collect()
@@ -204,7 +211,8 @@ impl Lend for IpcLender {
     }
 
     fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String> {
-        let target = crate::gpu::export_source(&buffer, false).map_err(|e| e.to_string())?;
+        let target =
+            ferry_transports::ipc::export_source(&buffer, false).map_err(|e| e.to_string())?;
         let target = PushTarget {
             transport: IpcSource::TRANSPORT,
             descriptor: target.describe().map_err(|e| e.to_string())?,
@@ -489,10 +497,12 @@ impl TransferActor {
     pub(super) fn attach_lane(&mut self, ring: ferry_transports::link::ring::Ring) {
         let peer = &self.peer;
         let imports = Arc::clone(self.ipc.imports.get_or_insert_with(|| {
-            Arc::new(std::sync::Mutex::new(crate::gpu::ImportCache::new(
-                peer,
-                crate::gpu::IMPORT_CACHE_CAPACITY,
-            )))
+            Arc::new(std::sync::Mutex::new(
+                ferry_transports::ipc::ImportCache::new(
+                    peer,
+                    ferry_transports::ipc::IMPORT_CACHE_CAPACITY,
+                ),
+            ))
         }));
         let cx = crate::lane::RxContext {
             peer: self.peer.clone(),
@@ -566,7 +576,8 @@ impl TransferActor {
                 let lane = lane.filter(|_| self.setup.lane.max > 0);
                 let import = async move {
                     let pools =
-                        crate::gpu::import_pools(&peer, pid, &uuids, &secret, &gpus).await?;
+                        ferry_transports::ipc::import_pools(&peer, pid, &uuids, &secret, &gpus)
+                            .await?;
                     Ok::<_, IpcError>((pools, fetch_lane(&peer, pid, lane, &secret).await))
                 };
                 ctx.spawn(import.into_actor(self).map(move |result, act, ctx| {
@@ -633,12 +644,12 @@ pub(super) struct IpcState {
     pub(super) peer_pid: u32,
     pub(super) same_host: bool,
     /// The peer's pools, imported when it asked (we pull from them).
-    pub(super) imported: Arc<crate::gpu::ImportedPools>,
+    pub(super) imported: Arc<ferry_transports::ipc::ImportedPools>,
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them
     /// (`Done` or `Cancel`); handed to the allocator's quarantine if the peer is lost.
     pub(super) exported: HashMap<OpId, SharedBytes>,
     /// The peer's buffers we keep mapped (importing side).
-    pub(super) imports: Option<crate::gpu::SharedImports>,
+    pub(super) imports: Option<ferry_transports::ipc::SharedImports>,
     /// Told when one of our buffers the peer may keep mapped is freed (exporting side).
     pub(super) unmapper: Option<Arc<PeerUnmapper>>,
     /// Our freed buffers waiting for the peer to unmap them.
@@ -654,7 +665,7 @@ pub(super) struct IpcState {
     pub(super) lane_rx: Option<crate::lane::LaneRx>,
     /// The peer's pools we push into (sending side), by device UUID, each fetched on the
     /// first push to it; the lock makes one fetch at a time.
-    pub(super) push_pools: Arc<tokio::sync::Mutex<crate::gpu::ImportedPools>>,
+    pub(super) push_pools: Arc<tokio::sync::Mutex<ferry_transports::ipc::ImportedPools>>,
 }
 
 impl IpcState {
@@ -729,7 +740,7 @@ impl Handler<UnmapRequests> for TransferActor {
             let Some(gpu) = self.setup.gpus.get(n) else {
                 continue;
             };
-            let r = crate::gpu::lease_ref(&gpu.device, &lease);
+            let r = ferry_transports::ipc::lease_ref(&gpu.device, &lease);
             tracing::debug!(
                 buffer = r.buffer,
                 "our buffer was freed; asking the peer to unmap it"

@@ -165,7 +165,7 @@ pub(super) enum Retired {
 pub(super) enum MoveError {
     /// The ipc copy.
     #[error(transparent)]
-    Ipc(#[from] crate::gpu::IpcError),
+    Ipc(#[from] ferry_transports::ipc::IpcError),
     /// The UCX read or write.
     #[error(transparent)]
     Ucx(#[from] ferry_transports::ucx::UcxTransportError),
@@ -227,9 +227,9 @@ impl TransferActor {
                 Retired::Hold(what) => held.push(what),
                 Retired::Quarantine(view) => {
                     if let MemoryKind::Device(n) = view.lease().kind
-                        && let Some(gpu) = self.setup.gpus.get(n)
+                        && let Some(domain) = self.setup.gpus.domain(n)
                     {
-                        exports.push((gpu.allocator.actor.clone(), OpId(id), view));
+                        exports.push((domain.actor.clone(), OpId(id), view));
                     }
                 }
             }

@@ -6,8 +6,24 @@
 
 use std::sync::OnceLock;
 
+mod error;
+mod export;
+pub mod handle_cache;
+mod imports;
+mod pull;
+mod push;
 mod wire;
 
+pub use error::IpcError;
+pub use export::{
+    export_source, lease_ref, offer_in_process, pull_in_process, withdraw_in_process,
+};
+pub use imports::{
+    EXPRESS_PULL_MAX, IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, LEGACY_CACHE_CAPACITY,
+    LEGACY_REGISTRATIONS_MAX, SharedImports, Unmapped, import_pools, is_mapped,
+};
+pub use pull::{QueuedPull, TakeEvent, pull, queue_pull, queue_pulls};
+pub use push::push;
 pub use wire::*;
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
