@@ -30,7 +30,8 @@ mod returned;
 mod shelf;
 
 use returned::{RETURN_COALESCE, ReturnedBytes};
-use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES, Shelf, free_kept};
+pub use shelf::Keeping;
+use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, Shelf, free_kept};
 
 /// How a domain's buffers give their bytes back: to the budget, and host memory worth
 /// keeping to the domain's shelf.
@@ -43,6 +44,11 @@ struct DomainReturn {
 impl Releaser for DomainReturn {
     fn release(&self, lease: &Lease) {
         self.returned.release(lease);
+        // Device memory freed without passing by the shelf (peers kept it mapped until
+        // now): it went back into the pool.
+        if let Some(domain) = self.domain.upgrade() {
+            domain.freed_to_pool();
+        }
     }
 
     fn release_host(&self, lease: &Lease, bytes: Box<[u8]>) {
@@ -57,11 +63,14 @@ impl Releaser for DomainReturn {
 }
 
 impl DomainReturn {
-    /// Offers memory worth keeping to the domain's shelf (else it is freed here).
+    /// Offers memory to the domain's shelf (freed here when not kept).
     fn shelve(&self, memory: Kept) {
-        if memory.worth_keeping()
-            && let Some(domain) = self.domain.upgrade()
-        {
+        // Small host memory goes back to the heap with no word to the domain (device
+        // memory of any size tells it: the pool keeps what is freed into it).
+        if matches!(memory, Kept::Host(_)) && !memory.worth_keeping() {
+            return;
+        }
+        if let Some(domain) = self.domain.upgrade() {
             domain.shelve(memory);
         }
     }
@@ -140,6 +149,20 @@ pub struct DomainStats {
     pub budget: BudgetStats,
     /// Exported to peers, and quarantined after a peer died.
     pub exports: ExportStats,
+    /// Memory of dropped buffers kept for later grants.
+    pub kept: KeptStats,
+}
+
+/// Memory of dropped buffers a domain keeps for later grants that overwrite it whole
+/// (`memory.keep_idle`, `memory.keep_max`). Kept bytes count as free in the budget: a
+/// grant that needs them frees them first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KeptStats {
+    /// Bytes kept now.
+    pub bytes: u64,
+    /// Grants served from kept memory since the domain started (each one a new
+    /// allocation, and for host memory its page faults and zeroing, saved).
+    pub reused: u64,
 }
 
 impl DomainStats {
@@ -194,6 +217,10 @@ pub struct DevicePool {
     pub pool: ExportablePool,
     /// The stream allocations are made (and freed) on.
     pub stream: Stream,
+    /// The GPU's other streams that grants may be allocated (and their memory freed) on
+    /// (a lane's landing goes on its copy stream): giving the pool's unused memory back
+    /// waits for the frees queued there first.
+    pub others: Vec<Stream>,
 }
 
 /// One domain's budget and the way its memory is made, shared by its actor and the
@@ -207,6 +234,8 @@ pub struct Domain {
     returned: Arc<ReturnedBytes>,
     /// Memory kept for grants that overwrite it.
     shelf: Shelf,
+    /// How much the shelf keeps, and how long (set once, before the actor starts).
+    keeping: OnceLock<Keeping>,
     /// Set when the actor stopped: dropped buffers' memory is freed, not kept.
     closed: AtomicBool,
     /// Gives a buffer's bytes back to `returned`, and its memory to `shelf`.
@@ -239,58 +268,77 @@ impl Domain {
             .saturating_sub(stats.granted.saturating_sub(returned))
     }
 
+    /// How much memory of dropped buffers the domain keeps, and how long.
+    fn keeping(&self) -> Keeping {
+        self.keeping.get().copied().unwrap_or_default()
+    }
+
     /// Keeps the memory of a dropped buffer (its lease already given back) on the shelf, if
-    /// the budget has room for it beside what is granted.
+    /// it is worth keeping and fits `memory.keep_max` and the budget beside what is
+    /// granted; else frees it here.
     fn shelve(&self, memory: Kept) {
-        if self.closed.load(Ordering::Acquire) {
-            // The domain's actor stopped: nothing is kept any more.
+        let keeping = self.keeping();
+        // Once the domain's actor stopped, nothing is kept any more.
+        if !memory.worth_keeping() || !keeping.keeps() || self.closed.load(Ordering::Acquire) {
             drop(memory);
+            self.freed_to_pool();
             return;
         }
-        let (most, bound) = if self.on_device() {
-            (SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES)
+        let most = if self.on_device() {
+            SHELF_DEVICE_BUFFERS
         } else {
-            (SHELF_BUFFERS, u64::MAX)
+            SHELF_BUFFERS
         };
-        let len = memory.len();
-        let evicted = {
+        let now = Instant::now();
+        let gone = {
             let budget = self.budget();
-            let free = self.free_now(&budget).min(bound);
-            if len > free {
-                vec![memory]
-            } else {
-                let mut kept = self.shelf.kept();
-                let evicted = Shelf::make_room(&mut kept, &self.shelf.bytes, len, free, most);
-                kept.push_back(memory);
-                self.shelf.bytes.fetch_add(len, Ordering::AcqRel);
-                evicted
-            }
+            let room = self.free_now(&budget).min(keeping.max);
+            self.shelf.put(memory, now, room, most)
         };
+        let freed = !gone.is_empty();
         // Freed outside the locks.
-        drop(evicted);
+        drop(gone);
+        if freed {
+            self.freed_to_pool();
+        }
+        if self.shelf.needs_word() {
+            self.returned.ask_for_sweep();
+        }
+    }
+
+    /// Notes that device memory went back into the pool just now (a host domain has none):
+    /// the pool gives it back to the GPU once none more went in for `memory.keep_idle`.
+    fn freed_to_pool(&self) {
+        if self.on_device() {
+            self.shelf.note_freed(Instant::now());
+            if self.shelf.needs_word() {
+                self.returned.ask_for_sweep();
+            }
+        }
     }
 
     /// Takes all kept memory off the shelf (the caller frees it).
     fn take_shelf(&self) -> Vec<Kept> {
-        let mut kept = self.shelf.kept();
-        self.shelf.bytes.store(0, Ordering::Release);
-        kept.drain(..).collect()
+        self.shelf.take_all()
     }
 
     /// Frees kept memory that no longer fits beside what is granted (a grant just grew
     /// it), oldest first.
     /// Returns the streams its device memory is freed on.
     fn trim_shelf(&self) -> Vec<Stream> {
-        if self.shelf.bytes.load(Ordering::Acquire) == 0 {
+        if self.shelf.bytes() == 0 {
             return Vec::new();
         }
         let evicted = {
             let budget = self.budget();
-            let free = self.free_now(&budget);
-            let mut kept = self.shelf.kept();
-            Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free, usize::MAX)
+            self.shelf.trim_to(self.free_now(&budget))
         };
-        free_kept(evicted)
+        if evicted.is_empty() {
+            return Vec::new();
+        }
+        let streams = free_kept(evicted);
+        self.freed_to_pool();
+        streams
     }
 
     /// Reserves every part now, on the caller's thread (a device allocation included),
@@ -437,6 +485,7 @@ impl Domain {
         }
         allocate(device, len, on).or_else(|refused| {
             freed_on.extend(free_kept(self.take_shelf()));
+            self.freed_to_pool();
             if freed_on.is_empty() {
                 return Err(refused);
             }
@@ -479,6 +528,27 @@ fn allocate(
     Ok(memory)
 }
 
+/// Frees memory a sweep took off the shelf, then has `pool` (a GPU domain's, when the sweep
+/// says so) give its unused memory back to the GPU (`cuMemPoolTrimTo`), once the frees
+/// queued on the domain's streams have ended (the pool releases only memory it saw freed).
+/// Blocking: never on an actor's thread.
+fn give_back(expired: Vec<Kept>, pool: Option<&DevicePool>) {
+    let mut streams = free_kept(expired);
+    let Some(device) = pool else { return };
+    for stream in std::iter::once(&device.stream).chain(&device.others) {
+        if !streams.iter().any(|s| s.same_as(stream)) {
+            streams.push(stream.clone());
+        }
+    }
+    let trimmed = streams
+        .iter()
+        .try_for_each(Stream::synchronize)
+        .and_then(|()| device.pool.trim_to(0));
+    if let Err(e) = trimmed {
+        tracing::warn!(error = %e, "giving a GPU pool's unused memory back failed");
+    }
+}
+
 /// Why a domain refused a reservation outright.
 fn refusal(kind: MemoryKind, parts: &[u64], e: crate::core::budget::ReserveError) -> Error {
     use crate::core::budget::ReserveError;
@@ -500,6 +570,8 @@ pub struct Allocator {
     next_id: u64,
     waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
     timer: DeadlineTimer,
+    /// The sweep of kept memory, armed while memory waits for one.
+    sweep: Option<SpawnHandle>,
 }
 
 impl Allocator {
@@ -514,6 +586,7 @@ impl Allocator {
                 budget: Mutex::new(Budget::new(capacity, queue_cap)),
                 returned: Arc::clone(&returned),
                 shelf: Shelf::default(),
+                keeping: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 releaser: Arc::new(DomainReturn {
                     returned,
@@ -526,7 +599,15 @@ impl Allocator {
             next_id: 1,
             waiting: HashMap::new(),
             timer: DeadlineTimer::default(),
+            sweep: None,
         }
+    }
+
+    /// Keeps memory of dropped buffers as `keeping` says (else [`Keeping::default`]).
+    pub fn keeping(self, keeping: Keeping) -> Self {
+        // A fresh domain: how it keeps is not set yet.
+        let _ = self.domain.keeping.set(keeping);
+        self
     }
 
     /// A GPU domain: memory comes from `device`'s pool, under the same budget rules.
@@ -595,6 +676,7 @@ impl Allocator {
         }
         self.publish_gauges();
         self.arm_timer(ctx);
+        self.arm_sweep(ctx);
     }
 
     /// Withdraws the reservations served elsewhere, and delivers those the budget granted.
@@ -635,6 +717,10 @@ impl Allocator {
         DomainStats {
             budget: self.domain.budget().stats(),
             exports: self.exports.stats(),
+            kept: KeptStats {
+                bytes: self.domain.shelf.bytes(),
+                reused: self.domain.shelf.reused(),
+            },
         }
     }
 
@@ -650,6 +736,7 @@ impl Allocator {
         set("ferry_memory_free_bytes", stats.free());
         set("ferry_memory_exported_bytes", stats.exports.exported);
         set("ferry_memory_quarantined_bytes", stats.exports.quarantined);
+        set("ferry_memory_kept_bytes", stats.kept.bytes);
         set("ferry_reservations_waiting", stats.budget.waiting as u64);
     }
 
@@ -671,6 +758,42 @@ impl Allocator {
                 act.drive(ctx);
             },
         );
+    }
+
+    /// Arms the sweep of kept memory for when the oldest has been unused for
+    /// `memory.keep_idle` (or the pool's freed memory, for a device domain), while
+    /// something waits for one: an idle domain has no timer.
+    fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
+        if self.sweep.is_some() {
+            return;
+        }
+        let Some(at) = self.domain.shelf.arm(self.domain.keeping().idle) else {
+            return;
+        };
+        // A millisecond late rather than early: the memory is never seen as still in use.
+        let after = at.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
+        self.sweep = Some(ctx.run_later(after, |act, ctx| {
+            act.sweep = None;
+            act.sweep_kept(Instant::now(), ctx);
+        }));
+    }
+
+    /// Gives back the memory unused for `memory.keep_idle` at `now`: frees it, and a GPU
+    /// domain's pool gives its unused memory to the GPU, both off this thread.
+    fn sweep_kept(&mut self, now: Instant, ctx: &mut Context<Self>) {
+        let swept = self.domain.shelf.sweep(now, self.domain.keeping().idle);
+        self.domain.shelf.disarm();
+        let pool = self.domain.device.get().filter(|_| swept.trim).cloned();
+        if !swept.expired.is_empty() || pool.is_some() {
+            let expired = swept.expired;
+            let give_back = move || give_back(expired, pool.as_ref());
+            match tokio::runtime::Handle::try_current() {
+                Ok(io) => drop(io.spawn_blocking(give_back)),
+                Err(_) => give_back(),
+            }
+        }
+        self.publish_gauges();
+        self.arm_sweep(ctx);
     }
 
     fn collect_returned(&mut self) {
@@ -709,7 +832,9 @@ impl Actor for Allocator {
                 }
                 returned.armed.store(false, Ordering::SeqCst);
                 let bytes = returned.bytes.swap(0, Ordering::AcqRel);
-                if bytes > 0 && me.send(Returned(bytes)).await.is_err() {
+                // Memory kept with no sweep armed: the message arms one.
+                let unswept = returned.unswept.swap(false, Ordering::SeqCst);
+                if (bytes > 0 || unswept) && me.send(Returned(bytes)).await.is_err() {
                     break;
                 }
             }
@@ -720,7 +845,9 @@ impl Actor for Allocator {
 impl Handler<Returned> for Allocator {
     type Result = ();
     fn handle(&mut self, msg: Returned, ctx: &mut Self::Context) {
-        self.domain.budget().handle_release(msg.0);
+        if msg.0 > 0 {
+            self.domain.budget().handle_release(msg.0);
+        }
         self.drive(ctx);
     }
 }
@@ -1062,7 +1189,7 @@ mod tests {
         bytes.fill(7);
         let at = bytes.as_ptr();
         drop(first);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 2 * MIB);
+        assert_eq!(domain.shelf.bytes(), 2 * MIB);
 
         // A zeroed grant never takes kept memory; an overwriting one of the same length does.
         let zeroed = one(&domain, MIB, Fill::Zeroed);
@@ -1078,16 +1205,62 @@ mod tests {
         // frees what is kept.
         let held = one(&domain, MIB, Fill::Zeroed);
         drop(again);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 3 * MIB);
+        assert_eq!(domain.shelf.bytes(), 3 * MIB);
         let more = one(&domain, 2 * MIB, Fill::Zeroed);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        assert_eq!(domain.shelf.bytes(), 0);
         drop((held, more));
 
         // Small buffers are not worth keeping, and a buffer kept holds no budget.
         drop(one(&domain, 1024, Fill::Overwritten));
-        assert!(domain.shelf.bytes.load(Ordering::Acquire) <= 3 * MIB);
+        assert!(domain.shelf.bytes() <= 3 * MIB);
         let whole = one(&domain, 4 * MIB, Fill::Zeroed);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        assert_eq!(domain.shelf.bytes(), 0);
         drop(whole);
+    }
+
+    #[test]
+    fn a_domain_keeps_at_most_keep_max_and_nothing_with_a_zero_idle_time() {
+        let domain = Allocator::new(MemoryKind::Host, 64 * MIB, 16, Duration::from_secs(1))
+            .keeping(Keeping {
+                idle: Duration::from_secs(60),
+                max: 3 * MIB,
+            })
+            .domain();
+        drop(one(&domain, 2 * MIB, Fill::Overwritten));
+        drop(one(&domain, 2 * MIB, Fill::Overwritten));
+        // The second grant took the first one's memory: drop two at once.
+        let (a, b) = (
+            one(&domain, 2 * MIB, Fill::Overwritten),
+            one(&domain, 2 * MIB, Fill::Overwritten),
+        );
+        drop((a, b));
+        assert_eq!(
+            domain.shelf.bytes(),
+            2 * MIB,
+            "3 MiB at most: the older one went"
+        );
+        drop(one(&domain, 4 * MIB, Fill::Overwritten));
+        assert_eq!(
+            domain.shelf.bytes(),
+            2 * MIB,
+            "larger than keep_max: not kept"
+        );
+
+        for nothing in [
+            Keeping {
+                idle: Duration::ZERO,
+                max: 512 * MIB,
+            },
+            Keeping {
+                idle: Duration::from_secs(60),
+                max: 0,
+            },
+        ] {
+            let domain = Allocator::new(MemoryKind::Host, 64 * MIB, 16, Duration::from_secs(1))
+                .keeping(nothing)
+                .domain();
+            drop(one(&domain, 2 * MIB, Fill::Overwritten));
+            assert_eq!(domain.shelf.bytes(), 0, "{nothing:?} keeps nothing");
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! Bytes given back by dropped buffers, on their way to the domain's actor.
+//! Bytes given back by dropped buffers, on their way to the domain's actor, and the word
+//! that memory was kept (or freed into a GPU's pool) with no sweep armed for it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -20,6 +21,9 @@ pub(super) struct ReturnedBytes {
     pub(super) armed: AtomicBool,
     /// Reservations wait at the actor: every return may grant one.
     pub(super) wanted: AtomicBool,
+    /// Memory was kept, or freed into the domain's pool, with no sweep armed: the actor
+    /// arms one.
+    pub(super) unswept: AtomicBool,
 }
 
 /// How long the collecting task gathers returns before it tells the actor, while no
@@ -32,6 +36,19 @@ impl ReturnedBytes {
         // adds to `bytes`, then reads `wanted`: one of the two sees the other.
         self.bytes.fetch_add(bytes, Ordering::SeqCst);
         if self.wanted.load(Ordering::SeqCst) || !self.armed.swap(true, Ordering::SeqCst) {
+            self.wake.notify_one();
+        }
+    }
+}
+
+impl ReturnedBytes {
+    /// Tells the actor (through the collecting task, as returned bytes) that memory waits
+    /// for a sweep no timer is armed for.
+    pub(super) fn ask_for_sweep(&self) {
+        // SeqCst with `armed`: the collector clears `armed`, then takes `unswept`; this
+        // sets `unswept`, then `armed`: the collector either sees the flag or is woken.
+        self.unswept.store(true, Ordering::SeqCst);
+        if !self.armed.swap(true, Ordering::SeqCst) {
             self.wake.notify_one();
         }
     }
