@@ -155,12 +155,21 @@ async fn pair(scratch: &Scratch) -> (Node, Served) {
     (a, b)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_burst_of_device_transfers_gives_the_gpu_its_memory_back_after_keep_idle() {
+#[test]
+fn a_burst_of_device_transfers_gives_the_gpu_its_memory_back_after_keep_idle() {
     let Some(_gpu) = ferry::testing::gpu_test("device_burst_keep_idle") else {
         return;
     };
     let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(device_burst());
+}
+
+/// A burst of device sends from `a` to `b`; then GPU 0's free memory comes back.
+async fn device_burst() {
     let scratch = Scratch::new();
     let (a, _b) = pair(&scratch).await;
     let device = ferry::cuda::Device::open(0).expect("GPU 0");
