@@ -30,6 +30,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub use ferry_actors::allocator::{DomainStats, KeptStats};
 pub use ferry_actors::core::budget::BudgetStats;
 pub use ferry_actors::core::route::Explanation;
 pub use ferry_actors::fetch::{Fetch, FetchStats, Fetched};

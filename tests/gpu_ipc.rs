@@ -840,6 +840,7 @@ fn dropped_device_memory_serves_the_next_overwriting_grant_on_its_stream() {
         .with_device(DevicePool {
             pool,
             stream: streams.alloc.clone(),
+            others: vec![streams.copy.clone(), streams.express.clone()],
         })
         .domain();
     let lane = streams.express.clone();

@@ -176,6 +176,7 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
         "ferry_memory_granted_bytes{domain=\"host\"}",
         "ferry_memory_free_bytes{domain=\"host\"}",
         "ferry_memory_budget_bytes{domain=\"host\"}",
+        "ferry_memory_kept_bytes{domain=\"host\"}",
         "ferry_reservations_waiting{domain=\"host\"}",
     ] {
         assert!(sample(&body, gauge).is_some(), "{gauge} missing:\n{body}");

@@ -8,6 +8,11 @@
 //! at every tier at once with one shared [`Claim`]: the first tier able to grant takes the
 //! claim and delivers, the others give their grant back. A waiting reservation holds
 //! nothing, and all the parts of one reservation come from one tier or none.
+//!
+//! Memory of dropped buffers may stay with the domain for a later grant that overwrites it
+//! (the shelf, `shelf.rs`), until unused for `memory.keep_idle`: one timer of the actor,
+//! armed only while something is kept, sweeps it, and gives a GPU pool's unused memory back
+//! (`device.rs`), off the actor's thread. Reservations across tiers are in `tiers.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,57 +20,30 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use ferry_transports::cuda::{ExportablePool, Stream};
+use ferry_transports::cuda::Stream;
 use ferry_transports::memory::{
     Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser, SharedBytes,
 };
-use tokio::sync::oneshot;
 
 use crate::core::budget::{Budget, BudgetStats, ReservationEvent, ReservationId, Reserved};
 use crate::core::exports::{ExportId, ExportStats, Exports};
 use crate::error::Error;
 use crate::timer::DeadlineTimer;
 
+mod device;
 mod returned;
 mod shelf;
+mod tiers;
 
-use returned::{RETURN_COALESCE, ReturnedBytes};
-use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES, Shelf, free_kept};
-
-/// How a domain's buffers give their bytes back: to the budget, and host memory worth
-/// keeping to the domain's shelf.
-#[derive(Debug)]
-struct DomainReturn {
-    returned: Arc<ReturnedBytes>,
-    domain: std::sync::Weak<Domain>,
-}
-
-impl Releaser for DomainReturn {
-    fn release(&self, lease: &Lease) {
-        self.returned.release(lease);
-    }
-
-    fn release_host(&self, lease: &Lease, bytes: Box<[u8]>) {
-        self.returned.release(lease);
-        self.shelve(Kept::Host(bytes));
-    }
-
-    fn release_device(&self, lease: &Lease, memory: ferry_transports::cuda::DeviceBuffer) {
-        self.returned.release(lease);
-        self.shelve(Kept::Device(memory));
-    }
-}
-
-impl DomainReturn {
-    /// Offers memory worth keeping to the domain's shelf (else it is freed here).
-    fn shelve(&self, memory: Kept) {
-        if memory.worth_keeping()
-            && let Some(domain) = self.domain.upgrade()
-        {
-            domain.shelve(memory);
-        }
-    }
-}
+pub use device::DevicePool;
+use device::give_back;
+use returned::{DomainReturn, RETURN_COALESCE, ReturnedBytes};
+pub use shelf::Keeping;
+use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, Shelf, free_kept};
+pub use tiers::{
+    Claim, Placement, Queued, Tier, place_in_tiers_off_actor, reserve_in_tiers,
+    reserve_now_in_tiers, reserve_now_to_overwrite,
+};
 
 /// What a grant's memory holds when it is handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,47 +54,6 @@ pub enum Fill {
     /// whose chunks arrive in order until the last byte). Host memory may then be memory
     /// of a buffer dropped earlier, with its old bytes, granted without zeroing.
     Overwritten,
-}
-
-/// One requester's claim on a reservation it placed at several tiers: exactly one tier
-/// delivers; the requester gives up by closing it.
-#[derive(Debug)]
-pub struct Claim {
-    taken: AtomicBool,
-    tx: Mutex<Option<ClaimSender>>,
-}
-
-/// Where a claim's buffers go, or why the tier that granted it could not make them.
-type ClaimSender = oneshot::Sender<Result<Vec<Buffer>, Error>>;
-
-impl Claim {
-    /// A claim and the receiver its buffers (or the granting tier's failure) arrive on.
-    pub fn new() -> (Arc<Self>, oneshot::Receiver<Result<Vec<Buffer>, Error>>) {
-        let (tx, rx) = oneshot::channel();
-        let claim = Arc::new(Self {
-            taken: AtomicBool::new(false),
-            tx: Mutex::new(Some(tx)),
-        });
-        (claim, rx)
-    }
-
-    /// Marks the claim taken (no other tier delivers to it from now on) and hands over
-    /// where its buffers go: `None` when another tier took it, or the requester gave up.
-    fn take(&self) -> Option<ClaimSender> {
-        if self.taken.swap(true, Ordering::AcqRel) {
-            return None;
-        }
-        self.tx.lock().ok().and_then(|mut t| t.take())
-    }
-
-    /// The requester stopped waiting.
-    pub fn close(&self) {
-        self.taken.store(true, Ordering::Release);
-    }
-
-    fn is_taken(&self) -> bool {
-        self.taken.load(Ordering::Acquire)
-    }
 }
 
 /// Queue a reservation for buffers of these sizes, all or none, in this domain until
@@ -140,6 +77,20 @@ pub struct DomainStats {
     pub budget: BudgetStats,
     /// Exported to peers, and quarantined after a peer died.
     pub exports: ExportStats,
+    /// Memory of dropped buffers kept for later grants.
+    pub kept: KeptStats,
+}
+
+/// Memory of dropped buffers a domain keeps for later grants that overwrite it whole
+/// (`memory.keep_idle`, `memory.keep_max`). Kept bytes count as free in the budget: a
+/// grant that needs them frees them first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KeptStats {
+    /// Bytes kept now.
+    pub bytes: u64,
+    /// Grants served from kept memory since the domain started (each one a new
+    /// allocation, and for host memory its page faults and zeroing, saved).
+    pub reused: u64,
 }
 
 impl DomainStats {
@@ -186,16 +137,6 @@ pub struct SetHome(pub Arc<dyn MemoryHome>);
 #[rtype(result = "()")]
 struct Returned(u64);
 
-/// Where a GPU domain's memory comes from: its device's exportable pool, allocated in
-/// stream order on the domain's own stream.
-#[derive(Debug, Clone)]
-pub struct DevicePool {
-    /// The pool (exportable: same-host peers import it once, then each buffer cheaply).
-    pub pool: ExportablePool,
-    /// The stream allocations are made (and freed) on.
-    pub stream: Stream,
-}
-
 /// One domain's budget and the way its memory is made, shared by its actor and the
 /// threads that reserve at once ([`Domain::try_now_on`]: a lane thread, a blocking copy).
 /// The actor alone queues reservations, times them out and tracks exports; a reservation
@@ -207,6 +148,8 @@ pub struct Domain {
     returned: Arc<ReturnedBytes>,
     /// Memory kept for grants that overwrite it.
     shelf: Shelf,
+    /// How much the shelf keeps, and how long (set once, before the actor starts).
+    keeping: OnceLock<Keeping>,
     /// Set when the actor stopped: dropped buffers' memory is freed, not kept.
     closed: AtomicBool,
     /// Gives a buffer's bytes back to `returned`, and its memory to `shelf`.
@@ -239,58 +182,77 @@ impl Domain {
             .saturating_sub(stats.granted.saturating_sub(returned))
     }
 
+    /// How much memory of dropped buffers the domain keeps, and how long.
+    fn keeping(&self) -> Keeping {
+        self.keeping.get().copied().unwrap_or_default()
+    }
+
     /// Keeps the memory of a dropped buffer (its lease already given back) on the shelf, if
-    /// the budget has room for it beside what is granted.
+    /// it is worth keeping and fits `memory.keep_max` and the budget beside what is
+    /// granted; else frees it here.
     fn shelve(&self, memory: Kept) {
-        if self.closed.load(Ordering::Acquire) {
-            // The domain's actor stopped: nothing is kept any more.
+        let keeping = self.keeping();
+        // Once the domain's actor stopped, nothing is kept any more.
+        if !memory.worth_keeping() || !keeping.keeps() || self.closed.load(Ordering::Acquire) {
             drop(memory);
+            self.freed_to_pool();
             return;
         }
-        let (most, bound) = if self.on_device() {
-            (SHELF_DEVICE_BUFFERS, SHELF_DEVICE_BYTES)
+        let most = if self.on_device() {
+            SHELF_DEVICE_BUFFERS
         } else {
-            (SHELF_BUFFERS, u64::MAX)
+            SHELF_BUFFERS
         };
-        let len = memory.len();
-        let evicted = {
+        let now = Instant::now();
+        let gone = {
             let budget = self.budget();
-            let free = self.free_now(&budget).min(bound);
-            if len > free {
-                vec![memory]
-            } else {
-                let mut kept = self.shelf.kept();
-                let evicted = Shelf::make_room(&mut kept, &self.shelf.bytes, len, free, most);
-                kept.push_back(memory);
-                self.shelf.bytes.fetch_add(len, Ordering::AcqRel);
-                evicted
-            }
+            let room = self.free_now(&budget).min(keeping.max);
+            self.shelf.put(memory, now, room, most)
         };
+        let freed = !gone.is_empty();
         // Freed outside the locks.
-        drop(evicted);
+        drop(gone);
+        if freed {
+            self.freed_to_pool();
+        }
+        if self.shelf.needs_word() {
+            self.returned.ask_for_sweep();
+        }
+    }
+
+    /// Notes that device memory went back into the pool just now (a host domain has none):
+    /// the pool gives it back to the GPU once none more went in for `memory.keep_idle`.
+    fn freed_to_pool(&self) {
+        if self.on_device() {
+            self.shelf.note_freed(Instant::now());
+            if self.shelf.needs_word() {
+                self.returned.ask_for_sweep();
+            }
+        }
     }
 
     /// Takes all kept memory off the shelf (the caller frees it).
     fn take_shelf(&self) -> Vec<Kept> {
-        let mut kept = self.shelf.kept();
-        self.shelf.bytes.store(0, Ordering::Release);
-        kept.drain(..).collect()
+        self.shelf.take_all()
     }
 
     /// Frees kept memory that no longer fits beside what is granted (a grant just grew
     /// it), oldest first.
     /// Returns the streams its device memory is freed on.
     fn trim_shelf(&self) -> Vec<Stream> {
-        if self.shelf.bytes.load(Ordering::Acquire) == 0 {
+        if self.shelf.bytes() == 0 {
             return Vec::new();
         }
         let evicted = {
             let budget = self.budget();
-            let free = self.free_now(&budget);
-            let mut kept = self.shelf.kept();
-            Shelf::make_room(&mut kept, &self.shelf.bytes, 0, free, usize::MAX)
+            self.shelf.trim_to(self.free_now(&budget))
         };
-        free_kept(evicted)
+        if evicted.is_empty() {
+            return Vec::new();
+        }
+        let streams = free_kept(evicted);
+        self.freed_to_pool();
+        streams
     }
 
     /// Reserves every part now, on the caller's thread (a device allocation included),
@@ -416,69 +378,6 @@ impl Domain {
     }
 }
 
-impl Domain {
-    /// `len` bytes of this GPU's memory for [`Self::grant`]: `kept` (of that length, made
-    /// on `on`) when it can be reused, else a new allocation. The GPU refusing it frees all
-    /// kept memory and waits for that and for what `freed_on` names (memory the grant just
-    /// freed), then asks once more: kept memory may be what the GPU lacks.
-    fn device_memory(
-        &self,
-        device: &DevicePool,
-        len: u64,
-        on: Option<&Stream>,
-        kept: Option<ferry_transports::cuda::DeviceBuffer>,
-        freed_on: &mut Vec<Stream>,
-    ) -> Result<ferry_transports::cuda::DeviceBuffer, ferry_transports::cuda::CudaError> {
-        if let (Some(mut memory), Some(on), Ok(n)) = (kept, on, usize::try_from(len)) {
-            // Refused (the stream cannot wait): it is freed, and allocated anew below.
-            if memory.reuse(&device.pool, n, on).is_ok() {
-                return Ok(memory);
-            }
-        }
-        allocate(device, len, on).or_else(|refused| {
-            freed_on.extend(free_kept(self.take_shelf()));
-            if freed_on.is_empty() {
-                return Err(refused);
-            }
-            for stream in freed_on.drain(..) {
-                stream.synchronize()?;
-            }
-            allocate(device, len, on)
-        })
-    }
-}
-
-/// `len` bytes from the device's pool: usable from every stream once this returns, or,
-/// allocated `on` a stream of the device, by the work queued on it next.
-fn allocate(
-    device: &DevicePool,
-    len: u64,
-    on: Option<&ferry_transports::cuda::Stream>,
-) -> Result<ferry_transports::cuda::DeviceBuffer, ferry_transports::cuda::CudaError> {
-    let n = usize::try_from(len).map_err(|_| {
-        ferry_transports::cuda::CudaError::Misuse(format!(
-            "{len} bytes do not fit the address space"
-        ))
-    })?;
-    let started = Instant::now();
-    if let Some(stream) = on.filter(|s| s.device().same_as(device.stream.device())) {
-        // Stream-ordered: the caller's next work on `stream` follows the allocation.
-        return device.pool.alloc(n, stream);
-    }
-    let memory = device.pool.alloc(n, &device.stream)?;
-    // Usable from every stream (and exportable) once the allocation is done. Polled: the
-    // stream usually holds only allocations and frees whose copies have ended (a buffer
-    // dropped mid-copy makes it wait for that copy), so the wait is short and a blocking
-    // wait's wake-up would cost more than it (see `cuda::Wait::Spin`).
-    device.stream.spin()?;
-    tracing::trace!(
-        bytes = n,
-        us = started.elapsed().as_micros() as u64,
-        "device allocation"
-    );
-    Ok(memory)
-}
-
 /// Why a domain refused a reservation outright.
 fn refusal(kind: MemoryKind, parts: &[u64], e: crate::core::budget::ReserveError) -> Error {
     use crate::core::budget::ReserveError;
@@ -500,6 +399,8 @@ pub struct Allocator {
     next_id: u64,
     waiting: HashMap<ReservationId, (Vec<u64>, Arc<Claim>)>,
     timer: DeadlineTimer,
+    /// The sweep of kept memory, armed while memory waits for one.
+    sweep: Option<SpawnHandle>,
 }
 
 impl Allocator {
@@ -514,6 +415,7 @@ impl Allocator {
                 budget: Mutex::new(Budget::new(capacity, queue_cap)),
                 returned: Arc::clone(&returned),
                 shelf: Shelf::default(),
+                keeping: OnceLock::new(),
                 closed: AtomicBool::new(false),
                 releaser: Arc::new(DomainReturn {
                     returned,
@@ -526,7 +428,15 @@ impl Allocator {
             next_id: 1,
             waiting: HashMap::new(),
             timer: DeadlineTimer::default(),
+            sweep: None,
         }
+    }
+
+    /// Keeps memory of dropped buffers as `keeping` says (else [`Keeping::default`]).
+    pub fn keeping(self, keeping: Keeping) -> Self {
+        // A fresh domain: how it keeps is not set yet.
+        let _ = self.domain.keeping.set(keeping);
+        self
     }
 
     /// A GPU domain: memory comes from `device`'s pool, under the same budget rules.
@@ -595,6 +505,7 @@ impl Allocator {
         }
         self.publish_gauges();
         self.arm_timer(ctx);
+        self.arm_sweep(ctx);
     }
 
     /// Withdraws the reservations served elsewhere, and delivers those the budget granted.
@@ -635,6 +546,10 @@ impl Allocator {
         DomainStats {
             budget: self.domain.budget().stats(),
             exports: self.exports.stats(),
+            kept: KeptStats {
+                bytes: self.domain.shelf.bytes(),
+                reused: self.domain.shelf.reused(),
+            },
         }
     }
 
@@ -650,6 +565,7 @@ impl Allocator {
         set("ferry_memory_free_bytes", stats.free());
         set("ferry_memory_exported_bytes", stats.exports.exported);
         set("ferry_memory_quarantined_bytes", stats.exports.quarantined);
+        set("ferry_memory_kept_bytes", stats.kept.bytes);
         set("ferry_reservations_waiting", stats.budget.waiting as u64);
     }
 
@@ -671,6 +587,42 @@ impl Allocator {
                 act.drive(ctx);
             },
         );
+    }
+
+    /// Arms the sweep of kept memory for when the oldest has been unused for
+    /// `memory.keep_idle` (or the pool's freed memory, for a device domain), while
+    /// something waits for one: an idle domain has no timer.
+    fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
+        if self.sweep.is_some() {
+            return;
+        }
+        let Some(at) = self.domain.shelf.arm(self.domain.keeping().idle) else {
+            return;
+        };
+        // A millisecond late rather than early: the memory is never seen as still in use.
+        let after = at.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
+        self.sweep = Some(ctx.run_later(after, |act, ctx| {
+            act.sweep = None;
+            act.sweep_kept(Instant::now(), ctx);
+        }));
+    }
+
+    /// Gives back the memory unused for `memory.keep_idle` at `now`: frees it, and a GPU
+    /// domain's pool gives its unused memory to the GPU, both off this thread.
+    fn sweep_kept(&mut self, now: Instant, ctx: &mut Context<Self>) {
+        let swept = self.domain.shelf.sweep(now, self.domain.keeping().idle);
+        self.domain.shelf.disarm();
+        let pool = self.domain.device.get().filter(|_| swept.trim).cloned();
+        if !swept.expired.is_empty() || pool.is_some() {
+            let expired = swept.expired;
+            let give_back = move || give_back(expired, pool.as_ref());
+            match tokio::runtime::Handle::try_current() {
+                Ok(io) => drop(io.spawn_blocking(give_back)),
+                Err(_) => give_back(),
+            }
+        }
+        self.publish_gauges();
+        self.arm_sweep(ctx);
     }
 
     fn collect_returned(&mut self) {
@@ -709,7 +661,9 @@ impl Actor for Allocator {
                 }
                 returned.armed.store(false, Ordering::SeqCst);
                 let bytes = returned.bytes.swap(0, Ordering::AcqRel);
-                if bytes > 0 && me.send(Returned(bytes)).await.is_err() {
+                // Memory kept with no sweep armed: the message arms one.
+                let unswept = returned.unswept.swap(false, Ordering::SeqCst);
+                if (bytes > 0 || unswept) && me.send(Returned(bytes)).await.is_err() {
                     break;
                 }
             }
@@ -720,7 +674,9 @@ impl Actor for Allocator {
 impl Handler<Returned> for Allocator {
     type Result = ();
     fn handle(&mut self, msg: Returned, ctx: &mut Self::Context) {
-        self.domain.budget().handle_release(msg.0);
+        if msg.0 > 0 {
+            self.domain.budget().handle_release(msg.0);
+        }
         self.drive(ctx);
     }
 }
@@ -817,229 +773,6 @@ impl DomainHandle {
     }
 }
 
-/// One tier a reservation may land in.
-#[derive(Clone)]
-pub struct Tier {
-    /// Its memory kind.
-    pub kind: MemoryKind,
-    /// Its allocator.
-    pub allocator: Recipient<Reserve>,
-    /// Its budget and memory, for reservations made at once. Weak: buffers reach their
-    /// tiers through the node's memory home, which the domain holds (a strong reference
-    /// would keep the domain, and a GPU's pool, alive forever).
-    pub domain: std::sync::Weak<Domain>,
-}
-
-/// Reserves every part in the first tier that can grant them all now, in order, on the
-/// caller's thread with no message to any actor (device memory in order `on` a stream of
-/// its GPU, when given: see [`Domain::try_now_on`]); `None` when none can now (then
-/// [`reserve_in_tiers`] waits). A tier that refuses (larger than its budget, or its GPU
-/// refused the allocation) is passed over, as a tier that is full: the waiting path asks
-/// again and names the reason if no tier grants. The buffers hold what `fill` says (with
-/// [`Fill::Overwritten`], memory of buffers dropped earlier may come back: device memory
-/// only when allocated on `on`). Blocking for device memory: never on the actor thread.
-pub fn reserve_now_in_tiers(
-    tiers: &[Tier],
-    parts: &[u64],
-    on: Option<&ferry_transports::cuda::Stream>,
-    fill: Fill,
-) -> Option<Vec<Buffer>> {
-    match try_tiers_now(tiers, parts, on, fill) {
-        TriedNow::Granted(buffers) => Some(buffers),
-        TriedNow::Not { .. } => None,
-    }
-}
-
-/// Host memory for `len` bytes about to be written whole (an eager receive), from the
-/// first host tier of `tiers` that grants it now, on the caller's thread with no message
-/// to any actor; `None` when none can now (full, reservations waiting there, or larger
-/// than its budget). Device tiers are passed over: this never waits for a GPU.
-pub fn reserve_now_to_overwrite(tiers: &[Tier], len: u64) -> Option<Buffer> {
-    let host: Vec<Tier> = tiers
-        .iter()
-        .filter(|t| !matches!(t.kind, MemoryKind::Device(_)))
-        .cloned()
-        .collect();
-    match try_tiers_now(&host, &[len], None, Fill::Overwritten) {
-        TriedNow::Granted(mut buffers) => buffers.pop(),
-        TriedNow::Not { .. } => None,
-    }
-}
-
-/// What one pass over the tiers on the caller's thread gave.
-enum TriedNow {
-    /// A tier granted every part.
-    Granted(Vec<Buffer>),
-    /// None could now: the tiers that may later (a reservation queues there), and the last
-    /// refusal of one that never can (larger than its budget, its GPU refused, it stopped).
-    Not {
-        able: Vec<Tier>,
-        refusal: Option<Error>,
-    },
-}
-
-/// Tries each tier in order on this thread (see [`reserve_now_in_tiers`]), for buffers
-/// holding what `fill` says.
-fn try_tiers_now(
-    tiers: &[Tier],
-    parts: &[u64],
-    on: Option<&ferry_transports::cuda::Stream>,
-    fill: Fill,
-) -> TriedNow {
-    let mut able = Vec::new();
-    let mut refusal = None;
-    for tier in tiers {
-        // A domain gone: the node is shutting down.
-        let Some(domain) = tier.domain.upgrade() else {
-            refusal = Some(Error::ShuttingDown);
-            continue;
-        };
-        match domain.try_now_on(parts, on, fill) {
-            Ok(Some(buffers)) => return TriedNow::Granted(buffers),
-            Ok(None) => able.push(tier.clone()),
-            Err(e) => refusal = Some(e),
-        }
-    }
-    TriedNow::Not { able, refusal }
-}
-
-/// Reserves every part in the first tier that can grant them all now, in order (on this
-/// thread, with no message: [`reserve_now_in_tiers`]); if none can, waits at every tier
-/// until one can or `deadline` passes. All parts land in one tier. Returns the buffers
-/// (their [`Buffer::kind`] says which tier). A device allocation may run on the calling
-/// thread: not on the actor thread.
-///
-/// # Errors
-/// [`Error::NoMemory`] when no tier could grant in time, or every tier is smaller than the
-/// request; [`Error::ShuttingDown`] when the allocators stopped.
-pub async fn reserve_in_tiers(
-    tiers: &[Tier],
-    parts: &[u64],
-    deadline: Instant,
-) -> Result<Vec<Buffer>, Error> {
-    queue(
-        try_tiers_now(tiers, parts, None, Fill::Zeroed),
-        parts,
-        deadline,
-    )
-    .await?
-    .granted()
-    .await
-}
-
-/// Places a reservation across `tiers` for a caller on an actor's thread: granted now (a
-/// try that may allocate device memory runs on a blocking thread of `io`: the allocation
-/// waits for its stream), or queued at every tier able to grant it. Only the placing is
-/// ordered: a caller that places its reservations one after another keeps their order in
-/// each tier's queue, and may await [`Placement::granted`] side by side. A grant made now
-/// holds what `fill` says; one that waited is zeroed host memory either way.
-///
-/// # Errors
-/// As [`reserve_in_tiers`], for a request no tier takes.
-pub async fn place_in_tiers_off_actor(
-    tiers: &[Tier],
-    parts: &[u64],
-    deadline: Instant,
-    io: &tokio::runtime::Handle,
-    fill: Fill,
-) -> Result<Placement, Error> {
-    let device = tiers
-        .iter()
-        .any(|t| matches!(t.kind, MemoryKind::Device(_)));
-    let tried = if device {
-        let (tiers, parts) = (tiers.to_vec(), parts.to_vec());
-        io.spawn_blocking(move || try_tiers_now(&tiers, &parts, None, fill))
-            .await
-            .map_err(|_| Error::ShuttingDown)?
-    } else {
-        try_tiers_now(tiers, parts, None, fill)
-    };
-    queue(tried, parts, deadline).await
-}
-
-/// A reservation placed: granted already, or queued at the tiers able to grant it.
-#[derive(Debug)]
-pub enum Placement {
-    /// Granted at once.
-    Granted(Vec<Buffer>),
-    /// Queued until one of the tiers grants, or the deadline.
-    Queued(Queued),
-}
-
-/// A reservation queued at one or more tiers (see [`Placement`]).
-#[derive(Debug)]
-pub struct Queued {
-    claim: Arc<Claim>,
-    rx: oneshot::Receiver<Result<Vec<Buffer>, Error>>,
-    kind: MemoryKind,
-    total: u64,
-    deadline: Instant,
-}
-
-impl Placement {
-    /// The buffers, once a tier granted them.
-    ///
-    /// # Errors
-    /// [`Error::NoMemory`] when the deadline passed first, or the granting GPU refused the
-    /// allocation; [`Error::ShuttingDown`] when the node stopped.
-    pub async fn granted(self) -> Result<Vec<Buffer>, Error> {
-        let q = match self {
-            Placement::Granted(buffers) => return Ok(buffers),
-            Placement::Queued(q) => q,
-        };
-        let waited =
-            tokio::time::timeout_at(tokio::time::Instant::from_std(q.deadline), q.rx).await;
-        q.claim.close();
-        match waited {
-            Ok(Ok(made)) => made,
-            // Taken by a tier whose making of the buffers never ran: the node stops.
-            Ok(Err(_)) => Err(Error::ShuttingDown),
-            Err(_) => Err(Error::NoMemory {
-                kind: q.kind,
-                len: q.total,
-                cause: crate::error::NoMemoryCause::DeadlinePassed,
-                detail: "deadline passed while waiting for budget".into(),
-            }),
-        }
-    }
-}
-
-/// After a pass over the tiers that granted nothing, asks every tier able to grant later
-/// to queue the reservation (the first to grant delivers, until `deadline`).
-async fn queue(tried: TriedNow, parts: &[u64], deadline: Instant) -> Result<Placement, Error> {
-    let total: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(*p));
-    let (able, refusal) = match tried {
-        TriedNow::Granted(buffers) => return Ok(Placement::Granted(buffers)),
-        TriedNow::Not { able, refusal } => (able, refusal),
-    };
-    let Some(first) = able.first() else {
-        return Err(refusal.unwrap_or(Error::NoMemory {
-            kind: MemoryKind::Host,
-            len: total,
-            cause: crate::error::NoMemoryCause::NoTier,
-            detail: "no memory tier configured".into(),
-        }));
-    };
-    let kind = first.kind;
-    let (claim, rx) = Claim::new();
-    for tier in &able {
-        let asked = tier.allocator.send(Reserve {
-            parts: parts.to_vec(),
-            deadline,
-            claim: Arc::clone(&claim),
-        });
-        // A tier that refuses (queue full) just does not take part.
-        let _ = asked.await;
-    }
-    Ok(Placement::Queued(Queued {
-        claim,
-        rx,
-        kind,
-        total,
-        deadline,
-    }))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1062,7 +795,7 @@ mod tests {
         bytes.fill(7);
         let at = bytes.as_ptr();
         drop(first);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 2 * MIB);
+        assert_eq!(domain.shelf.bytes(), 2 * MIB);
 
         // A zeroed grant never takes kept memory; an overwriting one of the same length does.
         let zeroed = one(&domain, MIB, Fill::Zeroed);
@@ -1078,16 +811,62 @@ mod tests {
         // frees what is kept.
         let held = one(&domain, MIB, Fill::Zeroed);
         drop(again);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 3 * MIB);
+        assert_eq!(domain.shelf.bytes(), 3 * MIB);
         let more = one(&domain, 2 * MIB, Fill::Zeroed);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        assert_eq!(domain.shelf.bytes(), 0);
         drop((held, more));
 
         // Small buffers are not worth keeping, and a buffer kept holds no budget.
         drop(one(&domain, 1024, Fill::Overwritten));
-        assert!(domain.shelf.bytes.load(Ordering::Acquire) <= 3 * MIB);
+        assert!(domain.shelf.bytes() <= 3 * MIB);
         let whole = one(&domain, 4 * MIB, Fill::Zeroed);
-        assert_eq!(domain.shelf.bytes.load(Ordering::Acquire), 0);
+        assert_eq!(domain.shelf.bytes(), 0);
         drop(whole);
+    }
+
+    #[test]
+    fn a_domain_keeps_at_most_keep_max_and_nothing_with_a_zero_idle_time() {
+        let domain = Allocator::new(MemoryKind::Host, 64 * MIB, 16, Duration::from_secs(1))
+            .keeping(Keeping {
+                idle: Duration::from_secs(60),
+                max: 3 * MIB,
+            })
+            .domain();
+        drop(one(&domain, 2 * MIB, Fill::Overwritten));
+        drop(one(&domain, 2 * MIB, Fill::Overwritten));
+        // The second grant took the first one's memory: drop two at once.
+        let (a, b) = (
+            one(&domain, 2 * MIB, Fill::Overwritten),
+            one(&domain, 2 * MIB, Fill::Overwritten),
+        );
+        drop((a, b));
+        assert_eq!(
+            domain.shelf.bytes(),
+            2 * MIB,
+            "3 MiB at most: the older one went"
+        );
+        drop(one(&domain, 4 * MIB, Fill::Overwritten));
+        assert_eq!(
+            domain.shelf.bytes(),
+            2 * MIB,
+            "larger than keep_max: not kept"
+        );
+
+        for nothing in [
+            Keeping {
+                idle: Duration::ZERO,
+                max: 512 * MIB,
+            },
+            Keeping {
+                idle: Duration::from_secs(60),
+                max: 0,
+            },
+        ] {
+            let domain = Allocator::new(MemoryKind::Host, 64 * MIB, 16, Duration::from_secs(1))
+                .keeping(nothing)
+                .domain();
+            drop(one(&domain, 2 * MIB, Fill::Overwritten));
+            assert_eq!(domain.shelf.bytes(), 0, "{nothing:?} keeps nothing");
+        }
     }
 }

@@ -195,6 +195,16 @@ pub struct MemoryConfig {
     /// releasing it, before it is free again. Default `"10s"`.
     #[serde(with = "duration")]
     pub export_lease_timeout: Duration,
+    /// How long memory of dropped buffers stays kept for later grants (the shelf) while
+    /// nothing uses it, before it goes back: host memory to the system, device memory out
+    /// of the GPU's pool. Default `"2s"`; `"0s"` keeps nothing.
+    #[serde(with = "duration")]
+    pub keep_idle: Duration,
+    /// The most memory of dropped buffers each domain (host, pinned, each GPU) keeps for
+    /// later grants; never more than the domain's budget has free either. Default
+    /// `"512 MiB"`; `0` keeps nothing.
+    #[serde(with = "size")]
+    pub keep_max: u64,
 }
 
 impl Default for MemoryConfig {
@@ -206,6 +216,8 @@ impl Default for MemoryConfig {
             receive_into: MemoryClass::Host,
             spill: Vec::new(),
             export_lease_timeout: Duration::from_secs(10),
+            keep_idle: Duration::from_secs(2),
+            keep_max: 512 << 20,
         }
     }
 }

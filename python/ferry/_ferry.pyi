@@ -52,6 +52,10 @@ class MemoryStats(TypedDict):
     peak_waiting: int
     exported: int
     quarantined: int
+    kept: int
+    """Bytes of dropped buffers kept for later receives (``memory.keep_idle``, ``keep_max``)."""
+    reused: int
+    """Grants served from kept memory since the node started."""
 
 class PublicationStats(TypedDict):
     """What a published key has served (``Node.publication``)."""

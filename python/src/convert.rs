@@ -288,6 +288,8 @@ pub(crate) struct DomainCounters {
     pub peak_waiting: usize,
     pub exported: u64,
     pub quarantined: u64,
+    pub kept: u64,
+    pub reused: u64,
 }
 
 impl DomainCounters {
@@ -300,6 +302,8 @@ impl DomainCounters {
         dict.set_item("peak_waiting", self.peak_waiting)?;
         dict.set_item("exported", self.exported)?;
         dict.set_item("quarantined", self.quarantined)?;
+        dict.set_item("kept", self.kept)?;
+        dict.set_item("reused", self.reused)?;
         Ok(dict)
     }
 }

@@ -937,8 +937,11 @@ impl Node {
 
     /// Memory counters per domain: ``{"host": {...}, "pinned": {...}, "cuda:0": {...}}``,
     /// each with ``capacity``, ``granted``, ``free``, ``waiting``, ``peak_waiting``,
-    /// ``exported`` and ``quarantined`` (bytes, or counts for the waits). With ``kind``,
-    /// that domain's dict alone. Every buffer given back shows as ``granted`` going down.
+    /// ``exported``, ``quarantined`` and ``kept`` (bytes, or counts for the waits), and
+    /// ``reused`` (grants served from kept memory so far). With ``kind``, that domain's dict
+    /// alone. Every buffer given back shows as ``granted`` going down; ``kept`` is memory of
+    /// dropped buffers held for later receives, given back once unused for
+    /// ``memory.keep_idle``.
     #[pyo3(signature = (kind=None))]
     fn memory<'py>(&self, py: Python<'py>, kind: Option<&str>) -> PyResult<Bound<'py, PyAny>> {
         let single = kind.is_some();
@@ -972,6 +975,8 @@ impl Node {
                 peak_waiting: stats.budget.peak_waiting,
                 exported: stats.exports.exported,
                 quarantined: stats.exports.quarantined,
+                kept: stats.kept.bytes,
+                reused: stats.kept.reused,
             }
             .to_dict(py)?;
             if single {

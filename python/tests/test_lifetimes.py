@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ferry
-from conftest import eventually, granted
+from conftest import eventually, granted, start_peer
 
 SIZE = 1 << 20
 
@@ -89,3 +89,24 @@ def test_dlpack_device_and_refusals(node, echo):
         got.__dlpack__(copy=True)
     with pytest.raises(BufferError):
         got.__dlpack__(dl_device=(2, 0))
+
+
+def test_kept_memory_is_reported_and_goes_back_once_unused(configs):
+    """A received buffer's memory, dropped, is kept for the next receive of its size, shows
+    as ``kept`` and goes back once unused for ``memory.keep_idle``."""
+    extra = '[memory]\nkeep_idle = "300ms"\n'
+    with ferry.Node(configs.toml("test", extra=extra)) as node:
+        peer = start_peer(configs, node)
+        try:
+            got = receive(node, peer, 7, 7)
+            del got
+            gc.collect()
+            # The peer's echo and the node's own send both dropped a 1 MiB buffer.
+            assert eventually(lambda: node.memory("host")["kept"] >= SIZE, 1.0), node.memory()
+            assert eventually(lambda: node.memory("host")["kept"] == 0), node.memory()
+            again = receive(node, peer, 8, 8)
+            assert again.tobytes()[:1] == b"\x08"
+            del again
+        finally:
+            peer.stop(node)
+        assert {"kept", "reused"} <= set(node.memory("host"))

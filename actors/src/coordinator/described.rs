@@ -149,6 +149,12 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
         "Bytes of a memory domain held by dead peers until their lease times out",
     ),
     (
+        MetricKind::Gauge,
+        "ferry_memory_kept_bytes",
+        Some(metrics::Unit::Bytes),
+        "Bytes of dropped buffers a memory domain keeps for later grants (memory.keep_idle, keep_max)",
+    ),
+    (
         MetricKind::Counter,
         "ferry_promoted_bytes_total",
         Some(metrics::Unit::Bytes),

@@ -345,7 +345,13 @@ impl Node {
             .map_err(|_| Error::DeadlineExceeded)
     }
 
-    /// A memory domain's counters: budget, granted, exported, quarantined, waiting.
+    /// A memory domain's counters: budget, granted, exported, quarantined, waiting, and the
+    /// memory of dropped buffers it keeps for later grants (`kept`: bytes now, and how many
+    /// grants reused such memory; `memory.keep_idle`, `memory.keep_max`).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a GPU the node does not use; [`Error::ShuttingDown`] once
+    /// the node stopped.
     pub async fn memory(&self, kind: MemoryKind) -> Result<DomainStats, Error> {
         self.domain(kind)?
             .actor

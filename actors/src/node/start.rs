@@ -274,7 +274,12 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     let limits = &config.limits;
     let (mailbox, queue) = (limits.mailbox, limits.reservation_queue);
     let lease = config.memory.export_lease_timeout;
-    let domain = |kind, budget| Allocator::new(kind, budget, queue, lease).launch(mailbox);
+    let keeping = keeping(&config);
+    let domain = |kind, budget| {
+        Allocator::new(kind, budget, queue, lease)
+            .keeping(keeping)
+            .launch(mailbox)
+    };
     let host = domain(MemoryKind::Host, config.memory.host.resolve(total_memory()));
     let pinned = domain(
         MemoryKind::PinnedHost,
@@ -462,6 +467,14 @@ pub fn has_rdma_device() -> bool {
     std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
+/// How every domain keeps memory of dropped buffers (`memory.keep_idle`, `keep_max`).
+fn keeping(config: &Config) -> crate::allocator::Keeping {
+    crate::allocator::Keeping {
+        idle: config.memory.keep_idle,
+        max: config.memory.keep_max,
+    }
+}
+
 /// One allocator per opened GPU (its pool registered at the fd-sharing socket), with the
 /// GPU's copy streams.
 pub(super) fn start_gpus(
@@ -479,10 +492,12 @@ pub(super) fn start_gpus(
             let pool = crate::allocator::DevicePool {
                 pool: g.pool.clone(),
                 stream: g.streams.alloc,
+                others: vec![g.streams.copy.clone(), g.streams.express.clone()],
             };
             let budget = g.budget;
             let allocator = Allocator::new(kind, budget, queue, lease)
                 .with_device(pool)
+                .keeping(keeping(config))
                 .launch(mailbox);
             shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
             let gpu = ferry_transports::gpus::Gpu {

@@ -19,8 +19,9 @@ pub const POINTER_EXPORT_LEN: usize = 64;
 /// (`cuMemPoolCreate` with POSIX-fd handles, located on the device).
 ///
 /// Its release threshold is set to "never": memory freed back to the pool stays reserved in
-/// it, so a later allocation costs no call into the OS and exports stay cheap. Cheap to
-/// clone (clones share the pool); buffers keep the pool alive.
+/// it, so a later allocation costs no call into the OS and exports stay cheap, until
+/// [`ExportablePool::trim_to`] gives it back. Cheap to clone (clones share the pool);
+/// buffers keep the pool alive.
 #[derive(Clone)]
 pub struct ExportablePool {
     inner: Arc<PoolInner>,
@@ -117,6 +118,23 @@ impl ExportablePool {
             uses: Uses::default(),
             export: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Gives the pool's reserved memory that backs no allocation back to the GPU
+    /// (`cuMemPoolTrimTo`), until at most `keep` bytes stay reserved, so that other
+    /// processes and allocators can have it; a later allocation reserves memory anew (an
+    /// OS call, slower than one the pool serves). Memory whose stream-ordered free has not
+    /// been seen to end (wait for its stream first) may stay. Live allocations, and memory
+    /// peers imported, are never touched.
+    ///
+    /// A driver call that may unmap memory: not for an actor's thread.
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn trim_to(&self, keep: usize) -> Result<(), CudaError> {
+        self.inner.device.bind()?;
+        // SAFETY: the pool is alive for as long as `self`.
+        unsafe { raw::mem_pool_trim_to(self.inner.handle, keep) }
     }
 
     /// Lets `device` read and write this pool's allocations (`cuMemPoolSetAccess`); pool

@@ -43,6 +43,7 @@ const ENTRY_POINTS: &[&str] = &[
     "cuMemPoolDestroy",
     "cuMemPoolSetAttribute",
     "cuMemPoolSetAccess",
+    "cuMemPoolTrimTo",
     "cuMemAllocFromPoolAsync",
     "cuMemFreeAsync",
     "cuMemFree_v2",
@@ -325,6 +326,21 @@ pub(super) unsafe fn mem_pool_set_release_threshold(
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             (&mut value as *mut sys::cuuint64_t).cast::<c_void>(),
         )
+    })
+}
+
+/// Releases the pool's reserved memory that backs no allocation until at most
+/// `keep` bytes stay reserved (or nothing more can go).
+///
+/// # Safety
+/// `pool` is live.
+pub(super) unsafe fn mem_pool_trim_to(
+    pool: sys::CUmemoryPool,
+    keep: usize,
+) -> Result<(), CudaError> {
+    // SAFETY: live pool (caller); the driver only unmaps memory no allocation uses.
+    check("cuMemPoolTrimTo", unsafe {
+        sys::cuMemPoolTrimTo(pool, keep)
     })
 }
 
