@@ -157,6 +157,100 @@ fn config_check_reads_the_secret_file() {
     }
 }
 
+/// Runs `command` and returns its exit code and stderr.
+fn code_and_stderr(command: &mut Command) -> (Option<i32>, String) {
+    let out = command.output().expect("run");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn config_check_and_serve_name_the_layer_that_set_a_refused_secret_file() {
+    let scratch = Scratch::new();
+    let short = scratch.path().join("short-secret");
+    common::write_secret(&short, "5byte");
+    let refused = format!(
+        "key security.secret_file: secret file {}: the secret is 5 bytes",
+        short.display()
+    );
+    // The file, with the line of `secret_file`: checked alone, as the `--config` layer,
+    // and by `serve`.
+    let config = scratch.write("n.toml", &scratch.toml_with_secret("n", &[], "", &short));
+    let from_file = format!("config file {}, line 6: {refused}", config.display());
+    // `ferry ARGS --config FILE`, with no user file.
+    let with_config = |args: &[&str], file: &std::path::Path| {
+        let mut command = ferry();
+        command
+            .args(args)
+            .arg("--config")
+            .arg(file)
+            .env("XDG_CONFIG_HOME", scratch.path());
+        command
+    };
+    for mut command in [
+        {
+            let mut alone = ferry();
+            alone.args(["config", "check"]).arg(&config);
+            alone
+        },
+        with_config(&["config", "check"], &config),
+        with_config(&["serve"], &config),
+    ] {
+        let (code, stderr) = code_and_stderr(&mut command);
+        assert_eq!(code, Some(1), "{command:?}: {stderr}");
+        assert!(
+            stderr.contains(&from_file),
+            "{command:?}: no {from_file:?} in {stderr}"
+        );
+    }
+    // A variable and `--set`, above a file that names a good secret.
+    let good = scratch.write("good.toml", &scratch.toml("n", &[], ""));
+    let variable = "FERRY__SECURITY__SECRET_FILE";
+    for (mut command, origin) in [
+        {
+            let mut command = with_config(&["config", "check"], &good);
+            command.env(variable, &short);
+            (command, format!("environment variable {variable}"))
+        },
+        {
+            let mut command = with_config(&["serve"], &good);
+            command.env(variable, &short);
+            (command, format!("environment variable {variable}"))
+        },
+        {
+            let mut command = with_config(&["config", "check"], &good);
+            command
+                .arg("--set")
+                .arg(format!("security.secret_file={}", short.display()));
+            (command, "command line".to_string())
+        },
+    ] {
+        let (code, stderr) = code_and_stderr(&mut command);
+        let expected = format!("{origin}: {refused}");
+        assert_eq!(code, Some(1), "{command:?}: {stderr}");
+        assert!(
+            stderr.contains(&expected),
+            "{command:?}: no {expected:?} in {stderr}"
+        );
+    }
+}
+
+#[test]
+fn serve_names_the_file_and_line_of_gpus_it_cannot_open() {
+    let scratch = Scratch::new();
+    let config = scratch.write("n.toml", &scratch.toml("n", &[], "[gpu]\ndevices = [99]\n"));
+    let (code, stderr) = code_and_stderr(ferry().args(["serve", "--config"]).arg(&config));
+    assert_eq!(code, Some(1), "{stderr}");
+    // Without a CUDA driver "names GPUs [99], but ..."; with one, "names GPU 99, but ...".
+    let expected = format!(
+        "config file {}, line 9: key gpu.devices: names GPU",
+        config.display()
+    );
+    assert!(stderr.contains(&expected), "no {expected:?} in {stderr}");
+}
+
 #[test]
 fn config_check_names_the_file_of_a_layer_that_sets_nothing() {
     let scratch = Scratch::new();

@@ -9,11 +9,26 @@ use std::process::{Command, Output};
 use common::{Scratch, Served};
 
 fn ferry(args: &[&str]) -> Output {
-    Command::new(common::ferry_bin())
-        .args(args)
-        .env("RUST_LOG", "error")
-        .output()
-        .expect("run ferry")
+    ferry_with_path(args, None)
+}
+
+/// `ferry ARGS`, with `PATH` set to `path` when given.
+fn ferry_with_path(args: &[&str], path: Option<&Path>) -> Output {
+    let mut command = Command::new(common::ferry_bin());
+    command.args(args).env("RUST_LOG", "error");
+    if let Some(path) = path {
+        command.env("PATH", path);
+    }
+    command.output().expect("run ferry")
+}
+
+/// The release the UCX this process loads reports (`ucp_get_version`) and the file it was
+/// mapped from: the library `ferry` loads too (`FERRY_UCX_LIBRARY`, else the system's).
+/// `None` (the test skips) where UCX does not load, unless `FERRY_UCX_TESTS=1`.
+fn loaded_ucx(test: &str) -> Option<(String, String)> {
+    let ucx = ucx_sys::testing::ucx_test(test)?;
+    let file = ucx.file().expect("the mapped file is in /proc/self/maps");
+    Some((ucx.version().to_string(), file.display().to_string()))
 }
 
 fn stdout(out: &Output) -> String {
@@ -278,4 +293,79 @@ fn doctor_exits_1_when_the_only_rule_names_ipc() {
             && f["status"] == "problem"
             && f["blocks"] == true)
     );
+}
+
+#[test]
+fn doctor_names_the_loaded_ucx_release_and_file_without_ucx_info() {
+    let Some((release, file)) =
+        loaded_ucx("doctor_names_the_loaded_ucx_release_and_file_without_ucx_info")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let a = scratch.write("a.toml", &scratch.toml("a", &[], ""));
+    // No ucx_info: a PATH of one empty directory.
+    let no_tools = scratch.path().join("no-tools");
+    std::fs::create_dir(&no_tools).expect("an empty directory");
+    let args = ["doctor", "--config", a.to_str().expect("utf-8 temp path")];
+    let out = ferry_with_path(&args, Some(&no_tools));
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    let ucx = text
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some("ucx"))
+        .unwrap_or_else(|| panic!("no ucx line: {text}"));
+    let named = format!("UCX {release} from {file}");
+    assert!(ucx.contains(&named), "no {named:?} in {ucx}");
+    // What is unknown, and why.
+    assert!(
+        ucx.contains(
+            "transports unknown (ucx_info is not on PATH): whether it has an RDMA transport"
+        ),
+        "{ucx}"
+    );
+    assert!(
+        text.contains(&format!("the ucx_info of UCX {release}")),
+        "{text}"
+    );
+    // The same in JSON.
+    let out = ferry_with_path(&[&args[..], &["--json"]].concat(), Some(&no_tools));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json is JSON");
+    let found = v["findings"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["check"] == "ucx"))
+        .and_then(|f| f["found"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    assert!(found.contains(&named), "{}", said(&out));
+}
+
+#[test]
+fn explain_names_the_loaded_ucx_release_for_a_rule_over_ucx() {
+    let Some((release, file)) =
+        loaded_ucx("explain_names_the_loaded_ucx_release_for_a_rule_over_ucx")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let rules = "[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n";
+    let a = scratch.write("a.toml", &scratch.toml("a", &[("b", "127.0.0.1:1")], rules));
+    let asked = ["--bytes", "1M", "--memory", "host", "--no-connect"];
+    let out = explain(&a, &asked);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", said(&out));
+    let named = format!("UCX {release} from {file}");
+    assert!(
+        text.lines()
+            .any(|l| l.trim_start().starts_with("ucx ") && l.contains(&named)),
+        "no ucx line with {named:?}: {text}"
+    );
+    let out = explain(&a, &[&asked[..], &["--json"]].concat());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("explain --json is JSON");
+    assert_eq!(v["ucx"]["release"], release.as_str(), "{}", said(&out));
+    assert_eq!(v["ucx"]["file"], file.as_str(), "{}", said(&out));
+    // A rule that does not name ucx says nothing of it.
+    let a = scratch.write("a.toml", &scratch.toml("a", &[("b", "127.0.0.1:1")], ""));
+    let text = stdout(&explain(&a, &asked));
+    assert!(!text.contains(&named), "{text}");
 }

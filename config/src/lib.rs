@@ -36,6 +36,7 @@ mod address;
 mod error;
 mod load;
 mod names;
+mod provenance;
 mod rule;
 mod schema;
 mod secret;
@@ -43,7 +44,7 @@ mod units;
 mod validate;
 
 pub use address::PeerAddress;
-pub use error::{ConfigError, Origin, ParseError};
+pub use error::{ConfigError, KeyOrigin, Origin, ParseError};
 pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{

@@ -5,7 +5,9 @@
 //! type or a bad size is reported against the file or variable that holds it. Then the layers
 //! are merged with the `config` crate (tables merge key by key; an array replaces the whole
 //! array below it), deserialized, and validated; a validation error names the highest layer
-//! that set the faulty key.
+//! that set the faulty key, and the line where that layer is TOML. The loaded [`Config`]
+//! keeps which layer set each key, so that checks made later ([`Config::read_secret`],
+//! [`Config::invalid`]) name it too.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -13,8 +15,8 @@ use std::path::{Path, PathBuf};
 use config::{FileFormat, Map, Source, Value, ValueKind};
 
 use crate::error::{ConfigError, Origin};
+use crate::provenance::{LayerKeys, Provenance, toml_lines};
 use crate::schema::Config;
-use crate::validate::Blame;
 
 /// Default path of the system-wide file.
 const SYSTEM_FILE: &str = "/etc/ferry/ferry.toml";
@@ -118,8 +120,10 @@ pub fn load(opts: &LoadOptions) -> Result<Config, ConfigError> {
 fn blame_unset(err: ConfigError, layers: &[Layer], opts: &LoadOptions) -> ConfigError {
     let ConfigError::Invalid {
         origin: Origin::Defaults,
+        line,
         key,
         mut detail,
+        others,
     } = err
     else {
         return err;
@@ -144,8 +148,10 @@ fn blame_unset(err: ConfigError, layers: &[Layer], opts: &LoadOptions) -> Config
         }
         return ConfigError::Invalid {
             origin: Origin::Defaults,
+            line,
             key,
             detail,
+            others,
         };
     };
     if last.keys.is_empty() {
@@ -157,8 +163,10 @@ fn blame_unset(err: ConfigError, layers: &[Layer], opts: &LoadOptions) -> Config
     }
     ConfigError::Invalid {
         origin: last.origin.clone(),
+        line,
         key,
         detail,
+        others,
     }
 }
 
@@ -171,8 +179,16 @@ impl Config {
     /// [`ConfigError::Parse`] for invalid TOML, [`ConfigError::Invalid`] for a schema or
     /// validation error.
     pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
-        let config = check_toml(text, &Origin::Inline)?;
-        config.validate_with(&|_| (0, Origin::Inline))?;
+        let mut config = check_toml(text, &Origin::Inline)?;
+        // `check_toml` parsed it: the same text cannot fail here.
+        let values = config::File::from_str(text, FileFormat::Toml)
+            .collect()
+            .unwrap_or_default();
+        let layer = Layer::new(Origin::Inline, values).with_lines(toml_lines(text));
+        // A key the string does not set is blamed on it too (there is no other layer).
+        let provenance = Provenance::new(vec![layer.keys()], Origin::Inline);
+        config.validate_with(&provenance)?;
+        config.provenance = provenance;
         Ok(config)
     }
 }
@@ -183,6 +199,8 @@ struct Layer {
     values: Map<String, Value>,
     /// The dotted keys this layer sets: tables are expanded, arrays count as one key.
     keys: Vec<String>,
+    /// The line of each value, where the layer is TOML text.
+    lines: std::collections::BTreeMap<String, u32>,
 }
 
 impl Layer {
@@ -193,6 +211,21 @@ impl Layer {
             origin,
             values,
             keys,
+            lines: Default::default(),
+        }
+    }
+
+    fn with_lines(mut self, lines: std::collections::BTreeMap<String, u32>) -> Layer {
+        self.lines = lines;
+        self
+    }
+
+    /// What the merged configuration keeps of this layer.
+    fn keys(&self) -> LayerKeys {
+        LayerKeys {
+            origin: self.origin.clone(),
+            keys: self.keys.clone(),
+            lines: self.lines.clone(),
         }
     }
 
@@ -200,14 +233,15 @@ impl Layer {
     fn check_alone(&self) -> Result<(), ConfigError> {
         let mut key = String::new();
         if let Some(number) = unbounded_float("", &self.values, &mut key) {
-            return Err(ConfigError::Invalid {
-                origin: self.origin.clone(),
+            return Err(ConfigError::invalid(
+                self.origin.clone(),
                 key,
-                detail: format!("the number is out of range for this key (read as {number:e})"),
-            });
+                format!("the number is out of range for this key (read as {number:e})"),
+            ));
         }
         let built = build(std::slice::from_ref(self))?;
-        deserialize(built, &|_| (0, self.origin.clone())).map(drop)
+        let provenance = Provenance::new(vec![self.keys()], self.origin.clone());
+        deserialize(built, &provenance).map(drop)
     }
 }
 
@@ -284,37 +318,22 @@ fn build(layers: &[Layer]) -> Result<config::Config, ConfigError> {
 }
 
 fn merge(layers: &[Layer]) -> Result<Config, ConfigError> {
-    let blame = |key: &str| {
-        layers
-            .iter()
-            .enumerate()
-            .rev()
-            .find(|(_, layer)| layer.keys.iter().any(|set| related(set, key)))
-            .map_or((0, Origin::Defaults), |(i, layer)| {
-                (i + 1, layer.origin.clone())
-            })
-    };
-    let config = deserialize(build(layers)?, &blame)?;
-    config.validate_with(&blame)?;
+    let provenance = Provenance::new(layers.iter().map(Layer::keys).collect(), Origin::Defaults);
+    let mut config = deserialize(build(layers)?, &provenance)?;
+    config.validate_with(&provenance)?;
+    config.provenance = provenance;
     Ok(config)
 }
 
-/// Whether setting key `set` sets (part of) key `key`, or the other way round.
-fn related(set: &str, key: &str) -> bool {
-    let within = |long: &str, short: &str| {
-        long.strip_prefix(short)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
-    };
-    within(key, set) || within(set, key)
-}
-
-fn deserialize(built: config::Config, blame: &Blame<'_>) -> Result<Config, ConfigError> {
+fn deserialize(built: config::Config, provenance: &Provenance) -> Result<Config, ConfigError> {
     serde_path_to_error::deserialize(built).map_err(|e| {
-        let key = key_name(e.path());
+        let (_, at) = provenance.blame(&key_name(e.path()));
         ConfigError::Invalid {
-            origin: blame(&key).1,
-            key,
+            origin: at.origin,
+            line: at.line,
+            key: at.key,
             detail: plain(e.inner()),
+            others: Vec::new(),
         }
     })
 }
@@ -375,13 +394,13 @@ fn file_layer(path: &Path, required: bool) -> Result<Option<Layer>, ConfigError>
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
-    let format = match extension.as_deref() {
+    let (format, lines) = match extension.as_deref() {
         Some("toml") => {
             // The toml crate alone gives line numbers and exact paths; use it first.
             check_toml(&text, &origin)?;
-            FileFormat::Toml
+            (FileFormat::Toml, toml_lines(&text))
         }
-        Some("yaml" | "yml") => FileFormat::Yaml,
+        Some("yaml" | "yml") => (FileFormat::Yaml, Default::default()),
         _ => {
             return Err(ConfigError::Parse {
                 origin,
@@ -395,7 +414,7 @@ fn file_layer(path: &Path, required: bool) -> Result<Option<Layer>, ConfigError>
             origin: origin.clone(),
             detail: plain(&e),
         })?;
-    let layer = Layer::new(origin, values);
+    let layer = Layer::new(origin, values).with_lines(lines);
     layer.check_alone()?;
     Ok(Some(layer))
 }
@@ -406,11 +425,11 @@ fn check_toml(text: &str, origin: &Origin) -> Result<Config, ConfigError> {
         // A value the parser itself refuses (an integer beyond 64 bits, an impossible date,
         // a bare word) fails here, before serde sees its key: find the key from the span.
         return Err(match refused_value(text, &e) {
-            Some((key, token)) => ConfigError::Invalid {
-                origin: origin.clone(),
+            Some((key, token)) => ConfigError::invalid(
+                origin.clone(),
                 key,
-                detail: format!("`{token}`: {}", toml_detail(text, &e)),
-            },
+                format!("`{token}`: {}", toml_detail(text, &e)),
+            ),
             None => ConfigError::Parse {
                 origin: origin.clone(),
                 detail: toml_detail(text, &e),
@@ -418,11 +437,11 @@ fn check_toml(text: &str, origin: &Origin) -> Result<Config, ConfigError> {
         });
     }
     serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|e| {
-        ConfigError::Invalid {
-            origin: origin.clone(),
-            key: key_name(e.path()),
-            detail: toml_detail(text, e.inner()),
-        }
+        ConfigError::invalid(
+            origin.clone(),
+            key_name(e.path()),
+            toml_detail(text, e.inner()),
+        )
     })
 }
 
@@ -511,11 +530,12 @@ fn process_env() -> Result<Vec<(String, String)>, ConfigError> {
         match value.into_string() {
             Ok(value) => vars.push((name, value)),
             Err(_) => {
-                return Err(ConfigError::Invalid {
-                    key: env_key(&name).unwrap_or_else(|_| name.clone()),
-                    origin: Origin::Env(name),
-                    detail: "the value is not UTF-8".into(),
-                });
+                let key = env_key(&name).unwrap_or_else(|_| name.clone());
+                return Err(ConfigError::invalid(
+                    Origin::Env(name),
+                    key,
+                    "the value is not UTF-8",
+                ));
             }
         }
     }
@@ -528,10 +548,8 @@ fn env_layers(mut vars: Vec<(String, String)>) -> Result<Vec<Layer>, ConfigError
     vars.sort();
     vars.into_iter()
         .map(|(name, value)| {
-            let key = env_key(&name).map_err(|detail| ConfigError::Invalid {
-                key: name.clone(),
-                origin: Origin::Env(name.clone()),
-                detail: detail.to_string(),
+            let key = env_key(&name).map_err(|detail| {
+                ConfigError::invalid(Origin::Env(name.clone()), name.clone(), detail.0)
             })?;
             key_layer(Origin::Env(name), &key, &value)
         })
@@ -560,11 +578,11 @@ fn is_key_part(part: &str) -> bool {
 /// table is read as one (`["127.0.0.1:7070", "127.0.0.1:7071"]`).
 fn key_layer(origin: Origin, key: &str, raw: &str) -> Result<Layer, ConfigError> {
     if !key.split('.').all(is_key_part) {
-        return Err(ConfigError::Invalid {
+        return Err(ConfigError::invalid(
             origin,
-            key: key.to_string(),
-            detail: "not a valid key; write section.key, as in limits.mailbox (array indexes are not supported: set the whole array)".into(),
-        });
+            key,
+            "not a valid key; write section.key, as in limits.mailbox (array indexes are not supported: set the whole array)",
+        ));
     }
     let mut values = Map::new();
     values.insert(key.to_string(), override_value(raw));
@@ -601,15 +619,6 @@ mod tests {
         );
         assert!(env_key("FERRY__LIMITS____MAILBOX").is_err());
         assert!(env_key("FERRY__").is_err());
-    }
-
-    #[test]
-    fn keys_relate_by_prefix() {
-        assert!(related("transport.rules", "transport.rules[0].max_bytes"));
-        assert!(related("node.listen", "node.listen[1]"));
-        assert!(related("limits.mailbox", "limits"));
-        assert!(!related("limits.mailbox", "limits.mailbox_extra"));
-        assert!(!related("node.name", "peers[0].name"));
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub struct Config {
     pub security: SecurityConfig,
     /// Logs and metrics.
     pub telemetry: TelemetryConfig,
+    /// Which layer set each key ([`load`](crate::load) fills it; see
+    /// [`Config::origin_of`](crate::Config::origin_of)). Not part of what the configuration
+    /// says: ignored by `==`, not written by [`Config::to_toml`].
+    #[serde(skip)]
+    pub(crate) provenance: crate::provenance::Provenance,
 }
 
 /// `[node]`: this node's identity and listeners.

@@ -29,23 +29,32 @@ impl Config {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Secret`], naming the path, if the file cannot be read; if its group or
-    /// others may read or write it (mode `0644`, say), unless
-    /// `security.danger_secret_file_any_mode` is set; or if it is empty, holds fewer than 16
+    /// [`ConfigError::Secret`], naming the path and the layer that set
+    /// `security.secret_file` (see [`Config::origin_of`]), if the file cannot be read; if
+    /// its group or others may read or write it (mode `0644`, say), or another user owns
+    /// it, unless `security.danger_secret_file_any_mode` is set (these two errors name
+    /// where that key's value came from too); or if it is empty, holds fewer than 16
     /// bytes, or more than 64 KiB.
     pub fn read_secret(&self) -> Result<Option<Vec<u8>>, ConfigError> {
         let Some(path) = &self.security.secret_file else {
             return Ok(None);
         };
-        let refuse = |detail: String| ConfigError::Secret {
+        let secret_file = self.origin_of("security.secret_file");
+        let error = |detail: String, source, others| ConfigError::Secret {
+            origin: secret_file.origin.clone(),
+            line: secret_file.line,
             path: path.clone(),
             detail,
-            source: None,
+            source,
+            others,
         };
-        let cannot_read = |e: std::io::Error| ConfigError::Secret {
-            path: path.clone(),
-            detail: format!("cannot read: {e}"),
-            source: Some(e),
+        let refuse = |detail: String| error(detail, None, Vec::new());
+        let cannot_read =
+            |e: std::io::Error| error(format!("cannot read: {e}"), Some(e), Vec::new());
+        // Who may read the file is the opt-out's say too: name where it was left off.
+        let refuse_access = |detail: String| {
+            let opt_out = ["security.danger_secret_file_any_mode"];
+            error(detail, None, self.provenance.others(&secret_file, opt_out))
         };
         // Only a regular file: opening a FIFO would block, a device would read for ever.
         if !std::fs::metadata(path).map_err(cannot_read)?.is_file() {
@@ -59,14 +68,15 @@ impl Config {
         let mode = meta.permissions().mode();
         if !self.security.danger_secret_file_any_mode {
             if mode & GROUP_OR_OTHERS != 0 {
-                return Err(refuse(mode_problem(mode, path)));
+                return Err(refuse_access(mode_problem(mode, path)));
             }
             // Owned by us or by root, as SSH asks of a key: a file another user owns is
             // theirs to read and to change.
             let me = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
             if meta.uid() != 0 && me.is_some_and(|me| me != meta.uid()) {
-                return Err(refuse(format!(
-                    "it is owned by user {}, not by this process's user or root; run chown on it",
+                return Err(refuse_access(format!(
+                    "it is owned by user {}, not by this process's user or root; run chown on it \
+                     (or, for a test setup, set security.danger_secret_file_any_mode = true)",
                     meta.uid()
                 )));
             }

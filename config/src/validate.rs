@@ -4,8 +4,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::address::{ListenAddress, check_peer_host_port, parse_listen};
-use crate::error::{ConfigError, Origin};
+use crate::error::ConfigError;
 use crate::names::is_valid_name;
+use crate::provenance::Provenance;
 use crate::rule::MemoryClass;
 use crate::schema::{Config, DiscoveryMode};
 use crate::units::{Budget, format_size};
@@ -36,9 +37,6 @@ fn fail(key: impl Into<String>, detail: impl Into<String>) -> Result<(), Violati
     })
 }
 
-/// Finds, for a key, the layer that set it: `(rank, origin)`, higher rank = higher layer.
-pub(crate) type Blame<'a> = dyn Fn(&str) -> (usize, Origin) + 'a;
-
 impl Config {
     /// Checks everything the types cannot: names, addresses, ranges, rules, security, and
     /// keys that depend on each other. The loaders call it; call it yourself on a `Config`
@@ -47,30 +45,18 @@ impl Config {
     /// # Errors
     ///
     /// The first problem found, as [`ConfigError::Invalid`] naming the key, with origin
-    /// [`Origin::Program`] (the loaders name the file or variable instead).
+    /// [`Origin::Program`](crate::Origin::Program): the loaders name the file or variable
+    /// instead, while a configuration checked here may have been changed in code since.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.validate_with(&|_| (0, Origin::Program))
+        self.validate_with(&Provenance::default())
     }
 
-    /// [`Config::validate`], asking `blame` which layer set each key.
-    pub(crate) fn validate_with(&self, blame: &Blame<'_>) -> Result<(), ConfigError> {
-        let Err(violation) = self.check() else {
-            return Ok(());
-        };
-        // Name the key set by the highest layer: that is the value the user just wrote.
-        let mut chosen: Option<(usize, Origin, String)> = None;
-        for key in violation.keys {
-            let (rank, origin) = blame(&key);
-            if chosen.as_ref().is_none_or(|(best, _, _)| rank > *best) {
-                chosen = Some((rank, origin, key));
-            }
+    /// [`Config::validate`], naming the layers of `provenance`.
+    pub(crate) fn validate_with(&self, provenance: &Provenance) -> Result<(), ConfigError> {
+        match self.check() {
+            Ok(()) => Ok(()),
+            Err(violation) => Err(provenance.error(&violation.keys, violation.detail)),
         }
-        let (_, origin, key) = chosen.unwrap_or((0, Origin::Defaults, String::new()));
-        Err(ConfigError::Invalid {
-            origin,
-            key,
-            detail: violation.detail,
-        })
     }
 
     fn check(&self) -> Result<(), Violation> {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ferry_config::{
-    Budget, Config, ConfigError, Direction, LoadOptions, Locality, MemoryClass, Origin,
+    Budget, Config, ConfigError, Direction, KeyOrigin, LoadOptions, Locality, MemoryClass, Origin,
     PeerAddress, TransportName, load,
 };
 use tempfile::TempDir;
@@ -763,7 +763,7 @@ fn inline_toml() -> TestResult {
     let err = Config::from_toml_str(&format!("{BASE}[limits]\nmailbox = 0\n")).expect_err("0");
     assert!(
         err.to_string()
-            .starts_with("inline configuration: key limits.mailbox: "),
+            .starts_with("inline configuration, line 3: key limits.mailbox: "),
         "{err}"
     );
     Ok(())
@@ -780,5 +780,259 @@ fn shown_configuration_reads_back() -> TestResult {
     assert!(text.contains("max_bytes = \"3 GiB\""), "{text}");
     assert!(text.contains("default_deadline = \"1s 500ms\""), "{text}");
     assert_eq!(Config::from_toml_str(&text)?, config);
+    Ok(())
+}
+
+/// Writes a secret file of `text` with `mode`, whatever the umask.
+fn write_secret(dir: &TempDir, name: &str, text: &str, mode: u32) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = write(dir, name, text);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    path
+}
+
+/// A valid file but for the secret: a layer above names it.
+const NO_SECRET_YET: &str = "[node]\nname = \"n\"\n";
+
+/// Loads `opts` (which must be valid) and reads its secret file, which must be refused.
+fn refused_secret(opts: &LoadOptions) -> ConfigError {
+    let config = load(opts).expect("the configuration loads");
+    config
+        .read_secret()
+        .expect_err("the secret file is refused")
+}
+
+#[test]
+fn a_secret_file_error_names_the_file_and_line_that_set_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let short = write_secret(&dir, "short", "5byte", 0o600);
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!(
+            "{NO_SECRET_YET}\n[security]\nsecret_file = \"{}\"\n",
+            short.display()
+        ),
+    );
+    let err = refused_secret(&LoadOptions::only_file(&path));
+    assert_eq!(err.origin(), Some(&Origin::File(path.clone())), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!(
+            "config file {}, line 5: key security.secret_file: secret file {}: the secret is 5 bytes",
+            path.display(),
+            short.display()
+        )),
+        "{err}"
+    );
+    // A missing file and a YAML file (no line there) alike.
+    let missing = dir.path().join("missing");
+    let yaml = write(
+        &dir,
+        "n.yaml",
+        &format!("security:\n  secret_file: {}\n", missing.display()),
+    );
+    let err = refused_secret(&LoadOptions::only_file(&yaml));
+    assert!(
+        err.to_string().starts_with(&format!(
+            "config file {}: key security.secret_file: secret file {}: cannot read",
+            yaml.display(),
+            missing.display()
+        )),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_secret_file_error_names_the_environment_variable_that_set_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let good = write_secret(&dir, "good", "sixteen bytes or more", 0o600);
+    let short = write_secret(&dir, "short", "5byte", 0o600);
+    // The file names a good secret; the variable, above it, a short one.
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!("[security]\nsecret_file = \"{}\"\n", good.display()),
+    );
+    let mut opts = LoadOptions::only_file(&path);
+    opts.env = true;
+    let name = "FERRY__SECURITY__SECRET_FILE";
+    opts.env_vars = Some(vec![(name.into(), short.display().to_string())]);
+    let err = refused_secret(&opts);
+    assert_eq!(err.origin(), Some(&Origin::Env(name.into())), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!(
+            "environment variable {name}: key security.secret_file: secret file {}: ",
+            short.display()
+        )),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_secret_file_error_names_the_command_line_that_set_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(&dir, "n.toml", NO_SECRET_YET);
+    let missing = dir.path().join("missing");
+    let mut opts = LoadOptions::only_file(&path);
+    opts.overrides = vec![("security.secret_file".into(), missing.display().to_string())];
+    let err = refused_secret(&opts);
+    assert_eq!(err.origin(), Some(&Origin::CommandLine), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!(
+            "command line: key security.secret_file: secret file {}: cannot read",
+            missing.display()
+        )),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_secret_file_mode_error_names_where_the_opt_out_was_left_off() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let open = write_secret(&dir, "open", "sixteen bytes or more", 0o644);
+    let text = format!("[security]\nsecret_file = \"{}\"\n", open.display());
+    let path = write(&dir, "n.toml", &text);
+    // No layer sets the opt-out: the built-in default (false) is named.
+    let err = refused_secret(&LoadOptions::only_file(&path));
+    let opt_out = "security.danger_secret_file_any_mode";
+    let message = err.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "config file {}, line 2: key security.secret_file: secret file {}: mode 0644",
+            path.display(),
+            open.display()
+        )),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(&format!("; {opt_out} from built-in defaults")),
+        "{message}"
+    );
+    // Set to false in the file, it is named with its line; in a variable, by its name.
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!("{text}danger_secret_file_any_mode = false\n"),
+    );
+    let err = refused_secret(&LoadOptions::only_file(&path));
+    assert!(
+        err.to_string().ends_with(&format!(
+            "; {opt_out} from config file {}, line 3",
+            path.display()
+        )),
+        "{err}"
+    );
+    let mut opts = LoadOptions::only_file(&path);
+    opts.env = true;
+    let name = "FERRY__SECURITY__DANGER_SECRET_FILE_ANY_MODE";
+    opts.env_vars = Some(vec![(name.into(), "false".into())]);
+    let err = refused_secret(&opts);
+    assert!(
+        err.to_string()
+            .ends_with(&format!("; {opt_out} from environment variable {name}")),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_check_of_two_keys_names_where_each_came_from() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    // limits.max_frame from the file, transport.tcp.chunk_size from the defaults.
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!("{BASE}[limits]\nmax_frame = \"1 MiB\"\n"),
+    );
+    let err = load_only(&path).expect_err("the chunk does not fit");
+    assert_eq!(err.key(), Some("limits.max_frame"), "{err}");
+    assert_eq!(err.line(), Some(3), "{err}");
+    assert_eq!(
+        err.others(),
+        [KeyOrigin {
+            key: "transport.tcp.chunk_size".into(),
+            origin: Origin::Defaults,
+            line: None
+        }],
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "config file {}, line 3: key limits.max_frame: ",
+            path.display()
+        )),
+        "{message}"
+    );
+    assert!(
+        message.ends_with("; transport.tcp.chunk_size from built-in defaults"),
+        "{message}"
+    );
+    // The chunk size from a variable, above the file: the variable is the error's origin,
+    // and the file's line is named for the other key.
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!("{BASE}[limits]\nmax_frame = \"4 MiB\"\n"),
+    );
+    let mut opts = LoadOptions::only_file(&path);
+    opts.env = true;
+    let name = "FERRY__TRANSPORT__TCP__CHUNK_SIZE";
+    opts.env_vars = Some(vec![(name.into(), "8 MiB".into())]);
+    let err = load(&opts).expect_err("the chunk does not fit");
+    assert_eq!(err.origin(), Some(&Origin::Env(name.into())), "{err}");
+    assert_eq!(err.key(), Some("transport.tcp.chunk_size"), "{err}");
+    assert!(
+        err.to_string().ends_with(&format!(
+            "; limits.max_frame from config file {}, line 3",
+            path.display()
+        )),
+        "{err}"
+    );
+    // The same from the command line.
+    let mut opts = LoadOptions::only_file(&path);
+    opts.overrides = vec![("transport.tcp.chunk_size".into(), "8 MiB".into())];
+    let err = load(&opts).expect_err("the chunk does not fit");
+    assert!(
+        err.to_string()
+            .starts_with("command line: key transport.tcp.chunk_size: "),
+        "{err}"
+    );
+    assert_eq!(err.others().len(), 1, "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_check_made_after_loading_names_the_layer() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(&dir, "n.toml", &format!("{BASE}[gpu]\ndevices = [0, 7]\n"));
+    let config = load_only(&path)?;
+    let err = config.invalid(
+        &["gpu.devices"],
+        "names GPU 7, but this process sees 1 GPU(s)",
+    );
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "config file {}, line 3: key gpu.devices: names GPU 7, but this process sees 1 GPU(s)",
+            path.display()
+        )
+    );
+    assert_eq!(config.origin_of("gpu.devices[1]").line, Some(3));
+    assert_eq!(config.origin_of("limits.mailbox").origin, Origin::Defaults);
+    // Built in code, nothing is known.
+    assert_eq!(
+        Config::default().origin_of("gpu.devices").origin,
+        Origin::Program
+    );
+    // Where the values came from is not part of what the configuration says.
+    let mut same = Config::default();
+    same.security.danger_insecure = true;
+    same.gpu.devices = Some(vec![0, 7]);
+    same.node.name = config.node.name.clone();
+    assert_eq!(same, config);
     Ok(())
 }

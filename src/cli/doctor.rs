@@ -107,7 +107,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         }
     };
     super::telemetry::init_command(&config.telemetry);
-    let mut facts = Facts::gather();
+    let mut facts = Facts::gather(config.transport.ucx.library.as_deref());
     if let Ok(exe) = std::env::current_exe() {
         facts.pool_export = pool_test::run(&facts.cuda, &exe);
     }
@@ -589,47 +589,68 @@ fn memlock_finding(memlock: &Result<Memlock, String>) -> Finding {
 
 fn ucx_finding(ucx: &Ucx, ucx_named: bool) -> Finding {
     const CHECK: &str = "ucx";
-    let Some(library) = &ucx.library else {
-        let status = if ucx_named {
-            Status::Warn
-        } else {
-            Status::Skipped
-        };
-        return Finding::new(
-            CHECK,
-            status,
-            "UCX not found (no libucp.so.0): the ucx transport cannot run here",
-        )
-        .remedy(
-            "install UCX (apt install libucx0, or HPC-X / MLNX_OFED) and make libucp.so.0 \
-             findable through ldconfig or LD_LIBRARY_PATH",
-        );
-    };
-    let transports = match &ucx.transports {
-        None => "transports unknown (ucx_info is not on PATH)".to_string(),
-        Some(list) if list.is_empty() => "ucx_info -d lists no transports".to_string(),
-        Some(list) => {
-            let cuda = list
-                .iter()
-                .any(|t| t.starts_with("cuda") || t == "gdr_copy");
-            format!(
-                "transports: {}{}",
-                list.join(", "),
-                if cuda { "" } else { " (no CUDA transports)" }
+    let library = match &ucx.library {
+        Ok(library) => library,
+        Err(why) => {
+            let status = if ucx_named {
+                Status::Warn
+            } else {
+                Status::Skipped
+            };
+            return Finding::new(
+                CHECK,
+                status,
+                format!("UCX does not load: the ucx transport cannot run here: {why}"),
             )
+            .remedy(
+                "install UCX (apt install libucx0, or HPC-X / MLNX_OFED) and make libucp.so.0 \
+                 findable through ldconfig or LD_LIBRARY_PATH, or name its libucp.so in \
+                 transport.ucx.library",
+            );
         }
     };
-    // What the UCX ferry loads (FERRY_UCX_LIBRARY, else the system's) says of itself.
-    let device = if ferry_transports::ucx::moves_cuda() {
+    // What the loaded UCX says of itself (the file a node loads: transport.ucx.library,
+    // FERRY_UCX_LIBRARY, else the system's).
+    let device = if library.moves_cuda {
         "moves device memory (ucx carries GPU buffers)"
     } else {
         "moves host memory only (built without CUDA, or no driver): ucx carries no GPU buffer"
     };
-    Finding::new(
+    let (transports, remedy) = match &ucx.transports {
+        Err(why) => (
+            format!(
+                "transports unknown ({why}): whether it has an RDMA transport here (rc, dc, \
+                 ud) or only tcp and shared memory, and CUDA transports (cuda_copy, \
+                 cuda_ipc), is not checked"
+            ),
+            Some(format!(
+                "to check them, put the ucx_info of UCX {} on PATH (Debian/Ubuntu: \
+                 ucx-utils, for the system's UCX)",
+                library.release
+            )),
+        ),
+        Ok(list) if list.is_empty() => ("ucx_info -d lists no transports".to_string(), None),
+        Ok(list) => {
+            let cuda = list
+                .iter()
+                .any(|t| t.starts_with("cuda") || t == "gdr_copy");
+            let text = format!(
+                "transports: {}{}",
+                list.join(", "),
+                if cuda { "" } else { " (no CUDA transports)" }
+            );
+            (text, None)
+        }
+    };
+    let finding = Finding::new(
         CHECK,
         Status::Ok,
-        format!("{} found; {transports}; {device}", library.display()),
-    )
+        format!("{library}; {transports}; {device}"),
+    );
+    match remedy {
+        Some(remedy) => finding.remedy(remedy),
+        None => finding,
+    }
 }
 
 /// One finding per rule: which of its transports can carry something here, and why the
@@ -761,12 +782,43 @@ mod tests {
                 soft: None,
                 hard: None,
             }),
-            ucx: Ucx::default(),
+            ucx: Ucx {
+                library: Err(ferry_transports::ucx::LoadError::Open {
+                    location: system_ucx(),
+                    reason: "libucp.so.0: cannot open shared object file".into(),
+                }),
+                transports: Err("UCX does not load".into()),
+            },
             // No CUDA driver, as the facts say, whatever this machine has.
             transports: crate::cli::explain::tests::host_only_catalog(),
             pool_export: Vec::new(),
             block_copies: None,
             gather_kernel: None,
+        }
+    }
+
+    fn system_ucx() -> ferry_transports::ucx::LibraryLocation {
+        ferry_transports::ucx::LibraryLocation {
+            source: ferry_transports::ucx::LibrarySource::System,
+            path: "libucp.so.0".into(),
+        }
+    }
+
+    /// UCX 1.13.1, loaded by the system's search, with `transports` from ucx_info.
+    fn ucx_1_13(transports: Result<Vec<String>, String>) -> Ucx {
+        Ucx {
+            library: Ok(ferry_transports::ucx::LoadedUcx {
+                release: ferry_transports::ucx::Version {
+                    major: 1,
+                    minor: 13,
+                    release: 1,
+                },
+                version_string: Some("1.13.1".into()),
+                location: system_ucx(),
+                file: Some("/usr/lib/x86_64-linux-gnu/libucp.so.0.0.0".into()),
+                moves_cuda: false,
+            }),
+            transports,
         }
     }
 
@@ -875,23 +927,57 @@ mod tests {
         let f = diagnose(&healthy(), &off);
         let u = find(&f, "ucx");
         assert_eq!(u.status, Status::Skipped);
-        assert!(u.found.contains("UCX not found"));
+        assert!(u.found.contains("UCX does not load"), "{}", u.found);
+        assert!(u.found.contains("libucp.so.0"), "{}", u.found);
         let named =
             config("[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n");
         let f = diagnose(&healthy(), &named);
         assert_eq!(find(&f, "ucx").status, Status::Warn);
         assert!(!f.iter().any(|f| f.blocks), "tcp still carries it");
         let present = Facts {
-            ucx: Ucx {
-                library: Some("/usr/lib/libucp.so.0".into()),
-                transports: Some(vec!["self".into(), "tcp".into()]),
-            },
+            ucx: ucx_1_13(Ok(vec!["self".into(), "tcp".into()])),
             ..healthy()
         };
         let u = diagnose(&present, &config(""));
         let u = find(&u, "ucx");
         assert_eq!(u.status, Status::Ok);
         assert!(u.found.contains("no CUDA transports"), "{}", u.found);
+        assert!(
+            u.found.starts_with(
+                "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
+                 libucp.so.0); transports: self, tcp"
+            ),
+            "{}",
+            u.found
+        );
+        assert_eq!(u.remedy, None);
+    }
+
+    #[test]
+    fn ucx_without_its_ucx_info_is_named_and_says_what_is_unknown() {
+        for why in [
+            "ucx_info is not on PATH",
+            "/usr/bin/ucx_info is UCX 1.16.0's, not the loaded 1.13.1's",
+        ] {
+            let facts = Facts {
+                ucx: ucx_1_13(Err(why.into())),
+                ..healthy()
+            };
+            let f = diagnose(&facts, &config(""));
+            let u = find(&f, "ucx");
+            assert_eq!(u.status, Status::Ok);
+            assert!(
+                u.found.starts_with(&format!(
+                    "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
+                     libucp.so.0); transports unknown ({why}): whether it has an RDMA transport"
+                )),
+                "{}",
+                u.found
+            );
+            assert!(u.found.contains("moves host memory only"), "{}", u.found);
+            let remedy = u.remedy.as_deref().unwrap_or_default();
+            assert!(remedy.contains("ucx_info of UCX 1.13.1"), "{remedy}");
+        }
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! `--no-connect`), and asks the node to explain the route: the one a send would take now,
 //! chosen by the same code, or with `--dst-memory` a what-if one. Around that answer it says why earlier rules did not match, why each transport
 //! was passed over, and whether the chosen path is far slower than the hardware allows.
-//! Everything but the node and the CUDA probe is pure and tested below.
+//! For a rule that names ucx it names the UCX release the node loads and the file.
+//! Everything but the node, the CUDA probe and loading UCX is pure and tested below.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -86,6 +87,10 @@ fn parse_memory(text: &str) -> Result<MemoryClass, String> {
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
     let mut config = super::load_config(file, overrides, Vec::new())?;
     super::telemetry::init_command(&config.telemetry);
+    let (ucx_enabled, ucx_library) = (
+        config.transport.ucx.enabled,
+        config.transport.ucx.library.clone(),
+    );
     // Never collide with a `ferry serve` started from the same file.
     config.node.listen = vec!["127.0.0.1:0".into()];
     config.node.socket_dir = None;
@@ -106,6 +111,21 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
     let mut report = Report::new(&args, &rules, &explanation, setup, gpu);
+    // The release matters wherever the rule names ucx: every node must load the same one.
+    let ucx_named = explanation
+        .rule
+        .as_ref()
+        .and_then(|(index, _)| rules.get(*index))
+        .is_some_and(|rule| {
+            rule.transports
+                .iter()
+                .any(|t| ferry_transports::registry::declared(*t).library == Some(Library::Ucx))
+        });
+    if ucx_named {
+        report.ucx = Some(UcxReport::new(ucx_enabled, || {
+            ferry_transports::ucx::loaded(ucx_library.as_deref())
+        }));
+    }
     if let Some(lanes) = ucx {
         report = report.with_ucx_lanes(lanes);
     }
@@ -500,11 +520,61 @@ pub struct Report {
     chosen: Option<Chosen>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu: Option<String>,
+    /// For a rule that names ucx: the UCX release this node loads, and from where.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ucx: Option<UcxReport>,
     /// For a route over ucx with the link up: the lanes of this node's UCX endpoint to the
     /// peer.
     #[serde(skip_serializing_if = "Option::is_none")]
     ucx_lanes: Option<UcxLanesReport>,
     warnings: Vec<String>,
+}
+
+/// The UCX a node loads, as `ferry explain` reports it.
+#[derive(Debug, Clone, Serialize)]
+struct UcxReport {
+    /// The release the library reports (`ucp_get_version`), where it got that far.
+    release: Option<String>,
+    /// The file loaded, where it loaded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    file: Option<PathBuf>,
+    /// In words.
+    text: String,
+}
+
+impl UcxReport {
+    /// What to say of the UCX a node with `transport.ucx.enabled = enabled` loads
+    /// (`load` loads it, unless the node loads none). Pure but for `load`.
+    fn new(
+        enabled: ferry_config::UcxMode,
+        load: impl FnOnce()
+            -> Result<ferry_transports::ucx::LoadedUcx, ferry_transports::ucx::LoadError>,
+    ) -> Self {
+        if enabled == ferry_config::UcxMode::Off {
+            return UcxReport {
+                release: None,
+                file: None,
+                text: "this node loads no UCX: transport.ucx.enabled is \"off\"".into(),
+            };
+        }
+        match load() {
+            Ok(loaded) => UcxReport {
+                release: Some(loaded.release.to_string()),
+                file: Some(
+                    loaded
+                        .file
+                        .clone()
+                        .unwrap_or_else(|| loaded.location.path.clone()),
+                ),
+                text: loaded.to_string(),
+            },
+            Err(e) => UcxReport {
+                release: e.release().map(|r| r.to_string()),
+                file: None,
+                text: format!("UCX does not load: {e}"),
+            },
+        }
+    }
 }
 
 /// The lanes of a UCX endpoint to the peer, as `ferry explain` reports them.
@@ -652,6 +722,7 @@ impl Report {
                 landing: r.landing.to_string(),
             }),
             gpu,
+            ucx: None,
             ucx_lanes: None,
             warnings: performance_warnings(e, rules, ferry_actors::node::has_rdma_device()),
         }
@@ -726,6 +797,9 @@ impl Report {
         if let Some(gpu) = &self.gpu {
             line("gpu", gpu.clone());
         }
+        if let Some(ucx) = &self.ucx {
+            line("ucx", ucx.text.clone());
+        }
         if let Some(ucx) = &self.ucx_lanes {
             line("ucx lanes", ucx.text.clone());
         }
@@ -765,6 +839,39 @@ pub(crate) mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn the_ucx_line_names_the_release_even_when_ucx_does_not_load() {
+        use ferry_config::UcxMode;
+        use ferry_transports::ucx::{LibraryLocation, LibrarySource, LoadError, Version};
+        let off = UcxReport::new(UcxMode::Off, || unreachable!("not loaded when off"));
+        assert!(off.text.contains("enabled is \"off\""), "{}", off.text);
+        assert_eq!(off.release, None);
+        let old = UcxReport::new(UcxMode::On, || {
+            Err(LoadError::TooOld {
+                location: LibraryLocation {
+                    source: LibrarySource::System,
+                    path: "libucp.so.0".into(),
+                },
+                found: Version {
+                    major: 1,
+                    minor: 12,
+                    release: 1,
+                },
+                required: Version {
+                    major: 1,
+                    minor: 13,
+                    release: 0,
+                },
+            })
+        });
+        assert_eq!(old.release.as_deref(), Some("1.12.1"));
+        assert!(
+            old.text.starts_with("UCX does not load: UCX 1.12.1"),
+            "{}",
+            old.text
+        );
     }
 
     fn rule(name: &str, transports: Vec<TransportName>) -> Rule {

@@ -59,9 +59,9 @@ pub(super) fn open_gpus(
                 CudaProbe::Ready(_) => String::new(),
             };
             return match named {
-                Some(list) if !list.is_empty() => Err(Error::config(format!(
-                    "gpu.devices names GPUs {list:?}, but {why}"
-                ))),
+                Some(list) if !list.is_empty() => Err(config
+                    .invalid(&["gpu.devices"], format!("names GPUs {list:?}, but {why}"))
+                    .into()),
                 _ => {
                     tracing::info!("{why}; host memory only");
                     Ok((Vec::new(), Vec::new()))
@@ -74,10 +74,11 @@ pub(super) fn open_gpus(
     let mut out = Vec::new();
     for ordinal in wanted {
         let Some(device) = visible.get(ordinal as usize).cloned() else {
-            return Err(Error::config(format!(
-                "gpu.devices names GPU {ordinal}, but this process sees {} GPU(s)",
+            let detail = format!(
+                "names GPU {ordinal}, but this process sees {} GPU(s)",
                 visible.len()
-            )));
+            );
+            return Err(config.invalid(&["gpu.devices"], detail).into());
         };
         let total = driver
             .devices

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::{self, CudaProbe};
 use ferry_transports::transport::{Capabilities, Viability};
+use ferry_transports::ucx::{LoadError, LoadedUcx, Version};
 
 /// Below this, `/dev/shm` is too small for NCCL-style tools.
 pub const SHM_MIN: u64 = 1 << 30;
@@ -50,17 +51,21 @@ pub struct Memlock {
 }
 
 /// What was found of UCX.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone)]
 pub struct Ucx {
-    /// Where `libucp.so.0` is, if anywhere.
-    pub library: Option<PathBuf>,
-    /// Transports `ucx_info -d` lists; `None` when it could not be run.
-    pub transports: Option<Vec<String>>,
+    /// The UCX a node loads (`transport.ucx.library`, else `FERRY_UCX_LIBRARY`, else the
+    /// system's `libucp.so.0`), as the library reports itself, or why it did not load.
+    pub library: Result<LoadedUcx, LoadError>,
+    /// Transports `ucx_info -d` lists, or why they are unknown (no `ucx_info` on `PATH`,
+    /// or one of another UCX release).
+    pub transports: Result<Vec<String>, String>,
 }
 
 impl Facts {
-    /// Reads the facts from this machine. Does not fail: what cannot be read is recorded.
-    pub fn gather() -> Self {
+    /// Reads the facts from this machine, loading UCX as a node with
+    /// `transport.ucx.library = ucx_library` would. Does not fail: what cannot be read is
+    /// recorded.
+    pub fn gather(ucx_library: Option<&Path>) -> Self {
         let cuda = cuda::probe();
         let block_copies = matches!(cuda, cuda::CudaProbe::Ready(_)).then(cuda::block_copies);
         let gather_kernel = match &cuda {
@@ -75,7 +80,7 @@ impl Facts {
             cuda,
             shm: shm_size(Path::new("/dev/shm")),
             memlock: memlock(),
-            ucx: ucx(),
+            ucx: ucx(ucx_library),
             transports: ferry_transports::registry::catalog(),
             pool_export: Vec::new(),
             block_copies,
@@ -97,60 +102,65 @@ fn memlock() -> Result<Memlock, String> {
     })
 }
 
-/// Where the dynamic loader usually finds libraries, besides `ldconfig`'s cache.
-const LIBRARY_DIRS: &[&str] = &[
-    "/usr/lib",
-    "/usr/lib64",
-    "/lib",
-    "/lib64",
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib/aarch64-linux-gnu",
-    "/usr/local/lib",
-    "/usr/local/ucx/lib",
-    "/opt/ucx/lib",
-];
-
-const UCP: &str = "libucp.so.0";
-
-fn ucx() -> Ucx {
-    let library = find_library(UCP);
-    let transports = library.as_ref().and_then(|_| ucx_transports());
+fn ucx(configured: Option<&Path>) -> Ucx {
+    let library = ferry_transports::ucx::loaded(configured);
+    let transports = match &library {
+        Ok(loaded) => ucx_transports(loaded.release),
+        Err(_) => Err("UCX does not load".into()),
+    };
     Ucx {
         library,
         transports,
     }
 }
 
-fn find_library(name: &str) -> Option<PathBuf> {
-    let env_dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let ucx_home = std::env::var("UCX_HOME")
-        .ok()
-        .map(|home| format!("{home}/lib"));
-    let from_dirs = env_dirs
-        .split(':')
-        .filter(|d| !d.is_empty())
-        .map(str::to_string)
-        .chain(ucx_home)
-        .chain(LIBRARY_DIRS.iter().map(|d| d.to_string()))
-        .map(|dir| Path::new(&dir).join(name))
-        .find(|path| path.exists());
-    from_dirs.or_else(|| {
-        let out = run_for("ldconfig", &["-p"], Duration::from_secs(5))
-            .or_else(|| run_for("/sbin/ldconfig", &["-p"], Duration::from_secs(5)))?;
-        // "\tlibucp.so.0 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libucp.so.0"
-        out.lines()
-            .filter(|l| l.trim_start().starts_with(name))
-            .find_map(|l| l.split("=>").nth(1))
-            .map(|p| PathBuf::from(p.trim()))
+/// The transports of the loaded UCX `release`, from the `ucx_info` on `PATH` when it is of
+/// that release, else why they are unknown.
+fn ucx_transports(release: Version) -> Result<Vec<String>, String> {
+    let Some(program) = on_path("ucx_info") else {
+        return Err("ucx_info is not on PATH".into());
+    };
+    let version = run_for(&program.to_string_lossy(), &["-v"], Duration::from_secs(10))
+        .ok_or_else(|| format!("{} -v failed", program.display()))?;
+    match parse_ucx_info_release(&version) {
+        Some(theirs) if theirs != release.to_string() => {
+            return Err(format!(
+                "{} is UCX {theirs}'s, not the loaded {release}'s",
+                program.display()
+            ));
+        }
+        _ => {}
+    }
+    let out = run_for(&program.to_string_lossy(), &["-d"], Duration::from_secs(10))
+        .ok_or_else(|| format!("{} -d failed", program.display()))?;
+    Ok(parse_ucx_transports(&out))
+}
+
+/// The first executable file `name` in a directory of `PATH`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|file| {
+            std::fs::metadata(file)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// The release `ucx_info -v` names: `# Version 1.13.1` (UCX 1.13) or `# Library version:
+/// 1.16.0` (later releases).
+pub(super) fn parse_ucx_info_release(text: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let line = line.trim_start_matches(['#', ' ', '\t']);
+        let rest = line
+            .strip_prefix("Version ")
+            .or_else(|| line.strip_prefix("Library version:"))?;
+        rest.split_whitespace().next().map(str::to_string)
     })
 }
 
 /// The transport names `ucx_info -d` reports (`# Transport: rc_mlx5`), deduplicated.
-fn ucx_transports() -> Option<Vec<String>> {
-    let out = run_for("ucx_info", &["-d"], Duration::from_secs(10))?;
-    Some(parse_ucx_transports(&out))
-}
-
 pub(super) fn parse_ucx_transports(text: &str) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for line in text.lines() {
@@ -210,8 +220,18 @@ mod tests {
     }
 
     #[test]
+    fn ucx_info_names_its_release_either_way() {
+        let old = "# Version 1.13.1\n# Git branch '<unknown>', revision 0000000\n";
+        assert_eq!(parse_ucx_info_release(old).as_deref(), Some("1.13.1"));
+        let new = "# Library version: 1.16.0\n# Library path: /usr/lib/libucs.so.0\n\
+                   # API headers version: 1.16.0\n";
+        assert_eq!(parse_ucx_info_release(new).as_deref(), Some("1.16.0"));
+        assert_eq!(parse_ucx_info_release("nothing here\n"), None);
+    }
+
+    #[test]
     fn gathering_never_panics() {
-        let facts = Facts::gather();
+        let facts = Facts::gather(None);
         assert!(!facts.transports.is_empty());
     }
 }

@@ -62,12 +62,7 @@ fn probe() -> Result<Probe, ucx_sys::UcxError> {
     PROBE
         .get_or_init(|| {
             let ucx = ucx_sys::Ucx::load(None)?;
-            let cuda = ucx
-                .context()
-                .features(ucx_sys::Features::RMA)
-                .build()
-                .and_then(|c| c.info())
-                .is_ok_and(|i| i.memory_types.contains(&ucx_sys::MemoryType::Cuda));
+            let cuda = super::loaded::context_moves_cuda(ucx);
             Ok(Probe { cuda })
         })
         .clone()

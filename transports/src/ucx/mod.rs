@@ -14,7 +14,8 @@
 //!   [`Registration::address`] travel to them over ferry's link.
 //!
 //! It moves bytes; it does not decide which transfer runs when. [`capabilities`] is its
-//! line in the registry; [`Engine::export`] and [`UcxPeer::get_into`] take ferry's buffers.
+//! line in the registry; [`Engine::export`] and [`UcxPeer::get_into`] take ferry's buffers;
+//! [`loaded`] says which UCX release a node loads, and from which file.
 //!
 //! # Threading model
 //!
@@ -55,6 +56,7 @@ mod engine;
 mod envelope;
 mod error;
 mod lanes;
+mod loaded;
 mod operation;
 mod queue;
 mod rkeys;
@@ -69,10 +71,13 @@ pub use engine::{Engine, Registration, UcxPeer};
 pub use envelope::{EnvelopeError, EnvelopeKind};
 pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
 pub use lanes::{EndpointLanes, LanesUnknown, RmaPath};
+pub use loaded::{LoadedUcx, loaded};
 pub use operation::Operation;
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
 /// Where memory lives, as UCX names it (host or CUDA device memory).
 pub use ucx_sys::MemoryType;
 pub use ucx_sys::TransportEntry;
+/// A UCX release, where a library came from, and why it did not load.
+pub use ucx_sys::{LibraryLocation, LibrarySource, LoadError, Version};
 pub use wire::UcxSource;

@@ -104,6 +104,15 @@ pub enum LoadError {
 }
 
 impl LoadError {
+    /// The release the library reported (`ucp_get_version`), where that is why it was
+    /// refused (a UCX too old).
+    pub fn release(&self) -> Option<Version> {
+        match self {
+            LoadError::TooOld { found, .. } => Some(*found),
+            LoadError::Open { .. } | LoadError::MissingSymbol { .. } => None,
+        }
+    }
+
     /// What was tried (or loaded).
     pub fn location(&self) -> &LibraryLocation {
         match self {

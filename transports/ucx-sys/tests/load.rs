@@ -22,6 +22,15 @@ fn loads_the_library_and_reports_its_version() {
         ucx.file().map_or("?".into(), |p| p.display().to_string())
     );
     assert!(ucx.version() >= MIN_VERSION);
+    // The library's two reports of its release agree, and asking again gives the same.
+    assert_eq!(ucx_sys::result::get_version(ucx.library()), ucx.version());
+    if let Some(text) = ucx.version_string() {
+        assert!(
+            text.starts_with(&ucx.version().to_string()),
+            "ucp_get_version_string {text:?} is not release {}",
+            ucx.version()
+        );
+    }
     let file = ucx
         .file()
         .expect("the mapped file is found in /proc/self/maps");
@@ -148,6 +157,10 @@ fn a_ucx_older_than_1_13_is_refused_naming_version_and_file() {
         }
         other => panic!("expected LoadError::TooOld, got {other:?}"),
     }
+    assert_eq!(
+        e.release().map(|r| r.to_string()).as_deref(),
+        Some("1.12.1")
+    );
     let text = e.to_string();
     assert!(
         text.contains("UCX 1.12.1") && text.contains("1.13.0"),
