@@ -8,6 +8,102 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+/// The columns of every row `--json` and `--csv` write, in every mode, in the CSV's order.
+const COLUMNS: [&str; 12] = [
+    "series",
+    "bytes",
+    "iterations",
+    "window",
+    "ferry_gbps",
+    "baseline_gbps",
+    "ratio",
+    "p50_us",
+    "p99_us",
+    "p999_us",
+    "wrong",
+    "checked",
+];
+
+/// Checks what a run wrote to `json` and `csv` against the one schema: a document of mode
+/// `mode` whose rows are of the series `series`, in order, each with every column and sane
+/// values (a positive rate, ordered latencies, the ratio of the rate to the baseline, no
+/// transfer wrong, checked as `checked`), and a CSV of the same rows. Returns the rows.
+fn rows_in_one_schema(
+    json: &Path,
+    csv: &Path,
+    mode: &str,
+    series: &[&str],
+    checked: bool,
+) -> Vec<serde_json::Value> {
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).expect("json written"))
+            .expect("valid json");
+    assert_eq!(doc["header"]["mode"].as_str(), Some(mode), "{doc}");
+    let records = doc["records"].as_array().expect("records").clone();
+    let got: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r["series"].as_str())
+        .collect();
+    assert_eq!(got, series, "{doc}");
+    for r in &records {
+        let keys: Vec<&str> = r
+            .as_object()
+            .expect("a row")
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        let mut want = COLUMNS.to_vec();
+        want.sort_unstable();
+        let mut keys = keys;
+        keys.sort_unstable();
+        assert_eq!(keys, want, "{r}");
+        assert!(r["bytes"].as_u64().is_some_and(|b| b > 0), "{r}");
+        assert!(r["iterations"].as_u64().is_some_and(|n| n > 0), "{r}");
+        assert!(r["window"].as_u64().is_some_and(|w| w > 0), "{r}");
+        let ferry = r["ferry_gbps"].as_f64().expect("ferry figure");
+        assert!(ferry > 0.0 && ferry.is_finite(), "{r}");
+        match (r["baseline_gbps"].as_f64(), r["ratio"].as_f64()) {
+            (Some(base), Some(ratio)) => {
+                assert!(base > 0.0, "{r}");
+                assert!((ratio - ferry / base).abs() < 1e-9 * ratio.max(1.0), "{r}");
+            }
+            (None, None) => assert!(r["baseline_gbps"].is_null() && r["ratio"].is_null()),
+            _ => panic!("a baseline without a ratio, or the reverse: {r}"),
+        }
+        let p = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k}: {r}"));
+        assert!(
+            p("p50_us") > 0.0 && p("p50_us") <= p("p99_us") && p("p99_us") <= p("p999_us"),
+            "{r}"
+        );
+        assert_eq!(r["wrong"].as_u64(), Some(0), "{r}");
+        assert_eq!(r["checked"].as_bool(), Some(checked), "{r}");
+    }
+
+    let csv = std::fs::read_to_string(csv).expect("csv written");
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some(COLUMNS.join(",").as_str()), "{csv}");
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), records.len(), "{csv}");
+    for (row, r) in rows.iter().zip(&records) {
+        assert_eq!(row.len(), COLUMNS.len(), "{row:?}");
+        for (column, field) in COLUMNS.iter().zip(row) {
+            let value = &r[*column];
+            let same = match value {
+                serde_json::Value::Null => field.is_empty(),
+                serde_json::Value::String(s) => s == field,
+                serde_json::Value::Bool(b) => field.parse() == Ok(*b),
+                serde_json::Value::Number(n) => field.parse::<f64>().is_ok_and(|f| {
+                    let n = n.as_f64().unwrap_or(f64::NAN);
+                    (f - n).abs() <= 1e-6 * n.abs().max(1.0)
+                }),
+                _ => false,
+            };
+            assert!(same, "CSV {column} = {field:?}, JSON {value}");
+        }
+    }
+    records
+}
+
 #[test]
 fn host_sweep_reports_every_size_next_to_its_baseline() {
     let dir = tempfile::tempdir().expect("dir");
@@ -36,30 +132,24 @@ fn host_sweep_reports_every_size_next_to_its_baseline() {
     );
     assert!(stdout.contains("#wrong"), "{stdout}");
 
+    let records = rows_in_one_schema(&json, &csv, "sweep", &["contiguous"; 5], true);
+    let sizes: Vec<u64> = records.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+    assert_eq!(sizes, vec![8, 128, 2048, 32768, 524288]);
+    assert!(
+        records
+            .iter()
+            .all(|r| r["baseline_gbps"].as_f64().is_some()),
+        "every row next to the socket's"
+    );
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).expect("json written"))
             .expect("valid json");
-    let records = doc["records"].as_array().expect("records");
-    let sizes: Vec<u64> = records.iter().filter_map(|r| r["bytes"].as_u64()).collect();
-    assert_eq!(sizes, vec![8, 128, 2048, 32768, 524288]);
-    for r in records {
-        let ferry = r["ferry_gbps"].as_f64().expect("ferry figure");
-        let base = r["baseline_gbps"].as_f64().expect("baseline figure");
-        let ratio = r["ratio"].as_f64().expect("ratio");
-        assert!(ferry > 0.0 && base > 0.0, "{r}");
-        assert!((ratio - ferry / base).abs() < 1e-9, "{r}");
-        assert_eq!(r["wrong"].as_u64(), Some(0), "{r}");
-        assert_eq!(r["checked"].as_bool(), Some(true), "{r}");
-        assert!(r["p50_us"].as_f64().is_some_and(|v| v > 0.0), "{r}");
-    }
     assert!(
         doc["header"]["route"]
             .as_str()
             .is_some_and(|s| s.contains("tcp"))
     );
 
-    let csv = std::fs::read_to_string(&csv).expect("csv written");
-    assert_eq!(csv.lines().count(), 1 + sizes.len(), "{csv}");
     let svg = std::fs::read_to_string(&svg).expect("plot written");
     assert!(
         svg.starts_with("<svg") && svg.contains("ferry"),
@@ -103,8 +193,8 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
             "one direction only",
         ),
         (
-            vec!["--layout", "blocks:4K:8", "--json", "x.json"],
-            "write a size sweep",
+            vec!["--layout", "blocks:4K:8", "--plot", "x.svg"],
+            "--plot draws a size sweep",
         ),
         (vec!["--fetchers", "4097"], "at most 4096"),
         (
@@ -113,8 +203,8 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         ),
         (vec!["--fetchers", "4", "--pingpong"], "one direction only"),
         (
-            vec!["--fetchers", "4", "--csv", "x.csv"],
-            "--json, --csv and --plot",
+            vec!["--fetchers", "4", "--plot", "x.svg"],
+            "--plot draws a sweep",
         ),
         (vec!["--shared"], "--fetchers"),
         (
@@ -161,6 +251,11 @@ fn bench_ok(args: &[&str]) -> String {
 /// contiguous, one transfer per block), each checked by the peer, and the two ratios.
 #[test]
 fn blocks_layout_prints_three_rows_and_their_ratios() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (json, csv) = (
+        dir.path().join("blocks.json"),
+        dir.path().join("blocks.csv"),
+    );
     let stdout = bench_ok(&[
         "--layout",
         "blocks:4K:32",
@@ -170,6 +265,10 @@ fn blocks_layout_prints_three_rows_and_their_ratios() {
         "1",
         "--window",
         "2",
+        "--json",
+        path(&json),
+        "--csv",
+        path(&csv),
     ]);
     assert!(
         stdout.contains("# blocks: 32 blocks of 4096 bytes")
@@ -198,6 +297,39 @@ fn blocks_layout_prints_three_rows_and_their_ratios() {
         .find(|l| l.starts_with("# blocks / contiguous"))
         .unwrap_or_else(|| panic!("no ratios in {stdout}"));
     assert!(ratios.contains("one transfer per block"), "{ratios}");
+
+    // The same three rows in the one schema, the contiguous row the others' baseline.
+    let rows = rows_in_one_schema(
+        &json,
+        &csv,
+        "blocks",
+        &["blocks", "contiguous", "per-block"],
+        true,
+    );
+    let bytes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+    assert_eq!(bytes, [131072, 131072, 4096]);
+    let contiguous = rows[1]["ferry_gbps"].as_f64();
+    assert!(rows[1]["baseline_gbps"].is_null(), "{}", rows[1]);
+    assert_eq!(rows[0]["baseline_gbps"].as_f64(), contiguous);
+    assert_eq!(rows[2]["baseline_gbps"].as_f64(), contiguous);
+    assert_eq!(
+        rows[2]["iterations"].as_u64(),
+        Some(3 * 32),
+        "transfers timed"
+    );
+    // Read back (no peer, no node): the same rows, the same CSV.
+    let again = dir.path().join("again.csv");
+    let replay = bench_ok(&["--from-json", path(&json), "--csv", path(&again)]);
+    assert!(replay.contains("per-block"), "{replay}");
+    assert_eq!(
+        std::fs::read_to_string(&again).expect("csv again"),
+        std::fs::read_to_string(&csv).expect("csv")
+    );
+}
+
+/// A path as an argument.
+fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
 }
 
 /// The fields after the name of every table row named `name` (a row that starts with it,
@@ -218,6 +350,8 @@ fn named_rows<'a>(stdout: &'a str, name: &str) -> Vec<Vec<&'a str>> {
 /// single-flight gain; `--fetchers 0` is refused before anything starts.
 #[test]
 fn fetchers_rows_and_the_single_flight_gain() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (json, csv) = (dir.path().join("fetch.json"), dir.path().join("fetch.csv"));
     let stdout = bench_ok(&[
         "--fetchers",
         "4",
@@ -231,6 +365,10 @@ fn fetchers_rows_and_the_single_flight_gain() {
         "3",
         "-w",
         "1",
+        "--json",
+        path(&json),
+        "--csv",
+        path(&csv),
     ]);
     assert!(stdout.contains("chose tcp"), "{stdout}");
     // Each row: the bytes, fetchers, flights and joined fetches a round, the time of a
@@ -271,6 +409,23 @@ fn fetchers_rows_and_the_single_flight_gain() {
         .collect();
     assert_eq!(gains.len(), 2, "{stdout}");
     assert!(gains.iter().all(|g| *g > 0.0), "{gains:?}");
+
+    // The same rows in the one schema: a round's fetches the window, the one flight next
+    // to the N flights, its ratio the gain.
+    let ways = ["one-flight", "flights", "single"];
+    let rows = rows_in_one_schema(&json, &csv, "fetchers", &[ways, ways].concat(), true);
+    for (round, gain) in rows.chunks(3).zip(gains) {
+        let windows: Vec<u64> = round.iter().filter_map(|r| r["window"].as_u64()).collect();
+        assert_eq!(windows, [4, 4, 1], "{round:?}");
+        assert_eq!(
+            round[0]["baseline_gbps"].as_f64(),
+            round[1]["ferry_gbps"].as_f64(),
+            "{round:?}"
+        );
+        let ratio = round[0]["ratio"].as_f64().expect("the gain");
+        assert!((ratio - gain).abs() < 0.01, "{ratio} against {gain}");
+        assert!(round[1]["ratio"].is_null() && round[2]["ratio"].is_null());
+    }
 
     let out = Command::new(common::ferry_bin())
         .args(["bench", "--fetchers", "0"])
@@ -360,11 +515,14 @@ fn png_plot() {
 
 #[test]
 fn both_directions_and_the_pair_matrix() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (json, csv) = (dir.path().join("bidir.json"), dir.path().join("bidir.csv"));
     let out = Command::new(common::ferry_bin())
         .args([
             "bench", "-b", "1K", "-e", "64K", "-f", "64", "-n", "4", "-w", "1",
         ])
         .args(["--bidir", "--pairs", "all"])
+        .args(["--json", path(&json), "--csv", path(&csv)])
         .stdin(Stdio::null())
         .output()
         .expect("run ferry bench");
@@ -377,6 +535,47 @@ fn both_directions_and_the_pair_matrix() {
     assert!(stdout.contains("both directions"), "{stdout}");
     assert!(stdout.contains("GB/s from row to column"), "{stdout}");
     assert!(stdout.contains("bench-peer"), "{stdout}");
+    rows_in_one_schema(&json, &csv, "sweep", &["contiguous"; 2], true);
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("json");
+    assert_eq!(doc["header"]["bidir"].as_bool(), Some(true), "{doc}");
+}
+
+/// The sweep's other shapes write the same schema: one transfer at a time sent back
+/// (`--pingpong`), and rows of a strided layout (unchecked: the peer checks contiguous
+/// patterns).
+#[test]
+fn pingpong_and_strided_sweeps_write_the_same_rows() {
+    let dir = tempfile::tempdir().expect("dir");
+    for (name, extra, series, checked) in [
+        ("pingpong", &["--pingpong"][..], "contiguous", true),
+        (
+            "strided",
+            &["--layout", "strided:1K:2K", "--no-check"][..],
+            "strided:1K:2K",
+            false,
+        ),
+    ] {
+        let (json, csv) = (
+            dir.path().join(format!("{name}.json")),
+            dir.path().join(format!("{name}.csv")),
+        );
+        let mut args = vec!["-b", "1K", "-e", "16K", "-f", "16", "-n", "3", "-w", "1"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--json", path(&json), "--csv", path(&csv)]);
+        bench_ok(&args);
+        let rows = rows_in_one_schema(&json, &csv, "sweep", &[series; 2], checked);
+        let sizes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+        assert_eq!(sizes, [1024, 16384], "{name}");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("json");
+        assert_eq!(
+            doc["header"]["pingpong"].as_bool(),
+            Some(name == "pingpong"),
+            "{doc}"
+        );
+        assert_eq!(doc["header"]["layout"].as_str(), Some(series), "{doc}");
+    }
 }
 
 /// `--transport staged` on host memory, through the shared ring and over the link: every
@@ -394,6 +593,8 @@ fn ucx_bench_runs_next_to_ucx_s_own_read_loop() {
         println!("skipped: UCX does not load here (set FERRY_UCX_TESTS=1 to require it)");
         return;
     }
+    let dir = tempfile::tempdir().expect("dir");
+    let (json, csv) = (dir.path().join("ucx.json"), dir.path().join("ucx.csv"));
     let stdout = bench_ok(&[
         "--transport",
         "ucx",
@@ -407,7 +608,13 @@ fn ucx_bench_runs_next_to_ucx_s_own_read_loop() {
         "8",
         "-w",
         "2",
+        "--json",
+        path(&json),
+        "--csv",
+        path(&csv),
     ]);
+    let rows = rows_in_one_schema(&json, &csv, "sweep", &["contiguous"; 3], true);
+    assert!(rows.iter().all(|r| r["baseline_gbps"].as_f64().is_some()));
     assert!(stdout.contains("chose ucx"), "{stdout}");
     assert!(stdout.contains("UCX's own ucp_get loop"), "{stdout}");
     let rows: Vec<&str> = stdout
@@ -426,7 +633,12 @@ fn ucx_bench_runs_next_to_ucx_s_own_read_loop() {
 
 #[test]
 fn staged_host_bench_runs_next_to_a_raw_socket() {
+    let dir = tempfile::tempdir().expect("dir");
     for shared in ["true", "false"] {
+        let (json, csv) = (
+            dir.path().join(format!("staged-{shared}.json")),
+            dir.path().join(format!("staged-{shared}.csv")),
+        );
         let out = Command::new(common::ferry_bin())
             .args(["--set", &format!("transport.staged.shared_memory={shared}")])
             .args([
@@ -444,6 +656,7 @@ fn staged_host_bench_runs_next_to_a_raw_socket() {
                 "-w",
                 "2",
             ])
+            .args(["--json", path(&json), "--csv", path(&csv)])
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .output()
@@ -461,6 +674,7 @@ fn staged_host_bench_runs_next_to_a_raw_socket() {
             .filter(|l| !l.starts_with('#') && l.split_whitespace().count() > 4)
             .count();
         assert!(rows >= 3, "{stdout}");
+        rows_in_one_schema(&json, &csv, "sweep", &["contiguous"; 3], true);
     }
 }
 

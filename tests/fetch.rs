@@ -205,11 +205,26 @@ async fn an_exporter_killed_mid_flight_fails_every_caller() {
     let fetches = (0..8).map(|_| fetcher.fetch("echo", &key, Fetch::default()));
     let all = futures::future::join_all(fetches);
     let kill = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Mid-flight: the exporter is serving the fetch (its offer has reached the fetcher,
+        // whose reservation for it waits on the budget the hog holds), and nothing ended.
+        let serving = eventually(Duration::from_secs(10), async || {
+            fetcher
+                .memory(MemoryKind::Host)
+                .await
+                .is_ok_and(|m| m.budget.waiting == 1)
+        })
+        .await;
+        let stats = fetcher.fetch_stats();
         echo.child.kill().expect("SIGKILL");
-        Instant::now()
+        (serving, stats, Instant::now())
     };
-    let (results, killed) = futures::join!(all, kill);
+    let (results, (serving, stats, killed)) = futures::join!(all, kill);
+    assert!(serving, "the exporter never served the fetch");
+    assert_eq!(
+        (stats.flights, stats.joined),
+        (1, 7),
+        "one flight, every caller on it, when the exporter died"
+    );
     let waited = killed.elapsed();
     for r in results {
         let e = r.expect_err("the exporter died");

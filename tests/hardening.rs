@@ -4,16 +4,19 @@
 
 mod common;
 
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Scratch, eventually, hand_driven_link, next_message, patterned};
 use ferry::Node;
-use ferry_transports::link::{Endpoint, Link};
+use ferry_transports::link::{self, Endpoint, Link, LinkCounters, LinkOptions, Secret};
 use ferry_transports::wire::{
-    DataChunk, FrameHeader, FrameKind, Layout, Message, Offer, WireDirection, WireMemoryKind,
-    WireReason,
+    DataChunk, FrameHeader, FrameKind, HelloPurpose, Layout, Message, Offer, WireDirection,
+    WireMemoryKind, WireReason,
 };
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Connections held against the node before a real peer dials.
 const HELD: usize = 1500;
@@ -106,6 +109,200 @@ async fn idle_and_slow_connections_by_the_thousand_do_not_keep_a_real_peer_out()
     assert!(hub.recv(Some("late"), Some(7)).await.is_ok());
     drop(held);
     late.shutdown().await;
+    hub.shutdown().await;
+}
+
+/// Idle connections an attacker keeps open against a node while real peers dial: each
+/// one the node closes is opened again.
+const IDLE: usize = 500;
+
+/// Connections the attacker opens a second at most: enough that far more than
+/// `limits.handshakes_per_source` (32) arrive while a real peer's handshake is under way,
+/// and few enough to leave the machine's CPUs to the node and the peers.
+const ATTACK_RATE: u64 = 2_000;
+
+/// Real peers that dial, one after another, during the attack.
+const DIALS: usize = 100;
+
+/// How long the node's bytes take to reach a real peer: a peer some way off, whose
+/// handshake takes round trips that a flood of connections fills.
+const FAR: Duration = Duration::from_millis(40);
+
+/// Keeps `IDLE` connections to `target` open that never say a word, opening again each
+/// one the node closes (at most [`ATTACK_RATE`] a second), until `stop`; `opened` counts
+/// the connections opened. The attack runs on a runtime of its own, in a thread of its
+/// own, as an attacker would in a process of its own.
+fn idle_attack(
+    target: &str,
+    stop: &Arc<AtomicBool>,
+    opened: &Arc<AtomicU64>,
+) -> std::thread::JoinHandle<()> {
+    let (target, stop, opened) = (target.to_owned(), Arc::clone(stop), Arc::clone(opened));
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("the attack's runtime");
+        runtime.block_on(async move {
+            let open = Arc::new(tokio::sync::Semaphore::new(IDLE));
+            let tick = Duration::from_millis(2);
+            let per_tick = ATTACK_RATE * 2 / 1000;
+            let mut ticks = tokio::time::interval(tick);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            while !stop.load(Ordering::Relaxed) {
+                ticks.tick().await;
+                for _ in 0..per_tick {
+                    let Ok(slot) = Arc::clone(&open).try_acquire_owned() else {
+                        break;
+                    };
+                    let (target, stop, opened) =
+                        (target.clone(), Arc::clone(&stop), Arc::clone(&opened));
+                    tokio::spawn(async move {
+                        let Ok(mut stream) = tokio::net::TcpStream::connect(&target).await else {
+                            return;
+                        };
+                        opened.fetch_add(1, Ordering::Relaxed);
+                        // Held until the node closes it (EOF or a reset), or the attack ends.
+                        let mut byte = [0u8; 1];
+                        tokio::select! {
+                            _ = stream.read(&mut byte) => {}
+                            _ = async {
+                                while !stop.load(Ordering::Relaxed) {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                }
+                            } => {}
+                        }
+                        drop(slot);
+                    });
+                }
+            }
+        });
+    })
+}
+
+/// A relay to `target` for peers [`FAR`] away: what a peer sends goes on at once, what the
+/// node sends reaches the peer `FAR` later. Returns the relay's address.
+async fn far_relay(target: String) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the relay");
+    let addr = listener.local_addr().expect("relay address").to_string();
+    tokio::spawn(async move {
+        while let Ok((mut peer, _)) = listener.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                // What the peer sends first (its preamble) goes out with the connection to
+                // the node, from one thread in one go, as a peer's own first write does.
+                let mut first = vec![0u8; 4096];
+                let Ok(n) = peer.read(&mut first).await else {
+                    return;
+                };
+                first.truncate(n);
+                let connected = tokio::task::spawn_blocking(move || {
+                    let mut node = std::net::TcpStream::connect(&target)?;
+                    node.write_all(&first)?;
+                    node.set_nodelay(true)?;
+                    node.set_nonblocking(true)?;
+                    std::io::Result::Ok(node)
+                })
+                .await;
+                let Ok(Ok(node)) = connected else {
+                    return;
+                };
+                let Ok(node) = tokio::net::TcpStream::from_std(node) else {
+                    return;
+                };
+                let _ = peer.set_nodelay(true);
+                let (mut peer_read, mut peer_write) = peer.into_split();
+                let (mut node_read, mut node_write) = node.into_split();
+                let up = tokio::io::copy(&mut peer_read, &mut node_write);
+                let down = async {
+                    let (tx, mut rx) = tokio::sync::mpsc::channel::<(Instant, Vec<u8>)>(64);
+                    let read = async {
+                        let mut chunk = vec![0u8; 64 << 10];
+                        while let Ok(n) = node_read.read(&mut chunk).await {
+                            if n == 0
+                                || tx
+                                    .send((Instant::now(), chunk[..n].to_vec()))
+                                    .await
+                                    .is_err()
+                            {
+                                break;
+                            }
+                        }
+                        drop(tx);
+                    };
+                    let write = async {
+                        while let Some((at, bytes)) = rx.recv().await {
+                            tokio::time::sleep_until((at + FAR).into()).await;
+                            if peer_write.write_all(&bytes).await.is_err() {
+                                break;
+                            }
+                        }
+                        let _ = peer_write.shutdown().await;
+                    };
+                    tokio::join!(read, write);
+                };
+                let _ = tokio::join!(up, down);
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_preamble_is_never_shed_for_idle_connections() {
+    // The attacker's sockets, the node's side of those it holds, and the rest of this
+    // binary's tests, which run at the same time.
+    let limit = common::raise_fd_limit(8192);
+    assert!(
+        limit >= (HELD + 2 * IDLE + 512) as u64,
+        "the open-files limit is {limit}: too low to hold {IDLE} connections"
+    );
+    let scratch = Scratch::new();
+    let hub = hub(&scratch, "").await;
+    let target = hub.tcp_addrs()[0].clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let attack = idle_attack(&target, &stop, &opened);
+    // Under way once the node has closed some: more opened than are held.
+    let under_way = eventually(Duration::from_secs(20), async || {
+        opened.load(Ordering::Relaxed) > 2 * IDLE as u64
+    })
+    .await;
+    assert!(under_way, "the attack never got going");
+
+    // Real peers, each a real dialer through the whole handshake (preamble, proof, hello),
+    // FAR away through the relay and from the attacker's own address.
+    let relay = Endpoint::Tcp(far_relay(target.clone()).await);
+    let secret = Secret::new(std::fs::read(&scratch.secret).expect("secret"));
+    let opts = LinkOptions {
+        max_frame: 4 << 20,
+        handshake_timeout: Duration::from_secs(5),
+        stall_timeout: Duration::from_secs(30),
+        counters: Arc::new(LinkCounters::new()),
+    };
+    let mut failed = Vec::new();
+    let (started, attacked) = (Instant::now(), opened.load(Ordering::Relaxed));
+    for i in 0..DIALS {
+        let mut hello = link::local_hello(format!("prober-{i}"), vec![], 4 << 20);
+        hello.purpose = HelloPurpose::Probe;
+        match link::dial(&relay, &secret, hello, &opts).await {
+            Ok(answered) => assert_eq!(answered.peer_hello.node, "hub"),
+            Err(e) => failed.push(format!("dial {i}: {e}")),
+        }
+    }
+    let took = started.elapsed();
+    let attacked = opened.load(Ordering::Relaxed) - attacked;
+    stop.store(true, Ordering::Relaxed);
+    let _ = tokio::task::spawn_blocking(move || attack.join()).await;
+    assert!(
+        failed.is_empty(),
+        "{} of {DIALS} real handshakes failed while {attacked} idle connections were opened \
+         (in {took:?}): {failed:#?}",
+        failed.len()
+    );
+    println!("{DIALS} real handshakes in {took:?} while {attacked} idle connections were opened");
     hub.shutdown().await;
 }
 

@@ -490,11 +490,14 @@ pub struct LimitsConfig {
     /// and the peer is told why. Default `"5s"`.
     #[serde(with = "duration")]
     pub stall_timeout: Duration,
-    /// Unauthenticated connections in their handshake at once, in all. When full, the
-    /// oldest is shed to make room for a new one. Default 256, at least 1.
+    /// Unauthenticated connections in their handshake at once, in all: as many still
+    /// sending their preamble, and as many again past it. When full, a new connection sheds
+    /// the oldest that has sent nothing, then the oldest that has sent part of a preamble,
+    /// never one whose preamble arrived whole; one of those gives way only to another.
+    /// Default 256, at least 1.
     pub handshakes: usize,
-    /// Unauthenticated connections in their handshake at once from one source address;
-    /// past it that source's oldest is shed. Default 32, at least 1.
+    /// The same from one source address, shed from that source first. Default 32, at
+    /// least 1.
     pub handshakes_per_source: usize,
     /// Time an accepted connection has to send its first byte before it is closed.
     /// Default `"1s"`.

@@ -221,6 +221,21 @@ pub async fn eventually(limit: Duration, mut check: impl AsyncFnMut() -> bool) -
     }
 }
 
+/// Raises this process's soft limit on open files to `want` (the hard limit at most) and
+/// returns the soft limit now in force, for a test that holds many sockets open.
+pub fn raise_fd_limit(want: u64) -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    if soft >= want {
+        return soft;
+    }
+    let raised = want.min(hard);
+    match setrlimit(Resource::RLIMIT_NOFILE, raised, hard) {
+        Ok(()) => raised,
+        Err(_) => soft,
+    }
+}
+
 /// The ferry binary: `FERRY_BIN`, else the one cargo built, else (a test bundle carried to a
 /// GPU machine, where cargo's path does not exist) `bin/ferry` beside the bundle's `tests/`.
 pub fn ferry_bin() -> PathBuf {

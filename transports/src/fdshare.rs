@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::cuda::ExportablePool;
-use crate::link::admission::{AdmissionLimits, Gate};
+use crate::link::admission::{AdmissionLimits, Gate, Progress, Stage};
 use crate::link::auth::{Role, authenticate};
 use crate::link::{LinkError, Secret, fdpass};
 
@@ -82,11 +82,13 @@ pub fn bind(node: &str) -> io::Result<UnixListener> {
     UnixListener::from_std(listener)
 }
 
-/// Pool requests in progress at once; past it the oldest is shed.
+/// Pool requests in progress at once; past it the oldest idle one is shed (see
+/// [`Gate`]).
 const REQUESTS: usize = 64;
 
 /// Answers pool requests until the listener fails; each connection in its own task, under
-/// [`REQUEST_TIMEOUT`], at most 64 at once (a new one sheds the oldest).
+/// [`REQUEST_TIMEOUT`], at most 64 at once still sending their preamble and 64 past it (a
+/// new one sheds the oldest that has got no further).
 /// Runs on a tokio runtime.
 pub async fn serve(
     listener: UnixListener,
@@ -95,11 +97,14 @@ pub async fn serve(
     rings: RingDirectory,
 ) {
     // Requests in progress are bounded like link handshakes: a new one past the bound
-    // sheds the oldest, so idle connections cannot hold the socket.
-    let gate = Gate::new(AdmissionLimits {
-        total: REQUESTS,
-        per_source: REQUESTS,
-    });
+    // sheds the oldest idle one, so idle connections cannot hold the socket.
+    let gate = Gate::new(
+        AdmissionLimits {
+            total: REQUESTS,
+            per_source: REQUESTS,
+        },
+        None,
+    );
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -109,12 +114,15 @@ pub async fn serve(
             }
         };
         let (ticket, _) = gate.admit("unix");
+        let progress = ticket.progress();
         let secret = secret.clone();
         let pools = Arc::clone(&pools);
         let rings = Arc::clone(&rings);
         tokio::spawn(async move {
-            let answer =
-                tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, &secret, &pools, &rings));
+            let answer = tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                answer(stream, &secret, &pools, &rings, progress),
+            );
             let answered = ticket.run(answer).await.unwrap_or_else(|| {
                 Ok(Err(AnswerError::Refused(
                     "shed: too many pool requests in progress".into(),
@@ -134,9 +142,21 @@ async fn answer(
     secret: &Secret,
     pools: &DashMap<String, ExportablePool>,
     rings: &DashMap<String, Arc<crate::link::ring::Ring>>,
+    progress: Progress,
 ) -> Result<String, AnswerError> {
     let (mut r, mut w) = stream.split();
-    authenticate(&mut r, &mut w, Role::Acceptor, secret, "pool request").await?;
+    let on_preamble = || {
+        progress.reached(Stage::Preamble);
+    };
+    authenticate(
+        &mut r,
+        &mut w,
+        Role::Acceptor,
+        secret,
+        "pool request",
+        on_preamble,
+    )
+    .await?;
     let len = stream.read_u16_le().await?;
     if len > 256 {
         return Err(AnswerError::Refused(format!(
@@ -213,9 +233,16 @@ pub async fn fetch(
         std_stream.set_nonblocking(true).map_err(io_err)?;
         let mut stream = UnixStream::from_std(std_stream).map_err(io_err)?;
         let (mut r, mut w) = stream.split();
-        authenticate(&mut r, &mut w, Role::Dialer, secret, "fd-sharing socket")
-            .await
-            .map_err(FetchError::Auth)?;
+        authenticate(
+            &mut r,
+            &mut w,
+            Role::Dialer,
+            secret,
+            "fd-sharing socket",
+            || {},
+        )
+        .await
+        .map_err(FetchError::Auth)?;
         let len = u16::try_from(uuid.len())
             .map_err(|_| FetchError::Refused(format!("device name {uuid} too long")))?;
         let mut request = len.to_le_bytes().to_vec();

@@ -158,10 +158,13 @@ impl Node {
         serve_fd_sharing(&io, &config.node.name, &secret, &shared).await?;
         let acceptor = Acceptor {
             coordinator: started.coordinator.clone(),
-            gate: Gate::new(AdmissionLimits {
-                total: config.limits.handshakes,
-                per_source: config.limits.handshakes_per_source,
-            }),
+            gate: Gate::new(
+                AdmissionLimits {
+                    total: config.limits.handshakes,
+                    per_source: config.limits.handshakes_per_source,
+                },
+                Some("ferry_handshakes_shed_total"),
+            ),
             first_byte: config.limits.first_byte_timeout,
             secret,
             opts: link_opts,
@@ -1030,10 +1033,12 @@ struct Acceptor {
 /// slow or hostile connection never holds up the others: accepting never waits for room.
 /// Handshakes in progress are bounded in all and per source address (`limits.handshakes`,
 /// `limits.handshakes_per_source`); a new connection past a bound sheds the oldest pending
-/// one, and a connection that says nothing within `limits.first_byte_timeout` is closed.
+/// one that has said nothing (then the oldest that has sent part of its preamble), never
+/// one whose preamble arrived whole (see [`Gate`]); a connection that says nothing within
+/// `limits.first_byte_timeout` is closed.
 async fn accept_loop(listener: Listener, acceptor: Acceptor) {
     loop {
-        let (accepted, from) = match listener.accept().await {
+        let (mut accepted, from) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
                 // Out of file descriptors and the like: transient, back off a little.
@@ -1042,10 +1047,11 @@ async fn accept_loop(listener: Listener, acceptor: Acceptor) {
                 continue;
             }
         };
-        let (ticket, shed) = acceptor.gate.admit(accepted.source());
+        // A peer that sent its whole preamble before we took its connection (a real one
+        // does, at once) is admitted past it, out of reach of idle connections.
+        let (ticket, shed) = acceptor.gate.admit_accepted(&mut accepted);
         if shed > 0 {
-            metrics::counter!("ferry_handshakes_shed_total").increment(shed as u64);
-            tracing::debug!(%from, shed, "handshake bound reached: shed the oldest");
+            tracing::debug!(%from, shed, "handshake bound reached: shed the least advanced");
         }
         let acceptor = acceptor.clone();
         tokio::spawn(async move {

@@ -81,13 +81,14 @@ pub struct Args {
     /// instead of starting one; the first is measured.
     #[arg(long, value_delimiter = ',')]
     pub(super) peers: Vec<String>,
-    /// Write one JSON document with every record.
+    /// Write one JSON document: the header and every row, in any mode (sweep, block list,
+    /// fetchers), one schema (docs/PERFORMANCE.md).
     #[arg(long, value_name = "FILE")]
     pub(super) json: Option<PathBuf>,
-    /// Write one CSV row per size.
+    /// Write one CSV line per row, in any mode, with the JSON rows' columns.
     #[arg(long, value_name = "FILE")]
     pub(super) csv: Option<PathBuf>,
-    /// Plot bandwidth against size, ferry and baseline (.svg).
+    /// Plot bandwidth against size, ferry and baseline (.svg or .png; a size sweep only).
     #[arg(long, value_name = "FILE")]
     pub(super) plot: Option<PathBuf>,
     /// Measure nothing: read a document written by --json and write --plot/--csv from it.

@@ -2,7 +2,8 @@
 //! non-overlapping places of a pool four times their bytes (a paged KV cache's pages), sent
 //! as one transfer with `Layout::Blocks`; next to it, in the same run and to the same peer,
 //! the same bytes as one contiguous buffer, and one transfer per block. Three rows of one
-//! size, and the two ratios.
+//! size, and the two ratios; in `--json` and `--csv` the three rows (series `blocks`,
+//! `contiguous`, `per-block`), the contiguous row's GB/s the others' baseline.
 //!
 //! The pool's blocks hold, in list order, the bench pattern of their packed length, so the
 //! peer checks a block list's arrival as it checks any buffer (`--check`, on by default).
@@ -15,6 +16,7 @@ use hdrhistogram::Histogram;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
+use super::report::Record;
 use super::{Args, Target, alloc_filled, parse_bytes, pattern, peer_report, send_many, window_for};
 
 /// The pool holds this many times the blocks' bytes.
@@ -93,13 +95,21 @@ pub fn check_args(args: &Args) -> anyhow::Result<()> {
             args.layout
         );
     }
-    if args.json.is_some() || args.csv.is_some() || args.plot.is_some() {
+    if args.plot.is_some() {
         bail!(
-            "--layout {}: one size in three rows; --json, --csv and --plot write a size sweep",
+            "--layout {}: one size in three rows; --plot draws a size sweep (--json and --csv \
+             write the rows)",
             args.layout
         );
     }
     Ok(())
+}
+
+/// The header's baseline.
+pub fn baseline_label() -> String {
+    "the same bytes as one contiguous buffer, to the same peer in this run (the blocks and \
+     per-block rows' baseline), and as one transfer per block"
+        .into()
 }
 
 /// One way of moving the blocks' bytes.
@@ -121,28 +131,35 @@ impl Way {
             Way::PerBlock => "per block",
         }
     }
-}
 
-/// One row of the table.
-struct Row {
-    way: Way,
-    /// Bytes of each transfer.
-    bytes: u64,
+    /// The row's series in `--json` and `--csv`.
+    fn series(self) -> &'static str {
+        match self {
+            Way::Blocks => "blocks",
+            Way::Contiguous => "contiguous",
+            Way::PerBlock => "per-block",
+        }
+    }
+
     /// Transfers per copy of the blocks' bytes.
-    sends: u64,
-    window: u64,
-    /// The blocks' bytes moved per second, GB/s.
-    gbps: f64,
-    /// Per transfer, microseconds.
-    p50_us: f64,
-    p99_us: f64,
-    p999_us: f64,
-    wrong: u64,
+    fn sends(self, spec: Spec) -> u64 {
+        match self {
+            Way::PerBlock => spec.count,
+            Way::Blocks | Way::Contiguous => 1,
+        }
+    }
 }
 
-/// Measures the three ways to the target and prints them; returns how many transfers
-/// arrived wrong (or not at all) under `--check`.
-pub async fn run(node: &Node, target: &Target, args: &Args, spec: Spec) -> anyhow::Result<u64> {
+const WAYS: [Way; 3] = [Way::Blocks, Way::Contiguous, Way::PerBlock];
+
+/// Measures the three ways to the target and prints them: their rows, each but the
+/// contiguous one next to the contiguous one's GB/s as its baseline.
+pub async fn run(
+    node: &Node,
+    target: &Target,
+    args: &Args,
+    spec: Spec,
+) -> anyhow::Result<Vec<Record>> {
     println!(
         "# blocks: {} blocks of {} bytes at random places (seed {SEED}) of a pool of {} bytes; \
          {} bytes a copy; the blocks' bytes moved three ways, GB/s of those bytes",
@@ -156,34 +173,45 @@ pub async fn run(node: &Node, target: &Target, args: &Args, spec: Spec) -> anyho
         "layout", "bytes", "sends", "window", "ferry GB/s", "p50 us", "p99 us", "p999 us", "#wrong"
     );
     let mut rows = Vec::new();
-    for way in [Way::Blocks, Way::Contiguous, Way::PerBlock] {
+    for way in WAYS {
         let row = measure(node, target, args, spec, way).await?;
         println!(
             "{:>12} {:>12} {:>6} {:>7} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>7}",
-            row.way.label(),
+            way.label(),
             row.bytes,
-            row.sends,
+            way.sends(spec),
             row.window,
-            row.gbps,
+            row.ferry_gbps,
             row.p50_us,
             row.p99_us,
             row.p999_us,
-            if args.no_check {
-                "-".to_string()
-            } else {
+            if row.checked {
                 row.wrong.to_string()
+            } else {
+                "-".to_string()
             }
         );
         rows.push(row);
     }
-    let gbps = |way| rows.iter().find(|r| r.way == way).map_or(0.0, |r| r.gbps);
-    let blocks = gbps(Way::Blocks);
+    let gbps = |way: Way| {
+        rows.iter()
+            .find(|r| r.series == way.series())
+            .map_or(0.0, |r| r.ferry_gbps)
+    };
+    let (blocks, contiguous) = (gbps(Way::Blocks), gbps(Way::Contiguous));
     println!(
         "# blocks / contiguous {:.2}; blocks / one transfer per block {:.1}x",
-        blocks / gbps(Way::Contiguous).max(1e-12),
+        blocks / contiguous.max(1e-12),
         blocks / gbps(Way::PerBlock).max(1e-12)
     );
-    Ok(rows.iter().map(|r| r.wrong).sum())
+    for row in rows
+        .iter_mut()
+        .filter(|r| r.series != Way::Contiguous.series())
+    {
+        row.baseline_gbps = Some(contiguous);
+        row.ratio = Some(row.ferry_gbps / contiguous.max(1e-12));
+    }
+    Ok(rows)
 }
 
 async fn measure(
@@ -192,12 +220,13 @@ async fn measure(
     args: &Args,
     spec: Spec,
     way: Way,
-) -> anyhow::Result<Row> {
+) -> anyhow::Result<Record> {
     let peer = target.name.as_str();
-    let (layout, bytes, sends, held) = match way {
-        Way::Blocks => (spec.layout(), spec.packed(), 1, spec.pool()),
-        Way::Contiguous => (Layout::Contiguous, spec.packed(), 1, spec.packed()),
-        Way::PerBlock => (Layout::Contiguous, spec.size, spec.count, spec.size),
+    let sends = way.sends(spec);
+    let (layout, bytes, held) = match way {
+        Way::Blocks => (spec.layout(), spec.packed(), spec.pool()),
+        Way::Contiguous => (Layout::Contiguous, spec.packed(), spec.packed()),
+        Way::PerBlock => (Layout::Contiguous, spec.size, spec.size),
     };
     let window = window_for(held, args.window, target.memory);
     let mut buffers = match way {
@@ -227,16 +256,19 @@ async fn measure(
         report.wrong + (warmup + timed).saturating_sub(report.received)
     };
     let pct = |q: f64| hist.value_at_quantile(q) as f64;
-    Ok(Row {
-        way,
+    Ok(Record {
+        series: way.series().into(),
         bytes,
-        sends,
+        iterations: timed,
         window,
-        gbps: (spec.packed() * args.iters) as f64 / elapsed / 1e9,
+        ferry_gbps: (spec.packed() * args.iters) as f64 / elapsed / 1e9,
+        baseline_gbps: None,
+        ratio: None,
         p50_us: pct(0.5),
         p99_us: pct(0.99),
         p999_us: pct(0.999),
         wrong,
+        checked: !args.no_check,
     })
 }
 

@@ -14,7 +14,10 @@
 //!   baseline (skipped with `--no-baseline`).
 //! - `1 fetcher`: one fetch of one key, for reference.
 //!
-//! The single-flight gain is the baseline's time per round over the one flight's.
+//! The single-flight gain is the baseline's time per round over the one flight's. In
+//! `--json` and `--csv` the rows are series `one-flight`, `flights` and `single` (the
+//! window: the fetches of a round; the latencies: a round's), the one flight's baseline the
+//! N flights' GB/s, so its ratio is the gain.
 //!
 //! The peer's side ([`serve`]) answers three requests ([`super::peer::TAG_PUBLISH`],
 //! [`super::peer::TAG_PUBLICATION`], [`super::peer::TAG_UNPUBLISH`]) with text: a reply
@@ -30,6 +33,7 @@ use ferry_actors::fetch::MAX_JOINERS;
 use hdrhistogram::Histogram;
 
 use super::peer::{SEND_DEVICE, SEND_HOST, TAG_PUBLICATION, TAG_PUBLISH, TAG_UNPUBLISH};
+use super::report::Record;
 use super::{Args, Target, pattern};
 
 /// How long the bench waits for the peer's answer to one request.
@@ -54,10 +58,10 @@ pub fn check_args(args: &Args, n: u64) -> anyhow::Result<()> {
             "--fetchers: this node fetches, one direction only (no --bidir, --pingpong, --pairs)"
         );
     }
-    if args.json.is_some() || args.csv.is_some() || args.plot.is_some() {
+    if args.plot.is_some() {
         bail!(
-            "--fetchers: three rows a size; --json, --csv and --plot write a sweep of one row \
-             a size"
+            "--fetchers: three rows a size; --plot draws a sweep of one row a size (--json and \
+             --csv write the rows)"
         );
     }
     Ok(())
@@ -124,6 +128,15 @@ enum Way {
 }
 
 impl Way {
+    /// The row's series in `--json` and `--csv`.
+    fn series(self) -> &'static str {
+        match self {
+            Way::OneFlight => "one-flight",
+            Way::Flights => "flights",
+            Way::Single => "single",
+        }
+    }
+
     fn label(self, n: u64) -> String {
         let s = if n == 1 { "" } else { "s" };
         match self {
@@ -148,20 +161,42 @@ struct Row {
     gbps: f64,
     p50_us: f64,
     p99_us: f64,
+    p999_us: f64,
     wrong: u64,
     /// Rounds run again: a flight landed before this process had started every fetch.
     again: u64,
 }
 
-/// Measures every size of the run three ways and prints the rows; returns how many fetched
-/// buffers were wrong under `--check`.
+impl Row {
+    /// The row as `--json` and `--csv` write it: `size` bytes a fetch, the fetches of a round
+    /// its window, a round's times its latencies; its baseline filled in by [`run`].
+    fn record(&self, size: u64, args: &Args) -> Record {
+        Record {
+            series: self.way.series().into(),
+            bytes: size,
+            iterations: args.iters,
+            window: self.fetchers,
+            ferry_gbps: self.gbps,
+            baseline_gbps: None,
+            ratio: None,
+            p50_us: self.p50_us,
+            p99_us: self.p99_us,
+            p999_us: self.p999_us,
+            wrong: self.wrong,
+            checked: !args.no_check,
+        }
+    }
+}
+
+/// Measures every size of the run three ways and prints the rows: their records, the one
+/// flight's next to the N flights' GB/s as its baseline (its ratio the single-flight gain).
 pub async fn run(
     node: &Node,
     target: &Target,
     args: &Args,
     n: u64,
     sizes: &[u64],
-) -> anyhow::Result<u64> {
+) -> anyhow::Result<Vec<Record>> {
     println!(
         "# fetchers: the peer publishes {n} buffers a size; rounds of fetches started at \
          once, {} timed after {} warm-up a row{}; GB/s = bytes the fetchers got / time",
@@ -174,7 +209,7 @@ pub async fn run(
         }
     );
     println!(
-        "{:>28} {:>12} {:>8} {:>7} {:>7} {:>12} {:>10} {:>10} {:>10} {:>7}",
+        "{:>28} {:>12} {:>8} {:>7} {:>7} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}",
         "fetch",
         "bytes",
         "fetchers",
@@ -184,6 +219,7 @@ pub async fn run(
         "GB/s",
         "p50 us",
         "p99 us",
+        "p999 us",
         "#wrong"
     );
     let ways: &[Way] = if args.no_baseline {
@@ -191,7 +227,7 @@ pub async fn run(
     } else {
         &[Way::OneFlight, Way::Flights, Way::Single]
     };
-    let mut wrong = 0;
+    let mut records = Vec::new();
     for &size in sizes {
         let keys = publish(node, &target.name, size, n, target.send_memory()).await?;
         let mut rows = Vec::new();
@@ -224,7 +260,15 @@ pub async fn run(
         let unpublished = unpublish(node, &target.name, &keys).await;
         measured?;
         unpublished?;
-        wrong += rows.iter().map(|r| r.wrong).sum::<u64>();
+        let flights = rows.iter().find(|r| r.way == Way::Flights).map(|r| r.gbps);
+        records.extend(rows.iter().map(|row| {
+            let mut record = row.record(size, args);
+            if row.way == Way::OneFlight {
+                record.baseline_gbps = flights;
+                record.ratio = flights.map(|f| row.gbps / f.max(1e-12));
+            }
+            record
+        }));
         let round = |way| rows.iter().find(|r| r.way == way).map(|r| r.round_us);
         if let (Some(one), Some(flights), Some(single)) = (
             round(Way::OneFlight),
@@ -242,12 +286,12 @@ pub async fn run(
             );
         }
     }
-    Ok(wrong)
+    Ok(records)
 }
 
 fn print_row(row: &Row, n: u64, size: u64, no_check: bool) {
     println!(
-        "{:>28} {:>12} {:>8} {:>7} {:>7} {:>12.1} {:>10.3} {:>10.1} {:>10.1} {:>7}",
+        "{:>28} {:>12} {:>8} {:>7} {:>7} {:>12.1} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>7}",
         row.way.label(n),
         size,
         row.fetchers,
@@ -257,6 +301,7 @@ fn print_row(row: &Row, n: u64, size: u64, no_check: bool) {
         row.gbps,
         row.p50_us,
         row.p99_us,
+        row.p999_us,
         if no_check {
             "-".to_string()
         } else {
@@ -380,6 +425,7 @@ async fn measure(
         gbps: (fetchers * size * args.iters) as f64 / secs / 1e9,
         p50_us: pct(0.5),
         p99_us: pct(0.99),
+        p999_us: pct(0.999),
         wrong,
         again,
     })

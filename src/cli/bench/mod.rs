@@ -16,30 +16,30 @@ mod args;
 mod blocks;
 mod fetch;
 mod gpu_baseline;
-
+mod mode;
 mod pattern;
 mod peer;
 mod report;
+mod sweep;
 mod ucx_raw;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use ferry::{Buffer, MemoryClass, MemoryKind, Node};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-use report::Record;
 
 pub use args::Args;
-use args::{parse_bytes, sizes};
-use gpu_baseline::{copy_baseline, staging_baseline, strided_baseline};
+use args::parse_bytes;
+#[cfg(test)]
+use args::sizes;
+use mode::Mode;
 
 /// Bytes in flight at most, per direction, whatever the window.
 const IN_FLIGHT_CAP: u64 = 512 << 20;
@@ -74,8 +74,7 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
     }
     if let Some(json) = &args.from_json {
         let (header, records) = report::read_json(json)?;
-        report::print_header(&header);
-        records.iter().for_each(report::print_row);
+        report::print_records(&header, &records);
         if let Some(path) = &args.csv {
             report::write_csv(path, &records)?;
         }
@@ -512,9 +511,8 @@ async fn orchestrate(
         MemoryKind::Device(_) => MemoryClass::Device,
         _ => MemoryClass::Host,
     };
-    let block_list = blocks::parse(&args.layout)?;
-    // What one transfer moves at most: the largest size, or a block list's bytes.
-    let most = block_list.map_or(args.max, |spec| spec.packed());
+    let mode = Mode::of(&args)?;
+    let most = mode.largest(&args);
     let explanation = node.explain(&target.name, most, class, class).await?;
     let chosen = explanation.chosen.as_ref().map(|r| r.transport.as_str());
     let direction = explanation.chosen.as_ref().map(|r| r.direction.to_string());
@@ -540,11 +538,13 @@ async fn orchestrate(
             args.transport,
         );
     }
-    if let Some(n) = args.fetchers {
+    if let Mode::Fetchers(n) = mode {
         fetch::check_limits(&node, &target, n, args.max).await?;
     }
-    let list = sizes(args.min, args.max, args.factor);
     let header = report::Header {
+        mode: mode.name().into(),
+        layout: args.layout.clone(),
+        pingpong: args.pingpong,
         transport: args.transport.clone(),
         memory: args.memory.clone(),
         link: args.link.clone(),
@@ -552,35 +552,10 @@ async fn orchestrate(
         iters: args.iters,
         warmup: args.warmup,
         route: explanation.to_string(),
-        baseline: match (&target.baseline, args.no_baseline) {
-            _ if args.fetchers.is_some() => fetch::baseline_label(&args),
-            _ if block_list.is_some() => {
-                "the same bytes as one contiguous buffer, and as one transfer per block, to \
-                 the same peer in this run"
-                    .into()
-            }
-            (Some(b @ (Baseline::Copy(_) | Baseline::Staging(_))), false)
-                if args.layout != "contiguous" =>
-            {
-                format!(
-                    "{}; for --layout {}: the same rows by raw cuMemcpy3DAsync",
-                    b.label(args.bidir),
-                    args.layout
-                )
-            }
-            (Some(b), false) => b.label(args.bidir),
-            _ => "none".into(),
-        },
-        latency: match args.fetchers {
-            Some(n) => fetch::latency_label(n),
-            None => latency_label(&args.transport, args.direction.as_deref(), args.pingpong),
-        },
+        baseline: mode.baseline_label(&args, &target),
+        latency: mode.latency_label(&args),
     };
-    if block_list.is_some() || args.fetchers.is_some() {
-        report::print_preamble(&header);
-    } else {
-        report::print_header(&header);
-    }
+    mode.print_header(&header);
     if args.transport == "staged" {
         let device = match target.memory {
             MemoryKind::Device(n) => ferry::cuda::Device::open(n as usize).ok(),
@@ -605,37 +580,21 @@ async fn orchestrate(
              it, which bounds ferry's figures; --no-check measures the transport alone"
         );
     }
-    let mut records = Vec::new();
-    let mut wrong = 0;
-    if let Some(n) = args.fetchers {
-        wrong += fetch::run(&node, &target, &args, n, &list).await?;
-    } else if let Some(spec) = block_list {
-        wrong += blocks::run(&node, &target, &args, spec).await?;
-    } else {
-        let progress = report::progress(list.len() as u64);
-        for size in list {
-            progress.set_message(ferry_config::format_size(size));
-            let record = measure(&node, &target, &args, size).await?;
-            progress.suspend(|| report::print_row(&record));
-            records.push(record);
-            progress.inc(1);
-        }
-        progress.finish_and_clear();
-    }
+    let records = mode.run(&node, &target, &args).await?;
 
     if args.pairs.as_deref() == Some("all") {
         let size = args.max;
         // With --bidir the record holds both directions together: show one direction's share.
         let share = if args.bidir { 0.5 } else { 1.0 };
         let forward = records.last().map_or(0.0, |r| r.ferry_gbps * share);
-        let back = measure_return(&node, &target, &args, size).await?;
+        let back = sweep::measure_return(&node, &target, &args, size).await?;
         report::print_matrix(
             &[node.name().to_string(), target.name.clone()],
             &[vec![None, Some(forward)], vec![Some(back), None]],
             size,
         );
     }
-    wrong += records.iter().map(|r| r.wrong).sum::<u64>();
+    let wrong: u64 = records.iter().map(|r| r.wrong).sum();
     if let Some(path) = &args.json {
         report::write_json(path, &header, &records)?;
     }
@@ -656,27 +615,6 @@ async fn orchestrate(
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// What the latency columns measure, for the header.
-fn latency_label(transport: &str, direction: Option<&str>, pingpong: bool) -> String {
-    let what = match (transport, direction) {
-        ("ipc", Some("push")) => {
-            "send() called until the peer's Done: it lent a buffer, our copy engine wrote \
-             the bytes into it, and it took them (grant, copy, Written, Done)"
-        }
-        ("ipc", _) => {
-            "send() called until the peer's Done: it imported our buffer and its copy engine \
-             pulled the bytes (one pull round trip)"
-        }
-        _ => "send() called until it resolved (the transfer complete)",
-    };
-    if pingpong {
-        return "one-way: half of each round trip (send() called, the peer's recv() returns \
-                and it sends the buffer back, our recv() returns), one transfer at a time"
-            .into();
-    }
-    format!("{what}, with up to the row's window in flight (--window 1: one transfer alone)")
 }
 
 async fn alloc_filled(
@@ -733,74 +671,6 @@ async fn send_many(
     Ok(())
 }
 
-/// Sends `count` transfers one at a time, each sent back by the peer before the next
-/// leaves; records half of each round trip in `hist` (microseconds).
-async fn ping_pong(
-    node: &Node,
-    peer: &str,
-    buffers: &mut Vec<Buffer>,
-    count: u64,
-    mut hist: Option<&mut Histogram<u64>>,
-) -> anyhow::Result<()> {
-    for _ in 0..count {
-        let b = buffers.pop().context("no buffer to send")?;
-        let t = Instant::now();
-        let b = node
-            .send(peer, peer::TAG_PING, b)
-            .await
-            .map_err(|e| anyhow::anyhow!("{}", e.error))?;
-        let back = tokio::time::timeout(
-            Duration::from_secs(30),
-            node.recv(Some(peer), Some(peer::TAG_PONG)),
-        )
-        .await
-        .context("the peer did not send the ping back")??;
-        let took = t.elapsed();
-        drop(back);
-        buffers.push(b);
-        if let Some(h) = hist.as_deref_mut() {
-            let _ = h.record((took.as_nanos() / 2000).max(1) as u64);
-        }
-    }
-    Ok(())
-}
-
-/// Receives `count` buffers sent back by the peer; returns how many were wrong. Fails on a
-/// buffer that came over another transport than `transport`: that direction was not
-/// measuring it.
-async fn receive_returns(
-    node: &Node,
-    peer: &str,
-    count: u64,
-    check: bool,
-    transport: &str,
-) -> anyhow::Result<u64> {
-    let mut wrong = 0;
-    let mut expected = None;
-    for _ in 0..count {
-        let r = tokio::time::timeout(
-            Duration::from_secs(120),
-            node.recv(Some(peer), Some(peer::TAG_RETURN)),
-        )
-        .await
-        .context("the peer stopped sending")??;
-        if r.transport.as_str() != transport {
-            bail!(
-                "a buffer the peer sent back came over {}, not {transport}: that route fell \
-                 back (RUST_LOG=info says why)",
-                r.transport
-            );
-        }
-        if check {
-            let want = *expected.get_or_insert_with(|| pattern::crc(r.buffer.len()));
-            if crc32c::crc32c(&r.buffer.bytes()?) != want {
-                wrong += 1;
-            }
-        }
-    }
-    Ok(wrong)
-}
-
 async fn request(node: &Node, peer: &str, tag: u64, words: &[u64]) -> anyhow::Result<()> {
     let mut b = node.alloc(MemoryKind::Host, words.len() * 8).await?;
     let out = b.as_mut_slice().context("fresh buffer")?;
@@ -842,252 +712,6 @@ async fn peer_report(node: &Node, peer: &str) -> anyhow::Result<PeerReport> {
         wrong: word(8)?,
         transports,
     })
-}
-
-async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow::Result<Record> {
-    let peer = target.name.as_str();
-    let (layout, len) = layout_for(args, size)?;
-    let window = window_for(len, args.window, target.memory);
-    let mut buffers = alloc_filled(node, target.memory, len, window).await?;
-    let warmup = args.warmup.max(window);
-    if args.pingpong {
-        ping_pong(node, peer, &mut buffers, warmup, None).await?;
-    } else {
-        send_many(node, peer, &mut buffers, &layout, warmup, None).await?;
-    }
-    let mut hist = Histogram::<u64>::new(3).context("histogram")?;
-    let check = !args.no_check;
-    let started = Instant::now();
-    let mut wrong = 0;
-    if args.pingpong {
-        ping_pong(node, peer, &mut buffers, args.iters, Some(&mut hist)).await?;
-    } else if args.bidir {
-        let ask = [size, args.iters, window, target.send_memory()];
-        request(node, peer, peer::TAG_SEND, &ask).await?;
-        let (sent, back) = tokio::join!(
-            send_many(
-                node,
-                peer,
-                &mut buffers,
-                &layout,
-                args.iters,
-                Some(&mut hist)
-            ),
-            receive_returns(node, peer, args.iters, check, &args.transport),
-        );
-        sent?;
-        wrong += back?;
-    } else {
-        send_many(
-            node,
-            peer,
-            &mut buffers,
-            &layout,
-            args.iters,
-            Some(&mut hist),
-        )
-        .await?;
-    }
-    let elapsed = started.elapsed().as_secs_f64().max(1e-9);
-    let directions = if args.bidir || args.pingpong {
-        2.0
-    } else {
-        1.0
-    };
-    let ferry_gbps = directions * (size * args.iters) as f64 / elapsed / 1e9;
-    drop(buffers);
-    let report = peer_report(node, peer).await?;
-    if check {
-        let expected = warmup + args.iters;
-        wrong += report.wrong + expected.saturating_sub(report.received);
-    }
-    if let Some(other) = report.transports.iter().find(|t| **t != args.transport) {
-        bail!(
-            "the peer received {} buffers over {other}, not {}: the route fell back \
-             (RUST_LOG=info says why)",
-            ferry_config::format_size(size),
-            args.transport
-        );
-    }
-    let baseline_gbps = match (&target.baseline, args.no_baseline) {
-        (Some(Baseline::Socket(addr)), false) => {
-            Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
-        }
-        (Some(Baseline::Ucx(reader)), false) => Some(
-            reader
-                .measure(node, size, args.iters, warmup, window)
-                .await?,
-        ),
-        (Some(Baseline::Copy(gpus)), false) if layout != ferry::Layout::Contiguous => {
-            let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
-            let shape = layout.clone();
-            let (raw, per_row) = tokio::task::spawn_blocking(move || {
-                strided_baseline(gpus, shape, iters, warmup, window)
-            })
-            .await
-            .context("the copy baseline stopped")?
-            .context("the strided copy baseline failed")?;
-            println!(
-                "# {size} bytes as {layout:?}: one cuMemcpyAsync per row {per_row:.3} GB/s \
-                 (ferry {:.1}x that, the raw 2D copy {:.1}x)",
-                ferry_gbps / per_row,
-                raw / per_row
-            );
-            Some(raw)
-        }
-        (Some(Baseline::Staging(gpus)), false) => {
-            let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
-            let shape = layout.clone();
-            let (down, up, per_row) = tokio::task::spawn_blocking(move || {
-                staging_baseline(gpus, shape, size, iters, warmup, window)
-            })
-            .await
-            .context("the staging baseline stopped")?
-            .context("the staging baseline failed")?;
-            let slower = down.min(up);
-            let per_row = per_row
-                .map(|r| {
-                    format!(
-                        "; one cuMemcpyDtoHAsync per row {r:.3} GB/s (ferry {:.1}x that)",
-                        ferry_gbps / r
-                    )
-                })
-                .unwrap_or_default();
-            println!(
-                "# {size} bytes: raw pinned GPU{} -> host {down:.1} GB/s, host -> GPU{} \
-                 {up:.1} GB/s{per_row}",
-                gpus.ours, gpus.theirs
-            );
-            Some(slower)
-        }
-        (Some(Baseline::Copy(gpus)), false) => {
-            let (gpus, iters, warmup, bidir) = (*gpus, args.iters, warmup, args.bidir);
-            let len = usize::try_from(size)?;
-            let gbps = tokio::task::spawn_blocking(move || {
-                copy_baseline(gpus, len, iters, warmup, window, bidir)
-            })
-            .await
-            .context("the copy baseline stopped")?
-            .with_context(|| {
-                format!(
-                    "the baseline (cuMemcpyAsync GPU{} -> GPU{}) failed",
-                    gpus.ours, gpus.theirs
-                )
-            })?;
-            Some(gbps)
-        }
-        _ => None,
-    };
-    let pct = |q: f64| hist.value_at_quantile(q) as f64;
-    Ok(Record {
-        bytes: size,
-        iterations: args.iters,
-        window,
-        ferry_gbps,
-        baseline_gbps,
-        ratio: baseline_gbps.map(|b| ferry_gbps / b),
-        p50_us: pct(0.5),
-        p99_us: pct(0.99),
-        p999_us: pct(0.999),
-        wrong: if check { Some(wrong) } else { None }.unwrap_or(0),
-        checked: check,
-    })
-}
-
-/// Bandwidth of the peer sending to us, for the pair matrix.
-async fn measure_return(
-    node: &Node,
-    target: &Target,
-    args: &Args,
-    size: u64,
-) -> anyhow::Result<f64> {
-    let (peer, iters) = (target.name.as_str(), args.iters);
-    let window = window_for(size, args.window, target.memory);
-    let started = Instant::now();
-    let ask = [size, iters, window, target.send_memory()];
-    request(node, peer, peer::TAG_SEND, &ask).await?;
-    receive_returns(node, peer, iters, false, &args.transport).await?;
-    Ok((size * iters) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9)
-}
-
-/// The raw socket moving the same bytes between the same processes, with the same number
-/// of messages in flight as ferry had: GB/s.
-async fn baseline(
-    addr: &str,
-    size: u64,
-    iters: u64,
-    warmup: u64,
-    window: u64,
-    bidir: bool,
-) -> anyhow::Result<f64> {
-    let len = usize::try_from(size)?;
-    let sink = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
-        s.write_u8(peer::RAW_SINK).await?;
-        let payload = vec![0x5Au8; len];
-        // Warm up, then time `iters` messages with at most `window` unacknowledged.
-        raw_window(&mut s, &payload, warmup, window).await?;
-        let started = Instant::now();
-        raw_window(&mut s, &payload, iters, window).await?;
-        let took = started.elapsed();
-        s.write_u64_le(u64::MAX).await?;
-        std::io::Result::Ok(took)
-    };
-    let emit = async {
-        if !bidir {
-            return std::io::Result::Ok(Duration::ZERO);
-        }
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_u8(peer::RAW_EMIT).await?;
-        s.write_u64_le(size).await?;
-        s.write_u64_le(iters).await?;
-        let started = Instant::now();
-        let mut scratch = vec![0u8; len];
-        for _ in 0..iters {
-            let n = s.read_u64_le().await?;
-            if n != size {
-                return Err(std::io::Error::other("baseline stream out of step"));
-            }
-            s.read_exact(&mut scratch).await?;
-        }
-        Ok(started.elapsed())
-    };
-    let (one, two) = tokio::join!(sink, emit);
-    let took = one?.max(two?).as_secs_f64().max(1e-9);
-    let directions = if bidir { 2.0 } else { 1.0 };
-    Ok(directions * (size * iters) as f64 / took / 1e9)
-}
-
-/// Writes `count` messages, reading one acknowledgement per message and never having more
-/// than `window` unacknowledged.
-async fn raw_window(
-    s: &mut tokio::net::TcpStream,
-    payload: &[u8],
-    count: u64,
-    window: u64,
-) -> std::io::Result<()> {
-    let (mut rd, mut wr) = s.split();
-    let write = async {
-        let mut unacked = 0u64;
-        let mut acked = 0u64;
-        for _ in 0..count {
-            wr.write_u64_le(payload.len() as u64).await?;
-            wr.write_all(payload).await?;
-            unacked += 1;
-            if unacked >= window {
-                rd.read_u8().await?;
-                unacked -= 1;
-                acked += 1;
-            }
-        }
-        while acked < count {
-            rd.read_u8().await?;
-            acked += 1;
-        }
-        std::io::Result::Ok(())
-    };
-    write.await
 }
 
 #[cfg(test)]

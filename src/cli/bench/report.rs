@@ -10,6 +10,17 @@ use serde::Serialize;
 /// What was measured, and how.
 #[derive(Debug, Serialize, serde::Deserialize)]
 pub struct Header {
+    /// The bench's mode: `sweep` (one row a size), `blocks` (`--layout blocks:...`, three
+    /// rows of one size) or `fetchers` (`--fetchers N`, three rows a size); documents
+    /// written before it existed held sweeps.
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// `--layout` as given.
+    #[serde(default = "default_layout")]
+    pub layout: String,
+    /// `--pingpong`: the latency columns are one-way times, one transfer at a time.
+    #[serde(default)]
+    pub pingpong: bool,
     pub transport: String,
     pub memory: String,
     pub link: String,
@@ -28,10 +39,27 @@ fn default_latency() -> String {
     "send() to completion".into()
 }
 
-/// One size.
+fn default_mode() -> String {
+    "sweep".into()
+}
+
+fn default_layout() -> String {
+    "contiguous".into()
+}
+
+fn default_series() -> String {
+    default_layout()
+}
+
+/// One row, in every mode (docs/PERFORMANCE.md says what each column holds in each).
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Record {
-    /// Bytes per transfer.
+    /// The series the row belongs to: a sweep's layout (`contiguous`, `strided:ROW:PITCH`);
+    /// `blocks`, `contiguous` or `per-block` for a block list; `one-flight`, `flights` or
+    /// `single` for fetchers (documents written before it existed: `contiguous`).
+    #[serde(default = "default_series")]
+    pub series: String,
+    /// Bytes per transfer (per fetched buffer).
     pub bytes: u64,
     /// Timed transfers.
     pub iterations: u64,
@@ -114,6 +142,34 @@ pub fn print_row(r: &Record) {
     );
 }
 
+/// Every record of a document, as a table: the sweep's (one row a size) for a sweep, with
+/// the series in front for the other modes.
+pub fn print_records(header: &Header, records: &[Record]) {
+    if header.mode == "sweep" {
+        print_header(header);
+        records.iter().for_each(print_row);
+        return;
+    }
+    print_preamble(header);
+    println!(
+        "{:>12} {:>12} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
+        "series",
+        "bytes",
+        "window",
+        "ferry GB/s",
+        "base GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "#wrong"
+    );
+    for r in records {
+        print!("{:>12} ", r.series);
+        print_row(r);
+    }
+}
+
 /// A progress bar on stderr when stdout is a terminal; hidden otherwise.
 pub fn progress(len: u64) -> ProgressBar {
     if !std::io::stdout().is_terminal() {
@@ -171,14 +227,18 @@ pub fn write_json(path: &Path, header: &Header, records: &[Record]) -> anyhow::R
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// The CSV's columns, in order: [`Record`]'s fields.
+pub const CSV_COLUMNS: &str = "series,bytes,iterations,window,ferry_gbps,baseline_gbps,ratio,\
+                               p50_us,p99_us,p999_us,wrong,checked";
+
 pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
-    let mut out = String::from(
-        "bytes,iterations,window,ferry_gbps,baseline_gbps,ratio,p50_us,p99_us,p999_us,wrong\n",
-    );
+    let mut out = format!("{CSV_COLUMNS}\n");
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.6}"));
     for r in records {
+        // Series names are the bench's own (no comma, no quote): nothing to escape.
         out.push_str(&format!(
-            "{},{},{},{:.6},{},{},{},{},{},{}\n",
+            "{},{},{},{},{:.6},{},{},{},{},{},{},{}\n",
+            r.series,
             r.bytes,
             r.iterations,
             r.window,
@@ -188,7 +248,8 @@ pub fn write_csv(path: &Path, records: &[Record]) -> anyhow::Result<()> {
             r.p50_us,
             r.p99_us,
             r.p999_us,
-            r.wrong
+            r.wrong,
+            r.checked
         ));
     }
     std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
@@ -255,6 +316,13 @@ pub fn plot(path: &Path, header: &Header, records: &[Record]) -> anyhow::Result<
             path.display()
         ),
     };
+    if header.mode != "sweep" {
+        bail!(
+            "--plot draws a size sweep, one row a size; this document holds {} rows: write \
+             --json or --csv",
+            header.mode
+        );
+    }
     let font = find_font().with_context(|| {
         "a plot needs a TrueType font for its text and none is installed (looked under \
          /usr/share/fonts); install fonts-dejavu-core, or write --json here and plot it \

@@ -29,6 +29,7 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::LinkError;
+use super::admission::Stage;
 use crate::wire::PROTOCOL_VERSION;
 
 /// Shared key material that both ends of a link must hold.
@@ -75,7 +76,8 @@ pub(crate) enum Role {
 
 const PREAMBLE_MAGIC: [u8; 8] = *b"FERRYAUT";
 const NONCE_LEN: usize = 32;
-const PREAMBLE_LEN: usize = 8 + 2 + 1 + NONCE_LEN;
+/// Bytes of a preamble.
+pub(crate) const PREAMBLE_LEN: usize = 8 + 2 + 1 + NONCE_LEN;
 const PROOF_LEN: usize = 32;
 const MAC_LABEL: &[u8] = b"ferry-auth-v1";
 
@@ -127,34 +129,25 @@ fn handshake_read_error(peer: &str, e: std::io::Error, what: &str) -> LinkError 
     }
 }
 
-/// Runs the challenge-response as `role`. Returns `Ok(())` once the peer has proven that it
-/// holds `secret`; reads exactly the handshake's bytes and nothing more (the caller may pass
-/// a buffered reader; any bytes buffered beyond the handshake stay in it).
-///
-/// Fails with [`LinkError::AuthFailed`] (not a ferry peer, same role as ours, wrong secret,
-/// hung up), [`LinkError::VersionMismatch`] or [`LinkError::Io`]. Not cancel-safe; the
-/// caller puts it under its handshake timeout and drops the connection on any error.
-pub(crate) async fn authenticate<R, W>(
-    reader: &mut R,
-    writer: &mut W,
-    role: Role,
-    secret: &Secret,
-    peer: &str,
-) -> Result<(), LinkError>
-where
-    R: AsyncRead + Unpin + ?Sized,
-    W: AsyncWrite + Unpin + ?Sized,
-{
-    let own_nonce: [u8; NONCE_LEN] = rand::random();
-    writer.write_all(&preamble(role, &own_nonce)).await?;
-    writer.flush().await?;
+/// How far `received`, the first bytes from a peer that should be a dialer, go into its
+/// preamble: nothing, part of one, or a whole well-formed one (our magic, our version, the
+/// dialer's role). Bytes past the preamble are not looked at.
+pub(crate) fn dialer_preamble_stage(received: &[u8]) -> Stage {
+    match received.get(..PREAMBLE_LEN) {
+        _ if received.is_empty() => Stage::Idle,
+        Some(preamble) if check_preamble(preamble, Role::Acceptor, "").is_ok() => Stage::Preamble,
+        _ => Stage::Partial,
+    }
+}
 
-    let mut theirs = [0u8; PREAMBLE_LEN];
-    reader
-        .read_exact(&mut theirs)
-        .await
-        .map_err(|e| handshake_read_error(peer, e, "preamble"))?;
-    if theirs[..8] != PREAMBLE_MAGIC {
+/// Checks a peer's whole preamble as seen by `role`; returns the role it claims and its
+/// nonce.
+fn check_preamble(
+    theirs: &[u8],
+    role: Role,
+    peer: &str,
+) -> Result<(u8, [u8; NONCE_LEN]), LinkError> {
+    if theirs.len() != PREAMBLE_LEN || theirs[..8] != PREAMBLE_MAGIC {
         return Err(auth_failed(peer, "not a ferry peer (bad preamble)"));
     }
     let their_version = u16::from_le_bytes([theirs[8], theirs[9]]);
@@ -177,9 +170,44 @@ where
     }
     let mut their_nonce = [0u8; NONCE_LEN];
     their_nonce.copy_from_slice(&theirs[11..]);
+    Ok((their_role, their_nonce))
+}
+
+/// Runs the challenge-response as `role`. Returns `Ok(())` once the peer has proven that it
+/// holds `secret`; reads exactly the handshake's bytes and nothing more (the caller may pass
+/// a buffered reader; any bytes buffered beyond the handshake stay in it). Calls
+/// `on_preamble` once the peer's whole preamble has arrived and is well-formed, before
+/// answering it.
+///
+/// Fails with [`LinkError::AuthFailed`] (not a ferry peer, same role as ours, wrong secret,
+/// hung up), [`LinkError::VersionMismatch`] or [`LinkError::Io`]. Not cancel-safe; the
+/// caller puts it under its handshake timeout and drops the connection on any error.
+pub(crate) async fn authenticate<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    role: Role,
+    secret: &Secret,
+    peer: &str,
+    on_preamble: impl FnOnce(),
+) -> Result<(), LinkError>
+where
+    R: AsyncRead + Unpin + ?Sized,
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    let own_nonce: [u8; NONCE_LEN] = rand::random();
+    writer.write_all(&preamble(role, &own_nonce)).await?;
+    writer.flush().await?;
+
+    let mut theirs = [0u8; PREAMBLE_LEN];
+    reader
+        .read_exact(&mut theirs)
+        .await
+        .map_err(|e| handshake_read_error(peer, e, "preamble"))?;
+    let (their_role, their_nonce) = check_preamble(&theirs, role, peer)?;
     if their_nonce == own_nonce {
         return Err(auth_failed(peer, "peer echoed our nonce"));
     }
+    on_preamble();
 
     let own_proof = proof_mac(secret, role as u8, &own_nonce, &their_nonce, peer)?
         .finalize()

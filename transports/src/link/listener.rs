@@ -1,12 +1,16 @@
 //! Listening sockets and the connections they accept, before authentication.
 
 use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nix::sys::socket::{MsgFlags, recv};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
+use super::admission::{Progress, Stage};
+use super::auth::{PREAMBLE_LEN, dialer_preamble_stage};
 use super::{BoxRead, BoxWrite, Endpoint};
 
 /// A connected socket of either kind.
@@ -56,6 +60,21 @@ fn source_of(ip: std::net::IpAddr) -> String {
     }
 }
 
+/// How far the peer on `socket` has come into a dialer's preamble by what has arrived: one
+/// look, without waiting and without taking the bytes. [`Stage::Idle`] when nothing has
+/// arrived, the peer has closed, or the socket fails.
+pub(crate) fn peek_stage(socket: BorrowedFd<'_>) -> Stage {
+    let mut arrived = [0u8; PREAMBLE_LEN];
+    match recv(
+        socket.as_raw_fd(),
+        &mut arrived,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    ) {
+        Ok(n) => dialer_preamble_stage(&arrived[..n]),
+        Err(_) => Stage::Idle,
+    }
+}
+
 /// A connection accepted by a [`Listener`], not yet authenticated. Hand it to
 /// [`accept_handshake`](super::accept_handshake), ideally in its own task.
 #[derive(Debug)]
@@ -63,6 +82,8 @@ pub struct Accepted {
     pub(crate) stream: Stream,
     pub(crate) peer: String,
     source: String,
+    /// Where its handshake reports how far it has come, once admitted.
+    pub(crate) progress: Option<Progress>,
 }
 
 impl Accepted {
@@ -72,8 +93,40 @@ impl Accepted {
         &self.source
     }
 
+    /// How far the peer has come into its preamble with what it has sent so far: the stage
+    /// to admit it at. Looks at what has arrived without waiting and without reading it
+    /// (the bytes stay for the handshake); [`Stage::Idle`] when nothing has arrived, the
+    /// peer has closed, or the socket fails (the handshake finds that out).
+    pub fn stage(&self) -> Stage {
+        peek_stage(self.socket())
+    }
+
+    fn socket(&self) -> BorrowedFd<'_> {
+        match &self.stream {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+
+    /// A duplicate of the socket's descriptor (the same connection), to look at what has
+    /// arrived while the handshake holds the socket; `None` when the process is out of
+    /// descriptors.
+    pub(crate) fn socket_copy(&self) -> Option<OwnedFd> {
+        self.socket().try_clone_to_owned().ok()
+    }
+
+    /// Has the handshake report its progress to `progress` (the connection's place in an
+    /// admission gate, [`Gate::admit_accepted`](super::admission::Gate::admit_accepted)):
+    /// its first byte ([`first_byte`](Self::first_byte)) and its whole preamble
+    /// ([`accept_handshake`](super::accept_handshake)).
+    pub(crate) fn report_to(&mut self, progress: Progress) {
+        self.progress = Some(progress);
+    }
+
     /// Waits until the peer has sent its first byte (or closed), at most `within`: a
     /// connection that says nothing for that long is not worth a handshake. Reads nothing.
+    /// A byte that arrived is reported as [`Stage::Partial`] to the connection's admission
+    /// gate, if it has one.
     ///
     /// Fails with `TimedOut` when nothing arrived in time, or the socket error.
     pub async fn first_byte(&self, within: Duration) -> io::Result<()> {
@@ -84,7 +137,14 @@ impl Accepted {
             }
         };
         match tokio::time::timeout(within, wait).await {
-            Ok(ready) => ready,
+            Ok(ready) => {
+                if ready.is_ok()
+                    && let Some(progress) = &self.progress
+                {
+                    progress.reached(Stage::Partial);
+                }
+                ready
+            }
             Err(_) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("no byte within {within:?}"),
@@ -204,6 +264,7 @@ impl Listener {
                     stream: Stream::Tcp(stream),
                     peer: format!("tcp:{addr}"),
                     source: source_of(addr.ip()),
+                    progress: None,
                 }
             }
             Inner::Unix { listener, path, .. } => {
@@ -213,6 +274,7 @@ impl Listener {
                     stream: Stream::Unix(stream),
                     peer,
                     source: "unix".to_owned(),
+                    progress: None,
                 }
             }
         };

@@ -37,6 +37,7 @@ use crate::wire::{
 };
 pub use activity::Activity;
 use activity::Counted;
+use admission::Stage;
 pub use auth::Secret;
 use auth::{Role, authenticate};
 pub use counters::LinkCounters;
@@ -711,7 +712,7 @@ pub async fn dial(
             }
             Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).await?),
         };
-        open(stream, Role::Dialer, &peer, secret, hello, opts).await
+        open(stream, Role::Dialer, &peer, secret, hello, opts, || {}).await
     };
     finish(
         tokio::time::timeout(opts.handshake_timeout, attempt).await,
@@ -724,15 +725,37 @@ pub async fn dial(
 ///
 /// Same results, errors and timeout as [`dial`] (the timeout covering authentication and
 /// the `Hello` exchange). Run each call in its own task so that a slow or hostile client
-/// cannot delay the others. Dropping the future closes the connection.
+/// cannot delay the others. Dropping the future closes the connection. A connection
+/// admitted through a gate ([`admission::Gate::admit_accepted`]) reports its whole
+/// preamble there as soon as it has arrived, well-formed.
 pub async fn accept_handshake(
     accepted: Accepted,
     secret: &Secret,
     hello: Hello,
     opts: &LinkOptions,
 ) -> Result<Link, LinkError> {
-    let Accepted { stream, peer, .. } = accepted;
-    let attempt = open(stream, Role::Acceptor, &peer, secret, hello, opts);
+    let Accepted {
+        stream,
+        peer,
+        progress,
+        ..
+    } = accepted;
+    // A whole, well-formed preamble takes the connection out of reach of those that have
+    // not got as far (its admission gate's rule).
+    let on_preamble = move || {
+        if let Some(progress) = progress {
+            progress.reached(Stage::Preamble);
+        }
+    };
+    let attempt = open(
+        stream,
+        Role::Acceptor,
+        &peer,
+        secret,
+        hello,
+        opts,
+        on_preamble,
+    );
     finish(
         tokio::time::timeout(opts.handshake_timeout, attempt).await,
         &peer,
@@ -770,6 +793,7 @@ async fn open(
     secret: &Secret,
     hello: Hello,
     opts: &LinkOptions,
+    on_preamble: impl FnOnce(),
 ) -> Result<Link, LinkError> {
     let (read, write) = stream.into_halves();
     let activity = Activity::default();
@@ -783,6 +807,7 @@ async fn open(
         role,
         secret,
         peer,
+        on_preamble,
     )
     .await?;
 
