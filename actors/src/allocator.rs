@@ -41,20 +41,11 @@ use returned::{DomainReturn, RETURN_COALESCE, ReturnedBytes};
 pub use shelf::Keeping;
 use shelf::{Kept, SHELF_BUFFERS, SHELF_DEVICE_BUFFERS, Shelf, free_kept};
 pub use tiers::{
-    Claim, Placement, Queued, Tier, place_in_tiers_off_actor, reserve_in_tiers,
+    Claim, Placement, Queued, Tier, TierMemory, place_in_tiers_off_actor, reserve_in_tiers,
     reserve_now_in_tiers, reserve_now_to_overwrite,
 };
 
-/// What a grant's memory holds when it is handed out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fill {
-    /// Zeroes for host memory (device memory holds whatever its pool gives).
-    Zeroed,
-    /// Anything: the caller overwrites every byte before any is read (a streamed receive,
-    /// whose chunks arrive in order until the last byte). Host memory may then be memory
-    /// of a buffer dropped earlier, with its old bytes, granted without zeroing.
-    Overwritten,
-}
+pub use ferry_transports::memory::Fill;
 
 /// Queue a reservation for buffers of these sizes, all or none, in this domain until
 /// `deadline`; the buffers go to the claim (at once when they fit now with nobody waiting).

@@ -254,12 +254,12 @@ pub struct TransferSetupBase {
     /// I/O runtime.
     pub io: tokio::runtime::Handle,
     /// The fast lanes to same-host peers (the node's `send` looks here first).
-    pub lanes: Arc<dashmap::DashMap<String, Arc<crate::lane::LaneTx>>>,
+    pub lanes: Arc<dashmap::DashMap<String, Arc<crate::direct::FastLane>>>,
     /// Each connected peer's routes, which the node's `send` takes without asking the
     /// coordinator ([`crate::direct`]).
     pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     /// `transport.ipc.lane_max` and `lane_spin`.
-    pub lane: crate::lane::LaneSettings,
+    pub lane: ferry_transports::ipc::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
     /// The transports this node serves: the registry's, with what the configuration turned
@@ -1016,7 +1016,7 @@ impl Handler<IpcSettled> for Coordinator {
             .get(&msg.peer)
             .map(|l| Arc::clone(&l));
         if let Some(lane) = lane.filter(|_| ok) {
-            lane.set_routes(table.lane_routes());
+            let _ = lane.routes.set(table.lane_routes());
         }
         self.publish_direct(&msg.peer, Some(table));
     }

@@ -53,7 +53,7 @@ type Ranges = Vec<(u64, Option<Routed>)>;
 
 impl RouteTable {
     /// The table: `route` answers for a source memory and a size (each range's first, from
-    /// `bounds`, which start at 0: [`crate::lane::LaneRoutes::bounds`]).
+    /// `bounds`, which start at 0: [`FastRoutes::bounds`]).
     pub fn new(bounds: &[u64], mut route: impl FnMut(MemoryClass, u64) -> Option<Routed>) -> Self {
         let ranges = [MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device]
             .into_iter()
@@ -64,7 +64,7 @@ impl RouteTable {
 
     /// Which sizes of contiguous device buffer go by pull over the transport that declares
     /// the lane: what the peer's lane may carry.
-    pub fn lane_routes(&self) -> crate::lane::LaneRoutes {
+    pub fn lane_routes(&self) -> FastRoutes {
         let device = self.ranges.iter().find(|(s, _)| *s == MemoryClass::Device);
         let ranges = device.map_or_else(Vec::new, |(_, ranges)| {
             (ranges.iter())
@@ -77,7 +77,7 @@ impl RouteTable {
                 })
                 .collect()
         });
-        crate::lane::LaneRoutes::new(ranges)
+        FastRoutes::new(ranges)
     }
 
     /// The route of a send of `bytes` from `src` memory; `None` when no rule routes it (the
@@ -86,6 +86,72 @@ impl RouteTable {
         let (_, ranges) = self.ranges.iter().find(|(s, _)| *s == src)?;
         let i = ranges.partition_point(|(start, _)| *start <= bytes);
         ranges.get(i.checked_sub(1)?)?.1.as_ref()
+    }
+}
+
+/// Which sizes of contiguous device buffer the routing rules send to the peer by pull over
+/// the transport whose fast path the peer has: the fast path carries those and no other. Rules match sizes by ranges, so the answer
+/// is constant between their bounds: one entry per range, by its first size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FastRoutes {
+    /// (first size of a range, whether the fast path carries it), by first size, from 0.
+    ranges: Vec<(u64, bool)>,
+}
+
+impl FastRoutes {
+    /// The bounds where a rule starts or stops matching (`min_bytes`, `max_bytes + 1`),
+    /// from 0: ask the route at each, then [`Self::new`].
+    pub fn bounds(rules: &[ferry_config::Rule]) -> Vec<u64> {
+        let mut bounds: Vec<u64> = std::iter::once(0)
+            .chain(rules.iter().map(|r| r.min_bytes))
+            .chain(
+                rules
+                    .iter()
+                    .filter_map(|r| r.max_bytes.and_then(|m| m.checked_add(1))),
+            )
+            .collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        bounds
+    }
+
+    /// The ranges from their first sizes (as [`Self::bounds`] gave them) and whether the
+    /// route at each takes the fast path.
+    pub fn new(ranges: Vec<(u64, bool)>) -> Self {
+        Self { ranges }
+    }
+
+    /// Whether a send of `bytes` takes the fast path.
+    pub fn takes(&self, bytes: u64) -> bool {
+        let i = self.ranges.partition_point(|(start, _)| *start <= bytes);
+        i > 0 && self.ranges[i - 1].1
+    }
+}
+
+/// A peer's fast path (the transport made one with it: ipc's lane), published in the
+/// node's per-peer table, and which sizes the rules send over it (set once its transport's
+/// setup with the peer settled; no send takes it before).
+#[derive(Debug)]
+pub struct FastLane {
+    /// The path.
+    pub path: std::sync::Arc<dyn ferry_transports::transport::FastPath>,
+    /// Which sizes the rules send this way.
+    pub routes: std::sync::OnceLock<FastRoutes>,
+}
+
+impl FastLane {
+    /// `path`, with no routes yet.
+    pub fn new(path: std::sync::Arc<dyn ferry_transports::transport::FastPath>) -> Self {
+        Self {
+            path,
+            routes: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// True when `buffer`, sent whole, takes this path: the rules route its size here, and
+    /// the path takes it now.
+    pub fn fits(&self, buffer: &ferry_transports::memory::Buffer) -> bool {
+        (self.routes.get()).is_some_and(|r| r.takes(buffer.len() as u64)) && self.path.fits(buffer)
     }
 }
 
@@ -126,5 +192,33 @@ mod tests {
         // The lane carries device pulls over ipc: up to 1 MiB.
         let lane = table.lane_routes();
         assert!(lane.takes(1 << 20) && !lane.takes((1 << 20) + 1));
+    }
+
+    #[test]
+    fn lane_routes_follow_the_rules_size_ranges() {
+        let rule = |min: u64, max: Option<u64>| ferry_config::Rule {
+            min_bytes: min,
+            max_bytes: max,
+            ..ferry_config::Rule::same_host_gpu()
+        };
+        let rules = [rule(4096, Some(1 << 20)), rule(0, None)];
+        let bounds = FastRoutes::bounds(&rules);
+        assert_eq!(bounds, vec![0, 4096, (1 << 20) + 1]);
+        // Say the first rule sends by push: the lane carries what the second rule covers.
+        let routes = FastRoutes::new(bounds.into_iter().map(|b| (b, b != 4096)).collect());
+        for (bytes, lane) in [
+            (1, true),
+            (4095, true),
+            (4096, false),
+            (1 << 20, false),
+            ((1 << 20) + 1, true),
+            (u64::MAX, true),
+        ] {
+            assert_eq!(routes.takes(bytes), lane, "{bytes} bytes");
+        }
+        assert!(
+            !FastRoutes::default().takes(8),
+            "no routes: nothing takes the fast path"
+        );
     }
 }

@@ -370,6 +370,27 @@ impl Error {
             FailKind::Unsendable(detail) => Self::Usage(detail),
         }
     }
+
+    /// The error for a send to peer `peer` over its fast path that failed with `failure`.
+    pub fn from_fast_path(
+        peer: &str,
+        failure: ferry_transports::transport::FastPathFailure,
+    ) -> Self {
+        use ferry_transports::transport::FastPathFailure as F;
+        match failure {
+            F::Unsupported(why) => Self::unsupported(why),
+            F::DeadlineExceeded => Self::DeadlineExceeded,
+            F::PeerLost(detail) => Self::PeerLost {
+                peer: peer.to_string(),
+                detail,
+            },
+            F::Refused(detail) => Self::Transport {
+                peer: peer.to_string(),
+                detail: format!("the peer did not take it: {detail}"),
+            },
+            _ => Self::ShuttingDown,
+        }
+    }
 }
 
 impl From<ConfigError> for Error {

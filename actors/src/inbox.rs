@@ -328,6 +328,44 @@ impl Drop for Parked<'_> {
     }
 }
 
+/// The inbox as one peer's fast path delivers into it ([`Deliveries`]): after the slow
+/// transfers of the peer that completed before, counted in the peer's [`Claims::lane`].
+///
+/// [`Deliveries`]: ferry_transports::transport::Deliveries
+pub struct PathDeliveries {
+    /// The inbox.
+    pub inbox: Arc<Inbox>,
+    /// The peer.
+    pub peer: String,
+    /// The transport whose transfers the path stands in for: what deliveries report.
+    pub transport: TransportName,
+    /// The peer's slow transfers on their way to the inbox.
+    pub undelivered: crate::order::Undelivered,
+}
+
+impl ferry_transports::transport::Deliveries for PathDeliveries {
+    fn deliver_in_order(
+        &self,
+        tag: u64,
+        buffer: Buffer,
+        stop: &AtomicBool,
+    ) -> Option<Box<dyn Send>> {
+        if !self.undelivered.wait_clear(stop) {
+            return None;
+        }
+        let wake = (self.inbox).deliver_lane(&self.peer, tag, self.transport, buffer);
+        Some(Box::new(wake))
+    }
+
+    fn held(&self) -> u64 {
+        let claims = self.inbox.claims(&self.peer);
+        claims
+            .lane
+            .load(Ordering::Relaxed)
+            .saturating_sub(claims.lane_taken.load(Ordering::Relaxed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

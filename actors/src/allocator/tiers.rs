@@ -275,3 +275,46 @@ async fn queue(tried: TriedNow, parts: &[u64], deadline: Instant) -> Result<Plac
         deadline,
     }))
 }
+
+/// The receive tiers of a node as a transport reserves in them ([`ReceiveMemory`]): what
+/// a transport's own thread (a lane's) lands a peer's transfers in.
+///
+/// [`ReceiveMemory`]: ferry_transports::transport::ReceiveMemory
+pub struct TierMemory {
+    /// Where receives land first, then where they spill.
+    pub tiers: Vec<Tier>,
+}
+
+impl ferry_transports::transport::ReceiveMemory for TierMemory {
+    fn now(
+        &self,
+        len: u64,
+        on: Option<&ferry_transports::cuda::Stream>,
+        fill: Fill,
+    ) -> Option<Buffer> {
+        reserve_now_in_tiers(&self.tiers, &[len], on, fill)?
+            .into_iter()
+            .next()
+    }
+
+    fn wait(
+        &self,
+        len: u64,
+        deadline: Instant,
+    ) -> futures::future::BoxFuture<'static, Result<Buffer, String>> {
+        let tiers = self.tiers.clone();
+        Box::pin(async move {
+            let mut got = reserve_in_tiers(&tiers, &[len], deadline)
+                .await
+                .map_err(|e| e.to_string())?;
+            got.pop().ok_or_else(|| "no memory granted".to_string())
+        })
+    }
+
+    fn device(&self) -> Option<u32> {
+        self.tiers.iter().find_map(|t| match t.kind {
+            MemoryKind::Device(n) => Some(n),
+            _ => None,
+        })
+    }
+}

@@ -86,7 +86,7 @@ impl Coordinator {
 
     /// The route of every send to `peer`, by source memory and the rules' size ranges.
     pub(super) fn route_table(&self, peer: &str) -> crate::direct::RouteTable {
-        let bounds = crate::lane::LaneRoutes::bounds(&self.setup.config.transport.rules);
+        let bounds = crate::direct::FastRoutes::bounds(&self.setup.config.transport.rules);
         crate::direct::RouteTable::new(&bounds, |src, bytes| self.routed(peer, bytes, src).ok())
     }
 

@@ -65,12 +65,12 @@ pub struct Node {
     credit: DashMap<String, Arc<Semaphore>>,
     /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
     /// actors.
-    lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
     /// Each connected peer's routes and transfer actor: sends go there without the
     /// coordinator's mailbox ([`crate::direct`]).
     direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     /// Per peer, the order between lane sends and the rest.
-    order: DashMap<String, Arc<crate::lane::Order>>,
+    order: DashMap<String, Arc<crate::order::Order>>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     next_region: AtomicU64,
     /// What this node published for its peers to fetch.
@@ -445,9 +445,18 @@ impl Node {
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
         if let Some(lane) = lane.filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
-            && let Some(turn) = self.order(peer).try_lane(crate::lane::LANE_SLOTS as usize)
+            && let Some(turn) = self
+                .order(peer)
+                .try_lane(ferry_transports::ipc::lane::LANE_SLOTS as usize)
         {
-            return lane.send(tag, buffer, deadline, turn).await;
+            return lane
+                .path
+                .send(tag, buffer, deadline, Box::new(turn))
+                .await
+                .map_err(|e| SendError {
+                    error: Error::from_fast_path(peer, e.failure),
+                    buffer: e.buffer,
+                });
         }
         // The peer's routes, when its link is up: the send goes to its transfer actor
         // without the coordinator's mailbox.
@@ -502,7 +511,7 @@ impl Node {
         self.lanes.contains_key(peer)
     }
 
-    fn order(&self, peer: &str) -> Arc<crate::lane::Order> {
+    fn order(&self, peer: &str) -> Arc<crate::order::Order> {
         if let Some(o) = self.order.get(peer) {
             return Arc::clone(o.value());
         }

@@ -209,7 +209,7 @@ pub(super) struct Shared {
     pub(super) inbox: Arc<Inbox>,
     pub(super) gpu_pools: ferry_transports::fdshare::PoolDirectory,
     pub(super) lane_rings: ferry_transports::fdshare::RingDirectory,
-    pub(super) lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    pub(super) lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
     pub(super) direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
     pub(super) published: Arc<crate::publish::Publications>,
 }
@@ -337,7 +337,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         io,
         lanes: shared.lanes,
         direct: shared.direct,
-        lane: crate::lane::LaneSettings {
+        lane: ferry_transports::ipc::lane::LaneSettings {
             max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
             spin: config.transport.ipc.lane_spin,
             gather_max: usize::try_from(config.transport.ipc.gather_max).unwrap_or(0),

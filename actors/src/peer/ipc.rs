@@ -446,8 +446,8 @@ impl TransferActor {
             return Some(key.clone());
         }
         let ring = ferry_transports::link::ring::Ring::create(
-            crate::lane::LANE_SLOTS,
-            crate::lane::LANE_SLOT_LEN,
+            ferry_transports::ipc::lane::LANE_SLOTS,
+            ferry_transports::ipc::lane::LANE_SLOT_LEN,
         );
         match ring {
             Ok(ring) => {
@@ -478,12 +478,21 @@ impl TransferActor {
         }
         let unmapper: Arc<dyn ferry_transports::memory::Unmapper> =
             self.ipc.unmapper(&self.setup, &ctx.address());
-        match crate::lane::LaneTx::start(&self.peer, ring, self.setup.lane, unmapper) {
+        match ferry_transports::ipc::lane::LaneTx::start(
+            &self.peer,
+            ring,
+            self.setup.lane,
+            unmapper,
+        ) {
             Ok(tx) => {
                 tracing::info!(peer = %self.peer, max = self.setup.lane.max, "fast lane to the peer open");
-                self.setup.lanes.insert(self.peer.clone(), Arc::clone(&tx));
-                if let Some(old) = self.ipc.lane_tx.replace(tx) {
-                    old.close();
+                let path: Arc<dyn ferry_transports::transport::FastPath> = tx;
+                let lane = Arc::new(crate::direct::FastLane::new(path));
+                self.setup
+                    .lanes
+                    .insert(self.peer.clone(), Arc::clone(&lane));
+                if let Some(old) = self.ipc.lane_tx.replace(lane) {
+                    old.path.close();
                 }
             }
             Err(why) => tracing::warn!(
@@ -504,21 +513,28 @@ impl TransferActor {
                 ),
             ))
         }));
-        let cx = crate::lane::RxContext {
+        let deliveries = crate::inbox::PathDeliveries {
+            inbox: Arc::clone(&self.setup.inbox),
             peer: self.peer.clone(),
-            transport: ferry_config::TransportName::Ipc,
+            transport: IpcSource::TRANSPORT,
+            undelivered: self.undelivered.clone(),
+        };
+        let memory = crate::allocator::TierMemory {
+            tiers: self.setup.tiers.clone(),
+        };
+        let cx = ferry_transports::ipc::lane::RxContext {
+            peer: self.peer.clone(),
             pools: Arc::clone(&self.ipc.imported),
             imports,
-            gpus: Arc::clone(&self.setup.gpus),
-            inbox: Arc::clone(&self.setup.inbox),
-            tiers: self.setup.tiers.clone(),
+            gpus: Arc::clone(&self.setup.gpus.devices),
+            deliveries: Arc::new(deliveries),
+            memory: Arc::new(memory),
             share: self.setup.limits.inbound_bytes,
-            undelivered: self.undelivered.clone(),
             reserve_timeout: self.setup.reserve_timeout,
             io: self.setup.io.clone(),
             settings: self.setup.lane,
         };
-        match crate::lane::LaneRx::start(ring, cx) {
+        match ferry_transports::ipc::lane::LaneRx::start(ring, cx) {
             // A previous lane of this session (a repeated setup) stops.
             Ok(rx) => self.ipc.lane_rx = Some(rx),
             Err(why) => {
@@ -536,7 +552,7 @@ impl TransferActor {
             self.setup
                 .lanes
                 .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &tx));
-            tx.close();
+            tx.path.close();
         }
         if let Some(rx) = self.ipc.lane_rx.take() {
             rx.stop();
@@ -660,9 +676,9 @@ pub(super) struct IpcState {
     /// key at our fd-sharing socket, until the setup settles.
     pub(super) lane_offer: Option<(String, Arc<ferry_transports::link::ring::Ring>)>,
     /// Our sending end of the lane, once the setup settled with the peer attached.
-    pub(super) lane_tx: Option<Arc<crate::lane::LaneTx>>,
+    pub(super) lane_tx: Option<Arc<crate::direct::FastLane>>,
     /// The receiving end of the peer's lane (importing side).
-    pub(super) lane_rx: Option<crate::lane::LaneRx>,
+    pub(super) lane_rx: Option<ferry_transports::ipc::lane::LaneRx>,
     /// The peer's pools we push into (sending side), by device UUID, each fetched on the
     /// first push to it; the lock makes one fetch at a time.
     pub(super) push_pools: Arc<tokio::sync::Mutex<ferry_transports::ipc::ImportedPools>>,

@@ -129,11 +129,11 @@ pub struct TransferSetup {
     pub io: tokio::runtime::Handle,
     /// The fast lanes to same-host peers, by peer: this actor adds its peer's when the ipc
     /// setup made one, and removes it when it stops.
-    pub lanes: Arc<DashMap<String, Arc<crate::lane::LaneTx>>>,
+    pub lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
     /// Where a lane's receiving thread delivers.
     pub inbox: Arc<crate::inbox::Inbox>,
     /// `transport.ipc.lane_max` and `lane_spin`.
-    pub lane: crate::lane::LaneSettings,
+    pub lane: ferry_transports::ipc::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
     /// The node's UCX engine, when it serves ucx.
@@ -369,9 +369,9 @@ pub struct TransferActor {
     peer_max_frame: u32,
     regions: Arc<DashMap<u64, InboundRegion>>,
     outbound: HashMap<OpId, OutEntry>,
-    complete: HashMap<InboundId, (Buffer, crate::lane::Pending)>,
+    complete: HashMap<InboundId, (Buffer, crate::order::Pending)>,
     /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
-    undelivered: crate::lane::Undelivered,
+    undelivered: crate::order::Undelivered,
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
     /// their turn to be delivered).
     inbound_spans: HashMap<InboundId, InboundSpans>,
@@ -431,7 +431,7 @@ impl TransferActor {
             regions: Arc::default(),
             outbound: HashMap::new(),
             complete: HashMap::new(),
-            undelivered: crate::lane::Undelivered::default(),
+            undelivered: crate::order::Undelivered::default(),
             inbound_spans: HashMap::new(),
             reserving: None,
             placing: None,

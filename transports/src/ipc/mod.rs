@@ -10,6 +10,7 @@ mod error;
 mod export;
 pub mod handle_cache;
 mod imports;
+pub mod lane;
 mod pull;
 mod push;
 mod wire;

@@ -195,6 +195,17 @@ impl fmt::Debug for UnmapDone {
     }
 }
 
+/// What memory granted for a receive holds when it is handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// Zeroes for host memory (device memory holds whatever its pool gives).
+    Zeroed,
+    /// Anything: the caller overwrites every byte before any is read (a streamed receive,
+    /// whose chunks arrive in order until the last byte). Host memory may then be memory
+    /// of a buffer dropped earlier, with its old bytes, granted without zeroing.
+    Overwritten,
+}
+
 /// Why bytes could not be read from or written to a buffer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -5,8 +5,12 @@
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
 mod descriptor;
+mod env;
+mod fast_path;
 
 pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, decode, encode};
+pub use env::{Deliveries, ReceiveMemory};
+pub use fast_path::{FastPath, FastPathError, FastPathFailure};
 
 /// A transport's declared abilities.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -178,7 +178,7 @@ impl Undelivered {
 
     /// Waits until no slow transfer is on its way to the inbox; false when `stop` was set
     /// first (looked at every millisecond).
-    pub(super) fn wait_clear(&self, stop: &std::sync::atomic::AtomicBool) -> bool {
+    pub(crate) fn wait_clear(&self, stop: &std::sync::atomic::AtomicBool) -> bool {
         let mut pending = self.0.pending();
         while *pending > 0 {
             if stop.load(Ordering::SeqCst) {

@@ -11,17 +11,13 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_transports::cuda::{CudaError, Device, DeviceMemory, Event};
-use ferry_transports::ipc::LaneRecord;
-use ferry_transports::link::ring::Ring;
-use ferry_transports::memory::{Buffer, MemoryKind};
-
-use super::{LANE_SLOTS, LaneSettings, PARK, Undelivered};
-use crate::allocator::{Fill, Tier, reserve_in_tiers, reserve_now_in_tiers};
-use crate::error::Error;
-use crate::gpu::SharedGpus;
-use crate::inbox::{Inbox, Wake};
-use ferry_transports::ipc::{ImportedPools, SharedImports};
+use super::{LANE_SLOTS, LaneSettings, PARK};
+use crate::cuda::{CudaError, Device, DeviceMemory, Event};
+use crate::gpus::SharedGpus;
+use crate::ipc::{ImportedPools, LaneRecord, SharedImports};
+use crate::link::ring::Ring;
+use crate::memory::{Buffer, Fill};
+use crate::transport::{Deliveries, ReceiveMemory};
 
 /// Receive buffers a lane keeps allocated ahead.
 const AHEAD: usize = 4;
@@ -31,27 +27,23 @@ pub const AHEAD_LEN: usize = 64 << 10;
 /// How often a lane held back by the peer's share looks again.
 const SHARE_RECHECK: Duration = Duration::from_micros(200);
 
-/// What a receiving lane thread needs from its transfer actor.
+/// What a receiving lane thread needs from its session.
 pub struct RxContext {
     /// The sending peer.
     pub peer: String,
-    /// The transport whose pulls the lane stands in for: what its deliveries report.
-    pub transport: ferry_config::TransportName,
     /// Its pools, imported by the ipc setup.
     pub pools: Arc<ImportedPools>,
     /// Its buffers we keep mapped (shared with the actor, which unmaps on request).
     pub imports: SharedImports,
     /// Our GPUs.
     pub gpus: SharedGpus,
-    /// Where buffers go.
-    pub inbox: Arc<Inbox>,
+    /// Where buffers go: the inbox, in the peer's order across its paths.
+    pub deliveries: Arc<dyn Deliveries>,
     /// Where they land (the pulled transfers' tiers).
-    pub tiers: Vec<Tier>,
+    pub memory: Arc<dyn ReceiveMemory>,
     /// The peer's share of our memory (`limits.peer_inbound_bytes`): what the lane
     /// delivered and the application did not take stays under it.
     pub share: u64,
-    /// Slow transfers from this peer on their way to the inbox.
-    pub undelivered: Undelivered,
     /// How long a reservation may wait.
     pub reserve_timeout: Duration,
     /// The node's I/O runtime (reservations run there).
@@ -198,15 +190,11 @@ fn issue(ring: &Ring, stop: &AtomicBool, shared: &Shared, to_deliver: &SyncSende
     let cx = &shared.cx;
     // The driver compiles the gather kernel at its first load: done here, before the
     // first record waits for it.
-    if cx.settings.gather_max > 0 {
-        for tier in &cx.tiers {
-            if let MemoryKind::Device(n) = tier.kind
-                && let Some(gpu) = cx.gpus.get(n)
-            {
-                // Refused: logged once by the loader; records are copied one by one.
-                let _ = ferry_transports::cuda::load_gather_kernel(&gpu.device);
-            }
-        }
+    if cx.settings.gather_max > 0
+        && let Some(gpu) = cx.memory.device().and_then(|n| cx.gpus.get(n))
+    {
+        // Refused: logged once by the loader; records are copied one by one.
+        let _ = crate::cuda::load_gather_kernel(&gpu.device);
     }
     let mut ahead = Ahead::default();
     let mut top_up = false;
@@ -361,7 +349,7 @@ const BATCH: u64 = 16;
 
 /// Events the lane records after each queued copy, reused (the issuing thread takes them,
 /// the delivering thread gives them back). The same event records the copy's buffers' use
-/// ([`ferry_transports::cuda::copy_async_marked`]), so one given back is taken again only
+/// ([`crate::cuda::copy_async_marked`]), so one given back is taken again only
 /// once no buffer refers to it any more (a later use of each replaced it): re-recorded
 /// before, it would stand for another point of a stream than the one they need.
 #[derive(Default)]
@@ -402,7 +390,7 @@ impl Events {
 struct Prepared {
     tag: u64,
     len: usize,
-    source: ferry_transports::ipc::IpcSource,
+    source: crate::ipc::IpcSource,
     dst: Buffer,
     started: Instant,
     reserved: Duration,
@@ -429,14 +417,11 @@ enum TakeError {
     #[error("a bad lane record: {0}")]
     BadRecord(String),
     /// No memory to land it in.
-    #[error(transparent)]
-    Memory(#[from] Error),
-    /// The reservation granted nothing.
-    #[error("no memory granted")]
-    NoneGranted,
+    #[error("{0}")]
+    Memory(String),
     /// The pull failed.
     #[error(transparent)]
-    Pull(#[from] ferry_transports::ipc::IpcError),
+    Pull(#[from] crate::ipc::IpcError),
     /// This end stopped.
     #[error("the receiver stopped")]
     Stopped,
@@ -501,7 +486,7 @@ fn prepare(
 }
 
 /// Queues the copies of a batch: those up to `gather_max` from the peer's pool into one
-/// GPU's memory as gathers ([`ferry_transports::ipc::queue_pulls`]: one kernel launch instead of a
+/// GPU's memory as gathers ([`crate::ipc::queue_pulls`]: one kernel launch instead of a
 /// copy engine's copy each; one launch for the small records on the express stream, one
 /// for the larger on the copy stream), the others one by one. Each comes back with an
 /// event recorded after its copy.
@@ -527,7 +512,7 @@ fn queue(
                 Some(event) => (p.dst, Some(event)),
                 None => {
                     let express = p.len <= AHEAD_LEN;
-                    let queued = ferry_transports::ipc::queue_pull(
+                    let queued = crate::ipc::queue_pull(
                         &p.source,
                         &cx.pools,
                         &cx.imports,
@@ -587,7 +572,7 @@ fn gather(
     if items.len() < 2 {
         return None;
     }
-    let queued = ferry_transports::ipc::queue_pulls(
+    let queued = crate::ipc::queue_pulls(
         &mut items,
         &cx.pools,
         &cx.imports,
@@ -638,7 +623,7 @@ fn deliver(
     (landing, pulled): (Landing, Duration),
     cx: &RxContext,
     stop: &AtomicBool,
-) -> Result<Wake, TakeError> {
+) -> Result<Box<dyn Send>, TakeError> {
     let Landing {
         tag,
         len,
@@ -648,10 +633,9 @@ fn deliver(
         queued,
         ..
     } = landing;
-    if !cx.undelivered.wait_clear(stop) {
+    let Some(wake) = cx.deliveries.deliver_in_order(tag, dst, stop) else {
         return Err(TakeError::Stopped);
-    }
-    let wake = cx.inbox.deliver_lane(&cx.peer, tag, cx.transport, dst);
+    };
     tracing::trace!(
         peer = %cx.peer,
         bytes = len,
@@ -665,13 +649,13 @@ fn deliver(
 }
 
 /// A driver error at `step` of a lane pull.
-fn driver(step: &'static str) -> impl FnOnce(ferry_transports::cuda::CudaError) -> TakeError {
-    move |source| TakeError::Pull(ferry_transports::ipc::IpcError::Driver { step, source })
+fn driver(step: &'static str) -> impl FnOnce(crate::cuda::CudaError) -> TakeError {
+    move |source| TakeError::Pull(crate::ipc::IpcError::Driver { step, source })
 }
 
 /// Polls `event` until its copy ended (a lane thread is for this), for a second at most,
 /// then waits in the driver.
-fn spin_on(event: &Event) -> Result<(), ferry_transports::cuda::CudaError> {
+fn spin_on(event: &Event) -> Result<(), crate::cuda::CudaError> {
     let started = Instant::now();
     while !event.query()? {
         if started.elapsed() > Duration::from_secs(1) {
@@ -688,30 +672,23 @@ fn spin_on(event: &Event) -> Result<(), ferry_transports::cuda::CudaError> {
 /// stream that copy goes on ([`copy_stream`]): no wait for the allocation, and no use to
 /// record for the copy (the buffer is freed on that stream too).
 fn reserve(cx: &RxContext, len: u64, wait: bool, pooled: bool) -> Result<Buffer, TakeError> {
-    let on = cx
-        .tiers
-        .iter()
-        .find_map(|t| match t.kind {
-            MemoryKind::Device(n) => cx.gpus.get(n),
-            _ => None,
-        })
+    let on = (cx.memory.device())
+        .and_then(|n| cx.gpus.get(n))
         .filter(|_| pooled)
         .map(|g| copy_stream(g, len));
-    let got = match reserve_now_in_tiers(&cx.tiers, &[len], on.as_ref(), Fill::Overwritten) {
-        Some(got) => got,
-        None if !wait => return Err(TakeError::NotNow),
+    match cx.memory.now(len, on.as_ref(), Fill::Overwritten) {
+        Some(got) => Ok(got),
+        None if !wait => Err(TakeError::NotNow),
         None => {
             let deadline = Instant::now() + cx.reserve_timeout;
-            cx.io
-                .block_on(reserve_in_tiers(&cx.tiers, &[len], deadline))?
+            (cx.io.block_on(cx.memory.wait(len, deadline))).map_err(TakeError::Memory)
         }
-    };
-    got.into_iter().next().ok_or(TakeError::NoneGranted)
+    }
 }
 
 /// The stream a lane copy of `len` bytes goes on: the express stream for small ones, the
 /// copy stream for the rest (small pulls the actor waits for never wait behind them).
-fn copy_stream(gpu: &ferry_transports::gpus::Gpu, len: u64) -> ferry_transports::cuda::Stream {
+fn copy_stream(gpu: &crate::gpus::Gpu, len: u64) -> crate::cuda::Stream {
     if len <= AHEAD_LEN as u64 {
         gpu.express_stream.clone()
     } else {
@@ -724,12 +701,7 @@ fn copy_stream(gpu: &ferry_transports::gpus::Gpu, len: u64) -> ferry_transports:
 /// record larger than the whole share goes once nothing of the lane's is held, as on the
 /// socket path). The socket path holds its own deliveries to the share.
 fn share_allows(cx: &RxContext, pending: u64, len: u64) -> bool {
-    let claims = cx.inbox.claims(&cx.peer);
-    let held = claims
-        .lane
-        .load(Ordering::Relaxed)
-        .saturating_sub(claims.lane_taken.load(Ordering::Relaxed))
-        .saturating_add(pending);
+    let held = cx.deliveries.held().saturating_add(pending);
     held == 0 || held.saturating_add(len) <= cx.share
 }
 

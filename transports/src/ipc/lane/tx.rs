@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_transports::ipc::LaneRecord;
-use ferry_transports::link::ring::{ConsumerRefused, Ring};
-use ferry_transports::memory::{Buffer, MemoryKind, Unmapper};
 use tokio::sync::{Notify, oneshot};
 
-use super::{LaneRoutes, LaneSettings, OrderGuard, PARK};
-use crate::error::{Error, SendError};
+use super::{LaneSettings, PARK};
+use crate::ipc::LaneRecord;
+use crate::link::ring::{ConsumerRefused, Ring};
+use crate::memory::{Buffer, MemoryKind, Unmapper};
+use crate::transport::{FastPath, FastPathError, FastPathFailure};
 
 /// The receiver's answer to a record: the buffer back, or with why it was not taken.
 type Answer = Result<Buffer, (Buffer, ConsumerRefused)>;
@@ -26,7 +26,7 @@ struct Waiter {
     /// The send's place in the peer's order: held until the receiver finished the record
     /// (or the lane closed), also when the sender stopped waiting, so that no later send
     /// to the peer can overtake a record the receiver may still deliver.
-    _turn: OrderGuard,
+    _turn: Box<dyn Send>,
 }
 
 #[derive(Default)]
@@ -49,8 +49,6 @@ pub struct LaneTx {
     space: Notify,
     unmapper: Arc<dyn Unmapper>,
     stop: AtomicBool,
-    /// Set by the coordinator once the ipc setup settled; no send takes the lane before.
-    routes: std::sync::OnceLock<LaneRoutes>,
 }
 
 impl std::fmt::Debug for LaneTx {
@@ -79,7 +77,6 @@ impl LaneTx {
             space: Notify::new(),
             unmapper,
             stop: AtomicBool::new(false),
-            routes: std::sync::OnceLock::new(),
         });
         let watcher = Arc::clone(&tx);
         std::thread::Builder::new()
@@ -88,20 +85,12 @@ impl LaneTx {
         Ok(tx)
     }
 
-    /// Which sizes the rules send this way (the first call counts).
-    pub fn set_routes(&self, routes: LaneRoutes) {
-        let _ = self.routes.set(routes);
-    }
-
-    /// True when `buffer` may take this lane.
+    /// True when `buffer` may take this lane: device memory, of at most
+    /// `transport.ipc.lane_max` bytes, while the lane is open.
     pub fn fits(&self, buffer: &Buffer) -> bool {
         matches!(buffer.kind(), MemoryKind::Device(_))
             && !buffer.is_empty()
             && buffer.len() <= self.settings.max
-            && self
-                .routes
-                .get()
-                .is_some_and(|r| r.takes(buffer.len() as u64))
             && self.state().closed.is_none()
     }
 
@@ -120,13 +109,15 @@ impl LaneTx {
         tag: u64,
         buffer: Buffer,
         deadline: Instant,
-        turn: OrderGuard,
-    ) -> Result<Buffer, SendError> {
-        let fail = |error, buffer| Err(SendError { error, buffer });
+        turn: Box<dyn Send>,
+    ) -> Result<Buffer, FastPathError> {
+        let fail = |failure, buffer| Err(FastPathError { failure, buffer });
         let started = Instant::now();
-        let source = match ferry_transports::ipc::export_source(&buffer, false) {
+        let source = match crate::ipc::export_source(&buffer, false) {
             Ok(s) => s,
-            Err(why) => return fail(Error::unsupported(why.to_string()), Some(buffer)),
+            Err(why) => {
+                return fail(FastPathFailure::Unsupported(why.to_string()), Some(buffer));
+            }
         };
         let record = LaneRecord {
             tag,
@@ -135,7 +126,9 @@ impl LaneTx {
         };
         let record = match record.encode() {
             Ok(r) => r,
-            Err(why) => return fail(Error::unsupported(why.to_string()), Some(buffer)),
+            Err(why) => {
+                return fail(FastPathFailure::Unsupported(why.to_string()), Some(buffer));
+            }
         };
         buffer.note_mapped(Arc::clone(&self.unmapper));
         let deadline = tokio::time::Instant::from_std(deadline);
@@ -160,7 +153,7 @@ impl LaneTx {
                     s.next += 1;
                     let (done, wait) = oneshot::channel();
                     let Some(buffer) = buffer.take() else {
-                        return fail(Error::ShuttingDown, None);
+                        return fail(FastPathFailure::ShuttingDown, None);
                     };
                     s.waiting.push_back(Waiter {
                         seq,
@@ -172,7 +165,7 @@ impl LaneTx {
                 }
             }
             if tokio::time::timeout_at(deadline, space).await.is_err() {
-                return fail(Error::DeadlineExceeded, buffer);
+                return fail(FastPathFailure::DeadlineExceeded, buffer);
             }
         };
         // The watcher may be parked with nothing outstanding.
@@ -181,15 +174,11 @@ impl LaneTx {
         let answer = self.answer(done, alone, deadline).await;
         match answer {
             Ok(Ok(Ok(buffer))) => Ok(buffer),
-            Ok(Ok(Err((buffer, why)))) => fail(
-                Error::Transport {
-                    peer: self.peer.clone(),
-                    detail: format!("the peer did not take it: {why}"),
-                },
-                Some(buffer),
-            ),
+            Ok(Ok(Err((buffer, why)))) => {
+                fail(FastPathFailure::Refused(why.to_string()), Some(buffer))
+            }
             Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
-            Err(_) => fail(Error::DeadlineExceeded, None),
+            Err(_) => fail(FastPathFailure::DeadlineExceeded, None),
         }
     }
 
@@ -227,11 +216,8 @@ impl LaneTx {
         }
     }
 
-    fn lost(&self, why: &str) -> Error {
-        Error::PeerLost {
-            peer: self.peer.clone(),
-            detail: format!("fast lane: {why}"),
-        }
+    fn lost(&self, why: &str) -> FastPathFailure {
+        FastPathFailure::PeerLost(format!("fast lane: {why}"))
     }
 
     /// Our session with the peer ended: no more sends; those the peer has not finished
@@ -319,6 +305,26 @@ impl LaneTx {
             // is freed once the peer unmapped it or its lease timed out.
         }
         self.space.notify_waiters();
+    }
+}
+
+impl FastPath for LaneTx {
+    fn fits(&self, buffer: &Buffer) -> bool {
+        LaneTx::fits(self, buffer)
+    }
+
+    fn send(
+        &self,
+        tag: u64,
+        buffer: Buffer,
+        deadline: Instant,
+        turn: Box<dyn Send>,
+    ) -> futures::future::BoxFuture<'_, Result<Buffer, FastPathError>> {
+        Box::pin(LaneTx::send(self, tag, buffer, deadline, turn))
+    }
+
+    fn close(&self) {
+        LaneTx::close(self);
     }
 }
 
