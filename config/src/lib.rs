@@ -40,6 +40,7 @@ mod provenance;
 mod rule;
 mod schema;
 mod secret;
+mod transport;
 mod units;
 mod validate;
 
@@ -49,9 +50,9 @@ pub use load::{LoadOptions, load};
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
     Config, DiscoveryConfig, DiscoveryMode, DnsName, GpuConfig, LimitsConfig, LogFormat,
-    MemoryConfig, NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
-    TransportConfig, UcxMode, UcxTuning,
+    MemoryConfig, NodeConfig, PeerConfig, SecurityConfig, TelemetryConfig,
 };
+pub use transport::{IpcTuning, StagedTuning, TcpTuning, TransportConfig, UcxMode, UcxTuning};
 pub use units::{AutoSize, Budget, format_size, parse_size};
 
 /// The largest `limits.pipeline_depth`: a receiver lets each peer have at least this
