@@ -44,7 +44,7 @@ pub struct Config {
     pub(crate) provenance: crate::provenance::Provenance,
 }
 
-/// `[node]`: this node's identity and listeners.
+/// `[node]`: this node's identity, its listeners, and how its receives wait.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
@@ -67,6 +67,13 @@ pub struct NodeConfig {
     /// container and network namespace of one machine shares.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_id: Option<String>,
+    /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
+    /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
+    /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
+    /// 1 ms. Until 2026-12-01 this was `transport.ipc.recv_spin`; that name is still read,
+    /// with a warning, for one release.
+    #[serde(with = "duration")]
+    pub recv_spin: Duration,
 }
 
 impl Default for NodeConfig {
@@ -77,6 +84,7 @@ impl Default for NodeConfig {
             socket_dir: None,
             danger_listen_any: false,
             host_id: None,
+            recv_spin: Duration::ZERO,
         }
     }
 }

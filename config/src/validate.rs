@@ -103,6 +103,9 @@ impl Config {
                 return fail("node.host_id", problem);
             }
         }
+        if node.recv_spin > Duration::from_millis(1) {
+            return fail("node.recv_spin", "must be at most 1ms");
+        }
         Ok(())
     }
 
@@ -440,10 +443,10 @@ mod tests {
     #[test]
     fn recv_spin_is_bounded() {
         let mut config = valid();
-        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1000);
+        config.node.recv_spin = std::time::Duration::from_micros(1000);
         assert!(config.validate().is_ok());
-        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1001);
-        assert_eq!(key_of(&config), "transport.ipc.recv_spin");
+        config.node.recv_spin = std::time::Duration::from_micros(1001);
+        assert_eq!(key_of(&config), "node.recv_spin");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::units::{duration, size};
+use crate::units::{duration, duration_option, size};
 use crate::validate::{Violation, fail};
 
 /// `[transport.ipc]`: ipc transport tuning.
@@ -28,12 +28,16 @@ pub struct IpcTuning {
     /// Default `"1 MiB"`; `0`: every copy by the copy engine. At most 1 GiB.
     #[serde(with = "size")]
     pub gather_max: u64,
-    /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
-    /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
-    /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
-    /// 1 ms.
-    #[serde(with = "duration")]
-    pub recv_spin: Duration,
+    /// The old name of `node.recv_spin` (it drives every `recv()`, not only ipc's), read
+    /// for one release: loading moves its value to `node.recv_spin` and notes where it was
+    /// set ([`Config::deprecated_keys`](crate::Config::deprecated_keys)); setting both is
+    /// an error. `None` in every loaded configuration, never written.
+    #[serde(
+        default,
+        with = "duration_option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub(crate) recv_spin: Option<Duration>,
 }
 
 impl Default for IpcTuning {
@@ -42,7 +46,7 @@ impl Default for IpcTuning {
             lane_max: 1 << 40,
             lane_spin: Duration::from_micros(100),
             gather_max: 1 << 20,
-            recv_spin: Duration::ZERO,
+            recv_spin: None,
         }
     }
 }
@@ -52,9 +56,6 @@ impl IpcTuning {
     pub(crate) fn check(&self) -> Result<(), Violation> {
         if self.gather_max > 1 << 30 {
             return fail("transport.ipc.gather_max", "must be at most 1 GiB");
-        }
-        if self.recv_spin > std::time::Duration::from_millis(1) {
-            return fail("transport.ipc.recv_spin", "must be at most 1ms");
         }
         Ok(())
     }
