@@ -288,6 +288,67 @@ fn config_check_names_the_variable_of_a_number_too_large() {
     );
 }
 
+/// `transport.ipc.recv_spin`, `node.recv_spin` until 2026-12-01, still checks as valid with a
+/// warning naming the file, line and new key; both names at once are refused, naming both.
+#[test]
+fn config_check_warns_of_the_old_name_of_recv_spin() {
+    let scratch = Scratch::new();
+    let old = scratch.write(
+        "old.toml",
+        &scratch.toml("n", &[], "[transport.ipc]\nrecv_spin = \"50us\"\n"),
+    );
+    let line = |path: &std::path::Path, n: u32| format!("config file {}, line {n}", path.display());
+    for (code, stderr) in check_both_ways(&scratch, &old) {
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "warning: {}: key transport.ipc.recv_spin is deprecated: write node.recv_spin",
+                line(&old, 9)
+            )),
+            "{stderr}"
+        );
+    }
+    let out = ferry()
+        .args(["config", "show", "--config"])
+        .arg(&old)
+        .env("XDG_CONFIG_HOME", scratch.path())
+        .output()
+        .expect("run");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node = shown
+        .split("\n[")
+        .find(|t| t.starts_with("node]"))
+        .expect("[node]");
+    assert!(node.contains("recv_spin = \"50us\""), "{shown}");
+    assert_eq!(shown.matches("recv_spin").count(), 1, "{shown}");
+
+    let both = scratch.write(
+        "both.toml",
+        &scratch
+            .toml("n", &[], "[transport.ipc]\nrecv_spin = \"50us\"\n")
+            .replacen("\n\n[security]", "\nrecv_spin = \"5us\"\n\n[security]", 1),
+    );
+    for (code, stderr) in check_both_ways(&scratch, &both) {
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "{}: key transport.ipc.recv_spin: the old name of node.recv_spin, which is set too",
+                line(&both, 10)
+            )),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("; node.recv_spin from {}", line(&both, 4))),
+            "{stderr}"
+        );
+    }
+}
+
 #[test]
 fn config_show_prints_the_merged_configuration() {
     let scratch = Scratch::new();

@@ -89,7 +89,15 @@ async fn same_tag_arrives_in_send_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_receives_get_every_buffer() {
     let scratch = Scratch::new();
-    let (node, _echo) = with_echo(&scratch, "[transport.ipc]\nrecv_spin = \"1ms\"").await;
+    // Both ends poll: `recv_spin` goes into the `[node]` table the scratch file starts with.
+    let polling =
+        |toml: String| toml.replacen("\n\n[security]", "\nrecv_spin = \"1ms\"\n\n[security]", 1);
+    let echo_cfg = scratch.write("echo.toml", &polling(scratch.toml("echo", &[], "")));
+    let echo = Served::start(&echo_cfg, "echo");
+    let config = polling(scratch.toml("test", &[("echo", &echo.addr)], ""));
+    let config = ferry::Config::from_toml_str(&config).expect("valid test config");
+    assert_eq!(config.node.recv_spin, Duration::from_millis(1));
+    let node = Node::start(config).await.expect("node starts");
     for i in 0..20u64 {
         let len = if i % 2 == 0 { 8 } else { 3 << 20 };
         let b = patterned(&node, len, i).await;

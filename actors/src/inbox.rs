@@ -132,7 +132,7 @@ pub struct Inbox {
 
 impl Inbox {
     /// An inbox that parks at most `waiters_cap` receives; a waiting receive polls its
-    /// slot for `spin` before it sleeps (`transport.ipc.recv_spin`).
+    /// slot for `spin` before it sleeps (`node.recv_spin`).
     pub fn new(waiters_cap: usize, spin: std::time::Duration) -> Self {
         Self {
             room: Mutex::new(Mailroom::new(waiters_cap)),

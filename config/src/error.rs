@@ -60,7 +60,7 @@ impl fmt::Display for KeyOrigin {
 }
 
 /// A layer and a line, as an error message starts: `config file a.toml, line 3`.
-struct At<'a>(&'a Origin, Option<u32>);
+pub(crate) struct At<'a>(pub(crate) &'a Origin, pub(crate) Option<u32>);
 
 impl fmt::Display for At<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

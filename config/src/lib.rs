@@ -28,7 +28,9 @@
 //!
 //! Loading reads, lowest layer first: built-in defaults, `/etc/ferry/ferry.toml`, the user's
 //! `ferry/ferry.toml`, the `--config` file, `FERRY__SECTION__KEY` environment variables, and
-//! command-line overrides ([`load`], [`LoadOptions`]).
+//! command-line overrides ([`load`], [`LoadOptions`]). A key that moved is still read under
+//! its old name for one release, and the loaded configuration says where
+//! ([`Config::deprecated_keys`]).
 
 #![forbid(unsafe_code)]
 
@@ -37,21 +39,24 @@ mod error;
 mod load;
 mod names;
 mod provenance;
+mod renamed;
 mod rule;
 mod schema;
 mod secret;
+mod transport;
 mod units;
 mod validate;
 
 pub use address::PeerAddress;
 pub use error::{ConfigError, KeyOrigin, Origin, ParseError};
 pub use load::{LoadOptions, load};
+pub use renamed::DeprecatedKey;
 pub use rule::{Direction, Locality, MemoryClass, Rule, TransportName};
 pub use schema::{
     Config, DiscoveryConfig, DiscoveryMode, DnsName, GpuConfig, LimitsConfig, LogFormat,
-    MemoryConfig, NodeConfig, PeerConfig, SecurityConfig, StagedTuning, TcpTuning, TelemetryConfig,
-    TransportConfig, UcxMode, UcxTuning,
+    MemoryConfig, NodeConfig, PeerConfig, SecurityConfig, TelemetryConfig,
 };
+pub use transport::{IpcTuning, StagedTuning, TcpTuning, TransportConfig, UcxMode, UcxTuning};
 pub use units::{AutoSize, Budget, format_size, parse_size};
 
 /// The largest `limits.pipeline_depth`: a receiver lets each peer have at least this

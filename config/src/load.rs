@@ -186,7 +186,8 @@ impl Config {
             .unwrap_or_default();
         let layer = Layer::new(Origin::Inline, values).with_lines(toml_lines(text));
         // A key the string does not set is blamed on it too (there is no other layer).
-        let provenance = Provenance::new(vec![layer.keys()], Origin::Inline);
+        let mut provenance = Provenance::new(vec![layer.keys()], Origin::Inline);
+        config.move_renamed(&mut provenance)?;
         config.validate_with(&provenance)?;
         config.provenance = provenance;
         Ok(config)
@@ -318,8 +319,10 @@ fn build(layers: &[Layer]) -> Result<config::Config, ConfigError> {
 }
 
 fn merge(layers: &[Layer]) -> Result<Config, ConfigError> {
-    let provenance = Provenance::new(layers.iter().map(Layer::keys).collect(), Origin::Defaults);
+    let mut provenance =
+        Provenance::new(layers.iter().map(Layer::keys).collect(), Origin::Defaults);
     let mut config = deserialize(build(layers)?, &provenance)?;
+    config.move_renamed(&mut provenance)?;
     config.validate_with(&provenance)?;
     config.provenance = provenance;
     Ok(config)

@@ -7,6 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::{ConfigError, KeyOrigin, Origin};
+use crate::renamed::{DeprecatedKey, Renamed};
 use crate::schema::Config;
 
 /// The keys one layer sets, and the line of each value where the text was TOML.
@@ -33,6 +34,9 @@ pub(crate) struct Provenance {
     /// configuration, [`Origin::Inline`] for a string, [`Origin::Program`] for one built
     /// in code (then nothing is known).
     unset: Origin,
+    /// The keys set under an old name, whose new name is blamed on where the old one was
+    /// set.
+    deprecated: Vec<DeprecatedKey>,
 }
 
 impl Default for Provenance {
@@ -41,6 +45,7 @@ impl Default for Provenance {
         Provenance {
             layers: Arc::from(Vec::new()),
             unset: Origin::Program,
+            deprecated: Vec::new(),
         }
     }
 }
@@ -64,12 +69,53 @@ impl Provenance {
         Provenance {
             layers: Arc::from(layers),
             unset,
+            deprecated: Vec::new(),
         }
     }
 
+    /// The keys set under an old name, in the order [`Provenance::rename`] found them.
+    pub(crate) fn deprecated(&self) -> &[DeprecatedKey] {
+        &self.deprecated
+    }
+
+    /// Notes that the value of `renamed.old`, which a layer set, now is `renamed.new`'s.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] about the old name, naming where both came from, when a
+    /// layer sets the new name too.
+    pub(crate) fn rename(&mut self, renamed: Renamed) -> Result<(), ConfigError> {
+        let (_, old) = self.blame(renamed.old);
+        let new = renamed.new;
+        let both = self
+            .layers
+            .iter()
+            .any(|layer| layer.keys.iter().any(|set| within(set, new)));
+        if both {
+            let others = self.others(&old, [new]);
+            return Err(ConfigError::Invalid {
+                origin: old.origin,
+                line: old.line,
+                key: old.key,
+                detail: format!(
+                    "the old name of {new}, which is set too; set only {new} (the old name is read for one release only)"
+                ),
+                others,
+            });
+        }
+        self.deprecated.push(DeprecatedKey { old, new });
+        Ok(())
+    }
+
     /// The layer that set `key` (or part of it, or a table holding it), as `(rank, where)`:
-    /// rank 0 when no layer did, else higher for a higher layer.
+    /// rank 0 when no layer did, else higher for a higher layer. A key that took the value
+    /// of an old name is blamed on where that was set, under the old name.
     pub(crate) fn blame(&self, key: &str) -> (usize, KeyOrigin) {
+        let old = self.deprecated.iter().find_map(|deprecated| {
+            let rest = key.strip_prefix(deprecated.new)?;
+            within(key, deprecated.new).then(|| format!("{}{rest}", deprecated.old.key))
+        });
+        let key = old.as_deref().unwrap_or(key);
         let found = self
             .layers
             .iter()
@@ -160,11 +206,14 @@ impl Config {
 
 /// Whether setting key `set` sets (part of) key `key`, or the other way round.
 pub(crate) fn related(set: &str, key: &str) -> bool {
-    let within = |long: &str, short: &str| {
-        long.strip_prefix(short)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
-    };
     within(key, set) || within(set, key)
+}
+
+/// Whether key `long` is key `short` or a part of it (`transport.rules[0].name` of
+/// `transport.rules`).
+fn within(long: &str, short: &str) -> bool {
+    long.strip_prefix(short)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
 }
 
 /// The line of `key`'s value, else of the nearest value holding it

@@ -11,8 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::address::PeerAddress;
 use crate::names::config_names;
-use crate::rule::{Locality, MemoryClass, Rule};
-use crate::units::{AutoSize, Budget, duration, size};
+use crate::rule::MemoryClass;
+use crate::transport::TransportConfig;
+use crate::units::{Budget, duration, size};
 
 /// A whole ferry configuration. `Config::default()` is the built-in defaults layer.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -43,7 +44,7 @@ pub struct Config {
     pub(crate) provenance: crate::provenance::Provenance,
 }
 
-/// `[node]`: this node's identity and listeners.
+/// `[node]`: this node's identity, its listeners, and how its receives wait.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NodeConfig {
@@ -66,6 +67,13 @@ pub struct NodeConfig {
     /// container and network namespace of one machine shares.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_id: Option<String>,
+    /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
+    /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
+    /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
+    /// 1 ms. Until 2026-12-01 this was `transport.ipc.recv_spin`; that name is still read,
+    /// with a warning, for one release.
+    #[serde(with = "duration")]
+    pub recv_spin: Duration,
 }
 
 impl Default for NodeConfig {
@@ -76,6 +84,7 @@ impl Default for NodeConfig {
             socket_dir: None,
             danger_listen_any: false,
             host_id: None,
+            recv_spin: Duration::ZERO,
         }
     }
 }
@@ -227,240 +236,6 @@ impl Default for MemoryConfig {
     }
 }
 
-/// `[transport]`: transport tuning and selection rules.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TransportConfig {
-    /// Tuning of the TCP transport.
-    pub tcp: TcpTuning,
-    /// Tuning of the ipc transport.
-    pub ipc: IpcTuning,
-    /// Tuning of the staged transport.
-    pub staged: StagedTuning,
-    /// The ucx transport.
-    pub ucx: UcxTuning,
-    /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
-    /// memory to a same-host peer over ipc (pull), falling back to staged, then tcp;
-    /// `"remote-gpu"`, device memory to another host over ucx, else staged, else tcp;
-    /// `"remote-host"`, anything else to another host over ucx, else tcp; then `"host"`,
-    /// which matches everything and uses tcp, push. A file that sets rules replaces the
-    /// whole list.
-    pub rules: Vec<Rule>,
-}
-
-impl Default for TransportConfig {
-    fn default() -> Self {
-        TransportConfig {
-            tcp: TcpTuning::default(),
-            ipc: IpcTuning::default(),
-            staged: StagedTuning::default(),
-            ucx: UcxTuning::default(),
-            rules: vec![
-                Rule::same_host_gpu(),
-                Rule::remote_gpu(),
-                Rule::remote_host(),
-                Rule::catch_all(),
-            ],
-        }
-    }
-}
-
-impl TransportConfig {
-    /// The first rule that matches a transfer, with its index in `rules`, or `None` if no rule
-    /// does. Pure.
-    pub fn first_match(
-        &self,
-        locality: Locality,
-        src: MemoryClass,
-        dst: MemoryClass,
-        bytes: u64,
-    ) -> Option<(usize, &Rule)> {
-        self.rules
-            .iter()
-            .enumerate()
-            .find(|(_, rule)| rule.matches(locality, src, dst, bytes))
-    }
-}
-
-/// `[transport.tcp]`: TCP transport tuning.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TcpTuning {
-    /// Payload bytes per data frame. Default `"1 MiB"`; at least 4 KiB, and 64 KiB less than
-    /// `limits.max_frame` at most.
-    #[serde(with = "size")]
-    pub chunk_size: u64,
-    /// The largest transfer this node takes eagerly from a peer: the sender writes the
-    /// bytes right behind the offer, within this node's eager credit, instead of waiting
-    /// for a grant. Default `"64 KiB"`; `0` takes none (every offer waits for its grant).
-    /// At most `eager_credit` and 16 MiB.
-    #[serde(with = "size")]
-    pub eager_max: u64,
-    /// The bytes of eager transfers one peer may have on their way to this node at once
-    /// (sent, not yet answered). Default `"1 MiB"`.
-    #[serde(with = "size")]
-    pub eager_credit: u64,
-}
-
-impl Default for TcpTuning {
-    fn default() -> Self {
-        TcpTuning {
-            chunk_size: 1 << 20,
-            eager_max: 64 << 10,
-            eager_credit: 1 << 20,
-        }
-    }
-}
-
-/// `[transport.ipc]`: ipc transport tuning.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct IpcTuning {
-    /// Largest device buffer this node sends to a same-host peer on the lane (a
-    /// shared-memory ring and a thread per direction instead of the socket and the actors):
-    /// contiguous buffers the rules send over ipc by pull. Default 1 TiB: every size; `0`
-    /// turns the lane off. A receiver takes records of any size; it keeps 4 buffers of
-    /// 64 KiB allocated ahead per peer once a small one arrived.
-    #[serde(with = "size")]
-    pub lane_max: u64,
-    /// How long a lane thread spins for the next record before it sleeps (a busy lane then
-    /// makes no system call). Default `"100us"`; `0` sleeps at once.
-    #[serde(with = "duration")]
-    pub lane_spin: Duration,
-    /// Largest lane record a receiver copies with ferry's copy kernel (the records of one
-    /// batch into one GPU in one launch) rather than the copy engine (a copy each, a fixed
-    /// cost of several microseconds of CPU per copy from a peer's memory; no SMs used).
-    /// Default `"1 MiB"`; `0`: every copy by the copy engine. At most 1 GiB.
-    #[serde(with = "size")]
-    pub gather_max: u64,
-    /// How long a `recv()` that finds nothing polls for its buffer before it sleeps (its
-    /// task then needs a wake-up, some microseconds). Default `"0us"`: sleeps at once. For
-    /// latency-sensitive receivers: the polling occupies a runtime worker thread. At most
-    /// 1 ms.
-    #[serde(with = "duration")]
-    pub recv_spin: Duration,
-}
-
-impl Default for IpcTuning {
-    fn default() -> Self {
-        IpcTuning {
-            lane_max: 1 << 40,
-            lane_spin: Duration::from_micros(100),
-            gather_max: 1 << 20,
-            recv_spin: Duration::ZERO,
-        }
-    }
-}
-
-/// `[transport.staged]`: the staged transport (device → pinned host → link → pinned host
-/// → device, pipelined chunk by chunk).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct StagedTuning {
-    /// Staging slots per direction and peer: chunks in flight between the sender's copy
-    /// out and the receiver's copy in. Default 8; 2 to 64.
-    pub slots: u32,
-    /// Bytes per chunk (and per slot). Default `"auto"`: picked once per process at the
-    /// first staged send, from a short measurement of the copy rate at a few sizes (the
-    /// smallest within 3% of the best); else 64 KiB to 64 MiB, a multiple of 8 bytes. `slots × chunk` is at most
-    /// 1 GiB.
-    pub chunk: AutoSize,
-    /// Between processes of one host, the slots live in shared memory (a sealed memfd
-    /// registered with the GPU driver as pinned on both sides), and a chunk moves by one
-    /// copy out and one copy in, without the socket. Default true; false sends every
-    /// chunk over the link, as to another host.
-    pub shared_memory: bool,
-    /// Payload bytes per data frame when the chunks go over the link (another host, or
-    /// `shared_memory = false`). Default `"1 MiB"`; at least 4 KiB, and 64 KiB less than
-    /// `limits.max_frame` at most.
-    #[serde(with = "size")]
-    pub link_chunk: u64,
-    /// How long a staging thread spins for the next chunk or free slot before it sleeps on
-    /// a futex. Longer than one chunk's copy, so a busy transfer never pays a wake-up per
-    /// chunk. Default `"2ms"`; at most 100 ms.
-    #[serde(with = "duration")]
-    pub spin: Duration,
-}
-
-impl Default for StagedTuning {
-    fn default() -> Self {
-        StagedTuning {
-            slots: 8,
-            chunk: AutoSize::Auto,
-            shared_memory: true,
-            link_chunk: 1 << 20,
-            spin: Duration::from_millis(2),
-        }
-    }
-}
-
-/// `[transport.ucx]`: the ucx transport (UCX's UCP, loaded at run time; RDMA where the
-/// machine has it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct UcxTuning {
-    /// Whether this node serves ucx: `"auto"` (the default) when UCX loads and the machine
-    /// has an RDMA device (`/sys/class/infiniband`); `"on"` whenever UCX loads (over tcp
-    /// too: UCX emulates its reads there, slower than ferry's own tcp); `"off"` never.
-    pub enabled: UcxMode,
-    /// The `libucp.so` to load. Default: the environment variable `FERRY_UCX_LIBRARY`,
-    /// else the system's `libucp.so.0`. Both ends must load the same UCX build.
-    pub library: Option<PathBuf>,
-    /// UCX's transport list (`UCX_TLS`), e.g. `"rc,cuda_copy,cuda_ipc,tcp"`. Default:
-    /// UCX's own choice. It must include `tcp` or an RDMA transport (`rc`, `dc`, `ud`):
-    /// ferry needs UCX to notice a dead peer.
-    pub tls: Option<String>,
-    /// The network devices UCX may use (`UCX_NET_DEVICES`), e.g. `"mlx5_0:1"` or `"lo"`.
-    /// Default: UCX's own choice (all).
-    pub net_devices: Option<String>,
-    /// Further UCX settings, each named without its `UCX_` prefix (`RNDV_THRESH = "64k"`).
-    /// An unknown name or bad value keeps ucx from starting (the log and `ferry explain`
-    /// say why). Default none.
-    pub env: std::collections::BTreeMap<String, String>,
-    /// How long UCX's progress thread polls after the last operation before it sleeps.
-    /// Default `"50us"`; at most 10 ms.
-    #[serde(with = "duration")]
-    pub progress_spin: Duration,
-    /// The longest one UCX read may take before the peer's endpoint is closed and its
-    /// transfers fail. Default `"30s"`; at least 100 ms.
-    #[serde(with = "duration")]
-    pub op_timeout: Duration,
-    /// Whether this node lends its memory to a peer's ucx push (a rule's `direction =
-    /// "push"`) where UCX would emulate the peer's writes in software over tcp (no RDMA,
-    /// shared-memory or, for device memory, cuda_ipc lane). There, a writer that dies in
-    /// the middle of its writes can abort this process inside UCX (measured with UCX 1.13
-    /// and 1.22). Default `false`: such pushes stream over ferry's link instead, said once
-    /// per peer in the log.
-    pub emulated_push: bool,
-}
-
-impl Default for UcxTuning {
-    fn default() -> Self {
-        UcxTuning {
-            enabled: UcxMode::Auto,
-            library: None,
-            tls: None,
-            net_devices: None,
-            env: std::collections::BTreeMap::new(),
-            progress_spin: Duration::from_micros(50),
-            op_timeout: Duration::from_secs(30),
-            emulated_push: false,
-        }
-    }
-}
-
-/// Whether a node serves the ucx transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum UcxMode {
-    /// When UCX loads and the machine has an RDMA device.
-    #[default]
-    Auto,
-    /// Whenever UCX loads.
-    On,
-    /// Never.
-    Off,
-}
-
 /// `[limits]`: bounds on frames, queues and waits.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -593,7 +368,6 @@ pub enum LogFormat {
 
 config_names! {
     DiscoveryMode { Static => "static", Dns => "dns" }
-    UcxMode { Auto => "auto", On => "on", Off => "off" }
     LogFormat { Text => "text", Json => "json" }
 }
 

@@ -234,6 +234,31 @@ pub(crate) mod duration {
     }
 }
 
+/// `#[serde(with = "duration_option")]` for an optional duration; `None` is left out when
+/// written.
+pub(crate) mod duration_option {
+    use super::*;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&humantime::format_duration(*d).to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        struct Wrapped(Duration);
+        impl<'de> Deserialize<'de> for Wrapped {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                super::duration::deserialize(d).map(Wrapped)
+            }
+        }
+        Ok(Option::<Wrapped>::deserialize(d)?.map(|w| w.0))
+    }
+}
+
 /// A memory budget: a fixed number of bytes, or a share of what the domain has.
 ///
 /// Written `"64 MiB"`, `"1GiB"`, `"4096"` (bytes) or `"80%"`. A percentage must be in

@@ -11,12 +11,8 @@ use crate::rule::MemoryClass;
 use crate::schema::{Config, DiscoveryMode};
 use crate::units::{Budget, format_size};
 
-/// Smallest accepted `transport.tcp.chunk_size`.
-const MIN_CHUNK: u64 = 4 << 10;
 /// Room a frame needs beyond its chunk of payload (header, control fields).
 const FRAME_OVERHEAD: u64 = 64 << 10;
-/// Largest accepted `transport.tcp.eager_max`.
-const MAX_EAGER: u64 = 16 << 20;
 /// Largest accepted `limits.max_frame`.
 const MAX_FRAME_CAP: u64 = 1 << 30;
 
@@ -24,13 +20,13 @@ const MAX_FRAME_CAP: u64 = 1 << 30;
 const NO_SECRET: &str = "security.secret_file is not set; set it, or set security.danger_insecure = true for a test setup";
 
 /// A failed check, before its origin is known.
-struct Violation {
+pub(crate) struct Violation {
     /// The keys involved; the first is the one the check is about.
-    keys: Vec<String>,
-    detail: String,
+    pub(crate) keys: Vec<String>,
+    pub(crate) detail: String,
 }
 
-fn fail(key: impl Into<String>, detail: impl Into<String>) -> Result<(), Violation> {
+pub(crate) fn fail(key: impl Into<String>, detail: impl Into<String>) -> Result<(), Violation> {
     Err(Violation {
         keys: vec![key.into()],
         detail: detail.into(),
@@ -64,7 +60,7 @@ impl Config {
         self.check_peers()?;
         self.check_discovery()?;
         self.check_memory()?;
-        self.check_transport()?;
+        self.transport.check()?;
         self.check_limits()?;
         self.check_security()?;
         self.check_telemetry()
@@ -106,6 +102,9 @@ impl Config {
             if let Some(problem) = host_id_problem(id) {
                 return fail("node.host_id", problem);
             }
+        }
+        if node.recv_spin > Duration::from_millis(1) {
+            return fail("node.recv_spin", "must be at most 1ms");
         }
         Ok(())
     }
@@ -241,162 +240,6 @@ impl Config {
         Ok(())
     }
 
-    fn check_transport(&self) -> Result<(), Violation> {
-        let tcp = &self.transport.tcp;
-        if tcp.chunk_size < MIN_CHUNK {
-            return fail(
-                "transport.tcp.chunk_size",
-                format!(
-                    "{} is below the minimum of 4 KiB",
-                    format_size(tcp.chunk_size)
-                ),
-            );
-        }
-        if tcp.eager_max > tcp.eager_credit || tcp.eager_max > MAX_EAGER {
-            return fail(
-                "transport.tcp.eager_max",
-                format!(
-                    "{} is above transport.tcp.eager_credit ({}) or 16 MiB",
-                    format_size(tcp.eager_max),
-                    format_size(tcp.eager_credit)
-                ),
-            );
-        }
-        if self.limits.pipeline_depth < 1 || self.limits.pipeline_depth > crate::MAX_PIPELINE_DEPTH
-        {
-            return fail(
-                "limits.pipeline_depth",
-                format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
-            );
-        }
-        if self.transport.ipc.gather_max > 1 << 30 {
-            return fail("transport.ipc.gather_max", "must be at most 1 GiB");
-        }
-        if self.transport.ipc.recv_spin > std::time::Duration::from_millis(1) {
-            return fail("transport.ipc.recv_spin", "must be at most 1ms");
-        }
-        self.check_staged()?;
-        self.check_rules()
-    }
-
-    fn check_staged(&self) -> Result<(), Violation> {
-        let staged = &self.transport.staged;
-        if staged.link_chunk < MIN_CHUNK {
-            return fail(
-                "transport.staged.link_chunk",
-                format!(
-                    "{} is below the minimum of 4 KiB",
-                    format_size(staged.link_chunk)
-                ),
-            );
-        }
-        if staged.spin > std::time::Duration::from_millis(100) {
-            return fail("transport.staged.spin", "must be at most 100ms");
-        }
-        let ucx = &self.transport.ucx;
-        if ucx.progress_spin > std::time::Duration::from_millis(10) {
-            return fail("transport.ucx.progress_spin", "must be at most 10ms");
-        }
-        if ucx.op_timeout < std::time::Duration::from_millis(100) {
-            return fail("transport.ucx.op_timeout", "must be at least 100ms");
-        }
-        if let Some(tls) = &ucx.tls {
-            // An exclusion list (`^sm`) keeps everything else, tcp or RDMA included; a plain
-            // list must name one (`rc`, `rc_mlx5`, `dc_x`, `ud_verbs`, `ib`, `tcp`, `all`).
-            let reaches = tls.trim_start().starts_with('^')
-                || tls.split(',').map(str::trim).any(|t| {
-                    let family = t.split('_').next().unwrap_or(t);
-                    matches!(family, "all" | "tcp" | "rc" | "dc" | "ud" | "ib")
-                });
-            if !reaches {
-                return fail(
-                    "transport.ucx.tls",
-                    format!(
-                        "{tls:?} has no transport that notices a dead peer: include tcp or an RDMA transport (rc, dc, ud)"
-                    ),
-                );
-            }
-        }
-        if !(2..=64).contains(&staged.slots) {
-            return fail(
-                "transport.staged.slots",
-                format!("{} slots: must be 2 to 64", staged.slots),
-            );
-        }
-        if let crate::AutoSize::Bytes(chunk) = staged.chunk {
-            if !(64 << 10..=64 << 20).contains(&chunk) || chunk % 8 != 0 {
-                return fail(
-                    "transport.staged.chunk",
-                    format!(
-                        "{}: must be \"auto\" or 64 KiB to 64 MiB, a multiple of 8 bytes",
-                        format_size(chunk)
-                    ),
-                );
-            }
-            if chunk * u64::from(staged.slots) > 1 << 30 {
-                return fail(
-                    "transport.staged.chunk",
-                    format!(
-                        "{} slots of {} make more than 1 GiB of staging per peer",
-                        staged.slots,
-                        format_size(chunk)
-                    ),
-                );
-            }
-        }
-        Ok(())
-    }
-
-    fn check_rules(&self) -> Result<(), Violation> {
-        let rules = &self.transport.rules;
-        if rules.is_empty() {
-            return fail(
-                "transport.rules",
-                "no rules: add at least one, e.g. one without conditions that names [\"tcp\"]",
-            );
-        }
-        let mut names = HashSet::new();
-        for (i, rule) in rules.iter().enumerate() {
-            let key = |field: &str| format!("transport.rules[{i}].{field}");
-            if !is_valid_name(&rule.name) {
-                return fail(key("name"), name_problem(&rule.name));
-            }
-            if !names.insert(rule.name.as_str()) {
-                return fail(
-                    key("name"),
-                    format!("rule {:?} is defined twice", rule.name),
-                );
-            }
-            if rule.transports.is_empty() {
-                return fail(
-                    key("transports"),
-                    format!("rule {:?} names no transport; list at least one", rule.name),
-                );
-            }
-            let mut seen = HashSet::new();
-            if let Some(dup) = rule.transports.iter().find(|t| !seen.insert(**t)) {
-                return fail(
-                    key("transports"),
-                    format!("rule {:?} lists transport {dup} twice", rule.name),
-                );
-            }
-            if let Some(max) = rule.max_bytes {
-                if rule.min_bytes > max {
-                    return Err(Violation {
-                        keys: vec![key("max_bytes"), key("min_bytes")],
-                        detail: format!(
-                            "rule {:?}: min_bytes ({}) is larger than max_bytes ({}), so it never matches",
-                            rule.name,
-                            format_size(rule.min_bytes),
-                            format_size(max)
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-
     fn check_limits(&self) -> Result<(), Violation> {
         let limits = &self.limits;
         if limits.max_frame > MAX_FRAME_CAP {
@@ -450,6 +293,12 @@ impl Config {
                 return fail(key, "must be at least 1");
             }
         }
+        if limits.pipeline_depth < 1 || limits.pipeline_depth > crate::MAX_PIPELINE_DEPTH {
+            return fail(
+                "limits.pipeline_depth",
+                format!("must be 1 to {}", crate::MAX_PIPELINE_DEPTH),
+            );
+        }
         if limits.peer_inbound_bytes < 1 << 20 {
             return fail(
                 "limits.peer_inbound_bytes",
@@ -500,7 +349,7 @@ impl Config {
     }
 }
 
-fn name_problem(name: &str) -> String {
+pub(crate) fn name_problem(name: &str) -> String {
     if name.is_empty() {
         "must not be empty".into()
     } else {
@@ -594,10 +443,10 @@ mod tests {
     #[test]
     fn recv_spin_is_bounded() {
         let mut config = valid();
-        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1000);
+        config.node.recv_spin = std::time::Duration::from_micros(1000);
         assert!(config.validate().is_ok());
-        config.transport.ipc.recv_spin = std::time::Duration::from_micros(1001);
-        assert_eq!(key_of(&config), "transport.ipc.recv_spin");
+        config.node.recv_spin = std::time::Duration::from_micros(1001);
+        assert_eq!(key_of(&config), "node.recv_spin");
     }
 
     #[test]

@@ -1036,3 +1036,147 @@ fn a_check_made_after_loading_names_the_layer() -> TestResult {
     assert_eq!(same, config);
     Ok(())
 }
+
+#[test]
+fn recv_spin_is_a_node_key() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(
+        &dir,
+        "n.toml",
+        &format!("{BASE}[node]\nrecv_spin = \"50us\"\n"),
+    );
+    let config = load_only(&path)?;
+    assert_eq!(config.node.recv_spin, Duration::from_micros(50));
+    assert!(config.deprecated_keys().is_empty());
+    assert_eq!(Config::default().node.recv_spin, Duration::ZERO);
+    // `ferry config show` writes it where it is read.
+    let text = config.to_toml()?;
+    assert_eq!(text.matches("recv_spin").count(), 1, "{text}");
+    assert_eq!(Config::from_toml_str(&text)?, config);
+    let err = expect_bad("[node]\nrecv_spin = \"2ms\"\n", "node.recv_spin");
+    assert_eq!(err.line(), Some(3), "{err}");
+    assert!(err.to_string().ends_with("must be at most 1ms"), "{err}");
+    Ok(())
+}
+
+/// `transport.ipc.recv_spin`, its name until 2026-12-01, is read for one release: its value
+/// goes to `node.recv_spin`, and the configuration notes where the old name was set.
+#[test]
+fn the_old_name_of_recv_spin_is_read_and_noted() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(
+        &dir,
+        "old.toml",
+        &format!("{BASE}[transport.ipc]\nlane_max = 0\nrecv_spin = \"50us\"\n"),
+    );
+    let config = load_only(&path)?;
+    assert_eq!(config.node.recv_spin, Duration::from_micros(50));
+    assert_eq!(config.transport.ipc.lane_max, 0);
+    let [deprecated] = config.deprecated_keys() else {
+        panic!("one deprecated key: {:?}", config.deprecated_keys());
+    };
+    assert_eq!(
+        deprecated.old,
+        KeyOrigin {
+            key: "transport.ipc.recv_spin".into(),
+            origin: Origin::File(path.clone()),
+            line: Some(4),
+        }
+    );
+    assert_eq!(deprecated.new, "node.recv_spin");
+    assert_eq!(
+        deprecated.to_string(),
+        format!(
+            "config file {}, line 4: key transport.ipc.recv_spin is deprecated: write \
+             node.recv_spin (the old name is read for one release only)",
+            path.display()
+        )
+    );
+    // The value is where the new name is: written there, read back without a note.
+    let text = config.to_toml()?;
+    assert_eq!(text.matches("recv_spin").count(), 1, "{text}");
+    let shown = Config::from_toml_str(&text)?;
+    assert_eq!(shown, config);
+    assert!(shown.deprecated_keys().is_empty());
+    // Where the value came from is where the old name was set.
+    assert_eq!(config.origin_of("node.recv_spin"), deprecated.old);
+
+    // A bad value under the old name is reported under the name the file wrote.
+    let err = expect_bad(
+        "[transport.ipc]\nrecv_spin = \"2ms\"\n",
+        "transport.ipc.recv_spin",
+    );
+    assert_eq!(err.line(), Some(3), "{err}");
+    assert!(err.to_string().ends_with("must be at most 1ms"), "{err}");
+
+    // From the environment and inline too.
+    let mut opts = LoadOptions::only_file(write(&dir, "base.toml", BASE));
+    opts.env = true;
+    let name = "FERRY__TRANSPORT__IPC__RECV_SPIN";
+    opts.env_vars = Some(vec![(name.into(), "20us".into())]);
+    let config = load(&opts)?;
+    assert_eq!(config.node.recv_spin, Duration::from_micros(20));
+    assert_eq!(
+        config.deprecated_keys()[0].old.origin,
+        Origin::Env(name.into())
+    );
+    let inline = Config::from_toml_str(&format!("{BASE}transport.ipc.recv_spin = \"1ms\"\n"))?;
+    assert_eq!(inline.node.recv_spin, Duration::from_millis(1));
+    assert_eq!(inline.deprecated_keys()[0].old.line, Some(2));
+    Ok(())
+}
+
+#[test]
+fn recv_spin_under_both_names_is_an_error_naming_both() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = write(
+        &dir,
+        "both.toml",
+        &format!("{BASE}[node]\nrecv_spin = \"5us\"\n[transport.ipc]\nrecv_spin = \"50us\"\n"),
+    );
+    let err = load_only(&path).expect_err("both names");
+    assert_eq!(err.key(), Some("transport.ipc.recv_spin"), "{err}");
+    assert_eq!(err.line(), Some(5), "{err}");
+    assert_eq!(
+        err.others(),
+        [KeyOrigin {
+            key: "node.recv_spin".into(),
+            origin: Origin::File(path.clone()),
+            line: Some(3),
+        }]
+    );
+    let message = err.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "config file {}, line 5: key transport.ipc.recv_spin: the old name of \
+             node.recv_spin, which is set too; set only node.recv_spin",
+            path.display()
+        )),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(&format!(
+            "; node.recv_spin from config file {}, line 3",
+            path.display()
+        )),
+        "{message}"
+    );
+
+    // In two layers as well: which one was meant is a guess.
+    let old = write(
+        &dir,
+        "old.toml",
+        &format!("{BASE}[transport.ipc]\nrecv_spin = \"50us\"\n"),
+    );
+    let mut opts = LoadOptions::only_file(&old);
+    opts.overrides = vec![("node.recv_spin".into(), "5us".into())];
+    let err = load(&opts).expect_err("both names");
+    assert_eq!(err.origin(), Some(&Origin::File(old)), "{err}");
+    assert_eq!(err.key(), Some("transport.ipc.recv_spin"), "{err}");
+    assert!(
+        err.to_string()
+            .ends_with("; node.recv_spin from command line"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -23,9 +23,10 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], cmd: Command) -> anyhow:
         Command::Check { file: Some(path) } => {
             // The secret file too: `serve` would refuse a missing, short or open one.
             let checked = ferry_config::load(&LoadOptions::only_file(&path))
-                .and_then(|config| config.read_secret());
+                .and_then(|config| config.read_secret().map(|_| config));
             match checked {
-                Ok(_) => {
+                Ok(config) => {
+                    warn_deprecated(&config);
                     println!("{}: valid", path.display());
                     Ok(ExitCode::SUCCESS)
                 }
@@ -37,9 +38,10 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], cmd: Command) -> anyhow:
         }
         Command::Check { file: None } => {
             let checked = super::load_config(file, overrides, vec![])
-                .and_then(|config| Ok(config.read_secret()?));
+                .and_then(|config| Ok(config.read_secret().map(|_| config)?));
             match checked {
-                Ok(_) => {
+                Ok(config) => {
+                    warn_deprecated(&config);
                     println!("configuration valid");
                     Ok(ExitCode::SUCCESS)
                 }
@@ -51,8 +53,17 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], cmd: Command) -> anyhow:
         }
         Command::Show => {
             let config = super::load_config(file, overrides, vec![])?;
+            warn_deprecated(&config);
             print!("{}", config.to_toml()?);
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// Says on stderr which keys the configuration set under an old name, and where: they are
+/// read for one release only.
+fn warn_deprecated(config: &ferry_config::Config) {
+    for deprecated in config.deprecated_keys() {
+        eprintln!("warning: {deprecated}");
     }
 }

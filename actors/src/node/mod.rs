@@ -103,6 +103,9 @@ impl Node {
     /// `security.danger_insecure`), [`Error::Start`] when a listener cannot bind.
     pub async fn start(config: Config) -> Result<Self, Error> {
         config.validate()?;
+        for deprecated in config.deprecated_keys() {
+            tracing::warn!("{deprecated}");
+        }
         let secret = node_secret(&config)?;
         let config = Arc::new(config);
         let io = StartingRuntime(Some(
@@ -133,10 +136,7 @@ impl Node {
         let (opened, visible) = open_gpus(&config)?;
         let shared = Shared {
             exposed: Arc::default(),
-            inbox: Arc::new(Inbox::new(
-                config.limits.peer_queue,
-                config.transport.ipc.recv_spin,
-            )),
+            inbox: Arc::new(Inbox::new(config.limits.peer_queue, config.node.recv_spin)),
             gpu_pools: Arc::default(),
             lane_rings: Arc::default(),
             lanes: Arc::default(),
