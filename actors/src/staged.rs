@@ -212,7 +212,7 @@ impl StagedRx {
                             offset: header.offset,
                             len: header.len,
                         };
-                        activity.add(bytes.len() as u64);
+                        activity.add_received(bytes.len() as u64);
                         land(&regions, &chunk, bytes, &me, &io).map_err(Into::into)
                     });
                     match landed {

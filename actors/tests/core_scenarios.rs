@@ -50,6 +50,12 @@ struct Pair {
     a_sent: Vec<Message>,
     auto_reserve: bool,
     auto_stream: bool,
+    /// Messages each side received, as its shell's count of bytes from the peer.
+    a_heard: u64,
+    b_heard: u64,
+    /// A half-open link: what A sends is lost, or what B sends is.
+    lose_a_to_b: bool,
+    lose_b_to_a: bool,
 }
 
 impl Pair {
@@ -67,6 +73,10 @@ impl Pair {
             a_sent: Vec::new(),
             auto_reserve: true,
             auto_stream: true,
+            a_heard: 0,
+            b_heard: 0,
+            lose_a_to_b: false,
+            lose_b_to_a: false,
         }
     }
 
@@ -87,11 +97,19 @@ impl Pair {
             let mut moved = false;
             while let Some(m) = self.a.poll_transmit() {
                 moved = true;
+                if self.lose_a_to_b {
+                    continue;
+                }
+                self.b_heard += 1;
                 self.a_sent.push(m.clone());
                 self.b.handle_message(m).expect("A follows the protocol");
             }
             while let Some(m) = self.b.poll_transmit() {
                 moved = true;
+                if self.lose_b_to_a {
+                    continue;
+                }
+                self.a_heard += 1;
                 self.a.handle_message(m).expect("B follows the protocol");
             }
             while let Some(ev) = self.a.poll_event() {
@@ -157,6 +175,26 @@ impl Pair {
         self.a.handle_timeout(self.now);
         self.b.handle_timeout(self.now);
         self.pump();
+    }
+
+    /// Both shells tell their session what their link has received from the peer, as a
+    /// shell does at the end of each of its turns.
+    fn heard(&mut self) {
+        self.a.handle_heard(self.a_heard, false, self.now);
+        self.b.handle_heard(self.b_heard, false, self.now);
+    }
+
+    /// Time passes and both shells' timers fire: deadlines, then what each link received,
+    /// then the stall checks (the link's own progress is not reported: nothing streams).
+    fn tick(&mut self, by: Duration) {
+        self.now += by;
+        self.a.handle_timeout(self.now);
+        self.b.handle_timeout(self.now);
+        self.heard();
+        self.a.handle_stall_check(self.now);
+        self.b.handle_stall_check(self.now);
+        self.pump();
+        self.heard();
     }
 
     fn outcome(&self, id: OpId) -> Option<&Outcome> {
@@ -446,6 +484,202 @@ fn relink_offers_ungranted_transfers_again() {
     assert_eq!(p.delivered, vec![1, 2]);
 }
 
+/// The detail of a `PeerLost` that says the peer went silent while waited on.
+fn went_silent(outcome: Option<&Outcome>) -> bool {
+    matches!(outcome, Some(Outcome::Failed(FailKind::PeerLost(why)))
+        if why.contains("sent nothing for") && why.contains("limits.stall_timeout"))
+}
+
+/// Pings A sent that B saw.
+fn pings(p: &Pair) -> usize {
+    p.a_sent
+        .iter()
+        .filter(|m| matches!(m, Message::Ping(_)))
+        .count()
+}
+
+#[test]
+fn a_sender_that_hears_nothing_while_it_waits_for_done_ends_the_link_once() {
+    // The receiver has every byte; its `Done` is lost, and so is everything after it.
+    let stall = Duration::from_secs(3);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.auto_stream = false;
+    let id = p.send(1, LONG);
+    p.heard();
+    p.lose_b_to_a = true;
+    p.finish_stream(id);
+    p.pump();
+    assert_eq!(p.delivered, vec![1], "the receiver has it");
+    // Quiet for a third of the stall timeout: asked, then asked again each third; the
+    // first keepalive has the whole timeout to be answered, and no answer comes.
+    for _ in 0..3 {
+        p.tick(stall / 3);
+        assert_eq!(p.outcome(id), None);
+    }
+    assert_eq!(pings(&p), 3, "a quiet link is asked for a sign of life");
+    p.tick(stall / 3 - Duration::from_millis(1));
+    assert_eq!(
+        p.outcome(id),
+        None,
+        "ended before the first keepalive's timeout"
+    );
+    p.tick(Duration::from_millis(1));
+    assert!(went_silent(p.outcome(id)), "{:?}", p.outcome(id));
+    assert!(p.a.is_lost() && p.a.is_idle());
+    // Once: later checks change nothing, and a new send is refused with the reason.
+    p.tick(stall);
+    assert!(p.outcome(id).is_some());
+    let req = p.request(2, LONG);
+    assert!(p.a.handle_send(p.now, req).is_err());
+}
+
+#[test]
+fn a_sender_that_hears_nothing_while_it_waits_for_a_grant_ends_the_link() {
+    // Its offers are lost (or the grants): nothing comes back.
+    let stall = Duration::from_secs(3);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.lose_a_to_b = true;
+    let ids: Vec<OpId> = (1..=3).map(|t| p.send(t, LONG)).collect();
+    p.heard();
+    for _ in 0..3 {
+        p.tick(stall / 3);
+    }
+    p.tick(stall / 3 - Duration::from_millis(1));
+    assert!(ids.iter().all(|id| p.outcome(*id).is_none()));
+    p.tick(Duration::from_millis(1));
+    for id in ids {
+        assert!(went_silent(p.outcome(id)), "{:?}", p.outcome(id));
+    }
+}
+
+#[test]
+fn a_receiver_whose_lent_buffer_waits_for_a_silent_peer_ends_the_link() {
+    // An ipc push: B lent its buffer and waits for `Written`; nothing crosses the link
+    // meanwhile, so the link's own stall clock has nothing to say, and what A sends is lost.
+    let stall = Duration::from_secs(3);
+    let mut p = Push::with(capped(64, u64::MAX, stall));
+    let (_, id) = p.offer();
+    p.lend(id);
+    let received = 1;
+    p.b.handle_heard(received, false, p.now);
+    let mut pings = 0;
+    let mut look = |p: &mut Push, by: Duration| {
+        p.now += by;
+        p.b.handle_heard(received, false, p.now);
+        p.b.handle_stall_check(p.now);
+        while let Some(m) = p.b.poll_transmit() {
+            pings += usize::from(matches!(m, Message::Ping(_)));
+        }
+    };
+    for _ in 0..3 {
+        look(&mut p, stall / 3);
+    }
+    look(&mut p, stall / 3 - Duration::from_millis(1));
+    assert!(!p.b.is_lost());
+    look(&mut p, Duration::from_millis(1));
+    assert_eq!(pings, 3, "asked each third of the timeout");
+    assert!(p.b.is_lost(), "the link ends");
+    assert!(
+        p.b.lost_reason()
+            .is_some_and(|why| why.contains("sent nothing for"))
+    );
+    assert_eq!(p.b.poll_event(), Some(SessionEvent::Abandon(id)));
+}
+
+#[test]
+fn a_quiet_peer_that_answers_keepalives_keeps_the_link_while_waited_on() {
+    // B takes its time to reserve (a long wait for memory): A waits for the grant and hears
+    // nothing but B's answers to its keepalives, for many stall timeouts.
+    let stall = Duration::from_secs(3);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.auto_reserve = false;
+    let id = p.send(1, Duration::from_secs(3600));
+    p.heard();
+    for _ in 0..30 {
+        p.tick(stall / 3);
+    }
+    assert!(!p.a.is_lost() && !p.b.is_lost());
+    assert_eq!(p.outcome(id), None);
+    assert!(
+        pings(&p) >= 9,
+        "{} keepalives in ten stall timeouts",
+        pings(&p)
+    );
+    p.auto_reserve = true;
+    p.pump();
+    assert_eq!(p.outcome(id), Some(&Outcome::Completed));
+}
+
+#[test]
+fn an_idle_link_sends_no_keepalive_and_is_never_judged() {
+    let stall = Duration::from_secs(3);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    let id = p.send(1, LONG);
+    assert_eq!(p.outcome(id), Some(&Outcome::Completed));
+    p.heard();
+    // Both directions lost, nothing waits: an hour goes by.
+    p.lose_a_to_b = true;
+    p.lose_b_to_a = true;
+    let sent = p.a_sent.len();
+    for _ in 0..1200 {
+        p.tick(stall);
+    }
+    assert!(!p.a.is_lost() && !p.b.is_lost());
+    assert_eq!(p.a.poll_timeout(), None);
+    assert!(p.a.poll_transmit().is_none() && p.a_sent.len() == sent);
+    // The wait that begins after it starts its own clock: B takes the offer (and never
+    // grants), and then nothing more from B arrives.
+    p.lose_a_to_b = false;
+    p.lose_b_to_a = false;
+    p.auto_reserve = false;
+    let next = p.send(2, LONG);
+    p.heard();
+    p.lose_b_to_a = true;
+    for _ in 0..3 {
+        p.tick(stall / 3);
+    }
+    p.tick(stall / 3 - Duration::from_millis(1));
+    assert_eq!(
+        p.outcome(next),
+        None,
+        "the idle hour counted against the new wait"
+    );
+    p.tick(Duration::from_millis(1));
+    assert!(went_silent(p.outcome(next)), "{:?}", p.outcome(next));
+}
+
+#[test]
+fn a_peer_that_answers_keepalives_but_sends_no_bytes_still_loses_the_grant_not_the_link() {
+    // A is there (it answers B's keepalives) but never streams what B granted: the grant
+    // ends by the stall clock of the link's own progress, which keepalives are no part of;
+    // the link stays.
+    let stall = Duration::from_secs(3);
+    let mut p = Pair::new(capped(64, u64::MAX, stall));
+    p.auto_stream = false;
+    let id = p.send(1, LONG);
+    p.heard();
+    for _ in 0..2 {
+        p.tick(stall / 3);
+    }
+    assert!(p.abandoned.is_empty());
+    p.tick(stall / 3);
+    assert_eq!(p.abandoned.len(), 1, "the grant's memory is freed");
+    assert!(!p.a.is_lost() && !p.b.is_lost(), "the link stays");
+    p.finish_stream(id);
+    p.pump();
+    assert!(
+        matches!(
+            p.outcome(id),
+            Some(Outcome::Failed(FailKind::Refused {
+                reason: WireReason::Stalled,
+                ..
+            }))
+        ),
+        "{:?}",
+        p.outcome(id)
+    );
+}
+
 #[test]
 fn ping_is_answered() {
     let mut s = PeerSession::new(LIMITS);
@@ -637,11 +871,15 @@ struct Push {
 
 impl Push {
     fn new() -> Self {
-        let mut b = PeerSession::new(LIMITS);
+        Self::with(LIMITS)
+    }
+
+    fn with(limits: SessionLimits) -> Self {
+        let mut b = PeerSession::new(limits);
         b.set_serves(TransportName::Ipc, true);
         Self {
             now: Instant::now(),
-            a: PeerSession::new(LIMITS),
+            a: PeerSession::new(limits),
             b,
         }
     }

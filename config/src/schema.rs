@@ -262,7 +262,9 @@ pub struct LimitsConfig {
     /// Longest time a transfer may go without a byte of progress: a frame begun and left
     /// unfinished, a peer that stops reading what we write, an inbound transfer granted
     /// and then not fed. The link (mid-frame) or the transfer ends, its memory is freed
-    /// and the peer is told why. Default `"5s"`.
+    /// and the peer is told why. Also how long a peer this node waits on has to answer a
+    /// keepalive (sent after a third of it without a byte from the peer): past it the link
+    /// is taken for half-open or the peer for gone, and the link ends. Default `"5s"`.
     #[serde(with = "duration")]
     pub stall_timeout: Duration,
     /// Unauthenticated connections in their handshake at once, in all: as many still

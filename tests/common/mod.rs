@@ -392,19 +392,27 @@ pub async fn hand_driven_link_with(
 
 /// The next message from the node on a hand-driven link that is not a ping, a pong or a
 /// welcome, within `limit`; `None` when the link ended first (closed, failed, or the node
-/// said goodbye). Panics when nothing came in time.
+/// said goodbye). A ping is answered, as every node answers it: a node that waits on this
+/// peer hears it while it reads. Panics when nothing came in time.
 pub async fn next_message(
     link: &mut ferry_transports::link::Link,
     limit: Duration,
 ) -> Option<ferry_transports::wire::Message> {
     use ferry_transports::wire::Message;
+    // One limit for all of it: a node that waits on this peer pings it every third of its
+    // stall timeout, and each ping must not start the wait again.
+    let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let frame = tokio::time::timeout(limit, link.reader.next())
+        let frame = tokio::time::timeout_at(deadline, link.reader.next())
             .await
             .unwrap_or_else(|_| panic!("nothing from the node within {limit:?}"));
         match frame {
             Ok(Some(frame)) => match frame.to_owned_message() {
-                Ok(Message::Ping(_) | Message::Pong(_) | Message::Welcome) => continue,
+                Ok(Message::Ping(nonce)) => {
+                    let _ = link.writer.send(&Message::Pong(nonce)).await;
+                    continue;
+                }
+                Ok(Message::Pong(_) | Message::Welcome) => continue,
                 Ok(Message::Goodbye) => return None,
                 Ok(m) => return Some(m),
                 Err(e) => panic!("the node sent a bad frame: {e}"),

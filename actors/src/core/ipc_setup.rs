@@ -357,6 +357,15 @@ impl<T> IpcSetup<T> {
         self.events.pop_front()
     }
 
+    /// True while an attempt waits on the peer: for its reply to our request, or for its
+    /// confirmation of our ack (not while this side checks the reply).
+    pub fn awaits_peer(&self) -> bool {
+        matches!(
+            self.phase,
+            SetupPhase::Sent { .. } | SetupPhase::Acked { .. }
+        )
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.phase {

@@ -21,12 +21,18 @@
 //! For a pushed ipc transfer, `Receiving` waits for the peer's `Written`; the buffer the
 //! grant lent stays lent until then, even when the transfer is abandoned meanwhile (the
 //! shell keeps it: the peer may still be copying into it).
+//!
+//! While anything waits on the peer, the peer must keep being heard (a quiet one answering
+//! a keepalive within the stall timeout), or the link ends and everything on it with it
+//! ([`super::liveness`]: a half-open link passes no other check).
 
 use ferry_config::TransportName;
 use ferry_transports::registry;
 use ferry_transports::transport::Carrier;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
+
+use super::liveness::Liveness;
 
 mod vocabulary;
 pub use vocabulary::*;
@@ -70,7 +76,9 @@ pub struct SessionLimits {
     /// an offer larger than this alone is refused as too large.
     pub inbound_bytes: u64,
     /// While granted inbound transfers wait for bytes, the link must move a byte (either
-    /// way) at least this often, or they are ended.
+    /// way, keepalives left out) at least this often, or they are ended; and while anything
+    /// waits on the peer, a quiet peer must answer a keepalive within it, or the link ends
+    /// (see [`super::liveness`]).
     pub stall: Duration,
 }
 
@@ -136,6 +144,9 @@ struct InboundOp {
     /// link's stall clock applies. False for a pull (our own copy) and an ipc push (the
     /// peer's copy into the buffer we lent: nothing crosses the link until `Written`).
     stalls: bool,
+    /// True once granted when the peer moves the bytes (over the link or the ring, or into
+    /// the buffer we lent): while it receives, it waits on the peer. False for a pull.
+    pushed: bool,
 }
 
 impl InboundOp {
@@ -172,6 +183,8 @@ pub struct PeerSession {
     recheck_at: Option<Instant>,
     /// What the peer takes eagerly (its hello); none until told.
     eager: EagerTerms,
+    /// Whether the peer is still heard while something waits on it.
+    liveness: Liveness,
 }
 
 impl PeerSession {
@@ -192,6 +205,7 @@ impl PeerSession {
             claims: (0, 0),
             recheck_at: None,
             eager: EagerTerms::default(),
+            liveness: Liveness::new(limits.stall),
         }
     }
 
@@ -632,6 +646,7 @@ impl PeerSession {
                 len: offer.len,
                 reserve: Some(reserve),
                 stalls: false,
+                pushed: false,
             },
         )))
     }
@@ -816,6 +831,7 @@ impl PeerSession {
             Some(op) if op.phase == InPhase::Reserving => {
                 op.phase = InPhase::Receiving;
                 op.stalls = target.is_none();
+                op.pushed = true;
                 // The grant about to leave is progress: the clock starts no earlier.
                 self.progress.1 = self.progress.1.max(Some(now));
                 self.transmit.push_back(Message::Grant(Grant {
@@ -873,11 +889,65 @@ impl PeerSession {
             .then_some(since + self.limits.stall)
     }
 
-    /// Ends every granted transfer that waits for bytes when the link has moved nothing
+    /// True while something of the session waits on the peer: an offer for its grant, a
+    /// transfer for its `Done` (a stream of ours included: its `Done` follows it) or a put
+    /// for its ack, a granted transfer for its bytes or `Written`. What waits only on this
+    /// node (a queued send, a reservation, a pull's own copy, a delivery's turn) does not.
+    fn awaits_peer(&self) -> bool {
+        self.ops.values().any(|p| {
+            matches!(
+                p,
+                Phase::AwaitGrant(_)
+                    | Phase::Eager(_)
+                    | Phase::AwaitConfirm(_)
+                    | Phase::Streaming {
+                        confirmed: false,
+                        ..
+                    }
+            )
+        }) || self
+            .inbound
+            .values()
+            .any(|op| op.phase == InPhase::Receiving && op.pushed)
+    }
+
+    /// The link has received `received` bytes from the peer in all so far (a running total
+    /// the shell counts, keepalives included), at `now`; `elsewhere` says whether the shell
+    /// waits on the peer for something the session does not see (a setup step, a fetch's
+    /// answer). While anything waits on the peer, it must keep being heard:
+    /// [`Self::handle_stall_check`] asks it for a sign of life after a third of
+    /// [`SessionLimits::stall`] of quiet, and ends the link when none came within it. Call it whenever the session may
+    /// have changed (the shell does at the end of each turn) and right before the check.
+    pub fn handle_heard(&mut self, received: u64, elsewhere: bool, now: Instant) {
+        if self.lost.is_some() {
+            return;
+        }
+        let waiting = elsewhere || self.awaits_peer();
+        self.liveness.handle_heard(received, waiting, now);
+    }
+
+    /// Ends the link when the peer, waited on, answered no keepalive within the stall
+    /// timeout ([`Self::handle_heard`]): every op fails once as lost, with the reason. Else asks a
+    /// quiet peer for a sign of life (a `Ping`) when one is due, and ends every granted
+    /// transfer that waits for bytes when the link has moved nothing (keepalives left out)
     /// for the stall timeout: its memory is abandoned and the peer is told why. Call it
-    /// right after [`Self::handle_link_progress`] with a fresh count, never on a stale one
-    /// (the shell's timer does both).
+    /// right after [`Self::handle_link_progress`] and [`Self::handle_heard`] with fresh
+    /// counts, never on stale ones (the shell's timer does all three).
     pub fn handle_stall_check(&mut self, now: Instant) {
+        if let Some(silent) = self.liveness.silent(now) {
+            let silent =
+                Duration::from_millis(u64::try_from(silent.as_millis()).unwrap_or(u64::MAX));
+            self.handle_link_lost(&format!(
+                "the peer sent nothing for {silent:?} while this node waited on it, and no \
+                 answer to a keepalive within limits.stall_timeout ({:?}): it is gone, or \
+                 the link carries only our direction",
+                self.limits.stall
+            ));
+            return;
+        }
+        if let Some(nonce) = self.liveness.poll_keepalive(now) {
+            self.transmit.push_back(Message::Ping(nonce));
+        }
         if self.stall_deadline().is_none_or(|at| now < at) {
             return;
         }
@@ -970,6 +1040,7 @@ impl PeerSession {
             return;
         }
         self.lost = Some(why.to_string());
+        self.liveness.reset();
         self.transmit.clear();
         let ids: Vec<OpId> = self.ops.keys().copied().collect();
         for id in ids {
@@ -991,6 +1062,7 @@ impl PeerSession {
     /// it fails as if the peer were lost.
     pub fn handle_relink(&mut self) {
         self.transmit.clear();
+        self.liveness.reset();
         let ids: Vec<OpId> = self.ops.keys().copied().collect();
         for id in ids {
             match self.ops.remove(&id) {
@@ -1054,10 +1126,15 @@ impl PeerSession {
         self.events.pop_front()
     }
 
-    /// The earliest deadline of a live op, or the stall clock's end while granted
-    /// transfers wait for bytes, for the shell's timer.
+    /// The earliest deadline of a live op, the stall clock's end while granted transfers
+    /// wait for bytes, or the next keepalive or verdict while anything waits on the peer,
+    /// for the shell's timer.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let stalls = self.stall_deadline().into_iter().chain(self.recheck_at);
+        let stalls = self
+            .stall_deadline()
+            .into_iter()
+            .chain(self.recheck_at)
+            .chain(self.liveness.poll_timeout());
         self.ops
             .values()
             .filter_map(|p| match p {

@@ -32,6 +32,13 @@ impl TransferActor {
                 }
                 while let Some(msg) = self.session.poll_transmit() {
                     moved = true;
+                    if let Message::Ping(_) | Message::Pong(_) = msg {
+                        // Full: one waits already, which says the same.
+                        if let Some(keepalive) = &self.keepalive {
+                            let _ = keepalive.try_send(msg);
+                        }
+                        continue;
+                    }
                     if let Some((op, why)) = oversized_offer(&msg, self.peer_max_frame) {
                         // Refused here, before the writer would refuse it and end the link.
                         self.session.handle_unsendable(op, why);
@@ -76,6 +83,7 @@ impl TransferActor {
                 break;
             }
         }
+        self.heard(Instant::now());
         self.arm_timer(ctx);
         self.publish_eager();
         if self.writer.is_some() && self.welcomed {
@@ -253,11 +261,34 @@ impl TransferActor {
                 if let Some(activity) = &act.activity {
                     act.session.handle_link_progress(activity.bytes(), now);
                 }
+                act.heard(now);
+                let was_lost = act.session.is_lost();
                 act.session.handle_stall_check(now);
+                // The peer, waited on, went silent: said here, as a link that fails is.
+                if !was_lost && let Some(why) = act.session.lost_reason() {
+                    tracing::warn!(peer = %act.peer, why, "link down");
+                }
                 act.ipc_setup_timer(now);
                 act.drive(ctx);
             },
         );
+    }
+
+    /// Tells the session what the link has received from the peer, and whether this shell
+    /// waits on the peer for something the session does not see: an ipc setup step, or the
+    /// answer to a fetch whose caller still waits.
+    fn heard(&mut self, now: Instant) {
+        let Some(activity) = &self.activity else {
+            return;
+        };
+        let elsewhere = self.fetch.awaits_peer()
+            || self
+                .ipc
+                .setup
+                .as_ref()
+                .is_some_and(|setup| setup.awaits_peer());
+        self.session
+            .handle_heard(activity.received(), elsewhere, now);
     }
 
     pub(super) fn finish(&mut self, op: OpId, outcome: Outcome) {

@@ -34,6 +34,13 @@ pub(super) struct FetchState {
     serving: usize,
 }
 
+impl FetchState {
+    /// True while a fetch of ours waits for the peer's answer and its caller for it.
+    pub(super) fn awaits_peer(&self) -> bool {
+        self.pending.values().any(|(tx, _)| !tx.is_closed())
+    }
+}
+
 impl Handler<AskFetch> for TransferActor {
     type Result = ResponseFuture<Result<Landed, Error>>;
 

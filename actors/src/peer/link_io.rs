@@ -1,19 +1,74 @@
 //! The link's two tasks: the writer (frames and streamed chunks, device memory copied out
-//! one chunk ahead) and the reader (frames to the actor, chunks and puts straight into
-//! their regions).
+//! one chunk ahead; keepalives overtake them) and the reader (frames to the actor, chunks
+//! and puts straight into their regions).
 
 use super::*;
 use ferry_transports::wire::{FrameHeader, FrameKind};
 
+/// Keepalives (`Ping`, `Pong`) waiting for the writer, at most: one more is dropped, since
+/// one waiting already says what it would.
+pub(super) const KEEPALIVES: usize = 2;
+
+/// The link's writer, with the keepalives that overtake what it writes: each goes out,
+/// flushed, before the next frame or chunk, so that a long stream of ours never holds back
+/// the frame that asks the peer for a sign of life (the peer, only reading, would have
+/// nothing else to send, and we would take it for gone).
+pub(super) struct LinkOut {
+    pub(super) writer: LinkWriter,
+    pub(super) keepalives: mpsc::Receiver<Message>,
+}
+
+impl LinkOut {
+    /// Writes the keepalives waiting, each flushed.
+    async fn keepalives(&mut self) -> Result<(), LinkError> {
+        while let Ok(keepalive) = self.keepalives.try_recv() {
+            self.writer.send(&keepalive).await?;
+        }
+        Ok(())
+    }
+
+    /// [`LinkWriter::feed_chunk`], after the keepalives waiting.
+    async fn feed_chunk(&mut self, header: &Message, bytes: &[u8]) -> Result<(), LinkError> {
+        self.keepalives().await?;
+        self.writer.feed_chunk(header, bytes).await
+    }
+
+    /// [`LinkWriter::feed_chunk_framed`], after the keepalives waiting.
+    async fn feed_chunk_framed(
+        &mut self,
+        header: &Message,
+        bytes: &[u8],
+        framed: FrameHeader,
+    ) -> Result<(), LinkError> {
+        self.keepalives().await?;
+        self.writer.feed_chunk_framed(header, bytes, framed).await
+    }
+}
+
 pub(super) async fn write_loop(
-    mut writer: LinkWriter,
+    mut out: LinkOut,
     mut rx: mpsc::Receiver<Outgoing>,
     me: Addr<TransferActor>,
     link: u64,
 ) {
     let mut failure: Option<LinkError> = None;
-    while let Some(out) = rx.recv().await {
-        match out {
+    loop {
+        let next = tokio::select! {
+            biased;
+            Some(keepalive) = out.keepalives.recv() => {
+                if let Err(e) = out.writer.send(&keepalive).await {
+                    failure = Some(e);
+                    break;
+                }
+                continue;
+            }
+            next = rx.recv() => next,
+        };
+        let Some(next) = next else {
+            break;
+        };
+        let writer = &mut out.writer;
+        match next {
             Outgoing::Frame(msg) => {
                 let writing = std::time::Instant::now();
                 // Frames queued together go out in one write, once the queue is empty.
@@ -43,7 +98,7 @@ pub(super) async fn write_loop(
                 stop,
                 chunk,
             } => {
-                let result = stream(&mut writer, op, what, &bytes, &stop, chunk).await;
+                let result = stream(&mut out, op, what, &bytes, &stop, chunk).await;
                 drop(bytes);
                 let _ = me
                     .send(DataEvent::StreamEnded {
@@ -100,7 +155,7 @@ pub(super) async fn write_loop(
 }
 
 pub(super) async fn stream(
-    writer: &mut LinkWriter,
+    writer: &mut LinkOut,
     op: OpId,
     what: StreamWhat,
     bytes: &SharedBytes,
@@ -144,7 +199,7 @@ pub(super) async fn stream(
         let _ = checksum.await;
     }
     streamed?;
-    writer.flush().await
+    writer.writer.flush().await
 }
 
 /// A chunk's payload frame header, CRC and all, being computed on a blocking thread.
@@ -156,7 +211,7 @@ pub(super) type ChecksumAhead =
 /// k+1 (a read of its bytes from memory) runs while chunk k is written, so the writing
 /// thread only writes. The checksum still running when this returns is left in `ahead`.
 pub(super) async fn stream_host_checksummed_ahead(
-    writer: &mut LinkWriter,
+    writer: &mut LinkOut,
     bytes: &SharedBytes,
     parts: &[(usize, usize)],
     header: &impl Fn(usize) -> Message,
@@ -205,7 +260,7 @@ pub(super) async fn stream_host_checksummed_ahead(
 /// Streams `parts` of host memory: straight from the caller's buffer, or (strided rows)
 /// gathered into one payload, one chunk at a time.
 pub(super) async fn stream_host(
-    writer: &mut LinkWriter,
+    writer: &mut LinkOut,
     host: &[u8],
     layout: Option<Layout>,
     parts: &[(usize, usize)],
@@ -240,7 +295,7 @@ pub(super) type CopyOut =
 /// a blocking thread one chunk ahead of the socket: the copy of chunk k+1 runs while chunk
 /// k is written. The copy still running when this returns is left in `ahead`.
 pub(super) async fn stream_device(
-    writer: &mut LinkWriter,
+    writer: &mut LinkOut,
     bytes: &SharedBytes,
     layout: Option<Layout>,
     parts: &[(usize, usize)],

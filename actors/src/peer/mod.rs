@@ -361,6 +361,8 @@ pub struct TransferActor {
     setup: TransferSetup,
     session: PeerSession,
     writer: Option<mpsc::Sender<Outgoing>>,
+    /// The current link's keepalives (`Ping`, `Pong`), which overtake the writer's queue.
+    keepalive: Option<mpsc::Sender<Message>>,
     /// Counts the links this session has had; the current one's number.
     link: u64,
     /// False on a dialed link until the peer's `Welcome`: nothing is sent before it.
@@ -425,6 +427,7 @@ impl TransferActor {
             epoch,
             setup,
             writer: None,
+            keepalive: None,
             link: 0,
             welcomed: false,
             peer_max_frame: u32::MAX,
@@ -487,6 +490,7 @@ impl Actor for TransferActor {
         if let Some(reader) = self.reader.take() {
             reader.abort();
         }
+        self.keepalive = None;
         if let Some(w) = self.writer.take() {
             let _ = w.try_send(Outgoing::Close);
         }
@@ -550,10 +554,16 @@ impl Handler<Attach> for TransferActor {
             let _ = tx.try_send(Outgoing::Frame(Message::Welcome));
         }
         self.writer = Some(tx);
+        let (keepalive, keepalives) = mpsc::channel(KEEPALIVES);
+        self.keepalive = Some(keepalive);
         let me = ctx.address();
+        let out = LinkOut {
+            writer: link.writer,
+            keepalives,
+        };
         self.setup
             .io
-            .spawn(write_loop(link.writer, rx, me.clone(), self.link));
+            .spawn(write_loop(out, rx, me.clone(), self.link));
         let gate = Arc::new(EagerGate::new(
             self.setup.eager,
             self.setup.limits.inbound_bytes,
@@ -674,6 +684,7 @@ impl TransferActor {
     /// The dialed link was refused: drop it, keep every op queued, and let the coordinator
     /// wait for the peer's own link.
     fn dial_refused(&mut self, ctx: &mut Context<Self>) {
+        self.keepalive = None;
         if let Some(old) = self.writer.take() {
             let _ = old.try_send(Outgoing::Close);
         }

@@ -83,7 +83,8 @@ pub struct LinkOptions {
     /// Longest time without a byte of progress inside a frame, in either direction: a peer
     /// that starts a frame and goes quiet, or stops reading while we write one, ends the
     /// link ([`FrameError::Stalled`], or [`LinkError::Io`] of kind `TimedOut` for a write).
-    /// Idle time between frames is not bounded by it. Default 5 s (`limits.stall_timeout`).
+    /// Idle time between frames is not bounded by it here (a node that waits on its peer
+    /// bounds it above the link, with keepalives). Default 5 s (`limits.stall_timeout`).
     pub stall_timeout: Duration,
     /// The node's counters, shared by all its links.
     pub counters: Arc<LinkCounters>,
@@ -196,7 +197,8 @@ pub struct Link {
     pub peer_hello: Hello,
     /// Who the peer is, as text for logs (address and, for Unix sockets, pid).
     pub peer: String,
-    /// Bytes moved over the socket so far, both ways (handshake included).
+    /// Bytes moved over the socket so far, both ways and from the peer (handshake
+    /// included; keepalive frames counted apart, see [`Activity`]).
     pub activity: Activity,
     /// Receives the peer's frames.
     pub reader: LinkReader,
@@ -208,6 +210,8 @@ pub struct Link {
 pub struct LinkReader {
     frames: FrameReader<BufReader<BoxRead>>,
     counters: Arc<LinkCounters>,
+    /// Where keepalive frames read are left out of the link's progress.
+    activity: Activity,
     peer: String,
     failed: Option<LinkError>,
 }
@@ -223,13 +227,14 @@ impl fmt::Debug for LinkReader {
 }
 
 impl LinkReader {
-    fn new(read: BoxRead, opts: &LinkOptions, peer: String) -> Self {
+    fn new(read: BoxRead, opts: &LinkOptions, activity: Activity, peer: String) -> Self {
         let mut frames =
             FrameReader::new(BufReader::with_capacity(LINK_BUFFER, read), opts.max_frame);
         frames.set_stall_timeout(Some(opts.stall_timeout));
         Self {
             frames,
             counters: Arc::clone(&opts.counters),
+            activity,
             peer,
             failed: None,
         }
@@ -259,6 +264,10 @@ impl LinkReader {
         match self.frames.read().await {
             Ok(Some(frame)) => {
                 self.counters.record_frame_ok();
+                if is_keepalive(frame.kind()) {
+                    self.activity
+                        .add_keepalive(frame.header().frame_len() as u64);
+                }
                 Ok(Some(frame))
             }
             Ok(None) => Ok(None),
@@ -345,6 +354,8 @@ pub struct LinkWriter {
     mid_frame: bool,
     /// Longest wait for the socket to take a byte of a frame being written.
     stall: Duration,
+    /// Where keepalive frames written are left out of the link's progress.
+    activity: Activity,
     peer: String,
 }
 
@@ -359,13 +370,14 @@ impl fmt::Debug for LinkWriter {
 }
 
 impl LinkWriter {
-    fn new(write: BoxWrite, stall: Duration, peer: String) -> Self {
+    fn new(write: BoxWrite, stall: Duration, activity: Activity, peer: String) -> Self {
         Self {
             inner: write,
             buffer: Vec::with_capacity(LINK_BUFFER),
             peer_max_frame: u32::MAX,
             mid_frame: false,
             stall,
+            activity,
             peer,
         }
     }
@@ -430,7 +442,11 @@ impl LinkWriter {
         self.check_cap(payload.len() as u64)?;
         let header = FrameHeader::for_payload(msg.kind(), &payload).map_err(LinkError::Send)?;
         self.write_parts(&[&header.to_bytes(), &payload], flush)
-            .await
+            .await?;
+        if is_keepalive(msg.kind()) {
+            self.activity.add_keepalive(header.frame_len() as u64);
+        }
+        Ok(())
     }
 
     /// Sends `msg` as one frame and flushes it to the socket.
@@ -571,6 +587,12 @@ impl LinkWriter {
         within_stall(self.stall, self.inner.shutdown()).await?;
         Ok(())
     }
+}
+
+/// Whether frames of `kind` are keepalives: a [`Message::Ping`] and the peer's
+/// [`Message::Pong`] prove that the peer is there, not that a transfer moved.
+fn is_keepalive(kind: FrameKind) -> bool {
+    matches!(kind, FrameKind::Ping | FrameKind::Pong)
 }
 
 /// Runs one write step on the socket, failing with `TimedOut` when it takes no byte for
@@ -799,8 +821,8 @@ async fn open(
     let activity = Activity::default();
     let read: BoxRead = Box::new(Counted::new(read, activity.clone()));
     let write: BoxWrite = Box::new(Counted::new(write, activity.clone()));
-    let mut reader = LinkReader::new(read, opts, peer.into());
-    let mut writer = LinkWriter::new(write, opts.stall_timeout, peer.into());
+    let mut reader = LinkReader::new(read, opts, activity.clone(), peer.into());
+    let mut writer = LinkWriter::new(write, opts.stall_timeout, activity.clone(), peer.into());
     authenticate(
         reader.frames_buffer_mut(),
         &mut writer.inner,
