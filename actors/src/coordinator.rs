@@ -67,6 +67,75 @@ pub struct SendTo {
     pub fetch: Option<u64>,
 }
 
+/// A send or put the node hands the coordinator to route (before the peer's link is up, or
+/// while an earlier one to the peer is still with it).
+#[derive(Debug)]
+pub enum Handed {
+    /// A send.
+    Send(SendTo),
+    /// A one-sided put.
+    Put(PutTo),
+}
+
+/// A [`Handed`] message with where its outcome goes, on the channel the coordinator reads
+/// (never an actix request, which actix drops unhandled once its caller stops waiting).
+#[derive(Debug)]
+pub struct Handover {
+    /// What to route.
+    pub what: Handed,
+    /// Where its outcome goes.
+    pub reply: tokio::sync::oneshot::Sender<Result<Buffer, SendError>>,
+}
+
+/// The sending end of the coordinator's hand-overs: bounded by the node's credits.
+pub type Handovers = futures::channel::mpsc::Sender<Handover>;
+
+/// Hands `what` to the coordinator behind `handovers` (waiting for room); resolves once it
+/// is in the channel, with the future of its outcome, which comes whether or not that
+/// future is polled.
+pub async fn hand_over(
+    handovers: &Handovers,
+    what: Handed,
+) -> futures::future::BoxFuture<'static, Result<Buffer, SendError>> {
+    let stopped = |buffer| SendError {
+        error: Error::ShuttingDown,
+        buffer,
+    };
+    let (reply, outcome) = tokio::sync::oneshot::channel();
+    let mut tx = handovers.clone();
+    let buffer_of = |h: Handover| match h.what {
+        Handed::Send(m) => m.buffer,
+        Handed::Put(m) => m.buffer,
+    };
+    if futures::future::poll_fn(|cx| tx.poll_ready(cx))
+        .await
+        .is_err()
+    {
+        let failed = Err(stopped(Some(buffer_of(Handover { what, reply }))));
+        return Box::pin(std::future::ready(failed));
+    }
+    if let Err(e) = tx.try_send(Handover { what, reply }) {
+        let failed = Err(stopped(Some(buffer_of(e.into_inner()))));
+        return Box::pin(std::future::ready(failed));
+    }
+    Box::pin(async move { outcome.await.unwrap_or_else(|_| Err(stopped(None))) })
+}
+
+impl StreamHandler<Handover> for Coordinator {
+    fn handle(&mut self, Handover { what, reply }: Handover, ctx: &mut Self::Context) {
+        let routed = match what {
+            Handed::Send(m) => <Self as Handler<SendTo>>::handle(self, m, ctx),
+            Handed::Put(m) => <Self as Handler<PutTo>>::handle(self, m, ctx),
+        };
+        ctx.spawn(routed.into_actor(self).map(move |outcome, _, _| {
+            let _ = reply.send(outcome);
+        }));
+    }
+
+    /// The node dropped its sender (it stops): nothing more comes.
+    fn finished(&mut self, _: &mut Self::Context) {}
+}
+
 /// Fetch what `peer` published under `key` (one flight's request: single flight is the
 /// node's, see [`crate::fetch`]).
 #[derive(Debug, Message)]
@@ -189,6 +258,10 @@ enum LinkState {
 
 struct Session {
     addr: Addr<TransferActor>,
+    /// Where sends to the peer go (the actor reads them in order; see [`Submission`]).
+    ///
+    /// [`Submission`]: crate::peer::Submission
+    submissions: crate::peer::Submissions,
     epoch: u64,
     state: LinkState,
     hello: Option<Hello>,
@@ -481,14 +554,19 @@ impl Coordinator {
         self.next_epoch += 1;
         let mailbox = self.setup.config.limits.mailbox;
         let actor = TransferActor::new(peer.to_string(), epoch, self.transfer_setup(ctx));
+        // Bounded by the peer's credit, which every send, put or fetch answer holds.
+        let (submissions, submitted) =
+            futures::channel::mpsc::channel(self.setup.config.limits.peer_queue);
         let addr = TransferActor::create(move |c| {
             c.set_mailbox_capacity(mailbox);
+            c.add_stream(submitted);
             actor
         });
         if let Some(old) = self.sessions.insert(
             peer.to_string(),
             Session {
                 addr,
+                submissions,
                 epoch,
                 state,
                 hello: None,
@@ -595,8 +673,12 @@ impl Coordinator {
                 })
             });
         }
-        let addr = match self.session_for(&peer, ctx) {
-            Ok(a) => a,
+        let submissions = self
+            .session_for(&peer, ctx)
+            .and_then(|_| self.sessions.get(&peer).ok_or(Error::ShuttingDown))
+            .map(|s| s.submissions.clone());
+        let submissions = match submissions {
+            Ok(s) => s,
             Err(error) => {
                 return Box::pin(async move {
                     Err(SendError {
@@ -606,21 +688,13 @@ impl Coordinator {
                 });
             }
         };
-        let request = addr.send(Submit {
+        let submit = Submit {
             op,
             buffer,
             deadline,
             peer_class: PeerClass::of(self.locality(&peer)),
-        });
-        Box::pin(async move {
-            request.await.unwrap_or(Err(SendError {
-                error: Error::PeerLost {
-                    peer,
-                    detail: "its transfer actor stopped".into(),
-                },
-                buffer: None,
-            }))
-        })
+        };
+        Box::pin(async move { crate::peer::submit(&submissions, submit, &peer).await })
     }
 }
 

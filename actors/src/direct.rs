@@ -10,11 +10,10 @@
 //!
 //! [`Node::send`]: crate::node::Node::send
 
-use actix::Addr;
 use ferry_config::{MemoryClass, TransportName};
 use ferry_transports::wire::WireDirection;
 
-use crate::peer::{PeerClass, TransferActor};
+use crate::peer::PeerClass;
 
 /// The route one send takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,8 +32,8 @@ pub struct Routed {
 /// A peer's routes, and where its sends go.
 #[derive(Debug)]
 pub struct DirectRoutes {
-    /// The peer's transfer actor.
-    pub(crate) addr: Addr<TransferActor>,
+    /// Where sends to the peer's transfer actor go.
+    pub(crate) submissions: crate::peer::Submissions,
     /// Where the peer is, for the metrics.
     pub(crate) peer_class: PeerClass,
     /// The routes.

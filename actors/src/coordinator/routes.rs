@@ -105,7 +105,7 @@ impl Coordinator {
             return;
         };
         let routes = crate::direct::DirectRoutes {
-            addr: s.addr.clone(),
+            submissions: s.submissions.clone(),
             peer_class: PeerClass::of(self.locality(peer)),
             table: table.unwrap_or_else(|| self.route_table(peer)),
         };

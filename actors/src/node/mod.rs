@@ -41,11 +41,11 @@ use self::start::*;
 pub use self::start::{has_rdma_device, start_ucx_engine, ucx_settings};
 
 /// Where a send's message goes (see `Node::with_credit`).
-enum Via<M> {
+enum Via {
     /// The coordinator, which routes it (dialing the peer first when need be).
-    Coordinator(M),
+    Coordinator(crate::coordinator::Handed),
     /// The peer's transfer actor, the send routed from the peer's table.
-    Actor(Addr<crate::peer::TransferActor>, crate::peer::Submit),
+    Actor(crate::peer::Submissions, crate::peer::Submit),
 }
 
 /// A running ferry node.
@@ -53,6 +53,8 @@ pub struct Node {
     name: String,
     config: Arc<Config>,
     coordinator: Addr<Coordinator>,
+    /// Where sends and puts go to be routed by the coordinator.
+    handovers: crate::coordinator::Handovers,
     inbox: Arc<Inbox>,
     host: DomainHandle,
     pinned: DomainHandle,
@@ -181,6 +183,7 @@ impl Node {
             name: config.node.name.clone(),
             config,
             coordinator: started.coordinator,
+            handovers: started.handovers,
             inbox: shared.inbox,
             host: started.host,
             pinned: started.pinned,
@@ -463,11 +466,11 @@ impl Node {
         let src = crate::coordinator::memory_class(buffer.kind());
         let direct = self.direct.get(peer).and_then(|d| {
             let routed = d.table.route(src, packed)?.clone();
-            Some((d.addr.clone(), d.peer_class, routed))
+            Some((d.submissions.clone(), d.peer_class, routed))
         });
         // The layout moves into whichever message is made.
         let make = move |buffer, may_go_direct: bool| match direct.filter(|_| may_go_direct) {
-            Some((addr, peer_class, routed)) => {
+            Some((submissions, peer_class, routed)) => {
                 crate::coordinator::count_failovers(&routed);
                 let op = crate::peer::Op::Send {
                     tag,
@@ -484,9 +487,9 @@ impl Node {
                     deadline,
                     peer_class,
                 };
-                Via::Actor(addr, submit)
+                Via::Actor(submissions, submit)
             }
-            None => Via::Coordinator(SendTo {
+            None => Via::Coordinator(crate::coordinator::Handed::Send(SendTo {
                 peer: peer.to_string(),
                 tag,
                 buffer,
@@ -494,7 +497,7 @@ impl Node {
                 packed,
                 deadline,
                 fetch: None,
-            }),
+            })),
         };
         self.with_credit(peer, deadline, buffer, make).await
     }
@@ -523,17 +526,13 @@ impl Node {
     /// may send to the peer's transfer actor itself (it is told so) only when no message to
     /// the coordinator for the peer is still unanswered: the coordinator might not have
     /// passed it on yet, and the order would break.
-    async fn with_credit<M>(
+    async fn with_credit(
         &self,
         peer: &str,
         deadline: Instant,
         buffer: Buffer,
-        make: impl FnOnce(Buffer, bool) -> Via<M>,
-    ) -> Result<Buffer, SendError>
-    where
-        M: actix::Message<Result = Result<Buffer, SendError>> + Send + 'static,
-        Coordinator: Handler<M>,
-    {
+        make: impl FnOnce(Buffer, bool) -> Via,
+    ) -> Result<Buffer, SendError> {
         // The turn has a deadline too: a send queued behind one that waits long for credit
         // fails at its own deadline (dropped, its ticket is skipped).
         let order = self.order(peer);
@@ -552,32 +551,22 @@ impl Node {
                 });
             }
         };
-        // Queued before the next send to the peer may queue its own. Through a fresh sender:
-        // the shared one, once parked by a full mailbox, would hold the message until the
-        // request is polled, after `pass` let the next send go.
-        let message = match make(buffer, order.coordinator_idle()) {
-            Via::Coordinator(message) => message,
-            Via::Actor(addr, submit) => {
-                let request = addr.send(submit);
+        // Handed over before the next send to the peer may hand over its own (the turn
+        // passes once it is in the channel), over a channel the receiving actor reads: once
+        // handed over, it runs to its end whether or not this future is still polled.
+        match make(buffer, order.coordinator_idle()) {
+            Via::Actor(submissions, submit) => {
+                let handed = crate::peer::hand_over(&submissions, submit, peer).await;
                 turn.pass();
-                return request.await.unwrap_or_else(|_| {
-                    Err(SendError {
-                        error: Error::PeerLost {
-                            peer: peer.to_string(),
-                            detail: "its transfer actor stopped".into(),
-                        },
-                        buffer: None,
-                    })
-                });
+                handed.await
             }
-        };
-        let _unanswered = order.via_coordinator();
-        let request = self.coordinator.clone().send(message);
-        turn.pass();
-        request.await.unwrap_or(Err(SendError {
-            error: Error::ShuttingDown,
-            buffer: None,
-        }))
+            Via::Coordinator(message) => {
+                let _unanswered = order.via_coordinator();
+                let handed = crate::coordinator::hand_over(&self.handovers, message).await;
+                turn.pass();
+                handed.await
+            }
+        }
     }
 
     /// Waits until `peer` may take one more transfer, put or fetch, until `deadline`.
@@ -650,7 +639,7 @@ impl Node {
             buffer,
             deadline,
         };
-        let make = |buffer, _| Via::Coordinator(message(buffer));
+        let make = |buffer, _| Via::Coordinator(crate::coordinator::Handed::Put(message(buffer)));
         self.with_credit(peer, deadline, buffer, make).await
     }
 

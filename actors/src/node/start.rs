@@ -228,6 +228,8 @@ pub(super) struct ActorParts {
 /// The actors, as the node's handle holds them.
 pub(super) struct Started {
     pub(super) coordinator: Addr<Coordinator>,
+    /// Where sends and puts go to be routed by the coordinator.
+    pub(super) handovers: crate::coordinator::Handovers,
     pub(super) host: DomainHandle,
     pub(super) pinned: DomainHandle,
     pub(super) gpus: crate::gpu::SharedGpus,
@@ -353,6 +355,8 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         host_id: Arc::clone(&host_id),
         published: shared.published,
     };
+    // Bounded by the node's credits (each hand-over holds one of its peer's).
+    let (handovers, handed) = futures::channel::mpsc::channel(config.limits.peer_queue);
     let coordinator = Coordinator::new(CoordinatorSetup {
         config: Arc::clone(&config),
         secret,
@@ -360,10 +364,14 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         transfer,
         inbox: shared.inbox,
         receives,
-    })
-    .start();
+    });
+    let coordinator = Coordinator::create(move |ctx| {
+        ctx.add_stream(handed);
+        coordinator
+    });
     Started {
         coordinator,
+        handovers,
         host,
         pinned,
         gpus,

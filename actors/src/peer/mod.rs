@@ -213,9 +213,8 @@ impl PeerClass {
     }
 }
 
-/// Run `op` with `buffer`; resolves when it ended, giving the buffer back.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Buffer, SendError>")]
+/// Run `op` with `buffer` (handed over as a [`Submission`]); ends giving the buffer back.
+#[derive(Debug)]
 pub struct Submit {
     /// What to do.
     pub op: Op,
@@ -225,6 +224,65 @@ pub struct Submit {
     pub deadline: Instant,
     /// Where the peer is (for metrics only).
     pub peer_class: PeerClass,
+}
+
+/// A submission with where its outcome goes. The node hands it to the peer's actor over a
+/// bounded channel the actor reads ([`Submissions`]), never as an actix request: actix
+/// drops a request whose caller stopped waiting without handling it, and a send dropped by
+/// its caller must still run to its end (its buffer is the transfer's once handed over).
+#[derive(Debug)]
+pub struct Submission {
+    /// What to do.
+    pub submit: Submit,
+    /// Where its outcome goes (a caller that stopped waiting drops the buffer it gets).
+    pub reply: oneshot::Sender<Result<Buffer, SendError>>,
+}
+
+/// The sending end of a transfer actor's submissions: bounded by the peer's credit
+/// (`limits.peer_queue`), which every submission holds until it ended.
+pub type Submissions = futures::channel::mpsc::Sender<Submission>;
+
+/// Hands `submit` to the actor behind `submissions` (waiting for room, which the peer's
+/// credit bounds) and resolves with its outcome. Once handed over it runs to its end even
+/// if this future is dropped.
+pub async fn submit(
+    submissions: &Submissions,
+    submit: Submit,
+    peer: &str,
+) -> Result<Buffer, SendError> {
+    hand_over(submissions, submit, peer).await.await
+}
+
+/// Hands `submit` to the actor behind `submissions` (waiting for room, which the peer's
+/// credit bounds); resolves once it is in the channel, with the future of its outcome.
+pub async fn hand_over(
+    submissions: &Submissions,
+    submit: Submit,
+    peer: &str,
+) -> futures::future::BoxFuture<'static, Result<Buffer, SendError>> {
+    let peer = peer.to_string();
+    let lost = move |buffer| SendError {
+        error: Error::PeerLost {
+            peer: peer.clone(),
+            detail: "its transfer actor stopped".into(),
+        },
+        buffer,
+    };
+    let (reply, outcome) = oneshot::channel();
+    let mut tx = submissions.clone();
+    // Room first, then the hand-over, which gives the submission back if the actor went.
+    if futures::future::poll_fn(|cx| tx.poll_ready(cx))
+        .await
+        .is_err()
+    {
+        let failed = Err(lost(Some(submit.buffer)));
+        return Box::pin(std::future::ready(failed));
+    }
+    if let Err(e) = tx.try_send(Submission { submit, reply }) {
+        let failed = Err(lost(Some(e.into_inner().submit.buffer)));
+        return Box::pin(std::future::ready(failed));
+    }
+    Box::pin(async move { outcome.await.unwrap_or_else(|_| Err(lost(None))) })
 }
 
 /// Hand the actor its link.
@@ -506,19 +564,14 @@ impl Actor for TransferActor {
     }
 }
 
-impl Handler<Submit> for TransferActor {
-    type Result = ResponseFuture<Result<Buffer, SendError>>;
-
-    fn handle(&mut self, msg: Submit, ctx: &mut Self::Context) -> Self::Result {
-        let (reply, rx) = oneshot::channel();
-        self.hold(msg, reply, ctx);
-        Box::pin(async move {
-            rx.await.unwrap_or(Err(SendError {
-                error: Error::ShuttingDown,
-                buffer: None,
-            }))
-        })
+impl StreamHandler<Submission> for TransferActor {
+    fn handle(&mut self, Submission { submit, reply }: Submission, ctx: &mut Self::Context) {
+        self.hold(submit, reply, ctx);
     }
+
+    /// Every sender went (the node and the coordinator dropped theirs): the session goes
+    /// on with what it holds.
+    fn finished(&mut self, _: &mut Self::Context) {}
 }
 
 impl Handler<Attach> for TransferActor {
