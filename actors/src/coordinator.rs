@@ -39,7 +39,7 @@ use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
 use crate::peer::{
-    Attach, AwaitLink, DialRefused, Drain, IpcSettled, Lost, Op, PeerClass, SessionEnded, Submit,
+    Attach, AwaitLink, DialRefused, Drain, Lost, Op, PeerClass, SessionEnded, SetupSettled, Submit,
     TransferActor, TransferSetup,
 };
 
@@ -182,21 +182,17 @@ pub struct Explain {
     pub dst: Option<MemoryClass>,
 }
 
-/// The lanes of this node's UCX endpoint to `peer` (see [`crate::peer::AskUcxLanes`]).
+/// What one transport's part of the session with `peer` says of itself for a diagnostic
+/// (see [`crate::peer::Inspect`]).
 #[derive(Debug, Message)]
-#[rtype(result = "Result<ferry_transports::ucx::EndpointLanes, Error>")]
-pub struct UcxLanesOf {
+#[rtype(result = "Result<Box<dyn std::any::Any + Send>, Error>")]
+pub struct InspectPeer {
     /// Peer name.
     pub peer: String,
-}
-
-/// How many keys of `peer`'s registrations this node's UCX endpoint to it holds unpacked
-/// (see [`crate::peer::AskUcxKeys`]).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<usize, Error>")]
-pub struct UcxKeysOf {
-    /// Peer name.
-    pub peer: String,
+    /// Which transport's part.
+    pub transport: ferry_config::TransportName,
+    /// What it is asked (the transport's own word: ucx's `"lanes"`).
+    pub what: String,
 }
 
 /// A link finished its handshake.
@@ -265,8 +261,8 @@ struct Session {
     epoch: u64,
     state: LinkState,
     hello: Option<Hello>,
-    /// How the ipc setup with the peer ended, once it did.
-    ipc: Option<crate::core::ipc_setup::SetupOutcome>,
+    /// How each transport's setup with the peer ended, once it did.
+    setups: HashMap<ferry_config::TransportName, ferry_transports::transport::setup::SetupOutcome>,
 }
 
 /// What the coordinator needs to start.
@@ -331,12 +327,11 @@ pub struct TransferSetupBase {
     /// Each connected peer's routes, which the node's `send` takes without asking the
     /// coordinator ([`crate::direct`]).
     pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
-    /// `transport.ipc.lane_max` and `lane_spin`.
-    pub lane: ferry_transports::ipc::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
-    /// The transports this node serves: the registry's, with what the configuration turned
-    /// off marked not viable (with why), and the UCX engine when it serves ucx.
+    /// What this node takes eagerly over the link from a peer (its hello granted the same).
+    pub eager: crate::core::session::EagerTerms,
+    /// The transports this node serves, started with its settings.
     pub transports: NodeTransports,
     /// This node's host identity: a peer whose hello says the same is on this host.
     pub host_id: Arc<str>,
@@ -347,80 +342,42 @@ pub struct TransferSetupBase {
 /// The transports a node serves, as its hello announces them and its routes choose.
 #[derive(Clone)]
 pub struct NodeTransports {
-    /// Each transport's declaration and whether this node can use it.
+    /// Each transport's declaration and whether this node can use it (with this node's
+    /// settings: ucx is served exactly when its engine started).
     pub catalog: Vec<(Capabilities, Viability)>,
-    /// The UCX engine, when this node serves ucx.
-    pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
-    /// How long a registration a peer may still read is held after a cancel or a lost link.
-    pub ucx_hold: Duration,
-    /// `transport.ucx.emulated_push`: lend memory to a peer's ucx push even where UCX
-    /// would emulate its writes over tcp.
-    pub ucx_emulated_push: bool,
-    /// What this node takes eagerly over tcp (`transport.tcp.eager_max`, `eager_credit`),
-    /// as its hello grants it to every peer.
-    pub tcp_eager: crate::core::session::EagerTerms,
+    /// The transports, which make each session's parts.
+    pub started: Vec<Arc<dyn ferry_transports::transport::Transport>>,
 }
 
 impl NodeTransports {
-    /// The registry's transports with ucx as `ucx` says: served with its engine, or not
-    /// viable for the reason given.
-    pub fn new(
-        ucx: Result<Arc<ferry_transports::ucx::Engine>, crate::peer::UcxOff>,
-        ucx_hold: Duration,
-    ) -> Self {
-        let mut catalog = ferry_transports::registry::catalog();
-        // A transport the node starts with its own configuration is served exactly when it
-        // started (ucx's engine, with the configured library, which the registry's own probe
-        // of the default library does not know).
-        let (started, verdict) = crate::peer::ucx_verdict(&ucx);
-        for (caps, viability) in &mut catalog {
-            if caps.name == started {
-                *viability = verdict.clone();
-            }
-        }
-        Self {
-            catalog,
-            ucx: ucx.ok(),
-            ucx_hold,
-            ucx_emulated_push: false,
-            tcp_eager: crate::core::session::EagerTerms::default(),
-        }
+    /// The node's `started` transports.
+    pub fn new(started: Vec<Arc<dyn ferry_transports::transport::Transport>>) -> Self {
+        let catalog = (started.iter())
+            .map(|t| (t.capabilities().clone(), t.viability()))
+            .collect();
+        Self { catalog, started }
     }
 
     /// The transports this node cannot use with a peer that greeted it with `hello`, each
     /// with why (a peer on another UCX release: its addresses and keys do not unpack here).
     /// A transport either end does not serve is not listed: routing says that on its own.
     pub fn unusable_with(&self, hello: &Hello) -> Vec<(ferry_config::TransportName, String)> {
-        self.ucx
-            .iter()
-            .filter_map(|engine| {
-                let address = hello.announced(ferry_transports::ucx::UcxSource::TRANSPORT)?;
-                crate::peer::ucx_unusable_with(engine, address)
+        (self.started.iter())
+            .filter(|t| t.viability() == Viability::Viable)
+            .filter_map(|t| {
+                let theirs = hello.announced(t.name())?;
+                t.usable_with(theirs).err().map(|why| (t.name(), why))
             })
             .collect()
     }
 
     /// What this node's hello says of each transport it serves.
     pub fn announce(&self) -> Vec<ferry_transports::wire::Announce> {
-        use ferry_transports::{tcp::TcpTerms, ucx::UcxSource};
-        self.served()
-            .into_iter()
-            .map(|name| {
-                let terms = if name == UcxSource::TRANSPORT {
-                    self.ucx.as_ref().map(|e| e.address())
-                } else if name == TcpTerms::TRANSPORT {
-                    let terms = TcpTerms {
-                        eager_max: self.tcp_eager.max,
-                        eager_credit: self.tcp_eager.credit,
-                    };
-                    terms.announce().ok()
-                } else {
-                    None
-                };
-                ferry_transports::wire::Announce {
-                    transport: name.into(),
-                    terms: terms.unwrap_or_default(),
-                }
+        (self.started.iter())
+            .filter(|t| t.viability() == Viability::Viable)
+            .map(|t| ferry_transports::wire::Announce {
+                transport: t.name().into(),
+                terms: t.announce(),
             })
             .collect()
     }
@@ -538,12 +495,9 @@ impl Coordinator {
             io: base.io,
             lanes: base.lanes,
             inbox: Arc::clone(&self.inbox),
-            lane: base.lane,
             staged: base.staged,
-            ucx: base.transports.ucx,
-            ucx_hold: base.transports.ucx_hold,
-            ucx_emulated_push: base.transports.ucx_emulated_push,
-            eager: base.transports.tcp_eager,
+            transports: base.transports.started,
+            eager: base.eager,
             published: base.published,
             serve: ctx.address().recipient(),
         }
@@ -570,7 +524,7 @@ impl Coordinator {
                 epoch,
                 state,
                 hello: None,
-                ipc: None,
+                setups: HashMap::new(),
             },
         ) {
             // The old session's actor fails its ops and stops; its end is ignored.
@@ -852,19 +806,15 @@ impl Handler<FetchFrom> for Coordinator {
     }
 }
 
-impl Handler<UcxLanesOf> for Coordinator {
-    type Result = ResponseFuture<Result<ferry_transports::ucx::EndpointLanes, Error>>;
+impl Handler<InspectPeer> for Coordinator {
+    type Result = ResponseFuture<Result<Box<dyn std::any::Any + Send>, Error>>;
 
-    fn handle(&mut self, msg: UcxLanesOf, ctx: &mut Self::Context) -> Self::Result {
-        self.ask_peer(msg.peer, crate::peer::AskUcxLanes, ctx)
-    }
-}
-
-impl Handler<UcxKeysOf> for Coordinator {
-    type Result = ResponseFuture<Result<usize, Error>>;
-
-    fn handle(&mut self, msg: UcxKeysOf, ctx: &mut Self::Context) -> Self::Result {
-        self.ask_peer(msg.peer, crate::peer::AskUcxKeys, ctx)
+    fn handle(&mut self, msg: InspectPeer, ctx: &mut Self::Context) -> Self::Result {
+        let ask = crate::peer::Inspect {
+            transport: msg.transport,
+            what: msg.what,
+        };
+        self.ask_peer(msg.peer, ask, ctx)
     }
 }
 
@@ -1070,18 +1020,18 @@ impl Handler<DialRefused> for Coordinator {
     }
 }
 
-impl Handler<IpcSettled> for Coordinator {
+impl Handler<SetupSettled> for Coordinator {
     type Result = ();
 
-    fn handle(&mut self, msg: IpcSettled, _: &mut Self::Context) {
+    fn handle(&mut self, msg: SetupSettled, _: &mut Self::Context) {
         let Some(s) = self.sessions.get_mut(&msg.peer) else {
             return;
         };
         if s.epoch != msg.epoch {
             return;
         }
-        let ok = msg.outcome == crate::core::ipc_setup::SetupOutcome::Ok;
-        s.ipc = Some(msg.outcome);
+        let ok = msg.outcome == ferry_transports::transport::setup::SetupOutcome::Ok;
+        s.setups.insert(msg.transport, msg.outcome);
         let table = self.route_table(&msg.peer);
         let lane = self
             .setup
@@ -1089,8 +1039,10 @@ impl Handler<IpcSettled> for Coordinator {
             .lanes
             .get(&msg.peer)
             .map(|l| Arc::clone(&l));
-        if let Some(lane) = lane.filter(|_| ok) {
-            let _ = lane.routes.set(table.lane_routes());
+        // The transport's fast path to the peer (published before this notice) carries what
+        // the rules send over it by pull.
+        if let Some(lane) = lane.filter(|l| ok && l.transport == msg.transport) {
+            let _ = lane.routes.set(table.fast_routes(msg.transport));
         }
         self.publish_direct(&msg.peer, Some(table));
     }

@@ -61,16 +61,15 @@ impl RouteTable {
         Self { ranges }
     }
 
-    /// Which sizes of contiguous device buffer go by pull over the transport that declares
-    /// the lane: what the peer's lane may carry.
-    pub fn lane_routes(&self) -> FastRoutes {
+    /// Which sizes of contiguous device buffer go by pull over `transport`: what the
+    /// peer's fast path of that transport may carry.
+    pub fn fast_routes(&self, transport: TransportName) -> FastRoutes {
         let device = self.ranges.iter().find(|(s, _)| *s == MemoryClass::Device);
         let ranges = device.map_or_else(Vec::new, |(_, ranges)| {
             (ranges.iter())
                 .map(|(start, routed)| {
                     let lane = routed.as_ref().is_some_and(|r| {
-                        ferry_transports::registry::declared(r.transport).lane
-                            && r.direction == WireDirection::Pull
+                        r.transport == transport && r.direction == WireDirection::Pull
                     });
                     (*start, lane)
                 })
@@ -132,6 +131,8 @@ impl FastRoutes {
 /// setup with the peer settled; no send takes it before).
 #[derive(Debug)]
 pub struct FastLane {
+    /// The transport whose sends it carries.
+    pub transport: TransportName,
     /// The path.
     pub path: std::sync::Arc<dyn ferry_transports::transport::FastPath>,
     /// Which sizes the rules send this way.
@@ -139,9 +140,13 @@ pub struct FastLane {
 }
 
 impl FastLane {
-    /// `path`, with no routes yet.
-    pub fn new(path: std::sync::Arc<dyn ferry_transports::transport::FastPath>) -> Self {
+    /// `transport`'s `path`, with no routes yet.
+    pub fn new(
+        transport: TransportName,
+        path: std::sync::Arc<dyn ferry_transports::transport::FastPath>,
+    ) -> Self {
         Self {
+            transport,
             path,
             routes: std::sync::OnceLock::new(),
         }
@@ -189,7 +194,7 @@ mod tests {
         assert_eq!(of(MemoryClass::Host, 5), Some(TransportName::Tcp));
         assert_eq!(of(MemoryClass::Pinned, 5), None);
         // The lane carries device pulls over ipc: up to 1 MiB.
-        let lane = table.lane_routes();
+        let lane = table.fast_routes(TransportName::Ipc);
         assert!(lane.takes(1 << 20) && !lane.takes((1 << 20) + 1));
     }
 

@@ -337,8 +337,6 @@ pub struct PathDeliveries {
     pub inbox: Arc<Inbox>,
     /// The peer.
     pub peer: String,
-    /// The transport whose transfers the path stands in for: what deliveries report.
-    pub transport: TransportName,
     /// The peer's slow transfers on their way to the inbox.
     pub undelivered: crate::order::Undelivered,
 }
@@ -346,6 +344,7 @@ pub struct PathDeliveries {
 impl ferry_transports::transport::Deliveries for PathDeliveries {
     fn deliver_in_order(
         &self,
+        transport: TransportName,
         tag: u64,
         buffer: Buffer,
         stop: &AtomicBool,
@@ -353,7 +352,7 @@ impl ferry_transports::transport::Deliveries for PathDeliveries {
         if !self.undelivered.wait_clear(stop) {
             return None;
         }
-        let wake = (self.inbox).deliver_lane(&self.peer, tag, self.transport, buffer);
+        let wake = (self.inbox).deliver_lane(&self.peer, tag, transport, buffer);
         Some(Box::new(wake))
     }
 

@@ -49,6 +49,34 @@ pub fn carrier(name: TransportName) -> Carrier {
     declared(name).carrier
 }
 
+/// The node-wide settings the built-in transports start with.
+pub struct Settings {
+    /// tcp: the eager credit this node grants its peers.
+    pub tcp: crate::tcp::TcpTerms,
+    /// ipc: the lane's settings.
+    pub lane: crate::ipc::lane::LaneSettings,
+    /// ucx: the engine the node started, or why it serves no ucx; how long a registration
+    /// a peer may still use is held (`memory.export_lease_timeout`); whether memory is lent
+    /// to emulated pushes (`transport.ucx.emulated_push`).
+    pub ucx: (
+        Result<std::sync::Arc<crate::ucx::Engine>, crate::ucx::UcxOff>,
+        std::time::Duration,
+        bool,
+    ),
+}
+
+/// The built-in transports as one node serves them, one line each, in the catalog's
+/// order.
+pub fn start(settings: Settings) -> Vec<std::sync::Arc<dyn crate::transport::Transport>> {
+    let (engine, hold, emulated_push) = settings.ucx;
+    vec![
+        std::sync::Arc::new(crate::tcp::TcpTransport::new(settings.tcp)),
+        std::sync::Arc::new(crate::ipc::IpcTransport::new(settings.lane)),
+        std::sync::Arc::new(crate::staged::StagedTransport::default()),
+        std::sync::Arc::new(crate::ucx::UcxTransport::new(engine, hold, emulated_push)),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

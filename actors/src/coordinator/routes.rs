@@ -128,18 +128,21 @@ impl Coordinator {
         // Before the first link to the peer there is no hello: `destination` assumes host.
         let receives = hello.map(|h| memory_class(MemoryKind::from_wire(h.receives)));
         let (dst, dst_from) = route::destination(dst, receives);
-        let bad = crate::core::ipc_setup::SetupOutcome::Bad(
-            crate::core::ipc_setup::SetupFailure::PeerRefused("fallback".into()),
+        let bad = ferry_transports::transport::setup::SetupOutcome::Bad(
+            ferry_transports::transport::setup::SetupFailure::PeerRefused("fallback".into()),
         );
-        let settled = self.sessions.get(peer).and_then(|s| s.ipc.clone());
+        let settled = self.sessions.get(peer).map(|s| &s.setups);
         // What the peer's hello rules out here (another UCX release, say).
         let unusable: Vec<_> = hello
             .map(|h| self.setup.transfer.transports.unusable_with(h))
             .unwrap_or_default()
             .into_iter()
             .map(|(t, why)| {
-                let why = crate::core::ipc_setup::SetupFailure::Incompatible(why);
-                (t, crate::core::ipc_setup::SetupOutcome::Bad(why))
+                let why = ferry_transports::transport::setup::SetupFailure::Incompatible(why);
+                (
+                    t,
+                    ferry_transports::transport::setup::SetupOutcome::Bad(why),
+                )
             })
             .collect();
         let setup = |t: ferry_config::TransportName| {
@@ -148,7 +151,7 @@ impl Coordinator {
             } else if let Some((_, why)) = unusable.iter().find(|(u, _)| *u == t) {
                 Some(why.clone())
             } else if ferry_transports::registry::declared(t).per_peer_setup {
-                settled.clone()
+                settled.and_then(|s| s.get(&t)).cloned()
             } else {
                 None
             }

@@ -6,7 +6,6 @@
 pub mod budget;
 pub mod discovery;
 pub mod exports;
-pub mod ipc_setup;
 pub mod liveness;
 pub mod mailroom;
 pub mod route;

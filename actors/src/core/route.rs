@@ -9,7 +9,7 @@
 use ferry_config::{Direction, Locality, MemoryClass, Rule, TransportName};
 use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
 
-use crate::core::ipc_setup::SetupOutcome;
+use ferry_transports::transport::setup::SetupOutcome;
 
 /// What is being routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,7 +271,7 @@ mod tests {
 
     #[test]
     fn failed_setup_falls_back_to_the_next_transport() {
-        use crate::core::ipc_setup::SetupFailure;
+        use ferry_transports::transport::setup::SetupFailure;
         // A test catalog: ipc viable and, for this test, able to move host memory, so that
         // ipc and tcp both suit the transfer and only the setup tells them apart.
         let mut catalog = catalog();

@@ -934,9 +934,35 @@ impl Node {
         &self,
         peer: &str,
     ) -> Result<ferry_transports::ucx::EndpointLanes, Error> {
+        let lanes = self
+            .inspect(peer, ferry_transports::ucx::UcxSource::TRANSPORT, "lanes")
+            .await?;
+        lanes
+            .downcast::<ferry_transports::ucx::EndpointLanes>()
+            .map(|l| *l)
+            .map_err(|_| Error::unsupported("ucx answered the lanes with something else"))
+    }
+
+    /// What one transport's part of the session with `peer` says of itself for a
+    /// diagnostic (`what` is the transport's own word: ucx answers `"lanes"` with its
+    /// [`ferry_transports::ucx::EndpointLanes`], `"unpacked_keys"` with a `usize`).
+    /// Connects (the link) if needed.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the part says nothing of `what` (or this node does not
+    /// serve the transport); [`Error::Transport`] when it could not find out; as
+    /// [`Node::connect`] for the link.
+    pub async fn inspect(
+        &self,
+        peer: &str,
+        transport: ferry_config::TransportName,
+        what: &str,
+    ) -> Result<Box<dyn std::any::Any + Send>, Error> {
         self.coordinator
-            .send(crate::coordinator::UcxLanesOf {
+            .send(crate::coordinator::InspectPeer {
                 peer: peer.to_string(),
+                transport,
+                what: what.to_string(),
             })
             .await
             .map_err(|_| Error::ShuttingDown)?
@@ -949,12 +975,16 @@ impl Node {
     /// # Errors
     /// As [`Node::connect`] for the link.
     pub async fn ucx_unpacked_keys(&self, peer: &str) -> Result<usize, Error> {
-        self.coordinator
-            .send(crate::coordinator::UcxKeysOf {
-                peer: peer.to_string(),
-            })
-            .await
-            .map_err(|_| Error::ShuttingDown)?
+        let keys = self
+            .inspect(
+                peer,
+                ferry_transports::ucx::UcxSource::TRANSPORT,
+                "unpacked_keys",
+            )
+            .await?;
+        keys.downcast::<usize>()
+            .map(|k| *k)
+            .map_err(|_| Error::unsupported("ucx answered the keys with something else"))
     }
 
     /// Peers with a live link.

@@ -317,15 +317,28 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     // ipc peer may map: each of its UCX operations is at most 16 MiB, served or applied
     // here within milliseconds of arriving (op_timeout bounds the peer's wait for an
     // answer, not how long ours takes), so the lease (10 s by default) covers them.
-    let mut transports = crate::coordinator::NodeTransports::new(
-        start_ucx(&config, gpus.gpus.first().map(|(_, g)| &g.device)),
-        config.memory.export_lease_timeout,
-    );
-    transports.ucx_emulated_push = config.transport.ucx.emulated_push;
-    transports.tcp_eager = crate::core::session::EagerTerms {
+    let eager = crate::core::session::EagerTerms {
         max: config.transport.tcp.eager_max,
         credit: config.transport.tcp.eager_credit,
     };
+    let transports = crate::coordinator::NodeTransports::new(ferry_transports::registry::start(
+        ferry_transports::registry::Settings {
+            tcp: ferry_transports::tcp::TcpTerms {
+                eager_max: eager.max,
+                eager_credit: eager.credit,
+            },
+            lane: ferry_transports::ipc::lane::LaneSettings {
+                max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
+                spin: config.transport.ipc.lane_spin,
+                gather_max: usize::try_from(config.transport.ipc.gather_max).unwrap_or(0),
+            },
+            ucx: (
+                start_ucx(&config, gpus.first_device()),
+                config.memory.export_lease_timeout,
+                config.transport.ucx.emulated_push,
+            ),
+        },
+    ));
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),
@@ -339,11 +352,6 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         io,
         lanes: shared.lanes,
         direct: shared.direct,
-        lane: ferry_transports::ipc::lane::LaneSettings {
-            max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
-            spin: config.transport.ipc.lane_spin,
-            gather_max: usize::try_from(config.transport.ipc.gather_max).unwrap_or(0),
-        },
         staged: crate::staged::StagedSettings {
             slots: config.transport.staged.slots,
             chunk: config.transport.staged.chunk,
@@ -351,6 +359,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
             link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
             spin: config.transport.staged.spin,
         },
+        eager,
         transports: transports.clone(),
         host_id: Arc::clone(&host_id),
         published: shared.published,
@@ -386,9 +395,9 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
 pub(super) fn start_ucx(
     config: &Config,
     gpu: Option<&ferry_transports::cuda::Device>,
-) -> Result<Arc<ferry_transports::ucx::Engine>, crate::peer::UcxOff> {
-    use crate::peer::UcxOff;
+) -> Result<Arc<ferry_transports::ucx::Engine>, ferry_transports::ucx::UcxOff> {
     use ferry_config::UcxMode;
+    use ferry_transports::ucx::UcxOff;
     let ucx = &config.transport.ucx;
     match ucx.enabled {
         UcxMode::Off => return Err(UcxOff::Disabled),

@@ -10,13 +10,12 @@ impl TransferActor {
         let lane = claims.lane.load(Ordering::Relaxed).saturating_sub(*lane0);
         let taken = claims.taken.load(Ordering::Relaxed).saturating_sub(*taken0);
         self.session.handle_claims(lane, taken, Instant::now());
-        self.drive_ipc_setup(ctx);
+        self.drive_parts(ctx);
         loop {
             let mut moved = false;
             if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
-                let ipc = self.ipc.out.drain(..).map(|m| m.to_message());
                 let staged = self.staged.out.drain(..).map(|m| m.to_message());
-                let transports: Vec<_> = ipc.chain(staged).collect();
+                let transports: Vec<_> = staged.collect();
                 let fetches = self.fetch.out.drain(..).map(Ok);
                 for msg in transports.into_iter().chain(fetches) {
                     let Ok(msg) = msg else {
@@ -115,7 +114,7 @@ impl TransferActor {
         if self.session.is_lost() {
             // The lanes and staging rings end with the link: a sender must not wait on a
             // dead peer's ring, nor keep copying into one nobody reads.
-            self.end_lanes();
+            self.detach_parts();
             self.end_staged_tx();
             if let Some(rx) = self.staged.rx.take() {
                 rx.stop();
@@ -248,8 +247,8 @@ impl TransferActor {
     }
 
     pub(super) fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let setup = self.ipc_setup_timeout();
-        let next = self.session.poll_timeout().into_iter().chain(setup).min();
+        let parts = self.parts.poll_timeout();
+        let next = self.session.poll_timeout().into_iter().chain(parts).min();
         self.timer.arm(
             ctx,
             next,
@@ -268,25 +267,22 @@ impl TransferActor {
                 if !was_lost && let Some(why) = act.session.lost_reason() {
                     tracing::warn!(peer = %act.peer, why, "link down");
                 }
-                act.ipc_setup_timer(now);
+                for part in act.parts.iter_mut() {
+                    part.handle_timeout(now);
+                }
                 act.drive(ctx);
             },
         );
     }
 
     /// Tells the session what the link has received from the peer, and whether this shell
-    /// waits on the peer for something the session does not see: an ipc setup step, or the
-    /// answer to a fetch whose caller still waits.
+    /// waits on the peer for something the session does not see: a transport's setup step,
+    /// or the answer to a fetch whose caller still waits.
     fn heard(&mut self, now: Instant) {
         let Some(activity) = &self.activity else {
             return;
         };
-        let elsewhere = self.fetch.awaits_peer()
-            || self
-                .ipc
-                .setup
-                .as_ref()
-                .is_some_and(|setup| setup.awaits_peer());
+        let elsewhere = self.fetch.awaits_peer() || self.parts.await_peer();
         self.session
             .handle_heard(activity.received(), elsewhere, now);
     }

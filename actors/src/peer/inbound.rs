@@ -34,7 +34,7 @@ impl TransferActor {
         };
         let host_only = by
             .and_then(|t| self.part(t))
-            .is_some_and(|(part, cx)| !part.lands_in_device(&cx));
+            .is_some_and(|part| !part.lands_in_device());
         let tiers = if how == Landing::Stream || host_only {
             self.setup.host_tiers.clone()
         } else {
@@ -94,7 +94,10 @@ impl TransferActor {
     ) {
         match res {
             Ok(Landed::Lent(lent)) => {
-                self.lend(id, lent);
+                let Landing::Push(transport) = how else {
+                    return self.drive(ctx);
+                };
+                self.lend(id, transport, lent);
                 return self.drive(ctx);
             }
             Ok(Landed::Plain(buffer)) => {
@@ -192,11 +195,11 @@ impl TransferActor {
             spans.pulling = Some(Instant::now());
         }
         let transport = source.transport;
-        let Some((part, cx)) = self.part(transport) else {
-            let why = MoveError::Task(format!("{transport} pulls nothing"));
+        let Some(part) = self.part(transport) else {
+            let why = MoveError::new(format!("this node does not serve {transport}"));
             return self.pull_ended(id, Err(why), ctx);
         };
-        let pull = part.pull(source, layout, buffer, &cx);
+        let pull = part.pull(&source.descriptor, layout, buffer);
         ctx.spawn(
             pull.into_actor(self)
                 .map(move |pulled, act, ctx| act.pull_ended(id, pulled, ctx)),
@@ -261,7 +264,7 @@ async fn landing_when_granted(
     }
     let lent = io.spawn_blocking(move || lender.lend(buffer));
     lent.await
-        .map(Landed::Lent)
+        .map(|lent| Landed::Lent(lent.map_err(|e| e.to_string())))
         .map_err(|_| Error::ShuttingDown)
 }
 

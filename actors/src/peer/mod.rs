@@ -15,22 +15,17 @@ mod drive;
 mod eager;
 mod fetch;
 mod inbound;
-mod ipc;
+mod inspect;
 mod link_io;
 mod outbound;
 mod part;
 mod push;
 mod staged_ring;
-mod ucx;
 
 pub use self::fetch::AskFetch;
+pub use self::inspect::Inspect;
 use self::outbound::Held;
-pub use self::ucx::UcxOff;
-pub use self::ucx::{AskUcxKeys, AskUcxLanes};
-pub(crate) use self::ucx::{ucx_unusable_with, ucx_verdict};
-use self::{
-    eager::*, fetch::*, inbound::*, ipc::*, link_io::*, part::*, push::*, staged_ring::*, ucx::*,
-};
+use self::{eager::*, fetch::*, inbound::*, link_io::*, part::*, push::*, staged_ring::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -39,12 +34,10 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use dashmap::DashMap;
-use ferry_transports::ipc::{IpcBufferRef, IpcMessage, IpcSetupMessage, IpcSetupStep, IpcSource};
 use ferry_transports::link::{
     Activity, Link, LinkCounters, LinkError, LinkReader, LinkWriter, Secret,
 };
 use ferry_transports::memory::{Buffer, SharedBytes};
-use ferry_transports::memory::{Lease, UnmapDone, Unmapper};
 use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
 use ferry_transports::staged::StagedMessage;
 use ferry_transports::tcp;
@@ -55,10 +48,6 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::allocator::{self, Export, Fill, PeerGone, Placement, Tier, place_in_tiers_off_actor};
 use crate::core::exports::ExportId;
-use crate::core::ipc_setup::{
-    Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPolicy,
-    SetupTransmit,
-};
 use crate::core::session::{
     InboundId, OpId, Outcome, PeerSession, PullSource, PushTarget, PutRequest, SendRequest,
     SessionEvent, SessionLimits,
@@ -66,6 +55,7 @@ use crate::core::session::{
 use crate::data_event::DataEvent;
 use crate::error::{Error, SendError};
 use crate::timer::DeadlineTimer;
+use ferry_transports::transport::setup::{SetupFailure, SetupOutcome};
 
 /// The transfer actor stopped; the coordinator forgets it.
 #[derive(Debug, Message)]
@@ -77,14 +67,17 @@ pub struct SessionEnded {
     pub epoch: u64,
 }
 
-/// The ipc setup with a peer settled: the coordinator routes by it, and `explain` says it.
+/// A transport's setup with a peer settled: the coordinator routes by it, and `explain`
+/// says it.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-pub struct IpcSettled {
+pub struct SetupSettled {
     /// The peer.
     pub peer: String,
     /// The session's epoch.
     pub epoch: u64,
+    /// The transport.
+    pub transport: ferry_config::TransportName,
     /// Ok, or Bad with the reason.
     pub outcome: SetupOutcome,
 }
@@ -118,7 +111,7 @@ pub struct TransferSetup {
     /// Told when the actor stops.
     pub ended: Recipient<SessionEnded>,
     /// Told when the ipc setup with the peer settles.
-    pub settled: Recipient<IpcSettled>,
+    pub settled: Recipient<SetupSettled>,
     /// Told when the peer refuses a link this session dialed.
     pub refused: Recipient<DialRefused>,
     /// Regions exposed for one-sided puts, shared by every peer's reader.
@@ -132,18 +125,10 @@ pub struct TransferSetup {
     pub lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
     /// Where a lane's receiving thread delivers.
     pub inbox: Arc<crate::inbox::Inbox>,
-    /// `transport.ipc.lane_max` and `lane_spin`.
-    pub lane: ferry_transports::ipc::lane::LaneSettings,
     /// `[transport.staged]`.
     pub staged: crate::staged::StagedSettings,
-    /// The node's UCX engine, when it serves ucx.
-    pub ucx: Option<Arc<ferry_transports::ucx::Engine>>,
-    /// How long a registration the peer may still read is held after a cancel or a lost
-    /// link (`memory.export_lease_timeout`, as for memory a lost ipc peer may still map).
-    pub ucx_hold: Duration,
-    /// `transport.ucx.emulated_push`: lend memory to the peer's ucx pushes even where UCX
-    /// would emulate its writes over tcp (else those pushes stream over the link).
-    pub ucx_emulated_push: bool,
+    /// The node's transports, which make this session's parts.
+    pub transports: Vec<Arc<dyn ferry_transports::transport::Transport>>,
     /// What this node takes eagerly over tcp from the peer (`transport.tcp.eager_max` and
     /// `eager_credit`; its hello granted the same).
     pub eager: crate::core::session::EagerTerms,
@@ -451,8 +436,10 @@ pub struct TransferActor {
     held: Held,
     /// The peer's offers we pull.
     pulls: Pulls,
-    ipc: IpcState,
-    ucx: UcxState,
+    /// Each transport's part of the session (opened when the actor starts).
+    parts: Parts,
+    /// The fast path a part opened to the peer, as published in the node's table.
+    fast_path: Option<Arc<crate::direct::FastLane>>,
     /// Our buffers lent to the peer's pushes.
     lent: LentState,
     staged: StagedState,
@@ -503,8 +490,8 @@ impl TransferActor {
             held: Held::default(),
             pulls: Pulls::default(),
             staged: StagedState::default(),
-            ipc: IpcState::default(),
-            ucx: UcxState::default(),
+            parts: Parts::default(),
+            fast_path: None,
             lent: LentState::default(),
             fetch: FetchState::default(),
             activity: None,
@@ -523,16 +510,43 @@ impl TransferActor {
 impl Actor for TransferActor {
     type Context = Context<Self>;
 
+    /// Each transport opens its part of the session, which wakes this actor when its own
+    /// work ends.
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let setup = &self.setup;
+        let env = ferry_transports::transport::PeerEnv {
+            node: setup.node.clone(),
+            peer: self.peer.clone(),
+            io: setup.io.clone(),
+            gpus: Arc::clone(&setup.gpus.devices),
+            secret: setup.secret.clone(),
+            memory: Arc::new(crate::allocator::TierMemory {
+                tiers: setup.tiers.clone(),
+            }),
+            deliveries: Arc::new(crate::inbox::PathDeliveries {
+                inbox: Arc::clone(&setup.inbox),
+                peer: self.peer.clone(),
+                undelivered: self.undelivered.clone(),
+            }),
+            share: setup.limits.inbound_bytes,
+            reserve_timeout: setup.reserve_timeout,
+            lease_timeout: setup.lease_timeout,
+            in_flight: setup.limits.in_flight,
+            stall: setup.limits.stall,
+            wake: waker(ctx.address()),
+        };
+        self.parts = Parts::open(&setup.transports, &env);
+    }
+
     fn stopped(&mut self, _: &mut Self::Context) {
-        self.end_lanes();
+        self.detach_parts();
         self.end_staged_tx();
         if let Some(rx) = self.staged.rx.take() {
             rx.stop();
         }
         self.fail_held(|| Error::ShuttingDown);
         // What the peer may still read or write of ours is held or quarantined.
-        let (parts, cx) = self.parts();
-        let retired = parts.into_iter().flat_map(|p| p.close(&cx)).collect();
+        let retired = self.parts.iter_mut().flat_map(|p| p.close()).collect();
         let mut exports = self.retire(retired);
         exports.extend(self.quarantine_lent());
         // Whatever the peer held of our memory is quarantined for the lease timeout.
@@ -600,6 +614,8 @@ impl Handler<Attach> for TransferActor {
         self.link += 1;
         self.peer_max_frame = link.peer_hello.max_frame;
         self.attach_parts(&link.peer_hello);
+        self.staged.peer_pid = link.peer_hello.pid;
+        self.staged.same_host = *link.peer_hello.host_id == *self.setup.host_id;
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -813,20 +829,17 @@ impl TransferActor {
         ctx: &mut Context<Self>,
     ) {
         let transport = ferry_config::TransportName::from(m.transport);
-        let read = if transport == IpcSource::TRANSPORT {
-            IpcMessage::read(&m.body).map(|m| match m {
-                IpcMessage::Setup(setup) => self.on_ipc_setup(setup, ctx),
-                IpcMessage::Unmap(r) => self.on_ipc_unmap(r, ctx),
-                IpcMessage::Unmapped(r) => self.on_ipc_unmapped(&r),
-            })
-        } else if transport == StagedMessage::TRANSPORT {
+        let read = if transport == StagedMessage::TRANSPORT {
             StagedMessage::read(&m.body).map(|m| match m {
                 StagedMessage::Ring { key } => self.attach_staged_ring(key, ctx),
             })
         } else {
-            Err(ferry_transports::transport::DescriptorError(format!(
-                "{transport} sends no messages of its own"
-            )))
+            match self.part(transport) {
+                Some(part) => part.handle_message(&m.body, Instant::now()),
+                None => Err(ferry_transports::transport::DescriptorError(format!(
+                    "this node does not serve {transport}"
+                ))),
+            }
         };
         if let Err(why) = read {
             let violation = format!("a message for {transport}: {why}");

@@ -3,7 +3,7 @@
 
 use super::*;
 use ferry_transports::registry;
-use ferry_transports::transport::Carrier;
+use ferry_transports::transport::{Admission, Carrier};
 
 impl TransferActor {
     pub(super) fn start_stream(&mut self, op: OpId, ctx: &mut Context<Self>) {
@@ -98,6 +98,14 @@ impl TransferActor {
             }
             return;
         }
+        self.stream_over_link(op);
+    }
+
+    /// Hands a granted op's bytes to the link's writer.
+    pub(super) fn stream_over_link(&mut self, op: OpId) {
+        let Some(entry) = self.outbound.get_mut(&op) else {
+            return;
+        };
         // Each transport's own frame size: staged chunks over the link are sized by
         // `[transport.staged]`, tcp's and puts' by `[transport.tcp]`.
         let chunk = match entry.what {
@@ -129,18 +137,16 @@ impl TransferActor {
     /// The peer no longer reads the buffer of `op` (or never will): what its transport
     /// kept for it goes.
     pub(super) fn unexport(&mut self, op: OpId) {
-        let (parts, cx) = self.parts();
-        for part in parts {
-            part.released(op, &cx);
+        for part in self.parts.iter_mut() {
+            part.released(op);
         }
     }
 
     /// The peer gave up reading the buffer of `op` (`Cancel`): what its transport kept goes,
     /// as the transport says (reads may still be under way).
     pub(super) fn cancelled_by_peer(&mut self, op: OpId) {
-        let (parts, cx) = self.parts();
-        for part in parts {
-            part.cancelled(op, &cx);
+        for part in self.parts.iter_mut() {
+            part.cancelled(op);
         }
     }
 
@@ -175,7 +181,8 @@ impl TransferActor {
             return self.queue_submit_with(msg, None, reply, ctx);
         };
         let layout = layout.clone();
-        let Some((part, cx)) = self.part(*transport) else {
+        let transport = *transport;
+        let Some(part) = self.parts.get(transport) else {
             return self.queue_submit_with(msg, None, reply, ctx);
         };
         if *direction == WireDirection::Push && part.pulls_pushes() {
@@ -184,11 +191,15 @@ impl TransferActor {
         if *direction == WireDirection::Push {
             return self.queue_submit_with(msg, None, reply, ctx);
         }
-        match part.export(&msg.buffer, &layout, &cx) {
+        let unreadable = move |e: MoveError| Error::Unsupported {
+            detail: format!("{transport} cannot make the buffer readable for the peer: {e}"),
+            source: None,
+        };
+        match part.export(&msg.buffer, &layout) {
             Exporting::Now(Ok(exported)) => self.queue_submit_with(msg, Some(exported), reply, ctx),
-            Exporting::Now(Err(error)) => {
+            Exporting::Now(Err(e)) => {
                 let _ = reply.send(Err(SendError {
-                    error,
+                    error: unreadable(e),
                     buffer: Some(msg.buffer),
                 }));
             }
@@ -200,9 +211,9 @@ impl TransferActor {
                     act.held.exporting = false;
                     match exported {
                         Ok(exported) => act.queue_submit_with(msg, Some(exported), reply, ctx),
-                        Err(error) => {
+                        Err(e) => {
                             let _ = reply.send(Err(SendError {
-                                error,
+                                error: unreadable(e),
                                 buffer: Some(msg.buffer),
                             }));
                         }
@@ -240,7 +251,10 @@ impl TransferActor {
                 now,
                 &msg,
                 (tag, transport, direction, layout.clone(), fetch, packed),
-                exported.as_ref().map(|e| e.source.clone()),
+                exported.as_ref().map(|e| PullSource {
+                    transport,
+                    descriptor: e.descriptor.clone(),
+                }),
                 peer_class,
             ),
             Op::Put { key, offset } => {
@@ -284,9 +298,8 @@ impl TransferActor {
         };
         if let Some(exported) = exported {
             // The peer reads it until it says Done or Cancel.
-            let me = ctx.address();
-            if let Some((part, cx)) = self.part(labels.transport) {
-                part.keep(id, (exported, &msg.buffer), &me, &cx);
+            if let Some(part) = self.parts.get(labels.transport) {
+                part.keep(id, exported.kept, &msg.buffer);
             }
         }
         self.track(id, msg.buffer, (what, moved), labels, reply, now);
@@ -480,8 +493,8 @@ pub(super) struct Held {
 }
 
 struct HeldSubmit {
-    /// Its ticket with the ipc setup, if it needs it.
-    ticket: Option<u64>,
+    /// Its ticket with its transport's setup with the peer, while it waits for it.
+    ticket: Option<(ferry_config::TransportName, u64)>,
     /// Once known: go (`None`), or fall back (why the setup failed).
     verdict: Option<Option<SetupFailure>>,
     msg: Submit,
@@ -489,9 +502,15 @@ struct HeldSubmit {
 }
 
 impl Held {
-    /// The ipc setup settled for `ticket`'s send.
-    pub(super) fn settled(&mut self, ticket: u64, failed: Option<SetupFailure>) {
-        if let Some(h) = self.queue.iter_mut().find(|h| h.ticket == Some(ticket)) {
+    /// `transport`'s setup settled for `ticket`'s send.
+    pub(super) fn settled(
+        &mut self,
+        transport: ferry_config::TransportName,
+        ticket: u64,
+        failed: Option<SetupFailure>,
+    ) {
+        let found = (self.queue.iter_mut()).find(|h| h.ticket == Some((transport, ticket)));
+        if let Some(h) = found {
             h.verdict = Some(failed);
         }
     }
@@ -506,14 +525,19 @@ impl TransferActor {
         reply: oneshot::Sender<Result<Buffer, SendError>>,
         ctx: &mut Context<Self>,
     ) {
-        // A transport that needs a setup with the peer first (ipc's pool import).
-        let set_up_first = matches!(&msg.op, Op::Send { transport, .. }
-            if registry::declared(*transport).per_peer_setup);
-        let (ticket, verdict) = if set_up_first {
-            let (ticket, verdict) = self.ipc_admission();
-            (Some(ticket), verdict)
-        } else {
-            (None, Some(None))
+        // Its transport's setup with the peer (ipc's pool import) admits it: now, later by
+        // ticket, or not (it falls back).
+        let admitted = match &msg.op {
+            Op::Send { transport, .. } => {
+                let transport = *transport;
+                (self.parts.get(transport)).map(|p| (transport, p.admit(Instant::now())))
+            }
+            Op::Put { .. } => None,
+        };
+        let (ticket, verdict) = match admitted {
+            None | Some((_, Admission::Ready)) => (None, Some(None)),
+            Some((transport, Admission::Queued(ticket))) => (Some((transport, ticket)), None),
+            Some((_, Admission::FallBack(why))) => (None, Some(Some(why))),
         };
         self.held.queue.push_back(HeldSubmit {
             ticket,

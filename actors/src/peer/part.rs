@@ -1,214 +1,232 @@
-//! A transport's part of one peer's session: the seam between the peer's actor (the shell:
-//! the session, the link, timers, spans, the op table) and a transport that moves a
-//! transfer's bytes through memory rather than as frames over the link (ipc, ucx).
+//! The session's transport parts: one [`PeerTransport`] per transport the node serves,
+//! made by the node's transports when the session starts, and what the shell does with
+//! what they ask of it. The shell names no transport: it finds a part by the name an offer,
+//! a grant, a message or a route carries.
 //!
-//! The shell calls a part at each step that depends on the transport, and nowhere else:
-//!
-//! | step | shell | part |
-//! | --- | --- | --- |
-//! | a link comes up | [`TransferActor::attach_parts`] | [`PeerPart::attach`] |
-//! | a send is pulled | `queue_submit` | [`PeerPart::export`], then [`PeerPart::keep`] |
-//! | the peer lets go, or gives up | `FromPeer` (`Done`, `Cancel`) | [`PeerPart::released`], [`PeerPart::cancelled`] |
-//! | an offer to pull | `reserve`, then `start_pull` | [`PeerPart::lands_in_device`], then [`PeerPart::pull`] |
-//! | a grant lends a buffer | `start_write` | [`PeerPart::write`] |
-//! | a push to us | `reserve` | [`PeerPart::lender`] ([`Lend`], [`LentMemory`]) |
-//! | the session ends | `stopped` | [`PeerPart::close`] |
-//!
-//! Long work (a copy, a registration, a read) comes back as a future that the shell spawns
-//! and whose result it hands to the session: no part waits on the actor's thread. The parts
-//! of a session are listed in one place, [`TransferActor::parts`]. What stays outside the
-//! seam: the ipc setup (`per_peer_setup`: the pool import and the fast lane, `peer/ipc.rs`)
-//! and the staged ring (`peer/staged_ring.rs`), which are control planes of their own.
+//! [`PeerTransport`]: ferry_transports::transport::PeerTransport
 
 use super::*;
 use ferry_transports::memory::MemoryKind;
+use ferry_transports::transport::{
+    Attached, PartEvent, PeerEnv, PeerTransport, Retired, Transport, TransportError,
+};
 
-/// A transfer's bytes on their way: a future the shell spawns.
-pub(super) type Moving<T> = futures::future::LocalBoxFuture<'static, Result<T, MoveError>>;
+pub(super) use ferry_transports::transport::{Exported, Exporting, Lend, LentMemory};
 
-/// What a part may use of the session: the peer and the node's setup.
-pub(super) struct PartCx<'a> {
-    /// The peer's name.
-    pub(super) peer: &'a str,
-    /// The node's setup.
-    pub(super) setup: &'a TransferSetup,
-}
+/// Why a pull or a push failed (the transport's words and cause).
+pub(super) type MoveError = TransportError;
 
-/// A transport's part of one peer's session (see the module's table).
-pub(super) trait PeerPart {
-    /// The transport.
-    fn transport(&self) -> ferry_config::TransportName;
+/// The parts of one session, one per transport of the node, in the registry's order.
+#[derive(Default)]
+pub(super) struct Parts(Vec<Box<dyn PeerTransport>>);
 
-    /// A new link, whose peer said `hello`: whether this node takes the peer's offers over
-    /// this transport on it.
-    fn attach(&mut self, hello: &ferry_transports::wire::Hello, cx: &PartCx) -> bool;
-
-    /// Makes `buffer` readable by the peer for a pull (an export or a registration): now,
-    /// or as a future (a blocking registration; the sends behind it wait, in order).
-    fn export(&mut self, buffer: &Buffer, layout: &Layout, cx: &PartCx) -> Exporting;
-
-    /// A push over this transport to this peer goes as a pull instead (a node of this
-    /// process reads our memory directly over ipc: the same copy, with nothing to lend).
-    fn pulls_pushes(&self) -> bool {
-        false
+impl Parts {
+    /// Each of `transports`' part of the session with `peer`.
+    pub(super) fn open(transports: &[Arc<dyn Transport>], env: &PeerEnv) -> Self {
+        Self(transports.iter().map(|t| t.open(env.clone())).collect())
     }
 
-    /// Keeps what `export` made for op `op` until the peer lets go (`buffer` is the op's;
-    /// `me`, the session's actor, for work that comes back to it later).
-    fn keep(
+    /// The part of `transport`, if the node serves it.
+    pub(super) fn get(
         &mut self,
-        op: OpId,
-        exported: (Exported, &Buffer),
-        me: &Addr<TransferActor>,
-        cx: &PartCx,
-    );
-
-    /// The peer no longer reads op `op`'s buffer (`Done`, or the op ended before its offer
-    /// left): what was kept for it goes.
-    fn released(&mut self, op: OpId, cx: &PartCx);
-
-    /// The peer gave op `op` up (`Cancel`): reads it started may still be under way.
-    fn cancelled(&mut self, op: OpId, cx: &PartCx) {
-        self.released(op, cx);
+        transport: ferry_config::TransportName,
+    ) -> Option<&mut dyn PeerTransport> {
+        let found = self.0.iter_mut().find(|p| p.transport() == transport)?;
+        Some(&mut **found)
     }
 
-    /// Whether a transfer this transport reads or writes may land in device memory (else
-    /// in a host tier).
-    fn lands_in_device(&self, cx: &PartCx) -> bool;
+    /// Every part.
+    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn PeerTransport>> {
+        self.0.iter_mut()
+    }
 
-    /// Copies the bytes of `source` (laid out as `layout` in the peer's memory) into
-    /// `buffer`.
-    fn pull(
-        &mut self,
-        source: PullSource,
-        layout: Layout,
-        buffer: Buffer,
-        cx: &PartCx,
-    ) -> Moving<Buffer>;
+    /// Whether a part waits on the peer (a setup step).
+    pub(super) fn await_peer(&self) -> bool {
+        self.0.iter().any(|p| p.awaits_peer())
+    }
 
-    /// Writes `bytes` (laid out as `layout`) into the buffer the peer lent as `target`,
-    /// checking `stop` between pieces; resolves once every byte is at the peer.
-    fn write(
-        &mut self,
-        target: PushTarget,
-        bytes: (SharedBytes, Layout),
-        stop: Arc<AtomicBool>,
-        cx: &PartCx,
-    ) -> Moving<()>;
-
-    /// What lends our memory to the peer's pushes over this transport; `None` when this
-    /// node cannot (its engine is gone).
-    fn lender(&self, cx: &PartCx) -> Option<Arc<dyn Lend>>;
-
-    /// The session ends: what the peer may still touch is held or quarantined, each under
-    /// the id of the op it was kept for.
-    fn close(&mut self, cx: &PartCx) -> Vec<(u64, Retired)>;
+    /// When a part next needs the timer.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        self.0.iter().filter_map(|p| p.poll_timeout()).min()
+    }
 }
 
-/// A buffer made readable for the peer's pull: what the offer names, and what must be kept
-/// until the peer lets go.
-pub(super) struct Exported {
-    /// Where the peer reads.
-    pub(super) source: PullSource,
-    /// The part's own keeping (a registration), if any.
-    pub(super) kept: Option<Box<dyn Send>>,
+/// Wakes the session's actor when a part's own work ended: one [`PartsWoke`] in its
+/// mailbox at a time. A wake that finds the mailbox full is not needed: the messages there
+/// each end in a turn, which polls the parts.
+pub(super) fn waker(me: Addr<TransferActor>) -> ferry_transports::transport::Wake {
+    let queued = Arc::new(AtomicBool::new(false));
+    Arc::new(move || {
+        if !queued.swap(true, Ordering::AcqRel) {
+            let _ = me.try_send(PartsWoke(Arc::clone(&queued)));
+        }
+    })
 }
 
-/// How [`PeerPart::export`] answers.
-pub(super) enum Exporting {
-    /// Made.
-    Now(Result<Exported, Error>),
-    /// Being made.
-    Later(futures::future::LocalBoxFuture<'static, Result<Exported, Error>>),
-}
+/// A part's own work ended: poll the parts.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct PartsWoke(Arc<AtomicBool>);
 
-/// Lends our memory to a peer's pushes over one transport.
-pub(super) trait Lend: Send + Sync {
-    /// Whether `buffer` is lent (else the push's bytes stream over the link).
-    fn lends<'a>(&'a self, buffer: &'a Buffer) -> futures::future::BoxFuture<'a, bool>;
-
-    /// Lends `buffer` (may block: an export or a registration): what the grant names, or
-    /// why it cannot be lent.
-    fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, PushTarget), String>;
-}
-
-/// One buffer lent to the peer's push, until it says `Written`.
-pub(super) trait LentMemory: Send + std::fmt::Debug {
-    /// The memory it is.
-    fn kind(&self) -> MemoryKind;
-
-    /// Whether [`give_back`](Self::give_back) blocks (a deregistration): then it runs on a
-    /// blocking thread.
-    fn give_back_blocks(&self) -> bool;
-
-    /// The buffer, lent no more: the peer said `Written`.
-    fn give_back(self: Box<Self>) -> Buffer;
-
-    /// It goes unused: the push failed (`written`: the peer said so), or the session ended
-    /// while the peer may still write it.
-    fn retire(self: Box<Self>, written: bool) -> Retired;
-}
-
-/// What goes when something the peer may still touch is given up.
-pub(super) enum Retired {
-    /// Nothing left to do.
-    Gone,
-    /// Dropped (on a blocking thread) after the longest a transfer in flight may take
-    /// (`memory.export_lease_timeout`): a registration UCX may still serve.
-    Hold(Box<dyn Send>),
-    /// Device memory the peer may still map: its domain's quarantine takes it.
-    Quarantine(SharedBytes),
-}
-
-/// Why a pull or a push failed, by the transport that moved the bytes.
-#[derive(Debug, thiserror::Error)]
-pub(super) enum MoveError {
-    /// The ipc copy.
-    #[error(transparent)]
-    Ipc(#[from] ferry_transports::ipc::IpcError),
-    /// The UCX read or write.
-    #[error(transparent)]
-    Ucx(#[from] ferry_transports::ucx::UcxTransportError),
-    /// The peer's descriptor of its buffer is not one the transport reads.
-    #[error("the peer's descriptor of its buffer: {0}")]
-    Descriptor(#[from] ferry_transports::transport::DescriptorError),
-    /// The task that ran it.
-    #[error("the task that moved the bytes failed: {0}")]
-    Task(String),
+impl Handler<PartsWoke> for TransferActor {
+    type Result = ();
+    fn handle(&mut self, PartsWoke(queued): PartsWoke, ctx: &mut Self::Context) {
+        queued.store(false, Ordering::Release);
+        self.drive(ctx);
+    }
 }
 
 impl TransferActor {
-    /// The transport parts of this session with what they may use: the one list of them.
-    /// A transport that moves bytes through memory adds its part here.
-    pub(super) fn parts(&mut self) -> ([&mut dyn PeerPart; 2], PartCx<'_>) {
-        let cx = PartCx {
-            peer: &self.peer,
-            setup: &self.setup,
-        };
-        ([&mut self.ipc, &mut self.ucx], cx)
-    }
-
-    /// The part of `transport` with what it may use; `None` for a transport that moves
-    /// bytes over the link.
+    /// The part of `transport`, if the node serves it.
     pub(super) fn part(
         &mut self,
         transport: ferry_config::TransportName,
-    ) -> Option<(&mut dyn PeerPart, PartCx<'_>)> {
-        let (parts, cx) = self.parts();
-        let part = parts.into_iter().find(|p| p.transport() == transport)?;
-        Some((part, cx))
+    ) -> Option<&mut dyn PeerTransport> {
+        self.parts.get(transport)
     }
 
-    /// A new link: every part hears the peer's hello, and the session learns which
-    /// transports take the peer's offers.
+    /// A new link: every part hears of it, and the session learns which transports take
+    /// the peer's offers.
     pub(super) fn attach_parts(&mut self, hello: &ferry_transports::wire::Hello) {
-        let (parts, cx) = self.parts();
-        let serves: Vec<_> = parts
-            .into_iter()
-            .map(|p| (p.transport(), p.attach(hello, &cx)))
+        let same_host = *hello.host_id == *self.setup.host_id;
+        let attached = Attached {
+            hello,
+            same_host,
+            link: self.link,
+            activity: self.activity.clone().unwrap_or_default(),
+            regions: Arc::clone(&self.regions),
+        };
+        let serves: Vec<_> = (self.parts.iter_mut())
+            .map(|p| (p.transport(), p.attach(&attached)))
             .collect();
         for (transport, serves) in serves {
             self.session.set_serves(transport, serves);
+        }
+    }
+
+    /// Takes what the parts have for the shell: their messages to the peer's parts (to the
+    /// writer, once the link is welcomed) and their events.
+    pub(super) fn drive_parts(&mut self, ctx: &mut Context<Self>) {
+        let welcomed = self.writer.is_some() && self.welcomed;
+        let mut messages = Vec::new();
+        let mut events = Vec::new();
+        for part in self.parts.iter_mut() {
+            let transport = part.transport();
+            if welcomed {
+                while let Some(body) = part.poll_message() {
+                    messages.push(Message::Transport(
+                        ferry_transports::wire::TransportMessage {
+                            transport: transport.into(),
+                            body,
+                        },
+                    ));
+                }
+            }
+            while let Some(event) = part.poll_event() {
+                events.push((transport, event));
+            }
+        }
+        for msg in messages {
+            let sent =
+                (self.writer.as_ref()).is_some_and(|w| w.try_send(Outgoing::Frame(msg)).is_ok());
+            if !sent {
+                self.session
+                    .handle_link_lost("the link's send queue overflowed or closed");
+                break;
+            }
+        }
+        let released = !events.is_empty();
+        for (transport, event) in events {
+            self.on_part_event(transport, event, ctx);
+        }
+        if released {
+            self.release_held(ctx);
+        }
+    }
+
+    /// What a part asked of the shell.
+    fn on_part_event(
+        &mut self,
+        transport: ferry_config::TransportName,
+        event: PartEvent,
+        ctx: &mut Context<Self>,
+    ) {
+        match event {
+            PartEvent::Settled(outcome) => self.settled(transport, outcome, ctx),
+            PartEvent::Proceed(ticket) => self.held.settled(transport, ticket, None),
+            PartEvent::FallBack(ticket, why) => self.held.settled(transport, ticket, Some(why)),
+            PartEvent::FastPath(path) => {
+                let lane = Arc::new(crate::direct::FastLane::new(transport, path));
+                self.setup
+                    .lanes
+                    .insert(self.peer.clone(), Arc::clone(&lane));
+                if let Some(old) = self.fast_path.replace(lane) {
+                    old.path.close();
+                }
+            }
+            PartEvent::Broke(why) => {
+                tracing::warn!(peer = %self.peer, %transport, "dropping the link: {why}");
+                self.session
+                    .handle_link_lost(&format!("{transport}: {why}"));
+            }
+            PartEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
+            PartEvent::InboundFailed { id, why } => {
+                tracing::warn!(peer = %self.peer, id, "inbound transfer failed: {why}");
+                self.session
+                    .handle_reserve_failed(InboundId(id), WireReason::Unsupported, why);
+            }
+            PartEvent::StreamEnded { op, broken } => {
+                if let Some(why) = broken {
+                    self.session
+                        .handle_link_lost(&format!("the {transport} channel failed: {why}"));
+                }
+                if let Some(entry) = self.outbound.get_mut(&op) {
+                    // Every byte is on its way: wait for the peer's Done (or PutAck).
+                    entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
+                }
+                self.session.handle_stream_ended(op);
+            }
+            PartEvent::StreamOverLink(op) => self.stream_over_link(op),
+        }
+    }
+
+    /// A part's setup with the peer settled: the coordinator routes by it (the fast path,
+    /// if one opened, was published first: the coordinator gives it its routes on this
+    /// notice, which therefore waits for room in a full mailbox rather than being lost).
+    fn settled(
+        &mut self,
+        transport: ferry_config::TransportName,
+        outcome: ferry_transports::transport::setup::SetupOutcome,
+        ctx: &mut Context<Self>,
+    ) {
+        let notice = SetupSettled {
+            peer: self.peer.clone(),
+            epoch: self.epoch,
+            transport,
+            outcome,
+        };
+        if let Err(actix::prelude::SendError::Full(notice)) = self.setup.settled.try_send(notice) {
+            let settled = self.setup.settled.clone();
+            ctx.spawn(
+                async move {
+                    let _ = settled.send(notice).await;
+                }
+                .into_actor(self),
+            );
+        }
+    }
+
+    /// The link is lost: what runs beside it stops (a part's lane, its ring), and the
+    /// peer's fast path leaves the node's table.
+    pub(super) fn detach_parts(&mut self) {
+        for part in self.parts.iter_mut() {
+            part.detach();
+        }
+        if let Some(lane) = self.fast_path.take() {
+            self.setup
+                .lanes
+                .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &lane));
+            lane.path.close();
         }
     }
 
@@ -217,7 +235,7 @@ impl TransferActor {
     /// (returned).
     pub(super) fn retire(
         &self,
-        retired: Vec<(u64, Retired)>,
+        retired: Vec<(OpId, Retired)>,
     ) -> Vec<(Addr<crate::allocator::Allocator>, OpId, SharedBytes)> {
         let mut exports = Vec::new();
         let mut held = Vec::new();
@@ -229,7 +247,7 @@ impl TransferActor {
                     if let MemoryKind::Device(n) = view.lease().kind
                         && let Some(domain) = self.setup.gpus.domain(n)
                     {
-                        exports.push((domain.actor.clone(), OpId(id), view));
+                        exports.push((domain.actor.clone(), id, view));
                     }
                 }
             }
@@ -258,18 +276,11 @@ pub(super) async fn quarantine(
     }
 }
 
-/// A pull or a write handed to the wrong transport's part (the session names the
-/// transport of every source and target, so this is a bug).
-pub(super) fn foreign<T: 'static>(transport: ferry_config::TransportName) -> Moving<T> {
-    let why = MoveError::Task(format!("a {transport} transfer reached another transport"));
-    Box::pin(std::future::ready(Err(why)))
-}
-
 /// Drops `what` on a blocking thread after the longest a transfer in flight may take
-/// (`memory.export_lease_timeout`): UCX may still serve a read or apply a write into a
-/// registration until then.
+/// (`memory.export_lease_timeout`): a transport may still serve a read or apply a write
+/// into a registration until then.
 pub(super) fn hold_then_drop<T: Send + 'static>(setup: &TransferSetup, what: Vec<T>) {
-    let hold = setup.ucx_hold;
+    let hold = setup.lease_timeout;
     setup.io.spawn(async move {
         tokio::time::sleep(hold).await;
         let _ = tokio::task::spawn_blocking(move || drop(what)).await;

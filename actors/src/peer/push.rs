@@ -4,7 +4,7 @@
 //! never freed at once: abandoned, it waits for `Written` within the lease timeout (else
 //! the link goes); on a lost session it is quarantined. How a buffer is lent, given back
 //! and retired is its transport's ([`Lend`], [`LentMemory`]). Sending: the target's
-//! transport writes ([`PeerPart::write`]), and [`TransferActor::written`] tells the peer.
+//! transport writes (its part's `write`), and [`TransferActor::written`] tells the peer.
 
 use super::*;
 
@@ -23,7 +23,7 @@ pub(super) enum Landed {
     /// The bytes land here: pulled, or streamed over the link.
     Plain(Buffer),
     /// Lent to the peer's push (what goes in the grant), or why it could not be.
-    Lent(Result<(Box<dyn LentMemory>, PushTarget), String>),
+    Lent(Result<(Box<dyn LentMemory>, ferry_transports::wire::Descriptor), String>),
 }
 
 /// Marks the export ids of buffers lent to a peer's pushes (the peer's transfer ids) apart
@@ -37,8 +37,7 @@ impl TransferActor {
         &mut self,
         transport: ferry_config::TransportName,
     ) -> Option<Arc<dyn Lend>> {
-        let (part, cx) = self.part(transport)?;
-        part.lender(&cx)
+        self.part(transport)?.lender()
     }
 
     /// Lends `lent`, reserved for inbound push `id`, to the peer: `target` goes in the
@@ -46,10 +45,17 @@ impl TransferActor {
     pub(super) fn lend(
         &mut self,
         id: InboundId,
-        lent: Result<(Box<dyn LentMemory>, PushTarget), String>,
+        transport: ferry_config::TransportName,
+        lent: Result<(Box<dyn LentMemory>, ferry_transports::wire::Descriptor), String>,
     ) {
         let (buffer, target) = match lent {
-            Ok(lent) => lent,
+            Ok((buffer, descriptor)) => (
+                buffer,
+                PushTarget {
+                    transport,
+                    descriptor,
+                },
+            ),
             Err(why) => {
                 return self
                     .session
@@ -116,7 +122,7 @@ impl TransferActor {
     /// registration after the same hold as a cancelled read's, since a failed writer's
     /// last puts may still be on their way where UCX applies them here).
     fn free_lent(&self, id: InboundId, buffer: Box<dyn LentMemory>) {
-        let exports = self.retire(vec![(LENT | id.0, buffer.retire(true))]);
+        let exports = self.retire(vec![(OpId(LENT | id.0), buffer.retire(true))]);
         if !exports.is_empty() {
             actix::spawn(quarantine(exports, self.peer.clone(), self.epoch));
         }
@@ -162,7 +168,7 @@ impl TransferActor {
         &mut self,
     ) -> Vec<(Addr<crate::allocator::Allocator>, OpId, SharedBytes)> {
         let retired = (self.lent.buffers.drain())
-            .map(|(id, buffer)| (LENT | id.0, buffer.retire(false)))
+            .map(|(id, buffer)| (OpId(LENT | id.0), buffer.retire(false)))
             .collect();
         self.lent.abandoned.clear();
         self.retire(retired)
@@ -176,10 +182,10 @@ impl TransferActor {
         op: OpId,
     ) -> Result<(SharedBytes, Layout, Arc<AtomicBool>), MoveError> {
         let Some(entry) = self.outbound.get_mut(&op) else {
-            return Err(MoveError::Task("the transfer ended".into()));
+            return Err(MoveError::new("the transfer ended"));
         };
         if let Some(why) = self.session.lost_reason() {
-            return Err(MoveError::Task(format!("the link is gone: {why}")));
+            return Err(MoveError::new(format!("the link is gone: {why}")));
         }
         entry.phase = tracing::debug_span!(parent: &entry.span, "push");
         let layout = match &entry.what {
@@ -197,11 +203,11 @@ impl TransferActor {
             Err(why) => return self.written(op, Err(why), ctx),
         };
         let transport = target.transport;
-        let Some((part, cx)) = self.part(transport) else {
-            let why = MoveError::Task(format!("{transport} writes into no lent memory"));
+        let Some(part) = self.part(transport) else {
+            let why = MoveError::new(format!("this node does not serve {transport}"));
             return self.written(op, Err(why), ctx);
         };
-        let write = part.write(target, (source, layout), stop, &cx);
+        let write = part.write(&target.descriptor, source, layout, stop);
         ctx.spawn(
             write
                 .into_actor(self)

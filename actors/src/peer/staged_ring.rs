@@ -16,7 +16,7 @@ impl TransferActor {
         let settings = self.setup.staged;
         if self.staged.tx.is_some()
             || self.staged.making
-            || !self.ipc.same_host
+            || !self.staged.same_host
             || !settings.shared_memory
         {
             return;
@@ -107,7 +107,7 @@ impl TransferActor {
     /// The peer named its staging ring: fetch and map it, then read it on a thread of our
     /// own. A ring that cannot be had leaves the peer's staged sends on the link.
     pub(super) fn attach_staged_ring(&mut self, key: String, ctx: &mut Context<Self>) {
-        if !self.ipc.same_host || !key.starts_with("staged/") {
+        if !self.staged.same_host || !key.starts_with("staged/") {
             tracing::warn!(peer = %self.peer, key, "ignoring a staging ring that is not a same-host peer's");
             return;
         }
@@ -120,7 +120,7 @@ impl TransferActor {
         }
         let (peer, pid, secret) = (
             self.peer.clone(),
-            self.ipc.peer_pid,
+            self.staged.peer_pid,
             self.setup.secret.clone(),
         );
         let fetch = async move {
@@ -181,6 +181,9 @@ pub(super) struct StagedState {
     pub(super) polling: bool,
     /// Messages to the peer's part waiting for the link (our ring, once per link).
     pub(super) out: VecDeque<StagedMessage>,
+    /// The peer's pid and whether it runs on this host, from its hello.
+    pub(super) peer_pid: u32,
+    pub(super) same_host: bool,
 }
 
 /// How long staged sends wait for a same-host peer to map a staging ring just offered

@@ -11,6 +11,7 @@ mod export;
 pub mod handle_cache;
 mod imports;
 pub mod lane;
+mod peer;
 mod pull;
 mod push;
 mod wire;
@@ -23,6 +24,7 @@ pub use imports::{
     EXPRESS_PULL_MAX, IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, LEGACY_CACHE_CAPACITY,
     LEGACY_REGISTRATIONS_MAX, SharedImports, Unmapped, import_pools, is_mapped,
 };
+pub use peer::IpcTransport;
 pub use pull::{QueuedPull, TakeEvent, pull, queue_pull, queue_pulls};
 pub use push::push;
 pub use wire::*;

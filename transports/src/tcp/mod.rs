@@ -109,3 +109,59 @@ impl TcpTerms {
             .unwrap_or_default()
     }
 }
+
+/// The tcp transport of one node: the eager credit it grants its peers.
+pub struct TcpTransport {
+    caps: Capabilities,
+    terms: TcpTerms,
+}
+
+impl TcpTransport {
+    /// The transport, granting `terms` to every peer.
+    pub fn new(terms: TcpTerms) -> Self {
+        Self {
+            caps: capabilities(),
+            terms,
+        }
+    }
+}
+
+impl crate::transport::Transport for TcpTransport {
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn viability(&self) -> crate::transport::Viability {
+        crate::transport::Viability::Viable
+    }
+
+    fn announce(&self) -> Vec<u8> {
+        self.terms.announce().unwrap_or_default()
+    }
+
+    fn open(&self, _env: crate::transport::PeerEnv) -> Box<dyn crate::transport::PeerTransport> {
+        Box::new(TcpPart)
+    }
+}
+
+/// The tcp part of one peer's session: its bytes stream over the link, which the shell
+/// writes and reads.
+struct TcpPart;
+
+impl crate::transport::PeerTransport for TcpPart {
+    fn transport(&self) -> TransportName {
+        TcpTerms::TRANSPORT
+    }
+
+    fn attach(&mut self, _: &crate::transport::Attached<'_>) -> bool {
+        true
+    }
+
+    fn link_chunk(&self) -> Option<usize> {
+        None
+    }
+
+    fn close(&mut self) -> Vec<(crate::transport::OpId, crate::transport::Retired)> {
+        Vec::new()
+    }
+}

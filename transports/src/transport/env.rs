@@ -37,12 +37,14 @@ pub trait ReceiveMemory: Send + Sync {
 /// The application's inbox, as one path from one peer delivers into it: in the peer's
 /// order across all the paths that carry its transfers.
 pub trait Deliveries: Send + Sync {
-    /// Hands `buffer`, sent under `tag`, to the application: once every transfer from the
-    /// peer that completed before it on another path is delivered (waits, asleep, until
-    /// then; `None` when `stop` is set first). A receive it was handed to is woken when
-    /// the returned value drops, so the caller can tell the sender first.
+    /// Hands `buffer`, sent under `tag` over `transport` (what the receive reports), to the
+    /// application: once every transfer from the peer that completed before it on another
+    /// path is delivered (waits, asleep, until then; `None` when `stop` is set first). A
+    /// receive it was handed to is woken when the returned value drops, so the caller can
+    /// tell the sender first.
     fn deliver_in_order(
         &self,
+        transport: ferry_config::TransportName,
         tag: u64,
         buffer: Buffer,
         stop: &AtomicBool,

@@ -7,10 +7,23 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 mod descriptor;
 mod env;
 mod fast_path;
+mod node;
+mod peer;
+pub mod setup;
 
 pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, decode, encode};
 pub use env::{Deliveries, ReceiveMemory};
 pub use fast_path::{FastPath, FastPathError, FastPathFailure};
+pub use node::Transport;
+pub use peer::{
+    Admission, Attached, Exported, Exporting, Lend, LentMemory, Moving, PartEvent, PeerEnv,
+    PeerTransport, Regions, Retired, Streaming, TransportError, Wake,
+};
+
+/// Identifies an outbound operation (transfer or put) of this node on one link; it is the
+/// id carried on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u64);
 
 /// A transport's declared abilities.
 #[derive(Debug, Clone, PartialEq, Eq)]

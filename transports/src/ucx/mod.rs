@@ -58,6 +58,7 @@ mod error;
 mod lanes;
 mod loaded;
 mod operation;
+mod peer;
 mod queue;
 mod rkeys;
 mod settings;
@@ -73,6 +74,7 @@ pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
 pub use lanes::{EndpointLanes, LanesUnknown, RmaPath};
 pub use loaded::{LoadedUcx, loaded};
 pub use operation::Operation;
+pub use peer::{UcxOff, UcxTransport};
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
 /// Where memory lives, as UCX names it (host or CUDA device memory).

@@ -6,10 +6,7 @@ use std::time::Instant;
 use ferry_config::TransportName;
 use ferry_transports::wire::{Descriptor, Layout, WireDirection, WireMemoryKind, WireReason};
 
-/// Identifies an outbound operation (transfer or put) of this node on one link; it is the
-/// id carried on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OpId(pub u64);
+pub use ferry_transports::transport::OpId;
 
 /// Transfer ids stay below this (2^39; a session numbers its ops from 1 and would need
 /// centuries to get there): the shell keys quarantined memory by session, kind and id in

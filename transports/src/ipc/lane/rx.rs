@@ -633,7 +633,9 @@ fn deliver(
         queued,
         ..
     } = landing;
-    let Some(wake) = cx.deliveries.deliver_in_order(tag, dst, stop) else {
+    let Some(wake) =
+        (cx.deliveries).deliver_in_order(crate::ipc::IpcSource::TRANSPORT, tag, dst, stop)
+    else {
         return Err(TakeError::Stopped);
     };
     tracing::trace!(

@@ -1,12 +1,12 @@
-//! Scenarios on the lazy ipc setup machine, in virtual time: a scripted peer answers (or
+//! Scenarios on the lazy setup machine (ipc's today), in virtual time: a scripted peer answers (or
 //! not) each attempt; the happy path, each failure ending in Bad with its reason after the
 //! bounded retries, timeouts, late answers after Bad, and a property test that every setup
 //! ends exactly once within the bound.
 
 use std::time::{Duration, Instant};
 
-use ferry_actors::core::ipc_setup::{
-    Admission, Attempt, IpcSetup, PeerReply, SetupEvent, SetupFailure, SetupOutcome, SetupPhase,
+use ferry_transports::transport::setup::{
+    Admission, Attempt, PeerReply, Setup, SetupEvent, SetupFailure, SetupOutcome, SetupPhase,
     SetupPolicy, SetupTransmit,
 };
 use proptest::prelude::*;
@@ -34,7 +34,7 @@ enum Script {
 /// One setup, its shell and the scripted peer, in virtual time.
 struct World {
     now: Instant,
-    setup: IpcSetup<u32>,
+    setup: Setup<u32>,
     /// Script per attempt (the last repeats).
     script: Vec<Script>,
     sent: Vec<SetupTransmit>,
@@ -47,7 +47,7 @@ impl World {
     fn new(script: Vec<Script>) -> Self {
         Self {
             now: Instant::now(),
-            setup: IpcSetup::new(POLICY),
+            setup: Setup::new(POLICY),
             script,
             sent: Vec::new(),
             proceeded: Vec::new(),
@@ -314,7 +314,7 @@ proptest! {
     ) {
         let policy = SetupPolicy { max_attempts, attempt_timeout: Duration::from_millis(50) };
         let mut w = World::new(scripts);
-        w.setup = IpcSetup::new(policy);
+        w.setup = Setup::new(policy);
         let t0 = w.now;
         let mut answered = Vec::new();
         let mut wants = wants;

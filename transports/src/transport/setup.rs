@@ -1,4 +1,6 @@
-//! Lazy connection setup of one transport (ipc) towards one peer, after Open MPI's smcuda:
+//! Lazy connection setup of one transport towards one peer, after Open MPI's smcuda (the
+//! machine is generic: the steps' payloads are the transport's own, ipc's pool import and
+//! lane today):
 //! nothing is set up until the first transfer wants the transport; then
 //!
 //! ```text
@@ -171,7 +173,7 @@ pub enum SetupTransmit {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SetupEvent<T> {
     /// Check the peer's reply to this attempt (same host, peer access, import of its pool),
-    /// then report with [`IpcSetup::handle_checks`].
+    /// then report with [`Setup::handle_checks`].
     Check(Attempt),
     /// Setup ended; log it and count it.
     Settled(SetupOutcome),
@@ -181,7 +183,7 @@ pub enum SetupEvent<T> {
     FallBack(T, SetupFailure),
 }
 
-/// The answer to [`IpcSetup::handle_want`].
+/// The answer to [`Setup::handle_want`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admission<T> {
     /// Set up: use the transport now.
@@ -194,7 +196,7 @@ pub enum Admission<T> {
 
 /// The lazy setup of one transport towards one peer. `T` identifies a waiting transfer.
 #[derive(Debug)]
-pub struct IpcSetup<T> {
+pub struct Setup<T> {
     policy: SetupPolicy,
     phase: SetupPhase,
     /// Requests sent so far (the attempt number of the latest).
@@ -204,7 +206,7 @@ pub struct IpcSetup<T> {
     events: VecDeque<SetupEvent<T>>,
 }
 
-impl<T> IpcSetup<T> {
+impl<T> Setup<T> {
     /// A setup that has not started.
     pub fn new(policy: SetupPolicy) -> Self {
         Self {
@@ -411,9 +413,9 @@ mod tests {
         attempt_timeout: Duration::from_millis(100),
     };
 
-    fn started() -> (IpcSetup<u32>, Instant) {
+    fn started() -> (Setup<u32>, Instant) {
         let now = Instant::now();
-        let mut s = IpcSetup::new(POLICY);
+        let mut s = Setup::new(POLICY);
         assert_eq!(s.handle_want(now, 1), Admission::Queued);
         (s, now)
     }
@@ -530,7 +532,7 @@ mod tests {
 
     #[test]
     fn at_least_one_attempt() {
-        let mut s = IpcSetup::new(SetupPolicy {
+        let mut s = Setup::new(SetupPolicy {
             max_attempts: 0,
             attempt_timeout: Duration::from_millis(1),
         });
