@@ -327,8 +327,6 @@ pub struct TransferSetupBase {
     /// Each connected peer's routes, which the node's `send` takes without asking the
     /// coordinator ([`crate::direct`]).
     pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
-    /// `[transport.staged]`.
-    pub staged: crate::staged::StagedSettings,
     /// What this node takes eagerly over the link from a peer (its hello granted the same).
     pub eager: crate::core::session::EagerTerms,
     /// The transports this node serves, started with its settings.
@@ -495,7 +493,6 @@ impl Coordinator {
             io: base.io,
             lanes: base.lanes,
             inbox: Arc::clone(&self.inbox),
-            staged: base.staged,
             transports: base.transports.started,
             eager: base.eager,
             published: base.published,

@@ -16,7 +16,6 @@ pub mod node;
 pub mod order;
 pub mod peer;
 pub mod publish;
-pub mod staged;
 pub mod timer;
 
 pub use error::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};

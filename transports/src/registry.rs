@@ -55,6 +55,8 @@ pub struct Settings {
     pub tcp: crate::tcp::TcpTerms,
     /// ipc: the lane's settings.
     pub lane: crate::ipc::lane::LaneSettings,
+    /// staged: `[transport.staged]`.
+    pub staged: crate::staged::StagedSettings,
     /// ucx: the engine the node started, or why it serves no ucx; how long a registration
     /// a peer may still use is held (`memory.export_lease_timeout`); whether memory is lent
     /// to emulated pushes (`transport.ucx.emulated_push`).
@@ -72,7 +74,7 @@ pub fn start(settings: Settings) -> Vec<std::sync::Arc<dyn crate::transport::Tra
     vec![
         std::sync::Arc::new(crate::tcp::TcpTransport::new(settings.tcp)),
         std::sync::Arc::new(crate::ipc::IpcTransport::new(settings.lane)),
-        std::sync::Arc::new(crate::staged::StagedTransport::default()),
+        std::sync::Arc::new(crate::staged::StagedTransport::new(settings.staged)),
         std::sync::Arc::new(crate::ucx::UcxTransport::new(engine, hold, emulated_push)),
     ]
 }

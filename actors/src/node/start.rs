@@ -327,6 +327,13 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
                 eager_max: eager.max,
                 eager_credit: eager.credit,
             },
+            staged: ferry_transports::staged::StagedSettings {
+                slots: config.transport.staged.slots,
+                chunk: config.transport.staged.chunk,
+                shared_memory: config.transport.staged.shared_memory,
+                link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
+                spin: config.transport.staged.spin,
+            },
             lane: ferry_transports::ipc::lane::LaneSettings {
                 max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
                 spin: config.transport.ipc.lane_spin,
@@ -352,13 +359,6 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         io,
         lanes: shared.lanes,
         direct: shared.direct,
-        staged: crate::staged::StagedSettings {
-            slots: config.transport.staged.slots,
-            chunk: config.transport.staged.chunk,
-            shared_memory: config.transport.staged.shared_memory,
-            link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
-            spin: config.transport.staged.spin,
-        },
         eager,
         transports: transports.clone(),
         host_id: Arc::clone(&host_id),

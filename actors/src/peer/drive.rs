@@ -14,15 +14,7 @@ impl TransferActor {
         loop {
             let mut moved = false;
             if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
-                let staged = self.staged.out.drain(..).map(|m| m.to_message());
-                let transports: Vec<_> = staged.collect();
-                let fetches = self.fetch.out.drain(..).map(Ok);
-                for msg in transports.into_iter().chain(fetches) {
-                    let Ok(msg) = msg else {
-                        self.session
-                            .handle_link_lost("a transport's message could not be encoded");
-                        break;
-                    };
+                while let Some(msg) = self.fetch.out.pop_front() {
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
                             .handle_link_lost("the link's send queue overflowed or closed");
@@ -115,10 +107,6 @@ impl TransferActor {
             // The lanes and staging rings end with the link: a sender must not wait on a
             // dead peer's ring, nor keep copying into one nobody reads.
             self.detach_parts();
-            self.end_staged_tx();
-            if let Some(rx) = self.staged.rx.take() {
-                rx.stop();
-            }
             // A registration under way ends first (its send then fails as lost).
             if self.session.is_idle() && self.outbound.is_empty() && !self.held.exporting {
                 ctx.stop();
@@ -128,7 +116,7 @@ impl TransferActor {
 
     pub(super) fn on_event(&mut self, ev: SessionEvent, ctx: &mut Context<Self>) {
         match ev {
-            SessionEvent::Stream(op) => self.start_stream(op, ctx),
+            SessionEvent::Stream(op) => self.start_stream(op),
             SessionEvent::StopStream(op) => {
                 if let Some(entry) = self.outbound.get(&op) {
                     entry.stop.store(true, Ordering::Release);

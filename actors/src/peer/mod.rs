@@ -20,12 +20,11 @@ mod link_io;
 mod outbound;
 mod part;
 mod push;
-mod staged_ring;
 
 pub use self::fetch::AskFetch;
 pub use self::inspect::Inspect;
 use self::outbound::Held;
-use self::{eager::*, fetch::*, inbound::*, link_io::*, part::*, push::*, staged_ring::*};
+use self::{eager::*, fetch::*, inbound::*, link_io::*, part::*, push::*};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -39,7 +38,6 @@ use ferry_transports::link::{
 };
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
-use ferry_transports::staged::StagedMessage;
 use ferry_transports::tcp;
 use ferry_transports::wire::{
     ArchivedMessage, Done, Layout, Message, PutAck, WireDirection, WireReason, Written,
@@ -125,8 +123,6 @@ pub struct TransferSetup {
     pub lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
     /// Where a lane's receiving thread delivers.
     pub inbox: Arc<crate::inbox::Inbox>,
-    /// `[transport.staged]`.
-    pub staged: crate::staged::StagedSettings,
     /// The node's transports, which make this session's parts.
     pub transports: Vec<Arc<dyn ferry_transports::transport::Transport>>,
     /// What this node takes eagerly over tcp from the peer (`transport.tcp.eager_max` and
@@ -442,7 +438,6 @@ pub struct TransferActor {
     fast_path: Option<Arc<crate::direct::FastLane>>,
     /// Our buffers lent to the peer's pushes.
     lent: LentState,
-    staged: StagedState,
     fetch: FetchState,
     /// Bytes the current link (and its staged rings) moved, for the stall clock.
     activity: Option<Activity>,
@@ -489,7 +484,6 @@ impl TransferActor {
             offered: HashSet::new(),
             held: Held::default(),
             pulls: Pulls::default(),
-            staged: StagedState::default(),
             parts: Parts::default(),
             fast_path: None,
             lent: LentState::default(),
@@ -540,10 +534,6 @@ impl Actor for TransferActor {
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.detach_parts();
-        self.end_staged_tx();
-        if let Some(rx) = self.staged.rx.take() {
-            rx.stop();
-        }
         self.fail_held(|| Error::ShuttingDown);
         // What the peer may still read or write of ours is held or quarantined.
         let retired = self.parts.iter_mut().flat_map(|p| p.close()).collect();
@@ -614,8 +604,6 @@ impl Handler<Attach> for TransferActor {
         self.link += 1;
         self.peer_max_frame = link.peer_hello.max_frame;
         self.attach_parts(&link.peer_hello);
-        self.staged.peer_pid = link.peer_hello.pid;
-        self.staged.same_host = *link.peer_hello.host_id == *self.setup.host_id;
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -655,8 +643,6 @@ impl Handler<Attach> for TransferActor {
         }
         self.activity = Some(link.activity);
         tracing::info!(peer = %self.peer, "link up");
-        // The previous link's staging ring (if any) closes; the next staged send makes one.
-        self.end_staged_tx();
         self.drive(ctx);
     }
 }
@@ -666,30 +652,16 @@ impl Handler<DataEvent> for TransferActor {
     fn handle(&mut self, event: DataEvent, ctx: &mut Self::Context) {
         match event {
             DataEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
-            DataEvent::InboundFailed { id, why } => {
-                tracing::warn!(peer = %self.peer, id, "inbound transfer failed: {why}");
-                self.session
-                    .handle_reserve_failed(InboundId(id), WireReason::Unsupported, why);
-            }
             DataEvent::StreamEnded { op, broken, link } => {
                 if let Some(why) = broken.filter(|_| link == self.link) {
-                    self.end_staged_tx();
                     self.session
-                        .handle_link_lost(&format!("the staging ring failed: {why}"));
+                        .handle_link_lost(&format!("the link's stream failed: {why}"));
                 }
                 if let Some(entry) = self.outbound.get_mut(&op) {
                     // Every byte is on its way: wait for the peer's Done (or PutAck).
                     entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
                 }
                 self.session.handle_stream_ended(op);
-            }
-            DataEvent::PeerBroke { link, why } => {
-                if link == self.link {
-                    note_protocol_violation();
-                    self.staged.rx = None;
-                    self.session
-                        .handle_link_lost(&format!("the peer broke its staging ring: {why}"));
-                }
             }
         }
         self.drive(ctx);
@@ -784,7 +756,7 @@ impl Handler<FromPeer> for TransferActor {
             }
             Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
             Message::Transport(m) => {
-                self.on_transport_message(m, ctx);
+                self.on_transport_message(m);
                 return self.drive(ctx);
             }
             Message::Fetch(ask) => {
@@ -823,23 +795,13 @@ impl Handler<FromPeer> for TransferActor {
 impl TransferActor {
     /// A control message of one transport, for its part of this session; one that is not
     /// what its transport reads breaks the protocol.
-    fn on_transport_message(
-        &mut self,
-        m: ferry_transports::wire::TransportMessage,
-        ctx: &mut Context<Self>,
-    ) {
+    fn on_transport_message(&mut self, m: ferry_transports::wire::TransportMessage) {
         let transport = ferry_config::TransportName::from(m.transport);
-        let read = if transport == StagedMessage::TRANSPORT {
-            StagedMessage::read(&m.body).map(|m| match m {
-                StagedMessage::Ring { key } => self.attach_staged_ring(key, ctx),
-            })
-        } else {
-            match self.part(transport) {
-                Some(part) => part.handle_message(&m.body, Instant::now()),
-                None => Err(ferry_transports::transport::DescriptorError(format!(
-                    "this node does not serve {transport}"
-                ))),
-            }
+        let read = match self.part(transport) {
+            Some(part) => part.handle_message(&m.body, Instant::now()),
+            None => Err(ferry_transports::transport::DescriptorError(format!(
+                "this node does not serve {transport}"
+            ))),
         };
         if let Err(why) = read {
             let violation = format!("a message for {transport}: {why}");

@@ -1,120 +1,44 @@
 //! Outbound transfers: a submitted send becomes an op of the session; a granted op's
-//! bytes stream over the link or the staged ring; an ipc setup that failed falls back.
+//! bytes stream over the link or its transport's own channel; a send whose transport's
+//! setup with the peer failed falls back.
 
 use super::*;
 use ferry_transports::registry;
-use ferry_transports::transport::{Admission, Carrier};
+use ferry_transports::transport::Admission;
 
 impl TransferActor {
-    pub(super) fn start_stream(&mut self, op: OpId, ctx: &mut Context<Self>) {
-        if self
-            .outbound
-            .get(&op)
-            .is_some_and(|e| registry::carrier(e.labels.transport) == Carrier::Ring)
-        {
-            self.offer_staged_ring(ctx);
-            // The link is many times slower than the ring: a staged send waits a little for
-            // the peer to map a ring just offered (in order with the others waiting).
-            if self.ring_pending() || !self.staged.waiting.is_empty() {
-                self.staged.waiting.push_back(op);
-                return self.poll_staged_waiting(ctx);
-            }
-        }
-        self.stream_now(op);
-    }
-
-    /// True while our staging ring is being made or offered and not yet mapped by the
-    /// peer, for at most [`RING_PATIENCE`] since the first staged send asked for it.
-    pub(super) fn ring_pending(&self) -> bool {
-        let unmapped = self.staged.making
-            || self
-                .staged
-                .tx
-                .as_ref()
-                .is_some_and(|(tx, _)| !tx.is_attached());
-        unmapped
-            && !self.session.is_lost()
-            && self
-                .staged
-                .since
-                .is_some_and(|t| t.elapsed() < RING_PATIENCE)
-    }
-
-    /// Looks again at the staged sends waiting for the ring, a millisecond from now: they
-    /// go once it is mapped (or the wait is over: then over the link); a stopped one ends.
-    pub(super) fn poll_staged_waiting(&mut self, ctx: &mut Context<Self>) {
-        if self.staged.polling {
-            return;
-        }
-        self.staged.polling = true;
-        ctx.run_later(Duration::from_millis(1), |act, ctx| {
-            act.staged.polling = false;
-            let pending = act.ring_pending();
-            let waiting = std::mem::take(&mut act.staged.waiting);
-            for op in waiting {
-                let stopped = act
-                    .outbound
-                    .get(&op)
-                    .is_none_or(|e| e.stop.load(Ordering::Acquire));
-                if stopped {
-                    act.session.handle_stream_ended(op);
-                } else if pending {
-                    act.staged.waiting.push_back(op);
-                } else {
-                    act.stream_now(op);
-                }
-            }
-            if !act.staged.waiting.is_empty() {
-                act.poll_staged_waiting(ctx);
-            }
-            act.drive(ctx);
-        });
-    }
-
-    /// Hands a granted op's bytes to whoever moves them: our staging ring's thread, or the
-    /// link's writer.
-    pub(super) fn stream_now(&mut self, op: OpId) {
+    /// A granted op (or a put, which needs no grant): its bytes start to move, through
+    /// its transport's own channel if it has one (staged's ring), else over the link.
+    pub(super) fn start_stream(&mut self, op: OpId) {
         let Some(entry) = self.outbound.get_mut(&op) else {
             return;
         };
-        // Granted (or a put, which needs no grant): the bytes start to move.
         entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
-        // A staged transfer to a peer reading our ring goes through it; else (another
-        // host, or the ring not read yet) over the link, where the peer lands it alike.
-        if let (StreamWhat::Transfer(layout), Some((tx, _))) = (&entry.what, &self.staged.tx)
-            && registry::carrier(entry.labels.transport) == Carrier::Ring
-            && tx.is_attached()
-        {
-            let job = crate::staged::Job {
-                op,
-                layout: layout.clone(),
-                bytes: entry.buffer.share(),
-                stop: Arc::clone(&entry.stop),
-            };
-            if tx.submit(job).is_err() {
-                self.session
-                    .handle_link_lost("the staged sender thread is gone or overrun");
-                self.session.handle_stream_ended(op);
-            }
-            return;
+        let StreamWhat::Transfer(layout) = &entry.what else {
+            return self.stream_over_link(op);
+        };
+        let (transport, layout) = (entry.labels.transport, layout.clone());
+        let (bytes, stop) = (entry.buffer.share(), Arc::clone(&entry.stop));
+        let streaming = match self.parts.get(transport) {
+            Some(part) => part.stream(op, bytes, &layout, stop, Instant::now()),
+            None => ferry_transports::transport::Streaming::OverLink,
+        };
+        if let ferry_transports::transport::Streaming::OverLink = streaming {
+            self.stream_over_link(op);
         }
-        self.stream_over_link(op);
     }
 
-    /// Hands a granted op's bytes to the link's writer.
+    /// Hands a granted op's bytes to the link's writer, in frames of its transport's size
+    /// (puts': the link's own, `transport.tcp.chunk_size`).
     pub(super) fn stream_over_link(&mut self, op: OpId) {
-        let Some(entry) = self.outbound.get_mut(&op) else {
+        let Some(entry) = self.outbound.get(&op) else {
             return;
         };
-        // Each transport's own frame size: staged chunks over the link are sized by
-        // `[transport.staged]`, tcp's and puts' by `[transport.tcp]`.
         let chunk = match entry.what {
-            StreamWhat::Transfer(_)
-                if registry::carrier(entry.labels.transport) == Carrier::Ring =>
-            {
-                self.setup.staged.link_chunk
+            StreamWhat::Transfer(_) => {
+                (self.parts.link_chunk(entry.labels.transport)).unwrap_or(self.setup.chunk)
             }
-            _ => self.setup.chunk,
+            StreamWhat::Put { .. } => self.setup.chunk,
         };
         let out = Outgoing::Stream {
             op,

@@ -45,6 +45,14 @@ impl Parts {
         self.0.iter().any(|p| p.awaits_peer())
     }
 
+    /// Bytes per data frame of `transport`'s sends over the link, if it says.
+    pub(super) fn link_chunk(&self, transport: ferry_config::TransportName) -> Option<usize> {
+        self.0
+            .iter()
+            .find(|p| p.transport() == transport)?
+            .link_chunk()
+    }
+
     /// When a part next needs the timer.
     pub(super) fn poll_timeout(&self) -> Option<Instant> {
         self.0.iter().filter_map(|p| p.poll_timeout()).min()

@@ -28,8 +28,12 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 use crate::link::ring::{Ring, RingError};
 use crate::transport::Capabilities;
 
+mod peer;
+mod threads;
 mod wire;
 
+pub use peer::{RING_PATIENCE, StagedTransport};
+pub use threads::StagedSettings;
 pub use wire::StagedMessage;
 
 /// Bytes before a chunk's data in its slot's record; with the ring's 8-byte slot header
@@ -506,50 +510,6 @@ fn measure_handoff() -> Result<Duration, RingError> {
     let _ = consumer.join();
     times.sort();
     Ok(times[times.len() / 2])
-}
-
-/// The staged transport of one node.
-pub struct StagedTransport {
-    caps: Capabilities,
-}
-
-impl Default for StagedTransport {
-    fn default() -> Self {
-        Self {
-            caps: capabilities(),
-        }
-    }
-}
-
-impl crate::transport::Transport for StagedTransport {
-    fn capabilities(&self) -> &Capabilities {
-        &self.caps
-    }
-
-    fn viability(&self) -> crate::transport::Viability {
-        crate::transport::Viability::Viable
-    }
-
-    fn open(&self, _env: crate::transport::PeerEnv) -> Box<dyn crate::transport::PeerTransport> {
-        Box::new(StagedPart)
-    }
-}
-
-/// The staged part of one peer's session (its ring is the shell's for now).
-struct StagedPart;
-
-impl crate::transport::PeerTransport for StagedPart {
-    fn transport(&self) -> TransportName {
-        StagedMessage::TRANSPORT
-    }
-
-    fn attach(&mut self, _: &crate::transport::Attached<'_>) -> bool {
-        true
-    }
-
-    fn close(&mut self) -> Vec<(crate::transport::OpId, crate::transport::Retired)> {
-        Vec::new()
-    }
 }
 
 #[cfg(test)]

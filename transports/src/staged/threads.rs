@@ -1,33 +1,77 @@
 //! The staged transport between processes of one host: a ring of staging slots in shared
 //! memory per direction, filled by a sender thread and emptied by a receiver thread (see
-//! `ferry_transports::staged`).
+//! `crate::staged`).
 //!
-//! The sender's transfer actor makes the ring when a link to a same-host peer comes up,
-//! offers it at its fd-sharing socket and names it to the peer (`StagedRing`); the peer's actor
-//! fetches and maps it, and its receiver thread says it reads it. Until then (or when it
-//! cannot), staged transfers stream over the link, landing in the same regions. The sender
-//! thread copies each granted transfer's packed bytes into the slots, one chunk at a time,
-//! waiting for free slots; the receiver thread copies each chunk into the transfer's
+//! The sender's part makes the ring at its first staged send to a same-host peer, offers it
+//! at its fd-sharing socket and names it to the peer (`StagedMessage::Ring`); the peer's
+//! part fetches and maps it, and its receiver thread says it reads it. Until then (or when
+//! it cannot), staged transfers stream over the link, landing in the same regions. The
+//! sender thread copies each granted transfer's packed bytes into the slots, one chunk at a
+//! time, waiting for free slots; the receiver thread copies each chunk into the transfer's
 //! reserved buffer (host or device memory) and, after the last, hands the buffer to its
-//! actor like the link's reader does.
+//! session like the link's reader does (through the part's [`Reports`], which wake the
+//! shell).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use actix::Recipient;
 use dashmap::DashMap;
 use ferry_config::AutoSize;
-use ferry_transports::link::Activity;
-use ferry_transports::memory::SharedBytes;
-use ferry_transports::region::InboundRegion;
-use ferry_transports::staged::{StagedError, StagingRx, StagingTx};
-use ferry_transports::wire::{DataChunk, Layout};
 
-use crate::core::session::OpId;
-use crate::data_event::DataEvent;
+use super::{StagedError, StagingRx, StagingTx};
+use crate::link::Activity;
+use crate::memory::SharedBytes;
+use crate::region::InboundRegion;
+use crate::transport::OpId;
+use crate::wire::{DataChunk, Layout};
 
-/// `[transport.staged]`, as the actors use it.
+/// What a staged thread reports to its part: the bytes of a stream are all in the ring
+/// (or the ring broke), an inbound transfer is complete or failed, the peer broke its ring.
+/// Each names the link its ring was made for.
+pub(super) enum Report {
+    /// Op `op`'s stream ended; `broken` says why the ring failed, when it did.
+    StreamEnded {
+        op: OpId,
+        broken: Option<String>,
+        link: u64,
+    },
+    /// Every byte of inbound transfer `id` is in `buffer`.
+    InboundDone {
+        id: u64,
+        buffer: crate::memory::Buffer,
+    },
+    /// A chunk of inbound transfer `id` could not be placed: that transfer fails.
+    InboundFailed { id: u64, why: String },
+    /// The peer broke the ring made for `link`.
+    PeerBroke { link: u64, why: String },
+}
+
+/// Where the staged threads report, then wake the shell. Bounded by what the threads can
+/// have to say: one report per job the sender thread holds (at most the session's pipeline
+/// depth) and one per inbound transfer granted (the session's bound on those), plus one.
+#[derive(Clone)]
+pub(super) struct Reports {
+    pub(super) queue: Arc<std::sync::Mutex<std::collections::VecDeque<Report>>>,
+    pub(super) wake: crate::transport::Wake,
+}
+
+impl Reports {
+    fn put(&self, report: Report) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(report);
+        (self.wake)();
+    }
+
+    pub(super) fn take(&self) -> Vec<Report> {
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        queue.drain(..).collect()
+    }
+}
+
+/// `[transport.staged]`, as the part uses it.
 #[derive(Debug, Clone, Copy)]
 pub struct StagedSettings {
     /// Slots per ring.
@@ -45,16 +89,16 @@ pub struct StagedSettings {
 
 impl StagedSettings {
     /// Bytes per chunk: the configured size, or what `auto` measured in this process.
-    pub fn chunk_bytes(&self, device: Option<&ferry_transports::cuda::Device>) -> usize {
+    pub fn chunk_bytes(&self, device: Option<&crate::cuda::Device>) -> usize {
         match self.chunk {
             AutoSize::Bytes(b) => usize::try_from(b).unwrap_or(4 << 20),
-            AutoSize::Auto => ferry_transports::staged::auto_chunk(device),
+            AutoSize::Auto => super::auto_chunk(device),
         }
     }
 }
 
 /// One granted transfer for the sender thread.
-pub struct Job {
+pub(super) struct Job {
     /// The op.
     pub op: OpId,
     /// The layout of its bytes in the buffer.
@@ -66,25 +110,24 @@ pub struct Job {
 }
 
 /// The sending end: a thread that copies granted transfers into the ring, in grant order.
-pub struct StagedTx {
+pub(super) struct StagedTx {
     jobs: std::sync::mpsc::SyncSender<Job>,
-    ring: Arc<ferry_transports::link::ring::Ring>,
+    ring: Arc<crate::link::ring::Ring>,
 }
 
 impl StagedTx {
-    /// Starts the sender thread over `staging`; it tells `me` as each job's stream ends.
-    /// At most `depth` jobs wait for it (the session's pipeline bounds them anyway).
+    /// Starts the sender thread over `staging`; it reports as each job's stream ends. At
+    /// most `depth` jobs wait for it (the session's pipeline bounds them anyway).
     ///
     /// # Errors
     /// The thread could not be spawned.
-    pub fn start(
+    pub(super) fn start(
         peer: &str,
         mut staging: StagingTx,
         depth: usize,
         (spin, stall, activity): (Duration, Duration, Activity),
-        device: Option<ferry_transports::cuda::Device>,
-        (me, link): (Recipient<DataEvent>, u64),
-        io: tokio::runtime::Handle,
+        device: Option<crate::cuda::Device>,
+        (reports, link): (Reports, u64),
     ) -> std::io::Result<StagedTx> {
         staging.set_stall_timeout(Some(stall));
         let (jobs, rx) = std::sync::mpsc::sync_channel::<Job>(depth.max(1));
@@ -115,10 +158,7 @@ impl StagedTx {
                     if let Some(why) = &broken {
                         tracing::warn!(peer, op = op.0, "staged send failed: {why}");
                     }
-                    let ended = DataEvent::StreamEnded { op, broken, link };
-                    if io.block_on(me.send(ended)).is_err() {
-                        break;
-                    }
+                    reports.put(Report::StreamEnded { op, broken, link });
                 }
                 // Closes the ring.
                 drop(staging);
@@ -127,13 +167,13 @@ impl StagedTx {
     }
 
     /// True once the peer's receiver thread reads the ring.
-    pub fn is_attached(&self) -> bool {
+    pub(super) fn is_attached(&self) -> bool {
         self.ring.is_attached() && !self.ring.is_closed()
     }
 
     /// Hands a granted transfer to the thread; gives it back when the thread is gone or
     /// its queue is full.
-    pub fn submit(&self, job: Job) -> Result<(), Job> {
+    pub(super) fn submit(&self, job: Job) -> Result<(), Job> {
         self.jobs.try_send(job).map_err(|e| match e {
             std::sync::mpsc::TrySendError::Full(j)
             | std::sync::mpsc::TrySendError::Disconnected(j) => j,
@@ -141,7 +181,7 @@ impl StagedTx {
     }
 
     /// Closes the ring: the thread's waits end, and so does the peer's receiver thread.
-    pub fn close(&self) {
+    pub(super) fn close(&self) {
         self.ring.close();
     }
 }
@@ -172,24 +212,23 @@ fn send_job(
 }
 
 /// The receiving end: a thread that lands chunks from the peer's ring.
-pub struct StagedRx {
+pub(super) struct StagedRx {
     stop: Arc<AtomicBool>,
 }
 
 impl StagedRx {
     /// Starts the receiver thread over `staging`; chunks land in `regions`, a completed
-    /// transfer goes to `me`, and a broken ring takes the link down.
+    /// transfer is reported, and a broken ring takes the link down.
     ///
     /// # Errors
     /// The thread could not be spawned.
-    pub fn start(
+    pub(super) fn start(
         peer: &str,
         mut staging: StagingRx,
         spin: Duration,
-        device: Option<ferry_transports::cuda::Device>,
+        device: Option<crate::cuda::Device>,
         (regions, activity): (Arc<DashMap<u64, InboundRegion>>, Activity),
-        (me, link): (Recipient<DataEvent>, u64),
-        io: tokio::runtime::Handle,
+        (reports, link): (Reports, u64),
     ) -> std::io::Result<StagedRx> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
@@ -213,7 +252,7 @@ impl StagedRx {
                             len: header.len,
                         };
                         activity.add_received(bytes.len() as u64);
-                        land(&regions, &chunk, bytes, &me, &io).map_err(Into::into)
+                        land(&regions, &chunk, bytes, &reports).map_err(Into::into)
                     });
                     match landed {
                         Ok(_) => {}
@@ -225,14 +264,14 @@ impl StagedRx {
                 drop(staging);
                 if let Some(why) = broken {
                     tracing::warn!(peer, "the peer's staging ring broke: {why}");
-                    let _ = io.block_on(me.send(DataEvent::PeerBroke { link, why }));
+                    reports.put(Report::PeerBroke { link, why });
                 }
             })?;
         Ok(StagedRx { stop })
     }
 
     /// Ends the thread (at its next chunk or park).
-    pub fn stop(&self) {
+    pub(super) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
     }
 }
@@ -250,9 +289,8 @@ fn land(
     regions: &DashMap<u64, InboundRegion>,
     chunk: &DataChunk,
     bytes: &[u8],
-    me: &Recipient<DataEvent>,
-    io: &tokio::runtime::Handle,
-) -> Result<(), ferry_transports::region::PlaceError> {
+    reports: &Reports,
+) -> Result<(), crate::region::PlaceError> {
     let id = chunk.transfer;
     // Lent out of the map while the bytes are copied, so the map is never locked across
     // a copy (the link's reader may land a chunk of another transfer meanwhile).
@@ -265,12 +303,12 @@ fn land(
         regions.remove(&id);
         drop(landing);
         let why = format!("copying a staged chunk in: {e}");
-        let _ = io.block_on(me.send(DataEvent::InboundFailed { id, why }));
+        reports.put(Report::InboundFailed { id, why });
         return Ok(());
     }
     metrics::counter!("ferry_staged_ring_chunks_total").increment(1);
-    if let Some(buffer) = ferry_transports::region::restore_landing(regions, id, landing) {
-        let _ = io.block_on(me.send(DataEvent::InboundDone { id, buffer }));
+    if let Some(buffer) = crate::region::restore_landing(regions, id, landing) {
+        reports.put(Report::InboundDone { id, buffer });
     }
     Ok(())
 }
