@@ -327,8 +327,6 @@ pub struct TransferSetupBase {
     /// Each connected peer's routes, which the node's `send` takes without asking the
     /// coordinator ([`crate::direct`]).
     pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
-    /// What this node takes eagerly over the link from a peer (its hello granted the same).
-    pub eager: crate::core::session::EagerTerms,
     /// The transports this node serves, started with its settings.
     pub transports: NodeTransports,
     /// This node's host identity: a peer whose hello says the same is on this host.
@@ -494,7 +492,6 @@ impl Coordinator {
             lanes: base.lanes,
             inbox: Arc::clone(&self.inbox),
             transports: base.transports.started,
-            eager: base.eager,
             published: base.published,
             serve: ctx.address().recipient(),
         }

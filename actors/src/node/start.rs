@@ -317,15 +317,11 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     // ipc peer may map: each of its UCX operations is at most 16 MiB, served or applied
     // here within milliseconds of arriving (op_timeout bounds the peer's wait for an
     // answer, not how long ours takes), so the lease (10 s by default) covers them.
-    let eager = crate::core::session::EagerTerms {
-        max: config.transport.tcp.eager_max,
-        credit: config.transport.tcp.eager_credit,
-    };
     let transports = crate::coordinator::NodeTransports::new(ferry_transports::registry::start(
         ferry_transports::registry::Settings {
             tcp: ferry_transports::tcp::TcpTerms {
-                eager_max: eager.max,
-                eager_credit: eager.credit,
+                eager_max: config.transport.tcp.eager_max,
+                eager_credit: config.transport.tcp.eager_credit,
             },
             staged: ferry_transports::staged::StagedSettings {
                 slots: config.transport.staged.slots,
@@ -359,7 +355,6 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         io,
         lanes: shared.lanes,
         direct: shared.direct,
-        eager,
         transports: transports.clone(),
         host_id: Arc::clone(&host_id),
         published: shared.published,

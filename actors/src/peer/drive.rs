@@ -105,8 +105,13 @@ impl TransferActor {
         }
         if self.session.is_lost() {
             // The lanes and staging rings end with the link: a sender must not wait on a
-            // dead peer's ring, nor keep copying into one nobody reads.
+            // dead peer's ring, nor keep copying into one nobody reads. So does the link's
+            // read half, at once: a lost session reads nothing more from the peer, whose
+            // bytes would only be refused (the write half ends once its stream stops).
             self.detach_parts();
+            if let Some(reader) = self.reader.take() {
+                reader.abort();
+            }
             // A registration under way ends first (its send then fails as lost).
             if self.session.is_idle() && self.outbound.is_empty() && !self.held.exporting {
                 ctx.stop();

@@ -345,8 +345,8 @@ pub(super) fn io_error(e: impl std::fmt::Display) -> LinkError {
 
 pub(super) struct ReadLoop {
     pub(super) me: Addr<TransferActor>,
-    /// The link's eager credit at this end.
-    pub(super) eager: Arc<EagerGate>,
+    /// The link's eager credit at this end, if this node grants any.
+    pub(super) eager: Option<Arc<dyn EagerGate>>,
     /// Where eager transfers land (host memory, reserved at once).
     pub(super) host_tiers: Vec<Tier>,
     pub(super) regions: Arc<DashMap<u64, InboundRegion>>,
@@ -549,7 +549,11 @@ impl ReadLoop {
     fn note_in_order(&self, msg: &Message, offers: &mut u32) {
         match msg {
             Message::Offer(_) => *offers = offers.wrapping_add(1),
-            Message::Cancel(cancel) if !cancel.by_receiver => self.eager.release(cancel.transfer),
+            Message::Cancel(cancel) if !cancel.by_receiver => {
+                if let Some(gate) = &self.eager {
+                    gate.release(cancel.transfer);
+                }
+            }
             _ => {}
         }
     }

@@ -125,9 +125,6 @@ pub struct TransferSetup {
     pub inbox: Arc<crate::inbox::Inbox>,
     /// The node's transports, which make this session's parts.
     pub transports: Vec<Arc<dyn ferry_transports::transport::Transport>>,
-    /// What this node takes eagerly over tcp from the peer (`transport.tcp.eager_max` and
-    /// `eager_credit`; its hello granted the same).
-    pub eager: crate::core::session::EagerTerms,
     /// The buffers this node published, which peers fetch.
     pub published: Arc<crate::publish::Publications>,
     /// Where the answer to a peer's fetch is sent from (routed like any send).
@@ -449,7 +446,7 @@ pub struct TransferActor {
     reader: Option<tokio::task::AbortHandle>,
     /// The current link's eager credit at this end, and the peer's offers not taken
     /// eagerly that the actor handled on it (see [`EagerGate`]).
-    eager: Option<(Arc<EagerGate>, u32)>,
+    eager: Option<(Arc<dyn EagerGate>, u32)>,
 }
 
 impl TransferActor {
@@ -582,18 +579,6 @@ impl Handler<Attach> for TransferActor {
     type Result = ();
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
-        // What the peer takes eagerly, before anything is offered on this link.
-        let tcp = ferry_transports::tcp::TcpTerms::of(
-            link.peer_hello
-                .announced(ferry_transports::tcp::TcpTerms::TRANSPORT),
-        );
-        self.session.handle_peer_eager(
-            crate::core::session::EagerTerms {
-                max: tcp.eager_max,
-                credit: tcp.eager_credit,
-            }
-            .bounded(link.peer_hello.max_frame),
-        );
         if let Some(old) = self.writer.take() {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
@@ -604,6 +589,9 @@ impl Handler<Attach> for TransferActor {
         self.link += 1;
         self.peer_max_frame = link.peer_hello.max_frame;
         self.attach_parts(&link.peer_hello);
+        // What the peer takes eagerly, before anything is offered on this link.
+        let eager = self.parts.iter_mut().find_map(|p| p.peer_eager());
+        self.session.handle_peer_eager(eager.unwrap_or_default());
         let (tx, rx) = mpsc::channel(self.writer_capacity());
         self.welcomed = !dialed;
         if !dialed {
@@ -621,11 +609,9 @@ impl Handler<Attach> for TransferActor {
         self.setup
             .io
             .spawn(write_loop(out, rx, me.clone(), self.link));
-        let gate = Arc::new(EagerGate::new(
-            self.setup.eager,
-            self.setup.limits.inbound_bytes,
-        ));
-        self.eager = Some((Arc::clone(&gate), 0));
+        // The eager credit this node grants the peer on this link, if a transport does.
+        let gate = self.parts.iter_mut().find_map(|p| p.eager_gate());
+        self.eager = gate.clone().map(|g| (g, 0));
         let reader = ReadLoop {
             eager: gate,
             host_tiers: self.setup.host_tiers.clone(),

@@ -13,8 +13,13 @@
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
 use crate::region::RegionKey;
+use crate::transport::EagerTerms;
+
+mod eager;
+
 use crate::transport::Capabilities;
 use crate::wire::{DataChunk, Message, PutChunk};
+pub use eager::EagerViolation;
 
 /// What the tcp transport can do.
 pub fn capabilities() -> Capabilities {
@@ -139,26 +144,57 @@ impl crate::transport::Transport for TcpTransport {
         self.terms.announce().unwrap_or_default()
     }
 
-    fn open(&self, _env: crate::transport::PeerEnv) -> Box<dyn crate::transport::PeerTransport> {
-        Box::new(TcpPart)
+    fn open(&self, env: crate::transport::PeerEnv) -> Box<dyn crate::transport::PeerTransport> {
+        Box::new(TcpPart {
+            own: EagerTerms {
+                max: self.terms.eager_max,
+                credit: self.terms.eager_credit,
+            },
+            share: env.share,
+            peer: None,
+            gate: None,
+        })
     }
 }
 
 /// The tcp part of one peer's session: its bytes stream over the link, which the shell
-/// writes and reads.
-struct TcpPart;
+/// writes and reads; small pushes go eagerly both ways within the credit each hello grants.
+struct TcpPart {
+    /// What this node takes eagerly (its hello granted the same).
+    own: EagerTerms,
+    /// The peer's share of this node's memory (`limits.peer_inbound_bytes`).
+    share: u64,
+    /// What the peer takes eagerly, from its hello.
+    peer: Option<EagerTerms>,
+    /// The current link's eager credit at this end.
+    gate: Option<std::sync::Arc<eager::Gate>>,
+}
 
 impl crate::transport::PeerTransport for TcpPart {
     fn transport(&self) -> TransportName {
         TcpTerms::TRANSPORT
     }
 
-    fn attach(&mut self, _: &crate::transport::Attached<'_>) -> bool {
+    /// What the peer's hello grants (a sender uses no more than its own bounds), and a
+    /// fresh credit of ours for the link, before anything is offered on it.
+    fn attach(&mut self, link: &crate::transport::Attached<'_>) -> bool {
+        let theirs = TcpTerms::of(link.hello.announced(TcpTerms::TRANSPORT));
+        let theirs = EagerTerms {
+            max: theirs.eager_max,
+            credit: theirs.eager_credit,
+        };
+        self.peer = Some(theirs.bounded(link.hello.max_frame));
+        self.gate = Some(std::sync::Arc::new(eager::Gate::new(self.own, self.share)));
         true
     }
 
-    fn link_chunk(&self) -> Option<usize> {
-        None
+    fn peer_eager(&self) -> Option<EagerTerms> {
+        self.peer
+    }
+
+    fn eager_gate(&self) -> Option<std::sync::Arc<dyn crate::transport::EagerGate>> {
+        let gate: std::sync::Arc<dyn crate::transport::EagerGate> = self.gate.clone()?;
+        Some(gate)
     }
 
     fn close(&mut self) -> Vec<(crate::transport::OpId, crate::transport::Retired)> {

@@ -5,6 +5,7 @@
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
 mod descriptor;
+mod eager;
 mod env;
 mod fast_path;
 mod node;
@@ -12,6 +13,7 @@ mod peer;
 pub mod setup;
 
 pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, decode, encode};
+pub use eager::{EagerGate, EagerTerms};
 pub use env::{Deliveries, ReceiveMemory};
 pub use fast_path::{FastPath, FastPathError, FastPathFailure};
 pub use node::Transport;

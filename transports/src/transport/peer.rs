@@ -33,7 +33,9 @@ use std::time::{Duration, Instant};
 use ferry_config::TransportName;
 
 use super::setup::{SetupFailure, SetupOutcome};
-use super::{Deliveries, Descriptor, DescriptorError, FastPath, OpId, ReceiveMemory};
+use super::{
+    Deliveries, Descriptor, DescriptorError, EagerGate, EagerTerms, FastPath, OpId, ReceiveMemory,
+};
 use crate::gpus::SharedGpus;
 use crate::link::{Activity, Secret};
 use crate::memory::{Buffer, MemoryKind, SharedBytes};
@@ -406,6 +408,18 @@ pub trait PeerTransport: Send {
         _now: Instant,
     ) -> Streaming {
         Streaming::OverLink
+    }
+
+    /// What the peer takes eagerly over the link from this transport's sends (its hello's
+    /// terms, bounded by what this node uses), once a link is attached.
+    fn peer_eager(&self) -> Option<EagerTerms> {
+        None
+    }
+
+    /// The current link's eager credit at this end, which the link's reader takes the
+    /// peer's eager offers through; `None` when this transport grants none.
+    fn eager_gate(&self) -> Option<Arc<dyn EagerGate>> {
+        None
     }
 
     /// Bytes per data frame when this transport's sends stream over the link.

@@ -88,38 +88,7 @@ pub struct SendRequest {
     pub fetch: Option<u64>,
 }
 
-/// What a peer takes eagerly, as its hello says: tcp pushes of at most `max` bytes may go
-/// with their offer, their bytes right behind it, while the eager offers sent and not yet
-/// answered add up to at most `credit` bytes. Zero takes none.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EagerTerms {
-    /// The largest eager transfer.
-    pub max: u64,
-    /// The bytes of eager transfers that may be unanswered at once.
-    pub credit: u64,
-}
-
-impl EagerTerms {
-    /// The largest eager transfer a node offers whatever the peer's hello says (the
-    /// configuration's own bound on `transport.tcp.eager_max`).
-    pub const MAX: u64 = 16 << 20;
-    /// The most eager credit a node uses whatever the peer's hello grants.
-    pub const MAX_CREDIT: u64 = 256 << 20;
-
-    /// What a sender uses of the terms a peer's hello granted: `max` bounded by
-    /// [`Self::MAX`] and by what one payload frame of the peer carries (`max_frame`, less
-    /// room for its header), `credit` by [`Self::MAX_CREDIT`]; none when the credit does
-    /// not hold one transfer. A peer granting more gets no more.
-    pub fn bounded(self, max_frame: u32) -> Self {
-        let frame = u64::from(max_frame).saturating_sub(64 << 10);
-        let max = self.max.min(Self::MAX).min(frame);
-        let credit = self.credit.min(Self::MAX_CREDIT);
-        if max == 0 || credit < max {
-            return Self::default();
-        }
-        Self { max, credit }
-    }
-}
+pub use ferry_transports::transport::EagerTerms;
 
 /// A one-sided put the application asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
