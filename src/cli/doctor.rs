@@ -14,9 +14,10 @@ use std::process::ExitCode;
 use ferry_config::{Config, Locality, MemoryClass, Rule, TransportName};
 use ferry_transports::cuda::{BlockCopies, CudaDriver, CudaProbe};
 use ferry_transports::transport::{Capabilities, DevicePath, Library, Viability};
+pub use ferry_transports::transport::{Finding, Status};
 use serde::Serialize;
 
-pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
+pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN};
 pub use pool_test::PoolTest;
 
 #[derive(Debug, clap::Args)]
@@ -28,64 +29,6 @@ pub struct Args {
     /// over this Unix socket.
     #[arg(long, hide = true, value_name = "SOCKET")]
     pool_import_child: Option<PathBuf>,
-}
-
-/// How a check came out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    /// Nothing to do.
-    Ok,
-    /// Works, but slower or narrower than it could; the remedy says how to do better.
-    Warn,
-    /// Does not work; the remedy says how to fix it.
-    Problem,
-    /// Not checked (nothing to check, or the check is not built yet); the text says which.
-    Skipped,
-}
-
-impl Status {
-    fn label(self) -> &'static str {
-        match self {
-            Self::Ok => "ok",
-            Self::Warn => "warn",
-            Self::Problem => "problem",
-            Self::Skipped => "skipped",
-        }
-    }
-}
-
-/// One line of the doctor's report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Finding {
-    /// What was checked ("cuda", "/dev/shm", "rule #0 host", ...).
-    pub check: String,
-    /// How it came out.
-    pub status: Status,
-    /// What was found.
-    pub found: String,
-    /// What to do about it, when anything.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub remedy: Option<String>,
-    /// True when this blocks a transport the configuration relies on (exit status 1).
-    pub blocks: bool,
-}
-
-impl Finding {
-    fn new(check: impl Into<String>, status: Status, found: impl Into<String>) -> Self {
-        Self {
-            check: check.into(),
-            status,
-            found: found.into(),
-            remedy: None,
-            blocks: false,
-        }
-    }
-
-    fn remedy(mut self, remedy: impl Into<String>) -> Self {
-        self.remedy = Some(remedy.into());
-        self
-    }
 }
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
@@ -107,7 +50,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         }
     };
     super::telemetry::init_command(&config.telemetry);
-    let mut facts = Facts::gather(config.transport.ucx.library.as_deref());
+    let mut facts = Facts::gather(&config, &named_transports(&config));
     if let Ok(exe) = std::env::current_exe() {
         facts.pool_export = pool_test::run(&facts.cuda, &exe);
     }
@@ -186,11 +129,8 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     }
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
-    // UCX matters where a rule names a transport built on it and the node would serve ucx:
-    // "on", or "auto" (which serves it on RDMA machines).
-    let ucx_wanted = names_library(&named, Library::Ucx)
-        && config.transport.ucx.enabled != ferry_config::UcxMode::Off;
-    out.push(ucx_finding(&facts.ucx, ucx_wanted));
+    // What each transport checks of what it is built on (a library's release, its tools).
+    out.extend(facts.probes.iter().cloned());
     out.extend(config_findings(config, &facts.transports));
     out
 }
@@ -397,8 +337,9 @@ fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
             Status::Ok,
             format!(
                 "a second process imported a pool and a buffer of {} and read back what was \
-                 written (what same-host ipc does)",
-                tested.join(", ")
+                 written (what same-host {} does)",
+                tested.join(", "),
+                super::taking(DevicePath::CopyEngine)
             ),
         );
     }
@@ -419,13 +360,18 @@ fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
     Finding::new(
         CHECK,
         Status::Warn,
-        format!("{}: same-host ipc cannot use them", found.join("; ")),
+        format!(
+            "{}: same-host {} cannot use them",
+            found.join("; "),
+            super::taking(DevicePath::CopyEngine)
+        ),
     )
-    .remedy(
+    .remedy(format!(
         "update the NVIDIA driver; under vGPU or MIG, pool export may be unavailable: use \
-         staged for these GPUs; in a container, make sure every process of the node sees \
-         the same GPUs and may pass file descriptors over Unix sockets",
-    )
+         {} for these GPUs; in a container, make sure every process of the node sees the \
+         same GPUs and may pass file descriptors over Unix sockets",
+        super::taking(DevicePath::PinnedStaging)
+    ))
 }
 
 /// How block lists (`Layout::Blocks`) of device memory are gathered: one kernel launch on
@@ -500,8 +446,9 @@ fn rdma_finding(driver: &CudaDriver) -> Finding {
         CHECK,
         Status::Warn,
         format!(
-            "not supported by {}: ucx moves their memory through host buffers",
-            lacking.join(", ")
+            "not supported by {}: {} moves their memory through host buffers",
+            lacking.join(", "),
+            super::taking(DevicePath::Rdma)
         ),
     )
     .remedy("GPUDirect RDMA needs a data-center GPU, an RDMA NIC on the same PCIe root, and nvidia-peermem loaded (modprobe nvidia_peermem) or dma-buf support")
@@ -587,72 +534,6 @@ fn memlock_finding(memlock: &Result<Memlock, String>) -> Finding {
     }
 }
 
-fn ucx_finding(ucx: &Ucx, ucx_named: bool) -> Finding {
-    const CHECK: &str = "ucx";
-    let library = match &ucx.library {
-        Ok(library) => library,
-        Err(why) => {
-            let status = if ucx_named {
-                Status::Warn
-            } else {
-                Status::Skipped
-            };
-            return Finding::new(
-                CHECK,
-                status,
-                format!("UCX does not load: the ucx transport cannot run here: {why}"),
-            )
-            .remedy(
-                "install UCX (apt install libucx0, or HPC-X / MLNX_OFED) and make libucp.so.0 \
-                 findable through ldconfig or LD_LIBRARY_PATH, or name its libucp.so in \
-                 transport.ucx.library",
-            );
-        }
-    };
-    // What the loaded UCX says of itself (the file a node loads: transport.ucx.library,
-    // FERRY_UCX_LIBRARY, else the system's).
-    let device = if library.moves_cuda {
-        "moves device memory (ucx carries GPU buffers)"
-    } else {
-        "moves host memory only (built without CUDA, or no driver): ucx carries no GPU buffer"
-    };
-    let (transports, remedy) = match &ucx.transports {
-        Err(why) => (
-            format!(
-                "transports unknown ({why}): whether it has an RDMA transport here (rc, dc, \
-                 ud) or only tcp and shared memory, and CUDA transports (cuda_copy, \
-                 cuda_ipc), is not checked"
-            ),
-            Some(format!(
-                "to check them, put the ucx_info of UCX {} on PATH (Debian/Ubuntu: \
-                 ucx-utils, for the system's UCX)",
-                library.release
-            )),
-        ),
-        Ok(list) if list.is_empty() => ("ucx_info -d lists no transports".to_string(), None),
-        Ok(list) => {
-            let cuda = list
-                .iter()
-                .any(|t| t.starts_with("cuda") || t == "gdr_copy");
-            let text = format!(
-                "transports: {}{}",
-                list.join(", "),
-                if cuda { "" } else { " (no CUDA transports)" }
-            );
-            (text, None)
-        }
-    };
-    let finding = Finding::new(
-        CHECK,
-        Status::Ok,
-        format!("{library}; {transports}; {device}"),
-    );
-    match remedy {
-        Some(remedy) => finding.remedy(remedy),
-        None => finding,
-    }
-}
-
 /// One finding per rule: which of its transports can carry something here, and why the
 /// others cannot.
 fn config_findings(config: &Config, catalog: &[(Capabilities, Viability)]) -> Vec<Finding> {
@@ -700,11 +581,11 @@ fn rule_finding(index: usize, rule: &Rule, catalog: &[(Capabilities, Viability)]
                 "no transport of this rule can run here: {}",
                 reasons(&verdicts)
             ),
-            remedy: Some(
-                "add a transport viable here to the rule's list (tcp carries host memory \
-                 between processes and hosts), or fix what keeps the listed ones from running"
-                    .into(),
-            ),
+            remedy: Some(format!(
+                "add a transport viable here to the rule's list ({} carries host memory \
+                 between processes and hosts), or fix what keeps the listed ones from running",
+                ferry_transports::registry::LINK
+            )),
             blocks: true,
         },
         Some(0) => Finding::new(check, Status::Ok, format!("uses {}", verdicts[0].0)),
@@ -782,43 +663,12 @@ mod tests {
                 soft: None,
                 hard: None,
             }),
-            ucx: Ucx {
-                library: Err(ferry_transports::ucx::LoadError::Open {
-                    location: system_ucx(),
-                    reason: "libucp.so.0: cannot open shared object file".into(),
-                }),
-                transports: Err("UCX does not load".into()),
-            },
+            probes: Vec::new(),
             // No CUDA driver, as the facts say, whatever this machine has.
             transports: crate::cli::explain::tests::host_only_catalog(),
             pool_export: Vec::new(),
             block_copies: None,
             gather_kernel: None,
-        }
-    }
-
-    fn system_ucx() -> ferry_transports::ucx::LibraryLocation {
-        ferry_transports::ucx::LibraryLocation {
-            source: ferry_transports::ucx::LibrarySource::System,
-            path: "libucp.so.0".into(),
-        }
-    }
-
-    /// UCX 1.13.1, loaded by the system's search, with `transports` from ucx_info.
-    fn ucx_1_13(transports: Result<Vec<String>, String>) -> Ucx {
-        Ucx {
-            library: Ok(ferry_transports::ucx::LoadedUcx {
-                release: ferry_transports::ucx::Version {
-                    major: 1,
-                    minor: 13,
-                    release: 1,
-                },
-                version_string: Some("1.13.1".into()),
-                location: system_ucx(),
-                file: Some("/usr/lib/x86_64-linux-gnu/libucp.so.0.0.0".into()),
-                moves_cuda: false,
-            }),
-            transports,
         }
     }
 
@@ -922,62 +772,32 @@ mod tests {
     }
 
     #[test]
-    fn ucx_absent_is_skipped_unless_a_rule_names_it() {
-        let off = config("[transport.ucx]\nenabled = \"off\"\n");
-        let f = diagnose(&healthy(), &off);
-        let u = find(&f, "ucx");
-        assert_eq!(u.status, Status::Skipped);
-        assert!(u.found.contains("UCX does not load"), "{}", u.found);
-        assert!(u.found.contains("libucp.so.0"), "{}", u.found);
-        let named =
-            config("[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n");
-        let f = diagnose(&healthy(), &named);
-        assert_eq!(find(&f, "ucx").status, Status::Warn);
-        assert!(!f.iter().any(|f| f.blocks), "tcp still carries it");
-        let present = Facts {
-            ucx: ucx_1_13(Ok(vec!["self".into(), "tcp".into()])),
+    fn each_transport_says_what_it_found_of_what_it_is_built_on() {
+        let probed = Finding::new("lib", Status::Warn, "release 1.0 is too old").remedy("update");
+        let facts = Facts {
+            probes: vec![probed.clone()],
             ..healthy()
         };
-        let u = diagnose(&present, &config(""));
-        let u = find(&u, "ucx");
-        assert_eq!(u.status, Status::Ok);
-        assert!(u.found.contains("no CUDA transports"), "{}", u.found);
-        assert!(
-            u.found.starts_with(
-                "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
-                 libucp.so.0); transports: self, tcp"
-            ),
-            "{}",
-            u.found
-        );
-        assert_eq!(u.remedy, None);
+        let f = diagnose(&facts, &config(""));
+        assert_eq!(find(&f, "lib"), &probed);
+        assert!(!f.iter().any(|f| f.blocks), "{f:#?}");
     }
 
     #[test]
-    fn ucx_without_its_ucx_info_is_named_and_says_what_is_unknown() {
-        for why in [
-            "ucx_info is not on PATH",
-            "/usr/bin/ucx_info is UCX 1.16.0's, not the loaded 1.13.1's",
-        ] {
-            let facts = Facts {
-                ucx: ucx_1_13(Err(why.into())),
-                ..healthy()
-            };
-            let f = diagnose(&facts, &config(""));
-            let u = find(&f, "ucx");
-            assert_eq!(u.status, Status::Ok);
-            assert!(
-                u.found.starts_with(&format!(
-                    "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
-                     libucp.so.0); transports unknown ({why}): whether it has an RDMA transport"
-                )),
-                "{}",
-                u.found
-            );
-            assert!(u.found.contains("moves host memory only"), "{}", u.found);
-            let remedy = u.remedy.as_deref().unwrap_or_default();
-            assert!(remedy.contains("ucx_info of UCX 1.13.1"), "{remedy}");
-        }
+    fn the_transports_wanted_are_those_the_rules_name() {
+        let named = config(
+            "[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n\
+             [[transport.rules]]\nname = \"rest\"\ntransports = [\"tcp\"]\n",
+        );
+        assert_eq!(
+            named_transports(&named),
+            [TransportName::Ucx, TransportName::Tcp]
+        );
+        // The built-in GPU rules count only on a node told to use GPUs.
+        let default = named_transports(&config(""));
+        assert!(!default.contains(&TransportName::Ipc), "{default:?}");
+        let gpus = named_transports(&config("[gpu]\ndevices = [0]\n"));
+        assert!(gpus.contains(&TransportName::Ipc), "{gpus:?}");
     }
 
     #[test]

@@ -28,8 +28,10 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 use crate::link::ring::{Ring, RingError};
 use crate::transport::Capabilities;
 
+mod kind;
 mod wire;
 
+pub use kind::StagedKind;
 pub use wire::StagedMessage;
 
 /// Bytes before a chunk's data in its slot's record; with the ring's 8-byte slot header

@@ -7,6 +7,8 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 mod descriptor;
 mod env;
 mod fast_path;
+mod finding;
+mod kind;
 mod node;
 mod peer;
 pub mod setup;
@@ -14,6 +16,8 @@ pub mod setup;
 pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, decode, encode};
 pub use env::{Deliveries, ReceiveMemory};
 pub use fast_path::{FastPath, FastPathError, FastPathFailure};
+pub use finding::{Finding, Status};
+pub use kind::{Note, Route, TransportKind};
 pub use node::Transport;
 pub use peer::{
     Admission, Attached, Exported, Exporting, Lend, LentMemory, Moving, PartEvent, PeerEnv,
