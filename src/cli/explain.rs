@@ -6,8 +6,12 @@
 //! `--no-connect`), and asks the node to explain the route: the one a send would take now,
 //! chosen by the same code, or with `--dst-memory` a what-if one. Around that answer it says why earlier rules did not match, why each transport
 //! was passed over, and whether the chosen path is far slower than the hardware allows.
-//! For a rule that names ucx it names the UCX release the node loads and the file.
-//! Everything but the node, the CUDA probe and loading UCX is pure and tested below.
+//! Each transport the matching rule names adds its own notes
+//! ([`TransportKind::notes`](ferry_transports::transport::TransportKind::notes): the
+//! library it loads, its settings, what its path costs here). Everything but the node, the
+//! CUDA probe and the transports' notes is pure and tested below.
+
+mod live;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,7 +22,7 @@ use ferry::{Explanation, Node};
 use ferry_actors::core::route::{DstSource, RouteQuery};
 use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
 use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{Capabilities, DevicePath, Library, Unsuitable, Viability};
+use ferry_transports::transport::{Capabilities, DevicePath, Note, Route, Unsuitable, Viability};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -87,10 +91,8 @@ fn parse_memory(text: &str) -> Result<MemoryClass, String> {
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
     let mut config = super::load_config(file, overrides, Vec::new())?;
     super::telemetry::init_command(&config.telemetry);
-    let (ucx_enabled, ucx_library) = (
-        config.transport.ucx.enabled,
-        config.transport.ucx.library.clone(),
-    );
+    // What the transports' notes read: the configuration as loaded.
+    let loaded = config.clone();
     // Never collide with a `ferry serve` started from the same file.
     config.node.listen = vec!["127.0.0.1:0".into()];
     config.node.socket_dir = None;
@@ -106,29 +108,14 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         .build()
         .context("cannot start the runtime")?;
     let connect = !args.no_connect;
-    let (setup, explanation, ucx) =
+    let (setup, explanation, live) =
         runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
     let mut report = Report::new(&args, &rules, &explanation, setup, gpu);
-    // The release matters wherever the rule names ucx: every node must load the same one.
-    let ucx_named = explanation
-        .rule
-        .as_ref()
-        .and_then(|(index, _)| rules.get(*index))
-        .is_some_and(|rule| {
-            rule.transports
-                .iter()
-                .any(|t| ferry_transports::registry::declared(*t).library == Some(Library::Ucx))
-        });
-    if ucx_named {
-        report.ucx = Some(UcxReport::new(ucx_enabled, || {
-            ferry_transports::ucx::loaded(ucx_library.as_deref())
-        }));
-    }
-    if let Some(lanes) = ucx {
-        report = report.with_ucx_lanes(lanes);
-    }
+    let rdma = ferry_actors::node::has_rdma_device();
+    report.add_notes(route_notes(&loaded, &rules, &explanation, rdma));
+    report.add_notes(live);
     let text = if args.json {
         serde_json::to_string_pretty(&report)? + "\n"
     } else {
@@ -143,16 +130,12 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     })
 }
 
-/// What the node answered: the link's setup, the route, and, for a route over ucx with
-/// the link up, the lanes of its UCX endpoint to the peer (or why it could not say).
-type Answers = (
-    Setup,
-    Explanation,
-    Option<Result<ferry::EndpointLanes, String>>,
-);
+/// What the node answered: the link's setup, the route, and what it said live of the
+/// route's transport with the link up ([`live::notes`]).
+type Answers = (Setup, Explanation, Vec<Note>);
 
-/// Starts the node, dials if asked, asks for the explanation (and, for a route over ucx,
-/// the lanes of a UCX endpoint to the peer), and stops the node.
+/// Starts the node, dials if asked, asks for the explanation (and what it can say live of
+/// the route's transport), and stops the node.
 async fn ask_node(
     config: ferry::Config,
     peer: &str,
@@ -179,26 +162,12 @@ async fn ask_node(
         Setup::NotTried
     };
     let explanation = node.explain(peer, bytes, src, dst).await;
-    // A route over a transport built on UCX: its endpoint to the peer can name its lanes.
-    let over_ucx = explanation.as_ref().is_ok_and(|e| {
-        e.chosen.as_ref().is_some_and(|r| {
-            ferry_transports::registry::declared(r.transport).library == Some(Library::Ucx)
-        })
-    });
-    let ucx = if over_ucx && setup == Setup::Connected {
-        let asked = tokio::time::timeout(limit, node.ucx_lanes(peer)).await;
-        Some(match asked {
-            Ok(answer) => answer.map_err(|e| e.to_string()),
-            Err(_) => Err(format!(
-                "no answer within {}",
-                humantime::format_duration(limit)
-            )),
-        })
-    } else {
-        None
+    let live = match &explanation {
+        Ok(e) if setup == Setup::Connected => live::notes(&node, peer, e, limit).await,
+        _ => Vec::new(),
     };
     node.shutdown().await;
-    Ok((setup, explanation?, ucx))
+    Ok((setup, explanation?, live))
 }
 
 /// Whether the link to the peer came up.
@@ -340,14 +309,11 @@ const COPY_ENGINE_GBPS: u32 = 396;
 /// Pinned host <-> device, each way, 16 MiB and up (BASELINES.md).
 const PINNED_GBPS: u32 = 55;
 
-/// UCX reading device memory over tcp, staged through host memory (H100 ×1, UCX 1.22,
-/// PERFORMANCE.md).
-const UCX_TCP_DEVICE_GBPS: f32 = 0.4;
-
 /// Warnings when the route is expected to run far below what the hardware between the two
-/// ends allows; `rdma`: this machine has an RDMA device. Read from the transports' declared
-/// device paths ([`DevicePath`]). Pure.
-pub fn performance_warnings(explanation: &Explanation, rules: &[Rule], rdma: bool) -> Vec<String> {
+/// ends allows. Read from the transports' declared device paths ([`DevicePath`]); what an
+/// RDMA path costs without an RDMA device is the transport's to say ([`route_notes`]).
+/// Pure.
+pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<String> {
     let q = &explanation.query;
     // Where the bytes really land: a transport that cannot land in the peer's device memory
     // lands in its host memory.
@@ -360,7 +326,7 @@ pub fn performance_warnings(explanation: &Explanation, rules: &[Rule], rdma: boo
         return Vec::new();
     }
     let same_host = matches!(q.locality, Locality::SameHost | Locality::SameProcess);
-    let mut out: Vec<String> = path_warning(explanation, chosen, same_host, rdma)
+    let mut out: Vec<String> = path_warning(explanation, chosen, same_host)
         .into_iter()
         .collect();
     let rule = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i));
@@ -377,21 +343,13 @@ fn path(transport: TransportName) -> DevicePath {
     ferry_transports::registry::declared(transport).device_path
 }
 
-/// The transport whose device memory takes `path` (to name the faster way around a slow
-/// one), or the path in words where none declares it.
-fn taking(path: DevicePath) -> String {
-    ferry_transports::registry::declarations()
-        .iter()
-        .find(|c| c.device_path == path)
-        .map_or_else(|| format!("a {path:?} transport"), |c| c.name.to_string())
-}
+use super::taking;
 
 /// What the path of `chosen` costs device memory, where that is far below the hardware.
 fn path_warning(
     explanation: &Explanation,
     chosen: TransportName,
     same_host: bool,
-    rdma: bool,
 ) -> Option<String> {
     let copy_engine = taking(DevicePath::CopyEngine);
     let copy_engine_status = || match explanation
@@ -415,16 +373,6 @@ fn path_warning(
              copies (~{PINNED_GBPS} GB/s each) around the network; {} with GPUDirect RDMA \
              would let the NIC read and write GPU memory directly",
             taking(DevicePath::Rdma)
-        ),
-        DevicePath::Rdma if !rdma => format!(
-            "device memory goes over {chosen} on a machine without an RDMA device: UCX reads \
-             GPU memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s \
-             measured), and between GPUs of one host without NVLink it does so too; {}",
-            if same_host {
-                format!("on one host {copy_engine} uses the copy engine")
-            } else {
-                "an RDMA NIC with GPUDirect RDMA lets the NIC read GPU memory directly".into()
-            }
         ),
         DevicePath::HostCopy => format!(
             "device memory goes over {chosen}: it is copied to host memory first \
@@ -501,6 +449,36 @@ pub fn gpu_note(probe: &CudaProbe, catalog: &[(Capabilities, Viability)]) -> Str
     }
 }
 
+/// What the transports the matching rule names say of the route, for a node with
+/// `config` (each asked once, in the rule's order; `rdma`: this machine has an RDMA
+/// device). Not pure: a transport may load its library to say which release it is.
+pub fn route_notes(
+    config: &ferry::Config,
+    rules: &[Rule],
+    explanation: &Explanation,
+    rdma: bool,
+) -> Vec<Note> {
+    let Some(rule) = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i)) else {
+        return Vec::new();
+    };
+    let q = &explanation.query;
+    let chosen = explanation.chosen.as_ref();
+    rule.transports
+        .iter()
+        .filter_map(|&name| ferry_transports::registry::kind(name).map(|k| (name, k)))
+        .flat_map(|(name, kind)| {
+            let route = Route {
+                locality: q.locality,
+                src: q.src,
+                landing: chosen.map_or(q.dst, |r| r.landing),
+                chosen: chosen.is_some_and(|r| r.transport == name),
+                rdma_device: rdma,
+            };
+            kind.notes(config, &route)
+        })
+        .collect()
+}
+
 /// What `ferry explain` prints, as text or JSON.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -520,128 +498,14 @@ pub struct Report {
     chosen: Option<Chosen>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu: Option<String>,
-    /// For a rule that names ucx: the UCX release this node loads, and from where.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ucx: Option<UcxReport>,
-    /// For a route over ucx with the link up: the lanes of this node's UCX endpoint to the
-    /// peer.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ucx_lanes: Option<UcxLanesReport>,
+    /// What the transports the rule names say of the route ([`Note::Fact`]), each under
+    /// its own key.
+    #[serde(flatten)]
+    notes: serde_json::Map<String, serde_json::Value>,
+    /// The same, as labelled lines, in the order they came.
+    #[serde(skip)]
+    note_lines: Vec<(String, String)>,
     warnings: Vec<String>,
-}
-
-/// The UCX a node loads, as `ferry explain` reports it.
-#[derive(Debug, Clone, Serialize)]
-struct UcxReport {
-    /// The release the library reports (`ucp_get_version`), where it got that far.
-    release: Option<String>,
-    /// The file loaded, where it loaded.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    file: Option<PathBuf>,
-    /// In words.
-    text: String,
-}
-
-impl UcxReport {
-    /// What to say of the UCX a node with `transport.ucx.enabled = enabled` loads
-    /// (`load` loads it, unless the node loads none). Pure but for `load`.
-    fn new(
-        enabled: ferry_config::UcxMode,
-        load: impl FnOnce()
-            -> Result<ferry_transports::ucx::LoadedUcx, ferry_transports::ucx::LoadError>,
-    ) -> Self {
-        if enabled == ferry_config::UcxMode::Off {
-            return UcxReport {
-                release: None,
-                file: None,
-                text: "this node loads no UCX: transport.ucx.enabled is \"off\"".into(),
-            };
-        }
-        match load() {
-            Ok(loaded) => UcxReport {
-                release: Some(loaded.release.to_string()),
-                file: Some(
-                    loaded
-                        .file
-                        .clone()
-                        .unwrap_or_else(|| loaded.location.path.clone()),
-                ),
-                text: loaded.to_string(),
-            },
-            Err(e) => UcxReport {
-                release: e.release().map(|r| r.to_string()),
-                file: None,
-                text: format!("UCX does not load: {e}"),
-            },
-        }
-    }
-}
-
-/// The lanes of a UCX endpoint to the peer, as `ferry explain` reports them.
-#[derive(Debug, Clone, Serialize)]
-struct UcxLanesReport {
-    /// `one-sided`, `emulated-over-tcp`, `gpu-ipc-beside-tcp`, `unrecognised`, or `unknown`
-    /// (UCX < 1.14, or the endpoint could not be asked).
-    rma: &'static str,
-    /// Each lane's UCX transport and device, in UCX's order (empty when unknown).
-    lanes: Vec<LaneReport>,
-    /// In words.
-    text: String,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct LaneReport {
-    transport: String,
-    device: String,
-}
-
-/// The report of what a node said of its UCX endpoint to `peer`, and a warning when UCX
-/// emulates reads over tcp on it. Pure.
-fn ucx_lanes_report(
-    peer: &str,
-    answer: &Result<ferry::EndpointLanes, String>,
-) -> (UcxLanesReport, Option<String>) {
-    let lanes = match answer {
-        Ok(lanes) => lanes,
-        Err(why) => {
-            let report = UcxLanesReport {
-                rma: "unknown",
-                lanes: Vec::new(),
-                text: format!("could not ask this node's UCX endpoint to {peer}: {why}"),
-            };
-            return (report, None);
-        }
-    };
-    let rma = match lanes.rma() {
-        None => "unknown",
-        Some(ferry::RmaPath::OneSided { .. }) => "one-sided",
-        Some(ferry::RmaPath::EmulatedOverTcp) => "emulated-over-tcp",
-        Some(ferry::RmaPath::GpuIpcBesideTcp { .. }) => "gpu-ipc-beside-tcp",
-        Some(ferry::RmaPath::Unrecognised { .. }) => "unrecognised",
-    };
-    let entries = lanes.lanes.as_deref().unwrap_or_default();
-    let report = UcxLanesReport {
-        rma,
-        lanes: entries
-            .iter()
-            .map(|l| LaneReport {
-                transport: l.transport.clone(),
-                device: l.device.clone(),
-            })
-            .collect(),
-        // The peer pulls what this node sends over its own endpoint to here; UCX picks its
-        // lanes from the same two worker addresses.
-        text: format!("this node's endpoint to {peer}: {lanes}"),
-    };
-    let warning = lanes
-        .warning(&format!("UCX reads between this node and {peer}"))
-        .map(|w| {
-            format!(
-                "{w}; allow an RDMA transport in transport.ucx.tls, or route this through \
-                 another transport"
-            )
-        });
-    (report, warning)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -722,19 +586,25 @@ impl Report {
                 landing: r.landing.to_string(),
             }),
             gpu,
-            ucx: None,
-            ucx_lanes: None,
-            warnings: performance_warnings(e, rules, ferry_actors::node::has_rdma_device()),
+            notes: serde_json::Map::new(),
+            note_lines: Vec::new(),
+            warnings: performance_warnings(e, rules),
         }
     }
 
-    /// Adds what the node said of its UCX endpoint to the peer (and a warning when UCX
-    /// emulates reads over tcp on it).
-    fn with_ucx_lanes(mut self, answer: Result<ferry::EndpointLanes, String>) -> Self {
-        let (report, warning) = ucx_lanes_report(&self.peer, &answer);
-        self.ucx_lanes = Some(report);
-        self.warnings.extend(warning);
-        self
+    /// Adds what transports said of the route: facts as lines (and under their keys in
+    /// JSON), warnings with the others.
+    fn add_notes(&mut self, notes: Vec<Note>) {
+        for note in notes {
+            match note {
+                Note::Fact { label, text, json } => {
+                    self.notes.insert(Note::json_key(&label), json);
+                    self.note_lines.push((label, text));
+                }
+                Note::Warning(text) => self.warnings.push(text),
+                _ => {}
+            }
+        }
     }
 
     /// The human form: a header, then one labelled, aligned line per fact.
@@ -797,11 +667,8 @@ impl Report {
         if let Some(gpu) = &self.gpu {
             line("gpu", gpu.clone());
         }
-        if let Some(ucx) = &self.ucx {
-            line("ucx", ucx.text.clone());
-        }
-        if let Some(ucx) = &self.ucx_lanes {
-            line("ucx lanes", ucx.text.clone());
+        for (label, text) in &self.note_lines {
+            line(label, text.clone());
         }
         for w in &self.warnings {
             line("warning", w.clone());
@@ -839,39 +706,6 @@ pub(crate) mod tests {
             }
         }
         out
-    }
-
-    #[test]
-    fn the_ucx_line_names_the_release_even_when_ucx_does_not_load() {
-        use ferry_config::UcxMode;
-        use ferry_transports::ucx::{LibraryLocation, LibrarySource, LoadError, Version};
-        let off = UcxReport::new(UcxMode::Off, || unreachable!("not loaded when off"));
-        assert!(off.text.contains("enabled is \"off\""), "{}", off.text);
-        assert_eq!(off.release, None);
-        let old = UcxReport::new(UcxMode::On, || {
-            Err(LoadError::TooOld {
-                location: LibraryLocation {
-                    source: LibrarySource::System,
-                    path: "libucp.so.0".into(),
-                },
-                found: Version {
-                    major: 1,
-                    minor: 12,
-                    release: 1,
-                },
-                required: Version {
-                    major: 1,
-                    minor: 13,
-                    release: 0,
-                },
-            })
-        });
-        assert_eq!(old.release.as_deref(), Some("1.12.1"));
-        assert!(
-            old.text.starts_with("UCX does not load: UCX 1.12.1"),
-            "{}",
-            old.text
-        );
     }
 
     fn rule(name: &str, transports: Vec<TransportName>) -> Rule {
@@ -966,7 +800,7 @@ pub(crate) mod tests {
         // tcp carries it, landing in the peer's host memory.
         let chosen = e.chosen.as_ref().map(|r| (r.transport, r.landing));
         assert_eq!(chosen, Some((TransportName::Tcp, MemoryClass::Host)));
-        let w = performance_warnings(&e, &rules, true);
+        let w = performance_warnings(&e, &rules);
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(
             w[0].contains("device memory goes over tcp")
@@ -983,7 +817,7 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules, true).is_empty());
+        assert!(performance_warnings(&e, &rules).is_empty());
         // So is host memory to a peer that receives into device memory: over tcp it lands
         // in the peer's host memory, and no device memory moves.
         let e = choose(
@@ -992,7 +826,7 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Device, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules, true).is_empty());
+        assert!(performance_warnings(&e, &rules).is_empty());
     }
 
     #[test]
@@ -1019,7 +853,20 @@ pub(crate) mod tests {
             e.chosen.as_ref().map(|r| r.transport),
             Some(TransportName::Ucx)
         );
-        let w = performance_warnings(&e, &rules, false);
+        // The declared path says nothing of its own: what RDMA's library does without an
+        // RDMA device is the transport's note.
+        assert!(performance_warnings(&e, &rules).is_empty());
+        let config = ferry::Config::default();
+        let warnings = |rdma| {
+            route_notes(&config, &rules, &e, rdma)
+                .into_iter()
+                .filter_map(|n| match n {
+                    Note::Warning(w) => Some(w),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let w = warnings(false);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(
             w[0].contains("without an RDMA device") && w[0].contains("0.4 GB/s"),
@@ -1027,68 +874,7 @@ pub(crate) mod tests {
             w[0]
         );
         // With an RDMA device the NIC can read GPU memory: nothing to say.
-        assert!(performance_warnings(&e, &rules, true).is_empty());
-    }
-
-    #[test]
-    fn ucx_lanes_over_tcp_alone_warn_and_unknown_ones_do_not() {
-        let lane = |t: &str, d: &str| ferry::TransportEntry {
-            transport: t.into(),
-            device: d.into(),
-        };
-        let tcp = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("tcp", "eth0"), lane("cuda_copy", "cuda")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(tcp));
-        assert_eq!(report.rma, "emulated-over-tcp");
-        assert_eq!(report.lanes.len(), 2);
-        assert!(
-            report
-                .text
-                .starts_with("this node's endpoint to b: tcp/eth0"),
-            "{}",
-            report.text
-        );
-        let warning = warning.expect("a warning");
-        assert!(
-            warning.contains("go over tcp (software emulation"),
-            "{warning}"
-        );
-
-        let rdma = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("rc_mlx5", "mlx5_0:1"), lane("tcp", "eth0")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(rdma));
-        assert_eq!((report.rma, warning), ("one-sided", None));
-
-        let gpu_ipc = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("tcp", "lo"), lane("cuda_ipc", "cuda")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(gpu_ipc));
-        assert_eq!(report.rma, "gpu-ipc-beside-tcp");
-        let warning = warning.expect("a warning");
-        assert!(warning.contains("unless UCX found NVLink"), "{warning}");
-
-        let old = ferry::EndpointLanes {
-            lanes: Err(ferry_transports::ucx::LanesUnknown::NotInRelease {
-                since: "1.14".into(),
-                found: "1.13.1".into(),
-            }),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(old));
-        assert_eq!((report.rma, warning), ("unknown", None));
-        assert!(
-            report
-                .text
-                .ends_with("unknown (UCX < 1.14: 1.13.1 cannot say)")
-        );
-        let (report, warning) = ucx_lanes_report("b", &Err("no link".into()));
-        assert_eq!((report.rma, warning), ("unknown", None));
-        assert!(report.text.contains("no link"), "{}", report.text);
+        assert!(warnings(true).is_empty());
     }
 
     #[test]
@@ -1180,7 +966,7 @@ pub(crate) mod tests {
             e.chosen.as_ref().map(|r| r.transport),
             Some(TransportName::Staged)
         );
-        let w = performance_warnings(&e, &rules, true);
+        let w = performance_warnings(&e, &rules);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("ipc was passed over: not viable on this machine: no peer access"));
     }
