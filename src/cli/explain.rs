@@ -12,6 +12,9 @@
 //! CUDA probe and the transports' notes is pure and tested below.
 
 mod live;
+mod report;
+mod rules;
+mod warnings;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,11 +22,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use ferry::{Explanation, Node};
-use ferry_actors::core::route::{DstSource, RouteQuery};
-use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
-use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{Capabilities, DevicePath, Note, Route, Unsuitable, Viability};
+use ferry_config::{MemoryClass, Rule, parse_size};
+use ferry_transports::cuda;
+use ferry_transports::transport::{Note, Route};
 use serde::Serialize;
+
+pub use report::Report;
+pub use rules::{RuleMiss, Skip, rule_misses, skip};
+pub use warnings::{gpu_note, performance_warnings};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -123,7 +129,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     };
     // A closed pipe (`ferry explain ... | head`) is not an error worth a panic.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
-    Ok(if report.chosen.is_some() {
+    Ok(if report.has_route() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -181,274 +187,6 @@ pub enum Setup {
     Failed(String),
 }
 
-/// Why a rule before the matching one did not match. Pure.
-pub fn rule_mismatch(rule: &Rule, query: &RouteQuery) -> Vec<String> {
-    fn list<T: std::fmt::Display>(items: &[T]) -> String {
-        items
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("|")
-    }
-    let mut why = Vec::new();
-    if !rule.locality.is_empty() && !rule.locality.contains(&query.locality) {
-        why.push(format!(
-            "locality {} not in {}",
-            query.locality,
-            list(&rule.locality)
-        ));
-    }
-    if !rule.src.is_empty() && !rule.src.contains(&query.src) {
-        why.push(format!(
-            "source memory {} not in {}",
-            query.src,
-            list(&rule.src)
-        ));
-    }
-    if !rule.dst.is_empty() && !rule.dst.contains(&query.dst) {
-        why.push(format!(
-            "destination memory {} not in {}",
-            query.dst,
-            list(&rule.dst)
-        ));
-    }
-    if query.bytes < rule.min_bytes {
-        why.push(format!(
-            "size {} below min_bytes {}",
-            format_size(query.bytes),
-            format_size(rule.min_bytes)
-        ));
-    }
-    if let Some(max) = rule.max_bytes
-        && query.bytes > max
-    {
-        why.push(format!(
-            "size {} above max_bytes {}",
-            format_size(query.bytes),
-            format_size(max)
-        ));
-    }
-    why
-}
-
-/// A rule that did not match, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct RuleMiss {
-    /// Index in `transport.rules`.
-    pub index: usize,
-    /// Its name.
-    pub name: String,
-    /// Each condition that failed.
-    pub reasons: Vec<String>,
-}
-
-/// Walks the rules in order up to the first that matches (or all of them) and says why
-/// each one before it did not. Pure.
-pub fn rule_misses(rules: &[Rule], query: &RouteQuery) -> Vec<RuleMiss> {
-    rules
-        .iter()
-        .enumerate()
-        .map(|(index, rule)| (index, rule, rule_mismatch(rule, query)))
-        .take_while(|(_, _, reasons)| !reasons.is_empty())
-        .map(|(index, rule, reasons)| RuleMiss {
-            index,
-            name: rule.name.clone(),
-            reasons,
-        })
-        .collect()
-}
-
-/// A transport passed over.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Skip {
-    /// The transport.
-    pub transport: String,
-    /// `not-built`, `not-viable`, `peer-lacks` or `capabilities`.
-    pub kind: &'static str,
-    /// Why, in words.
-    pub reason: String,
-}
-
-/// Classifies and words why a transport was passed over. Pure.
-pub fn skip(transport: TransportName, why: &Unsuitable) -> Skip {
-    let (kind, reason) = match why {
-        Unsuitable::NotViable(text) if text.starts_with("not built yet") => {
-            ("not-built", text.clone())
-        }
-        Unsuitable::NotViable(text) => {
-            ("not-viable", format!("not viable on this machine: {text}"))
-        }
-        Unsuitable::PeerLacks => ("peer-lacks", "the peer does not offer it".to_string()),
-        Unsuitable::Locality(l) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: cannot reach a {l} peer"),
-        ),
-        Unsuitable::Memory(m) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: cannot move {m} memory"),
-        ),
-        Unsuitable::Direction(Some(d)) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: does not support {d}"),
-        ),
-        Unsuitable::Direction(None) => (
-            "capabilities",
-            "excluded by its declared capabilities: declares no direction".to_string(),
-        ),
-        Unsuitable::SetupFailed(why) => ("setup-failed", format!("setup failed: {why}")),
-    };
-    Skip {
-        transport: transport.to_string(),
-        kind,
-        reason,
-    }
-}
-
-/// Copy engine between two H200 GPUs, large transfers (BASELINES.md).
-const COPY_ENGINE_GBPS: u32 = 396;
-/// Pinned host <-> device, each way, 16 MiB and up (BASELINES.md).
-const PINNED_GBPS: u32 = 55;
-
-/// Warnings when the route is expected to run far below what the hardware between the two
-/// ends allows. Read from the transports' declared device paths ([`DevicePath`]); what an
-/// RDMA path costs without an RDMA device is the transport's to say ([`route_notes`]).
-/// Pure.
-pub fn performance_warnings(explanation: &Explanation, rules: &[Rule]) -> Vec<String> {
-    let q = &explanation.query;
-    // Where the bytes really land: a transport that cannot land in the peer's device memory
-    // lands in its host memory.
-    let landing = explanation.chosen.as_ref().map_or(q.dst, |r| r.landing);
-    let device = q.src == MemoryClass::Device || landing == MemoryClass::Device;
-    let Some(chosen) = explanation.chosen.as_ref().map(|r| r.transport) else {
-        return Vec::new();
-    };
-    if !device {
-        return Vec::new();
-    }
-    let same_host = matches!(q.locality, Locality::SameHost | Locality::SameProcess);
-    let mut out: Vec<String> = path_warning(explanation, chosen, same_host)
-        .into_iter()
-        .collect();
-    let rule = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i));
-    if let Some(rule) = rule
-        && path(chosen) == DevicePath::HostCopy
-    {
-        out.extend(rule_order_warning(rule, chosen, same_host));
-    }
-    out
-}
-
-/// How `transport` declares it moves device memory.
-fn path(transport: TransportName) -> DevicePath {
-    ferry_transports::registry::declared(transport).device_path
-}
-
-use super::taking;
-
-/// What the path of `chosen` costs device memory, where that is far below the hardware.
-fn path_warning(
-    explanation: &Explanation,
-    chosen: TransportName,
-    same_host: bool,
-) -> Option<String> {
-    let copy_engine = taking(DevicePath::CopyEngine);
-    let copy_engine_status = || match explanation
-        .skipped
-        .iter()
-        .find(|(t, _)| path(*t) == DevicePath::CopyEngine)
-    {
-        Some((t, why)) => format!("{t} was passed over: {}", skip(*t, why).reason),
-        None => format!("the rule does not list {copy_engine}"),
-    };
-    Some(match path(chosen) {
-        DevicePath::PinnedStaging if same_host => format!(
-            "device memory on one host goes through {chosen} (device -> pinned host -> device), \
-             bounded by pinned host<->device copies (~{PINNED_GBPS} GB/s each way); \
-             {copy_engine} would use the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 \
-             GPUs, about 7x more); {}",
-            copy_engine_status()
-        ),
-        DevicePath::PinnedStaging => format!(
-            "device memory to another host goes through {chosen}: two pinned host<->device \
-             copies (~{PINNED_GBPS} GB/s each) around the network; {} with GPUDirect RDMA \
-             would let the NIC read and write GPU memory directly",
-            taking(DevicePath::Rdma)
-        ),
-        DevicePath::HostCopy => format!(
-            "device memory goes over {chosen}: it is copied to host memory first \
-             (~{PINNED_GBPS} GB/s pinned) and then through the socket stack, far below the copy \
-             engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs)"
-        ),
-        _ => return None,
-    })
-}
-
-/// Whether `rule` lists `chosen`, a transport that copies device memory through host
-/// memory, before every transport with a device path of its own.
-fn rule_order_warning(rule: &Rule, chosen: TransportName, same_host: bool) -> Option<String> {
-    let host_first = rule
-        .transports
-        .iter()
-        .position(|t| path(*t) == DevicePath::HostCopy);
-    let device_first = rule
-        .transports
-        .iter()
-        .position(|t| path(*t) != DevicePath::HostCopy);
-    let host_before_device = match (host_first, device_first) {
-        (Some(h), Some(d)) => h < d,
-        (Some(_), None) => true,
-        _ => false,
-    };
-    if !host_before_device {
-        return None;
-    }
-    let staging = taking(DevicePath::PinnedStaging);
-    let better = if same_host {
-        format!("{} (or {staging})", taking(DevicePath::CopyEngine))
-    } else {
-        format!("{} or {staging}", taking(DevicePath::Rdma))
-    };
-    Some(format!(
-        "rule \"{}\" sends device memory through {chosen}, which moves host memory only: device \
-         buffers would cross host memory (~{PINNED_GBPS} GB/s pinned) and the socket stack \
-         instead of the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs); list {better} \
-         before {chosen}",
-        rule.name
-    ))
-}
-
-/// What to say about GPU transports when device memory is involved. Pure.
-pub fn gpu_note(probe: &CudaProbe, catalog: &[(Capabilities, Viability)]) -> String {
-    let unbuilt: Vec<&str> = catalog
-        .iter()
-        .filter(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v != Viability::Viable)
-        .map(|(c, _)| c.name.as_str())
-        .collect();
-    let any_viable = catalog
-        .iter()
-        .any(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v == Viability::Viable);
-    let driver = match probe {
-        CudaProbe::NoDriver => Some("no CUDA driver on this machine".to_string()),
-        CudaProbe::Failed { error, .. } => Some(format!("the CUDA driver does not work ({error})")),
-        CudaProbe::Ready(d) if d.devices.is_empty() => Some("no GPU is visible".to_string()),
-        CudaProbe::Ready(_) => None,
-    };
-    match (driver, any_viable) {
-        (Some(why), _) if unbuilt.is_empty() => {
-            format!("GPU transports are not available: {why}")
-        }
-        (Some(why), _) => format!(
-            "GPU transports are not available: {why} (and {} not viable in this build)",
-            unbuilt.join(", ")
-        ),
-        (None, false) => format!(
-            "GPU transports are not available: {} not viable in this build",
-            unbuilt.join(", ")
-        ),
-        (None, true) => "GPU transports are available".to_string(),
-    }
-}
-
 /// What the transports the matching rule names say of the route, for a node with
 /// `config` (each asked once, in the rule's order; `rdma`: this machine has an RDMA
 /// device). Not pure: a transport may load its library to say which release it is.
@@ -479,223 +217,15 @@ pub fn route_notes(
         .collect()
 }
 
-/// What `ferry explain` prints, as text or JSON.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    peer: String,
-    bytes: u64,
-    src: String,
-    dst: String,
-    /// Where `dst` came from: `dst-memory` (asked), `peer` (its hello) or `assumed` (no link).
-    #[serde(serialize_with = "dst_from_key")]
-    dst_from: DstSource,
-    layout: Layout,
-    locality: String,
-    setup: SetupReport,
-    earlier_rules: Vec<RuleMiss>,
-    rule: Option<RuleRef>,
-    skipped: Vec<Skip>,
-    chosen: Option<Chosen>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    gpu: Option<String>,
-    /// What the transports the rule names say of the route ([`Note::Fact`]), each under
-    /// its own key.
-    #[serde(flatten)]
-    notes: serde_json::Map<String, serde_json::Value>,
-    /// The same, as labelled lines, in the order they came.
-    #[serde(skip)]
-    note_lines: Vec<(String, String)>,
-    warnings: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct SetupReport {
-    attempted: bool,
-    connected: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct RuleRef {
-    index: usize,
-    name: String,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct Chosen {
-    transport: String,
-    direction: String,
-    /// Where the bytes land at the peer: `dst`, or host memory for a transport that cannot
-    /// land there.
-    landing: String,
-}
-
-/// How the JSON report names where the destination memory came from.
-fn dst_from_key<S: serde::Serializer>(from: &DstSource, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(match from {
-        DstSource::Asked => "dst-memory",
-        DstSource::Peer => "peer",
-        DstSource::Assumed => "assumed",
-    })
-}
-
-impl Report {
-    fn new(
-        args: &Args,
-        rules: &[Rule],
-        e: &Explanation,
-        setup: Setup,
-        gpu: Option<String>,
-    ) -> Self {
-        let setup = match setup {
-            Setup::NotTried => SetupReport {
-                attempted: false,
-                connected: false,
-                error: None,
-            },
-            Setup::Connected => SetupReport {
-                attempted: true,
-                connected: true,
-                error: None,
-            },
-            Setup::Failed(error) => SetupReport {
-                attempted: true,
-                connected: false,
-                error: Some(error),
-            },
-        };
-        Self {
-            peer: args.peer.clone(),
-            bytes: e.query.bytes,
-            src: e.query.src.to_string(),
-            dst: e.query.dst.to_string(),
-            dst_from: e.query.dst_from,
-            layout: args.layout,
-            locality: e.query.locality.to_string(),
-            setup,
-            earlier_rules: rule_misses(rules, &e.query),
-            rule: e.rule.as_ref().map(|(index, name)| RuleRef {
-                index: *index,
-                name: name.clone(),
-            }),
-            skipped: e.skipped.iter().map(|(t, why)| skip(*t, why)).collect(),
-            chosen: e.chosen.as_ref().map(|r| Chosen {
-                transport: r.transport.to_string(),
-                direction: r.direction.to_string(),
-                landing: r.landing.to_string(),
-            }),
-            gpu,
-            notes: serde_json::Map::new(),
-            note_lines: Vec::new(),
-            warnings: performance_warnings(e, rules),
-        }
-    }
-
-    /// Adds what transports said of the route: facts as lines (and under their keys in
-    /// JSON), warnings with the others.
-    fn add_notes(&mut self, notes: Vec<Note>) {
-        for note in notes {
-            match note {
-                Note::Fact { label, text, json } => {
-                    self.notes.insert(Note::json_key(&label), json);
-                    self.note_lines.push((label, text));
-                }
-                Note::Warning(text) => self.warnings.push(text),
-                _ => {}
-            }
-        }
-    }
-
-    /// The human form: a header, then one labelled, aligned line per fact.
-    fn render(&self) -> String {
-        let mut lines: Vec<(String, String)> = Vec::new();
-        let mut line = |label: &str, text: String| lines.push((label.to_string(), text));
-        match (&self.setup.attempted, &self.setup.error) {
-            (false, _) => line(
-                "link",
-                "not tried (--no-connect): from this side's declarations only".into(),
-            ),
-            (true, None) => line("link", format!("connected to {}", self.peer)),
-            (true, Some(error)) => line(
-                "link",
-                format!(
-                    "setup failed: {error}; the route below is from this side's declarations only"
-                ),
-            ),
-        }
-        let from = match self.dst_from {
-            DstSource::Asked => "asked for with --dst-memory".to_string(),
-            other => other.to_string(),
-        };
-        line("dst", format!("{} memory: {from}", self.dst));
-        for miss in &self.earlier_rules {
-            line(
-                &format!("rule #{}", miss.index),
-                format!(
-                    "\"{}\" did not match: {}",
-                    miss.name,
-                    miss.reasons.join("; ")
-                ),
-            );
-        }
-        match &self.rule {
-            Some(r) => line(
-                &format!("rule #{}", r.index),
-                format!("\"{}\" matched", r.name),
-            ),
-            None => line("rule", "no rule matches this transfer".into()),
-        }
-        for s in &self.skipped {
-            line("skipped", format!("{}: {}", s.transport, s.reason));
-        }
-        match &self.chosen {
-            Some(c) if c.landing != self.dst => line(
-                "chosen",
-                format!(
-                    "{}, {}; lands in {} memory: {} cannot land in {} memory",
-                    c.transport, c.direction, c.landing, c.transport, self.dst
-                ),
-            ),
-            Some(c) => line("chosen", format!("{}, {}", c.transport, c.direction)),
-            None if self.rule.is_some() => line(
-                "chosen",
-                "none: no transport of the rule can carry it".into(),
-            ),
-            None => line("chosen", "none: add a rule that matches it".into()),
-        }
-        if let Some(gpu) = &self.gpu {
-            line("gpu", gpu.clone());
-        }
-        for (label, text) in &self.note_lines {
-            line(label, text.clone());
-        }
-        for w in &self.warnings {
-            line("warning", w.clone());
-        }
-        let width = lines.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-        let mut out = format!(
-            "ferry explain: {} {} -> {} to peer {} ({}), {}\n",
-            format_size(self.bytes),
-            self.src,
-            self.dst,
-            self.peer,
-            self.locality,
-            "contiguous"
-        );
-        for (label, text) in lines {
-            out.push_str(&format!("  {label:<width$}  {text}\n"));
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use ferry_actors::core::route::choose;
+    use ferry_actors::core::route::{DstSource, RouteQuery, choose};
     use ferry_config::Direction;
+    use ferry_config::{Locality, TransportName};
+    use ferry_transports::cuda::CudaProbe;
     use ferry_transports::registry::catalog;
+    use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
 
     /// The catalog of a machine without a CUDA driver, whatever this machine has.
     pub(crate) fn host_only_catalog() -> Vec<(Capabilities, Viability)> {
