@@ -293,16 +293,7 @@ impl Baseline {
     fn label(&self, bidir: bool) -> String {
         match self {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
-            Baseline::RdmaEngine(reader) if reader.push => {
-                "UCX's own ucp_put + flush loop between the same two processes (ferry's \
-                 engine, none of its protocol), the same memory"
-                    .into()
-            }
-            Baseline::RdmaEngine(_) => {
-                "UCX's own ucp_get loop between the same two processes (ferry's engine, none \
-                 of its protocol), the same memory"
-                    .into()
-            }
+            Baseline::RdmaEngine(reader) => reader.label().into(),
             Baseline::Copy(g) => format!(
                 "raw cuMemcpyAsync GPU{} -> GPU{} in one process{}",
                 g.ours,

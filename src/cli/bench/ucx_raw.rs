@@ -128,6 +128,17 @@ impl Reader {
         })
     }
 
+    /// The baseline in words, for the header.
+    pub fn label(&self) -> &'static str {
+        if self.push {
+            "UCX's own ucp_put + flush loop between the same two processes (ferry's engine, \
+             none of its protocol), the same memory"
+        } else {
+            "UCX's own ucp_get loop between the same two processes (ferry's engine, none of \
+             its protocol), the same memory"
+        }
+    }
+
     /// GB/s of `iters` reads of `size` bytes with up to `window` in flight, after `warmup`.
     pub async fn measure(
         &self,

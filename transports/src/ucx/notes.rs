@@ -9,7 +9,7 @@ use serde_json::json;
 use super::{EndpointLanes, LoadError, LoadedUcx, RmaPath};
 use crate::transport::{DevicePath, Note, Route};
 
-/// UCX reading device memory over tcp, staged through host memory (H100 ×1, UCX 1.22,
+/// UCX reading device memory over tcp, copied through host memory (H100 ×1, UCX 1.22,
 /// PERFORMANCE.md).
 const UCX_TCP_DEVICE_GBPS: f32 = 0.4;
 
@@ -81,7 +81,7 @@ fn without_rdma(route: &Route) -> Option<String> {
     let same_host = route.locality != ferry_config::Locality::Remote;
     Some(format!(
         "device memory goes over {name} on a machine without an RDMA device: UCX reads GPU \
-         memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s measured), \
+         memory over tcp, copied through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s measured), \
          and between GPUs of one host without NVLink it does so too; {}",
         if same_host {
             format!("on one host {copy_engine} uses the copy engine")
