@@ -156,17 +156,11 @@ const FOREIGN_IDENTS: &[&str] = &["TcpListener", "TcpStream", "TcpSocket", "tcp_
 /// What still names a transport outside its files, while the seam's move is under way.
 const PENDING: &[Place] = &[
     Place {
-        path: "src/cli/explain/live.rs",
-        item: None,
-        names: &["ucx"],
-        why: "explain asks the node for its UCX endpoint's lanes through Node::ucx_lanes (an ask \
-              of the ucx part of a peer's session) until the actors answer a generic inspect",
-    },
-    Place {
         path: "src/lib.rs",
         item: None,
         names: &["ucx"],
-        why: "the public API re-exports what Node::ucx_lanes returns (EndpointLanes, RmaPath)",
+        why: "the public API re-exports what Node::ucx_lanes returns (EndpointLanes, RmaPath), \
+              which Node::inspect's answer for ucx's lanes could replace",
     },
     Place {
         path: "config/src/renamed.rs",

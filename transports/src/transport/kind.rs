@@ -1,9 +1,13 @@
 //! A built-in transport before any node starts it: what it declares, whether it can run
 //! here, and what the tools say of it. `ferry doctor` asks each one to check what it is
 //! built on ([`TransportKind::probe`]); `ferry explain` and `ferry bench` ask for its notes
-//! on a route over it ([`TransportKind::notes`]). So the tools name no transport: what is
+//! on a route over it ([`TransportKind::notes`]), and `ferry explain` what its part of a
+//! peer's session says live ([`TransportKind::inspections`], through the node's generic
+//! inspect, worded by [`TransportKind::inspected`]). So the tools name no transport: what is
 //! specific to one lives in its own directory, behind this trait, and
 //! [`crate::registry::kinds`] lists them.
+
+use std::any::Any;
 
 use ferry_config::{Config, Locality, MemoryClass};
 
@@ -40,6 +44,26 @@ pub trait TransportKind: Send + Sync + 'static {
     /// node measures at its first use); never fails.
     fn notes(&self, config: &Config, route: &Route) -> Vec<Note> {
         let _ = (config, route);
+        Vec::new()
+    }
+
+    /// What `ferry explain` asks a started node's part of the session with the peer, for a
+    /// route over this transport with the link up: each a word of the part's
+    /// [`PeerTransport::inspect`](super::PeerTransport::inspect) (ucx: `"lanes"`). Empty
+    /// for a transport with nothing to say live.
+    fn inspections(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The notes of what the part of the session with `peer` answered to `what` (one of
+    /// [`TransportKind::inspections`]), or why the node could not say. Pure.
+    fn inspected(
+        &self,
+        peer: &str,
+        what: &str,
+        answer: Result<Box<dyn Any + Send>, String>,
+    ) -> Vec<Note> {
+        let _ = (peer, what, answer);
         Vec::new()
     }
 

@@ -1,7 +1,9 @@
 //! ucx as the registry lists it: its declaration (device memory where the UCX it loads
 //! moves CUDA memory), viable where UCX loads, served where `transport.ucx.enabled` says
 //! so, what `ferry doctor` checks of UCX ([`super::probe`]) and what `ferry explain` notes
-//! of a route over it ([`super::notes`]).
+//! of a route over it ([`super::notes`]), the lanes of its endpoint to the peer among them.
+
+use std::any::Any;
 
 use ferry_config::Config;
 
@@ -26,6 +28,27 @@ impl TransportKind for UcxKind {
 
     fn notes(&self, config: &Config, route: &Route) -> Vec<Note> {
         super::notes::notes(config, route)
+    }
+
+    fn inspections(&self) -> &'static [&'static str] {
+        &["lanes"]
+    }
+
+    fn inspected(
+        &self,
+        peer: &str,
+        what: &str,
+        answer: Result<Box<dyn Any + Send>, String>,
+    ) -> Vec<Note> {
+        if what != "lanes" {
+            return Vec::new();
+        }
+        let lanes = answer.and_then(|a| {
+            a.downcast::<super::EndpointLanes>()
+                .map(|l| *l)
+                .map_err(|_| "the ucx part answered the lanes with something else".to_string())
+        });
+        super::notes::lanes_notes(peer, &lanes)
     }
 
     fn turned_on(&self) -> &'static [(&'static str, &'static str)] {

@@ -77,7 +77,6 @@ pub use error::{OpKind, PeerFailure, PeerName, UcxTransportError};
 pub use kind::UcxKind;
 pub use lanes::{EndpointLanes, LanesUnknown, RmaPath};
 pub use loaded::{LoadedUcx, loaded};
-pub use notes::lanes_notes;
 pub use operation::Operation;
 pub use peer::{UcxOff, UcxTransport};
 pub use rkeys::RemoteKey;
