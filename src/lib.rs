@@ -44,8 +44,6 @@ pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::region::RegionKey;
-/// The chunk size `transport.staged.chunk = "auto"` picks in this process (measured once).
-pub use ferry_transports::staged::auto_chunk as staged_auto_chunk;
 pub use ferry_transports::ucx::{EndpointLanes, LanesUnknown, RmaPath, TransportEntry};
 pub use ferry_transports::wire::{Block, Layout, LayoutError, MAX_BLOCKS};
 

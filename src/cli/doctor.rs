@@ -5,18 +5,25 @@
 //! Sans-IO: [`Facts::gather`] reads the machine, [`diagnose`] turns facts and a
 //! configuration into findings without touching anything, so tests feed it made-up facts.
 
+mod cuda;
 mod facts;
+mod host;
 mod pool_test;
+mod rules;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ferry_config::{Config, Locality, MemoryClass, Rule, TransportName};
-use ferry_transports::cuda::{BlockCopies, CudaDriver, CudaProbe};
-use ferry_transports::transport::{Capabilities, DevicePath, Library, Viability};
+use ferry_config::{Config, TransportName};
+use ferry_transports::cuda::CudaProbe;
+pub use ferry_transports::transport::{Finding, Status};
 use serde::Serialize;
 
-pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN, Ucx};
+use cuda::{block_copies_finding, cuda_findings};
+use host::{memlock_finding, shm_finding};
+use rules::config_findings;
+
+pub use facts::{Facts, MEMLOCK_MIN, Memlock, SHM_MIN};
 pub use pool_test::PoolTest;
 
 #[derive(Debug, clap::Args)]
@@ -28,64 +35,6 @@ pub struct Args {
     /// over this Unix socket.
     #[arg(long, hide = true, value_name = "SOCKET")]
     pool_import_child: Option<PathBuf>,
-}
-
-/// How a check came out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    /// Nothing to do.
-    Ok,
-    /// Works, but slower or narrower than it could; the remedy says how to do better.
-    Warn,
-    /// Does not work; the remedy says how to fix it.
-    Problem,
-    /// Not checked (nothing to check, or the check is not built yet); the text says which.
-    Skipped,
-}
-
-impl Status {
-    fn label(self) -> &'static str {
-        match self {
-            Self::Ok => "ok",
-            Self::Warn => "warn",
-            Self::Problem => "problem",
-            Self::Skipped => "skipped",
-        }
-    }
-}
-
-/// One line of the doctor's report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Finding {
-    /// What was checked ("cuda", "/dev/shm", "rule #0 host", ...).
-    pub check: String,
-    /// How it came out.
-    pub status: Status,
-    /// What was found.
-    pub found: String,
-    /// What to do about it, when anything.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub remedy: Option<String>,
-    /// True when this blocks a transport the configuration relies on (exit status 1).
-    pub blocks: bool,
-}
-
-impl Finding {
-    fn new(check: impl Into<String>, status: Status, found: impl Into<String>) -> Self {
-        Self {
-            check: check.into(),
-            status,
-            found: found.into(),
-            remedy: None,
-            blocks: false,
-        }
-    }
-
-    fn remedy(mut self, remedy: impl Into<String>) -> Self {
-        self.remedy = Some(remedy.into());
-        self
-    }
 }
 
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
@@ -107,7 +56,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         }
     };
     super::telemetry::init_command(&config.telemetry);
-    let mut facts = Facts::gather(config.transport.ucx.library.as_deref());
+    let mut facts = Facts::gather(&config, &named_transports(&config));
     if let Ok(exe) = std::env::current_exe() {
         facts.pool_export = pool_test::run(&facts.cuda, &exe);
     }
@@ -186,11 +135,8 @@ pub fn diagnose(facts: &Facts, config: &Config) -> Vec<Finding> {
     }
     out.push(shm_finding(&facts.shm));
     out.push(memlock_finding(&facts.memlock));
-    // UCX matters where a rule names a transport built on it and the node would serve ucx:
-    // "on", or "auto" (which serves it on RDMA machines).
-    let ucx_wanted = names_library(&named, Library::Ucx)
-        && config.transport.ucx.enabled != ferry_config::UcxMode::Off;
-    out.push(ucx_finding(&facts.ucx, ucx_wanted));
+    // What each transport checks of what it is built on (a library's release, its tools).
+    out.extend(facts.probes.iter().cloned());
     out.extend(config_findings(config, &facts.transports));
     out
 }
@@ -220,559 +166,11 @@ fn named_transports(config: &Config) -> Vec<TransportName> {
     named
 }
 
-/// Whether any of `named` declares it is built on `library`.
-fn names_library(named: &[TransportName], library: Library) -> bool {
-    named
-        .iter()
-        .any(|t| ferry_transports::registry::declared(*t).library == Some(library))
-}
-
-const CUDA: &str = "cuda";
-
-fn cuda_findings(
-    probe: &CudaProbe,
-    pool_export: &[PoolTest],
-    named: &[TransportName],
-) -> Vec<Finding> {
-    let gpu_named = names_library(named, Library::Cuda);
-    match probe {
-        CudaProbe::NoDriver => {
-            let status = if gpu_named {
-                Status::Warn
-            } else {
-                Status::Skipped
-            };
-            vec![
-                Finding::new(CUDA, status, "no CUDA driver: GPU transports disabled").remedy(
-                    "to move GPU memory, install the NVIDIA driver (CUDA 12 or later), or run \
-                     the container with the NVIDIA runtime (--gpus all) so libcuda.so.1 is \
-                     mounted",
-                ),
-            ]
-        }
-        CudaProbe::Failed {
-            cuda_version,
-            error,
-        } => {
-            let version = cuda_version
-                .map(|v| format!(" (CUDA {})", version_text(v)))
-                .unwrap_or_default();
-            vec![
-                Finding::new(
-                    CUDA,
-                    Status::Problem,
-                    format!("the CUDA driver{version} loads but does not work: {error}"),
-                )
-                .remedy(
-                    "check nvidia-smi; in a container, that /dev/nvidia* are mounted; after a \
-                     driver upgrade, reboot so the kernel module matches the library",
-                ),
-            ]
-        }
-        CudaProbe::Ready(driver) => ready_findings(driver, pool_export),
-    }
-}
-
-fn version_text(v: i32) -> String {
-    format!("{}.{}", v / 1000, (v % 1000) / 10)
-}
-
-fn ready_findings(driver: &CudaDriver, pool_export: &[PoolTest]) -> Vec<Finding> {
-    let module = driver
-        .kernel_module
-        .as_ref()
-        .map(|m| format!("driver {m}, "))
-        .unwrap_or_default();
-    let n = driver.devices.len();
-    let mut out = Vec::new();
-    let summary = format!(
-        "{module}CUDA {}, {n} device{}",
-        driver.cuda_version_text(),
-        if n == 1 { "" } else { "s" }
-    );
-    out.push(if driver.cuda_version < 12000 {
-        Finding::new(CUDA, Status::Warn, format!("{summary}: older than CUDA 12"))
-            .remedy("update the NVIDIA driver to one that supports CUDA 12 or later")
-    } else if n == 0 {
-        Finding::new(CUDA, Status::Warn, format!("{summary}: no GPU visible")).remedy(
-            "check CUDA_VISIBLE_DEVICES, and in a container that GPUs are requested \
-             (--gpus all, or an nvidia.com/gpu resource)",
-        )
-    } else {
-        Finding::new(CUDA, Status::Ok, summary)
-    });
-    for d in &driver.devices {
-        out.push(Finding::new(
-            format!("gpu {}", d.ordinal),
-            Status::Ok,
-            format!(
-                "{}, {}, pci {}, {}",
-                d.name,
-                d.uuid,
-                d.pci_bus_id,
-                human_size(d.total_memory)
-            ),
-        ));
-    }
-    if n == 0 {
-        return out;
-    }
-    out.push(peer_access_finding(driver));
-    out.push(pool_finding(driver, pool_export));
-    out.push(rdma_finding(driver));
-    out
-}
-
-fn peer_access_finding(driver: &CudaDriver) -> Finding {
-    const CHECK: &str = "peer access";
-    let n = driver.devices.len();
-    if n < 2 {
-        return Finding::new(CHECK, Status::Skipped, "needs 2 GPUs");
-    }
-    let missing: Vec<String> = driver
-        .peer_access
-        .iter()
-        .enumerate()
-        .flat_map(|(i, row)| {
-            row.iter()
-                .enumerate()
-                .filter(move |&(j, &ok)| i != j && !ok)
-                .map(move |(j, _)| format!("GPU{i}->GPU{j}"))
-        })
-        .collect();
-    if missing.is_empty() {
-        return Finding::new(
-            CHECK,
-            Status::Ok,
-            format!("every pair of the {n} GPUs can map each other's memory"),
-        );
-    }
-    Finding::new(
-        CHECK,
-        Status::Warn,
-        format!(
-            "no peer access for {}: copies between them go through host memory (~55 GB/s \
-             pinned) instead of the copy engine (~396 GB/s between H200s)",
-            missing.join(", ")
-        ),
-    )
-    .remedy(
-        "check `nvidia-smi topo -m` (NV# or PIX links allow peer access, SYS may not); \
-         disable PCIe ACS or set the IOMMU to passthrough; make sure both GPUs are visible \
-         to this process",
-    )
-}
-
-/// The pool export check: what each GPU declares, and the two-process export/import test
-/// ([`pool_test`]) on those that declare it.
-fn pool_finding(driver: &CudaDriver, tests: &[PoolTest]) -> Finding {
-    const CHECK: &str = "pool export";
-    let lacking: Vec<String> = driver
-        .devices
-        .iter()
-        .filter(|d| !(d.memory_pools && d.pool_posix_fd && d.posix_fd_handles && d.vmm))
-        .map(|d| format!("GPU{}", d.ordinal))
-        .collect();
-    let failed: Vec<String> = tests
-        .iter()
-        .filter_map(|t| {
-            t.outcome
-                .as_ref()
-                .err()
-                .map(|e| format!("GPU{}: {e}", t.ordinal))
-        })
-        .collect();
-    if lacking.is_empty() && failed.is_empty() {
-        if tests.is_empty() {
-            return Finding::new(
-                CHECK,
-                Status::Skipped,
-                "every GPU declares VMM and memory pools exportable as POSIX fds; the \
-                 two-process export/import test did not run",
-            );
-        }
-        let tested: Vec<String> = tests.iter().map(|t| format!("GPU{}", t.ordinal)).collect();
-        return Finding::new(
-            CHECK,
-            Status::Ok,
-            format!(
-                "a second process imported a pool and a buffer of {} and read back what was \
-                 written (what same-host ipc does)",
-                tested.join(", ")
-            ),
-        );
-    }
-    let mut found = Vec::new();
-    if !lacking.is_empty() {
-        found.push(format!(
-            "{} cannot export memory pools as POSIX file descriptors (VMM, memory pools or \
-             fd handles missing)",
-            lacking.join(", ")
-        ));
-    }
-    if !failed.is_empty() {
-        found.push(format!(
-            "the two-process export/import test failed on {}",
-            failed.join("; ")
-        ));
-    }
-    Finding::new(
-        CHECK,
-        Status::Warn,
-        format!("{}: same-host ipc cannot use them", found.join("; ")),
-    )
-    .remedy(
-        "update the NVIDIA driver; under vGPU or MIG, pool export may be unavailable: use \
-         staged for these GPUs; in a container, make sure every process of the node sees \
-         the same GPUs and may pass file descriptors over Unix sockets",
-    )
-}
-
-/// How block lists (`Layout::Blocks`) of device memory are gathered: one kernel launch on
-/// one GPU where the gather kernel loads (`kernel`: it was loaded on the first GPU), one
-/// batch of copies per list where the driver has `cuMemcpyBatchAsync` (CUDA 12.8+), else
-/// one copy per block.
-fn block_copies_finding(
-    driver: &CudaDriver,
-    copies: Option<BlockCopies>,
-    kernel: Option<&Result<(), String>>,
-) -> Finding {
-    const CHECK: &str = "block copies";
-    if let (Some(BlockCopies::Batched), Some(Err(why))) = (copies, kernel) {
-        return Finding::new(
-            CHECK,
-            Status::Warn,
-            format!(
-                "the gather kernel does not load here ({why}): block lists of one GPU are \
-                 copied with cuMemcpyBatchAsync, several microseconds a block"
-            ),
-        )
-        .remedy("a driver that compiles PTX for this GPU (any current NVIDIA driver does)");
-    }
-    match copies {
-        Some(BlockCopies::Batched) => Finding::new(
-            CHECK,
-            Status::Ok,
-            "block lists of device memory are gathered by one kernel launch on one GPU (the \
-             kernel loaded on GPU 0), and with cuMemcpyBatchAsync between GPUs: one call for \
-             all the blocks of a copy",
-        ),
-        Some(_) => Finding::new(
-            CHECK,
-            Status::Warn,
-            format!(
-                "the driver (CUDA {}) has no cuMemcpyBatchAsync: block lists of device memory \
-                 are gathered with one cuMemcpyAsync per block (slower for many small blocks)",
-                driver.cuda_version_text()
-            ),
-        )
-        .remedy("update the NVIDIA driver to one that supports CUDA 12.8 or later"),
-        None => Finding::new(CHECK, Status::Skipped, "not looked up"),
-    }
-}
-
-fn rdma_finding(driver: &CudaDriver) -> Finding {
-    const CHECK: &str = "gpudirect rdma";
-    let lacking: Vec<String> = driver
-        .devices
-        .iter()
-        .filter(|d| !d.gpudirect_rdma)
-        .map(|d| format!("GPU{}", d.ordinal))
-        .collect();
-    if lacking.is_empty() {
-        let vmm = driver.devices.iter().all(|d| d.gpudirect_rdma_with_vmm);
-        let flush = driver
-            .devices
-            .iter()
-            .all(|d| d.rdma_flush_writes_options != 0);
-        return Finding::new(
-            CHECK,
-            Status::Ok,
-            format!(
-                "supported by every GPU (with VMM: {}, write flush: {}); a NIC and \
-                 nvidia-peermem or dma-buf are still needed to use it",
-                yes_no(vmm),
-                yes_no(flush)
-            ),
-        );
-    }
-    Finding::new(
-        CHECK,
-        Status::Warn,
-        format!(
-            "not supported by {}: ucx moves their memory through host buffers",
-            lacking.join(", ")
-        ),
-    )
-    .remedy("GPUDirect RDMA needs a data-center GPU, an RDMA NIC on the same PCIe root, and nvidia-peermem loaded (modprobe nvidia_peermem) or dma-buf support")
-}
-
-/// A size rounded for reading: `24.0 GiB`, `8 MiB`.
-fn human_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if value.fract() == 0.0 {
-        format!("{value:.0} {}", UNITS[unit])
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
-fn yes_no(b: bool) -> &'static str {
-    if b { "yes" } else { "no" }
-}
-
-fn shm_finding(shm: &Result<u64, String>) -> Finding {
-    const CHECK: &str = "/dev/shm";
-    match shm {
-        Err(e) => Finding::new(CHECK, Status::Warn, format!("cannot read its size: {e}"))
-            .remedy("mount a tmpfs at /dev/shm: NCCL-style tools need it (ferry's staging rings are memfds, counted against the process's memory instead)"),
-        Ok(size) if *size < SHM_MIN => Finding::new(
-            CHECK,
-            Status::Warn,
-            format!(
-                "{} (below {}): NCCL-style tools run out of shared memory",
-                human_size(*size),
-                human_size(SHM_MIN)
-            ),
-        )
-        .remedy(
-            "containers default to 64 MiB: pass --shm-size=8g to docker, or mount an \
-             emptyDir with medium: Memory at /dev/shm in Kubernetes",
-        ),
-        Ok(size) => Finding::new(CHECK, Status::Ok, human_size(*size)),
-    }
-}
-
-fn memlock_finding(memlock: &Result<Memlock, String>) -> Finding {
-    const CHECK: &str = "memlock";
-    let limit = |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), human_size);
-    match memlock {
-        Err(e) => Finding::new(
-            CHECK,
-            Status::Warn,
-            format!("cannot read RLIMIT_MEMLOCK: {e}"),
-        ),
-        Ok(Memlock { soft: None, .. }) => {
-            Finding::new(CHECK, Status::Ok, "RLIMIT_MEMLOCK unlimited")
-        }
-        Ok(Memlock {
-            soft: Some(soft),
-            hard,
-        }) if *soft < MEMLOCK_MIN => Finding::new(
-            CHECK,
-            Status::Warn,
-            format!(
-                "RLIMIT_MEMLOCK is {} (hard limit {}): pinning host memory for staging and \
-                 RDMA registration fails beyond it",
-                human_size(*soft),
-                limit(*hard)
-            ),
-        )
-        .remedy(
-            "run `ulimit -l unlimited` before ferry (raise the hard limit in \
-             /etc/security/limits.conf or with LimitMEMLOCK=infinity for systemd); in docker \
-             pass --ulimit memlock=-1:-1",
-        ),
-        Ok(Memlock { soft, .. }) => Finding::new(
-            CHECK,
-            Status::Ok,
-            format!("RLIMIT_MEMLOCK {}", limit(*soft)),
-        ),
-    }
-}
-
-fn ucx_finding(ucx: &Ucx, ucx_named: bool) -> Finding {
-    const CHECK: &str = "ucx";
-    let library = match &ucx.library {
-        Ok(library) => library,
-        Err(why) => {
-            let status = if ucx_named {
-                Status::Warn
-            } else {
-                Status::Skipped
-            };
-            return Finding::new(
-                CHECK,
-                status,
-                format!("UCX does not load: the ucx transport cannot run here: {why}"),
-            )
-            .remedy(
-                "install UCX (apt install libucx0, or HPC-X / MLNX_OFED) and make libucp.so.0 \
-                 findable through ldconfig or LD_LIBRARY_PATH, or name its libucp.so in \
-                 transport.ucx.library",
-            );
-        }
-    };
-    // What the loaded UCX says of itself (the file a node loads: transport.ucx.library,
-    // FERRY_UCX_LIBRARY, else the system's).
-    let device = if library.moves_cuda {
-        "moves device memory (ucx carries GPU buffers)"
-    } else {
-        "moves host memory only (built without CUDA, or no driver): ucx carries no GPU buffer"
-    };
-    let (transports, remedy) = match &ucx.transports {
-        Err(why) => (
-            format!(
-                "transports unknown ({why}): whether it has an RDMA transport here (rc, dc, \
-                 ud) or only tcp and shared memory, and CUDA transports (cuda_copy, \
-                 cuda_ipc), is not checked"
-            ),
-            Some(format!(
-                "to check them, put the ucx_info of UCX {} on PATH (Debian/Ubuntu: \
-                 ucx-utils, for the system's UCX)",
-                library.release
-            )),
-        ),
-        Ok(list) if list.is_empty() => ("ucx_info -d lists no transports".to_string(), None),
-        Ok(list) => {
-            let cuda = list
-                .iter()
-                .any(|t| t.starts_with("cuda") || t == "gdr_copy");
-            let text = format!(
-                "transports: {}{}",
-                list.join(", "),
-                if cuda { "" } else { " (no CUDA transports)" }
-            );
-            (text, None)
-        }
-    };
-    let finding = Finding::new(
-        CHECK,
-        Status::Ok,
-        format!("{library}; {transports}; {device}"),
-    );
-    match remedy {
-        Some(remedy) => finding.remedy(remedy),
-        None => finding,
-    }
-}
-
-/// One finding per rule: which of its transports can carry something here, and why the
-/// others cannot.
-fn config_findings(config: &Config, catalog: &[(Capabilities, Viability)]) -> Vec<Finding> {
-    config
-        .transport
-        .rules
-        .iter()
-        .enumerate()
-        .map(|(i, rule)| {
-            let copy_engine = catalog
-                .iter()
-                .any(|(c, v)| c.device_path == DevicePath::CopyEngine && *v == Viability::Viable);
-            if *rule == ferry_config::Rule::same_host_gpu() && !copy_engine {
-                // The built-in GPU rule on a machine without GPU transports: device memory
-                // cannot exist here, so nothing is lost.
-                return Finding::new(
-                    format!("rule #{i} {}", rule.name),
-                    Status::Skipped,
-                    "device memory only; no GPU transport here",
-                );
-            }
-            rule_finding(i, rule, catalog)
-        })
-        .collect()
-}
-
-fn rule_finding(index: usize, rule: &Rule, catalog: &[(Capabilities, Viability)]) -> Finding {
-    let check = format!("rule #{index} {}", rule.name);
-    let verdicts: Vec<(TransportName, Result<(), String>)> = rule
-        .transports
-        .iter()
-        .map(|&t| (t, transport_fits_rule(t, rule, catalog)))
-        .collect();
-    let reasons = |list: &[(TransportName, Result<(), String>)]| {
-        list.iter()
-            .filter_map(|(t, v)| v.as_ref().err().map(|why| format!("{t} ({why})")))
-            .collect::<Vec<_>>()
-            .join("; ")
-    };
-    match verdicts.iter().position(|(_, v)| v.is_ok()) {
-        None => Finding {
-            check,
-            status: Status::Problem,
-            found: format!(
-                "no transport of this rule can run here: {}",
-                reasons(&verdicts)
-            ),
-            remedy: Some(
-                "add a transport viable here to the rule's list (tcp carries host memory \
-                 between processes and hosts), or fix what keeps the listed ones from running"
-                    .into(),
-            ),
-            blocks: true,
-        },
-        Some(0) => Finding::new(check, Status::Ok, format!("uses {}", verdicts[0].0)),
-        Some(k) => Finding::new(
-            check,
-            Status::Warn,
-            format!(
-                "falls back to {}: {}",
-                verdicts[k].0,
-                reasons(&verdicts[..k])
-            ),
-        )
-        .remedy(
-            "expected while those transports are not built; otherwise fix what the reasons name",
-        ),
-    }
-}
-
-/// Whether transport `t` is viable here and its declaration can carry at least part of
-/// what `rule` matches, in the rule's direction.
-fn transport_fits_rule(
-    t: TransportName,
-    rule: &Rule,
-    catalog: &[(Capabilities, Viability)],
-) -> Result<(), String> {
-    let (caps, viability) = catalog
-        .iter()
-        .find(|(c, _)| c.name == t)
-        .ok_or_else(|| "unknown to this build".to_string())?;
-    if let Viability::NotViable(why) = viability {
-        return Err(why.clone());
-    }
-    if caps.direction_for(rule.direction).is_none() {
-        return Err(ferry_transports::transport::Unsuitable::Direction(rule.direction).to_string());
-    }
-    let localities: &[Locality] = if rule.locality.is_empty() {
-        &[Locality::SameProcess, Locality::SameHost, Locality::Remote]
-    } else {
-        &rule.locality
-    };
-    if let Some(l) = localities.iter().find(|l| !caps.localities.contains(l))
-        && !localities.iter().any(|l| caps.localities.contains(l))
-    {
-        return Err(format!("cannot reach a {l} peer"));
-    }
-    for (end, list) in [("source", &rule.src), ("destination", &rule.dst)] {
-        let kinds: &[MemoryClass] = if list.is_empty() {
-            &[MemoryClass::Host, MemoryClass::Pinned, MemoryClass::Device]
-        } else {
-            list
-        };
-        let declared = if end == "source" {
-            caps.sources
-        } else {
-            caps.memory
-        };
-        if !kinds.iter().any(|k| declared.contains(k)) {
-            let names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
-            return Err(format!("cannot move {} {end} memory", names.join("/")));
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
+    use super::cuda::CUDA;
     use super::*;
-    use ferry_transports::cuda::CudaDevice;
+    use ferry_transports::cuda::{BlockCopies, CudaDevice, CudaDriver};
 
     fn healthy() -> Facts {
         Facts {
@@ -782,43 +180,12 @@ mod tests {
                 soft: None,
                 hard: None,
             }),
-            ucx: Ucx {
-                library: Err(ferry_transports::ucx::LoadError::Open {
-                    location: system_ucx(),
-                    reason: "libucp.so.0: cannot open shared object file".into(),
-                }),
-                transports: Err("UCX does not load".into()),
-            },
+            probes: Vec::new(),
             // No CUDA driver, as the facts say, whatever this machine has.
             transports: crate::cli::explain::tests::host_only_catalog(),
             pool_export: Vec::new(),
             block_copies: None,
             gather_kernel: None,
-        }
-    }
-
-    fn system_ucx() -> ferry_transports::ucx::LibraryLocation {
-        ferry_transports::ucx::LibraryLocation {
-            source: ferry_transports::ucx::LibrarySource::System,
-            path: "libucp.so.0".into(),
-        }
-    }
-
-    /// UCX 1.13.1, loaded by the system's search, with `transports` from ucx_info.
-    fn ucx_1_13(transports: Result<Vec<String>, String>) -> Ucx {
-        Ucx {
-            library: Ok(ferry_transports::ucx::LoadedUcx {
-                release: ferry_transports::ucx::Version {
-                    major: 1,
-                    minor: 13,
-                    release: 1,
-                },
-                version_string: Some("1.13.1".into()),
-                location: system_ucx(),
-                file: Some("/usr/lib/x86_64-linux-gnu/libucp.so.0.0.0".into()),
-                moves_cuda: false,
-            }),
-            transports,
         }
     }
 
@@ -922,62 +289,32 @@ mod tests {
     }
 
     #[test]
-    fn ucx_absent_is_skipped_unless_a_rule_names_it() {
-        let off = config("[transport.ucx]\nenabled = \"off\"\n");
-        let f = diagnose(&healthy(), &off);
-        let u = find(&f, "ucx");
-        assert_eq!(u.status, Status::Skipped);
-        assert!(u.found.contains("UCX does not load"), "{}", u.found);
-        assert!(u.found.contains("libucp.so.0"), "{}", u.found);
-        let named =
-            config("[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n");
-        let f = diagnose(&healthy(), &named);
-        assert_eq!(find(&f, "ucx").status, Status::Warn);
-        assert!(!f.iter().any(|f| f.blocks), "tcp still carries it");
-        let present = Facts {
-            ucx: ucx_1_13(Ok(vec!["self".into(), "tcp".into()])),
+    fn each_transport_says_what_it_found_of_what_it_is_built_on() {
+        let probed = Finding::new("lib", Status::Warn, "release 1.0 is too old").remedy("update");
+        let facts = Facts {
+            probes: vec![probed.clone()],
             ..healthy()
         };
-        let u = diagnose(&present, &config(""));
-        let u = find(&u, "ucx");
-        assert_eq!(u.status, Status::Ok);
-        assert!(u.found.contains("no CUDA transports"), "{}", u.found);
-        assert!(
-            u.found.starts_with(
-                "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
-                 libucp.so.0); transports: self, tcp"
-            ),
-            "{}",
-            u.found
-        );
-        assert_eq!(u.remedy, None);
+        let f = diagnose(&facts, &config(""));
+        assert_eq!(find(&f, "lib"), &probed);
+        assert!(!f.iter().any(|f| f.blocks), "{f:#?}");
     }
 
     #[test]
-    fn ucx_without_its_ucx_info_is_named_and_says_what_is_unknown() {
-        for why in [
-            "ucx_info is not on PATH",
-            "/usr/bin/ucx_info is UCX 1.16.0's, not the loaded 1.13.1's",
-        ] {
-            let facts = Facts {
-                ucx: ucx_1_13(Err(why.into())),
-                ..healthy()
-            };
-            let f = diagnose(&facts, &config(""));
-            let u = find(&f, "ucx");
-            assert_eq!(u.status, Status::Ok);
-            assert!(
-                u.found.starts_with(&format!(
-                    "UCX 1.13.1 from /usr/lib/x86_64-linux-gnu/libucp.so.0.0.0 (the system's \
-                     libucp.so.0); transports unknown ({why}): whether it has an RDMA transport"
-                )),
-                "{}",
-                u.found
-            );
-            assert!(u.found.contains("moves host memory only"), "{}", u.found);
-            let remedy = u.remedy.as_deref().unwrap_or_default();
-            assert!(remedy.contains("ucx_info of UCX 1.13.1"), "{remedy}");
-        }
+    fn the_transports_wanted_are_those_the_rules_name() {
+        let named = config(
+            "[[transport.rules]]\nname = \"net\"\ntransports = [\"ucx\", \"tcp\"]\n\
+             [[transport.rules]]\nname = \"rest\"\ntransports = [\"tcp\"]\n",
+        );
+        assert_eq!(
+            named_transports(&named),
+            [TransportName::Ucx, TransportName::Tcp]
+        );
+        // The built-in GPU rules count only on a node told to use GPUs.
+        let default = named_transports(&config(""));
+        assert!(!default.contains(&TransportName::Ipc), "{default:?}");
+        let gpus = named_transports(&config("[gpu]\ndevices = [0]\n"));
+        assert!(gpus.contains(&TransportName::Ipc), "{gpus:?}");
     }
 
     #[test]

@@ -6,8 +6,15 @@
 //! `--no-connect`), and asks the node to explain the route: the one a send would take now,
 //! chosen by the same code, or with `--dst-memory` a what-if one. Around that answer it says why earlier rules did not match, why each transport
 //! was passed over, and whether the chosen path is far slower than the hardware allows.
-//! For a rule that names ucx it names the UCX release the node loads and the file.
-//! Everything but the node, the CUDA probe and loading UCX is pure and tested below.
+//! Each transport the matching rule names adds its own notes
+//! ([`TransportKind::notes`](ferry_transports::transport::TransportKind::notes): the
+//! library it loads, its settings, what its path costs here). Everything but the node, the
+//! CUDA probe and the transports' notes is pure and tested below.
+
+mod live;
+mod report;
+mod rules;
+mod warnings;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,11 +22,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use ferry::{Explanation, Node};
-use ferry_actors::core::route::{DstSource, RouteQuery};
-use ferry_config::{Locality, MemoryClass, Rule, TransportName, format_size, parse_size};
-use ferry_transports::cuda::{self, CudaProbe};
-use ferry_transports::transport::{Capabilities, DevicePath, Library, Unsuitable, Viability};
+use ferry_config::{MemoryClass, Rule, parse_size};
+use ferry_transports::cuda;
+use ferry_transports::transport::{Note, Route};
 use serde::Serialize;
+
+pub use report::Report;
+pub use rules::{RuleMiss, Skip, rule_misses, skip};
+pub use warnings::{gpu_note, performance_warnings};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -87,10 +97,8 @@ fn parse_memory(text: &str) -> Result<MemoryClass, String> {
 pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::Result<ExitCode> {
     let mut config = super::load_config(file, overrides, Vec::new())?;
     super::telemetry::init_command(&config.telemetry);
-    let (ucx_enabled, ucx_library) = (
-        config.transport.ucx.enabled,
-        config.transport.ucx.library.clone(),
-    );
+    // What the transports' notes read: the configuration as loaded.
+    let loaded = config.clone();
     // Never collide with a `ferry serve` started from the same file.
     config.node.listen = vec!["127.0.0.1:0".into()];
     config.node.socket_dir = None;
@@ -106,29 +114,14 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
         .build()
         .context("cannot start the runtime")?;
     let connect = !args.no_connect;
-    let (setup, explanation, ucx) =
+    let (setup, explanation, live) =
         runtime.block_on(ask_node(config, &args.peer, args.bytes, src, dst, connect))?;
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
     let mut report = Report::new(&args, &rules, &explanation, setup, gpu);
-    // The release matters wherever the rule names ucx: every node must load the same one.
-    let ucx_named = explanation
-        .rule
-        .as_ref()
-        .and_then(|(index, _)| rules.get(*index))
-        .is_some_and(|rule| {
-            rule.transports
-                .iter()
-                .any(|t| ferry_transports::registry::declared(*t).library == Some(Library::Ucx))
-        });
-    if ucx_named {
-        report.ucx = Some(UcxReport::new(ucx_enabled, || {
-            ferry_transports::ucx::loaded(ucx_library.as_deref())
-        }));
-    }
-    if let Some(lanes) = ucx {
-        report = report.with_ucx_lanes(lanes);
-    }
+    let rdma = ferry_actors::node::has_rdma_device();
+    report.add_notes(route_notes(&loaded, &rules, &explanation, rdma));
+    report.add_notes(live);
     let text = if args.json {
         serde_json::to_string_pretty(&report)? + "\n"
     } else {
@@ -136,23 +129,19 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     };
     // A closed pipe (`ferry explain ... | head`) is not an error worth a panic.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
-    Ok(if report.chosen.is_some() {
+    Ok(if report.has_route() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
 }
 
-/// What the node answered: the link's setup, the route, and, for a route over ucx with
-/// the link up, the lanes of its UCX endpoint to the peer (or why it could not say).
-type Answers = (
-    Setup,
-    Explanation,
-    Option<Result<ferry::EndpointLanes, String>>,
-);
+/// What the node answered: the link's setup, the route, and what it said live of the
+/// route's transport with the link up ([`live::notes`]).
+type Answers = (Setup, Explanation, Vec<Note>);
 
-/// Starts the node, dials if asked, asks for the explanation (and, for a route over ucx,
-/// the lanes of a UCX endpoint to the peer), and stops the node.
+/// Starts the node, dials if asked, asks for the explanation (and what it can say live of
+/// the route's transport), and stops the node.
 async fn ask_node(
     config: ferry::Config,
     peer: &str,
@@ -179,26 +168,12 @@ async fn ask_node(
         Setup::NotTried
     };
     let explanation = node.explain(peer, bytes, src, dst).await;
-    // A route over a transport built on UCX: its endpoint to the peer can name its lanes.
-    let over_ucx = explanation.as_ref().is_ok_and(|e| {
-        e.chosen.as_ref().is_some_and(|r| {
-            ferry_transports::registry::declared(r.transport).library == Some(Library::Ucx)
-        })
-    });
-    let ucx = if over_ucx && setup == Setup::Connected {
-        let asked = tokio::time::timeout(limit, node.ucx_lanes(peer)).await;
-        Some(match asked {
-            Ok(answer) => answer.map_err(|e| e.to_string()),
-            Err(_) => Err(format!(
-                "no answer within {}",
-                humantime::format_duration(limit)
-            )),
-        })
-    } else {
-        None
+    let live = match &explanation {
+        Ok(e) if setup == Setup::Connected => live::notes(&node, peer, e, limit).await,
+        _ => Vec::new(),
     };
     node.shutdown().await;
-    Ok((setup, explanation?, ucx))
+    Ok((setup, explanation?, live))
 }
 
 /// Whether the link to the peer came up.
@@ -212,623 +187,45 @@ pub enum Setup {
     Failed(String),
 }
 
-/// Why a rule before the matching one did not match. Pure.
-pub fn rule_mismatch(rule: &Rule, query: &RouteQuery) -> Vec<String> {
-    fn list<T: std::fmt::Display>(items: &[T]) -> String {
-        items
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("|")
-    }
-    let mut why = Vec::new();
-    if !rule.locality.is_empty() && !rule.locality.contains(&query.locality) {
-        why.push(format!(
-            "locality {} not in {}",
-            query.locality,
-            list(&rule.locality)
-        ));
-    }
-    if !rule.src.is_empty() && !rule.src.contains(&query.src) {
-        why.push(format!(
-            "source memory {} not in {}",
-            query.src,
-            list(&rule.src)
-        ));
-    }
-    if !rule.dst.is_empty() && !rule.dst.contains(&query.dst) {
-        why.push(format!(
-            "destination memory {} not in {}",
-            query.dst,
-            list(&rule.dst)
-        ));
-    }
-    if query.bytes < rule.min_bytes {
-        why.push(format!(
-            "size {} below min_bytes {}",
-            format_size(query.bytes),
-            format_size(rule.min_bytes)
-        ));
-    }
-    if let Some(max) = rule.max_bytes
-        && query.bytes > max
-    {
-        why.push(format!(
-            "size {} above max_bytes {}",
-            format_size(query.bytes),
-            format_size(max)
-        ));
-    }
-    why
-}
-
-/// A rule that did not match, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct RuleMiss {
-    /// Index in `transport.rules`.
-    pub index: usize,
-    /// Its name.
-    pub name: String,
-    /// Each condition that failed.
-    pub reasons: Vec<String>,
-}
-
-/// Walks the rules in order up to the first that matches (or all of them) and says why
-/// each one before it did not. Pure.
-pub fn rule_misses(rules: &[Rule], query: &RouteQuery) -> Vec<RuleMiss> {
-    rules
+/// What the transports the matching rule names say of the route, for a node with
+/// `config` (each asked once, in the rule's order; `rdma`: this machine has an RDMA
+/// device). Not pure: a transport may load its library to say which release it is.
+pub fn route_notes(
+    config: &ferry::Config,
+    rules: &[Rule],
+    explanation: &Explanation,
+    rdma: bool,
+) -> Vec<Note> {
+    let Some(rule) = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i)) else {
+        return Vec::new();
+    };
+    let q = &explanation.query;
+    let chosen = explanation.chosen.as_ref();
+    rule.transports
         .iter()
-        .enumerate()
-        .map(|(index, rule)| (index, rule, rule_mismatch(rule, query)))
-        .take_while(|(_, _, reasons)| !reasons.is_empty())
-        .map(|(index, rule, reasons)| RuleMiss {
-            index,
-            name: rule.name.clone(),
-            reasons,
+        .filter_map(|&name| ferry_transports::registry::kind(name).map(|k| (name, k)))
+        .flat_map(|(name, kind)| {
+            let route = Route {
+                locality: q.locality,
+                src: q.src,
+                landing: chosen.map_or(q.dst, |r| r.landing),
+                chosen: chosen.is_some_and(|r| r.transport == name),
+                rdma_device: rdma,
+            };
+            kind.notes(config, &route)
         })
         .collect()
-}
-
-/// A transport passed over.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Skip {
-    /// The transport.
-    pub transport: String,
-    /// `not-built`, `not-viable`, `peer-lacks` or `capabilities`.
-    pub kind: &'static str,
-    /// Why, in words.
-    pub reason: String,
-}
-
-/// Classifies and words why a transport was passed over. Pure.
-pub fn skip(transport: TransportName, why: &Unsuitable) -> Skip {
-    let (kind, reason) = match why {
-        Unsuitable::NotViable(text) if text.starts_with("not built yet") => {
-            ("not-built", text.clone())
-        }
-        Unsuitable::NotViable(text) => {
-            ("not-viable", format!("not viable on this machine: {text}"))
-        }
-        Unsuitable::PeerLacks => ("peer-lacks", "the peer does not offer it".to_string()),
-        Unsuitable::Locality(l) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: cannot reach a {l} peer"),
-        ),
-        Unsuitable::Memory(m) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: cannot move {m} memory"),
-        ),
-        Unsuitable::Direction(Some(d)) => (
-            "capabilities",
-            format!("excluded by its declared capabilities: does not support {d}"),
-        ),
-        Unsuitable::Direction(None) => (
-            "capabilities",
-            "excluded by its declared capabilities: declares no direction".to_string(),
-        ),
-        Unsuitable::SetupFailed(why) => ("setup-failed", format!("setup failed: {why}")),
-    };
-    Skip {
-        transport: transport.to_string(),
-        kind,
-        reason,
-    }
-}
-
-/// Copy engine between two H200 GPUs, large transfers (BASELINES.md).
-const COPY_ENGINE_GBPS: u32 = 396;
-/// Pinned host <-> device, each way, 16 MiB and up (BASELINES.md).
-const PINNED_GBPS: u32 = 55;
-
-/// UCX reading device memory over tcp, staged through host memory (H100 ×1, UCX 1.22,
-/// PERFORMANCE.md).
-const UCX_TCP_DEVICE_GBPS: f32 = 0.4;
-
-/// Warnings when the route is expected to run far below what the hardware between the two
-/// ends allows; `rdma`: this machine has an RDMA device. Read from the transports' declared
-/// device paths ([`DevicePath`]). Pure.
-pub fn performance_warnings(explanation: &Explanation, rules: &[Rule], rdma: bool) -> Vec<String> {
-    let q = &explanation.query;
-    // Where the bytes really land: a transport that cannot land in the peer's device memory
-    // lands in its host memory.
-    let landing = explanation.chosen.as_ref().map_or(q.dst, |r| r.landing);
-    let device = q.src == MemoryClass::Device || landing == MemoryClass::Device;
-    let Some(chosen) = explanation.chosen.as_ref().map(|r| r.transport) else {
-        return Vec::new();
-    };
-    if !device {
-        return Vec::new();
-    }
-    let same_host = matches!(q.locality, Locality::SameHost | Locality::SameProcess);
-    let mut out: Vec<String> = path_warning(explanation, chosen, same_host, rdma)
-        .into_iter()
-        .collect();
-    let rule = explanation.rule.as_ref().and_then(|(i, _)| rules.get(*i));
-    if let Some(rule) = rule
-        && path(chosen) == DevicePath::HostCopy
-    {
-        out.extend(rule_order_warning(rule, chosen, same_host));
-    }
-    out
-}
-
-/// How `transport` declares it moves device memory.
-fn path(transport: TransportName) -> DevicePath {
-    ferry_transports::registry::declared(transport).device_path
-}
-
-/// The transport whose device memory takes `path` (to name the faster way around a slow
-/// one), or the path in words where none declares it.
-fn taking(path: DevicePath) -> String {
-    ferry_transports::registry::declarations()
-        .iter()
-        .find(|c| c.device_path == path)
-        .map_or_else(|| format!("a {path:?} transport"), |c| c.name.to_string())
-}
-
-/// What the path of `chosen` costs device memory, where that is far below the hardware.
-fn path_warning(
-    explanation: &Explanation,
-    chosen: TransportName,
-    same_host: bool,
-    rdma: bool,
-) -> Option<String> {
-    let copy_engine = taking(DevicePath::CopyEngine);
-    let copy_engine_status = || match explanation
-        .skipped
-        .iter()
-        .find(|(t, _)| path(*t) == DevicePath::CopyEngine)
-    {
-        Some((t, why)) => format!("{t} was passed over: {}", skip(*t, why).reason),
-        None => format!("the rule does not list {copy_engine}"),
-    };
-    Some(match path(chosen) {
-        DevicePath::PinnedStaging if same_host => format!(
-            "device memory on one host goes through {chosen} (device -> pinned host -> device), \
-             bounded by pinned host<->device copies (~{PINNED_GBPS} GB/s each way); \
-             {copy_engine} would use the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 \
-             GPUs, about 7x more); {}",
-            copy_engine_status()
-        ),
-        DevicePath::PinnedStaging => format!(
-            "device memory to another host goes through {chosen}: two pinned host<->device \
-             copies (~{PINNED_GBPS} GB/s each) around the network; {} with GPUDirect RDMA \
-             would let the NIC read and write GPU memory directly",
-            taking(DevicePath::Rdma)
-        ),
-        DevicePath::Rdma if !rdma => format!(
-            "device memory goes over {chosen} on a machine without an RDMA device: UCX reads \
-             GPU memory over tcp, staged through host memory (~{UCX_TCP_DEVICE_GBPS} GB/s \
-             measured), and between GPUs of one host without NVLink it does so too; {}",
-            if same_host {
-                format!("on one host {copy_engine} uses the copy engine")
-            } else {
-                "an RDMA NIC with GPUDirect RDMA lets the NIC read GPU memory directly".into()
-            }
-        ),
-        DevicePath::HostCopy => format!(
-            "device memory goes over {chosen}: it is copied to host memory first \
-             (~{PINNED_GBPS} GB/s pinned) and then through the socket stack, far below the copy \
-             engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs)"
-        ),
-        _ => return None,
-    })
-}
-
-/// Whether `rule` lists `chosen`, a transport that copies device memory through host
-/// memory, before every transport with a device path of its own.
-fn rule_order_warning(rule: &Rule, chosen: TransportName, same_host: bool) -> Option<String> {
-    let host_first = rule
-        .transports
-        .iter()
-        .position(|t| path(*t) == DevicePath::HostCopy);
-    let device_first = rule
-        .transports
-        .iter()
-        .position(|t| path(*t) != DevicePath::HostCopy);
-    let host_before_device = match (host_first, device_first) {
-        (Some(h), Some(d)) => h < d,
-        (Some(_), None) => true,
-        _ => false,
-    };
-    if !host_before_device {
-        return None;
-    }
-    let staging = taking(DevicePath::PinnedStaging);
-    let better = if same_host {
-        format!("{} (or {staging})", taking(DevicePath::CopyEngine))
-    } else {
-        format!("{} or {staging}", taking(DevicePath::Rdma))
-    };
-    Some(format!(
-        "rule \"{}\" sends device memory through {chosen}, which moves host memory only: device \
-         buffers would cross host memory (~{PINNED_GBPS} GB/s pinned) and the socket stack \
-         instead of the copy engine (~{COPY_ENGINE_GBPS} GB/s between H200 GPUs); list {better} \
-         before {chosen}",
-        rule.name
-    ))
-}
-
-/// What to say about GPU transports when device memory is involved. Pure.
-pub fn gpu_note(probe: &CudaProbe, catalog: &[(Capabilities, Viability)]) -> String {
-    let unbuilt: Vec<&str> = catalog
-        .iter()
-        .filter(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v != Viability::Viable)
-        .map(|(c, _)| c.name.as_str())
-        .collect();
-    let any_viable = catalog
-        .iter()
-        .any(|(c, v)| c.memory.contains(&MemoryClass::Device) && *v == Viability::Viable);
-    let driver = match probe {
-        CudaProbe::NoDriver => Some("no CUDA driver on this machine".to_string()),
-        CudaProbe::Failed { error, .. } => Some(format!("the CUDA driver does not work ({error})")),
-        CudaProbe::Ready(d) if d.devices.is_empty() => Some("no GPU is visible".to_string()),
-        CudaProbe::Ready(_) => None,
-    };
-    match (driver, any_viable) {
-        (Some(why), _) if unbuilt.is_empty() => {
-            format!("GPU transports are not available: {why}")
-        }
-        (Some(why), _) => format!(
-            "GPU transports are not available: {why} (and {} not viable in this build)",
-            unbuilt.join(", ")
-        ),
-        (None, false) => format!(
-            "GPU transports are not available: {} not viable in this build",
-            unbuilt.join(", ")
-        ),
-        (None, true) => "GPU transports are available".to_string(),
-    }
-}
-
-/// What `ferry explain` prints, as text or JSON.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    peer: String,
-    bytes: u64,
-    src: String,
-    dst: String,
-    /// Where `dst` came from: `dst-memory` (asked), `peer` (its hello) or `assumed` (no link).
-    #[serde(serialize_with = "dst_from_key")]
-    dst_from: DstSource,
-    layout: Layout,
-    locality: String,
-    setup: SetupReport,
-    earlier_rules: Vec<RuleMiss>,
-    rule: Option<RuleRef>,
-    skipped: Vec<Skip>,
-    chosen: Option<Chosen>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    gpu: Option<String>,
-    /// For a rule that names ucx: the UCX release this node loads, and from where.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ucx: Option<UcxReport>,
-    /// For a route over ucx with the link up: the lanes of this node's UCX endpoint to the
-    /// peer.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ucx_lanes: Option<UcxLanesReport>,
-    warnings: Vec<String>,
-}
-
-/// The UCX a node loads, as `ferry explain` reports it.
-#[derive(Debug, Clone, Serialize)]
-struct UcxReport {
-    /// The release the library reports (`ucp_get_version`), where it got that far.
-    release: Option<String>,
-    /// The file loaded, where it loaded.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    file: Option<PathBuf>,
-    /// In words.
-    text: String,
-}
-
-impl UcxReport {
-    /// What to say of the UCX a node with `transport.ucx.enabled = enabled` loads
-    /// (`load` loads it, unless the node loads none). Pure but for `load`.
-    fn new(
-        enabled: ferry_config::UcxMode,
-        load: impl FnOnce()
-            -> Result<ferry_transports::ucx::LoadedUcx, ferry_transports::ucx::LoadError>,
-    ) -> Self {
-        if enabled == ferry_config::UcxMode::Off {
-            return UcxReport {
-                release: None,
-                file: None,
-                text: "this node loads no UCX: transport.ucx.enabled is \"off\"".into(),
-            };
-        }
-        match load() {
-            Ok(loaded) => UcxReport {
-                release: Some(loaded.release.to_string()),
-                file: Some(
-                    loaded
-                        .file
-                        .clone()
-                        .unwrap_or_else(|| loaded.location.path.clone()),
-                ),
-                text: loaded.to_string(),
-            },
-            Err(e) => UcxReport {
-                release: e.release().map(|r| r.to_string()),
-                file: None,
-                text: format!("UCX does not load: {e}"),
-            },
-        }
-    }
-}
-
-/// The lanes of a UCX endpoint to the peer, as `ferry explain` reports them.
-#[derive(Debug, Clone, Serialize)]
-struct UcxLanesReport {
-    /// `one-sided`, `emulated-over-tcp`, `gpu-ipc-beside-tcp`, `unrecognised`, or `unknown`
-    /// (UCX < 1.14, or the endpoint could not be asked).
-    rma: &'static str,
-    /// Each lane's UCX transport and device, in UCX's order (empty when unknown).
-    lanes: Vec<LaneReport>,
-    /// In words.
-    text: String,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct LaneReport {
-    transport: String,
-    device: String,
-}
-
-/// The report of what a node said of its UCX endpoint to `peer`, and a warning when UCX
-/// emulates reads over tcp on it. Pure.
-fn ucx_lanes_report(
-    peer: &str,
-    answer: &Result<ferry::EndpointLanes, String>,
-) -> (UcxLanesReport, Option<String>) {
-    let lanes = match answer {
-        Ok(lanes) => lanes,
-        Err(why) => {
-            let report = UcxLanesReport {
-                rma: "unknown",
-                lanes: Vec::new(),
-                text: format!("could not ask this node's UCX endpoint to {peer}: {why}"),
-            };
-            return (report, None);
-        }
-    };
-    let rma = match lanes.rma() {
-        None => "unknown",
-        Some(ferry::RmaPath::OneSided { .. }) => "one-sided",
-        Some(ferry::RmaPath::EmulatedOverTcp) => "emulated-over-tcp",
-        Some(ferry::RmaPath::GpuIpcBesideTcp { .. }) => "gpu-ipc-beside-tcp",
-        Some(ferry::RmaPath::Unrecognised { .. }) => "unrecognised",
-    };
-    let entries = lanes.lanes.as_deref().unwrap_or_default();
-    let report = UcxLanesReport {
-        rma,
-        lanes: entries
-            .iter()
-            .map(|l| LaneReport {
-                transport: l.transport.clone(),
-                device: l.device.clone(),
-            })
-            .collect(),
-        // The peer pulls what this node sends over its own endpoint to here; UCX picks its
-        // lanes from the same two worker addresses.
-        text: format!("this node's endpoint to {peer}: {lanes}"),
-    };
-    let warning = lanes
-        .warning(&format!("UCX reads between this node and {peer}"))
-        .map(|w| {
-            format!(
-                "{w}; allow an RDMA transport in transport.ucx.tls, or route this through \
-                 another transport"
-            )
-        });
-    (report, warning)
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct SetupReport {
-    attempted: bool,
-    connected: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct RuleRef {
-    index: usize,
-    name: String,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct Chosen {
-    transport: String,
-    direction: String,
-    /// Where the bytes land at the peer: `dst`, or host memory for a transport that cannot
-    /// land there.
-    landing: String,
-}
-
-/// How the JSON report names where the destination memory came from.
-fn dst_from_key<S: serde::Serializer>(from: &DstSource, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(match from {
-        DstSource::Asked => "dst-memory",
-        DstSource::Peer => "peer",
-        DstSource::Assumed => "assumed",
-    })
-}
-
-impl Report {
-    fn new(
-        args: &Args,
-        rules: &[Rule],
-        e: &Explanation,
-        setup: Setup,
-        gpu: Option<String>,
-    ) -> Self {
-        let setup = match setup {
-            Setup::NotTried => SetupReport {
-                attempted: false,
-                connected: false,
-                error: None,
-            },
-            Setup::Connected => SetupReport {
-                attempted: true,
-                connected: true,
-                error: None,
-            },
-            Setup::Failed(error) => SetupReport {
-                attempted: true,
-                connected: false,
-                error: Some(error),
-            },
-        };
-        Self {
-            peer: args.peer.clone(),
-            bytes: e.query.bytes,
-            src: e.query.src.to_string(),
-            dst: e.query.dst.to_string(),
-            dst_from: e.query.dst_from,
-            layout: args.layout,
-            locality: e.query.locality.to_string(),
-            setup,
-            earlier_rules: rule_misses(rules, &e.query),
-            rule: e.rule.as_ref().map(|(index, name)| RuleRef {
-                index: *index,
-                name: name.clone(),
-            }),
-            skipped: e.skipped.iter().map(|(t, why)| skip(*t, why)).collect(),
-            chosen: e.chosen.as_ref().map(|r| Chosen {
-                transport: r.transport.to_string(),
-                direction: r.direction.to_string(),
-                landing: r.landing.to_string(),
-            }),
-            gpu,
-            ucx: None,
-            ucx_lanes: None,
-            warnings: performance_warnings(e, rules, ferry_actors::node::has_rdma_device()),
-        }
-    }
-
-    /// Adds what the node said of its UCX endpoint to the peer (and a warning when UCX
-    /// emulates reads over tcp on it).
-    fn with_ucx_lanes(mut self, answer: Result<ferry::EndpointLanes, String>) -> Self {
-        let (report, warning) = ucx_lanes_report(&self.peer, &answer);
-        self.ucx_lanes = Some(report);
-        self.warnings.extend(warning);
-        self
-    }
-
-    /// The human form: a header, then one labelled, aligned line per fact.
-    fn render(&self) -> String {
-        let mut lines: Vec<(String, String)> = Vec::new();
-        let mut line = |label: &str, text: String| lines.push((label.to_string(), text));
-        match (&self.setup.attempted, &self.setup.error) {
-            (false, _) => line(
-                "link",
-                "not tried (--no-connect): from this side's declarations only".into(),
-            ),
-            (true, None) => line("link", format!("connected to {}", self.peer)),
-            (true, Some(error)) => line(
-                "link",
-                format!(
-                    "setup failed: {error}; the route below is from this side's declarations only"
-                ),
-            ),
-        }
-        let from = match self.dst_from {
-            DstSource::Asked => "asked for with --dst-memory".to_string(),
-            other => other.to_string(),
-        };
-        line("dst", format!("{} memory: {from}", self.dst));
-        for miss in &self.earlier_rules {
-            line(
-                &format!("rule #{}", miss.index),
-                format!(
-                    "\"{}\" did not match: {}",
-                    miss.name,
-                    miss.reasons.join("; ")
-                ),
-            );
-        }
-        match &self.rule {
-            Some(r) => line(
-                &format!("rule #{}", r.index),
-                format!("\"{}\" matched", r.name),
-            ),
-            None => line("rule", "no rule matches this transfer".into()),
-        }
-        for s in &self.skipped {
-            line("skipped", format!("{}: {}", s.transport, s.reason));
-        }
-        match &self.chosen {
-            Some(c) if c.landing != self.dst => line(
-                "chosen",
-                format!(
-                    "{}, {}; lands in {} memory: {} cannot land in {} memory",
-                    c.transport, c.direction, c.landing, c.transport, self.dst
-                ),
-            ),
-            Some(c) => line("chosen", format!("{}, {}", c.transport, c.direction)),
-            None if self.rule.is_some() => line(
-                "chosen",
-                "none: no transport of the rule can carry it".into(),
-            ),
-            None => line("chosen", "none: add a rule that matches it".into()),
-        }
-        if let Some(gpu) = &self.gpu {
-            line("gpu", gpu.clone());
-        }
-        if let Some(ucx) = &self.ucx {
-            line("ucx", ucx.text.clone());
-        }
-        if let Some(ucx) = &self.ucx_lanes {
-            line("ucx lanes", ucx.text.clone());
-        }
-        for w in &self.warnings {
-            line("warning", w.clone());
-        }
-        let width = lines.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-        let mut out = format!(
-            "ferry explain: {} {} -> {} to peer {} ({}), {}\n",
-            format_size(self.bytes),
-            self.src,
-            self.dst,
-            self.peer,
-            self.locality,
-            "contiguous"
-        );
-        for (label, text) in lines {
-            out.push_str(&format!("  {label:<width$}  {text}\n"));
-        }
-        out
-    }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use ferry_actors::core::route::choose;
+    use ferry_actors::core::route::{DstSource, RouteQuery, choose};
     use ferry_config::Direction;
+    use ferry_config::{Locality, TransportName};
+    use ferry_transports::cuda::CudaProbe;
     use ferry_transports::registry::catalog;
+    use ferry_transports::transport::{Capabilities, Unsuitable, Viability};
 
     /// The catalog of a machine without a CUDA driver, whatever this machine has.
     pub(crate) fn host_only_catalog() -> Vec<(Capabilities, Viability)> {
@@ -839,39 +236,6 @@ pub(crate) mod tests {
             }
         }
         out
-    }
-
-    #[test]
-    fn the_ucx_line_names_the_release_even_when_ucx_does_not_load() {
-        use ferry_config::UcxMode;
-        use ferry_transports::ucx::{LibraryLocation, LibrarySource, LoadError, Version};
-        let off = UcxReport::new(UcxMode::Off, || unreachable!("not loaded when off"));
-        assert!(off.text.contains("enabled is \"off\""), "{}", off.text);
-        assert_eq!(off.release, None);
-        let old = UcxReport::new(UcxMode::On, || {
-            Err(LoadError::TooOld {
-                location: LibraryLocation {
-                    source: LibrarySource::System,
-                    path: "libucp.so.0".into(),
-                },
-                found: Version {
-                    major: 1,
-                    minor: 12,
-                    release: 1,
-                },
-                required: Version {
-                    major: 1,
-                    minor: 13,
-                    release: 0,
-                },
-            })
-        });
-        assert_eq!(old.release.as_deref(), Some("1.12.1"));
-        assert!(
-            old.text.starts_with("UCX does not load: UCX 1.12.1"),
-            "{}",
-            old.text
-        );
     }
 
     fn rule(name: &str, transports: Vec<TransportName>) -> Rule {
@@ -966,7 +330,7 @@ pub(crate) mod tests {
         // tcp carries it, landing in the peer's host memory.
         let chosen = e.chosen.as_ref().map(|r| (r.transport, r.landing));
         assert_eq!(chosen, Some((TransportName::Tcp, MemoryClass::Host)));
-        let w = performance_warnings(&e, &rules, true);
+        let w = performance_warnings(&e, &rules);
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(
             w[0].contains("device memory goes over tcp")
@@ -983,7 +347,7 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Host, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules, true).is_empty());
+        assert!(performance_warnings(&e, &rules).is_empty());
         // So is host memory to a peer that receives into device memory: over tcp it lands
         // in the peer's host memory, and no device memory moves.
         let e = choose(
@@ -992,7 +356,7 @@ pub(crate) mod tests {
             None,
             query(MemoryClass::Host, MemoryClass::Device, Locality::SameHost),
         );
-        assert!(performance_warnings(&e, &rules, true).is_empty());
+        assert!(performance_warnings(&e, &rules).is_empty());
     }
 
     #[test]
@@ -1019,7 +383,20 @@ pub(crate) mod tests {
             e.chosen.as_ref().map(|r| r.transport),
             Some(TransportName::Ucx)
         );
-        let w = performance_warnings(&e, &rules, false);
+        // The declared path says nothing of its own: what RDMA's library does without an
+        // RDMA device is the transport's note.
+        assert!(performance_warnings(&e, &rules).is_empty());
+        let config = ferry::Config::default();
+        let warnings = |rdma| {
+            route_notes(&config, &rules, &e, rdma)
+                .into_iter()
+                .filter_map(|n| match n {
+                    Note::Warning(w) => Some(w),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let w = warnings(false);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(
             w[0].contains("without an RDMA device") && w[0].contains("0.4 GB/s"),
@@ -1027,68 +404,7 @@ pub(crate) mod tests {
             w[0]
         );
         // With an RDMA device the NIC can read GPU memory: nothing to say.
-        assert!(performance_warnings(&e, &rules, true).is_empty());
-    }
-
-    #[test]
-    fn ucx_lanes_over_tcp_alone_warn_and_unknown_ones_do_not() {
-        let lane = |t: &str, d: &str| ferry::TransportEntry {
-            transport: t.into(),
-            device: d.into(),
-        };
-        let tcp = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("tcp", "eth0"), lane("cuda_copy", "cuda")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(tcp));
-        assert_eq!(report.rma, "emulated-over-tcp");
-        assert_eq!(report.lanes.len(), 2);
-        assert!(
-            report
-                .text
-                .starts_with("this node's endpoint to b: tcp/eth0"),
-            "{}",
-            report.text
-        );
-        let warning = warning.expect("a warning");
-        assert!(
-            warning.contains("go over tcp (software emulation"),
-            "{warning}"
-        );
-
-        let rdma = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("rc_mlx5", "mlx5_0:1"), lane("tcp", "eth0")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(rdma));
-        assert_eq!((report.rma, warning), ("one-sided", None));
-
-        let gpu_ipc = ferry::EndpointLanes {
-            lanes: Ok(vec![lane("tcp", "lo"), lane("cuda_ipc", "cuda")]),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(gpu_ipc));
-        assert_eq!(report.rma, "gpu-ipc-beside-tcp");
-        let warning = warning.expect("a warning");
-        assert!(warning.contains("unless UCX found NVLink"), "{warning}");
-
-        let old = ferry::EndpointLanes {
-            lanes: Err(ferry_transports::ucx::LanesUnknown::NotInRelease {
-                since: "1.14".into(),
-                found: "1.13.1".into(),
-            }),
-            after_first_use: true,
-        };
-        let (report, warning) = ucx_lanes_report("b", &Ok(old));
-        assert_eq!((report.rma, warning), ("unknown", None));
-        assert!(
-            report
-                .text
-                .ends_with("unknown (UCX < 1.14: 1.13.1 cannot say)")
-        );
-        let (report, warning) = ucx_lanes_report("b", &Err("no link".into()));
-        assert_eq!((report.rma, warning), ("unknown", None));
-        assert!(report.text.contains("no link"), "{}", report.text);
+        assert!(warnings(true).is_empty());
     }
 
     #[test]
@@ -1180,7 +496,7 @@ pub(crate) mod tests {
             e.chosen.as_ref().map(|r| r.transport),
             Some(TransportName::Staged)
         );
-        let w = performance_warnings(&e, &rules, true);
+        let w = performance_warnings(&e, &rules);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("ipc was passed over: not viable on this machine: no peer access"));
     }

@@ -47,7 +47,13 @@ enum Command {
     Config(config_cmd::Command),
 }
 
-/// Parses `KEY=VALUE` overrides.
+/// The transport that moves device memory by `path`, to name the way around a slower one
+/// (`ipc` for the copy engine), or the path in words where none declares it.
+fn taking(path: ferry_transports::transport::DevicePath) -> String {
+    ferry_transports::registry::taking(path)
+        .map_or_else(|| format!("a {path:?} transport"), |name| name.to_string())
+}
+
 /// Writes a new secret file at `path` that only its owner may read (mode 0600), as
 /// `Config::read_secret` demands. Fails if the file exists.
 fn write_secret_file(path: &std::path::Path, secret: &str) -> std::io::Result<()> {
@@ -61,6 +67,7 @@ fn write_secret_file(path: &std::path::Path, secret: &str) -> std::io::Result<()
         .and_then(|mut f| f.write_all(secret.as_bytes()))
 }
 
+/// Parses `KEY=VALUE` overrides.
 fn parse_overrides(raw: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     raw.iter()
         .map(|kv| {

@@ -92,14 +92,7 @@ async fn serve(config: ferry::Config, role: Role) -> anyhow::Result<ExitCode> {
     };
     let drain_limit = config.limits.default_deadline + DRAIN_MARGIN;
     let node = Arc::new(Node::start(config).await?);
-    let mut endpoints: Vec<String> = node
-        .tcp_addrs()
-        .iter()
-        .map(|a| format!("tcp {a}"))
-        .collect();
-    if let Some(path) = node.unix_path() {
-        endpoints.push(format!("unix {}", path.display()));
-    }
+    let mut endpoints = listeners(&node);
     if let Some(addr) = metrics {
         endpoints.push(format!("metrics http://{addr}/metrics"));
     }
@@ -160,6 +153,20 @@ impl StopSignals {
         }
         Ok(())
     }
+}
+
+/// Where the node listens, as the ready line names it: `tcp ADDRESS` for each TCP
+/// listener (the socket protocol, not the transport), `unix PATH` for its Unix socket.
+fn listeners(node: &Node) -> Vec<String> {
+    let mut out: Vec<String> = node
+        .tcp_addrs()
+        .iter()
+        .map(|a| format!("tcp {a}"))
+        .collect();
+    if let Some(path) = node.unix_path() {
+        out.push(format!("unix {}", path.display()));
+    }
+    out
 }
 
 /// Receives buffers and handles them as `role` says, `ROLE_CONCURRENCY` at once: each

@@ -1,22 +1,42 @@
-//! The built-in transports, one line each: their declarations and whether each can run
-//! here. A new transport is a directory beside `tcp/`, `ipc`, `staged` and one line here.
+//! The built-in transports, one line each in [`kinds`]: their declarations, whether each
+//! can run here, and what the tools say of them. A new transport is a directory beside
+//! `tcp/`, `ipc/`, `staged/` and `ucx/` and one line here.
 
 use ferry_config::TransportName;
 
-use crate::transport::{Capabilities, Carrier, Viability};
+use crate::transport::{Capabilities, Carrier, DevicePath, TransportKind, Viability};
 
 /// The transport whose bytes travel on the control link itself, in its frames: what a put
 /// (which always streams over the link) is counted under.
 pub const LINK: TransportName = TransportName::Tcp;
 
+/// The transports this build knows, before any node starts them, in the order routing
+/// and the tools list them.
+pub fn kinds() -> &'static [&'static dyn TransportKind] {
+    static KINDS: [&dyn TransportKind; 4] = [
+        &crate::tcp::TcpKind,
+        &crate::ipc::IpcKind,
+        &crate::staged::StagedKind,
+        &crate::ucx::UcxKind,
+    ];
+    &KINDS
+}
+
+/// The transport named `name`, if this build has it.
+pub fn kind(name: TransportName) -> Option<&'static dyn TransportKind> {
+    kinds()
+        .iter()
+        .zip(declarations())
+        .find(|(_, c)| c.name == name)
+        .map(|(k, _)| *k)
+}
+
 /// The transports this build knows, with their declarations and viability here.
 pub fn catalog() -> Vec<(Capabilities, Viability)> {
-    vec![
-        (crate::tcp::capabilities(), Viability::Viable),
-        (crate::ipc::capabilities(), crate::ipc::viability()),
-        (crate::staged::capabilities(), Viability::Viable),
-        (crate::ucx::capabilities(), crate::ucx::viability()),
-    ]
+    kinds()
+        .iter()
+        .map(|k| (k.capabilities(), k.viability()))
+        .collect()
 }
 
 /// Names of the transports viable here, as announced in a hello.
@@ -32,7 +52,7 @@ pub fn viable_names() -> Vec<TransportName> {
 /// here); made once per process.
 pub fn declarations() -> &'static [Capabilities] {
     static DECLARED: std::sync::OnceLock<Vec<Capabilities>> = std::sync::OnceLock::new();
-    DECLARED.get_or_init(|| catalog().into_iter().map(|(c, _)| c).collect())
+    DECLARED.get_or_init(|| kinds().iter().map(|k| k.capabilities()).collect())
 }
 
 /// The declaration of `name` (whether or not it is viable here).
@@ -42,6 +62,15 @@ pub fn declared(name: TransportName) -> Capabilities {
         .find(|c| c.name == name)
         .cloned()
         .unwrap_or_else(crate::tcp::capabilities)
+}
+
+/// The first transport that declares it moves device memory by `path` (to name the way
+/// around a slower path), if any does.
+pub fn taking(path: DevicePath) -> Option<TransportName> {
+    declarations()
+        .iter()
+        .find(|c| c.device_path == path)
+        .map(|c| c.name)
 }
 
 /// How `name`'s bytes travel.
@@ -82,7 +111,6 @@ pub fn start(settings: Settings) -> Vec<std::sync::Arc<dyn crate::transport::Tra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::DevicePath;
     use crate::wire::WireDirection::{Pull, Push};
     use ferry_config::{Direction, Locality, MemoryClass};
 
@@ -96,6 +124,7 @@ mod tests {
                 .collect();
             assert_eq!(found.len(), 1, "{name}");
             assert_eq!(declared(name).name, name);
+            assert_eq!(kind(name).map(|k| k.capabilities().name), Some(name));
             let wire = crate::wire::WireTransport::from(name);
             assert_eq!(TransportName::from(wire), name);
         }
@@ -119,6 +148,8 @@ mod tests {
     fn the_link_transport_travels_on_the_link() {
         assert_eq!(carrier(LINK), Carrier::Link);
         assert_eq!(declared(LINK).device_path, DevicePath::HostCopy);
+        assert_eq!(taking(DevicePath::HostCopy), Some(LINK));
+        assert_eq!(taking(DevicePath::CopyEngine), Some(TransportName::Ipc));
     }
 
     /// The declarations that node-level code acts on without naming a transport agree with

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use ferry_config::TransportName;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Smallest size (suffixes K, M, G are powers of 1024).
@@ -25,9 +27,9 @@ pub struct Args {
     /// Transfers in flight at once (fewer for large sizes, to bound memory).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub(super) window: u64,
-    /// Transport to measure.
-    #[arg(long, default_value = "tcp")]
-    pub(super) transport: String,
+    /// Transport to measure (default: the one whose bytes travel on the control link).
+    #[arg(long, default_value_t = ferry_transports::registry::LINK, value_parser = transport_name())]
+    pub(super) transport: TransportName,
     /// Who moves the bytes: push (the sender writes into memory the receiver lends) or
     /// pull (the receiver reads the sender's memory). Unset: the transport's own (tcp
     /// pushes, ipc pulls). A local bench only: both of its nodes get a rule saying so.
@@ -74,9 +76,9 @@ pub struct Args {
     /// Skip the baseline.
     #[arg(long)]
     pub(super) no_baseline: bool,
-    /// The control link to the local peer: tcp (loopback) or unix.
-    #[arg(long, default_value = "tcp")]
-    pub(super) link: String,
+    /// The control link to the local peer.
+    #[arg(long, value_enum, default_value_t)]
+    pub(super) link: ControlLink,
     /// Join these running bench peers (started with `ferry bench --serve-peer CONFIG`)
     /// instead of starting one; the first is measured.
     #[arg(long, value_delimiter = ',')]
@@ -97,6 +99,37 @@ pub struct Args {
     /// Run as the far end of a bench, with this node configuration.
     #[arg(long, value_name = "CONFIG", hide = true)]
     pub(super) serve_peer: Option<PathBuf>,
+}
+
+/// The control link between the bench and its local peer: the socket, not a transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ControlLink {
+    /// TCP over loopback.
+    #[default]
+    Tcp,
+    /// A Unix socket.
+    Unix,
+}
+
+impl ControlLink {
+    /// How the header names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ControlLink::Tcp => "tcp",
+            ControlLink::Unix => "unix",
+        }
+    }
+}
+
+/// `--transport`: one of the transports this build declares (an unknown name is refused
+/// with the list).
+fn transport_name() -> impl clap::builder::TypedValueParser<Value = TransportName> {
+    use clap::builder::TypedValueParser;
+    let names: Vec<&'static str> = ferry_transports::registry::declarations()
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    clap::builder::PossibleValuesParser::new(names).try_map(|name| name.parse::<TransportName>())
 }
 
 /// Parses 8, 64K, 1M, 1G (powers of 1024), or anything `ferry_config::parse_size` reads.

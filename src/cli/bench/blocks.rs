@@ -242,7 +242,11 @@ async fn measure(
     let elapsed = started.elapsed().as_secs_f64().max(1e-9);
     drop(buffers);
     let report = peer_report(node, peer).await?;
-    if let Some(other) = report.transports.iter().find(|t| **t != args.transport) {
+    if let Some(other) = report
+        .transports
+        .iter()
+        .find(|t| t.as_str() != args.transport.as_str())
+    {
         bail!(
             "the peer received {} transfers over {other}, not {}: the route fell back \
              (RUST_LOG=info says why)",

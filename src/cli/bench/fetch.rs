@@ -346,7 +346,7 @@ async fn measure(
         let after = node.fetch_stats();
         for f in fetched {
             let f = f.with_context(|| format!("a fetch of {size} bytes from {peer} failed"))?;
-            if f.transport.as_str() != args.transport {
+            if f.transport != args.transport {
                 bail!(
                     "a fetch came over {}, not {}: the route fell back (RUST_LOG=info says why)",
                     f.transport,

@@ -3,14 +3,17 @@
 //!
 //! On host memory it starts a peer process (`ferry bench --serve-peer CONFIG`), sends a
 //! size sweep to it through a node of its own, and asks the peer after each size how many
-//! buffers arrived and how many were wrong (`--check`, on by default). The baseline for the
-//! tcp transport is a plain socket between the same two processes moving the same bytes.
+//! buffers arrived and how many were wrong (`--check`, on by default). Both nodes route the
+//! bench's memory over the measured transport (`--transport`, checked against what it
+//! declares it reads). The baseline is picked from the transport's declared device path: a
+//! plain socket between the same two processes moving the same bytes; for an RDMA path, its
+//! library's own read (write) loop between them.
 //!
 //! On device memory (`--memory device`) the measured node uses GPU 0 and the local peer GPU 1
-//! (GPU 0 too on a machine with one), both receiving into device memory; the default route
-//! carries device memory to a same-host peer over ipc (the receiver pulls with its copy
-//! engine). The baseline is `cuMemcpyAsync` between the same two GPUs in this process, with
-//! the same number of copies in flight. Bandwidth is in GB/s (10^9 bytes per second).
+//! (GPU 0 too on a machine with one), both receiving into device memory. The baseline is
+//! `cuMemcpyAsync` between the same two GPUs in this process, with the same number of
+//! copies in flight (for a staging path, the slower of the two pinned copies around it).
+//! Bandwidth is in GB/s (10^9 bytes per second).
 
 mod args;
 mod blocks;
@@ -31,14 +34,16 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use ferry::{Buffer, MemoryClass, MemoryKind, Node};
+use ferry_transports::registry;
+use ferry_transports::transport::{DevicePath, Note, Route};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
 
 pub use args::Args;
-use args::parse_bytes;
 #[cfg(test)]
 use args::sizes;
+use args::{ControlLink, parse_bytes};
 use mode::Mode;
 
 /// Bytes in flight at most, per direction, whatever the window.
@@ -92,24 +97,22 @@ pub fn run(config: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow:
 
 /// Refuses flags this build cannot measure, each with its reason.
 fn check_args(args: &Args) -> anyhow::Result<()> {
-    if !matches!(args.memory.as_str(), "host" | "device") {
-        bail!("--memory {}: host or device", args.memory);
-    }
-    match args.transport.as_str() {
-        "tcp" => {}
-        "ipc" if args.memory == "device" => {}
-        "ipc" => bail!(
-            "--transport ipc reads device memory only (the receiver pulls from the sender's \
-             GPU); add --memory device"
-        ),
-        "staged" => {}
-        "ucx" if args.memory == "host" || ferry_transports::ucx::moves_cuda() => {}
-        "ucx" => bail!(
-            "--transport ucx --memory device: the UCX this process loads does not move \
-             device memory (built without CUDA, or no driver); point FERRY_UCX_LIBRARY at a \
-             UCX built with CUDA (the libucx-cu12/-cu13 wheels carry one), or use --memory host"
-        ),
-        other => bail!("--transport {other}: tcp, ipc, staged or ucx"),
+    let class = memory_class(&args.memory)?;
+    let declared = registry::declared(args.transport);
+    if !declared.sources.contains(&class) {
+        let t = args.transport;
+        let reads: Vec<&str> = declared.sources.iter().map(|m| m.as_str()).collect();
+        if class == MemoryClass::Host {
+            bail!(
+                "--transport {t} reads {} memory only here; add --memory device",
+                reads.join("/")
+            );
+        }
+        bail!(
+            "--transport {t} --memory {class}: {t} does not move {class} memory here (it reads \
+             {} memory); `ferry doctor` says why, or use --memory host",
+            reads.join("/")
+        );
     }
     if let Some(n) = args.fetchers {
         fetch::check_args(args, n)?;
@@ -146,6 +149,15 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--memory`: host or device.
+fn memory_class(memory: &str) -> anyhow::Result<MemoryClass> {
+    match memory {
+        "host" => Ok(MemoryClass::Host),
+        "device" => Ok(MemoryClass::Device),
+        other => bail!("--memory {other}: host or device"),
+    }
 }
 
 /// `--layout`: `None` for contiguous, else the row and the pitch of `strided:ROW:PITCH`.
@@ -194,30 +206,31 @@ fn layout_for(args: &Args, size: u64) -> anyhow::Result<(ferry::Layout, u64)> {
     }
 }
 
-/// The rules both nodes of a local bench take for `--direction`, and for the staged
-/// transport (which no default rule picks for a peer the others reach): the bench's memory
-/// over the measured transport, in that direction; anything else (the bench's own
-/// host-memory messages, unless the bench's memory is host memory) over tcp.
-fn direction_rule(args: &Args) -> String {
-    if args.direction.is_none() && args.transport != "staged" && args.transport != "ucx" {
-        return String::new();
-    }
-    // Both nodes serve ucx for a ucx bench, whatever the machine (over tcp without RDMA).
-    let ucx = if args.transport == "ucx" {
-        "\n[transport.ucx]\nenabled = \"on\"\n"
-    } else {
-        ""
-    };
+/// The rules both nodes of a local bench take: the bench's memory over the measured
+/// transport, in `--direction` (else the transport's own); anything else (the bench's own
+/// host-memory messages, unless the bench's memory is host memory) over the link's
+/// transport. An opt-in transport is turned on at both, whatever the machine (ucx: over
+/// tcp without RDMA).
+fn bench_rules(args: &Args) -> String {
     let direction = args
         .direction
         .as_ref()
         .map(|d| format!("direction = \"{d}\"\n"))
         .unwrap_or_default();
-    format!(
+    let mut text = format!(
         "\n[[transport.rules]]\nname = \"bench\"\nsrc = [\"{}\"]\ntransports = [\"{}\"]\n\
-         {direction}\n[[transport.rules]]\nname = \"host\"\ntransports = [\"tcp\"]\n{ucx}",
-        args.memory, args.transport
-    )
+         {direction}\n[[transport.rules]]\nname = \"host\"\ntransports = [\"{}\"]\n",
+        args.memory,
+        args.transport,
+        registry::LINK
+    );
+    let settings = registry::kind(args.transport).map_or(&[][..], |k| k.turned_on());
+    for (key, value) in settings {
+        if let Some((section, key)) = key.rsplit_once('.') {
+            text.push_str(&format!("\n[{section}]\n{key} = {value}\n"));
+        }
+    }
+    text
 }
 
 /// The GPUs of a device-memory bench: the measured node's and the local peer's.
@@ -271,24 +284,16 @@ enum Baseline {
     /// The staged transport's limit: the slower of a raw copy from our GPU into pinned
     /// host memory and one from pinned host memory into theirs, in this process.
     Staging(GpuPair),
-    /// UCX's own read loop from the peer's registered host buffer (the ucx transport).
-    Ucx(Arc<ucx_raw::Reader>),
+    /// For a transport whose device path is RDMA: its library's own read (or write) loop
+    /// on the peer's registered buffer, through ferry's engine but none of its protocol.
+    RdmaEngine(Arc<ucx_raw::Reader>),
 }
 
 impl Baseline {
     fn label(&self, bidir: bool) -> String {
         match self {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
-            Baseline::Ucx(reader) if reader.push => {
-                "UCX's own ucp_put + flush loop between the same two processes (ferry's \
-                 engine, none of its protocol), the same memory"
-                    .into()
-            }
-            Baseline::Ucx(_) => {
-                "UCX's own ucp_get loop between the same two processes (ferry's engine, none \
-                 of its protocol), the same memory"
-                    .into()
-            }
+            Baseline::RdmaEngine(reader) => reader.label().into(),
             Baseline::Copy(g) => format!(
                 "raw cuMemcpyAsync GPU{} -> GPU{} in one process{}",
                 g.ours,
@@ -356,7 +361,10 @@ async fn start_local(
         .map(|_| format!("{:016x}", rand::random::<u64>()))
         .collect();
     super::write_secret_file(&secret, &key).context("cannot write the bench secret")?;
-    let unix = args.link == "unix";
+    let unix = args.link == ControlLink::Unix;
+    let declared = registry::declared(args.transport);
+    // The library's own loop is the baseline of an RDMA path: the peer registers a buffer.
+    let engine_baseline = declared.device_path == DevicePath::Rdma && !args.no_baseline;
     let peer_cfg = dir.path().join("peer.toml");
     // The peer shares the terminal with the bench's table: warnings and up (RUST_LOG, which
     // it inherits, still overrides).
@@ -373,7 +381,7 @@ async fn start_local(
     if let Some(g) = gpus {
         text.push_str(&gpu_table(g.theirs));
     }
-    text.push_str(&direction_rule(args));
+    text.push_str(&bench_rules(args));
     std::fs::write(&peer_cfg, &text).context("cannot write the peer config")?;
     let exe = std::env::current_exe().context("cannot find the ferry binary")?;
     let mut child = Command::new(exe)
@@ -383,7 +391,7 @@ async fn start_local(
         .arg(&peer_cfg)
         .args(args.no_check.then_some("--no-check"))
         .envs(
-            (args.transport == "ucx" && !args.no_baseline)
+            engine_baseline
                 .then(|| ucx_raw::peer_env(args.max, gpus.map(|g| g.theirs)))
                 .into_iter()
                 .flatten(),
@@ -426,7 +434,7 @@ async fn start_local(
             .find_map(|w| w.strip_prefix(&format!("{name}=")))
             .map(str::to_string)
     };
-    let (Some(tcp), Some(baseline)) = (field("tcp"), field("baseline")) else {
+    let (Some(listen), Some(baseline)) = (field(peer::LISTEN_FIELD), field("baseline")) else {
         let _ = child.kill();
         bail!("the bench peer did not start: {line:?}");
     };
@@ -434,7 +442,7 @@ async fn start_local(
     let address = if unix {
         format!("unix:{}/bench-peer.sock", local.dir.path().display())
     } else {
-        tcp.split(',').next().unwrap_or_default().to_string()
+        listen.split(',').next().unwrap_or_default().to_string()
     };
     text = format!(
         "[node]\nname = \"bench\"\nlisten = [\"127.0.0.1:0\"]\n\n[[peers]]\nname = \"bench-peer\"\n\
@@ -444,11 +452,11 @@ async fn start_local(
     if let Some(g) = gpus {
         text.push_str(&gpu_table(g.ours));
     }
-    text.push_str(&direction_rule(args));
+    text.push_str(&bench_rules(args));
     let bench_cfg = local.dir.path().join("bench.toml");
     std::fs::write(&bench_cfg, &text).context("cannot write the bench config")?;
     let node = Node::start(bench_config(&bench_cfg, overrides)?).await?;
-    let ucx = match field("ucx") {
+    let engine = match field(ucx_raw::FIELD) {
         Some(f) => Some(Arc::new(ucx_raw::Reader::connect(
             node.config(),
             &f,
@@ -459,9 +467,11 @@ async fn start_local(
     };
     let target = Target {
         name: "bench-peer".into(),
-        baseline: Some(match (gpus, ucx) {
-            (_, Some(reader)) => Baseline::Ucx(reader),
-            (Some(g), None) if args.transport == "staged" => Baseline::Staging(g),
+        baseline: Some(match (gpus, engine) {
+            (_, Some(reader)) => Baseline::RdmaEngine(reader),
+            (Some(g), None) if declared.device_path == DevicePath::PinnedStaging => {
+                Baseline::Staging(g)
+            }
             (Some(g), None) => Baseline::Copy(g),
             (None, None) => Baseline::Socket(baseline),
         }),
@@ -514,10 +524,10 @@ async fn orchestrate(
     let mode = Mode::of(&args)?;
     let most = mode.largest(&args);
     let explanation = node.explain(&target.name, most, class, class).await?;
-    let chosen = explanation.chosen.as_ref().map(|r| r.transport.as_str());
+    let chosen = explanation.chosen.as_ref().map(|r| r.transport);
     let direction = explanation.chosen.as_ref().map(|r| r.direction.to_string());
     if let Some(wanted) = &args.direction
-        && chosen == Some(args.transport.as_str())
+        && chosen == Some(args.transport)
         && direction.as_ref() != Some(wanted)
     {
         bail!(
@@ -526,7 +536,7 @@ async fn orchestrate(
             direction.unwrap_or_default()
         );
     }
-    if chosen != Some(args.transport.as_str()) {
+    if chosen != Some(args.transport) {
         bail!(
             "--transport {}: ferry would carry {} of {} memory to {} over {}, so the bench \
              would not measure {}; the route: {explanation}",
@@ -534,7 +544,7 @@ async fn orchestrate(
             ferry_config::format_size(most),
             args.memory,
             target.name,
-            chosen.unwrap_or("nothing"),
+            chosen.map_or("nothing", |t| t.as_str()),
             args.transport,
         );
     }
@@ -545,9 +555,9 @@ async fn orchestrate(
         mode: mode.name().into(),
         layout: args.layout.clone(),
         pingpong: args.pingpong,
-        transport: args.transport.clone(),
+        transport: args.transport.to_string(),
         memory: args.memory.clone(),
-        link: args.link.clone(),
+        link: args.link.name().into(),
         bidir: args.bidir,
         iters: args.iters,
         warmup: args.warmup,
@@ -556,23 +566,22 @@ async fn orchestrate(
         latency: mode.latency_label(&args),
     };
     mode.print_header(&header);
-    if args.transport == "staged" {
-        let device = match target.memory {
-            MemoryKind::Device(n) => ferry::cuda::Device::open(n as usize).ok(),
-            _ => None,
-        };
-        let chunk = match node.config().transport.staged.chunk {
-            ferry_config::AutoSize::Auto => format!(
-                "auto = {}",
-                ferry_config::format_size(ferry::staged_auto_chunk(device.as_ref()) as u64)
-            ),
-            size => size.to_string(),
-        };
-        println!(
-            "# staged: {} slots of {chunk}, shared memory {}",
-            node.config().transport.staged.slots,
-            node.config().transport.staged.shared_memory
-        );
+    // What the measured transport says of this route: its library, its settings.
+    let route = Route {
+        locality: explanation.query.locality,
+        src: class,
+        landing: explanation.chosen.as_ref().map_or(class, |r| r.landing),
+        chosen: true,
+        rdma_device: ferry_actors::node::has_rdma_device(),
+    };
+    let notes =
+        registry::kind(args.transport).map_or_else(Vec::new, |k| k.notes(node.config(), &route));
+    for note in notes {
+        match note {
+            Note::Fact { label, text, .. } => println!("# {label}: {text}"),
+            Note::Warning(text) => println!("# warning: {text}"),
+            _ => {}
+        }
     }
     if matches!(target.memory, MemoryKind::Device(_)) && !args.no_check {
         println!(

@@ -60,7 +60,7 @@ impl Mode {
     pub fn latency_label(self, args: &Args) -> String {
         match self {
             Mode::Sweep | Mode::Blocks(_) => {
-                sweep::latency_label(&args.transport, args.direction.as_deref(), args.pingpong)
+                sweep::latency_label(args.transport, args.direction.as_deref(), args.pingpong)
             }
             Mode::Fetchers(n) => fetch::latency_label(n),
         }

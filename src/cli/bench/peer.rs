@@ -51,6 +51,10 @@ pub const RAW_SINK: u8 = b'S';
 /// The server streams messages to the client.
 pub const RAW_EMIT: u8 = b'E';
 
+/// The ready line's field that lists the peer's TCP listening addresses (the socket
+/// protocol its control link runs over, not a transport), comma-separated.
+pub const LISTEN_FIELD: &str = "tcp";
+
 /// How often the server looks for clients whose link went down, to forget what they sent.
 const DEPARTURES_EVERY: Duration = Duration::from_secs(1);
 
@@ -68,13 +72,14 @@ pub async fn serve(config: ferry::Config, check: bool) -> anyhow::Result<()> {
         .context("cannot bind the baseline socket")?;
     let raw_addr = raw.local_addr()?;
     tokio::spawn(raw_server(raw));
-    // Kept for the process's life: the ucx baseline's engine and registered buffer.
-    let ucx = super::ucx_raw::serve(&node).await?;
+    // Kept for the process's life: the engine baseline's engine and registered buffer.
+    let engine = super::ucx_raw::serve(&node).await?;
     println!(
-        "ferry bench peer: ready node={} tcp={} baseline={raw_addr}{}",
+        "ferry bench peer: ready node={} {LISTEN_FIELD}={} baseline={raw_addr}{}",
         node.name(),
         node.tcp_addrs().join(","),
-        ucx.as_ref()
+        engine
+            .as_ref()
             .map(|u| format!(" {}", u.field))
             .unwrap_or_default()
     );

@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use ferry::{Buffer, Node};
+use ferry::{Buffer, Direction, Node, TransportName};
+use ferry_transports::transport::DevicePath;
 use hdrhistogram::Histogram;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -54,13 +55,15 @@ pub async fn run(
 }
 
 /// What the latency columns measure, for the header.
-pub fn latency_label(transport: &str, direction: Option<&str>, pingpong: bool) -> String {
-    let what = match (transport, direction) {
-        ("ipc", Some("push")) => {
+pub fn latency_label(transport: TransportName, direction: Option<&str>, pingpong: bool) -> String {
+    let declared = ferry_transports::registry::declared(transport);
+    let wanted = direction.and_then(|d| d.parse::<Direction>().ok());
+    let what = match (declared.device_path, declared.direction_for(wanted)) {
+        (DevicePath::CopyEngine, Some(Direction::Push)) => {
             "send() called until the peer's Done: it lent a buffer, our copy engine wrote \
              the bytes into it, and it took them (grant, copy, Written, Done)"
         }
-        ("ipc", _) => {
+        (DevicePath::CopyEngine, _) => {
             "send() called until the peer's Done: it imported our buffer and its copy engine \
              pulled the bytes (one pull round trip)"
         }
@@ -114,7 +117,7 @@ async fn receive_returns(
     peer: &str,
     count: u64,
     check: bool,
-    transport: &str,
+    transport: TransportName,
 ) -> anyhow::Result<u64> {
     let mut wrong = 0;
     let mut expected = None;
@@ -125,7 +128,7 @@ async fn receive_returns(
         )
         .await
         .context("the peer stopped sending")??;
-        if r.transport.as_str() != transport {
+        if r.transport != transport {
             bail!(
                 "a buffer the peer sent back came over {}, not {transport}: that route fell \
                  back (RUST_LOG=info says why)",
@@ -171,7 +174,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
                 args.iters,
                 Some(&mut hist)
             ),
-            receive_returns(node, peer, args.iters, check, &args.transport),
+            receive_returns(node, peer, args.iters, check, args.transport),
         );
         sent?;
         wrong += back?;
@@ -199,7 +202,11 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         let expected = warmup + args.iters;
         wrong += report.wrong + expected.saturating_sub(report.received);
     }
-    if let Some(other) = report.transports.iter().find(|t| **t != args.transport) {
+    if let Some(other) = report
+        .transports
+        .iter()
+        .find(|t| t.as_str() != args.transport.as_str())
+    {
         bail!(
             "the peer received {} buffers over {other}, not {}: the route fell back \
              (RUST_LOG=info says why)",
@@ -211,7 +218,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
         }
-        (Some(Baseline::Ucx(reader)), false) => Some(
+        (Some(Baseline::RdmaEngine(reader)), false) => Some(
             reader
                 .measure(node, size, args.iters, warmup, window)
                 .await?,
@@ -305,7 +312,7 @@ pub async fn measure_return(
     let started = Instant::now();
     let ask = [size, iters, window, target.send_memory()];
     request(node, peer, peer::TAG_SEND, &ask).await?;
-    receive_returns(node, peer, iters, false, &args.transport).await?;
+    receive_returns(node, peer, iters, false, args.transport).await?;
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9)
 }
 

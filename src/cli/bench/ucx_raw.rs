@@ -15,6 +15,9 @@ use ferry_transports::ucx::{Engine, Exported, UcxPeer};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
+/// The ready line's field that describes the peer's registered buffer (`ucx=...`).
+pub const FIELD: &str = "ucx";
+
 /// The environment variable through which the bench tells its peer how large a buffer to
 /// register for the baseline.
 pub const BYTES_ENV: &str = "FERRY_BENCH_UCX_BYTES";
@@ -72,7 +75,7 @@ pub async fn serve(node: &Node) -> anyhow::Result<Option<Served>> {
         .context("registering the baseline buffer")?;
     let source = exported.source();
     let field = format!(
-        "ucx={}/{}/{:x}",
+        "{FIELD}={}/{}/{:x}",
         hex(&engine.address()),
         hex(&source.rkey),
         source.address
@@ -123,6 +126,17 @@ impl Reader {
             gpu,
             push,
         })
+    }
+
+    /// The baseline in words, for the header.
+    pub fn label(&self) -> &'static str {
+        if self.push {
+            "UCX's own ucp_put + flush loop between the same two processes (ferry's engine, \
+             none of its protocol), the same memory"
+        } else {
+            "UCX's own ucp_get loop between the same two processes (ferry's engine, none of \
+             its protocol), the same memory"
+        }
     }
 
     /// GB/s of `iters` reads of `size` bytes with up to `window` in flight, after `warmup`.

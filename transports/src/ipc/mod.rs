@@ -10,6 +10,7 @@ mod error;
 mod export;
 pub mod handle_cache;
 mod imports;
+mod kind;
 pub mod lane;
 mod peer;
 mod pull;
@@ -24,6 +25,7 @@ pub use imports::{
     EXPRESS_PULL_MAX, IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, LEGACY_CACHE_CAPACITY,
     LEGACY_REGISTRATIONS_MAX, SharedImports, Unmapped, import_pools, is_mapped,
 };
+pub use kind::IpcKind;
 pub use peer::IpcTransport;
 pub use pull::{QueuedPull, TakeEvent, pull, queue_pull, queue_pulls};
 pub use push::push;

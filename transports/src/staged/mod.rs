@@ -28,10 +28,12 @@ use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 use crate::link::ring::{Ring, RingError};
 use crate::transport::Capabilities;
 
+mod kind;
 mod peer;
 mod threads;
 mod wire;
 
+pub use kind::StagedKind;
 pub use peer::{RING_PATIENCE, StagedTransport};
 pub use threads::StagedSettings;
 pub use wire::StagedMessage;

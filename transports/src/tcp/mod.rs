@@ -12,6 +12,10 @@
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
+mod kind;
+
+pub use kind::TcpKind;
+
 use crate::region::RegionKey;
 use crate::transport::EagerTerms;
 

@@ -8,6 +8,8 @@ mod descriptor;
 mod eager;
 mod env;
 mod fast_path;
+mod finding;
+mod kind;
 mod node;
 mod peer;
 pub mod setup;
@@ -16,6 +18,8 @@ pub use descriptor::{Announce, Descriptor, DescriptorError, TransportMessage, de
 pub use eager::{EagerGate, EagerTerms};
 pub use env::{Deliveries, ReceiveMemory};
 pub use fast_path::{FastPath, FastPathError, FastPathFailure};
+pub use finding::{Finding, Status};
+pub use kind::{Note, Route, TransportKind};
 pub use node::Transport;
 pub use peer::{
     Admission, Attached, Exported, Exporting, Lend, LentMemory, Moving, PartEvent, PeerEnv,
