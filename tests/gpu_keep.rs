@@ -133,7 +133,8 @@ fn device_memory_kept_or_freed_goes_back_to_the_gpu_after_keep_idle() {
 async fn pair(scratch: &Scratch) -> (Node, Served) {
     let dir: PathBuf = scratch.path().join("sockets");
     let extra = format!(
-        "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\nkeep_idle = \"{}ms\"\n",
+        "[gpu]\ndevices = [0]\n[memory]\nreceive_into = \"device\"\nkeep_idle = \"{}ms\"\n\
+         [telemetry]\nmetrics_listen = \"127.0.0.1:0\"\n",
         IDLE.as_millis()
     );
     let text = |name: &str, peer: &str| {
@@ -171,7 +172,7 @@ fn a_burst_of_device_transfers_gives_the_gpu_its_memory_back_after_keep_idle() {
 /// A burst of device sends from `a` to `b`; then GPU 0's free memory comes back.
 async fn device_burst() {
     let scratch = Scratch::new();
-    let (a, _b) = pair(&scratch).await;
+    let (a, b) = pair(&scratch).await;
     let device = ferry::cuda::Device::open(0).expect("GPU 0");
     let free = || device.memory_info().expect("cuMemGetInfo").0;
     const LEN: usize = 8 << 20;
@@ -206,6 +207,20 @@ async fn device_burst() {
         before / MIB,
         lowest / MIB,
         after / MIB
+    );
+    // Where memory still is, if it is: each node's device domain (a's stats, b's metrics).
+    let stats = a.memory(MemoryKind::Device(0)).await;
+    let at_b = |what: &str| {
+        common::metric(
+            &b.metrics_addr(),
+            &format!("ferry_memory_{what}_bytes{{domain=\"device0\"}}"),
+        )
+    };
+    println!(
+        "a: {stats:?}; b: granted {:?}, exported {:?}, kept {:?}",
+        at_b("granted"),
+        at_b("exported"),
+        at_b("kept")
     );
     assert!(
         back,

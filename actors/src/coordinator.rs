@@ -85,6 +85,9 @@ pub struct Handover {
     pub what: Handed,
     /// Where its outcome goes.
     pub reply: tokio::sync::oneshot::Sender<Result<Buffer, SendError>>,
+    /// Held until its outcome: while a message to the peer is with the coordinator, the
+    /// peer's later sends come this way too (they could pass it otherwise).
+    pub unanswered: Option<crate::order::ViaCoordinator>,
 }
 
 /// The sending end of the coordinator's hand-overs: bounded by the node's credits.
@@ -96,6 +99,7 @@ pub type Handovers = futures::channel::mpsc::Sender<Handover>;
 pub async fn hand_over(
     handovers: &Handovers,
     what: Handed,
+    unanswered: Option<crate::order::ViaCoordinator>,
 ) -> futures::future::BoxFuture<'static, Result<Buffer, SendError>> {
     let stopped = |buffer| SendError {
         error: Error::ShuttingDown,
@@ -107,14 +111,19 @@ pub async fn hand_over(
         Handed::Send(m) => m.buffer,
         Handed::Put(m) => m.buffer,
     };
+    let handover = Handover {
+        what,
+        reply,
+        unanswered,
+    };
     if futures::future::poll_fn(|cx| tx.poll_ready(cx))
         .await
         .is_err()
     {
-        let failed = Err(stopped(Some(buffer_of(Handover { what, reply }))));
+        let failed = Err(stopped(Some(buffer_of(handover))));
         return Box::pin(std::future::ready(failed));
     }
-    if let Err(e) = tx.try_send(Handover { what, reply }) {
+    if let Err(e) = tx.try_send(handover) {
         let failed = Err(stopped(Some(buffer_of(e.into_inner()))));
         return Box::pin(std::future::ready(failed));
     }
@@ -122,12 +131,18 @@ pub async fn hand_over(
 }
 
 impl StreamHandler<Handover> for Coordinator {
-    fn handle(&mut self, Handover { what, reply }: Handover, ctx: &mut Self::Context) {
+    fn handle(&mut self, handover: Handover, ctx: &mut Self::Context) {
+        let Handover {
+            what,
+            reply,
+            unanswered,
+        } = handover;
         let routed = match what {
             Handed::Send(m) => <Self as Handler<SendTo>>::handle(self, m, ctx),
             Handed::Put(m) => <Self as Handler<PutTo>>::handle(self, m, ctx),
         };
         ctx.spawn(routed.into_actor(self).map(move |outcome, _, _| {
+            drop(unanswered);
             let _ = reply.send(outcome);
         }));
     }

@@ -429,7 +429,7 @@ impl Node {
         &self,
         peer: &str,
         tag: u64,
-        buffer: Buffer,
+        mut buffer: Buffer,
         layout: Layout,
         deadline: Instant,
     ) -> Result<Buffer, SendError> {
@@ -452,14 +452,22 @@ impl Node {
                 .order(peer)
                 .try_lane(ferry_transports::ipc::lane::LANE_SLOTS as usize)
         {
-            return lane
-                .path
-                .send(tag, buffer, deadline, Box::new(turn))
-                .await
-                .map_err(|e| SendError {
-                    error: Error::from_fast_path(peer, e.failure),
-                    buffer: e.buffer,
-                });
+            let fail = |e: ferry_transports::transport::FastPathError| SendError {
+                error: Error::from_fast_path(peer, e.failure),
+                buffer: e.buffer,
+            };
+            // Published now (then it runs to its end), or not at all: a full path gives the
+            // buffer back, and it goes the slow way behind the sends already on the path.
+            match lane.path.send(tag, buffer, deadline, Box::new(turn)) {
+                Ok(answer) => return answer.await.map_err(fail),
+                Err(e) if e.failure == ferry_transports::transport::FastPathFailure::Full => {
+                    match e.buffer {
+                        Some(b) => buffer = b,
+                        None => return Err(fail(e)),
+                    }
+                }
+                Err(e) => return Err(fail(e)),
+            }
         }
         // The peer's routes, when its link is up: the send goes to its transfer actor
         // without the coordinator's mailbox.
@@ -469,6 +477,7 @@ impl Node {
             Some((d.submissions.clone(), d.peer_class, routed))
         });
         // The layout moves into whichever message is made.
+        let to = peer.to_string();
         let make = move |buffer, may_go_direct: bool| match direct.filter(|_| may_go_direct) {
             Some((submissions, peer_class, routed)) => {
                 crate::coordinator::count_failovers(&routed);
@@ -490,7 +499,7 @@ impl Node {
                 Via::Actor(submissions, submit)
             }
             None => Via::Coordinator(crate::coordinator::Handed::Send(SendTo {
-                peer: peer.to_string(),
+                peer: to,
                 tag,
                 buffer,
                 layout,
@@ -531,47 +540,34 @@ impl Node {
         peer: &str,
         deadline: Instant,
         buffer: Buffer,
-        make: impl FnOnce(Buffer, bool) -> Via,
+        make: impl FnOnce(Buffer, bool) -> Via + Send + 'static,
     ) -> Result<Buffer, SendError> {
-        // The turn has a deadline too: a send queued behind one that waits long for credit
-        // fails at its own deadline (dropped, its ticket is skipped).
-        let order = self.order(peer);
-        let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), order.slow()).await else {
-            return Err(SendError {
-                error: Error::DeadlineExceeded,
-                buffer: Some(buffer),
-            });
+        let commit = commit(
+            self.order(peer),
+            self.credits(peer),
+            self.handovers.clone(),
+            peer.to_string(),
+            (deadline, buffer, make),
+        );
+        let mut commit = Box::pin(commit);
+        // Most sends are handed over in their first poll, here. One that must wait first
+        // (for its turn, the peer's credit, room in the channel) waits in a task of the
+        // node's: once polled, a send runs to its end whether or not this future is polled
+        // again.
+        let committed = match futures::poll!(commit.as_mut()) {
+            std::task::Poll::Ready(committed) => committed,
+            std::task::Poll::Pending => match &self.io {
+                Some(io) => io.spawn(commit).await.unwrap_or_else(|_| {
+                    Err(SendError {
+                        error: Error::ShuttingDown,
+                        buffer: None,
+                    })
+                }),
+                None => commit.await,
+            },
         };
-        let _permit = match self.credit(peer, deadline).await {
-            Ok(p) => p,
-            Err(error) => {
-                return Err(SendError {
-                    error,
-                    buffer: Some(buffer),
-                });
-            }
-        };
-        // Handed over before the next send to the peer may hand over its own (the turn
-        // passes once it is in the channel), over a channel the receiving actor reads: once
-        // handed over, it runs to its end whether or not this future is still polled.
-        match make(buffer, order.coordinator_idle()) {
-            Via::Actor(submissions, submit) => {
-                let handed = crate::peer::hand_over(&submissions, submit, peer).await;
-                turn.pass();
-                handed.await
-            }
-            Via::Coordinator(message) => {
-                let _unanswered = order.via_coordinator();
-                let handed = crate::coordinator::hand_over(&self.handovers, message).await;
-                turn.pass();
-                handed.await
-            }
-        }
-    }
-
-    /// Waits until `peer` may take one more transfer, put or fetch, until `deadline`.
-    async fn credit(&self, peer: &str, deadline: Instant) -> Result<OwnedSemaphorePermit, Error> {
-        acquire(self.credits(peer), deadline).await
+        let (outcome, _permit) = committed?;
+        outcome.await
     }
 
     /// `peer`'s credit: the sends, puts and fetches it may have outstanding.
@@ -632,14 +628,16 @@ impl Node {
         buffer: Buffer,
     ) -> Result<Buffer, SendError> {
         let deadline = self.default_deadline();
-        let message = |buffer| PutTo {
-            peer: peer.to_string(),
+        let to = peer.to_string();
+        let message = move |buffer| PutTo {
+            peer: to,
             key,
             offset,
             buffer,
             deadline,
         };
-        let make = |buffer, _| Via::Coordinator(crate::coordinator::Handed::Put(message(buffer)));
+        let make =
+            move |buffer, _| Via::Coordinator(crate::coordinator::Handed::Put(message(buffer)));
         self.with_credit(peer, deadline, buffer, make).await
     }
 
@@ -1037,6 +1035,54 @@ async fn acquire(
         Ok(Err(_)) => Err(Error::ShuttingDown),
         Err(_) => Err(Error::DeadlineExceeded),
     }
+}
+
+/// A send's way into its peer's actor (or the coordinator): its turn in the peer's order,
+/// one of the peer's credits, then the hand-over, after which it runs to its end. Resolves
+/// with the future of its outcome and the credit it holds (the turn passes at the
+/// hand-over). The turn has a deadline too: a send queued behind one that waits long for
+/// credit fails at its own deadline (its ticket is skipped).
+async fn commit(
+    order: Arc<crate::order::Order>,
+    credits: Arc<Semaphore>,
+    handovers: crate::coordinator::Handovers,
+    peer: String,
+    (deadline, buffer, make): (Instant, Buffer, impl FnOnce(Buffer, bool) -> Via),
+) -> Result<
+    (
+        futures::future::BoxFuture<'static, Result<Buffer, SendError>>,
+        OwnedSemaphorePermit,
+    ),
+    SendError,
+> {
+    let Ok(mut turn) = tokio::time::timeout_at(deadline.into(), order.slow()).await else {
+        return Err(SendError {
+            error: Error::DeadlineExceeded,
+            buffer: Some(buffer),
+        });
+    };
+    let permit = match acquire(credits, deadline).await {
+        Ok(p) => p,
+        Err(error) => {
+            return Err(SendError {
+                error,
+                buffer: Some(buffer),
+            });
+        }
+    };
+    // Handed over before the next send to the peer may hand over its own (the turn passes
+    // once it is in the channel), over a channel the receiving actor reads.
+    let handed = match make(buffer, order.coordinator_idle()) {
+        Via::Actor(submissions, submit) => {
+            crate::peer::hand_over(&submissions, submit, &peer).await
+        }
+        Via::Coordinator(message) => {
+            let unanswered = Some(order.via_coordinator());
+            crate::coordinator::hand_over(&handovers, message, unanswered).await
+        }
+    };
+    turn.pass();
+    Ok((handed, permit))
 }
 
 /// What the accept loop needs besides the listener: shared by every listener of a node.

@@ -12,20 +12,25 @@ pub trait FastPath: Send + Sync + std::fmt::Debug {
     /// checks that the rules route such a send over the transport.
     fn fits(&self, buffer: &Buffer) -> bool;
 
-    /// Sends `buffer` under `tag`; resolves once the peer's inbox holds it. `turn` (the
-    /// send's place in the peer's order) is held until the peer finished with the buffer,
-    /// also when the caller stops waiting, so that no later send can pass it.
+    /// Sends `buffer` under `tag` now, or not at all: once this returns `Ok`, the send is
+    /// the peer's to finish whether or not the returned future (its answer, which resolves
+    /// once the peer's inbox holds it) is polled. `turn` (the send's place in the peer's
+    /// order) is held until the peer finished with the buffer, so that no later send can
+    /// pass it. Nothing waits here.
     ///
     /// # Errors
-    /// Why it did not arrive, with the buffer when it comes back (not after a deadline:
-    /// the peer may still read it).
+    /// [`FastPathFailure::Full`] with the buffer when the path has no room now (send it
+    /// the other way); else why it cannot go. From the answer: why it did not arrive,
+    /// with the buffer when it comes back (not after a deadline: the peer may still read
+    /// it).
+    #[allow(clippy::type_complexity)]
     fn send(
         &self,
         tag: u64,
         buffer: Buffer,
         deadline: Instant,
         turn: Box<dyn Send>,
-    ) -> futures::future::BoxFuture<'_, Result<Buffer, FastPathError>>;
+    ) -> Result<futures::future::BoxFuture<'_, Result<Buffer, FastPathError>>, FastPathError>;
 
     /// The session with the peer ended: no more sends; those the peer has not finished
     /// fail.
@@ -48,6 +53,9 @@ pub enum FastPathFailure {
     /// The buffer cannot go this way (it cannot be exported, say).
     #[error("{0}")]
     Unsupported(String),
+    /// The path has no room now (every slot of its ring is in use).
+    #[error("the fast path is full")]
+    Full,
     /// The deadline passed first.
     #[error("deadline exceeded")]
     DeadlineExceeded,

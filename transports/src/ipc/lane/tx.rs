@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::oneshot;
 
 use super::{LaneSettings, PARK};
 use crate::ipc::LaneRecord;
@@ -45,8 +45,6 @@ pub struct LaneTx {
     ring: Arc<Ring>,
     settings: LaneSettings,
     state: Mutex<TxState>,
-    /// A slot was freed, or the lane closed.
-    space: Notify,
     unmapper: Arc<dyn Unmapper>,
     stop: AtomicBool,
 }
@@ -74,7 +72,6 @@ impl LaneTx {
             ring,
             settings,
             state: Mutex::default(),
-            space: Notify::new(),
             unmapper,
             stop: AtomicBool::new(false),
         });
@@ -98,25 +95,31 @@ impl LaneTx {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends `buffer` under `tag`; resolves once the peer's inbox holds it (the receiver
-    /// wakes the application after it finished the record).
+    /// Publishes `buffer`'s record under `tag` now, when the ring has a free slot: from
+    /// then on the send is the peer's to finish, whether or not the returned future (its
+    /// answer: resolves once the peer's inbox holds it, the receiver waking the
+    /// application after it finished the record) is polled. Nothing waits here.
     ///
     /// # Errors
-    /// `DeadlineExceeded` (without the buffer: the peer may still read it), `PeerLost`
-    /// when the lane closed first, the peer's reason when it could not take the buffer.
-    pub async fn send(
+    /// `Full` (the buffer back) when every slot is in use; `Unsupported` when the buffer
+    /// cannot be exported; `PeerLost` when the lane closed. From the answer:
+    /// `DeadlineExceeded` (without the buffer: the peer may still read it), `PeerLost` when
+    /// the lane closed first, the peer's reason when it could not take the buffer.
+    #[allow(clippy::type_complexity)]
+    pub fn send_now(
         &self,
         tag: u64,
         buffer: Buffer,
         deadline: Instant,
         turn: Box<dyn Send>,
-    ) -> Result<Buffer, FastPathError> {
-        let fail = |failure, buffer| Err(FastPathError { failure, buffer });
+    ) -> Result<futures::future::BoxFuture<'_, Result<Buffer, FastPathError>>, FastPathError> {
+        let failed = |failure, buffer| FastPathError { failure, buffer };
         let started = Instant::now();
         let source = match crate::ipc::export_source(&buffer, false) {
             Ok(s) => s,
             Err(why) => {
-                return fail(FastPathFailure::Unsupported(why.to_string()), Some(buffer));
+                let why = FastPathFailure::Unsupported(why.to_string());
+                return Err(failed(why, Some(buffer)));
             }
         };
         let record = LaneRecord {
@@ -127,59 +130,52 @@ impl LaneTx {
         let record = match record.encode() {
             Ok(r) => r,
             Err(why) => {
-                return fail(FastPathFailure::Unsupported(why.to_string()), Some(buffer));
+                let why = FastPathFailure::Unsupported(why.to_string());
+                return Err(failed(why, Some(buffer)));
             }
         };
-        buffer.note_mapped(Arc::clone(&self.unmapper));
-        let deadline = tokio::time::Instant::from_std(deadline);
-        let mut buffer = Some(buffer);
-        let (done, alone) = loop {
-            let space = self.space.notified();
-            tokio::pin!(space);
-            space.as_mut().enable();
-            {
-                let mut s = self.state();
-                if let Some(why) = &s.closed {
-                    let error = self.lost(why);
-                    drop(s);
-                    return fail(error, buffer);
-                }
-                if s.next - s.reaped < u64::from(self.ring.slots()) {
-                    let seq = s.next;
-                    if let Err(e) = self.ring.publish(seq, s.reaped, &record) {
-                        drop(s);
-                        return fail(self.lost(&e.to_string()), buffer);
-                    }
-                    s.next += 1;
-                    let (done, wait) = oneshot::channel();
-                    let Some(buffer) = buffer.take() else {
-                        return fail(FastPathFailure::ShuttingDown, None);
-                    };
-                    s.waiting.push_back(Waiter {
-                        seq,
-                        buffer,
-                        done,
-                        _turn: turn,
-                    });
-                    break (wait, s.waiting.len() == 1);
-                }
+        let (done, alone) = {
+            let mut s = self.state();
+            if let Some(why) = &s.closed {
+                let error = self.lost(why);
+                drop(s);
+                return Err(failed(error, Some(buffer)));
             }
-            if tokio::time::timeout_at(deadline, space).await.is_err() {
-                return fail(FastPathFailure::DeadlineExceeded, buffer);
+            if s.next - s.reaped >= u64::from(self.ring.slots()) {
+                return Err(failed(FastPathFailure::Full, Some(buffer)));
             }
+            let seq = s.next;
+            if let Err(e) = self.ring.publish(seq, s.reaped, &record) {
+                drop(s);
+                return Err(failed(self.lost(&e.to_string()), Some(buffer)));
+            }
+            s.next += 1;
+            // The peer maps it from now on.
+            buffer.note_mapped(Arc::clone(&self.unmapper));
+            let (done, wait) = oneshot::channel();
+            s.waiting.push_back(Waiter {
+                seq,
+                buffer,
+                done,
+                _turn: turn,
+            });
+            (wait, s.waiting.len() == 1)
         };
         // The watcher may be parked with nothing outstanding.
         self.ring.wake_producer();
         tracing::trace!(peer = %self.peer, tag, us = started.elapsed().as_micros() as u64, "lane record published");
-        let answer = self.answer(done, alone, deadline).await;
-        match answer {
-            Ok(Ok(Ok(buffer))) => Ok(buffer),
-            Ok(Ok(Err((buffer, why)))) => {
-                fail(FastPathFailure::Refused(why.to_string()), Some(buffer))
+        let deadline = tokio::time::Instant::from_std(deadline);
+        Ok(Box::pin(async move {
+            let fail = |failure, buffer| Err(FastPathError { failure, buffer });
+            match self.answer(done, alone, deadline).await {
+                Ok(Ok(Ok(buffer))) => Ok(buffer),
+                Ok(Ok(Err((buffer, why)))) => {
+                    fail(FastPathFailure::Refused(why.to_string()), Some(buffer))
+                }
+                Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
+                Err(_) => fail(FastPathFailure::DeadlineExceeded, None),
             }
-            Ok(Err(_)) => fail(self.lost("the lane stopped"), None),
-            Err(_) => fail(FastPathFailure::DeadlineExceeded, None),
-        }
+        }))
     }
 
     /// Waits for the receiver's answer to a published record, until `deadline`: the outer
@@ -262,7 +258,6 @@ impl LaneTx {
                     // A sender that gave up drops the buffer here: the peer is done with it.
                     let _ = w.done.send(result);
                 }
-                self.space.notify_waiters();
                 idle_since = Instant::now();
                 continue;
             }
@@ -304,7 +299,6 @@ impl LaneTx {
             // Otherwise the buffer is dropped with `done`: the peer may still read it; it
             // is freed once the peer unmapped it or its lease timed out.
         }
-        self.space.notify_waiters();
     }
 }
 
@@ -319,8 +313,8 @@ impl FastPath for LaneTx {
         buffer: Buffer,
         deadline: Instant,
         turn: Box<dyn Send>,
-    ) -> futures::future::BoxFuture<'_, Result<Buffer, FastPathError>> {
-        Box::pin(LaneTx::send(self, tag, buffer, deadline, turn))
+    ) -> Result<futures::future::BoxFuture<'_, Result<Buffer, FastPathError>>, FastPathError> {
+        LaneTx::send_now(self, tag, buffer, deadline, turn)
     }
 
     fn close(&self) {
