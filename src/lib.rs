@@ -44,7 +44,6 @@ pub use ferry_transports::cuda;
 pub use ferry_transports::memory::MemoryError;
 pub use ferry_transports::memory::{Buffer, MemoryKind};
 pub use ferry_transports::region::RegionKey;
-pub use ferry_transports::ucx::{EndpointLanes, LanesUnknown, RmaPath, TransportEntry};
 pub use ferry_transports::wire::{Block, Layout, LayoutError, MAX_BLOCKS};
 
 #[doc(hidden)]

@@ -85,7 +85,7 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
         assert!(body.contains(help), "{help:?} missing from\n{body}");
     }
     assert_eq!(
-        sample(&body, "ferry_failover_total{from=\"ipc\",to=\"tcp\"}"),
+        sample(&body, "ferry_failover_total{from=\"ipc\",to=\"staged\"}"),
         Some(0.0),
         "{body}"
     );

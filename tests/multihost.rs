@@ -317,9 +317,22 @@ fn same_host_id_in_two_namespaces_is_same_host() {
             };
             // The first transfer opens the links; a's first send to b is counted before
             // b's hello arrives, by b's address (not loopback: remote). Count after it.
+            // A sender counts its bytes when the receiver's answer reaches it, which can be
+            // after the driver holds the echo: wait until both senders counted them.
             round_trip(&node, "a", "b", 1, 1000, deadline)
                 .await
                 .unwrap_or_else(|e| panic!("a → b → driver: {e}"));
+            let counted = eventually(Duration::from_secs(5), async || {
+                counts()
+                    .await
+                    .is_ok_and(|[same, remote, b]| same + remote >= 1000.0 && b >= 1000.0)
+            })
+            .await;
+            assert!(
+                counted,
+                "the first transfer is never counted: {:?}",
+                counts().await
+            );
             let before = counts().await.expect("metrics");
             for (tag, len) in [(2u64, 1000usize), (3, 3 << 20), (4, 16 << 20)] {
                 round_trip(&node, "a", "b", tag, len, deadline)
@@ -331,9 +344,15 @@ fn same_host_id_in_two_namespaces_is_same_host() {
                 .await
                 .expect("explain");
             assert_eq!(route.query.locality, Locality::Remote, "{route}");
+            let total = (1000 + (3 << 20) + (16 << 20)) as f64;
+            eventually(Duration::from_secs(5), async || {
+                counts()
+                    .await
+                    .is_ok_and(|now| now[0] - before[0] >= total && now[2] - before[2] >= total)
+            })
+            .await;
             let after = counts().await.expect("metrics");
             let [a_same, a_remote, b_remote] = [0, 1, 2].map(|i| after[i] - before[i]);
-            let total = (1000 + (3 << 20) + (16 << 20)) as f64;
             assert_eq!(a_same, total, "a's bytes to same-host b");
             assert_eq!(a_remote, 0.0, "a called b remote");
             assert_eq!(b_remote, total, "b's bytes to the remote driver");

@@ -8,6 +8,23 @@ use std::time::Duration;
 
 use common::{Scratch, Served, eventually, http_get, patterned, send_in_order_while};
 use ferry::Node;
+use ferry_transports::ucx::{EndpointLanes, RmaPath};
+
+/// The lanes of `node`'s UCX endpoint to `peer`, as its ucx part says (`Node::inspect`).
+async fn ucx_lanes(node: &Node, peer: &str) -> Result<EndpointLanes, ferry::Error> {
+    let answer = node
+        .inspect(peer, ferry::TransportName::Ucx, "lanes")
+        .await?;
+    Ok(*answer
+        .downcast::<EndpointLanes>()
+        .expect("ucx answers its lanes"))
+}
+
+/// How many keys of `peer`'s registrations `node`'s UCX endpoint holds unpacked.
+async fn ucx_unpacked_keys(node: &Node, peer: &str) -> Result<usize, ferry::Error> {
+    let answer = (node.inspect(peer, ferry::TransportName::Ucx, "unpacked_keys")).await?;
+    Ok(*answer.downcast::<usize>().expect("ucx answers its keys"))
+}
 
 const RULE: &str = "[[transport.rules]]\nname = \"r\"\ntransports = [\"ucx\", \"tcp\"]\n";
 
@@ -68,7 +85,7 @@ async fn first_sends_to_a_peer_without_ucx_go_over_tcp() {
         assert_eq!(got.transport.as_str(), "tcp", "tag {tag}");
     }
     // No endpoint to a peer that does not serve ucx, and its lanes say so.
-    let lanes = a.ucx_lanes("b").await.expect_err("b does not serve ucx");
+    let lanes = ucx_lanes(&a, "b").await.expect_err("b does not serve ucx");
     assert!(lanes.to_string().contains("does not serve ucx"), "{lanes}");
     a.shutdown().await;
     b.shutdown().await;
@@ -180,7 +197,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
     let scratch = Scratch::new();
     let extra = over_tcp_only();
     let (a, b) = linked_pair(&scratch, &extra).await;
-    let probed = a.ucx_lanes("b").await.expect("a's lanes to b");
+    let probed = ucx_lanes(&a, "b").await.expect("a's lanes to b");
     println!("UCX {}: a -> b: {probed}", ucx.version());
     assert!(
         probed.after_first_use,
@@ -192,7 +209,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
     let got = b.recv(Some("a"), Some(1)).await.expect("recv");
     assert_eq!(got.transport.as_str(), "ucx");
     drop(got);
-    let pulled = b.ucx_lanes("a").await.expect("b's lanes to a");
+    let pulled = ucx_lanes(&b, "a").await.expect("b's lanes to a");
     println!("b -> a, after its pull: {pulled}");
 
     for lanes in [&probed, &pulled] {
@@ -212,11 +229,7 @@ async fn a_node_names_its_ucx_lanes_to_a_peer_over_tcp() {
                 .all(|l| l.transport == "tcp" && l.device == "lo"),
             "{lanes}"
         );
-        assert_eq!(
-            lanes.rma(),
-            Some(ferry::RmaPath::EmulatedOverTcp),
-            "{lanes}"
-        );
+        assert_eq!(lanes.rma(), Some(RmaPath::EmulatedOverTcp), "{lanes}");
     }
     a.shutdown().await;
     b.shutdown().await;
@@ -514,10 +527,10 @@ async fn a_key_is_forgotten_when_its_transfer_ends() {
             (&a, "b")
         };
         let none_left = eventually(Duration::from_secs(5), async || {
-            user.ucx_unpacked_keys(peer).await.is_ok_and(|n| n == 0)
+            ucx_unpacked_keys(user, peer).await.is_ok_and(|n| n == 0)
         })
         .await;
-        let held = user.ucx_unpacked_keys(peer).await;
+        let held = ucx_unpacked_keys(user, peer).await;
         assert!(none_left, "{reader_of_keys}: {held:?} keys still unpacked");
         a.shutdown().await;
         b.shutdown().await;

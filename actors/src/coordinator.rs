@@ -228,7 +228,7 @@ pub struct Dialed {
     /// The peer it was dialed for; the node that answered may be another.
     pub peer: String,
     /// Where it was dialed.
-    pub endpoint: String,
+    pub endpoint: Endpoint,
 }
 
 /// Dialing a peer failed.
@@ -594,7 +594,7 @@ impl Coordinator {
                     let dialed = Dialed {
                         epoch,
                         peer: peer_name,
-                        endpoint: endpoint.to_string(),
+                        endpoint: endpoint.clone(),
                     };
                     let _ = me
                         .send(LinkUp {
@@ -701,10 +701,7 @@ impl Coordinator {
             .peers
             .iter()
             .any(|p| p.name == dialed.peer);
-        let took = dialed
-            .endpoint
-            .strip_prefix("tcp:")
-            .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+        let took = dialed.endpoint.socket_addr();
         if let Some(discovery) = self.discovery.as_mut()
             && !is_static
             && let Some(addr) = took

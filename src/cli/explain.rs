@@ -119,7 +119,7 @@ pub fn run(file: Option<PathBuf>, overrides: &[String], args: Args) -> anyhow::R
     let device = src == MemoryClass::Device || explanation.query.dst == MemoryClass::Device;
     let gpu = device.then(|| gpu_note(&cuda::probe(), &ferry_transports::registry::catalog()));
     let mut report = Report::new(&args, &rules, &explanation, setup, gpu);
-    let rdma = ferry_actors::node::has_rdma_device();
+    let rdma = ferry_transports::transport::has_rdma_device();
     report.add_notes(route_notes(&loaded, &rules, &explanation, rdma));
     report.add_notes(live);
     let text = if args.json {

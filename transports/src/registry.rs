@@ -78,33 +78,18 @@ pub fn carrier(name: TransportName) -> Carrier {
     declared(name).carrier
 }
 
-/// The node-wide settings the built-in transports start with.
-pub struct Settings {
-    /// tcp: the eager credit this node grants its peers.
-    pub tcp: crate::tcp::TcpTerms,
-    /// ipc: the lane's settings.
-    pub lane: crate::ipc::lane::LaneSettings,
-    /// staged: `[transport.staged]`.
-    pub staged: crate::staged::StagedSettings,
-    /// ucx: the engine the node started, or why it serves no ucx; how long a registration
-    /// a peer may still use is held (`memory.export_lease_timeout`); whether memory is lent
-    /// to emulated pushes (`transport.ucx.emulated_push`).
-    pub ucx: (
-        Result<std::sync::Arc<crate::ucx::Engine>, crate::ucx::UcxOff>,
-        std::time::Duration,
-        bool,
-    ),
-}
-
-/// The built-in transports as one node serves them, one line each, in the catalog's
+/// The built-in transports as one node serves them, started with its `config` (a GPU's
+/// primary context, `gpu`, for the ones that work in one), one line each, in the catalog's
 /// order.
-pub fn start(settings: Settings) -> Vec<std::sync::Arc<dyn crate::transport::Transport>> {
-    let (engine, hold, emulated_push) = settings.ucx;
+pub fn start(
+    config: &ferry_config::Config,
+    gpu: Option<&crate::cuda::Device>,
+) -> Vec<std::sync::Arc<dyn crate::transport::Transport>> {
     vec![
-        std::sync::Arc::new(crate::tcp::TcpTransport::new(settings.tcp)),
-        std::sync::Arc::new(crate::ipc::IpcTransport::new(settings.lane)),
-        std::sync::Arc::new(crate::staged::StagedTransport::new(settings.staged)),
-        std::sync::Arc::new(crate::ucx::UcxTransport::new(engine, hold, emulated_push)),
+        std::sync::Arc::new(crate::tcp::TcpTransport::from_config(config)),
+        std::sync::Arc::new(crate::ipc::IpcTransport::from_config(config)),
+        std::sync::Arc::new(crate::staged::StagedTransport::from_config(config)),
+        std::sync::Arc::new(crate::ucx::UcxTransport::start(config, gpu)),
     ]
 }
 

@@ -36,27 +36,15 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
     ),
     (
         MetricKind::Counter,
-        "ferry_ipc_setup_total",
-        None,
-        "Lazy ipc setups with a peer that ended, by outcome (ok, bad)",
-    ),
-    (
-        MetricKind::Counter,
         "ferry_pull_failures_total",
         None,
-        "ipc pulls that failed after memory was reserved (import or copy refused)",
-    ),
-    (
-        MetricKind::Counter,
-        "ferry_eager_read_past_total",
-        None,
-        "Eager tcp offers whose bytes were read past (no room or memory at once): granted later and sent again",
+        "Pulls that failed after memory was reserved (an import, a copy or a read refused)",
     ),
     (
         MetricKind::Counter,
         "ferry_push_failures_total",
         None,
-        "ipc pushes whose copy into the peer's lent buffer failed (import or copy refused)",
+        "Pushes whose write into the peer's lent buffer failed (an import, a copy or a put refused)",
     ),
     (
         MetricKind::Counter,
@@ -162,24 +150,6 @@ const METRICS: &[(MetricKind, &str, Option<metrics::Unit>, &str)] = &[
     ),
     (
         MetricKind::Counter,
-        "ferry_ucx_pushes_streamed_total",
-        None,
-        "Pushes over ucx this node received over its link instead of lending memory to the writer's puts, which UCX would have applied itself (no one-sided lane for them; transport.ucx.emulated_push = false)",
-    ),
-    (
-        MetricKind::Counter,
-        "ferry_ucx_emulated_rma_peers_total",
-        None,
-        "Peers whose UCX endpoint reads over tcp emulation (~0.4 GB/s): tcp lanes only, or tcp beside cuda_ipc alone (whose gets UCX turns off without NVLink); counted once per peer, after its first ucx pull",
-    ),
-    (
-        MetricKind::Counter,
-        "ferry_staged_ring_chunks_total",
-        None,
-        "Staged chunks received through a same-host peer's shared-memory ring (not the link)",
-    ),
-    (
-        MetricKind::Counter,
         "ferry_fetches_total",
         None,
         "Fetches by key asked for by this node's callers",
@@ -236,19 +206,24 @@ pub fn describe_metrics() {
     for status in ["completed", "failed", "cancelled"] {
         metrics::counter!("ferry_transfers_total", "status" => status).absolute(0);
     }
-    metrics::counter!("ferry_failover_total", "from" => "ipc", "to" => "tcp").absolute(0);
-    for outcome in ["ok", "bad"] {
-        metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
-    }
     metrics::counter!("ferry_pull_failures_total").absolute(0);
-    metrics::counter!("ferry_eager_read_past_total").absolute(0);
-    metrics::counter!("ferry_ucx_emulated_rma_peers_total").absolute(0);
-    metrics::counter!("ferry_ucx_pushes_streamed_total").absolute(0);
     metrics::counter!("ferry_push_failures_total").absolute(0);
     metrics::counter!("ferry_device_alloc_failures_total").absolute(0);
     metrics::counter!("ferry_spill_bytes_total").absolute(0);
     metrics::counter!("ferry_promoted_bytes_total").absolute(0);
-    metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
+    for kind in ferry_transports::registry::kinds() {
+        kind.describe_metrics();
+    }
+    // The failovers the built-in rules can make: past a transport with a setup of its own,
+    // to the one after it.
+    for rule in ferry_config::TransportConfig::default().rules {
+        for pair in rule.transports.windows(2) {
+            if ferry_transports::registry::declared(pair[0]).per_peer_setup {
+                let (from, to) = (pair[0].as_str(), pair[1].as_str());
+                metrics::counter!("ferry_failover_total", "from" => from, "to" => to).absolute(0);
+            }
+        }
+    }
     for name in [
         "ferry_fetches_total",
         "ferry_fetches_joined_total",

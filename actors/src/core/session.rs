@@ -632,7 +632,7 @@ impl PeerSession {
             len: offer.len,
             pull,
             push,
-            staged: carrier == Carrier::Ring,
+            relayed: carrier == Carrier::Ring,
             layout: offer.layout.clone(),
         };
         Ok(Some((

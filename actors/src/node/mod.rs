@@ -38,7 +38,6 @@ use crate::inbox::{Inbox, Received};
 mod start;
 
 use self::start::*;
-pub use self::start::{has_rdma_device, start_ucx_engine, ucx_settings};
 
 /// Where a send's message goes (see `Node::with_credit`).
 enum Via {
@@ -91,7 +90,7 @@ impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("name", &self.name)
-            .field("tcp", &self.tcp_addrs)
+            .field("listens", &self.tcp_addrs)
             .finish_non_exhaustive()
     }
 }
@@ -448,9 +447,7 @@ impl Node {
         // peer goes the slow way (then they queue behind it, keeping the order).
         let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
         if let Some(lane) = lane.filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
-            && let Some(turn) = self
-                .order(peer)
-                .try_lane(ferry_transports::ipc::lane::LANE_SLOTS as usize)
+            && let Some(turn) = self.order(peer).try_lane(usize::MAX)
         {
             let fail = |e: ferry_transports::transport::FastPathError| SendError {
                 error: Error::from_fast_path(peer, e.failure),
@@ -918,29 +915,6 @@ impl Node {
             .map_err(|_| Error::ShuttingDown)?
     }
 
-    /// The lanes of this node's UCX endpoint to `peer`, the one its ucx pulls from the peer
-    /// use: each lane's UCX transport and device, and whether UCX reads over them one-sided
-    /// or emulates reads over tcp. Connects (link and endpoint) if needed; an endpoint no
-    /// pull used yet is flushed first, so its wireup is done. On a UCX older than 1.14 the
-    /// lanes are unknown, and say so.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] when this node or the peer does not serve ucx;
-    /// [`Error::Transport`] when the endpoint cannot be made or flushed; as
-    /// [`Node::connect`] for the link.
-    pub async fn ucx_lanes(
-        &self,
-        peer: &str,
-    ) -> Result<ferry_transports::ucx::EndpointLanes, Error> {
-        let lanes = self
-            .inspect(peer, ferry_transports::ucx::UcxSource::TRANSPORT, "lanes")
-            .await?;
-        lanes
-            .downcast::<ferry_transports::ucx::EndpointLanes>()
-            .map(|l| *l)
-            .map_err(|_| Error::unsupported("ucx answered the lanes with something else"))
-    }
-
     /// What one transport's part of the session with `peer` says of itself for a
     /// diagnostic (`what` is the transport's own word: ucx answers `"lanes"` with its
     /// [`ferry_transports::ucx::EndpointLanes`], `"unpacked_keys"` with a `usize`).
@@ -964,25 +938,6 @@ impl Node {
             })
             .await
             .map_err(|_| Error::ShuttingDown)?
-    }
-
-    /// How many keys of `peer`'s UCX registrations this node's endpoint to it holds
-    /// unpacked: each is forgotten when the one transfer it served ended (the peer drops
-    /// the registration then), so between transfers this is 0. A diagnostic.
-    ///
-    /// # Errors
-    /// As [`Node::connect`] for the link.
-    pub async fn ucx_unpacked_keys(&self, peer: &str) -> Result<usize, Error> {
-        let keys = self
-            .inspect(
-                peer,
-                ferry_transports::ucx::UcxSource::TRANSPORT,
-                "unpacked_keys",
-            )
-            .await?;
-        keys.downcast::<usize>()
-            .map(|k| *k)
-            .map_err(|_| Error::unsupported("ucx answered the keys with something else"))
     }
 
     /// Peers with a live link.

@@ -195,8 +195,8 @@ pub(super) async fn serve_fd_sharing(
             ));
         }
         Err(e) => tracing::warn!(
-            "cannot open the fd-sharing socket ({e}): same-host peers cannot use ipc with \
-             us, and our staged sends to them go over the link"
+            "cannot open the fd-sharing socket ({e}): same-host peers cannot map this node's \
+             memory pools or rings (transports that need them fall back or go over the link)"
         ),
     }
     Ok(())
@@ -318,34 +318,13 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     // here within milliseconds of arriving (op_timeout bounds the peer's wait for an
     // answer, not how long ours takes), so the lease (10 s by default) covers them.
     let transports = crate::coordinator::NodeTransports::new(ferry_transports::registry::start(
-        ferry_transports::registry::Settings {
-            tcp: ferry_transports::tcp::TcpTerms {
-                eager_max: config.transport.tcp.eager_max,
-                eager_credit: config.transport.tcp.eager_credit,
-            },
-            staged: ferry_transports::staged::StagedSettings {
-                slots: config.transport.staged.slots,
-                chunk: config.transport.staged.chunk,
-                shared_memory: config.transport.staged.shared_memory,
-                link_chunk: usize::try_from(config.transport.staged.link_chunk).unwrap_or(1 << 20),
-                spin: config.transport.staged.spin,
-            },
-            lane: ferry_transports::ipc::lane::LaneSettings {
-                max: usize::try_from(config.transport.ipc.lane_max).unwrap_or(0),
-                spin: config.transport.ipc.lane_spin,
-                gather_max: usize::try_from(config.transport.ipc.gather_max).unwrap_or(0),
-            },
-            ucx: (
-                start_ucx(&config, gpus.first_device()),
-                config.memory.export_lease_timeout,
-                config.transport.ucx.emulated_push,
-            ),
-        },
+        &config,
+        gpus.first_device(),
     ));
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),
-        chunk: usize::try_from(config.transport.tcp.chunk_size).unwrap_or(1 << 20),
+        chunk: usize::try_from(config.link_chunk()).unwrap_or(1 << 20),
         reserve_timeout: limits.default_deadline,
         tiers: receive_tiers,
         host_tiers,
@@ -384,100 +363,6 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         host_id,
         system: System::current(),
     }
-}
-
-/// The UCX engine `[transport.ucx]` asks for, or why this node does not serve ucx.
-pub(super) fn start_ucx(
-    config: &Config,
-    gpu: Option<&ferry_transports::cuda::Device>,
-) -> Result<Arc<ferry_transports::ucx::Engine>, ferry_transports::ucx::UcxOff> {
-    use ferry_config::UcxMode;
-    use ferry_transports::ucx::UcxOff;
-    let ucx = &config.transport.ucx;
-    match ucx.enabled {
-        UcxMode::Off => return Err(UcxOff::Disabled),
-        UcxMode::Auto if !has_rdma_device() => return Err(UcxOff::NoRdmaDevice),
-        UcxMode::Auto | UcxMode::On => {}
-    }
-    match start_ucx_engine(config, gpu) {
-        Ok(engine) => {
-            let device = engine.moves(ferry_transports::ucx::MemoryType::Cuda);
-            tracing::info!(version = %engine.ucx_version(), device, "ucx transport ready");
-            Ok(Arc::new(engine))
-        }
-        Err(e) => {
-            tracing::warn!("the ucx transport is off: {e}");
-            Err(UcxOff::DidNotStart(e))
-        }
-    }
-}
-
-/// Starts a UCX engine with the settings `[transport.ucx]` gives; when `gpu` is given, its
-/// progress thread works in that GPU's primary context (UCX finds its CUDA device, and
-/// copies device memory, in the current context of the thread it runs on).
-///
-/// # Errors
-///
-/// As [`ferry_transports::ucx::Engine::start`].
-pub fn start_ucx_engine(
-    config: &Config,
-    gpu: Option<&ferry_transports::cuda::Device>,
-) -> Result<ferry_transports::ucx::Engine, ferry_transports::ucx::UcxTransportError> {
-    let mut settings = ucx_settings(config);
-    settings.cuda_device = gpu.and_then(|d| u32::try_from(d.ordinal()).ok());
-    ferry_transports::ucx::Engine::start(&settings)
-}
-
-/// The engine settings `[transport.ucx]` gives (with a warning for `on` over UCX's own
-/// transport choice): for the node's engine, and for any other engine a tool starts beside
-/// it (the bench's baseline).
-pub fn ucx_settings(config: &Config) -> ferry_transports::ucx::UcxSettings {
-    use ferry_config::UcxMode;
-    let ucx = &config.transport.ucx;
-    let mut settings = ferry_transports::ucx::UcxSettings::default();
-    settings.library = ucx.library.clone();
-    // "auto" serves ucx for its RDMA: unless told otherwise, UCX may not use tcp, where it
-    // emulates reads in software, listens on ports of its own and checks no key.
-    settings.tls = match (&ucx.tls, ucx.enabled) {
-        (Some(tls), _) => Some(tls.clone()),
-        (None, UcxMode::Auto) => Some("^tcp".into()),
-        (None, _) => None,
-    };
-    if ucx.enabled == UcxMode::On && settings.tls.is_none() {
-        tracing::warn!(
-            "transport.ucx.enabled is \"on\" with UCX's own transport choice: over tcp UCX \
-             listens on ports of its own, serves reads without checking keys, and may abort \
-             this process when a peer dies mid-read; use it where peers are trusted"
-        );
-    }
-    settings.options = ucx
-        .net_devices
-        .iter()
-        .map(|d| ("NET_DEVICES".to_string(), d.clone()))
-        .chain(ucx.env.iter().map(|(k, v)| (k.clone(), v.clone())))
-        .collect();
-    // ferry tells UCX the type of every buffer it registers or reads into, so UCX's
-    // memory-type cache is never needed; and it is wrong for device memory of a CUDA pool
-    // whose allocations it did not see (without the wheel's CUDA hooks, or for memory
-    // allocated before UCX loaded), which it then takes for host memory: measured on an
-    // H100 with UCX 1.22, `ucp_mem_map` of pool memory failed (UCS_ERR_INVALID_PARAM).
-    // UCX applies this setting process-wide (from 1.16 on, a global option): other UCX
-    // users of the process see it too. A setting of the user's (`env` here, or
-    // `UCX_MEMTYPE_CACHE` in the environment) wins.
-    if !ucx.env.contains_key("MEMTYPE_CACHE") && std::env::var_os("UCX_MEMTYPE_CACHE").is_none() {
-        settings
-            .options
-            .push(("MEMTYPE_CACHE".to_string(), "n".to_string()));
-    }
-    settings.progress_spin = ucx.progress_spin;
-    settings.op_timeout = ucx.op_timeout;
-    settings.name = Some(config.node.name.clone());
-    settings
-}
-
-/// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.
-pub fn has_rdma_device() -> bool {
-    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
 /// How every domain keeps memory of dropped buffers (`memory.keep_idle`, `keep_max`).

@@ -66,6 +66,14 @@ impl TransferActor {
                     }
                 }
             }
+            if self.session.is_lost() {
+                // The link's read half ends before any caller hears of the loss: a lost
+                // session reads nothing more from the peer, whose bytes would only be
+                // refused.
+                if let Some(reader) = self.reader.take() {
+                    reader.abort();
+                }
+            }
             while let Some(ev) = self.session.poll_event() {
                 moved = true;
                 self.on_event(ev, ctx);
@@ -105,13 +113,9 @@ impl TransferActor {
         }
         if self.session.is_lost() {
             // The lanes and staging rings end with the link: a sender must not wait on a
-            // dead peer's ring, nor keep copying into one nobody reads. So does the link's
-            // read half, at once: a lost session reads nothing more from the peer, whose
-            // bytes would only be refused (the write half ends once its stream stops).
+            // dead peer's ring, nor keep copying into one nobody reads (the read half ended
+            // above; the write half ends once its stream stops).
             self.detach_parts();
-            if let Some(reader) = self.reader.take() {
-                reader.abort();
-            }
             // A registration under way ends first (its send then fails as lost).
             if self.session.is_idle() && self.outbound.is_empty() && !self.held.exporting {
                 ctx.stop();
@@ -133,7 +137,7 @@ impl TransferActor {
                 len,
                 pull,
                 push,
-                staged,
+                relayed,
                 layout,
             } => {
                 let span =
@@ -164,7 +168,7 @@ impl TransferActor {
                         Landing::Pull
                     }
                     (None, Some(transport)) => Landing::Push(transport),
-                    (None, None) if staged => Landing::Staged,
+                    (None, None) if relayed => Landing::Relayed,
                     (None, None) => Landing::Stream,
                 };
                 self.reserve(id, len, landing, ctx);

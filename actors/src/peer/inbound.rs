@@ -30,7 +30,7 @@ impl TransferActor {
         let by = match how {
             Landing::Pull => self.pulls.sources.get(&id).map(|(s, _)| s.transport),
             Landing::Push(transport) => Some(transport),
-            Landing::Stream | Landing::Staged => None,
+            Landing::Stream | Landing::Relayed => None,
         };
         let host_only = by
             .and_then(|t| self.part(t))
@@ -273,12 +273,13 @@ async fn landing_when_granted(
 pub(super) enum Landing {
     /// Host memory; the peer streams the bytes over the link.
     Stream,
-    /// We copy them out of the peer's memory (ipc pull).
+    /// We copy them out of the peer's memory (a pull).
     Pull,
-    /// The peer writes them into our memory lent to it (an ipc or ucx push; the transport
-    /// named), or streams them when this memory is not lent (ipc into host memory).
+    /// The peer writes them into our memory lent to it (a push over the transport named),
+    /// or streams them when this memory is not lent (host memory its transport lends no
+    /// part of).
     Push(ferry_config::TransportName),
-    /// Any tier, device memory first; the chunks come through host memory (our staged
-    /// receiver thread copies them in from the peer's ring, or the link's reader does).
-    Staged,
+    /// Any tier, device memory first; the chunks come through host memory (a transport's
+    /// thread copies them in from the peer's ring, or the link's reader does).
+    Relayed,
 }

@@ -174,9 +174,9 @@ pub(super) async fn stream(
     };
     let parts: Vec<(usize, usize)> = region::chunks(len, chunk).collect();
     let header = |i: usize| match &what {
-        StreamWhat::Transfer(_) => tcp::data_header(op.0, parts[i]),
+        StreamWhat::Transfer(_) => ferry_transports::link::data_header(op.0, parts[i]),
         &StreamWhat::Put { key, offset } => {
-            tcp::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
+            ferry_transports::link::put_header(op.0, key, offset, parts[i], i + 1 == parts.len())
         }
     };
     let (mut ahead, mut checksum_ahead) = (None, None);

@@ -38,7 +38,6 @@ use ferry_transports::link::{
 };
 use ferry_transports::memory::{Buffer, SharedBytes};
 use ferry_transports::region::{self, ExposedRegion, InboundRegion, RegionKey, restore_landing};
-use ferry_transports::tcp;
 use ferry_transports::wire::{
     ArchivedMessage, Done, Layout, Message, PutAck, WireDirection, WireReason, Written,
 };

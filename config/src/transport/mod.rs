@@ -139,3 +139,11 @@ impl TransportConfig {
         Ok(())
     }
 }
+
+impl crate::Config {
+    /// Bytes per data frame of what streams over the control link itself (puts, and the
+    /// sends of transports whose bytes travel in its frames): `transport.tcp.chunk_size`.
+    pub fn link_chunk(&self) -> u64 {
+        self.transport.tcp.chunk_size
+    }
+}

@@ -572,7 +572,7 @@ async fn orchestrate(
         src: class,
         landing: explanation.chosen.as_ref().map_or(class, |r| r.landing),
         chosen: true,
-        rdma_device: ferry_actors::node::has_rdma_device(),
+        rdma_device: ferry_transports::transport::has_rdma_device(),
     };
     let notes =
         registry::kind(args.transport).map_or_else(Vec::new, |k| k.notes(node.config(), &route));

@@ -45,7 +45,7 @@ fn engine(config: &ferry::Config, gpu: Option<u32>) -> anyhow::Result<Engine> {
         .map(|g| ferry_transports::cuda::Device::open(g as usize))
         .transpose()
         .context("opening the baseline's GPU")?;
-    ferry_actors::node::start_ucx_engine(config, device.as_ref())
+    ferry_transports::ucx::start_engine(config, device.as_ref())
         .context("the baseline's UCX engine")
 }
 

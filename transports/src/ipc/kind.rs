@@ -9,6 +9,16 @@ use crate::transport::{Capabilities, TransportKind, Viability};
 pub struct IpcKind;
 
 impl TransportKind for IpcKind {
+    fn describe_metrics(&self) {
+        metrics::describe_counter!(
+            "ferry_ipc_setup_total",
+            "Lazy ipc setups with a peer that ended, by outcome (ok, bad)"
+        );
+        for outcome in ["ok", "bad"] {
+            metrics::counter!("ferry_ipc_setup_total", "outcome" => outcome).absolute(0);
+        }
+    }
+
     fn capabilities(&self) -> Capabilities {
         super::capabilities()
     }

@@ -51,6 +51,16 @@ impl IpcTransport {
             lane,
         }
     }
+
+    /// The transport `[transport.ipc]` asks for.
+    pub fn from_config(config: &ferry_config::Config) -> Self {
+        let ipc = &config.transport.ipc;
+        Self::new(LaneSettings {
+            max: usize::try_from(ipc.lane_max).unwrap_or(0),
+            spin: ipc.lane_spin,
+            gather_max: usize::try_from(ipc.gather_max).unwrap_or(0),
+        })
+    }
 }
 
 impl Transport for IpcTransport {

@@ -62,6 +62,16 @@ pub enum Endpoint {
     Unix(PathBuf),
 }
 
+impl Endpoint {
+    /// The socket address of a TCP endpoint given as `ip:port` (not a host name).
+    pub fn socket_addr(&self) -> Option<std::net::SocketAddr> {
+        match self {
+            Self::Tcp(addr) => addr.parse().ok(),
+            Self::Unix(_) => None,
+        }
+    }
+}
+
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -880,6 +890,41 @@ impl LinkWriter {
     pub async fn danger_send_raw(&mut self, bytes: &[u8]) -> Result<(), LinkError> {
         self.write_parts(&[bytes], true).await
     }
+}
+
+/// The header frame of one chunk `(offset, len)` of an outbound transfer; its bytes follow
+/// as a payload frame ([`LinkWriter::feed_chunk`]).
+///
+/// `len` must fit a frame (it is at most the configured chunk size); a larger one is
+/// clamped, and the writer then refuses the chunk because the lengths differ.
+pub fn data_header(transfer: u64, chunk: (usize, usize)) -> Message {
+    let (offset, len) = chunk;
+    Message::Data(crate::wire::DataChunk {
+        transfer,
+        offset: offset as u64,
+        len: u32::try_from(len).unwrap_or(u32::MAX),
+    })
+}
+
+/// The header frame of one chunk `(offset, len)` of a one-sided put, `offset` counted from
+/// the start of the put's buffer; its bytes follow as a payload frame. Same `len` rule as
+/// [`data_header`].
+pub fn put_header(
+    put: u64,
+    key: crate::region::RegionKey,
+    region_offset: u64,
+    chunk: (usize, usize),
+    last: bool,
+) -> Message {
+    let (offset, len) = chunk;
+    Message::Put(crate::wire::PutChunk {
+        put,
+        region: key.region,
+        generation: key.generation,
+        offset: region_offset + offset as u64,
+        len: u32::try_from(len).unwrap_or(u32::MAX),
+        last,
+    })
 }
 
 #[cfg(test)]

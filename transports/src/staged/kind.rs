@@ -10,6 +10,14 @@ use crate::transport::{Capabilities, Note, Route, TransportKind, Viability};
 pub struct StagedKind;
 
 impl TransportKind for StagedKind {
+    fn describe_metrics(&self) {
+        metrics::describe_counter!(
+            "ferry_staged_ring_chunks_total",
+            "Staged chunks received through a same-host peer's shared-memory ring (not the link)"
+        );
+        metrics::counter!("ferry_staged_ring_chunks_total").absolute(0);
+    }
+
     fn capabilities(&self) -> Capabilities {
         super::capabilities()
     }

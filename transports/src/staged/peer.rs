@@ -43,6 +43,18 @@ impl StagedTransport {
             settings,
         }
     }
+
+    /// The transport `[transport.staged]` asks for.
+    pub fn from_config(config: &ferry_config::Config) -> Self {
+        let staged = &config.transport.staged;
+        Self::new(StagedSettings {
+            slots: staged.slots,
+            chunk: staged.chunk,
+            shared_memory: staged.shared_memory,
+            link_chunk: usize::try_from(staged.link_chunk).unwrap_or(1 << 20),
+            spin: staged.spin,
+        })
+    }
 }
 
 impl Transport for StagedTransport {

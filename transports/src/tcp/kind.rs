@@ -8,6 +8,14 @@ use crate::transport::{Capabilities, TransportKind, Viability};
 pub struct TcpKind;
 
 impl TransportKind for TcpKind {
+    fn describe_metrics(&self) {
+        metrics::describe_counter!(
+            "ferry_eager_read_past_total",
+            "Eager tcp offers whose bytes were read past (no room or memory at once): granted later and sent again"
+        );
+        metrics::counter!("ferry_eager_read_past_total").absolute(0);
+    }
+
     fn capabilities(&self) -> Capabilities {
         super::capabilities()
     }

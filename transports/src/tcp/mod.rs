@@ -1,14 +1,15 @@
 //! The tcp transport: host buffers streamed over a control link in chunks.
 //!
 //! The receiver reserves memory first (the offer/grant exchange), then the sender streams the
-//! buffer in chunks of `chunk_size` bytes: each a small [`DataChunk`] frame naming the
+//! buffer in chunks of `chunk_size` bytes: each a small [`DataChunk`](crate::wire::DataChunk) frame naming the
 //! transfer, offset and length, followed by the bytes themselves as one raw `Payload` frame,
 //! written from the sender's buffer as they are. The receiver checks the chunk against the
 //! reserved buffer ([`InboundRegion::lend`](crate::region::InboundRegion::lend)) and reads the payload straight into its place
-//! ([`Landing::destination`](crate::region::Landing::destination)). A one-sided put streams [`PutChunk`] frames, each followed by
+//! ([`Landing::destination`](crate::region::Landing::destination)). A one-sided put streams [`PutChunk`](crate::wire::PutChunk) frames, each followed by
 //! its payload, into a region the receiver exposed ([`ExposedRegion::destination`](crate::region::ExposedRegion::destination)). Chunks
 //! travel on the same ordered link as control frames, so a transfer's bytes all precede its
-//! completion.
+//! completion. (The link streams them, and frames their chunk headers:
+//! [`crate::link::data_header`], [`crate::link::put_header`].)
 
 use ferry_config::{Direction, Locality, MemoryClass, TransportName};
 
@@ -16,13 +17,11 @@ mod kind;
 
 pub use kind::TcpKind;
 
-use crate::region::RegionKey;
 use crate::transport::EagerTerms;
 
 mod eager;
 
 use crate::transport::Capabilities;
-use crate::wire::{DataChunk, Message, PutChunk};
 pub use eager::EagerViolation;
 
 /// What the tcp transport can do.
@@ -44,41 +43,6 @@ pub fn capabilities() -> Capabilities {
         device_path: crate::transport::DevicePath::HostCopy,
         library: None,
     }
-}
-
-/// The header frame of one chunk `(offset, len)` of an outbound transfer; its bytes follow
-/// as a payload frame (`LinkWriter::feed_chunk`).
-///
-/// `len` must fit a frame (it is at most the configured chunk size); a larger one is
-/// clamped, and the writer then refuses the chunk because the lengths differ.
-pub fn data_header(transfer: u64, chunk: (usize, usize)) -> Message {
-    let (offset, len) = chunk;
-    Message::Data(DataChunk {
-        transfer,
-        offset: offset as u64,
-        len: u32::try_from(len).unwrap_or(u32::MAX),
-    })
-}
-
-/// The header frame of one chunk `(offset, len)` of a one-sided put, `offset` counted from
-/// the start of the put's buffer; its bytes follow as a payload frame. Same `len` rule as
-/// [`data_header`].
-pub fn put_header(
-    put: u64,
-    key: RegionKey,
-    region_offset: u64,
-    chunk: (usize, usize),
-    last: bool,
-) -> Message {
-    let (offset, len) = chunk;
-    Message::Put(PutChunk {
-        put,
-        region: key.region,
-        generation: key.generation,
-        offset: region_offset + offset as u64,
-        len: u32::try_from(len).unwrap_or(u32::MAX),
-        last,
-    })
 }
 
 /// What a node announces of tcp in its hello: the eager credit it grants its peer. Small
@@ -132,6 +96,14 @@ impl TcpTransport {
             caps: capabilities(),
             terms,
         }
+    }
+
+    /// The transport `[transport.tcp]` asks for.
+    pub fn from_config(config: &ferry_config::Config) -> Self {
+        Self::new(TcpTerms {
+            eager_max: config.transport.tcp.eager_max,
+            eager_credit: config.transport.tcp.eager_credit,
+        })
     }
 }
 

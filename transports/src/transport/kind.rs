@@ -67,6 +67,10 @@ pub trait TransportKind: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Describes the transport's own metrics to the installed recorder and sets its
+    /// counters to 0, so that a node's first scrape lists them (a node does it at start).
+    fn describe_metrics(&self) {}
+
     /// The settings with which a node serves this transport where it declares
     /// [`Capabilities::opt_in`]: each a dotted key and its value as TOML text
     /// (`("transport.x.enabled", "\"on\"")`). Empty for a transport every node serves.

@@ -26,6 +26,11 @@ pub use peer::{
     PeerTransport, Regions, Retired, Streaming, TransportError, Wake,
 };
 
+/// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.
+pub fn has_rdma_device() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+}
+
 /// Identifies an outbound operation (transfer or put) of this node on one link; it is the
 /// id carried on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -14,6 +14,19 @@ use crate::transport::{Capabilities, Finding, Note, Route, TransportKind, Viabil
 pub struct UcxKind;
 
 impl TransportKind for UcxKind {
+    fn describe_metrics(&self) {
+        metrics::describe_counter!(
+            "ferry_ucx_pushes_streamed_total",
+            "Pushes over ucx this node received over its link instead of lending memory to the writer's puts, which UCX would have applied itself (no one-sided lane for them; transport.ucx.emulated_push = false)"
+        );
+        metrics::describe_counter!(
+            "ferry_ucx_emulated_rma_peers_total",
+            "Peers whose UCX endpoint reads over tcp emulation (~0.4 GB/s): tcp lanes only, or tcp beside cuda_ipc alone (whose gets UCX turns off without NVLink); counted once per peer, after its first ucx pull"
+        );
+        metrics::counter!("ferry_ucx_emulated_rma_peers_total").absolute(0);
+        metrics::counter!("ferry_ucx_pushes_streamed_total").absolute(0);
+    }
+
     fn capabilities(&self) -> Capabilities {
         super::capabilities()
     }

@@ -65,6 +65,7 @@ mod probe;
 mod queue;
 mod rkeys;
 mod settings;
+mod start;
 mod thread;
 mod ucp;
 mod wake;
@@ -81,6 +82,7 @@ pub use operation::Operation;
 pub use peer::{UcxOff, UcxTransport};
 pub use rkeys::RemoteKey;
 pub use settings::UcxSettings;
+pub use start::{settings as engine_settings, start_engine};
 /// Where memory lives, as UCX names it (host or CUDA device memory).
 pub use ucx_sys::MemoryType;
 pub use ucx_sys::TransportEntry;

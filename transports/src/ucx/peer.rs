@@ -63,6 +63,16 @@ impl UcxTransport {
         }
     }
 
+    /// The transport `config` asks for: its engine started (its progress thread in `gpu`'s
+    /// primary context, when given), or not served for the reason given.
+    pub fn start(config: &ferry_config::Config, gpu: Option<&crate::cuda::Device>) -> Self {
+        Self::new(
+            super::start::start(config, gpu),
+            config.memory.export_lease_timeout,
+            config.transport.ucx.emulated_push,
+        )
+    }
+
     /// The engine, when this node serves ucx.
     pub fn engine(&self) -> Option<&Arc<Engine>> {
         self.engine.as_ref().ok()

@@ -145,9 +145,10 @@ pub enum SessionEvent {
         /// A push that borrows the receiver's memory: the transport that writes it (ipc,
         /// ucx). Reserve it (device memory where possible) and lend it in the grant.
         push: Option<TransportName>,
-        /// A staged push: reserve device memory where possible; the chunks come through
-        /// host memory (a shared ring, or the link).
-        staged: bool,
+        /// A push whose chunks come through host memory beside the link (a ring the two
+        /// processes share, or the link itself) and are copied in: reserve device memory
+        /// where possible.
+        relayed: bool,
         /// How the bytes lie at the sender (`len` is their packed length; a pull gathers
         /// them by it).
         layout: Layout,
