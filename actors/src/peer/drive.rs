@@ -6,14 +6,14 @@ use super::*;
 impl TransferActor {
     /// Carries out everything the session asks for.
     pub(super) fn drive(&mut self, ctx: &mut Context<Self>) {
-        let (claims, lane0, taken0) = &self.claims;
+        let (claims, lane0, taken0) = &self.inbound.claims;
         let lane = claims.lane.load(Ordering::Relaxed).saturating_sub(*lane0);
         let taken = claims.taken.load(Ordering::Relaxed).saturating_sub(*taken0);
         self.session.handle_claims(lane, taken, Instant::now());
         self.drive_parts(ctx);
         loop {
             let mut moved = false;
-            if let Some(writer) = self.writer.as_ref().filter(|_| self.welcomed) {
+            if let Some(writer) = self.link.writer.as_ref().filter(|_| self.link.welcomed) {
                 while let Some(msg) = self.fetch.out.pop_front() {
                     if writer.try_send(Outgoing::Frame(msg)).is_err() {
                         self.session
@@ -25,19 +25,19 @@ impl TransferActor {
                     moved = true;
                     if let Message::Ping(_) | Message::Pong(_) = msg {
                         // Full: one waits already, which says the same.
-                        if let Some(keepalive) = &self.keepalive {
+                        if let Some(keepalive) = &self.link.keepalive {
                             let _ = keepalive.try_send(msg);
                         }
                         continue;
                     }
-                    if let Some((op, why)) = oversized_offer(&msg, self.peer_max_frame) {
+                    if let Some((op, why)) = oversized_offer(&msg, self.link.peer_max_frame) {
                         // Refused here, before the writer would refuse it and end the link.
                         self.session.handle_unsendable(op, why);
                         continue;
                     }
                     if let Message::Offer(offer) = &msg {
                         if offer.direction == WireDirection::Pull {
-                            self.offered.insert(OpId(offer.transfer));
+                            self.outbound.offered.insert(OpId(offer.transfer));
                         }
                         tracing::trace!(
                             target: crate::TRACE_BLOCKS,
@@ -48,7 +48,7 @@ impl TransferActor {
                     }
                     let out = match msg {
                         Message::Offer(offer) if offer.eager => {
-                            match eager_outgoing(&self.outbound, offer) {
+                            match eager_outgoing(&self.outbound.entries, offer) {
                                 Ok(out) => out,
                                 Err(op) => {
                                     let why = "its bytes are not host memory".to_string();
@@ -70,7 +70,7 @@ impl TransferActor {
                 // The link's read half ends before any caller hears of the loss: a lost
                 // session reads nothing more from the peer, whose bytes would only be
                 // refused.
-                if let Some(reader) = self.reader.take() {
+                if let Some(reader) = self.link.reader.take() {
                     reader.abort();
                 }
             }
@@ -85,8 +85,8 @@ impl TransferActor {
         self.heard(Instant::now());
         self.arm_timer(ctx);
         self.publish_eager();
-        if self.writer.is_some() && self.welcomed {
-            for tx in self.link_waiters.drain(..) {
+        if self.link.writer.is_some() && self.link.welcomed {
+            for tx in self.link.waiters.drain(..) {
                 let _ = tx.send(Ok(()));
             }
         }
@@ -99,7 +99,7 @@ impl TransferActor {
                 peer: peer.clone(),
                 detail: why.clone(),
             });
-            for tx in self.link_waiters.drain(..) {
+            for tx in self.link.waiters.drain(..) {
                 let _ = tx.send(Err(Error::PeerUnreachable {
                     peer: self.peer.clone(),
                     detail: why.to_string(),
@@ -107,7 +107,7 @@ impl TransferActor {
             }
         }
         if self.session.is_idle() {
-            for tx in self.drained.drain(..) {
+            for tx in self.outbound.drained.drain(..) {
                 let _ = tx.send(());
             }
         }
@@ -117,7 +117,10 @@ impl TransferActor {
             // above; the write half ends once its stream stops).
             self.detach_parts();
             // A registration under way ends first (its send then fails as lost).
-            if self.session.is_idle() && self.outbound.is_empty() && !self.held.exporting {
+            if self.session.is_idle()
+                && self.outbound.entries.is_empty()
+                && !self.outbound.held.exporting
+            {
                 ctx.stop();
             }
         }
@@ -127,7 +130,7 @@ impl TransferActor {
         match ev {
             SessionEvent::Stream(op) => self.start_stream(op),
             SessionEvent::StopStream(op) => {
-                if let Some(entry) = self.outbound.get(&op) {
+                if let Some(entry) = self.outbound.entries.get(&op) {
                     entry.stop.store(true, Ordering::Release);
                 }
             }
@@ -152,7 +155,7 @@ impl TransferActor {
                     pull = pull.is_some(),
                     "offer taken: reserving"
                 );
-                self.inbound_spans.insert(
+                self.inbound.spans.insert(
                     id,
                     InboundSpans {
                         span,
@@ -200,11 +203,11 @@ impl TransferActor {
         transport: ferry_config::TransportName,
         layout: Layout,
     ) {
-        let spans = self.inbound_spans.remove(&id);
+        let spans = self.inbound.spans.remove(&id);
         if let Some(spans) = &spans {
             tracing::debug!(parent: &spans.span, tag, "delivered");
         }
-        let Some((buffer, pending)) = self.complete.remove(&id) else {
+        let Some((buffer, pending)) = self.inbound.complete.remove(&id) else {
             return;
         };
         if let Some(spans) = &spans {
@@ -226,11 +229,11 @@ impl TransferActor {
     /// Inbound transfer `id` was abandoned: what was reserved for it goes, except a buffer
     /// lent to the peer (kept until it says `Written`) or one being pulled into.
     fn abandon(&mut self, id: InboundId, ctx: &mut Context<Self>) {
-        if let Some(spans) = self.inbound_spans.remove(&id) {
+        if let Some(spans) = self.inbound.spans.remove(&id) {
             tracing::debug!(parent: &spans.span, "abandoned");
         }
-        self.regions.remove(&id.0);
-        self.complete.remove(&id);
+        self.inbound.regions.remove(&id.0);
+        self.inbound.complete.remove(&id);
         // A lent buffer the peer may be writing into is kept until it says Written.
         self.abandon_lent(id, ctx);
         if self.pulls.sources.remove(&id).is_some() {
@@ -254,7 +257,7 @@ impl TransferActor {
                 act.session.handle_timeout(now);
                 // A fresh count first, so that only a link that really moved nothing ends
                 // the transfers waiting on it.
-                if let Some(activity) = &act.activity {
+                if let Some(activity) = &act.link.activity {
                     act.session.handle_link_progress(activity.bytes(), now);
                 }
                 act.heard(now);
@@ -276,7 +279,7 @@ impl TransferActor {
     /// waits on the peer for something the session does not see: a transport's setup step,
     /// or the answer to a fetch whose caller still waits.
     fn heard(&mut self, now: Instant) {
-        let Some(activity) = &self.activity else {
+        let Some(activity) = &self.link.activity else {
             return;
         };
         let elsewhere = self.fetch.awaits_peer() || self.parts.await_peer();
@@ -287,10 +290,10 @@ impl TransferActor {
     pub(super) fn finish(&mut self, op: OpId, outcome: Outcome) {
         // A pull never offered cannot be read by the peer, which will not say Done: its
         // view goes now. An offered one stays until the peer lets go.
-        if !self.offered.remove(&op) {
+        if !self.outbound.offered.remove(&op) {
             self.unexport(op);
         }
-        let Some(entry) = self.outbound.remove(&op) else {
+        let Some(entry) = self.outbound.entries.remove(&op) else {
             return;
         };
         let status = match &outcome {
@@ -340,7 +343,7 @@ impl TransferActor {
     /// Tells the peer we no longer read its buffer of transfer `id` (it holds a lease on it
     /// until then). `Done` for a transfer it already ended changes nothing there.
     pub(super) fn release_to_peer(&mut self, id: InboundId) {
-        if let Some(w) = &self.writer {
+        if let Some(w) = &self.link.writer {
             let _ = w.try_send(Outgoing::Frame(Message::Done(Done { transfer: id.0 })));
         }
     }

@@ -82,11 +82,11 @@ impl Handler<EagerArrived> for TransferActor {
     type Result = ();
 
     fn handle(&mut self, msg: EagerArrived, ctx: &mut Self::Context) {
-        if msg.link != self.link {
+        if msg.link != self.link.number {
             return;
         }
         let id = msg.offer.transfer;
-        if let Some((gate, _)) = &self.eager {
+        if let Some((gate, _)) = &self.link.eager {
             gate.release(id);
         }
         let landing = msg.buffer.kind();
@@ -96,8 +96,10 @@ impl Handler<EagerArrived> for TransferActor {
         match self.session.handle_eager_offer(msg.offer) {
             Ok(true) => {
                 tracing::trace!(peer = %self.peer, id, "eager transfer taken");
-                let pending = self.undelivered.enter();
-                self.complete.insert(InboundId(id), (msg.buffer, pending));
+                let pending = self.inbound.undelivered.enter();
+                self.inbound
+                    .complete
+                    .insert(InboundId(id), (msg.buffer, pending));
             }
             Ok(false) => {}
             Err(violation) => {
@@ -114,7 +116,7 @@ impl TransferActor {
     /// Tells the link's reader what the session holds now (after every turn of the actor),
     /// so that it takes eager transfers only where an offer would be granted at once.
     pub(super) fn publish_eager(&self) {
-        if let Some((gate, handled)) = &self.eager {
+        if let Some((gate, handled)) = &self.link.eager {
             gate.publish(
                 *handled,
                 self.session.inbound_waiting(),

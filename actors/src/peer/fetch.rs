@@ -74,8 +74,8 @@ impl Handler<AskFetch> for TransferActor {
         let ask = Message::Fetch(asked.clone());
         // A frame the peer would refuse would end the link: refused here instead.
         let len = ask.payload_len().unwrap_or(usize::MAX);
-        if len as u64 > u64::from(self.peer_max_frame) {
-            let max = self.peer_max_frame;
+        if len as u64 > u64::from(self.link.peer_max_frame) {
+            let max = self.link.peer_max_frame;
             return Box::pin(async move {
                 Err(Error::Usage(format!(
                     "a fetch of this layout takes {len} bytes, more than the {max} peer {peer} \
@@ -233,14 +233,15 @@ impl TransferActor {
         fetch: u64,
         transport: ferry_config::TransportName,
     ) {
-        if let Some(spans) = self.inbound_spans.remove(&id) {
+        if let Some(spans) = self.inbound.spans.remove(&id) {
             tracing::debug!(parent: &spans.span, fetch, "fetched");
         }
-        let Some((buffer, _pending)) = self.complete.remove(&id) else {
+        let Some((buffer, _pending)) = self.inbound.complete.remove(&id) else {
             return;
         };
         // What the session counts as delivered and not yet taken: taken now.
-        self.claims
+        self.inbound
+            .claims
             .0
             .taken
             .fetch_add(buffer.len() as u64, Ordering::Relaxed);

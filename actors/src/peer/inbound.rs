@@ -53,11 +53,12 @@ impl TransferActor {
         // by side (one waiting for a full tier holds up no other's), and each result handled
         // only after the one before it (ready in the same poll as its signal), so grants
         // leave in offer order.
-        let (previous_placed, previous_handled) = (self.placing.take(), self.reserving.take());
+        let (previous_placed, previous_handled) =
+            (self.inbound.placing.take(), self.inbound.reserving.take());
         let (placed, next_placed) = oneshot::channel();
         let (handled, next_handled) = oneshot::channel();
-        self.placing = Some(next_placed);
-        self.reserving = Some(next_handled);
+        self.inbound.placing = Some(next_placed);
+        self.inbound.reserving = Some(next_handled);
         let io = self.setup.io.clone();
         let request = async move {
             if let Some(previous) = previous_placed {
@@ -107,7 +108,7 @@ impl TransferActor {
                     tracing::debug!(peer = %self.peer, id = id.0, %landing, "receive spilled");
                 }
                 if how == Landing::Pull {
-                    if let Some(spans) = self.inbound_spans.get(&id) {
+                    if let Some(spans) = self.inbound.spans.get(&id) {
                         tracing::trace!(
                             target: crate::TRACE_BLOCKS,
                             id = id.0,
@@ -127,21 +128,23 @@ impl TransferActor {
                 // The region must exist before the grant leaves, since the peer
                 // streams as soon as it reads the grant. (A push that spilled to host
                 // memory streams too.)
-                self.regions.insert(id.0, InboundRegion::new(buffer));
+                self.inbound
+                    .regions
+                    .insert(id.0, InboundRegion::new(buffer));
                 if self
                     .session
                     .handle_reserved(Instant::now(), id, landing.to_wire(), None)
                 {
-                    if let Some(spans) = self.inbound_spans.get_mut(&id) {
+                    if let Some(spans) = self.inbound.spans.get_mut(&id) {
                         spans.phase = tracing::debug_span!(parent: &spans.span, "receive");
                     }
                 } else {
-                    self.regions.remove(&id.0);
+                    self.inbound.regions.remove(&id.0);
                 }
             }
             Err(e) => {
                 self.pulls.sources.remove(&id);
-                if let Some(spans) = self.inbound_spans.remove(&id) {
+                if let Some(spans) = self.inbound.spans.remove(&id) {
                     tracing::debug!(parent: &spans.span, error = %e, "no memory");
                 }
                 let reason = match &e {
@@ -163,10 +166,12 @@ impl TransferActor {
     /// its turn to be delivered. A transfer abandoned meanwhile drops the buffer here.
     pub(super) fn completed(&mut self, id: InboundId, buffer: Buffer) {
         if self.session.handle_inbound_complete(id) {
-            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            if let Some(spans) = self.inbound.spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
             }
-            self.complete.insert(id, (buffer, self.undelivered.enter()));
+            self.inbound
+                .complete
+                .insert(id, (buffer, self.inbound.undelivered.enter()));
         }
     }
 }
@@ -190,7 +195,7 @@ impl TransferActor {
             return;
         };
         self.pulls.pulling.insert(id);
-        if let Some(spans) = self.inbound_spans.get_mut(&id) {
+        if let Some(spans) = self.inbound.spans.get_mut(&id) {
             spans.phase = tracing::debug_span!(parent: &spans.span, "pull");
             spans.pulling = Some(Instant::now());
         }
@@ -215,7 +220,7 @@ impl TransferActor {
         ctx: &mut Context<Self>,
     ) {
         self.pulls.pulling.remove(&id);
-        if let Some(spans) = self.inbound_spans.get(&id) {
+        if let Some(spans) = self.inbound.spans.get(&id) {
             // The copy's own steps are traced by the transport; this is them plus the hops
             // to where it ran and back to this actor.
             tracing::trace!(

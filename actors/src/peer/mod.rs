@@ -395,23 +395,72 @@ pub struct TransferActor {
     epoch: u64,
     setup: TransferSetup,
     session: PeerSession,
+    /// The current link, and what it needs from this end.
+    link: LinkState,
+    /// The peer's transfers to us.
+    inbound: InboundState,
+    /// Our transfers to the peer.
+    outbound: OutboundState,
+    /// The peer's offers we pull.
+    pulls: Pulls,
+    /// Each transport's part of the session (opened when the actor starts).
+    parts: Parts,
+    /// Our buffers lent to the peer's pushes.
+    lent: LentState,
+    fetch: FetchState,
+    timer: DeadlineTimer,
+}
+
+/// The current link of a session: its writer and reader, what the peer said of itself in
+/// its hello, and who waits for it to come up.
+struct LinkState {
     writer: Option<mpsc::Sender<Outgoing>>,
     /// The current link's keepalives (`Ping`, `Pong`), which overtake the writer's queue.
     keepalive: Option<mpsc::Sender<Message>>,
     /// Counts the links this session has had; the current one's number.
-    link: u64,
+    number: u64,
     /// False on a dialed link until the peer's `Welcome`: nothing is sent before it.
     welcomed: bool,
     /// The largest frame the peer takes (its hello's `max_frame`).
     peer_max_frame: u32,
+    /// The current link's reader task: ended with the link, so a peer that stopped reading
+    /// our writes cannot keep its half of the socket, or feed a lost session.
+    reader: Option<tokio::task::AbortHandle>,
+    /// The current link's eager credit at this end, and the peer's offers not taken
+    /// eagerly that the actor handled on it (see [`EagerGate`]).
+    eager: Option<(Arc<dyn EagerGate>, u32)>,
+    /// Bytes the current link (and its staged rings) moved, for the stall clock.
+    activity: Option<Activity>,
+    /// Callers waiting for the link to come up (or for why it cannot).
+    waiters: Vec<oneshot::Sender<Result<(), Error>>>,
+}
+
+impl Default for LinkState {
+    fn default() -> Self {
+        Self {
+            writer: None,
+            keepalive: None,
+            number: 0,
+            welcomed: false,
+            peer_max_frame: u32::MAX,
+            reader: None,
+            eager: None,
+            activity: None,
+            waiters: Vec::new(),
+        }
+    }
+}
+
+/// The peer's transfers to us, from their offer to their delivery.
+struct InboundState {
+    /// Where granted transfers land, by the peer's transfer id.
     regions: Arc<DashMap<u64, InboundRegion>>,
-    outbound: HashMap<OpId, OutEntry>,
     complete: HashMap<InboundId, (Buffer, crate::order::Pending)>,
     /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
     undelivered: crate::order::Undelivered,
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
     /// their turn to be delivered).
-    inbound_spans: HashMap<InboundId, InboundSpans>,
+    spans: HashMap<InboundId, InboundSpans>,
     /// Ends when the latest inbound reservation's result is handled: the next one's
     /// result waits for it, so this peer's reservations (made off this actor's thread)
     /// are handled in offer order.
@@ -419,33 +468,23 @@ pub struct TransferActor {
     /// Ends when the latest inbound reservation is placed (granted, or queued at its
     /// tiers): the next one is placed after it.
     placing: Option<oneshot::Receiver<()>>,
-    drained: Vec<oneshot::Sender<()>>,
-    link_waiters: Vec<oneshot::Sender<Result<(), Error>>>,
-    timer: DeadlineTimer,
+    /// What this peer's fast lane delivered and the application took (the inbox counts),
+    /// and both totals when this session began (it counts from there).
+    claims: (Arc<crate::inbox::Claims>, u64, u64),
+}
+
+/// Our transfers to the peer, from their submission to their end.
+#[derive(Default)]
+struct OutboundState {
+    entries: HashMap<OpId, OutEntry>,
     /// Our pulls whose offer went to the writer: only those can be read by the peer.
     offered: HashSet<OpId>,
     /// Submissions waiting their turn to enter the session.
     held: Held,
-    /// The peer's offers we pull.
-    pulls: Pulls,
-    /// Each transport's part of the session (opened when the actor starts).
-    parts: Parts,
+    /// Callers waiting until no transfer of ours is left.
+    drained: Vec<oneshot::Sender<()>>,
     /// The fast path a part opened to the peer, as published in the node's table.
     fast_path: Option<Arc<crate::direct::FastLane>>,
-    /// Our buffers lent to the peer's pushes.
-    lent: LentState,
-    fetch: FetchState,
-    /// Bytes the current link (and its staged rings) moved, for the stall clock.
-    activity: Option<Activity>,
-    /// What this peer's fast lane delivered and the application took (the inbox counts),
-    /// and both totals when this session began (it counts from there).
-    claims: (Arc<crate::inbox::Claims>, u64, u64),
-    /// The current link's reader task: ended with the link, so a peer that stopped reading
-    /// our writes cannot keep its half of the socket, or feed a lost session.
-    reader: Option<tokio::task::AbortHandle>,
-    /// The current link's eager credit at this end, and the peer's offers not taken
-    /// eagerly that the actor handled on it (see [`EagerGate`]).
-    eager: Option<(Arc<dyn EagerGate>, u32)>,
 }
 
 impl TransferActor {
@@ -462,32 +501,22 @@ impl TransferActor {
             peer,
             epoch,
             setup,
-            writer: None,
-            keepalive: None,
-            link: 0,
-            welcomed: false,
-            peer_max_frame: u32::MAX,
-            regions: Arc::default(),
-            outbound: HashMap::new(),
-            complete: HashMap::new(),
-            undelivered: crate::order::Undelivered::default(),
-            inbound_spans: HashMap::new(),
-            reserving: None,
-            placing: None,
-            drained: Vec::new(),
-            link_waiters: Vec::new(),
-            timer: DeadlineTimer::default(),
-            offered: HashSet::new(),
-            held: Held::default(),
+            link: LinkState::default(),
+            inbound: InboundState {
+                regions: Arc::default(),
+                complete: HashMap::new(),
+                undelivered: crate::order::Undelivered::default(),
+                spans: HashMap::new(),
+                reserving: None,
+                placing: None,
+                claims,
+            },
+            outbound: OutboundState::default(),
             pulls: Pulls::default(),
             parts: Parts::default(),
-            fast_path: None,
             lent: LentState::default(),
             fetch: FetchState::default(),
-            activity: None,
-            reader: None,
-            eager: None,
-            claims,
+            timer: DeadlineTimer::default(),
         }
     }
 
@@ -516,7 +545,7 @@ impl Actor for TransferActor {
             deliveries: Arc::new(crate::inbox::PathDeliveries {
                 inbox: Arc::clone(&setup.inbox),
                 peer: self.peer.clone(),
-                undelivered: self.undelivered.clone(),
+                undelivered: self.inbound.undelivered.clone(),
             }),
             share: setup.limits.inbound_bytes,
             reserve_timeout: setup.reserve_timeout,
@@ -545,14 +574,14 @@ impl Actor for TransferActor {
                 let _ = recipient.send(PeerGone(peer.clone())).await;
             }
         });
-        if let Some(reader) = self.reader.take() {
+        if let Some(reader) = self.link.reader.take() {
             reader.abort();
         }
-        self.keepalive = None;
-        if let Some(w) = self.writer.take() {
+        self.link.keepalive = None;
+        if let Some(w) = self.link.writer.take() {
             let _ = w.try_send(Outgoing::Close);
         }
-        self.regions.clear();
+        self.inbound.regions.clear();
         let ended = SessionEnded {
             peer: self.peer.clone(),
             epoch: self.epoch,
@@ -578,28 +607,28 @@ impl Handler<Attach> for TransferActor {
     type Result = ();
 
     fn handle(&mut self, Attach { link, dialed }: Attach, ctx: &mut Self::Context) {
-        if let Some(old) = self.writer.take() {
+        if let Some(old) = self.link.writer.take() {
             // A link that lost a simultaneous-dial tie-break: the peer never read it.
             let _ = old.try_send(Outgoing::Close);
             self.session.handle_relink();
             self.ask_fetches_again();
             tracing::info!(peer = %self.peer, "moved to the peer's link");
         }
-        self.link += 1;
-        self.peer_max_frame = link.peer_hello.max_frame;
+        self.link.number += 1;
+        self.link.peer_max_frame = link.peer_hello.max_frame;
         self.attach_parts(&link.peer_hello);
         // What the peer takes eagerly, before anything is offered on this link.
         let eager = self.parts.iter_mut().find_map(|p| p.peer_eager());
         self.session.handle_peer_eager(eager.unwrap_or_default());
         let (tx, rx) = mpsc::channel(self.writer_capacity());
-        self.welcomed = !dialed;
+        self.link.welcomed = !dialed;
         if !dialed {
             // We keep the link the peer dialed: say so before anything else.
             let _ = tx.try_send(Outgoing::Frame(Message::Welcome));
         }
-        self.writer = Some(tx);
+        self.link.writer = Some(tx);
         let (keepalive, keepalives) = mpsc::channel(KEEPALIVES);
-        self.keepalive = Some(keepalive);
+        self.link.keepalive = Some(keepalive);
         let me = ctx.address();
         let out = LinkOut {
             writer: link.writer,
@@ -607,26 +636,27 @@ impl Handler<Attach> for TransferActor {
         };
         self.setup
             .io
-            .spawn(write_loop(out, rx, me.clone(), self.link));
+            .spawn(write_loop(out, rx, me.clone(), self.link.number));
         // The eager credit this node grants the peer on this link, if a transport does.
         let gate = self.parts.iter_mut().find_map(|p| p.eager_gate());
-        self.eager = gate.clone().map(|g| (g, 0));
+        self.link.eager = gate.clone().map(|g| (g, 0));
         let reader = ReadLoop {
             eager: gate,
             host_tiers: self.setup.host_tiers.clone(),
             me,
-            regions: Arc::clone(&self.regions),
+            regions: Arc::clone(&self.inbound.regions),
             exposed: Arc::clone(&self.setup.exposed),
             counters: Arc::clone(&self.setup.counters),
-            link: self.link,
+            link: self.link.number,
         };
         if let Some(old) = self
+            .link
             .reader
             .replace(self.setup.io.spawn(reader.run(link.reader)).abort_handle())
         {
             old.abort();
         }
-        self.activity = Some(link.activity);
+        self.link.activity = Some(link.activity);
         tracing::info!(peer = %self.peer, "link up");
         self.drive(ctx);
     }
@@ -638,11 +668,11 @@ impl Handler<DataEvent> for TransferActor {
         match event {
             DataEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
             DataEvent::StreamEnded { op, broken, link } => {
-                if let Some(why) = broken.filter(|_| link == self.link) {
+                if let Some(why) = broken.filter(|_| link == self.link.number) {
                     self.session
                         .handle_link_lost(&format!("the link's stream failed: {why}"));
                 }
-                if let Some(entry) = self.outbound.get_mut(&op) {
+                if let Some(entry) = self.outbound.entries.get_mut(&op) {
                     // Every byte is on its way: wait for the peer's Done (or PutAck).
                     entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
                 }
@@ -664,10 +694,10 @@ impl Handler<Lost> for TransferActor {
 impl Handler<LinkDown> for TransferActor {
     type Result = ();
     fn handle(&mut self, msg: LinkDown, ctx: &mut Self::Context) {
-        if msg.link != self.link {
+        if msg.link != self.link.number {
             return;
         }
-        if !self.welcomed && self.writer.is_some() {
+        if !self.link.welcomed && self.link.writer.is_some() {
             // The peer closed our dial before welcoming it: nothing was sent on it.
             return self.dial_refused(ctx);
         }
@@ -687,7 +717,7 @@ impl Handler<AwaitLink> for TransferActor {
     type Result = ResponseFuture<Result<(), Error>>;
     fn handle(&mut self, _: AwaitLink, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.link_waiters.push(tx);
+        self.link.waiters.push(tx);
         self.drive(ctx);
         Box::pin(async move { rx.await.unwrap_or(Err(Error::ShuttingDown)) })
     }
@@ -698,7 +728,7 @@ impl Handler<Drain> for TransferActor {
     fn handle(&mut self, _: Drain, ctx: &mut Self::Context) -> Self::Result {
         self.session.handle_drain();
         let (tx, rx) = oneshot::channel();
-        self.drained.push(tx);
+        self.outbound.drained.push(tx);
         self.drive(ctx);
         Box::pin(async move {
             let _ = rx.await;
@@ -710,11 +740,11 @@ impl TransferActor {
     /// The dialed link was refused: drop it, keep every op queued, and let the coordinator
     /// wait for the peer's own link.
     fn dial_refused(&mut self, ctx: &mut Context<Self>) {
-        self.keepalive = None;
-        if let Some(old) = self.writer.take() {
+        self.link.keepalive = None;
+        if let Some(old) = self.link.writer.take() {
             let _ = old.try_send(Outgoing::Close);
         }
-        self.link += 1;
+        self.link.number += 1;
         tracing::info!(peer = %self.peer, "peer refused our link; waiting for its own");
         let refused = DialRefused {
             peer: self.peer.clone(),
@@ -735,11 +765,11 @@ impl Handler<FromPeer> for TransferActor {
     type Result = ();
     fn handle(&mut self, FromPeer(msg, link): FromPeer, ctx: &mut Self::Context) {
         match msg {
-            Message::Welcome if !self.welcomed => {
-                self.welcomed = true;
+            Message::Welcome if !self.link.welcomed => {
+                self.link.welcomed = true;
                 return self.drive(ctx);
             }
-            Message::Goodbye if !self.welcomed => return self.dial_refused(ctx),
+            Message::Goodbye if !self.link.welcomed => return self.dial_refused(ctx),
             Message::Transport(m) => {
                 self.on_transport_message(m);
                 return self.drive(ctx);
@@ -761,8 +791,8 @@ impl Handler<FromPeer> for TransferActor {
             }
             // An offer the reader did not take eagerly: counted for its eager gate (only the
             // current link's reader counts; one replaced may still have frames queued).
-            Message::Offer(_) if link == self.link => {
-                if let Some((_, handled)) = &mut self.eager {
+            Message::Offer(_) if link == self.link.number => {
+                if let Some((_, handled)) = &mut self.link.eager {
                     *handled = handled.wrapping_add(1);
                 }
             }
@@ -804,7 +834,7 @@ impl Handler<PutFinished> for TransferActor {
             put: msg.put,
             error: msg.error,
         });
-        if let Some(w) = &self.writer
+        if let Some(w) = &self.link.writer
             && w.try_send(Outgoing::Frame(ack)).is_err()
         {
             self.session

@@ -10,7 +10,7 @@ impl TransferActor {
     /// A granted op (or a put, which needs no grant): its bytes start to move, through
     /// its transport's own channel if it has one (staged's ring), else over the link.
     pub(super) fn start_stream(&mut self, op: OpId) {
-        let Some(entry) = self.outbound.get_mut(&op) else {
+        let Some(entry) = self.outbound.entries.get_mut(&op) else {
             return;
         };
         entry.phase = tracing::debug_span!(parent: &entry.span, "copy");
@@ -31,7 +31,7 @@ impl TransferActor {
     /// Hands a granted op's bytes to the link's writer, in frames of its transport's size
     /// (puts': the link's own, `transport.tcp.chunk_size`).
     pub(super) fn stream_over_link(&mut self, op: OpId) {
-        let Some(entry) = self.outbound.get(&op) else {
+        let Some(entry) = self.outbound.entries.get(&op) else {
             return;
         };
         let chunk = match entry.what {
@@ -47,7 +47,7 @@ impl TransferActor {
             stop: Arc::clone(&entry.stop),
             chunk,
         };
-        let sent = match &self.writer {
+        let sent = match &self.link.writer {
             Some(w) => w.try_send(out).is_ok(),
             None => false,
         };
@@ -130,9 +130,9 @@ impl TransferActor {
             Exporting::Later(exporting) => {
                 // The actor goes on meanwhile (pulls, grants, timers); later submissions
                 // queue behind this one until it is queued in the session.
-                self.held.exporting = true;
+                self.outbound.held.exporting = true;
                 ctx.spawn(exporting.into_actor(self).map(move |exported, act, ctx| {
-                    act.held.exporting = false;
+                    act.outbound.held.exporting = false;
                     match exported {
                         Ok(exported) => act.queue_submit_with(msg, Some(exported), reply, ctx),
                         Err(e) => {
@@ -346,7 +346,7 @@ impl TransferActor {
             (_, "pull") => tracing::debug_span!(parent: &span, "pull"),
             _ => tracing::debug_span!(parent: &span, "grant"),
         };
-        self.outbound.insert(
+        self.outbound.entries.insert(
             id,
             OutEntry {
                 buffer,
@@ -463,14 +463,14 @@ impl TransferActor {
             Some((transport, Admission::Queued(ticket))) => (Some((transport, ticket)), None),
             Some((_, Admission::FallBack(why))) => (None, Some(Some(why))),
         };
-        self.held.queue.push_back(HeldSubmit {
+        self.outbound.held.queue.push_back(HeldSubmit {
             ticket,
             verdict,
             msg,
             reply,
         });
         self.release_held(ctx);
-        if !self.held.queue.is_empty() {
+        if !self.outbound.held.queue.is_empty() {
             // A setup to start or go on with (what was released drove the session already).
             self.drive(ctx);
         }
@@ -479,13 +479,20 @@ impl TransferActor {
     /// Queues (or falls back) the held submissions from the oldest, up to the first that
     /// waits (for the setup, or for a registration under way).
     pub(super) fn release_held(&mut self, ctx: &mut Context<Self>) {
-        while !self.held.exporting && self.held.queue.front().is_some_and(|h| h.verdict.is_some()) {
+        while !self.outbound.held.exporting
+            && self
+                .outbound
+                .held
+                .queue
+                .front()
+                .is_some_and(|h| h.verdict.is_some())
+        {
             let Some(HeldSubmit {
                 msg,
                 reply,
                 verdict: Some(failed),
                 ..
-            }) = self.held.queue.pop_front()
+            }) = self.outbound.held.queue.pop_front()
             else {
                 break;
             };
@@ -498,7 +505,7 @@ impl TransferActor {
 
     /// The held submissions end with `error`, their buffers given back.
     pub(super) fn fail_held(&mut self, error: impl Fn() -> Error) {
-        for h in self.held.queue.drain(..) {
+        for h in self.outbound.held.queue.drain(..) {
             let _ = h.reply.send(Err(SendError {
                 error: error(),
                 buffer: Some(h.msg.buffer),

@@ -100,9 +100,9 @@ impl TransferActor {
         let attached = Attached {
             hello,
             same_host,
-            link: self.link,
-            activity: self.activity.clone().unwrap_or_default(),
-            regions: Arc::clone(&self.regions),
+            link: self.link.number,
+            activity: self.link.activity.clone().unwrap_or_default(),
+            regions: Arc::clone(&self.inbound.regions),
         };
         let serves: Vec<_> = (self.parts.iter_mut())
             .map(|p| (p.transport(), p.attach(&attached)))
@@ -115,7 +115,7 @@ impl TransferActor {
     /// Takes what the parts have for the shell: their messages to the peer's parts (to the
     /// writer, once the link is welcomed) and their events.
     pub(super) fn drive_parts(&mut self, ctx: &mut Context<Self>) {
-        let welcomed = self.writer.is_some() && self.welcomed;
+        let welcomed = self.link.writer.is_some() && self.link.welcomed;
         let mut messages = Vec::new();
         let mut events = Vec::new();
         for part in self.parts.iter_mut() {
@@ -135,8 +135,8 @@ impl TransferActor {
             }
         }
         for msg in messages {
-            let sent =
-                (self.writer.as_ref()).is_some_and(|w| w.try_send(Outgoing::Frame(msg)).is_ok());
+            let sent = (self.link.writer.as_ref())
+                .is_some_and(|w| w.try_send(Outgoing::Frame(msg)).is_ok());
             if !sent {
                 self.session
                     .handle_link_lost("the link's send queue overflowed or closed");
@@ -161,14 +161,16 @@ impl TransferActor {
     ) {
         match event {
             PartEvent::Settled(outcome) => self.settled(transport, outcome, ctx),
-            PartEvent::Proceed(ticket) => self.held.settled(transport, ticket, None),
-            PartEvent::FallBack(ticket, why) => self.held.settled(transport, ticket, Some(why)),
+            PartEvent::Proceed(ticket) => self.outbound.held.settled(transport, ticket, None),
+            PartEvent::FallBack(ticket, why) => {
+                self.outbound.held.settled(transport, ticket, Some(why))
+            }
             PartEvent::FastPath(path) => {
                 let lane = Arc::new(crate::direct::FastLane::new(transport, path));
                 self.setup
                     .lanes
                     .insert(self.peer.clone(), Arc::clone(&lane));
-                if let Some(old) = self.fast_path.replace(lane) {
+                if let Some(old) = self.outbound.fast_path.replace(lane) {
                     old.path.close();
                 }
             }
@@ -188,7 +190,7 @@ impl TransferActor {
                     self.session
                         .handle_link_lost(&format!("the {transport} channel failed: {why}"));
                 }
-                if let Some(entry) = self.outbound.get_mut(&op) {
+                if let Some(entry) = self.outbound.entries.get_mut(&op) {
                     // Every byte is on its way: wait for the peer's Done (or PutAck).
                     entry.phase = tracing::debug_span!(parent: &entry.span, "ack");
                 }
@@ -230,7 +232,7 @@ impl TransferActor {
         for part in self.parts.iter_mut() {
             part.detach();
         }
-        if let Some(lane) = self.fast_path.take() {
+        if let Some(lane) = self.outbound.fast_path.take() {
             self.setup
                 .lanes
                 .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &lane));

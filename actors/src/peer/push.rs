@@ -67,7 +67,7 @@ impl TransferActor {
             .session
             .handle_reserved(Instant::now(), id, landing, Some(target))
         {
-            if let Some(spans) = self.inbound_spans.get_mut(&id) {
+            if let Some(spans) = self.inbound.spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "pushed");
             }
             self.lent.buffers.insert(id, buffer);
@@ -145,9 +145,9 @@ impl TransferActor {
             self.session
                 .handle_link_lost("the peer kept too many abandoned lent buffers");
         }
-        let link = self.link;
+        let link = self.link.number;
         ctx.run_later(self.setup.lease_timeout, move |act, ctx| {
-            if act.link == link && act.lent.buffers.contains_key(&id) {
+            if act.link.number == link && act.lent.buffers.contains_key(&id) {
                 tracing::warn!(
                     peer = %act.peer,
                     id = id.0,
@@ -181,7 +181,7 @@ impl TransferActor {
         &mut self,
         op: OpId,
     ) -> Result<(SharedBytes, Layout, Arc<AtomicBool>), MoveError> {
-        let Some(entry) = self.outbound.get_mut(&op) else {
+        let Some(entry) = self.outbound.entries.get_mut(&op) else {
             return Err(MoveError::new("the transfer ended"));
         };
         if let Some(why) = self.session.lost_reason() {
@@ -228,6 +228,7 @@ impl TransferActor {
             error: pushed.as_ref().err().map(ToString::to_string),
         });
         let sent = self
+            .link
             .writer
             .as_ref()
             .is_some_and(|w| w.try_send(Outgoing::Frame(frame)).is_ok());
