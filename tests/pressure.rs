@@ -334,3 +334,100 @@ async fn spilled_buffer_promotes_back_byte_exact() {
         "promotion is byte-exact"
     );
 }
+
+/// p50 of `samples`.
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// Sends of 4 KiB from `b` to `r`, one at a time, each until `r` holds it: their times.
+async fn small_round(b: &Node, r: &Node, tags: std::ops::Range<u64>) -> Vec<Duration> {
+    let mut took = Vec::new();
+    for tag in tags {
+        let buffer = patterned(b, 4096, tag).await;
+        let started = Instant::now();
+        let (sent, got) = tokio::join!(b.send("r", tag, buffer), r.recv(Some("b"), Some(tag)));
+        sent.unwrap_or_else(|e| panic!("b's send {tag}: {e}"));
+        drop(got.unwrap_or_else(|e| panic!("r's recv of {tag}: {e}")));
+        took.push(started.elapsed());
+    }
+    took
+}
+
+/// One peer whose transfers wait at the receiver (its share of the receiver's memory is
+/// full and the application takes nothing from it) holds up only itself: another peer's
+/// small transfers to the same receiver keep their latency (p50 within a few times what it
+/// was before, far from the blocked peer's wait), each session on its own thread
+/// (`node.peer_threads`), and the blocked peer's transfers finish once they are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_peer_does_not_delay_another() {
+    let scratch = Scratch::new();
+    let r = Node::start(scratch.config("r", &[], "[limits]\npeer_inbound_bytes = \"8 MiB\"\n"))
+        .await
+        .expect("r starts");
+    let at = r.tcp_addrs()[0].clone();
+    let a = Arc::new(
+        Node::start(scratch.config("a", &[("r", &at)], ""))
+            .await
+            .expect("a starts"),
+    );
+    let b = Node::start(scratch.config("b", &[("r", &at)], ""))
+        .await
+        .expect("b starts");
+    b.connect("r").await.expect("b's link");
+    a.connect("r").await.expect("a's link");
+    let _ = small_round(&b, &r, 0..20).await;
+    let alone = median(small_round(&b, &r, 20..120).await);
+
+    // a's four transfers of 8 MiB: the first fills its share at r, the others wait.
+    let finished = Arc::new(AtomicU64::new(0));
+    let sends: Vec<_> = (0..4u64)
+        .map(|tag| {
+            let (a, finished) = (Arc::clone(&a), Arc::clone(&finished));
+            tokio::spawn(async move {
+                let buffer = patterned(&a, 8 << 20, 1000 + tag).await;
+                let sent = a.send("r", 1000 + tag, buffer).await.map(drop);
+                finished.fetch_add(1, Ordering::AcqRel);
+                sent
+            })
+        })
+        .collect();
+    let held = common::eventually(Duration::from_secs(10), async || {
+        r.host_memory().await.is_ok_and(|m| m.granted >= 8 << 20)
+    })
+    .await;
+    assert!(held, "a's first transfer never reached r");
+    let beside = median(small_round(&b, &r, 200..300).await);
+    assert!(
+        finished.load(Ordering::Acquire) <= 1,
+        "a's transfers were not held at r: the test proves nothing"
+    );
+    assert!(
+        beside <= alone * 4 + Duration::from_millis(2),
+        "b's 4 KiB transfers took {beside:?} (p50) beside a blocked peer, {alone:?} alone"
+    );
+
+    // Taken in the order they land (the four were offered in any order).
+    let mut tags = Vec::new();
+    for _ in 0..4 {
+        let got = r.recv(Some("a"), None).await.expect("a's transfer");
+        assert_eq!(got.buffer.len(), 8 << 20);
+        tags.push(got.tag);
+    }
+    tags.sort_unstable();
+    assert_eq!(tags, [1000, 1001, 1002, 1003]);
+    for send in sends {
+        send.await.expect("a's task").expect("a's send");
+    }
+    let back = common::eventually(Duration::from_secs(5), async || {
+        r.host_memory().await.is_ok_and(|m| m.granted == 0)
+    })
+    .await;
+    assert!(back, "r still holds memory: {:?}", r.host_memory().await);
+    b.shutdown().await;
+    if let Ok(a) = Arc::try_unwrap(a) {
+        a.shutdown().await;
+    }
+    r.shutdown().await;
+}

@@ -295,6 +295,8 @@ pub struct CoordinatorSetup {
     /// Where this node lands received buffers by default (its first receive tier), as its
     /// hello tells peers.
     pub receives: MemoryKind,
+    /// The threads peers' sessions run on, each new session on the next (at least one).
+    pub peer_threads: Vec<actix::ArbiterHandle>,
 }
 
 /// The hello this node greets a peer with, on links it dials and links it accepts alike:
@@ -520,11 +522,21 @@ impl Coordinator {
         // Bounded by the peer's credit, which every send, put or fetch answer holds.
         let (submissions, submitted) =
             futures::channel::mpsc::channel(self.setup.config.limits.peer_queue);
-        let addr = TransferActor::create(move |c| {
+        let start = move |c: &mut Context<TransferActor>| {
             c.set_mailbox_capacity(mailbox);
             c.add_stream(submitted);
             actor
-        });
+        };
+        // Each session on the next of the peer threads, so that one peer's turns never
+        // wait for another's on a thread they share.
+        let threads = &self.setup.peer_threads;
+        let addr = match usize::try_from(epoch)
+            .ok()
+            .and_then(|e| threads.get(e % threads.len().max(1)))
+        {
+            Some(thread) => TransferActor::start_in_arbiter(thread, start),
+            None => TransferActor::create(start),
+        };
         if let Some(old) = self.sessions.insert(
             peer.to_string(),
             Session {

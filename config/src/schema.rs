@@ -74,6 +74,10 @@ pub struct NodeConfig {
     /// with a warning, for one release.
     #[serde(with = "duration")]
     pub recv_spin: Duration,
+    /// Threads the sessions with peers run on (each peer's session on one of them, in
+    /// turn), beside the thread of the coordinator and the memory domains: one peer's slow
+    /// turn never holds up the sessions on the other threads. 1 to 64. Default 4.
+    pub peer_threads: usize,
 }
 
 impl Default for NodeConfig {
@@ -85,6 +89,7 @@ impl Default for NodeConfig {
             danger_listen_any: false,
             host_id: None,
             recv_spin: Duration::ZERO,
+            peer_threads: 4,
         }
     }
 }

@@ -103,6 +103,9 @@ impl Config {
                 return fail("node.host_id", problem);
             }
         }
+        if !(1..=64).contains(&node.peer_threads) {
+            return fail("node.peer_threads", "must be 1 to 64");
+        }
         if node.recv_spin > Duration::from_millis(1) {
             return fail("node.recv_spin", "must be at most 1ms");
         }
@@ -438,6 +441,19 @@ mod tests {
         assert!(config.validate().is_ok());
         config.transport.ipc.gather_max = (1 << 30) + 1;
         assert_eq!(key_of(&config), "transport.ipc.gather_max");
+    }
+
+    #[test]
+    fn peer_threads_are_1_to_64() {
+        let mut config = valid();
+        for ok in [1, 64] {
+            config.node.peer_threads = ok;
+            assert!(config.validate().is_ok(), "{ok}");
+        }
+        for bad in [0, 65] {
+            config.node.peer_threads = bad;
+            assert_eq!(key_of(&config), "node.peer_threads", "{bad}");
+        }
     }
 
     #[test]

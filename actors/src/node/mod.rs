@@ -83,6 +83,8 @@ pub struct Node {
     unix_path: Option<PathBuf>,
     system: System,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The threads peers' sessions run on.
+    peer_threads: Vec<actix::Arbiter>,
     io: Option<tokio::runtime::Runtime>,
 }
 
@@ -202,6 +204,7 @@ impl Node {
             unix_path,
             system: started.system,
             thread: Some(thread),
+            peer_threads: started.peer_threads,
             io: Some(io.into_inner()),
         })
     }
@@ -962,6 +965,11 @@ impl Node {
     fn stop(&mut self) {
         self.system.stop();
         if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        // The system stopped them; their sessions end before the I/O runtime does.
+        for thread in self.peer_threads.drain(..) {
+            thread.stop();
             let _ = thread.join();
         }
         if let Some(io) = self.io.take() {

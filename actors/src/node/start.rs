@@ -237,6 +237,8 @@ pub(super) struct Started {
     pub(super) transports: crate::coordinator::NodeTransports,
     pub(super) host_id: Arc<str>,
     pub(super) system: System,
+    /// The threads peers' sessions run on (`node.peer_threads`), joined when the node stops.
+    pub(super) peer_threads: Vec<actix::Arbiter>,
 }
 
 /// Starts the actor thread: its actix system runs the allocators and the coordinator,
@@ -340,7 +342,11 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     };
     // Bounded by the node's credits (each hand-over holds one of its peer's).
     let (handovers, handed) = futures::channel::mpsc::channel(config.limits.peer_queue);
+    let peer_threads: Vec<actix::Arbiter> = (0..config.node.peer_threads)
+        .map(|_| actix::Arbiter::new())
+        .collect();
     let coordinator = Coordinator::new(CoordinatorSetup {
+        peer_threads: peer_threads.iter().map(actix::Arbiter::handle).collect(),
         config: Arc::clone(&config),
         secret,
         link,
@@ -362,6 +368,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         transports,
         host_id,
         system: System::current(),
+        peer_threads,
     }
 }
 
