@@ -15,11 +15,17 @@
 
 mod described;
 mod dns;
+mod links;
+mod messages;
 mod routes;
 
 pub(crate) use self::routes::{count_failovers, memory_class};
 
 pub use self::described::describe_metrics;
+pub use self::messages::{
+    Connect, ConnectedPeers, Dialed, Explain, FetchFrom, Handed, Handover, Handovers, InspectPeer,
+    LinkUp, PutTo, SendTo, Shutdown, hand_over,
+};
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -28,9 +34,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use ferry_config::{Config, Locality, MemoryClass, PeerAddress};
-use ferry_transports::link::{self, Endpoint, Link, LinkOptions, Secret};
+use ferry_transports::link::{self, Endpoint, LinkOptions, Secret};
 use ferry_transports::memory::{Buffer, MemoryKind};
-use ferry_transports::region::RegionKey;
 use ferry_transports::transport::{Capabilities, Viability};
 use ferry_transports::wire::{Hello, HelloPurpose, WireDirection};
 
@@ -39,96 +44,9 @@ use crate::core::route::{self, Explanation, RouteQuery};
 use crate::error::{Error, SendError};
 use crate::inbox::Inbox;
 use crate::peer::{
-    Attach, AwaitLink, DialRefused, Drain, Lost, Op, PeerClass, SessionEnded, SetupSettled, Submit,
-    TransferActor, TransferSetup,
+    AwaitLink, Drain, Lost, Op, PeerClass, SessionEnded, SetupSettled, Submit, TransferActor,
+    TransferSetup,
 };
-
-/// Send `buffer` to `peer` under `tag`.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Buffer, SendError>")]
-pub struct SendTo {
-    /// Peer name.
-    pub peer: String,
-    /// Application tag.
-    pub tag: u64,
-    /// The data.
-    pub buffer: Buffer,
-    /// How the bytes to send lie in it (checked against it already).
-    pub layout: ferry_transports::wire::Layout,
-    /// The layout's packed length in the buffer (what [`Layout::check`] returned):
-    /// the bytes that move.
-    ///
-    /// [`Layout::check`]: ferry_transports::wire::Layout::check
-    pub packed: u64,
-    /// When it must have ended.
-    pub deadline: Instant,
-    /// For the answer to the peer's fetch: its id (the peer hands the bytes to that fetch,
-    /// not to `recv`).
-    pub fetch: Option<u64>,
-}
-
-/// A send or put the node hands the coordinator to route (before the peer's link is up, or
-/// while an earlier one to the peer is still with it).
-#[derive(Debug)]
-pub enum Handed {
-    /// A send.
-    Send(SendTo),
-    /// A one-sided put.
-    Put(PutTo),
-}
-
-/// A [`Handed`] message with where its outcome goes, on the channel the coordinator reads
-/// (never an actix request, which actix drops unhandled once its caller stops waiting).
-#[derive(Debug)]
-pub struct Handover {
-    /// What to route.
-    pub what: Handed,
-    /// Where its outcome goes.
-    pub reply: tokio::sync::oneshot::Sender<Result<Buffer, SendError>>,
-    /// Held until its outcome: while a message to the peer is with the coordinator, the
-    /// peer's later sends come this way too (they could pass it otherwise).
-    pub unanswered: Option<crate::order::ViaCoordinator>,
-}
-
-/// The sending end of the coordinator's hand-overs: bounded by the node's credits.
-pub type Handovers = futures::channel::mpsc::Sender<Handover>;
-
-/// Hands `what` to the coordinator behind `handovers` (waiting for room); resolves once it
-/// is in the channel, with the future of its outcome, which comes whether or not that
-/// future is polled.
-pub async fn hand_over(
-    handovers: &Handovers,
-    what: Handed,
-    unanswered: Option<crate::order::ViaCoordinator>,
-) -> futures::future::BoxFuture<'static, Result<Buffer, SendError>> {
-    let stopped = |buffer| SendError {
-        error: Error::ShuttingDown,
-        buffer,
-    };
-    let (reply, outcome) = tokio::sync::oneshot::channel();
-    let mut tx = handovers.clone();
-    let buffer_of = |h: Handover| match h.what {
-        Handed::Send(m) => m.buffer,
-        Handed::Put(m) => m.buffer,
-    };
-    let handover = Handover {
-        what,
-        reply,
-        unanswered,
-    };
-    if futures::future::poll_fn(|cx| tx.poll_ready(cx))
-        .await
-        .is_err()
-    {
-        let failed = Err(stopped(Some(buffer_of(handover))));
-        return Box::pin(std::future::ready(failed));
-    }
-    if let Err(e) = tx.try_send(handover) {
-        let failed = Err(stopped(Some(buffer_of(e.into_inner()))));
-        return Box::pin(std::future::ready(failed));
-    }
-    Box::pin(async move { outcome.await.unwrap_or_else(|_| Err(stopped(None))) })
-}
 
 impl StreamHandler<Handover> for Coordinator {
     fn handle(&mut self, handover: Handover, ctx: &mut Self::Context) {
@@ -151,86 +69,6 @@ impl StreamHandler<Handover> for Coordinator {
     fn finished(&mut self, _: &mut Self::Context) {}
 }
 
-/// Fetch what `peer` published under `key` (one flight's request: single flight is the
-/// node's, see [`crate::fetch`]).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<crate::fetch::Landed, Error>")]
-pub struct FetchFrom {
-    /// Peer name.
-    pub peer: String,
-    /// The key.
-    pub key: String,
-    /// Which bytes of it.
-    pub layout: ferry_transports::wire::Layout,
-    /// When it must have ended.
-    pub deadline: Instant,
-}
-
-/// Write `buffer` at `offset` into the region `key` that `peer` exposed.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Buffer, SendError>")]
-pub struct PutTo {
-    /// Peer name.
-    pub peer: String,
-    /// The region.
-    pub key: RegionKey,
-    /// Where in the region.
-    pub offset: u64,
-    /// The data.
-    pub buffer: Buffer,
-    /// When it must have ended.
-    pub deadline: Instant,
-}
-
-/// Explain the route a transfer to `peer` would take.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Explanation, Error>")]
-pub struct Explain {
-    /// Peer name.
-    pub peer: String,
-    /// Bytes.
-    pub bytes: u64,
-    /// Memory at this end.
-    pub src: MemoryClass,
-    /// Memory at the peer's end, for a what-if question; `None`: what the peer receives
-    /// into, as a send is routed (see [`route::destination`]).
-    pub dst: Option<MemoryClass>,
-}
-
-/// What one transport's part of the session with `peer` says of itself for a diagnostic
-/// (see [`crate::peer::Inspect`]).
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Box<dyn std::any::Any + Send>, Error>")]
-pub struct InspectPeer {
-    /// Peer name.
-    pub peer: String,
-    /// Which transport's part.
-    pub transport: ferry_config::TransportName,
-    /// What it is asked (the transport's own word: ucx's `"lanes"`).
-    pub what: String,
-}
-
-/// A link finished its handshake.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct LinkUp {
-    /// The link.
-    pub link: Link,
-    /// What it was dialed for, or `None` when it was accepted.
-    pub dialed: Option<Dialed>,
-}
-
-/// What a link this node dialed was dialed for.
-#[derive(Debug, Clone)]
-pub struct Dialed {
-    /// The epoch of the session that dialed it.
-    pub epoch: u64,
-    /// The peer it was dialed for; the node that answered may be another.
-    pub peer: String,
-    /// Where it was dialed.
-    pub endpoint: Endpoint,
-}
-
 /// Dialing a peer failed.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -242,24 +80,6 @@ struct DialFailed {
 
 /// `Connect`s that may wait for DNS discovery's first answers at once; more fail at once.
 const MAX_WAITING_CONNECTS: usize = 256;
-
-/// Refuse new work, let every transfer end, close the links.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Shutdown;
-
-/// Connect to `peer` now (if not connected) and wait until the link is up.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<(), Error>")]
-pub struct Connect {
-    /// Peer name.
-    pub peer: String,
-}
-
-/// Names of the peers with a live session.
-#[derive(Debug, Message)]
-#[rtype(result = "Vec<String>")]
-pub struct ConnectedPeers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LinkState {
@@ -673,63 +493,6 @@ impl Coordinator {
     }
 }
 
-/// The links' bookkeeping: how many are up, and a dial that another node answered.
-impl Coordinator {
-    /// Sets `ferry_peers_connected`: the peers with a live link.
-    fn count_connected(&self) {
-        let up = self
-            .sessions
-            .values()
-            .filter(|s| matches!(s.state, LinkState::Up { .. }))
-            .count();
-        metrics::gauge!("ferry_peers_connected").set(up as f64);
-    }
-
-    /// A link this node dialed for `dialed.peer` was answered by the node `answered`: the
-    /// link is closed (the answering node, told whom the dial was for, keeps no session for
-    /// it), the session that dialed fails with both names, and an address DNS discovery gave
-    /// is known by the node that answered from now on.
-    fn wrong_node_answered(&mut self, mut link: Link, dialed: &Dialed, answered: &str) {
-        let why = format!(
-            "dialed {} for peer {}, but node {answered} answered there",
-            dialed.endpoint, dialed.peer
-        );
-        tracing::warn!(
-            expected = %dialed.peer,
-            %answered,
-            endpoint = %dialed.endpoint,
-            "the wrong node answered a dial: {why}"
-        );
-        metrics::counter!("ferry_dial_failures_total").increment(1);
-        self.setup.transfer.io.spawn(async move {
-            let _ = link.writer.shutdown().await;
-        });
-        // The address the dial took, when DNS discovery gave it (not `[[peers]]`) and the
-        // peer is still learnt there (a round may have moved it while the dial was on its
-        // way: another address of the peer is not relabelled).
-        let is_static = self
-            .setup
-            .config
-            .peers
-            .iter()
-            .any(|p| p.name == dialed.peer);
-        let took = dialed.endpoint.socket_addr();
-        if let Some(discovery) = self.discovery.as_mut()
-            && !is_static
-            && let Some(addr) = took
-            && discovery.is_at(&dialed.peer, addr)
-        {
-            discovery.handle_answered(addr, answered);
-        }
-        if let Some(s) = self.sessions.get(&dialed.peer)
-            && s.epoch == dialed.epoch
-            && s.state == LinkState::Dialing
-        {
-            send_lost(&s.addr, &why);
-        }
-    }
-}
-
 fn send_lost(addr: &Addr<TransferActor>, why: &str) {
     let addr = addr.clone();
     let why = why.to_string();
@@ -908,133 +671,6 @@ impl Handler<Explain> for Coordinator {
     fn handle(&mut self, msg: Explain, _: &mut Self::Context) -> Self::Result {
         // The same route a `SendTo` takes (`dst` `None`), or a what-if one.
         Ok(self.explain(&msg.peer, msg.bytes, msg.src, msg.dst))
-    }
-}
-
-impl Handler<LinkUp> for Coordinator {
-    type Result = ();
-
-    fn handle(&mut self, msg: LinkUp, ctx: &mut Self::Context) {
-        let peer = msg.link.peer_hello.node.clone();
-        let me = self.name().to_string();
-        let io = self.setup.transfer.io.clone();
-        let refuse = |mut link: Link, why: &str| {
-            tracing::info!(%peer, why, "refusing a link");
-            // Goodbye as the first frame tells a dialer it was refused, not cut off.
-            io.spawn(async move {
-                let _ = link
-                    .writer
-                    .send(&ferry_transports::wire::Message::Goodbye)
-                    .await;
-                let _ = link.writer.shutdown().await;
-            });
-        };
-        if let Some(dialed) = &msg.dialed
-            && dialed.peer != peer
-        {
-            self.wrong_node_answered(msg.link, dialed, &peer);
-            // A relearnt address: dial the node that answered there now.
-            return self.discover(ctx);
-        }
-        if peer == me {
-            return refuse(msg.link, "the peer has this node's own name");
-        }
-        if self.draining {
-            return refuse(msg.link, "shutting down");
-        }
-        let existing = self.sessions.get(&peer).map(|s| (s.epoch, s.state));
-        let attach_to = match (msg.dialed.as_ref().map(|d| d.epoch), existing) {
-            // Our own dial came back, and the session still waits for it.
-            (Some(epoch), Some((e, LinkState::Dialing))) if epoch == e => Some(e),
-            // Our dial lost to a link the peer dialed meanwhile.
-            (Some(_), _) => None,
-            (None, None) => Some(self.new_session(&peer, LinkState::Dialing, ctx)),
-            // Both dialed at once: the link dialed by the lower name wins.
-            (None, Some((e, LinkState::Dialing))) => (peer < me).then_some(e),
-            // We dialed too and our link is up, but the peer's wins the tie-break: it never
-            // read ours, so the session moves to the peer's link and offers again.
-            (None, Some((e, LinkState::Up { dialed_by_me: true }))) => (peer < me).then_some(e),
-            // The peer reconnected (it restarted, or lost the old link first).
-            (
-                None,
-                Some((
-                    _,
-                    LinkState::Up {
-                        dialed_by_me: false,
-                    },
-                )),
-            ) => Some(self.new_session(&peer, LinkState::Dialing, ctx)),
-        };
-        let Some(epoch) = attach_to else {
-            return refuse(msg.link, "a link to this peer already exists");
-        };
-        if let Some(s) = self.sessions.get_mut(&peer)
-            && s.epoch == epoch
-        {
-            s.state = LinkState::Up {
-                dialed_by_me: msg.dialed.is_some(),
-            };
-            s.hello = Some(msg.link.peer_hello.clone());
-            let addr = s.addr.clone();
-            // Queued before the node's sends may go to the actor directly.
-            let attach = addr.send(Attach {
-                link: msg.link,
-                dialed: msg.dialed.is_some(),
-            });
-            self.publish_direct(&peer, None);
-            ctx.spawn(
-                async move {
-                    let _ = attach.await;
-                }
-                .into_actor(self),
-            );
-            self.count_connected();
-        }
-    }
-}
-
-impl Handler<DialFailed> for Coordinator {
-    type Result = ();
-
-    fn handle(&mut self, msg: DialFailed, _: &mut Self::Context) {
-        tracing::warn!(peer = %msg.peer, error = %msg.error, "dial failed");
-        metrics::counter!("ferry_dial_failures_total").increment(1);
-        if let Some(s) = self.sessions.get(&msg.peer)
-            && s.epoch == msg.epoch
-            && s.state == LinkState::Dialing
-        {
-            send_lost(&s.addr, &msg.error);
-        }
-    }
-}
-
-impl Handler<DialRefused> for Coordinator {
-    type Result = ();
-
-    fn handle(&mut self, msg: DialRefused, ctx: &mut Self::Context) {
-        let Some(s) = self.sessions.get_mut(&msg.peer) else {
-            return;
-        };
-        if s.epoch != msg.epoch {
-            return;
-        }
-        // The peer keeps a link of its own to us (the tie-break), which is on its way. If it
-        // does not come, the session's ops fail.
-        s.state = LinkState::Dialing;
-        self.count_connected();
-        self.publish_direct(&msg.peer, None);
-        let wait = self.setup.config.limits.connect_timeout;
-        ctx.run_later(wait, move |act, _| {
-            if let Some(s) = act.sessions.get(&msg.peer)
-                && s.epoch == msg.epoch
-                && s.state == LinkState::Dialing
-            {
-                send_lost(
-                    &s.addr,
-                    "the peer refused our link and did not connect back in time",
-                );
-            }
-        });
     }
 }
 
