@@ -8,7 +8,8 @@
 //! word of a string literal (`"tcp"`, `"transport.ucx.enabled"`, `"cuda_ipc"`). Identifiers
 //! split at `_` and at case changes; strings at anything not a letter or digit. Comments
 //! (doc comments included) do not count, nor a test module written inline (from
-//! `#[cfg(test)]` and `mod ... {` to the end of its file).
+//! `#[cfg(test)]` and `mod ... {` to the end of its file) or in a file of its own
+//! (`tests.rs`, beside the file it tests).
 //!
 //! **Where a name may be:**
 //! - a transport's own files: a path component or a file stem named after it, or after one
@@ -199,7 +200,9 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
         let path = entry.expect("a directory entry").path();
         if path.is_dir() {
             rust_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
+        } else if path.extension().is_some_and(|e| e == "rs")
+            && path.file_name().is_some_and(|f| f != "tests.rs")
+        {
             out.push(path);
         }
     }
