@@ -159,11 +159,10 @@ pub struct TransferSetupBase {
     pub exposed: Arc<dashmap::DashMap<u64, ferry_transports::region::ExposedRegion>>,
     /// I/O runtime.
     pub io: tokio::runtime::Handle,
-    /// The fast lanes to same-host peers (the node's `send` looks here first).
-    pub lanes: Arc<dashmap::DashMap<String, Arc<crate::direct::FastLane>>>,
-    /// Each connected peer's routes, which the node's `send` takes without asking the
-    /// coordinator ([`crate::direct`]).
-    pub direct: Arc<dashmap::DashMap<String, Arc<crate::direct::DirectRoutes>>>,
+    /// What the node's sends to each peer take: its fast path (the node's `send` looks
+    /// there first) and its routes, which the coordinator publishes while the peer's link
+    /// is up, so the node's `send` takes them without asking it ([`crate::direct`]).
+    pub peers: Arc<crate::direct::PeerHandles>,
     /// The transports this node serves, started with its settings.
     pub transports: NodeTransports,
     /// This node's host identity: a peer whose hello says the same is on this host.
@@ -326,7 +325,7 @@ impl Coordinator {
             exposed: base.exposed,
             counters: Arc::clone(&self.setup.link.counters),
             io: base.io,
-            lanes: base.lanes,
+            peers: base.peers,
             inbox: Arc::clone(&self.inbox),
             transports: base.transports.started,
             published: base.published,
@@ -687,12 +686,7 @@ impl Handler<SetupSettled> for Coordinator {
         let ok = msg.outcome == ferry_transports::transport::setup::SetupOutcome::Ok;
         s.setups.insert(msg.transport, msg.outcome);
         let table = self.route_table(&msg.peer);
-        let lane = self
-            .setup
-            .transfer
-            .lanes
-            .get(&msg.peer)
-            .map(|l| Arc::clone(&l));
+        let lane = self.setup.transfer.peers.lane(&msg.peer);
         // The transport's fast path to the peer (published before this notice) carries what
         // the rules send over it by pull.
         if let Some(lane) = lane.filter(|l| ok && l.transport == msg.transport) {
@@ -737,7 +731,7 @@ impl Handler<Shutdown> for Coordinator {
 
     fn handle(&mut self, _: Shutdown, _: &mut Self::Context) -> Self::Result {
         self.draining = true;
-        self.setup.transfer.direct.clear();
+        self.setup.transfer.peers.clear_routes();
         // Waiting `Connect`s end (as `ShuttingDown`) with their senders.
         self.connects.clear();
         let sessions: Vec<Addr<TransferActor>> =

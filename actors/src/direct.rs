@@ -226,3 +226,117 @@ mod tests {
         );
     }
 }
+
+/// What a node's sends to each peer take, one entry per peer name, so that a send finds
+/// all of it by one lookup: its order, its credit, and the peer's fast path and routes
+/// (published by the peer's transfer actor and the coordinator, withdrawn when they no
+/// longer hold).
+#[derive(Debug)]
+pub struct PeerHandles {
+    peers: dashmap::DashMap<String, std::sync::Arc<PeerHandle>>,
+    /// Each peer's credit: `limits.peer_queue`.
+    credit: usize,
+}
+
+/// What sends to one peer take.
+#[derive(Debug)]
+pub struct PeerHandle {
+    /// The order between its fast path's sends and the rest.
+    pub(crate) order: std::sync::Arc<crate::order::Order>,
+    /// The sends, puts and fetches it may have outstanding: each waits for a permit.
+    pub(crate) credits: std::sync::Arc<tokio::sync::Semaphore>,
+    lane: std::sync::RwLock<Option<std::sync::Arc<FastLane>>>,
+    routes: std::sync::RwLock<Option<std::sync::Arc<DirectRoutes>>>,
+}
+
+impl PeerHandle {
+    /// Its fast path, if a transport made one with it.
+    pub fn lane(&self) -> Option<std::sync::Arc<FastLane>> {
+        self.lane.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Its routes and transfer actor, while its link is up.
+    pub fn routes(&self) -> Option<std::sync::Arc<DirectRoutes>> {
+        self.routes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl PeerHandles {
+    /// No peer yet; each gets `credit` permits.
+    pub fn new(credit: usize) -> Self {
+        Self {
+            peers: dashmap::DashMap::new(),
+            credit,
+        }
+    }
+
+    /// `peer`'s handle, made at its first use.
+    pub fn handle(&self, peer: &str) -> std::sync::Arc<PeerHandle> {
+        if let Some(h) = self.peers.get(peer) {
+            return std::sync::Arc::clone(h.value());
+        }
+        let made = self.peers.entry(peer.to_string()).or_insert_with(|| {
+            std::sync::Arc::new(PeerHandle {
+                order: std::sync::Arc::default(),
+                credits: std::sync::Arc::new(tokio::sync::Semaphore::new(self.credit)),
+                lane: std::sync::RwLock::default(),
+                routes: std::sync::RwLock::default(),
+            })
+        });
+        std::sync::Arc::clone(made.value())
+    }
+
+    /// `peer`'s fast path, if it has one.
+    pub fn lane(&self, peer: &str) -> Option<std::sync::Arc<FastLane>> {
+        self.peers.get(peer)?.lane()
+    }
+
+    /// `peer`'s routes, while published.
+    pub fn routes(&self, peer: &str) -> Option<std::sync::Arc<DirectRoutes>> {
+        self.peers.get(peer)?.routes()
+    }
+
+    /// Publishes `lane` as `peer`'s fast path.
+    pub fn set_lane(&self, peer: &str, lane: std::sync::Arc<FastLane>) {
+        let handle = self.handle(peer);
+        *handle.lane.write().unwrap_or_else(|e| e.into_inner()) = Some(lane);
+    }
+
+    /// Withdraws `peer`'s fast path if it is still `lane`.
+    pub fn withdraw_lane(&self, peer: &str, lane: &std::sync::Arc<FastLane>) {
+        if let Some(handle) = self.peers.get(peer) {
+            let mut current = handle.lane.write().unwrap_or_else(|e| e.into_inner());
+            if current
+                .as_ref()
+                .is_some_and(|c| std::sync::Arc::ptr_eq(c, lane))
+            {
+                *current = None;
+            }
+        }
+    }
+
+    /// Publishes `peer`'s routes, or (`None`) withdraws them.
+    pub fn set_routes(&self, peer: &str, routes: Option<DirectRoutes>) {
+        let routes = routes.map(std::sync::Arc::new);
+        match (routes, self.peers.get(peer)) {
+            (None, None) => {}
+            (None, Some(handle)) => {
+                *handle.routes.write().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            (Some(routes), _) => {
+                let handle = self.handle(peer);
+                *handle.routes.write().unwrap_or_else(|e| e.into_inner()) = Some(routes);
+            }
+        }
+    }
+
+    /// Withdraws every peer's routes (the node is draining).
+    pub fn clear_routes(&self) {
+        for handle in self.peers.iter() {
+            *handle.routes.write().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+}

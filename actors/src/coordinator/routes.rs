@@ -94,14 +94,14 @@ impl Coordinator {
     /// sends to take directly, once its link is up (its hello known); else withdraws them
     /// (its sends come here, which dials).
     pub(super) fn publish_direct(&self, peer: &str, table: Option<crate::direct::RouteTable>) {
-        let direct = &self.setup.transfer.direct;
+        let peers = &self.setup.transfer.peers;
         let Some(s) = self
             .sessions
             .get(peer)
             .filter(|s| s.hello.is_some() && matches!(s.state, LinkState::Up { .. }))
             .filter(|_| !self.draining)
         else {
-            direct.remove(peer);
+            peers.set_routes(peer, None);
             return;
         };
         let routes = crate::direct::DirectRoutes {
@@ -109,7 +109,7 @@ impl Coordinator {
             peer_class: PeerClass::of(self.locality(peer)),
             table: table.unwrap_or_else(|| self.route_table(peer)),
         };
-        direct.insert(peer.to_string(), Arc::new(routes));
+        peers.set_routes(peer, Some(routes));
     }
 
     /// The route of a transfer; with `failed`, as if that transport's setup with the peer

@@ -64,16 +64,11 @@ pub struct Node {
     receives: MemoryKind,
     /// The host identity said in every hello (see [`host_identity`]).
     host_id: Arc<str>,
-    /// Per peer, the sends and puts it may have outstanding: `send` waits for a permit.
-    credit: DashMap<String, Arc<Semaphore>>,
-    /// The fast lanes to same-host peers (see [`crate::lane`]), added by the transfer
-    /// actors.
-    lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
-    /// Each connected peer's routes and transfer actor: sends go there without the
-    /// coordinator's mailbox ([`crate::direct`]).
-    direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
-    /// Per peer, the order between lane sends and the rest.
-    order: DashMap<String, Arc<crate::order::Order>>,
+    /// Per peer, what its sends take (one lookup each): their order, its credit, its
+    /// fast path (added by its transfer actor) and, while its link is up, its routes and
+    /// transfer actor (sends go there without the coordinator's mailbox; see
+    /// [`crate::direct`]).
+    peers: Arc<crate::direct::PeerHandles>,
     exposed: Arc<DashMap<u64, ExposedRegion>>,
     next_region: AtomicU64,
     /// What this node published for its peers to fetch.
@@ -144,8 +139,7 @@ impl Node {
             inbox: Arc::new(Inbox::new(config.limits.peer_queue, config.node.recv_spin)),
             gpu_pools: Arc::default(),
             lane_rings: Arc::default(),
-            lanes: Arc::default(),
-            direct: Arc::default(),
+            peers: Arc::new(crate::direct::PeerHandles::new(config.limits.peer_queue)),
             published: Arc::default(),
         };
         let (thread, rx) = spawn_actors(ActorParts {
@@ -193,10 +187,7 @@ impl Node {
             gpus: started.gpus,
             receives: started.receives,
             host_id: started.host_id,
-            credit: DashMap::new(),
-            lanes: shared.lanes,
-            direct: shared.direct,
-            order: DashMap::new(),
+            peers: shared.peers,
             exposed: shared.exposed,
             next_region: AtomicU64::new(1),
             published: shared.published,
@@ -333,9 +324,10 @@ impl Node {
         };
         // Small device buffers to a same-host peer take the fast lane when nothing to that
         // peer goes the slow way (then they queue behind it, keeping the order).
-        let lane = self.lanes.get(peer).map(|l| Arc::clone(l.value()));
-        if let Some(lane) = lane.filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
-            && let Some(turn) = self.order(peer).try_lane(usize::MAX)
+        let handle = self.peers.handle(peer);
+        if let Some(lane) =
+            (handle.lane()).filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
+            && let Some(turn) = handle.order.try_lane(usize::MAX)
         {
             let fail = |e: ferry_transports::transport::FastPathError| SendError {
                 error: Error::from_fast_path(peer, e.failure),
@@ -357,7 +349,7 @@ impl Node {
         // The peer's routes, when its link is up: the send goes to its transfer actor
         // without the coordinator's mailbox.
         let src = crate::coordinator::memory_class(buffer.kind());
-        let direct = self.direct.get(peer).and_then(|d| {
+        let direct = handle.routes().and_then(|d| {
             let routed = d.table.route(src, packed)?.clone();
             Some((d.submissions.clone(), d.peer_class, routed))
         });
@@ -393,26 +385,20 @@ impl Node {
                 fetch: None,
             })),
         };
-        self.with_credit(peer, deadline, buffer, make).await
+        self.with_credit(peer, &handle, deadline, buffer, make)
+            .await
     }
 
     /// True when sends to `peer` go to its transfer actor without the coordinator's mailbox
     /// (its link is up and its routes are known; see [`crate::direct`]).
     pub fn routes_directly(&self, peer: &str) -> bool {
-        self.direct.contains_key(peer)
+        self.peers.routes(peer).is_some()
     }
 
     /// True when small device buffers to `peer` take the same-host fast lane (the ipc
     /// setup with it made one; see `transport.ipc.lane_max`).
     pub fn has_fast_lane(&self, peer: &str) -> bool {
-        self.lanes.contains_key(peer)
-    }
-
-    fn order(&self, peer: &str) -> Arc<crate::order::Order> {
-        if let Some(o) = self.order.get(peer) {
-            return Arc::clone(o.value());
-        }
-        Arc::clone(self.order.entry(peer.to_string()).or_default().value())
+        self.peers.lane(peer).is_some()
     }
 
     /// Waits for credit to `peer` until `deadline`, then hands the message `make` makes of
@@ -423,13 +409,14 @@ impl Node {
     async fn with_credit(
         &self,
         peer: &str,
+        handle: &crate::direct::PeerHandle,
         deadline: Instant,
         buffer: Buffer,
         make: impl FnOnce(Buffer, bool) -> Via + Send + 'static,
     ) -> Result<Buffer, SendError> {
         let commit = commit(
-            self.order(peer),
-            self.credits(peer),
+            Arc::clone(&handle.order),
+            Arc::clone(&handle.credits),
             self.handovers.clone(),
             peer.to_string(),
             (deadline, buffer, make),
@@ -457,10 +444,7 @@ impl Node {
 
     /// `peer`'s credit: the sends, puts and fetches it may have outstanding.
     fn credits(&self, peer: &str) -> Arc<Semaphore> {
-        self.credit
-            .entry(peer.to_string())
-            .or_insert_with(|| Arc::new(Semaphore::new(self.config.limits.peer_queue)))
-            .clone()
+        Arc::clone(&self.peers.handle(peer).credits)
     }
 
     /// Receives the oldest buffer delivered from `from` (a peer name, or `None` for any)
@@ -523,7 +507,9 @@ impl Node {
         };
         let make =
             move |buffer, _| Via::Coordinator(crate::coordinator::Handed::Put(message(buffer)));
-        self.with_credit(peer, deadline, buffer, make).await
+        let handle = self.peers.handle(peer);
+        self.with_credit(peer, &handle, deadline, buffer, make)
+            .await
     }
 
     /// How a transfer of `bytes` from `src` memory here to `peer` would be routed, and why.

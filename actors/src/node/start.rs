@@ -209,8 +209,7 @@ pub(super) struct Shared {
     pub(super) inbox: Arc<Inbox>,
     pub(super) gpu_pools: ferry_transports::fdshare::PoolDirectory,
     pub(super) lane_rings: ferry_transports::fdshare::RingDirectory,
-    pub(super) lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
-    pub(super) direct: Arc<DashMap<String, Arc<crate::direct::DirectRoutes>>>,
+    pub(super) peers: Arc<crate::direct::PeerHandles>,
     pub(super) published: Arc<crate::publish::Publications>,
 }
 
@@ -334,8 +333,7 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
         peer_gone: domains.iter().map(|a| (*a).clone().recipient()).collect(),
         exposed: shared.exposed,
         io,
-        lanes: shared.lanes,
-        direct: shared.direct,
+        peers: shared.peers,
         transports: transports.clone(),
         host_id: Arc::clone(&host_id),
         published: shared.published,

@@ -132,17 +132,53 @@ impl TransferActor {
             Err((reason, detail)) => return self.refuse_fetch(ask.fetch, reason, detail),
         };
         self.fetch.serving += 1;
-        let send = self.setup.serve.send(crate::coordinator::SendTo {
-            peer: self.peer.clone(),
-            tag: 0,
-            buffer: handle,
-            layout: ask.layout,
-            packed: serving.packed(),
-            deadline: Instant::now() + self.setup.reserve_timeout,
-            fetch: Some(ask.fetch),
+        let (id, packed) = (ask.fetch, serving.packed());
+        let deadline = Instant::now() + self.setup.reserve_timeout;
+        // Routed by this peer's own table, published while its link is up, and started
+        // here; else (the link is between two, the node drains) by the coordinator, which
+        // says why no route goes.
+        let src = crate::coordinator::memory_class(handle.kind());
+        let direct = self.setup.peers.routes(&self.peer).and_then(|d| {
+            let routed = d.table.route(src, packed)?.clone();
+            Some((routed, d.peer_class))
         });
-        let id = ask.fetch;
-        ctx.spawn(send.into_actor(self).map(move |sent, act, ctx| {
+        let sent: futures::future::BoxFuture<'static, Result<Result<Buffer, SendError>, ()>> =
+            match direct {
+                Some((routed, peer_class)) => {
+                    crate::coordinator::count_failovers(&routed);
+                    let op = Op::Send {
+                        tag: 0,
+                        transport: routed.transport,
+                        direction: routed.direction,
+                        fallback: routed.fallback,
+                        layout: ask.layout,
+                        fetch: Some(id),
+                        packed,
+                    };
+                    let (reply, outcome) = oneshot::channel();
+                    let submit = Submit {
+                        op,
+                        buffer: handle,
+                        deadline,
+                        peer_class,
+                    };
+                    self.hold(submit, reply, ctx);
+                    Box::pin(async move { outcome.await.map_err(drop) })
+                }
+                None => {
+                    let send = self.setup.serve.send(crate::coordinator::SendTo {
+                        peer: self.peer.clone(),
+                        tag: 0,
+                        buffer: handle,
+                        layout: ask.layout,
+                        packed,
+                        deadline,
+                        fetch: Some(id),
+                    });
+                    Box::pin(async move { send.await.map_err(drop) })
+                }
+            };
+        ctx.spawn(sent.into_actor(self).map(move |sent, act, ctx| {
             act.fetch.serving -= 1;
             let failed = match sent {
                 Ok(Ok(handle)) => {

@@ -117,9 +117,9 @@ pub struct TransferSetup {
     pub counters: Arc<LinkCounters>,
     /// The node's I/O runtime.
     pub io: tokio::runtime::Handle,
-    /// The fast lanes to same-host peers, by peer: this actor adds its peer's when the ipc
-    /// setup made one, and removes it when it stops.
-    pub lanes: Arc<DashMap<String, Arc<crate::direct::FastLane>>>,
+    /// What the node's sends to each peer take: this actor publishes its peer's fast path
+    /// there when a transport made one, and withdraws it when it stops.
+    pub peers: Arc<crate::direct::PeerHandles>,
     /// Where a lane's receiving thread delivers.
     pub inbox: Arc<crate::inbox::Inbox>,
     /// The node's transports, which make this session's parts.

@@ -167,9 +167,7 @@ impl TransferActor {
             }
             PartEvent::FastPath(path) => {
                 let lane = Arc::new(crate::direct::FastLane::new(transport, path));
-                self.setup
-                    .lanes
-                    .insert(self.peer.clone(), Arc::clone(&lane));
+                self.setup.peers.set_lane(&self.peer, Arc::clone(&lane));
                 if let Some(old) = self.outbound.fast_path.replace(lane) {
                     old.path.close();
                 }
@@ -233,9 +231,7 @@ impl TransferActor {
             part.detach();
         }
         if let Some(lane) = self.outbound.fast_path.take() {
-            self.setup
-                .lanes
-                .remove_if(&self.peer, |_, current| Arc::ptr_eq(current, &lane));
+            self.setup.peers.withdraw_lane(&self.peer, &lane);
             lane.path.close();
         }
     }
