@@ -438,7 +438,10 @@ impl Node {
                 None => commit.await,
             },
         };
-        let (outcome, _permit) = committed?;
+        // The turn is held until the outcome, as the credit is: a fast-path send asked for
+        // after this one starts only once this one ended at the peer (it could overtake it
+        // otherwise; the peer's fast path orders after slow transfers that completed).
+        let (outcome, _permit, _turn) = committed?;
         outcome.await
     }
 
@@ -656,6 +659,7 @@ async fn commit(
     (
         futures::future::BoxFuture<'static, Result<Buffer, SendError>>,
         OwnedSemaphorePermit,
+        crate::order::OrderGuard,
     ),
     SendError,
 > {
@@ -686,7 +690,7 @@ async fn commit(
         }
     };
     turn.pass();
-    Ok((handed, permit))
+    Ok((handed, permit, turn))
 }
 
 /// What the accept loop needs besides the listener: shared by every listener of a node.

@@ -179,11 +179,16 @@ pub async fn deadline_then_killed_peer(combo: Combo, _first: bool) {
         took >= DEADLINE - Duration::from_millis(20) && took < Duration::from_secs(2),
         "{combo}: a deadline of {DEADLINE:?} ended the transfer after {took:?}"
     );
-    assert_eq!(
-        err.buffer.map(|b| b.len()),
-        Some(PIECE),
-        "{combo}: buffer back"
-    );
+    // Given back, unless it went over the peer's fast path (device pulls to a same-host
+    // peer whose setup made one): a record the peer took may still be read, so the path
+    // keeps the buffer until the peer answers (`FastPath::send`).
+    let fast = combo.src == ferry::MemoryClass::Device
+        && combo.direction == Direction::Pull
+        && node.has_fast_lane(&pair.peer);
+    match err.buffer.map(|b| b.len()) {
+        None if fast => {}
+        back => assert_eq!(back, Some(PIECE), "{combo}: buffer back"),
+    }
 
     if killable {
         // Small GPU buffers to a same-host peer may take the fast lane (when the setup made

@@ -182,8 +182,12 @@ impl Drop for DeferredFree {
             .get_mut()
             .map(Option::take)
             .unwrap_or_else(|p| p.into_inner().take());
-        drop(memory);
-        self.releaser.release(&self.lease);
+        // No peer maps it any more: its domain may keep it, or frees it into its pool
+        // (and gives the pool's memory to the GPU once none went in for keep_idle).
+        match memory {
+            Some(memory) => self.releaser.release_device(&self.lease, memory),
+            None => self.releaser.release(&self.lease),
+        }
     }
 }
 
