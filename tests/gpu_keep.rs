@@ -222,6 +222,17 @@ async fn device_burst() {
         at_b("exported"),
         at_b("kept")
     );
+    // Which process holds GPU memory (a is this one), as the driver counts it.
+    let apps = std::process::Command::new("nvidia-smi")
+        .args(["--query-compute-apps=pid,used_memory", "--format=csv,noheader"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_else(|e| format!("nvidia-smi: {e}"));
+    println!(
+        "a is pid {}, b pid {}; GPU memory by process:\n{apps}",
+        std::process::id(),
+        b.pid()
+    );
     assert!(
         back,
         "free memory stayed {} MiB below where it was; a kept {:?}",
