@@ -63,7 +63,7 @@ fn explain(config: &Path, extra: &[&str]) -> Output {
 }
 
 #[test]
-fn explain_reachable_peer_default_rules_chooses_shm() {
+fn explain_reachable_peer_default_rules_chooses_tcp() {
     let scratch = Scratch::new();
     let (_b, a) = pair(&scratch, "");
     let out = explain(&a, &["--bytes", "1M", "--memory", "host"]);
@@ -75,17 +75,14 @@ fn explain_reachable_peer_default_rules_chooses_shm() {
         text.contains("host memory: what the peer receives into, from its hello"),
         "{text}"
     );
-    // Same-host host memory: the default "same-host-host" rule, over shm (pull), with the
-    // pool's note.
     assert!(
         text.contains("rule #3") && text.contains("\"same-host-host\" matched"),
         "{text}"
     );
     assert!(
-        text.contains("chosen") && text.contains("shm, pull"),
+        text.contains("chosen") && text.contains("tcp, push"),
         "{text}"
     );
-    assert!(text.contains("shm pool"), "{text}");
     assert!(text.contains("same-host"), "{text}");
 }
 
@@ -154,7 +151,7 @@ fn explain_unreachable_peer_reports_setup_failed() {
     let text = stdout(&out);
     assert!(text.contains("setup failed:"), "{}", said(&out));
     // The route is still explained from this side's declarations.
-    assert!(text.contains("shm, pull"), "{text}");
+    assert!(text.contains("tcp, push"), "{text}");
     assert_eq!(out.status.code(), Some(0), "{}", said(&out));
 }
 
@@ -206,7 +203,7 @@ fn explain_json_parses() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("explain --json is JSON");
     // Every transport carries block lists: the route is the contiguous one.
     assert_eq!(v["layout"], "blocks");
-    assert_eq!(v["chosen"]["transport"], "shm");
+    assert_eq!(v["chosen"]["transport"], "tcp");
     assert_eq!(v["rule"]["name"], "same-host-host");
     assert_eq!(v["dst"], "host");
     assert_eq!(v["dst_from"], "dst-memory");

@@ -1,6 +1,6 @@
 //! The shm transport between real processes on one host: host buffers from the nodes'
 //! shared-memory pools, read in place by the peer. Byte-exact sizes from 1 B to 64 MiB under
-//! the default rules (which route same-host host memory to shm), pushes into lent buffers,
+//! the default rules (which route same-host host memory to shm where it is on), pushes into lent buffers,
 //! a peer killed while it pulls (no send hangs, memory it could read is not reused until the
 //! lease timeout, then comes back), and descriptors of a hostile peer refused with their
 //! cause. (Every check of the conformance suite runs over shm too: `conformance/`.)
@@ -21,7 +21,11 @@ use ferry_transports::wire::{
     Announce, Layout, Message, Offer, WireDirection, WireMemoryKind, WireTransport,
 };
 
-/// A node here (named `name`) and an echo process, with `extra` configuration at both.
+/// shm is served where a node's configuration turns it on.
+const ON: &str = "[transport.shm]\nenabled = true\n\n";
+
+/// A node here (named `name`) and an echo process, with `extra` configuration at both, and
+/// shm on.
 async fn with_echo(scratch: &Scratch, name: &str, extra: &str) -> (Node, Served) {
     with_echo_as(scratch, name, extra, extra).await
 }
@@ -33,9 +37,11 @@ async fn with_echo_as(
     extra: &str,
     echo_extra: &str,
 ) -> (Node, Served) {
-    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], echo_extra));
+    let echo_extra = format!("{ON}{echo_extra}");
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], &echo_extra));
     let echo = Served::start(&echo_cfg, "echo");
-    let node = Node::start(scratch.config(name, &[("echo", &echo.addr)], extra))
+    let extra = format!("{ON}{extra}");
+    let node = Node::start(scratch.config(name, &[("echo", &echo.addr)], &extra))
         .await
         .expect("node starts");
     (node, echo)

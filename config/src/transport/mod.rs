@@ -44,7 +44,7 @@ pub struct TransportConfig {
     /// memory to a same-host peer over ipc (pull), falling back to staged, then tcp;
     /// `"remote-gpu"`, device memory to another host over ucx, else staged, else tcp;
     /// `"remote-host"`, anything else to another host over ucx, else tcp; `"same-host-host"`,
-    /// host memory to a same-host peer over shm (pull), else tcp; then `"host"`,
+    /// host memory to a same-host peer over shm (pull, where both turn it on), else tcp; then `"host"`,
     /// which matches everything and uses tcp, push. A file that sets rules replaces the
     /// whole list.
     pub rules: Vec<Rule>,

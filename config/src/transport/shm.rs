@@ -16,8 +16,8 @@ const MAX_SEGMENT: u64 = 1 << 40;
 #[serde(default, deny_unknown_fields)]
 pub struct ShmTuning {
     /// Whether the node serves shm: its host buffers come from the pool, and same-host
-    /// peers read them in place. Default true; false takes host memory from the heap and
-    /// sends it as the next transport of the rule does (tcp by default).
+    /// peers read them in place. Default false (for now: see docs/CONFIG.md): host memory
+    /// comes from the heap and the default rule's next transport, tcp, sends it.
     pub enabled: bool,
     /// Bytes of each shared-memory segment of the pool (a sealed memfd, mapped once by this
     /// node and once by each same-host peer that pulls from it). A buffer larger than this
@@ -35,7 +35,7 @@ pub struct ShmTuning {
 impl Default for ShmTuning {
     fn default() -> Self {
         ShmTuning {
-            enabled: true,
+            enabled: false,
             segment_size: 64 << 20,
             max_bytes: 4 << 30,
         }

@@ -31,6 +31,10 @@ impl TransportKind for ShmKind {
         metrics::counter!("ferry_shm_refused_total").absolute(0);
     }
 
+    fn turned_on(&self) -> &'static [(&'static str, &'static str)] {
+        &[("transport.shm.enabled", "true")]
+    }
+
     /// The pool the node's host buffers come from, and a warning when it is turned off.
     fn notes(&self, config: &Config, route: &Route) -> Vec<Note> {
         let shm = &config.transport.shm;

@@ -84,7 +84,7 @@ pub fn capabilities() -> Capabilities {
         one_sided_put: false,
         carrier: crate::transport::Carrier::Memory,
         per_peer_setup: false,
-        opt_in: false,
+        opt_in: true,
         lane: false,
         device_path: crate::transport::DevicePath::HostCopy,
         library: None,
