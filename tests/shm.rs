@@ -122,8 +122,11 @@ async fn a_peer_killed_mid_pull_holds_our_memory_until_the_lease_then_gives_it_b
     // Room here for our 24 buffers and three echoes; the echo holds three buffers at most:
     // its echoes wait for our memory, and our other offers for its memory, exported here,
     // when it dies.
+    // Every offer leaves at once (a deep pipeline): each send the kill cuts off was
+    // offered, so the peer may be reading it.
     let extra = format!(
-        "[memory]\nhost = \"220 MiB\"\nexport_lease_timeout = \"{}s\"\n",
+        "[memory]\nhost = \"220 MiB\"\nexport_lease_timeout = \"{}s\"\n\n\
+         [limits]\npipeline_depth = 32\n",
         lease.as_secs()
     );
     let (node, mut echo) =
