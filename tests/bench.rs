@@ -163,7 +163,7 @@ fn bench_refuses_what_is_not_built_with_a_reason() {
         (vec!["--transport", "ipc"], "add --memory device"),
         (
             vec!["--transport", "carrier-pigeon"],
-            "[possible values: tcp, ipc, staged, ucx]",
+            "[possible values: tcp, ipc, staged, ucx, shm]",
         ),
         (vec!["--memory", "shared"], "host or device"),
         (

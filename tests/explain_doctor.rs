@@ -76,7 +76,7 @@ fn explain_reachable_peer_default_rules_chooses_tcp() {
         "{text}"
     );
     assert!(
-        text.contains("rule #0") && text.contains("\"host\" matched"),
+        text.contains("rule #3") && text.contains("\"same-host-host\" matched"),
         "{text}"
     );
     assert!(
@@ -204,7 +204,7 @@ fn explain_json_parses() {
     // Every transport carries block lists: the route is the contiguous one.
     assert_eq!(v["layout"], "blocks");
     assert_eq!(v["chosen"]["transport"], "tcp");
-    assert_eq!(v["rule"]["name"], "host");
+    assert_eq!(v["rule"]["name"], "same-host-host");
     assert_eq!(v["dst"], "host");
     assert_eq!(v["dst_from"], "dst-memory");
     assert_eq!(v["setup"]["connected"], true);
@@ -238,7 +238,7 @@ fn doctor_default_config_passes_and_says_no_cuda() {
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{}", said(&out));
     assert!(
-        text.contains("rule #3 host") && text.contains("uses tcp"),
+        text.contains("rule #4 host") && text.contains("uses tcp"),
         "{text}"
     );
     assert!(

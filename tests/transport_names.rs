@@ -144,6 +144,25 @@ const FOREIGN: &[Place] = &[
         why: "the socket baseline is a plain TCP socket between the two processes",
     },
     Place {
+        path: "src/cli/doctor.rs",
+        item: None,
+        names: &["shm"],
+        why: "/dev/shm, the POSIX shared-memory tmpfs doctor checks (shm's segments are \
+              memfds, not files there)",
+    },
+    Place {
+        path: "src/cli/doctor/facts.rs",
+        item: None,
+        names: &["shm"],
+        why: "the size of /dev/shm, the POSIX shared-memory tmpfs",
+    },
+    Place {
+        path: "src/cli/doctor/host.rs",
+        item: None,
+        names: &["shm"],
+        why: "doctor's finding on /dev/shm, the POSIX shared-memory tmpfs",
+    },
+    Place {
         path: "src/cli/bench/peer.rs",
         item: Some("LISTEN_FIELD"),
         names: &["tcp"],

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use ferry_transports::cuda::Stream;
 use ferry_transports::memory::{
-    Buffer, BufferId, Generation, Lease, MemoryHome, MemoryKind, Releaser, SharedBytes,
+    Buffer, BufferId, Generation, HostBytes, HostSource, Lease, MemoryHome, MemoryKind, Releaser,
+    SharedBytes,
 };
 
 use crate::core::budget::{Budget, BudgetStats, ReservationEvent, ReservationId, Reserved};
@@ -135,6 +136,8 @@ struct Returned(u64);
 pub struct Domain {
     kind: MemoryKind,
     device: OnceLock<DevicePool>,
+    /// Where host memory comes from before the heap (a pool a transport offers).
+    host_source: OnceLock<Arc<dyn HostSource>>,
     budget: Mutex<Budget>,
     returned: Arc<ReturnedBytes>,
     /// Memory kept for grants that overwrite it.
@@ -162,6 +165,14 @@ impl Domain {
 
     fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Takes host memory from `source` before the heap from now on (a host domain; set once,
+    /// before the node grants: a second source is ignored, and says so).
+    pub fn use_host_source(&self, source: Arc<dyn HostSource>) {
+        if self.host_source.set(source).is_err() {
+            tracing::warn!(domain = %self.kind, "a second host memory source is ignored");
+        }
     }
 
     /// Bytes of the budget neither granted nor waiting to be counted back.
@@ -308,8 +319,11 @@ impl Domain {
         let mut kept: Vec<Option<Kept>> = parts
             .iter()
             .map(|&len| match fill {
-                Fill::Overwritten => self.shelf.take(len, on),
-                Fill::Zeroed => None,
+                // Host memory comes from the source first (the shelf keeps heap memory).
+                Fill::Overwritten if self.host_source.get().is_none() || self.on_device() => {
+                    self.shelf.take(len, on)
+                }
+                Fill::Overwritten | Fill::Zeroed => None,
             })
             .collect();
         // Where kept memory was just freed: a refused allocation waits for it (below).
@@ -326,6 +340,15 @@ impl Domain {
             let releaser = Arc::clone(&self.releaser);
             let home = self.home.get().cloned();
             let Some(device) = self.device.get() else {
+                let sourced = self.host_source.get().and_then(|source| {
+                    let memory = source.take(usize::try_from(len).ok()?, fill)?;
+                    let bytes = HostBytes::mapped(memory);
+                    Buffer::from_host(lease, bytes, Arc::clone(&releaser), home.clone()).ok()
+                });
+                if let Some(buffer) = sourced {
+                    buffers.push(buffer);
+                    continue;
+                }
                 let buffer = match kept[i].take() {
                     Some(Kept::Host(bytes)) => Some(bytes),
                     _ => None,
@@ -403,6 +426,7 @@ impl Allocator {
             domain: Arc::new_cyclic(|me| Domain {
                 kind,
                 device: OnceLock::new(),
+                host_source: OnceLock::new(),
                 budget: Mutex::new(Budget::new(capacity, queue_cap)),
                 returned: Arc::clone(&returned),
                 shelf: Shelf::default(),

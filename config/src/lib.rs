@@ -19,10 +19,10 @@
 //! let (index, rule) = config
 //!     .transport
 //!     .first_match(Locality::SameHost, MemoryClass::Host, MemoryClass::Host, 4096)
-//!     .expect("the default \"host\" rule matches everything");
+//!     .expect("a default rule matches everything");
 //! // The default "gpu" rule (0) takes only device memory, "remote-gpu" and "remote-host"
-//! // (1 and 2) only other hosts.
-//! assert_eq!((index, rule.name.as_str()), (3, "host"));
+//! // (1 and 2) only other hosts; "same-host-host" (3) takes host memory on this host.
+//! assert_eq!((index, rule.name.as_str()), (3, "same-host-host"));
 //! # Ok::<(), ferry_config::ConfigError>(())
 //! ```
 //!

@@ -44,6 +44,9 @@ pub enum TransportName {
     Staged,
     /// UCX: GPUDirect RDMA or host memory across hosts (`"ucx"`).
     Ucx,
+    /// Host memory between processes of one host, read in place from a shared-memory pool
+    /// (`"shm"`).
+    Shm,
 }
 
 /// Which side moves the bytes.
@@ -58,7 +61,7 @@ pub enum Direction {
 config_names! {
     Locality { SameProcess => "same-process", SameHost => "same-host", Remote => "remote" }
     MemoryClass { Host => "host", Pinned => "pinned", Device => "device" }
-    TransportName { Tcp => "tcp", Ipc => "ipc", Staged => "staged", Ucx => "ucx" }
+    TransportName { Tcp => "tcp", Ipc => "ipc", Staged => "staged", Ucx => "ucx", Shm => "shm" }
     Direction { Push => "push", Pull => "pull" }
 }
 
@@ -146,6 +149,21 @@ impl Rule {
             max_bytes: None,
             transports: vec![TransportName::Ucx, TransportName::Tcp],
             direction: None,
+        }
+    }
+
+    /// The default's fourth rule, `"same-host-host"`: host memory to a same-host peer over
+    /// shm (the receiver copies once from the sender's pool), else tcp.
+    pub fn same_host_host() -> Rule {
+        Rule {
+            name: "same-host-host".into(),
+            locality: vec![Locality::SameHost],
+            src: vec![MemoryClass::Host],
+            dst: Vec::new(),
+            min_bytes: 0,
+            max_bytes: None,
+            transports: vec![TransportName::Shm, TransportName::Tcp],
+            direction: Some(Direction::Pull),
         }
     }
 

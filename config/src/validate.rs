@@ -566,7 +566,7 @@ mod tests {
             ),
             (
                 |c| c.transport.rules.push(c.transport.rules[0].clone()),
-                "transport.rules[4].name",
+                "transport.rules[5].name",
             ),
             (|c| c.transport.staged.slots = 1, "transport.staged.slots"),
             (

@@ -149,7 +149,7 @@ fn an_empty_file_needs_only_a_security_choice() -> TestResult {
         "ok.toml",
         "[security]\ndanger_insecure = true\n",
     ))?;
-    assert_eq!(config.transport.rules.len(), 4);
+    assert_eq!(config.transport.rules.len(), 5);
     Ok(())
 }
 

@@ -224,7 +224,7 @@ mod tests {
     fn healthy_machine_default_config_blocks_nothing() {
         let findings = diagnose(&healthy(), &config(""));
         assert!(findings.iter().all(|f| !f.blocks), "{findings:#?}");
-        assert_eq!(find(&findings, "rule #3 host").status, Status::Ok);
+        assert_eq!(find(&findings, "rule #4 host").status, Status::Ok);
         assert_eq!(find(&findings, "/dev/shm").status, Status::Ok);
         assert_eq!(find(&findings, "memlock").status, Status::Ok);
     }

@@ -398,9 +398,14 @@ fn side_toml(
         "[transport.tcp]\nchunk_size = \"{CHUNK} B\"\n\n\
          [transport.staged]\nchunk = \"{CHUNK} B\"\nslots = 3\nshared_memory = {shared}\n\n"
     ));
-    // ucx serves only where asked (it is "auto" by default: RDMA machines only).
-    if combo.transport() == TransportName::Ucx {
-        extra.push_str("[transport.ucx]\nenabled = \"on\"\n\n");
+    // A transport that serves only where asked (ucx: "auto" by default, RDMA machines only;
+    // shm: off by default) is turned on as its kind says.
+    let settings =
+        ferry_transports::registry::kind(combo.transport()).map_or(&[][..], |k| k.turned_on());
+    for (key, value) in settings {
+        if let Some((section, key)) = key.rsplit_once('.') {
+            extra.push_str(&format!("[{section}]\n{key} = {value}\n\n"));
+        }
     }
     let mut transports = vec![format!("\"{}\"", combo.name())];
     if side == Side::Far && combo.transport() != TransportName::Tcp {

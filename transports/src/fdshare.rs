@@ -42,10 +42,22 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// The pools this node exports, by device UUID.
 pub type PoolDirectory = Arc<DashMap<String, ExportablePool>>;
 
-/// The fast-lane rings this node offers its same-host peers, by the key its ipc setup
-/// request names (unguessable: `lane/` and 128 random bits, so a peer fetches only the ring
-/// offered to it).
-pub type RingDirectory = Arc<DashMap<String, Arc<crate::link::ring::Ring>>>;
+/// The shared memory this node offers its same-host peers (rings, pool segments), by the
+/// key a transport's message names (unguessable: a prefix and 128 random bits, so a peer
+/// fetches only what was offered to it).
+pub type RingDirectory = Arc<DashMap<String, Arc<dyn SharedMemory>>>;
+
+/// Memory a same-host peer maps by its descriptor, which the fd-sharing socket hands out.
+pub trait SharedMemory: Send + Sync {
+    /// The descriptor (a sealed memfd).
+    fn descriptor(&self) -> std::os::fd::BorrowedFd<'_>;
+}
+
+impl SharedMemory for crate::link::ring::Ring {
+    fn descriptor(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd()
+    }
+}
 
 /// Why a peer's pool could not be fetched.
 #[derive(Debug, thiserror::Error)]
@@ -141,7 +153,7 @@ async fn answer(
     mut stream: UnixStream,
     secret: &Secret,
     pools: &DashMap<String, ExportablePool>,
-    rings: &DashMap<String, Arc<crate::link::ring::Ring>>,
+    rings: &DashMap<String, Arc<dyn SharedMemory>>,
     progress: Progress,
 ) -> Result<String, AnswerError> {
     let (mut r, mut w) = stream.split();
@@ -168,8 +180,11 @@ async fn answer(
     let uuid = String::from_utf8_lossy(&uuid).into_owned();
     let exported = match (pools.get(&uuid), rings.get(&uuid)) {
         (Some(pool), _) => pool.export_fd().map_err(|e| e.to_string()),
-        (None, Some(ring)) => ring.fd().try_clone_to_owned().map_err(|e| e.to_string()),
-        (None, None) => Err(format!("no pool or lane ring named {uuid} here")),
+        (None, Some(shared)) => shared
+            .descriptor()
+            .try_clone_to_owned()
+            .map_err(|e| e.to_string()),
+        (None, None) => Err(format!("no pool or shared memory named {uuid} here")),
     };
     match exported {
         Ok(fd) => {

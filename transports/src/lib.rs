@@ -5,15 +5,17 @@
 //! ([`cuda`]) and the transports that move payloads, each declared in [`transport`]:
 //! [`tcp`] (host memory, anywhere), [`ipc`] (device memory between the processes of one
 //! host, pulled by the copy engine) and [`staged`] (any memory through pinned host memory,
-//! on one host or between hosts) and [`ucx`] (host memory through UCX, pulled; RDMA where
-//! the machine has it). It makes no decisions about which transfer runs when; that is
+//! on one host or between hosts), [`ucx`] (host memory through UCX, pulled; RDMA where
+//! the machine has it) and [`shm`] (host memory between the processes of one host, read in
+//! place from a shared-memory pool). It makes no decisions about which transfer runs when; that is
 //! `ferry-actors`' job.
 //!
 //! [`ucx`] holds the ucx transport's engine (one UCX worker on its own thread) and its
 //! declaration.
 //!
-//! Only [`cuda`], [`ucx`], and in [`link`] the descriptor passing (`link::fdpass`) and the
-//! shared-memory ring (`link::ring`), may use `unsafe` (each opts in with
+//! Only [`cuda`], [`ucx`], [`shm`]'s segments (`shm::segment`), and in [`link`] the
+//! descriptor passing (`link::fdpass`) and the shared-memory ring (`link::ring`), may use
+//! `unsafe` (each opts in with
 //! `#[allow(unsafe_code)]`); everything else is denied it.
 #![deny(unsafe_code)]
 pub mod cuda;
@@ -24,6 +26,7 @@ pub mod link;
 pub mod memory;
 pub mod region;
 pub mod registry;
+pub mod shm;
 pub mod staged;
 pub mod tcp;
 pub mod transport;

@@ -1,6 +1,6 @@
 //! The built-in transports, one line each in [`kinds`]: their declarations, whether each
 //! can run here, and what the tools say of them. A new transport is a directory beside
-//! `tcp/`, `ipc/`, `staged/` and `ucx/` and one line here.
+//! `tcp/`, `ipc/`, `staged/`, `ucx/` and `shm/` and one line here.
 
 use ferry_config::TransportName;
 
@@ -13,11 +13,12 @@ pub const LINK: TransportName = TransportName::Tcp;
 /// The transports this build knows, before any node starts them, in the order routing
 /// and the tools list them.
 pub fn kinds() -> &'static [&'static dyn TransportKind] {
-    static KINDS: [&dyn TransportKind; 4] = [
+    static KINDS: [&dyn TransportKind; 5] = [
         &crate::tcp::TcpKind,
         &crate::ipc::IpcKind,
         &crate::staged::StagedKind,
         &crate::ucx::UcxKind,
+        &crate::shm::ShmKind,
     ];
     &KINDS
 }
@@ -90,6 +91,7 @@ pub fn start(
         std::sync::Arc::new(crate::ipc::IpcTransport::from_config(config)),
         std::sync::Arc::new(crate::staged::StagedTransport::from_config(config)),
         std::sync::Arc::new(crate::ucx::UcxTransport::start(config, gpu)),
+        std::sync::Arc::new(crate::shm::ShmTransport::from_config(config)),
     ]
 }
 

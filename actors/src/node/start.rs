@@ -318,10 +318,11 @@ pub(super) async fn start_actors(parts: ActorParts) -> Started {
     // ipc peer may map: each of its UCX operations is at most 16 MiB, served or applied
     // here within milliseconds of arriving (op_timeout bounds the peer's wait for an
     // answer, not how long ours takes), so the lease (10 s by default) covers them.
-    let transports = crate::coordinator::NodeTransports::new(ferry_transports::registry::start(
-        &config,
-        gpus.first_device(),
-    ));
+    let started = ferry_transports::registry::start(&config, gpus.first_device());
+    if let Some(source) = started.iter().find_map(|t| t.host_memory()) {
+        host.domain.use_host_source(source);
+    }
+    let transports = crate::coordinator::NodeTransports::new(started);
     let host_id = host_identity(&config);
     let transfer = TransferSetupBase {
         limits: session_limits(limits),

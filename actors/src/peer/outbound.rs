@@ -121,6 +121,20 @@ impl TransferActor {
         };
         match part.export(&msg.buffer, &layout) {
             Exporting::Now(Ok(exported)) => self.queue_submit_with(msg, Some(exported), reply, ctx),
+            // A transport that cannot make this buffer readable (shared host memory the
+            // buffer is not in) passes it to the rule's next transport, where there is one.
+            Exporting::Now(Err(e))
+                if matches!(
+                    &msg.op,
+                    Op::Send {
+                        fallback: Some(_),
+                        ..
+                    }
+                ) =>
+            {
+                let why = SetupFailure::Incompatible(format!("the buffer: {e}"));
+                self.fall_back(msg, reply, &why, ctx);
+            }
             Exporting::Now(Err(e)) => {
                 let _ = reply.send(Err(SendError {
                     error: unreadable(e),

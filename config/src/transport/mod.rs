@@ -11,11 +11,13 @@ use crate::units::format_size;
 use crate::validate::{Violation, fail, name_problem};
 
 mod ipc;
+mod shm;
 mod staged;
 mod tcp;
 mod ucx;
 
 pub use ipc::IpcTuning;
+pub use shm::ShmTuning;
 pub use staged::StagedTuning;
 pub use tcp::TcpTuning;
 pub use ucx::{UcxMode, UcxTuning};
@@ -36,10 +38,13 @@ pub struct TransportConfig {
     pub staged: StagedTuning,
     /// The ucx transport.
     pub ucx: UcxTuning,
+    /// The shm transport.
+    pub shm: ShmTuning,
     /// Selection rules, first match wins (`[[transport.rules]]`). Default: `"gpu"`, device
     /// memory to a same-host peer over ipc (pull), falling back to staged, then tcp;
     /// `"remote-gpu"`, device memory to another host over ucx, else staged, else tcp;
-    /// `"remote-host"`, anything else to another host over ucx, else tcp; then `"host"`,
+    /// `"remote-host"`, anything else to another host over ucx, else tcp; `"same-host-host"`,
+    /// host memory to a same-host peer over shm (pull, where both turn it on), else tcp; then `"host"`,
     /// which matches everything and uses tcp, push. A file that sets rules replaces the
     /// whole list.
     pub rules: Vec<Rule>,
@@ -52,10 +57,12 @@ impl Default for TransportConfig {
             ipc: IpcTuning::default(),
             staged: StagedTuning::default(),
             ucx: UcxTuning::default(),
+            shm: ShmTuning::default(),
             rules: vec![
                 Rule::same_host_gpu(),
                 Rule::remote_gpu(),
                 Rule::remote_host(),
+                Rule::same_host_host(),
                 Rule::catch_all(),
             ],
         }
@@ -86,6 +93,7 @@ impl TransportConfig {
         self.ipc.check()?;
         self.staged.check()?;
         self.ucx.check()?;
+        self.shm.check()?;
         self.check_rules()
     }
 

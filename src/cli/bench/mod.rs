@@ -35,7 +35,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use ferry::{Buffer, MemoryClass, MemoryKind, Node};
 use ferry_transports::registry;
-use ferry_transports::transport::{DevicePath, Note, Route};
+use ferry_transports::transport::{Carrier, DevicePath, Note, Route};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
@@ -281,6 +281,9 @@ enum Baseline {
     Socket(String),
     /// `cuMemcpyAsync` between the two GPUs of the bench, in this process.
     Copy(GpuPair),
+    /// For a transport that reads host memory of the peer in place: one `memcpy` of the
+    /// same bytes between two host buffers of this process.
+    Memcpy,
     /// The staged transport's limit: the slower of a raw copy from our GPU into pinned
     /// host memory and one from pinned host memory into theirs, in this process.
     Staging(GpuPair),
@@ -293,6 +296,7 @@ impl Baseline {
     fn label(&self, bidir: bool) -> String {
         match self {
             Baseline::Socket(_) => "plain TCP socket between the same two processes".into(),
+            Baseline::Memcpy => "one memcpy of the same bytes in one process".into(),
             Baseline::RdmaEngine(reader) => reader.label().into(),
             Baseline::Copy(g) => format!(
                 "raw cuMemcpyAsync GPU{} -> GPU{} in one process{}",
@@ -473,6 +477,7 @@ async fn start_local(
                 Baseline::Staging(g)
             }
             (Some(g), None) => Baseline::Copy(g),
+            (None, None) if declared.carrier == Carrier::Memory => Baseline::Memcpy,
             (None, None) => Baseline::Socket(baseline),
         }),
         local: Some(local),

@@ -218,6 +218,13 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
         }
+        (Some(Baseline::Memcpy), false) => {
+            let (len, iters) = (usize::try_from(size)?, args.iters);
+            let gbps = tokio::task::spawn_blocking(move || memcpy_baseline(len, iters, warmup))
+                .await
+                .context("the memcpy baseline stopped")?;
+            Some(gbps)
+        }
         (Some(Baseline::RdmaEngine(reader)), false) => Some(
             reader
                 .measure(node, size, args.iters, warmup, window)
@@ -318,6 +325,23 @@ pub async fn measure_return(
 
 /// The raw socket moving the same bytes between the same processes, with the same number
 /// of messages in flight as ferry had: GB/s.
+/// GB/s of one `memcpy` of `len` bytes between two host buffers (both touched first),
+/// `iters` times after `warmup`.
+fn memcpy_baseline(len: usize, iters: u64, warmup: u64) -> f64 {
+    let src = vec![0x5Au8; len];
+    let mut dst = vec![0u8; len];
+    for _ in 0..warmup.max(1) {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    let started = Instant::now();
+    for _ in 0..iters.max(1) {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    let secs = started.elapsed().as_secs_f64().max(1e-9);
+    (len as f64 * iters.max(1) as f64) / secs / 1e9
+}
+
 async fn baseline(
     addr: &str,
     size: u64,

@@ -315,7 +315,7 @@ impl IpcPart {
         match Ring::create(super::lane::LANE_SLOTS, super::lane::LANE_SLOT_LEN) {
             Ok(ring) => {
                 let (key, ring) = (super::lane_key(), Arc::new(ring));
-                self.env.gpus.rings.insert(key.clone(), Arc::clone(&ring));
+                self.env.gpus.rings.insert(key.clone(), ring.clone());
                 self.lane_offer = Some((key.clone(), ring));
                 Some(key)
             }

@@ -13,8 +13,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::cuda::{CudaError, DeviceBuffer, DeviceMemory};
+
+mod host;
+
 use crate::wire::Layout;
 use crate::wire::WireMemoryKind;
+pub use host::{HostBytes, HostSource, MappedHost};
 
 /// Where a buffer's bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -136,9 +140,10 @@ pub struct PromoteError {
     pub reason: String,
 }
 
-/// A buffer's bytes: host memory the CPU reads, or device memory of an exportable pool.
+/// A buffer's bytes: host memory the CPU reads (the heap's or a source's mapping), or
+/// device memory of an exportable pool.
 enum Bytes {
-    Host(Box<[u8]>),
+    Host(HostBytes),
     Device(DeviceBuffer),
 }
 
@@ -238,7 +243,7 @@ pub enum MemoryError {
 impl Drop for Storage {
     fn drop(&mut self) {
         let mapped = std::mem::take(self.mapped.get_mut().unwrap_or_else(|p| p.into_inner()));
-        let bytes = std::mem::replace(&mut self.bytes, Bytes::Host(Box::default()));
+        let bytes = std::mem::replace(&mut self.bytes, Bytes::Host(HostBytes::default()));
         match bytes {
             Bytes::Device(memory) if !mapped.is_empty() => {
                 // Peers keep it mapped: free it (and give the bytes back) once they all
@@ -258,7 +263,12 @@ impl Drop for Storage {
                     );
                 }
             }
-            Bytes::Host(bytes) => self.releaser.release_host(&self.lease, bytes),
+            Bytes::Host(HostBytes::Heap(bytes)) => self.releaser.release_host(&self.lease, bytes),
+            Bytes::Host(mapped) => {
+                // Back to its source first: the budget may grant it again at once.
+                drop(mapped);
+                self.releaser.release(&self.lease);
+            }
             Bytes::Device(memory) => self.releaser.release_device(&self.lease, memory),
         }
     }
@@ -299,7 +309,7 @@ impl Buffer {
         Self {
             storage: Arc::new(Storage {
                 lease,
-                bytes: Bytes::Host(vec![0u8; len].into_boxed_slice()),
+                bytes: Bytes::Host(HostBytes::Heap(vec![0u8; len].into_boxed_slice())),
                 releaser,
                 home,
                 mapped: std::sync::Mutex::default(),
@@ -319,6 +329,28 @@ impl Buffer {
         releaser: Arc<dyn Releaser>,
         home: Option<Arc<dyn MemoryHome>>,
     ) -> Result<Self, Box<[u8]>> {
+        if bytes.len() as u64 != lease.len {
+            return Err(bytes);
+        }
+        match Self::from_host(lease, HostBytes::Heap(bytes), releaser, home) {
+            Ok(buffer) => Ok(buffer),
+            Err(HostBytes::Heap(bytes)) => Err(bytes),
+            Err(HostBytes::Mapped { .. }) => Err(Box::default()),
+        }
+    }
+
+    /// Wraps host memory granted under `lease` whose bytes are `bytes` as they are: the
+    /// heap's, or memory a [`HostSource`] lent (given back to it when the buffer drops).
+    /// Used by allocators.
+    ///
+    /// # Errors
+    /// Gives `bytes` back when their length is not `lease.len`.
+    pub fn from_host(
+        lease: Lease,
+        bytes: HostBytes,
+        releaser: Arc<dyn Releaser>,
+        home: Option<Arc<dyn MemoryHome>>,
+    ) -> Result<Self, HostBytes> {
         if bytes.len() as u64 != lease.len {
             return Err(bytes);
         }
@@ -407,7 +439,7 @@ impl Buffer {
             });
         }
         match &src.storage.bytes {
-            Bytes::Host(bytes) => self.write(0, bytes),
+            Bytes::Host(bytes) => self.write(0, &bytes[..]),
             Bytes::Device(from) => {
                 let dst = Arc::get_mut(&mut self.storage).ok_or(MemoryError::Shared)?;
                 match &mut dst.bytes {
@@ -522,6 +554,14 @@ impl Buffer {
         }
     }
 
+    /// The memory a [`HostSource`] lent for this buffer; `None` for heap or device memory.
+    pub fn source_memory(&self) -> Option<&dyn MappedHost> {
+        match &self.storage.bytes {
+            Bytes::Host(h) => h.source_memory(),
+            Bytes::Device(_) => None,
+        }
+    }
+
     /// `peer` may keep this buffer mapped after a transfer: when the buffer is dropped, its
     /// memory is freed only after `peer` unmapped it ([`Unmapper`]). Noting the same peer
     /// twice changes nothing.
@@ -557,9 +597,7 @@ impl Buffer {
         match Arc::get_mut(&mut self.storage).map(|s| &mut s.bytes) {
             Some(Bytes::Device(d)) => Ok(d.truncate(len)?),
             Some(Bytes::Host(b)) => {
-                let mut v = std::mem::take(b).into_vec();
-                v.truncate(len);
-                *b = v.into_boxed_slice();
+                b.truncate(len);
                 Ok(())
             }
             None => Err(MemoryError::Shared),
@@ -664,6 +702,14 @@ impl Storage {
 }
 
 impl SharedBytes {
+    /// The memory a [`HostSource`] lent for these bytes; `None` for heap or device memory.
+    pub fn source_memory(&self) -> Option<&dyn MappedHost> {
+        match &self.storage.bytes {
+            Bytes::Host(h) => h.source_memory(),
+            Bytes::Device(_) => None,
+        }
+    }
+
     /// The bytes, for host memory; `None` for device memory.
     pub fn as_slice(&self) -> Option<&[u8]> {
         self.storage.host()

@@ -193,7 +193,7 @@ impl StagedPart {
         self.env
             .gpus
             .rings
-            .insert(key.clone(), Arc::clone(staging.ring()));
+            .insert(key.clone(), staging.ring().clone());
         let started = StagedTx::start(
             &self.env.peer,
             staging,

@@ -36,4 +36,11 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Its part of one peer's session.
     fn open(&self, env: PeerEnv) -> Box<dyn PeerTransport>;
+
+    /// Host memory it makes shareable, which the node's host domain grants from before the
+    /// heap (so the buffers it moves are its own); `None` for a transport that moves any
+    /// memory as it is. The node takes the first a transport offers.
+    fn host_memory(&self) -> Option<std::sync::Arc<dyn crate::memory::HostSource>> {
+        None
+    }
 }

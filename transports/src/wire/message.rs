@@ -60,6 +60,8 @@ pub enum WireTransport {
     Staged,
     /// `ucx`.
     Ucx,
+    /// `shm`.
+    Shm,
 }
 
 impl From<TransportName> for WireTransport {
@@ -69,6 +71,7 @@ impl From<TransportName> for WireTransport {
             TransportName::Ipc => Self::Ipc,
             TransportName::Staged => Self::Staged,
             TransportName::Ucx => Self::Ucx,
+            TransportName::Shm => Self::Shm,
         }
     }
 }
@@ -80,6 +83,7 @@ impl From<WireTransport> for TransportName {
             WireTransport::Ipc => Self::Ipc,
             WireTransport::Staged => Self::Staged,
             WireTransport::Ucx => Self::Ucx,
+            WireTransport::Shm => Self::Shm,
         }
     }
 }
@@ -91,6 +95,7 @@ impl From<&ArchivedWireTransport> for WireTransport {
             ArchivedWireTransport::Ipc => Self::Ipc,
             ArchivedWireTransport::Staged => Self::Staged,
             ArchivedWireTransport::Ucx => Self::Ucx,
+            ArchivedWireTransport::Shm => Self::Shm,
         }
     }
 }
