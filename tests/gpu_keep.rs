@@ -224,7 +224,10 @@ async fn device_burst() {
     );
     // Which process holds GPU memory (a is this one), as the driver counts it.
     let apps = std::process::Command::new("nvidia-smi")
-        .args(["--query-compute-apps=pid,used_memory", "--format=csv,noheader"])
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader",
+        ])
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_else(|e| format!("nvidia-smi: {e}"));
