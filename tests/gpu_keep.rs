@@ -169,6 +169,18 @@ fn a_burst_of_device_transfers_gives_the_gpu_its_memory_back_after_keep_idle() {
         .block_on(device_burst());
 }
 
+/// GPU memory each process uses, as `nvidia-smi` reports it (`pid, MiB` lines).
+fn gpu_memory_by_process() -> String {
+    std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader",
+        ])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_else(|e| format!("nvidia-smi: {e}\n"))
+}
+
 /// A burst of device sends from `a` to `b`; then GPU 0's free memory comes back.
 async fn device_burst() {
     let scratch = Scratch::new();
@@ -184,6 +196,7 @@ async fn device_burst() {
     // exist before the baseline.
     send(0, 4096).await;
     let before = free();
+    let apps_before = gpu_memory_by_process();
 
     // 32 sends of 8 MiB, 8 at a time: both pools grow, both shelves keep memory.
     let mut lowest = before;
@@ -222,19 +235,13 @@ async fn device_burst() {
         at_b("exported"),
         at_b("kept")
     );
-    // Which process holds GPU memory (a is this one), as the driver counts it.
-    let apps = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader",
-        ])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_else(|e| format!("nvidia-smi: {e}"));
+    // Which process holds GPU memory (a is this one), as the driver counts it, before the
+    // burst and now.
     println!(
-        "a is pid {}, b pid {}; GPU memory by process:\n{apps}",
+        "a is pid {}, b pid {}; GPU memory by process before the burst:\n{apps_before}now:\n{}",
         std::process::id(),
-        b.pid()
+        b.pid(),
+        gpu_memory_by_process()
     );
     assert!(
         back,
