@@ -530,16 +530,7 @@ impl Handler<SendTo> for Coordinator {
                 });
             }
         };
-        count_failovers(&routed);
-        let op = Op::Send {
-            tag: msg.tag,
-            transport: routed.transport,
-            direction: routed.direction,
-            fallback: routed.fallback,
-            layout: msg.layout,
-            fetch: msg.fetch,
-            packed: msg.packed,
-        };
+        let op = Op::send_routed(routed, msg.tag, msg.layout, msg.fetch, msg.packed);
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }
 }

@@ -357,16 +357,7 @@ impl Node {
         let to = peer.to_string();
         let make = move |buffer, may_go_direct: bool| match direct.filter(|_| may_go_direct) {
             Some((submissions, peer_class, routed)) => {
-                crate::coordinator::count_failovers(&routed);
-                let op = crate::peer::Op::Send {
-                    tag,
-                    transport: routed.transport,
-                    direction: routed.direction,
-                    fallback: routed.fallback,
-                    layout,
-                    fetch: None,
-                    packed,
-                };
+                let op = crate::peer::Op::send_routed(routed, tag, layout, None, packed);
                 let submit = crate::peer::Submit {
                     op,
                     buffer,

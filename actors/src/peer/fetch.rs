@@ -145,16 +145,7 @@ impl TransferActor {
         let sent: futures::future::BoxFuture<'static, Result<Result<Buffer, SendError>, ()>> =
             match direct {
                 Some((routed, peer_class)) => {
-                    crate::coordinator::count_failovers(&routed);
-                    let op = Op::Send {
-                        tag: 0,
-                        transport: routed.transport,
-                        direction: routed.direction,
-                        fallback: routed.fallback,
-                        layout: ask.layout,
-                        fetch: Some(id),
-                        packed,
-                    };
+                    let op = Op::send_routed(routed, 0, ask.layout, Some(id), packed);
                     let (reply, outcome) = oneshot::channel();
                     let submit = Submit {
                         op,

@@ -163,6 +163,29 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// A send of `packed` bytes laid out as `layout`, under `tag` (for the peer's fetch
+    /// `fetch`), by `routed`; counts the failovers the route records, once per send.
+    pub fn send_routed(
+        routed: crate::direct::Routed,
+        tag: u64,
+        layout: Layout,
+        fetch: Option<u64>,
+        packed: u64,
+    ) -> Self {
+        crate::coordinator::count_failovers(&routed);
+        Op::Send {
+            tag,
+            transport: routed.transport,
+            direction: routed.direction,
+            fallback: routed.fallback,
+            layout,
+            fetch,
+            packed,
+        }
+    }
+}
+
 /// Where a peer is, as the `peer_class` label of the transfer metrics says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PeerClass {
