@@ -28,7 +28,7 @@ use crate::transport::setup::{
 };
 use crate::transport::{
     Admission, Attached, Capabilities, Descriptor, DescriptorError, Exported, Exporting, Lend,
-    LentMemory, Moving, OpId, PartEvent, PeerEnv, PeerTransport, Retired, Transport,
+    LentBuffer, LentMemory, Moving, OpId, PartEvent, PeerEnv, PeerTransport, Retired, Transport,
     TransportError, Viability,
 };
 use crate::wire::Layout;
@@ -778,35 +778,9 @@ impl Lend for IpcLender {
     fn lend(&self, buffer: Buffer) -> Result<(Box<dyn LentMemory>, Descriptor), TransportError> {
         let target = super::export_source(&buffer, false).map_err(TransportError::of)?;
         let target = target.describe()?;
-        Ok((Box::new(LentDevice(buffer)), target))
-    }
-}
-
-/// Device memory lent to the peer's ipc push.
-#[derive(Debug)]
-struct LentDevice(Buffer);
-
-impl LentMemory for LentDevice {
-    fn kind(&self) -> MemoryKind {
-        self.0.kind()
-    }
-
-    fn give_back_blocks(&self) -> bool {
-        false
-    }
-
-    fn give_back(self: Box<Self>) -> Buffer {
-        self.0
-    }
-
-    /// After a failed push it goes at once (the peer's copy ended before its `Written`);
-    /// at the end of the session, to quarantine (the peer may still be copying).
-    fn retire(self: Box<Self>, written: bool) -> Retired {
-        if written {
-            Retired::Gone
-        } else {
-            Retired::Quarantine(self.0.share())
-        }
+        // At the session's end, to quarantine: the peer may still be copying.
+        let lent = LentBuffer::new(buffer, |b| Retired::Quarantine(b.share()));
+        Ok((Box::new(lent), target))
     }
 }
 

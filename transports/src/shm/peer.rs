@@ -13,10 +13,10 @@ use super::imports::PeerPool;
 use super::pool::{Pool, PoolSettings};
 use super::segment::Segment;
 use super::{ShmError, ShmSource, ShmTerms};
-use crate::memory::{Buffer, HostSource, MemoryKind, SharedBytes};
+use crate::memory::{Buffer, HostSource, SharedBytes};
 use crate::transport::{
-    Attached, Capabilities, Descriptor, Exported, Exporting, Lend, LentMemory, Moving, OpId,
-    PeerEnv, PeerTransport, Retired, Transport, TransportError, Viability,
+    Attached, Capabilities, Descriptor, Exported, Exporting, Lend, LentBuffer, LentMemory, Moving,
+    OpId, PeerEnv, PeerTransport, Retired, Transport, TransportError, Viability,
 };
 use crate::wire::Layout;
 
@@ -415,34 +415,8 @@ impl Lend for ShmLender {
             .source(&buffer)
             .ok_or_else(|| TransportError::new("the buffer is not in the shared-memory pool"))?;
         let descriptor = source.describe()?;
-        Ok((Box::new(LentHost(buffer)), descriptor))
-    }
-}
-
-/// A pool buffer lent to the peer's shm push.
-#[derive(Debug)]
-struct LentHost(Buffer);
-
-impl LentMemory for LentHost {
-    fn kind(&self) -> MemoryKind {
-        self.0.kind()
-    }
-
-    fn give_back_blocks(&self) -> bool {
-        false
-    }
-
-    fn give_back(self: Box<Self>) -> Buffer {
-        self.0
-    }
-
-    /// After a push the peer said it ended, the memory goes at once; otherwise it is held
-    /// for the lease timeout (the peer may still be copying into it).
-    fn retire(self: Box<Self>, written: bool) -> Retired {
-        if written {
-            Retired::Gone
-        } else {
-            Retired::Hold(Box::new(self.0))
-        }
+        // Unwritten, held for the lease timeout: the peer may still be copying into it.
+        let lent = LentBuffer::new(buffer, |b| Retired::Hold(Box::new(b)));
+        Ok((Box::new(lent), descriptor))
     }
 }

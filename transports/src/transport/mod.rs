@@ -22,8 +22,8 @@ pub use finding::{Finding, Status};
 pub use kind::{Note, Route, TransportKind};
 pub use node::Transport;
 pub use peer::{
-    Admission, Attached, Exported, Exporting, Lend, LentMemory, Moving, PartEvent, PeerEnv,
-    PeerTransport, Regions, Retired, Streaming, TransportError, Wake,
+    Admission, Attached, Exported, Exporting, Lend, LentBuffer, LentMemory, Moving, PartEvent,
+    PeerEnv, PeerTransport, Regions, Retired, Streaming, TransportError, Wake,
 };
 
 /// Whether the machine has an RDMA device (InfiniBand or RoCE) the kernel lists.

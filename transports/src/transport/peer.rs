@@ -259,6 +259,47 @@ pub trait LentMemory: Send + std::fmt::Debug {
     fn retire(self: Box<Self>, written: bool) -> Retired;
 }
 
+/// A buffer lent to the peer's push as it is (nothing registered for it: ipc's device
+/// memory, shm's pool memory), given back whole; what becomes of it when the peer may
+/// still write it is `unwritten`'s word.
+#[derive(Debug)]
+pub struct LentBuffer {
+    buffer: Buffer,
+    unwritten: fn(Buffer) -> Retired,
+}
+
+impl LentBuffer {
+    /// `buffer`, lent; retired unwritten by `unwritten` (`Retired::Quarantine` of its
+    /// bytes, say, or `Retired::Hold` of it).
+    pub fn new(buffer: Buffer, unwritten: fn(Buffer) -> Retired) -> Self {
+        Self { buffer, unwritten }
+    }
+}
+
+impl LentMemory for LentBuffer {
+    fn kind(&self) -> MemoryKind {
+        self.buffer.kind()
+    }
+
+    fn give_back_blocks(&self) -> bool {
+        false
+    }
+
+    fn give_back(self: Box<Self>) -> Buffer {
+        self.buffer
+    }
+
+    /// After a push the peer said ended, it goes at once (the peer's copy ended before its
+    /// `Written`); otherwise as `unwritten` says (the peer may still be copying).
+    fn retire(self: Box<Self>, written: bool) -> Retired {
+        if written {
+            Retired::Gone
+        } else {
+            (self.unwritten)(self.buffer)
+        }
+    }
+}
+
 /// What goes when something the peer may still touch is given up.
 pub enum Retired {
     /// Nothing left to do.
