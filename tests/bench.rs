@@ -816,7 +816,21 @@ fn serve_peer_survives_clients_that_come_and_go() {
         "client.toml",
         &scratch.toml("client", &[("bench-peer", &server.addr)], ""),
     );
-    let small = ["-b", "8", "-e", "1K", "-f", "8", "-n", "3", "-w", "1"];
+    // Host memory between the two same-host processes goes by shm under the default rules.
+    let small = [
+        "-b",
+        "8",
+        "-e",
+        "1K",
+        "-f",
+        "8",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--transport",
+        "shm",
+    ];
     let run = |server: &mut ServePeer, label: &str, extra: &[&str]| {
         let args: Vec<&str> = small.iter().chain(extra).copied().collect();
         let (mut child, err) = spawn_client(&client_cfg, scratch.path(), label, &args);
@@ -856,7 +870,19 @@ fn serve_peer_survives_clients_that_come_and_go() {
             &config,
             scratch.path(),
             name,
-            &["-b", "8", "-e", "64M", "-n", "200", "-w", "1", mode],
+            &[
+                "-b",
+                "8",
+                "-e",
+                "64M",
+                "-n",
+                "200",
+                "-w",
+                "1",
+                "--transport",
+                "shm",
+                mode,
+            ],
         );
         // Under way once it printed its first row (the next size is being sent).
         let out = scratch.path().join(format!("{name}.out"));

@@ -63,7 +63,7 @@ fn explain(config: &Path, extra: &[&str]) -> Output {
 }
 
 #[test]
-fn explain_reachable_peer_default_rules_chooses_tcp() {
+fn explain_reachable_peer_default_rules_chooses_shm() {
     let scratch = Scratch::new();
     let (_b, a) = pair(&scratch, "");
     let out = explain(&a, &["--bytes", "1M", "--memory", "host"]);
@@ -80,7 +80,7 @@ fn explain_reachable_peer_default_rules_chooses_tcp() {
         "{text}"
     );
     assert!(
-        text.contains("chosen") && text.contains("tcp, push"),
+        text.contains("chosen") && text.contains("shm, pull"),
         "{text}"
     );
     assert!(text.contains("same-host"), "{text}");
@@ -203,7 +203,7 @@ fn explain_json_parses() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("explain --json is JSON");
     // Every transport carries block lists: the route is the contiguous one.
     assert_eq!(v["layout"], "blocks");
-    assert_eq!(v["chosen"]["transport"], "tcp");
+    assert_eq!(v["chosen"]["transport"], "shm");
     assert_eq!(v["rule"]["name"], "same-host-host");
     assert_eq!(v["dst"], "host");
     assert_eq!(v["dst_from"], "dst-memory");

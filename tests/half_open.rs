@@ -21,7 +21,10 @@ use tokio::net::{TcpListener, TcpStream};
 const STALL: Duration = Duration::from_secs(1);
 /// The sends' deadline: an end by it, rather than by the stall timeout, is the bug.
 const DEADLINE: Duration = Duration::from_secs(20);
-const LIMITS: &str = "[limits]\nstall_timeout = \"1s\"\ndefault_deadline = \"20s\"\n";
+/// The bytes must cross the proxied link: shm (which would read them out of the sender's
+/// memory beside it) is off.
+const LIMITS: &str = "[transport.shm]\nenabled = false\n\n\
+                      [limits]\nstall_timeout = \"1s\"\ndefault_deadline = \"20s\"\n";
 const SENDS: u64 = 4;
 const LEN: usize = 32 << 20;
 /// Bytes toward the receiver before a direction goes silent mid-transfer: the offers and

@@ -124,9 +124,21 @@ async fn concurrent_sends_arrive_in_first_poll_order() {
         buffers.push(b);
     }
     let receive = async {
+        let mut seen = Vec::new();
         for (i, crc) in crcs.iter().enumerate() {
             let got = node.recv(Some("echo"), None).await.expect("echo back");
-            assert_eq!(got.tag, i as u64, "out of order");
+            seen.push((
+                got.tag,
+                got.transport,
+                got.buffer.len(),
+                node.has_fast_lane("echo"),
+            ));
+            assert_eq!(
+                got.tag,
+                i as u64,
+                "out of order {:?}",
+                &seen[seen.len().saturating_sub(6)..]
+            );
             let bytes = got.buffer.as_slice().expect("host");
             assert_eq!(crc32c::crc32c(bytes), *crc, "tag {i} changed");
         }

@@ -154,9 +154,10 @@ async fn metrics_endpoint_holds_the_counters_after_transfers() {
     ] {
         assert!(body.contains(help), "{help:?} missing from\n{body}");
     }
+    // Same-host host memory goes by shm (the small ones on its lane, counted alike).
     let bytes = sample(
         &body,
-        "ferry_transfer_bytes_total{transport=\"tcp\",direction=\"push\",peer_class=\"same_host\"}",
+        "ferry_transfer_bytes_total{transport=\"shm\",direction=\"pull\",peer_class=\"same_host\"}",
     );
     assert_eq!(bytes, Some(total as f64), "{body}");
     assert!(

@@ -279,7 +279,9 @@ fn transfers_between_hosts_are_byte_exact_and_remote() {
 /// Two hosts configured with one `host_id` are same-host to each other, though they are
 /// different namespaces (they do share the machine: its `/dev/shm`, its Unix sockets, its
 /// GPUs, so a same-host path between them works). Bytes between them still cross intact,
-/// and a node with an identity of its own sees both as remote.
+/// and a node with an identity of its own sees both as remote. Their abstract sockets are
+/// not shared: shm's setup finds that b cannot map a's pool, and host memory falls back to
+/// tcp.
 #[test]
 fn same_host_id_in_two_namespaces_is_same_host() {
     let Some(bed) = Bed::new(2) else { return };
@@ -356,6 +358,28 @@ fn same_host_id_in_two_namespaces_is_same_host() {
             assert_eq!(a_same, total, "a's bytes to same-host b");
             assert_eq!(a_remote, 0.0, "a called b remote");
             assert_eq!(b_remote, total, "b's bytes to the remote driver");
+            // Same host, but not the same network namespace: b cannot reach a's fd-sharing
+            // socket (abstract Unix sockets are per namespace), so it cannot map a's shm
+            // pool. The setup says so and a's host sends fall back to tcp.
+            let (bad, failover) = tokio::task::spawn_blocking({
+                let a = metrics[0].clone();
+                move || {
+                    let bad = metric_sum(&a, "ferry_shm_setup_total", "outcome=\"bad\"");
+                    let failover = metric_sum(&a, "ferry_failover_total", "from=\"shm\"");
+                    (bad, failover)
+                }
+            })
+            .await
+            .expect("metrics");
+            assert_eq!(
+                bad, 1.0,
+                "a's shm setup with b must fail once, then be remembered"
+            );
+            // Every send but the first (before b's hello, shm is assumed missing: tcp).
+            assert!(
+                failover >= 3.0,
+                "a's sends to b did not fall back from shm: {failover}"
+            );
             memory_back_to_baseline(&node, &metrics).await;
             node.shutdown().await;
         });

@@ -115,19 +115,20 @@ async fn default_rules_explain_the_route_sends_take() {
             .enumerate()
         {
             // Host memory, same host: the default "same-host-host" rule for host memory to a
-            // peer this node sees on its host ("host" for one it sees in its process, and for
-            // pinned memory), over tcp (shm is off by default), whatever the peer
-            // receives into (tcp lands device-bound bytes in the peer's host memory).
+            // peer this node sees on its host, over shm ("host" for one it sees in its
+            // process, and for pinned memory, over tcp), whatever the peer receives into
+            // (both land device-bound bytes in the peer's host memory).
             let tag = i as u64;
+            let routed = |(rule, transport): &(String, String)| match rule.as_str() {
+                "same-host-host" => kind == MemoryKind::Host && transport == "shm",
+                "host" => transport == "tcp",
+                _ => false,
+            };
             let there = agree(&a, &b, kind, tag).await;
-            let rule = |r: &str| r == "host" || (kind == MemoryKind::Host && r == "same-host-host");
-            assert!(
-                rule(&there.0) && there.1 == "tcp",
-                "{receive_into}: {there:?}"
-            );
+            assert!(routed(&there), "{receive_into}: {there:?}");
             // And back: b learned a's memory from the hello a dialed with.
             let back = agree(&b, &a, kind, 10 + tag).await;
-            assert!(rule(&back.0) && back.1 == "tcp", "{receive_into}: {back:?}");
+            assert!(routed(&back), "{receive_into}: {back:?}");
         }
         a.shutdown().await;
         b.shutdown().await;

@@ -1,6 +1,7 @@
 //! The shm transport between real processes on one host: host buffers from the nodes'
 //! shared-memory pools, read in place by the peer. Byte-exact sizes from 1 B to 64 MiB under
-//! the default rules (which route same-host host memory to shm where it is on), pushes into lent buffers,
+//! the default rules (which route same-host host memory to shm), small sends on the lane in
+//! order with the rest, pushes into lent buffers, pool pages given back when idle,
 //! a peer killed while it pulls (no send hangs, memory it could read is not reused until the
 //! lease timeout, then comes back), and descriptors of a hostile peer refused with their
 //! cause. (Every check of the conformance suite runs over shm too: `conformance/`.)
@@ -21,11 +22,8 @@ use ferry_transports::wire::{
     Announce, Layout, Message, Offer, WireDirection, WireMemoryKind, WireTransport,
 };
 
-/// shm is served where a node's configuration turns it on.
-const ON: &str = "[transport.shm]\nenabled = true\n\n";
-
-/// A node here (named `name`) and an echo process, with `extra` configuration at both, and
-/// shm on.
+/// A node here (named `name`) and an echo process, with `extra` configuration at both (shm
+/// is on by default).
 async fn with_echo(scratch: &Scratch, name: &str, extra: &str) -> (Node, Served) {
     with_echo_as(scratch, name, extra, extra).await
 }
@@ -37,11 +35,9 @@ async fn with_echo_as(
     extra: &str,
     echo_extra: &str,
 ) -> (Node, Served) {
-    let echo_extra = format!("{ON}{echo_extra}");
-    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], &echo_extra));
+    let echo_cfg = scratch.write("echo.toml", &scratch.toml("echo", &[], echo_extra));
     let echo = Served::start(&echo_cfg, "echo");
-    let extra = format!("{ON}{extra}");
-    let node = Node::start(scratch.config(name, &[("echo", &echo.addr)], &extra))
+    let node = Node::start(scratch.config(name, &[("echo", &echo.addr)], extra))
         .await
         .expect("node starts");
     (node, echo)
@@ -91,6 +87,95 @@ async fn host_buffers_cross_byte_exact_over_shm_by_the_default_rules() {
         // What landed here is pool memory too: the next send of it goes by shm as well.
         place(&got.buffer);
     }
+}
+
+/// Once the setup with the peer ran (the first send over shm), host buffers up to
+/// `transport.shm.lane_max` take the lane and larger ones the session; sent together, they
+/// arrive (and come back) in send order, byte-exact. With `lane_max = "0 B"` no lane
+/// opens and the same sends go by the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_host_sends_take_the_lane_in_order_with_the_rest() {
+    for (lane_max, lane) in [("256 KiB", true), ("0 B", false)] {
+        let scratch = Scratch::new();
+        let extra = format!("[transport.shm]\nlane_max = \"{lane_max}\"\n");
+        let (node, _echo) = with_echo_as(&scratch, "lane", &extra, "").await;
+        node.connect("echo").await.expect("connect");
+        assert!(!node.has_fast_lane("echo"), "a lane before any send");
+        let first = patterned(&node, 64, 0).await;
+        drop(node.send("echo", 0, first).await.expect("send"));
+        node.recv(Some("echo"), Some(0)).await.expect("echo");
+        assert_eq!(node.has_fast_lane("echo"), lane, "lane_max = {lane_max}");
+        let sizes = [8, 300 << 10, 4096, 1 << 20, 1, 256 << 10, 2 << 20, 100, 7];
+        let mut buffers = Vec::new();
+        for (i, len) in sizes.into_iter().enumerate() {
+            buffers.push(patterned(&node, len, 1 + i as u64).await);
+        }
+        let want: Vec<u32> = buffers.iter().map(crc).collect();
+        let sends =
+            (buffers.into_iter().enumerate()).map(|(i, b)| node.send("echo", 100 + i as u64, b));
+        for sent in futures::future::join_all(sends).await {
+            drop(sent.expect("send"));
+        }
+        for (i, len) in sizes.into_iter().enumerate() {
+            let got = node.recv(Some("echo"), None).await.expect("echo");
+            assert_eq!(
+                got.tag,
+                100 + i as u64,
+                "out of order (lane_max = {lane_max})"
+            );
+            assert_eq!(got.buffer.len(), len);
+            assert_eq!(crc(&got.buffer), want[i], "{len} bytes arrived changed");
+            assert_eq!(got.transport, TransportName::Shm);
+        }
+        node.shutdown().await;
+    }
+}
+
+/// Shared memory process `pid` holds resident (`RssShmem`: its pool's pages and those of
+/// the peer's pool it read), in bytes.
+fn resident_shared(pid: nix::unistd::Pid) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssShmem:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("RssShmem");
+    kib << 10
+}
+
+/// Pool memory leaves both processes once it was idle for `memory.keep_idle` (its pages
+/// go back to the kernel), not only their budgets: a pool never shrinks, but it does not
+/// keep its high-water mark resident. The echo's resident shared memory (its own pool's
+/// pages and those of ours it read) falls to almost nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_pool_pages_go_back_to_the_kernel_after_keep_idle() {
+    let scratch = Scratch::new();
+    let idle = "[memory]\nkeep_idle = \"300ms\"\n";
+    let (node, echo) = with_echo(&scratch, "idle", idle).await;
+    let len = 16 << 20;
+    for tag in 0..4u64 {
+        let buffer = patterned(&node, len, tag).await;
+        drop(node.send("echo", tag, buffer).await.expect("send"));
+    }
+    let mut echoes = Vec::new();
+    for tag in 0..4u64 {
+        echoes.push(node.recv(Some("echo"), Some(tag)).await.expect("echo"));
+    }
+    let touched = resident_shared(echo.pid());
+    assert!(
+        touched >= len as u64,
+        "the echo never held the bytes: {touched}"
+    );
+    drop(echoes);
+    let back = eventually(Duration::from_secs(10), async || {
+        resident_shared(echo.pid()) < touched / 8
+    })
+    .await;
+    assert!(
+        back,
+        "the echo still holds {} of {touched} bytes of shared memory after keep_idle",
+        resident_shared(echo.pid())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -222,10 +222,11 @@ impl Domain {
         }
     }
 
-    /// Notes that device memory went back into the pool just now (a host domain has none):
-    /// the pool gives it back to the GPU once none more went in for `memory.keep_idle`.
+    /// Notes that memory went back into the domain's pool just now (a device pool, or the
+    /// host source's, if any): the pool gives it back (to the GPU, to the kernel) once none
+    /// more went in for `memory.keep_idle`.
     fn freed_to_pool(&self) {
-        if self.on_device() {
+        if self.on_device() || self.host_source.get().is_some() {
             self.shelf.note_freed(Instant::now());
             if self.shelf.needs_word() {
                 self.returned.ask_for_sweep();
@@ -628,9 +629,20 @@ impl Allocator {
         let swept = self.domain.shelf.sweep(now, self.domain.keeping().idle);
         self.domain.shelf.disarm();
         let pool = self.domain.device.get().filter(|_| swept.trim).cloned();
-        if !swept.expired.is_empty() || pool.is_some() {
+        let source = self
+            .domain
+            .host_source
+            .get()
+            .filter(|_| swept.trim)
+            .cloned();
+        if !swept.expired.is_empty() || pool.is_some() || source.is_some() {
             let expired = swept.expired;
-            let give_back = move || give_back(expired, pool.as_ref());
+            let give_back = move || {
+                give_back(expired, pool.as_ref());
+                if let Some(source) = source {
+                    source.trim();
+                }
+            };
             match tokio::runtime::Handle::try_current() {
                 Ok(io) => drop(io.spawn_blocking(give_back)),
                 Err(_) => give_back(),

@@ -98,6 +98,10 @@ struct Session {
     hello: Option<Hello>,
     /// How each transport's setup with the peer ended, once it did.
     setups: HashMap<ferry_config::TransportName, ferry_transports::transport::setup::SetupOutcome>,
+    /// Ends once the latest submission to the peer is in its channel: the next one waits
+    /// for it, so they enter the channel in the order the coordinator took them (each
+    /// waits for room in a future of its own, which could be woken in any order).
+    handed: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// What the coordinator needs to start.
@@ -365,6 +369,7 @@ impl Coordinator {
                 state,
                 hello: None,
                 setups: HashMap::new(),
+                handed: None,
             },
         ) {
             // The old session's actor fails its ops and stops; its end is ignored.
@@ -467,11 +472,12 @@ impl Coordinator {
                 })
             });
         }
+        let (handed, next) = tokio::sync::oneshot::channel();
         let submissions = self
             .session_for(&peer, ctx)
-            .and_then(|_| self.sessions.get(&peer).ok_or(Error::ShuttingDown))
-            .map(|s| s.submissions.clone());
-        let submissions = match submissions {
+            .and_then(|_| self.sessions.get_mut(&peer).ok_or(Error::ShuttingDown))
+            .map(|s| (s.submissions.clone(), s.handed.replace(next)));
+        let (submissions, before) = match submissions {
             Ok(s) => s,
             Err(error) => {
                 return Box::pin(async move {
@@ -488,7 +494,14 @@ impl Coordinator {
             deadline,
             peer_class: PeerClass::of(self.locality(&peer)),
         };
-        Box::pin(async move { crate::peer::submit(&submissions, submit, &peer).await })
+        Box::pin(async move {
+            if let Some(before) = before {
+                let _ = before.await;
+            }
+            let outcome = crate::peer::hand_over(&submissions, submit, &peer).await;
+            let _ = handed.send(());
+            outcome.await
+        })
     }
 }
 
@@ -677,11 +690,12 @@ impl Handler<SetupSettled> for Coordinator {
         let ok = msg.outcome == ferry_transports::transport::setup::SetupOutcome::Ok;
         s.setups.insert(msg.transport, msg.outcome);
         let table = self.route_table(&msg.peer);
-        let lane = self.setup.transfer.peers.lane(&msg.peer);
+        let lane = self.setup.transfer.peers.lane(&msg.peer, msg.transport);
         // The transport's fast path to the peer (published before this notice) carries what
         // the rules send over it by pull.
-        if let Some(lane) = lane.filter(|l| ok && l.transport == msg.transport) {
-            let _ = lane.routes.set(table.fast_routes(msg.transport));
+        if let Some(lane) = lane.filter(|_| ok) {
+            let memory = lane.path.memory();
+            let _ = lane.routes.set(table.fast_routes(msg.transport, memory));
         }
         self.publish_direct(&msg.peer, Some(table));
     }

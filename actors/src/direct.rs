@@ -61,11 +61,11 @@ impl RouteTable {
         Self { ranges }
     }
 
-    /// Which sizes of contiguous device buffer go by pull over `transport`: what the
+    /// Which sizes of contiguous buffer of `memory` go by pull over `transport`: what the
     /// peer's fast path of that transport may carry.
-    pub fn fast_routes(&self, transport: TransportName) -> FastRoutes {
-        let device = self.ranges.iter().find(|(s, _)| *s == MemoryClass::Device);
-        let ranges = device.map_or_else(Vec::new, |(_, ranges)| {
+    pub fn fast_routes(&self, transport: TransportName, memory: MemoryClass) -> FastRoutes {
+        let class = self.ranges.iter().find(|(s, _)| *s == memory);
+        let ranges = class.map_or_else(Vec::new, |(_, ranges)| {
             (ranges.iter())
                 .map(|(start, routed)| {
                     let lane = routed.as_ref().is_some_and(|r| {
@@ -87,7 +87,7 @@ impl RouteTable {
     }
 }
 
-/// Which sizes of contiguous device buffer the routing rules send to the peer by pull over
+/// Which sizes of contiguous buffer (of the path's memory) the routing rules send to the peer by pull over
 /// the transport whose fast path the peer has: the fast path carries those and no other. Rules match sizes by ranges, so the answer
 /// is constant between their bounds: one entry per range, by its first size.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -126,7 +126,7 @@ impl FastRoutes {
     }
 }
 
-/// A peer's fast path (the transport made one with it: ipc's lane), published in the
+/// A peer's fast path (a transport made one with it: a lane), published in the
 /// node's per-peer table, and which sizes the rules send over it (set once its transport's
 /// setup with the peer settled; no send takes it before).
 #[derive(Debug)]
@@ -194,7 +194,7 @@ mod tests {
         assert_eq!(of(MemoryClass::Host, 5), Some(TransportName::Tcp));
         assert_eq!(of(MemoryClass::Pinned, 5), None);
         // The lane carries device pulls over ipc: up to 1 MiB.
-        let lane = table.fast_routes(TransportName::Ipc);
+        let lane = table.fast_routes(TransportName::Ipc, MemoryClass::Device);
         assert!(lane.takes(1 << 20) && !lane.takes((1 << 20) + 1));
     }
 
@@ -245,14 +245,28 @@ pub struct PeerHandle {
     pub(crate) order: std::sync::Arc<crate::order::Order>,
     /// The sends, puts and fetches it may have outstanding: each waits for a permit.
     pub(crate) credits: std::sync::Arc<tokio::sync::Semaphore>,
-    lane: std::sync::RwLock<Option<std::sync::Arc<FastLane>>>,
+    /// Its fast paths, at most one per transport.
+    lanes: std::sync::RwLock<Vec<std::sync::Arc<FastLane>>>,
     routes: std::sync::RwLock<Option<std::sync::Arc<DirectRoutes>>>,
 }
 
 impl PeerHandle {
-    /// Its fast path, if a transport made one with it.
-    pub fn lane(&self) -> Option<std::sync::Arc<FastLane>> {
-        self.lane.read().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The fast path that takes `buffer` (sent whole) now, if one does.
+    pub fn lane_for(
+        &self,
+        buffer: &ferry_transports::memory::Buffer,
+    ) -> Option<std::sync::Arc<FastLane>> {
+        let lanes = self.lanes.read().unwrap_or_else(|e| e.into_inner());
+        lanes.iter().find(|l| l.fits(buffer)).cloned()
+    }
+
+    /// Whether a transport made a fast path with it.
+    pub fn has_lane(&self) -> bool {
+        !self
+            .lanes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     /// Its routes and transfer actor, while its link is up.
@@ -282,16 +296,23 @@ impl PeerHandles {
             std::sync::Arc::new(PeerHandle {
                 order: std::sync::Arc::default(),
                 credits: std::sync::Arc::new(tokio::sync::Semaphore::new(self.credit)),
-                lane: std::sync::RwLock::default(),
+                lanes: std::sync::RwLock::default(),
                 routes: std::sync::RwLock::default(),
             })
         });
         std::sync::Arc::clone(made.value())
     }
 
-    /// `peer`'s fast path, if it has one.
-    pub fn lane(&self, peer: &str) -> Option<std::sync::Arc<FastLane>> {
-        self.peers.get(peer)?.lane()
+    /// `peer`'s fast path over `transport`, if it has one.
+    pub fn lane(&self, peer: &str, transport: TransportName) -> Option<std::sync::Arc<FastLane>> {
+        let handle = self.peers.get(peer)?;
+        let lanes = handle.lanes.read().unwrap_or_else(|e| e.into_inner());
+        lanes.iter().find(|l| l.transport == transport).cloned()
+    }
+
+    /// Whether `peer` has a fast path.
+    pub fn has_lane(&self, peer: &str) -> bool {
+        self.peers.get(peer).is_some_and(|h| h.has_lane())
     }
 
     /// `peer`'s routes, while published.
@@ -299,22 +320,20 @@ impl PeerHandles {
         self.peers.get(peer)?.routes()
     }
 
-    /// Publishes `lane` as `peer`'s fast path.
+    /// Publishes `lane` as `peer`'s fast path over its transport (in place of an earlier
+    /// one of that transport).
     pub fn set_lane(&self, peer: &str, lane: std::sync::Arc<FastLane>) {
         let handle = self.handle(peer);
-        *handle.lane.write().unwrap_or_else(|e| e.into_inner()) = Some(lane);
+        let mut lanes = handle.lanes.write().unwrap_or_else(|e| e.into_inner());
+        lanes.retain(|l| l.transport != lane.transport);
+        lanes.push(lane);
     }
 
-    /// Withdraws `peer`'s fast path if it is still `lane`.
+    /// Withdraws `lane` from `peer`'s fast paths, if it is still there.
     pub fn withdraw_lane(&self, peer: &str, lane: &std::sync::Arc<FastLane>) {
         if let Some(handle) = self.peers.get(peer) {
-            let mut current = handle.lane.write().unwrap_or_else(|e| e.into_inner());
-            if current
-                .as_ref()
-                .is_some_and(|c| std::sync::Arc::ptr_eq(c, lane))
-            {
-                *current = None;
-            }
+            let mut lanes = handle.lanes.write().unwrap_or_else(|e| e.into_inner());
+            lanes.retain(|l| !std::sync::Arc::ptr_eq(l, lane));
         }
     }
 

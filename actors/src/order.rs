@@ -24,6 +24,9 @@ pub struct Order {
 #[derive(Debug, Default)]
 struct OrderState {
     lane: usize,
+    /// The lane of the lane sends under way: another lane's send waits for them (each
+    /// lane's receiver delivers on its own thread).
+    lane_of: Option<ferry_config::TransportName>,
     slow: usize,
     /// The next slow send's ticket, and the ticket whose turn it is to pass.
     tickets: u64,
@@ -59,16 +62,23 @@ impl Order {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts a lane send, unless a slow one is under way or `max` lane sends are (then the
-    /// caller takes the slow path, behind them). With at most a ring's worth in flight, a
-    /// lane send finds its slot free and publishes before its first `await`, so lane
-    /// records leave in the order the sends were first polled.
-    pub fn try_lane(self: &Arc<Self>, max: usize) -> Option<OrderGuard> {
+    /// Starts a send on `lane`'s fast path, unless a slow one is under way, `max` lane sends
+    /// are, or sends on another lane are (then the caller takes the slow path, behind
+    /// them). With at most a ring's worth in flight, a lane send finds its slot free and
+    /// publishes before its first `await`, so lane records leave in the order the sends
+    /// were first polled.
+    pub fn try_lane(
+        self: &Arc<Self>,
+        max: usize,
+        lane: ferry_config::TransportName,
+    ) -> Option<OrderGuard> {
         let mut s = self.state();
-        if s.slow > 0 || s.lane >= max {
+        let other = s.lane > 0 && s.lane_of != Some(lane);
+        if s.slow > 0 || s.lane >= max || other {
             return None;
         }
         s.lane += 1;
+        s.lane_of = Some(lane);
         Some(OrderGuard {
             order: Arc::clone(self),
             ticket: None,
@@ -225,6 +235,9 @@ impl Drop for Pending {
 mod tests {
     use super::*;
 
+    const IPC: ferry_config::TransportName = ferry_config::TransportName::Ipc;
+    const SHM: ferry_config::TransportName = ferry_config::TransportName::Shm;
+
     /// A lane record waits, asleep, until the last slow transfer ahead of it is delivered,
     /// and stops waiting when its thread is told to stop.
     #[test]
@@ -257,7 +270,7 @@ mod tests {
     #[tokio::test]
     async fn slow_sends_pass_in_ticket_order_even_when_one_gives_up() {
         let order = Arc::new(Order::default());
-        let lane = order.try_lane(4).expect("lane");
+        let lane = order.try_lane(4, IPC).expect("lane");
         let mut first = Box::pin(order.slow());
         let mut second = Box::pin(order.slow());
         let mut third = Box::pin(order.slow());
@@ -274,14 +287,14 @@ mod tests {
         first.pass();
         drop(third.await);
         drop(first);
-        assert!(order.try_lane(4).is_some());
+        assert!(order.try_lane(4, IPC).is_some());
     }
 
     #[tokio::test]
     async fn a_waiting_slow_send_keeps_later_lane_sends_off_the_lane() {
         let order = Arc::new(Order::default());
-        let lane = order.try_lane(1).expect("nothing slow under way");
-        assert!(order.try_lane(1).is_none(), "one lane send at most");
+        let lane = order.try_lane(1, IPC).expect("nothing slow under way");
+        assert!(order.try_lane(1, IPC).is_none(), "one lane send at most");
         let slow = tokio::spawn({
             let order = Arc::clone(&order);
             async move { order.slow().await }
@@ -292,13 +305,28 @@ mod tests {
         }
         assert!(!slow.is_finished(), "the slow send waits for the lane send");
         assert!(
-            order.try_lane(2).is_none(),
+            order.try_lane(2, IPC).is_none(),
             "a later lane send must queue behind it"
         );
         drop(lane);
         let slow = slow.await.expect("the slow send starts");
-        assert!(order.try_lane(2).is_none());
+        assert!(order.try_lane(2, IPC).is_none());
         drop(slow);
-        assert!(order.try_lane(2).is_some(), "the lane is free again");
+        assert!(order.try_lane(2, IPC).is_some(), "the lane is free again");
+    }
+
+    #[test]
+    fn sends_on_another_lane_wait_for_the_lane_in_use() {
+        let order = Arc::new(Order::default());
+        let ipc = order.try_lane(8, IPC).expect("nothing under way");
+        assert!(
+            order.try_lane(8, SHM).is_none(),
+            "another lane's receiver could deliver first"
+        );
+        let again = order
+            .try_lane(8, IPC)
+            .expect("the same lane keeps its order");
+        drop((ipc, again));
+        assert!(order.try_lane(8, SHM).is_some(), "no lane send under way");
     }
 }

@@ -146,12 +146,12 @@ mod tests {
         for c in declarations() {
             let name = c.name;
             if c.lane {
-                // The lane is a ring both processes of one host map; it carries pulls of
-                // device memory straight between their buffers.
+                // A lane is a ring both processes of one host map; it carries pulls of the
+                // transport's own memory straight between their buffers.
                 assert_eq!(c.localities, &[Locality::SameHost], "{name}");
                 assert_eq!(c.carrier, Carrier::Memory, "{name}");
                 assert!(c.directions.contains(&Direction::Pull), "{name}");
-                assert!(c.sources.contains(&MemoryClass::Device), "{name}");
+                assert!(!c.sources.is_empty(), "{name}");
             }
             match c.device_path {
                 DevicePath::HostCopy => {
@@ -165,7 +165,7 @@ mod tests {
                 DevicePath::Rdma => assert!(c.localities.contains(&Locality::Remote), "{name}"),
             }
         }
-        // A peer has one lane, so received buffers it delivers have one transport.
-        assert!(declarations().iter().filter(|c| c.lane).count() <= 1);
+        // A peer may have a lane per transport that declares one (each delivers under its
+        // own transport's name, and says which memory it carries: `FastPath::memory`).
     }
 }

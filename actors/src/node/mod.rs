@@ -322,12 +322,13 @@ impl Node {
                 });
             }
         };
-        // Small device buffers to a same-host peer take the fast lane when nothing to that
-        // peer goes the slow way (then they queue behind it, keeping the order).
+        // Small buffers to a same-host peer take a fast lane when nothing to that peer goes
+        // the slow way or by another lane (then they queue behind it, keeping the order).
         let handle = self.peers.handle(peer);
-        if let Some(lane) =
-            (handle.lane()).filter(|l| l.fits(&buffer) && layout == Layout::Contiguous)
-            && let Some(turn) = handle.order.try_lane(usize::MAX)
+        if let Some(lane) = (layout == Layout::Contiguous)
+            .then(|| handle.lane_for(&buffer))
+            .flatten()
+            && let Some(turn) = handle.order.try_lane(usize::MAX, lane.transport)
         {
             let fail = |e: ferry_transports::transport::FastPathError| SendError {
                 error: Error::from_fast_path(peer, e.failure),
@@ -386,10 +387,10 @@ impl Node {
         self.peers.routes(peer).is_some()
     }
 
-    /// True when small device buffers to `peer` take the same-host fast lane (the ipc
-    /// setup with it made one; see `transport.ipc.lane_max`).
+    /// True when small buffers to `peer` take a same-host fast lane (a transport's setup
+    /// with it made one; see `transport.ipc.lane_max`, `transport.shm.lane_max`).
     pub fn has_fast_lane(&self, peer: &str) -> bool {
-        self.peers.lane(peer).is_some()
+        self.peers.has_lane(peer)
     }
 
     /// Waits for credit to `peer` until `deadline`, then hands the message `make` makes of
@@ -432,8 +433,15 @@ impl Node {
         // The turn is held until the outcome, as the credit is: a fast-path send asked for
         // after this one starts only once this one ended at the peer (it could overtake it
         // otherwise; the peer's fast path orders after slow transfers that completed).
-        let (outcome, _permit, _turn) = committed?;
-        outcome.await
+        // Also when this future is dropped: the transfer runs on, and so does the wait.
+        let (outcome, permit, turn) = committed?;
+        let io = self.io.as_ref().map(|io| io.handle().clone());
+        HeldToTheEnd {
+            outcome: Some(outcome),
+            held: Some(Box::new((permit, turn))),
+            io,
+        }
+        .await
     }
 
     /// `peer`'s credit: the sends, puts and fetches it may have outstanding.
@@ -682,6 +690,52 @@ async fn commit(
     };
     turn.pass();
     Ok((handed, permit, turn))
+}
+
+/// A handed-over send's outcome, with what it holds until the transfer ended (the peer's
+/// credit, the send's turn): dropped before that, it hands both to a task of the node's
+/// runtime that waits for the outcome, so a dropped send keeps its place to the end.
+struct HeldToTheEnd {
+    outcome: Option<futures::future::BoxFuture<'static, Result<Buffer, SendError>>>,
+    held: Option<Box<dyn Send>>,
+    io: Option<tokio::runtime::Handle>,
+}
+
+impl std::future::Future for HeldToTheEnd {
+    type Output = Result<Buffer, SendError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let Some(outcome) = self.outcome.as_mut() else {
+            return std::task::Poll::Ready(Err(SendError {
+                error: Error::ShuttingDown,
+                buffer: None,
+            }));
+        };
+        let done = std::task::ready!(outcome.as_mut().poll(cx));
+        self.outcome = None;
+        self.held = None;
+        std::task::Poll::Ready(done)
+    }
+}
+
+impl Drop for HeldToTheEnd {
+    fn drop(&mut self) {
+        let (Some(outcome), Some(held)) = (self.outcome.take(), self.held.take()) else {
+            return;
+        };
+        let wait = async move {
+            drop(outcome.await);
+            drop(held);
+        };
+        match (self.io.take()).or_else(|| tokio::runtime::Handle::try_current().ok()) {
+            Some(io) => drop(io.spawn(wait)),
+            // No runtime left: the node is gone, and its sends with it.
+            None => drop(wait),
+        }
+    }
 }
 
 /// What the accept loop needs besides the listener: shared by every listener of a node.

@@ -243,17 +243,6 @@ pub struct Submission {
 pub type Submissions = futures::channel::mpsc::Sender<Submission>;
 
 /// Hands `submit` to the actor behind `submissions` (waiting for room, which the peer's
-/// credit bounds) and resolves with its outcome. Once handed over it runs to its end even
-/// if this future is dropped.
-pub async fn submit(
-    submissions: &Submissions,
-    submit: Submit,
-    peer: &str,
-) -> Result<Buffer, SendError> {
-    hand_over(submissions, submit, peer).await.await
-}
-
-/// Hands `submit` to the actor behind `submissions` (waiting for room, which the peer's
 /// credit bounds); resolves once it is in the channel, with the future of its outcome.
 pub async fn hand_over(
     submissions: &Submissions,
@@ -506,8 +495,9 @@ struct OutboundState {
     held: Held,
     /// Callers waiting until no transfer of ours is left.
     drained: Vec<oneshot::Sender<()>>,
-    /// The fast path a part opened to the peer, as published in the node's table.
-    fast_path: Option<Arc<crate::direct::FastLane>>,
+    /// The fast paths parts opened to the peer (one per transport at most), as published
+    /// in the node's table.
+    fast_paths: Vec<Arc<crate::direct::FastLane>>,
 }
 
 impl TransferActor {
@@ -564,6 +554,9 @@ impl Actor for TransferActor {
             secret: setup.secret.clone(),
             memory: Arc::new(crate::allocator::TierMemory {
                 tiers: setup.tiers.clone(),
+            }),
+            host_memory: Arc::new(crate::allocator::TierMemory {
+                tiers: setup.host_tiers.clone(),
             }),
             deliveries: Arc::new(crate::inbox::PathDeliveries {
                 inbox: Arc::clone(&setup.inbox),

@@ -168,9 +168,11 @@ impl TransferActor {
             PartEvent::FastPath(path) => {
                 let lane = Arc::new(crate::direct::FastLane::new(transport, path));
                 self.setup.peers.set_lane(&self.peer, Arc::clone(&lane));
-                if let Some(old) = self.outbound.fast_path.replace(lane) {
-                    old.path.close();
+                let paths = &mut self.outbound.fast_paths;
+                if let Some(i) = paths.iter().position(|l| l.transport == transport) {
+                    paths.swap_remove(i).path.close();
                 }
+                paths.push(lane);
             }
             PartEvent::Broke(why) => {
                 tracing::warn!(peer = %self.peer, %transport, "dropping the link: {why}");
@@ -230,7 +232,7 @@ impl TransferActor {
         for part in self.parts.iter_mut() {
             part.detach();
         }
-        if let Some(lane) = self.outbound.fast_path.take() {
+        for lane in std::mem::take(&mut self.outbound.fast_paths) {
             self.setup.peers.withdraw_lane(&self.peer, &lane);
             lane.path.close();
         }

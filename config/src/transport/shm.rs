@@ -1,8 +1,10 @@
 //! `[transport.shm]`: the shm transport's settings, their defaults and their checks.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
-use crate::units::{format_size, size};
+use crate::units::{duration, format_size, size};
 use crate::validate::{Violation, fail};
 
 /// Smallest accepted `transport.shm.segment_size`.
@@ -16,8 +18,8 @@ const MAX_SEGMENT: u64 = 1 << 40;
 #[serde(default, deny_unknown_fields)]
 pub struct ShmTuning {
     /// Whether the node serves shm: its host buffers come from the pool, and same-host
-    /// peers read them in place. Default false (for now: see docs/CONFIG.md): host memory
-    /// comes from the heap and the default rule's next transport, tcp, sends it.
+    /// peers read them in place. Default true; false: host memory comes from the heap and
+    /// the default rule's next transport, tcp, sends it.
     pub enabled: bool,
     /// Bytes of each shared-memory segment of the pool (a sealed memfd, mapped once by this
     /// node and once by each same-host peer that pulls from it). A buffer larger than this
@@ -30,14 +32,25 @@ pub struct ShmTuning {
     /// high-water mark. Default `"4 GiB"`; at least `segment_size`.
     #[serde(with = "size")]
     pub max_bytes: u64,
+    /// Largest host buffer this node sends to a same-host peer on the shm lane (a ring
+    /// both processes map: no session round trip) when the rules send it over shm by pull;
+    /// larger ones take the session. `"0 B"` turns the lane off. Default `"256 KiB"`.
+    #[serde(with = "size")]
+    pub lane_max: u64,
+    /// How long a lane thread spins for the next record before it sleeps. Default
+    /// `"100us"`; at most 1 s.
+    #[serde(with = "duration")]
+    pub lane_spin: Duration,
 }
 
 impl Default for ShmTuning {
     fn default() -> Self {
         ShmTuning {
-            enabled: false,
+            enabled: true,
             segment_size: 64 << 20,
             max_bytes: 4 << 30,
+            lane_max: 256 << 10,
+            lane_spin: Duration::from_micros(100),
         }
     }
 }
@@ -62,6 +75,12 @@ impl ShmTuning {
                     format_size(self.max_bytes),
                     format_size(self.segment_size)
                 ),
+            );
+        }
+        if self.lane_spin > Duration::from_secs(1) {
+            return fail(
+                "transport.shm.lane_spin",
+                format!("{:?} is above 1s", self.lane_spin),
             );
         }
         Ok(())

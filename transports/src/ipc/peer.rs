@@ -15,17 +15,16 @@ use std::time::{Duration, Instant};
 
 use ferry_config::TransportName;
 
-use super::lane::{LaneRx, LaneSettings, LaneTx, RxContext};
+use super::lane::{DeviceRecords, LaneRx, LaneSettings, RxContext};
 use super::{
     IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, IpcBufferRef, IpcError, IpcMessage,
     IpcSetupMessage, IpcSetupStep, IpcSource, SharedImports,
 };
 use crate::link::ring::Ring;
 use crate::memory::{Buffer, Lease, MemoryKind, SharedBytes, UnmapDone, Unmapper};
-use crate::transport::setup::{
-    Admission as Wanted, Attempt, PeerReply, Setup, SetupEvent, SetupFailure, SetupOutcome,
-    SetupPolicy, SetupTransmit,
-};
+use crate::transport::FastPath;
+use crate::transport::lane::LaneTx;
+use crate::transport::setup::{Attempt, PartSetup, PeerReply, SetupOutcome, SetupTransmit};
 use crate::transport::{
     Admission, Attached, Capabilities, Descriptor, DescriptorError, Exported, Exporting, Lend,
     LentBuffer, LentMemory, Moving, OpId, PartEvent, PeerEnv, PeerTransport, Retired, Transport,
@@ -118,8 +117,7 @@ struct IpcPart {
     returns: Returns,
     /// The lazy setup (we are its exporting side: the sends waiting for it wait in the
     /// shell, by ticket).
-    setup: Option<Setup<u64>>,
-    next_ticket: u64,
+    setup: PartSetup,
     /// Messages to the peer's part waiting for the link (a handful at most: one per setup
     /// step, one per buffer to unmap).
     out: VecDeque<IpcMessage>,
@@ -163,8 +161,7 @@ impl IpcPart {
             env,
             lane_settings,
             returns,
-            setup: None,
-            next_ticket: 0,
+            setup: PartSetup::default(),
             out: VecDeque::new(),
             events: VecDeque::new(),
             peer_pid: 0,
@@ -226,58 +223,23 @@ impl IpcPart {
                 self.ask_unmap(&lease, done, now);
             }
         }
-        loop {
-            let Some(setup) = self.setup.as_mut() else {
-                return;
-            };
-            let mut moved = false;
-            let mut transmits = Vec::new();
-            while let Some(t) = setup.poll_transmit() {
-                transmits.push(t);
-            }
-            let mut settled = None;
-            while let Some(ev) = setup.poll_event() {
-                moved = true;
-                match ev {
-                    SetupEvent::Check(a) => {
-                        // What only this side sees: is the peer on this host?
-                        let checks = if self.same_host {
-                            Ok(())
-                        } else {
-                            Err(SetupFailure::NotSameHost)
-                        };
-                        setup.handle_checks(now, a, checks);
-                    }
-                    SetupEvent::Settled(outcome) => settled = Some(outcome),
-                    SetupEvent::Proceed(ticket) => {
-                        self.events.push_back(PartEvent::Proceed(ticket));
-                    }
-                    SetupEvent::FallBack(ticket, why) => {
-                        self.events.push_back(PartEvent::FallBack(ticket, why));
-                    }
+        let (transmits, settled) = self.setup.drive(now, self.same_host, &mut self.events);
+        for t in transmits {
+            let (attempt, step) = match t {
+                SetupTransmit::Request(a) => {
+                    let lane = self.offer_lane();
+                    (a, IpcSetupStep::Request(self.env.gpus.uuids(), lane))
                 }
-            }
-            for t in transmits {
-                moved = true;
-                let (attempt, step) = match t {
-                    SetupTransmit::Request(a) => {
-                        let lane = self.offer_lane();
-                        (a, IpcSetupStep::Request(self.env.gpus.uuids(), lane))
-                    }
-                    SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
-                    SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
-                };
-                self.out.push_back(IpcMessage::Setup(IpcSetupMessage {
-                    attempt: attempt.0,
-                    step,
-                }));
-            }
-            if let Some(outcome) = settled {
-                self.settled(outcome);
-            }
-            if !moved {
-                return;
-            }
+                SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
+                SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
+            };
+            self.out.push_back(IpcMessage::Setup(IpcSetupMessage {
+                attempt: attempt.0,
+                step,
+            }));
+        }
+        if let Some(outcome) = settled {
+            self.settled(outcome);
         }
     }
 
@@ -340,7 +302,12 @@ impl IpcPart {
             return;
         }
         let unmapper: Arc<dyn Unmapper> = self.unmapper();
-        match LaneTx::start(&self.env.peer, ring, self.lane_settings, unmapper) {
+        let records = DeviceRecords {
+            max: self.lane_settings.max,
+            unmapper,
+        };
+        let spin = self.lane_settings.spin;
+        match LaneTx::start(&self.env.peer, ring, Box::new(records), spin) {
             Ok(tx) => {
                 tracing::info!(peer = %self.env.peer, max = self.lane_settings.max, "fast lane to the peer open");
                 if let Some(old) = self.lane_tx.replace(Arc::clone(&tx)) {
@@ -443,7 +410,7 @@ impl IpcPart {
             },
             // We are the exporting side.
             IpcSetupStep::Reply(refused) => {
-                if let Some(setup) = &mut self.setup {
+                if let Some(setup) = self.setup.machine() {
                     let reply = match refused {
                         None => PeerReply::Accepted,
                         Some(why) => PeerReply::Refused(why),
@@ -452,7 +419,7 @@ impl IpcPart {
                 }
             }
             IpcSetupStep::Confirm => {
-                if let Some(setup) = &mut self.setup {
+                if let Some(setup) = self.setup.machine() {
                     setup.handle_confirm(attempt);
                 }
             }
@@ -540,14 +507,7 @@ impl PeerTransport for IpcPart {
     /// A send over ipc asks the setup with the peer (started by the first): go now, wait
     /// (by ticket), or fall back saying why.
     fn admit(&mut self, now: Instant) -> Admission {
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
-        let setup = (self.setup).get_or_insert_with(|| Setup::new(SetupPolicy::DEFAULT));
-        let admitted = match setup.handle_want(now, ticket) {
-            Wanted::Ready(_) => Admission::Ready,
-            Wanted::Queued => Admission::Queued(ticket),
-            Wanted::FallBack(_, why) => Admission::FallBack(why),
-        };
+        let admitted = self.setup.admit(now);
         self.pump(now);
         admitted
     }
@@ -587,15 +547,13 @@ impl PeerTransport for IpcPart {
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
-        let setup = self.setup.as_ref().and_then(|s| s.poll_timeout());
+        let setup = self.setup.poll_timeout();
         let unmap = self.unmapping.values().map(|(_, by)| *by).min();
         setup.into_iter().chain(unmap).min()
     }
 
     fn handle_timeout(&mut self, now: Instant) {
-        if let Some(setup) = &mut self.setup {
-            setup.handle_timeout(now);
-        }
+        self.setup.handle_timeout(now);
         if let Some((r, _)) = self.unmapping.iter().find(|(_, (_, by))| *by <= now) {
             tracing::warn!(
                 peer = %self.env.peer,
@@ -614,7 +572,7 @@ impl PeerTransport for IpcPart {
     }
 
     fn awaits_peer(&self) -> bool {
-        self.setup.as_ref().is_some_and(|s| s.awaits_peer())
+        self.setup.awaits_peer()
     }
 
     fn detach(&mut self) {

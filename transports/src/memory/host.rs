@@ -31,6 +31,11 @@ pub trait HostSource: Send + Sync + 'static {
     /// no room for them (the domain then takes the heap's). Called on whatever thread grants;
     /// must not block on anything but a short lock.
     fn take(&self, len: usize, fill: Fill) -> Option<Box<dyn MappedHost>>;
+
+    /// Gives what no buffer holds back to the system (the domain asks once no memory went
+    /// back to the source for `memory.keep_idle`); called off any actor's thread. Nothing
+    /// by default.
+    fn trim(&self) {}
 }
 
 /// A host buffer's bytes: the heap's, or a source's mapping, of which the first `len`

@@ -14,6 +14,14 @@
 //! pool was full, memory wrapped in place) are not exported: the send takes the rule's next
 //! transport.
 //!
+//! Before the first send to a peer, a setup ([`setup`]) has the peer map the pool's probe:
+//! a peer that cannot (another network namespace: no reachable fd-sharing socket) refuses
+//! with the cause, and sends go by the rule's next transport for the session. The setup
+//! also opens the lane ([`lane`]): small sends go through a ring both processes map, with
+//! no session round trip. Pool ranges no buffer holds go back to the kernel once the host
+//! domain was idle for `memory.keep_idle` (a hole punched in the segment, which keeps its
+//! size: a peer's mapping stays valid and reads zeroes there).
+//!
 //! Only [`segment`] uses `unsafe` (the mapping, and bounded copies through it).
 
 use std::sync::OnceLock;
@@ -24,9 +32,11 @@ use crate::transport::{Capabilities, Viability};
 
 mod imports;
 mod kind;
+mod lane;
 mod peer;
 pub mod pool;
 pub mod segment;
+mod setup;
 mod wire;
 
 pub use kind::ShmKind;
@@ -83,9 +93,9 @@ pub fn capabilities() -> Capabilities {
         needs_fd_passing: true,
         one_sided_put: false,
         carrier: crate::transport::Carrier::Memory,
-        per_peer_setup: false,
+        per_peer_setup: true,
         opt_in: true,
-        lane: false,
+        lane: true,
         device_path: crate::transport::DevicePath::HostCopy,
         library: None,
     }

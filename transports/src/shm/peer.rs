@@ -6,17 +6,21 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
 use ferry_config::TransportName;
 
 use super::imports::PeerPool;
 use super::pool::{Pool, PoolSettings};
 use super::segment::Segment;
+use super::setup::{LaneSettings, ShmSetup, Sides};
+use super::wire::ShmMessage;
 use super::{ShmError, ShmSource, ShmTerms};
-use crate::memory::{Buffer, HostSource, SharedBytes};
+use crate::memory::{Buffer, HostSource, MappedHost, SharedBytes};
 use crate::transport::{
-    Attached, Capabilities, Descriptor, Exported, Exporting, Lend, LentBuffer, LentMemory, Moving,
-    OpId, PeerEnv, PeerTransport, Retired, Transport, TransportError, Viability,
+    Admission, Attached, Capabilities, Descriptor, DescriptorError, Exported, Exporting, Lend,
+    LentBuffer, LentMemory, Moving, OpId, PartEvent, PeerEnv, PeerTransport, Retired, Transport,
+    TransportError, Viability,
 };
 use crate::wire::Layout;
 
@@ -29,6 +33,7 @@ pub struct ShmTransport {
     caps: Capabilities,
     viability: Viability,
     pool: Option<Arc<Pool>>,
+    lane: LaneSettings,
 }
 
 impl ShmTransport {
@@ -46,10 +51,15 @@ impl ShmTransport {
             max: usize::try_from(shm.max_bytes).unwrap_or(usize::MAX),
         };
         let pool = (viability == Viability::Viable).then(|| Pool::new(settings));
+        let lane = LaneSettings {
+            max: usize::try_from(shm.lane_max).unwrap_or(usize::MAX),
+            spin: shm.lane_spin,
+        };
         Self {
             caps: super::capabilities(),
             viability,
             pool,
+            lane,
         }
     }
 
@@ -96,6 +106,7 @@ impl Transport for ShmTransport {
             pool: self.pool.clone(),
             peer: None,
             exported: HashMap::new(),
+            setup: ShmSetup::new(self.lane),
         })
     }
 
@@ -112,9 +123,20 @@ struct ShmPart {
     peer: Option<Arc<PeerPool>>,
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them.
     exported: HashMap<OpId, SharedBytes>,
+    /// The setup with the peer, and the lanes it opened.
+    setup: ShmSetup,
 }
 
 impl ShmPart {
+    fn pump(&mut self, now: Instant) {
+        let sides = Sides {
+            env: &self.env,
+            ours: self.pool.as_ref(),
+            theirs: self.peer.as_ref(),
+        };
+        self.setup.pump(now, &sides);
+    }
+
     /// Where our pool buffer `view` lies, as a descriptor names it; an empty buffer names
     /// no memory.
     fn describe(&self, view: &SharedBytes) -> Result<ShmSource, ShmError> {
@@ -125,22 +147,12 @@ impl ShmPart {
         if view.is_empty() {
             return Ok(empty(*pool.id()));
         }
-        let bytes = view
-            .source_memory()
-            .and_then(|m| pool.owns(m))
-            .ok_or_else(|| {
-                ShmError::Buffer(
-                    "the buffer is not in the shared-memory pool (the pool was full, or the \
-                     memory is wrapped in place)"
-                        .into(),
-                )
-            })?;
-        Ok(ShmSource {
-            pool: *pool.id(),
-            segment: bytes.segment(),
-            segment_len: bytes.segment_len() as u64,
-            offset: bytes.offset() as u64,
-            len: view.len() as u64,
+        pool_source(pool, view.source_memory(), view.len()).ok_or_else(|| {
+            ShmError::Buffer(
+                "the buffer is not in the shared-memory pool (the pool was full, or the memory \
+                 is wrapped in place)"
+                    .into(),
+            )
         })
     }
 
@@ -197,7 +209,7 @@ async fn run_copy<T: Send + 'static>(
 
 /// Copies `source`'s bytes of `segment`, laid out as `layout` there, into `into` (their
 /// packed length): one `memcpy` for a contiguous buffer.
-fn copy_out(
+pub(super) fn copy_out(
     segment: &Segment,
     source: &ShmSource,
     layout: &Layout,
@@ -230,6 +242,7 @@ impl PeerTransport for ShmPart {
 
     /// We take the peer's offers over shm when it is on this host and announced its pool.
     fn attach(&mut self, link: &Attached<'_>) -> bool {
+        self.setup.attach(link.hello.pid, link.same_host);
         let terms = link
             .hello
             .announced(ShmSource::TRANSPORT)
@@ -257,6 +270,62 @@ impl PeerTransport for ShmPart {
             )));
         }
         true
+    }
+
+    /// A send over shm asks the setup with the peer (started by the first): the peer must
+    /// map our pool's probe first.
+    fn admit(&mut self, now: Instant) -> Admission {
+        let sides = Sides {
+            env: &self.env,
+            ours: self.pool.as_ref(),
+            theirs: self.peer.as_ref(),
+        };
+        self.setup.admit(now, &sides)
+    }
+
+    fn handle_message(&mut self, body: &[u8], now: Instant) -> Result<(), DescriptorError> {
+        let msg = ShmMessage::read(body)?;
+        let sides = Sides {
+            env: &self.env,
+            ours: self.pool.as_ref(),
+            theirs: self.peer.as_ref(),
+        };
+        self.setup.on_message(msg, now, &sides);
+        Ok(())
+    }
+
+    fn poll_message(&mut self) -> Option<Vec<u8>> {
+        self.pump(Instant::now());
+        let message = self.setup.poll_message()?;
+        match message.encode() {
+            Ok(body) => Some(body),
+            Err(why) => {
+                (self.setup.events).push_back(PartEvent::Broke(format!("an shm message: {why}")));
+                None
+            }
+        }
+    }
+
+    fn poll_event(&mut self) -> Option<PartEvent> {
+        self.pump(Instant::now());
+        self.setup.events.pop_front()
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.setup.poll_timeout()
+    }
+
+    fn handle_timeout(&mut self, now: Instant) {
+        self.setup.handle_timeout(now);
+        self.pump(now);
+    }
+
+    fn awaits_peer(&self) -> bool {
+        self.setup.awaits_peer()
+    }
+
+    fn detach(&mut self) {
+        self.setup.end_lanes(&self.env);
     }
 
     /// Where the buffer lies in our pool; a buffer not in it is not exported (the send
@@ -378,6 +447,7 @@ impl PeerTransport for ShmPart {
     /// Our buffers the peer may still read are held for the lease timeout; our mapping of
     /// its pool goes once the copies that hold it end.
     fn close(&mut self) -> Vec<(OpId, Retired)> {
+        self.setup.end_lanes(&self.env);
         self.peer = None;
         self.exported
             .drain()
@@ -394,15 +464,25 @@ struct ShmLender {
 
 impl ShmLender {
     fn source(&self, buffer: &Buffer) -> Option<ShmSource> {
-        let bytes = buffer.source_memory().and_then(|m| self.pool.owns(m))?;
-        Some(ShmSource {
-            pool: *self.pool.id(),
-            segment: bytes.segment(),
-            segment_len: bytes.segment_len() as u64,
-            offset: bytes.offset() as u64,
-            len: buffer.len() as u64,
-        })
+        pool_source(&self.pool, buffer.source_memory(), buffer.len())
     }
+}
+
+/// Where the `len` bytes of `memory` lie in `pool`, as a descriptor names them; `None`
+/// when they are not the pool's.
+pub(super) fn pool_source(
+    pool: &Pool,
+    memory: Option<&dyn MappedHost>,
+    len: usize,
+) -> Option<ShmSource> {
+    let bytes = memory.and_then(|m| pool.owns(m))?;
+    Some(ShmSource {
+        pool: *pool.id(),
+        segment: bytes.segment(),
+        segment_len: bytes.segment_len() as u64,
+        offset: bytes.offset() as u64,
+        len: len as u64,
+    })
 }
 
 impl Lend for ShmLender {

@@ -86,6 +86,22 @@ impl Ranges {
         self.free.insert(start, merged);
     }
 
+    /// The free ranges written since the segment was made (or last released): what a
+    /// release may give back to the kernel.
+    pub fn written(&self) -> Vec<(usize, usize)> {
+        (self.free.iter())
+            .filter(|(_, f)| !f.clean)
+            .map(|(&at, f)| (at, f.len))
+            .collect()
+    }
+
+    /// The free range at `offset` reads as zeroes again (given back to the kernel).
+    pub fn mark_clean(&mut self, offset: usize) {
+        if let Some(f) = self.free.get_mut(&offset) {
+            f.clean = true;
+        }
+    }
+
     /// Bytes free.
     pub fn free_bytes(&self) -> usize {
         self.free.values().map(|f| f.len).sum()
@@ -229,6 +245,13 @@ impl Pool {
         if self.served.set(Arc::clone(directory)).is_err() {
             return;
         }
+        // The probe a peer maps in its setup, to know it can map the pool.
+        match Segment::create(super::setup::PROBE_LEN) {
+            Ok(probe) => {
+                directory.insert(super::wire::probe_key(&self.id), Arc::new(probe) as _);
+            }
+            Err(e) => tracing::warn!("no probe for the shared-memory pool: {e}"),
+        }
         for (n, (segment, _)) in self.state().segments.iter().enumerate() {
             let n = u32::try_from(n).unwrap_or(u32::MAX);
             directory.insert(segment_key(&self.id, n), Arc::clone(segment) as _);
@@ -306,6 +329,32 @@ impl Pool {
         }
     }
 
+    /// Gives the pages of every free range back to the kernel (the host domain asks once
+    /// no memory went back to it for `memory.keep_idle`): the segments keep their size, so
+    /// a peer that maps one still reads zeroes there, never past a mapping. The ranges are
+    /// clean again (a zeroed grant need not write them). Returns the bytes given back.
+    pub fn release_free(&self) -> usize {
+        let mut state = self.state();
+        let mut released = 0;
+        for (segment, ranges) in &mut state.segments {
+            for (at, len) in ranges.written() {
+                match segment.release(at, len) {
+                    Ok(n) => {
+                        released += n;
+                        ranges.mark_clean(at);
+                    }
+                    Err(e) => tracing::warn!("giving a shared-memory range back failed: {e}"),
+                }
+            }
+        }
+        drop(state);
+        if released > 0 {
+            metrics::counter!("ferry_shm_released_bytes_total").increment(released as u64);
+            tracing::debug!(bytes = released, "gave idle shared-memory pages back");
+        }
+        released
+    }
+
     /// The pool's memory behind `memory`, if it is this pool's.
     pub fn owns<'a>(&self, memory: &'a dyn MappedHost) -> Option<&'a PoolBytes> {
         let bytes = memory.as_any().downcast_ref::<PoolBytes>()?;
@@ -319,6 +368,10 @@ impl Pool {
 }
 
 impl HostSource for Pool {
+    fn trim(&self) {
+        self.release_free();
+    }
+
     fn take(&self, len: usize, fill: Fill) -> Option<Box<dyn MappedHost>> {
         // An empty buffer needs no shared memory (and crosses as an empty descriptor).
         if len == 0 {
@@ -333,6 +386,7 @@ impl HostSource for Pool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::os::fd::AsRawFd;
 
     const MIB: usize = 1 << 20;
 
@@ -379,6 +433,34 @@ mod tests {
         drop(b);
         let c = pool.take_bytes(1000, Fill::Zeroed).expect("c");
         assert!(c.bytes().iter().all(|&x| x == 0), "zeroed when asked");
+    }
+
+    /// Blocks of the segment's memfd the kernel holds (512 bytes each).
+    fn resident(pool: &Pool, n: usize) -> i64 {
+        let state = pool.state();
+        let fd = state.segments[n].0.fd().as_raw_fd();
+        nix::sys::stat::fstat(fd).expect("fstat").st_blocks
+    }
+
+    #[test]
+    fn idle_ranges_go_back_to_the_kernel_and_read_as_zeroes() {
+        let pool = pool(4 * MIB, 8 * MIB);
+        let mut a = pool.take_bytes(3 * MIB, Fill::Overwritten).expect("a");
+        a.bytes_mut().fill(9);
+        let at = a.offset();
+        let held = pool.take_bytes(1000, Fill::Overwritten).expect("held");
+        let touched = resident(&pool, 0);
+        assert!(touched >= (3 * MIB / 512) as i64, "{touched} blocks");
+        drop(a);
+        assert_eq!(pool.release_free(), 3 * MIB, "the written free range only");
+        let after = resident(&pool, 0);
+        assert!(after < touched / 8, "still {after} of {touched} blocks");
+        assert_eq!(pool.release_free(), 0, "nothing written since");
+        // Clean again: a zeroed grant is not written, and reads zeroes all the same.
+        let b = pool.take_bytes(3 * MIB, Fill::Overwritten).expect("b");
+        assert_eq!(b.offset(), at);
+        assert!(b.bytes().iter().all(|&x| x == 0));
+        drop((b, held));
     }
 
     #[test]

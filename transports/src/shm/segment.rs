@@ -123,6 +123,35 @@ impl Segment {
         self.fd.as_fd()
     }
 
+    /// Gives `len` bytes at `offset` back to the kernel: their whole pages are freed and
+    /// the rest zeroed (a hole punched in the memfd), so they read as zeroes after, in
+    /// every process that maps the segment, which keeps its size. Returns the bytes.
+    ///
+    /// # Errors
+    /// [`ShmError::System`] when the kernel refuses (nothing changed);
+    /// [`ShmError::OutOfRange`] for bytes past the end.
+    pub fn release(&self, offset: usize, len: usize) -> Result<usize, ShmError> {
+        if !self.holds(offset, len) {
+            return Err(ShmError::OutOfRange {
+                offset: offset as u64,
+                len: len as u64,
+                segment: self.len as u64,
+            });
+        }
+        if len == 0 {
+            return Ok(0);
+        }
+        let as_off = |n: usize| i64::try_from(n).map_err(|_| ShmError::Invalid(format!("{n}")));
+        nix::fcntl::fallocate(
+            self.fd.as_raw_fd(),
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            as_off(offset)?,
+            as_off(len)?,
+        )?;
+        Ok(len)
+    }
+
     /// Whether `len` bytes at `offset` lie inside the segment.
     pub fn holds(&self, offset: usize, len: usize) -> bool {
         offset.checked_add(len).is_some_and(|end| end <= self.len)

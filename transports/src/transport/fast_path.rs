@@ -1,13 +1,19 @@
-//! A path that carries some of a peer's sends without its session (ipc's lane): the node
+//! A path that carries some of a peer's sends without its session (a lane): the node
 //! publishes it in its per-peer table when the transport made one, and a send the rules
-//! route over that transport (by pull) tries it first.
+//! route over that transport (by pull) tries it first. A peer may have one per transport
+//! (device memory on one, host memory on another).
 
 use std::time::Instant;
+
+use ferry_config::MemoryClass;
 
 use crate::memory::Buffer;
 
 /// A transport's way around the session for small sends to one peer.
 pub trait FastPath: Send + Sync + std::fmt::Debug {
+    /// The memory its sends come from: the rules' routes for it say which sizes take it.
+    fn memory(&self) -> MemoryClass;
+
     /// Whether `buffer` (sent whole) may take it now, by its memory and size; the node
     /// checks that the rules route such a send over the transport.
     fn fits(&self, buffer: &Buffer) -> bool;

@@ -10,6 +10,7 @@ mod env;
 mod fast_path;
 mod finding;
 mod kind;
+pub mod lane;
 mod node;
 mod peer;
 pub mod setup;
@@ -64,9 +65,9 @@ pub struct Capabilities {
     /// hello says so, routing assumes the peer lacks it (a receiver that does not serve a
     /// transport refuses the offer, with no fallback).
     pub opt_in: bool,
-    /// True when contiguous device memory it pulls from a same-host peer may take the
-    /// node's lane instead (a ring both processes map, with no session round trip), for
-    /// the sizes the rules route over it by pull.
+    /// True when contiguous buffers it pulls from a same-host peer may take a lane of its
+    /// own instead (a ring both processes map, with no session round trip), for the sizes
+    /// the rules route over it by pull.
     pub lane: bool,
     /// How it moves device memory, which `ferry explain` weighs against the hardware.
     pub device_path: DevicePath,

@@ -118,6 +118,8 @@ pub struct PeerEnv {
     pub secret: Secret,
     /// The receive tiers, for a part that lands transfers on its own (a lane).
     pub memory: Arc<dyn ReceiveMemory>,
+    /// The host receive tiers alone, for a part that lands host transfers on its own.
+    pub host_memory: Arc<dyn ReceiveMemory>,
     /// The inbox in the peer's order, for a part that delivers on its own (a lane).
     pub deliveries: Arc<dyn Deliveries>,
     /// The peer's share of this node's memory (`limits.peer_inbound_bytes`).

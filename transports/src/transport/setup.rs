@@ -31,6 +31,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use super::{Admission as PeerAdmission, PartEvent};
+
 /// Why setup ended in Bad.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -401,6 +403,95 @@ impl<T> Setup<T> {
         while let Some(op) = self.waiting.pop_front() {
             self.events.push_back(SetupEvent::FallBack(op, why.clone()));
         }
+    }
+}
+
+/// A transport part's side of its setup with one peer: the machine (made by the first
+/// send that wants it), the tickets of the sends waiting for it, and the driving of its
+/// events into the part's ([`PartEvent`]).
+#[derive(Debug, Default)]
+pub struct PartSetup {
+    setup: Option<Setup<u64>>,
+    next_ticket: u64,
+}
+
+impl PartSetup {
+    /// A send over the transport asks (the first starts setup): go now, wait (by ticket:
+    /// [`PartEvent::Proceed`] or [`PartEvent::FallBack`] follows), or fall back saying why.
+    pub fn admit(&mut self, now: Instant) -> PeerAdmission {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let setup = (self.setup).get_or_insert_with(|| Setup::new(SetupPolicy::DEFAULT));
+        match setup.handle_want(now, ticket) {
+            Admission::Ready(_) => PeerAdmission::Ready,
+            Admission::Queued => PeerAdmission::Queued(ticket),
+            Admission::FallBack(_, why) => PeerAdmission::FallBack(why),
+        }
+    }
+
+    /// The machine, once a send asked for it.
+    pub fn machine(&mut self) -> Option<&mut Setup<u64>> {
+        self.setup.as_mut()
+    }
+
+    /// Runs what the machine asks for: each check of the peer's reply (what only this side
+    /// sees: is the peer on this host, `same_host`), the sends waiting for it into `events`.
+    /// Returns the messages to send, and the outcome when setup ended now.
+    pub fn drive(
+        &mut self,
+        now: Instant,
+        same_host: bool,
+        events: &mut VecDeque<PartEvent>,
+    ) -> (Vec<SetupTransmit>, Option<SetupOutcome>) {
+        let check = || {
+            if same_host {
+                Ok(())
+            } else {
+                Err(SetupFailure::NotSameHost)
+            }
+        };
+        let (mut transmits, mut settled) = (Vec::new(), None);
+        let Some(setup) = self.setup.as_mut() else {
+            return (transmits, settled);
+        };
+        loop {
+            let mut moved = false;
+            while let Some(t) = setup.poll_transmit() {
+                moved = true;
+                transmits.push(t);
+            }
+            while let Some(ev) = setup.poll_event() {
+                moved = true;
+                match ev {
+                    SetupEvent::Check(a) => setup.handle_checks(now, a, check()),
+                    SetupEvent::Settled(outcome) => settled = Some(outcome),
+                    SetupEvent::Proceed(ticket) => events.push_back(PartEvent::Proceed(ticket)),
+                    SetupEvent::FallBack(ticket, why) => {
+                        events.push_back(PartEvent::FallBack(ticket, why))
+                    }
+                }
+            }
+            if !moved {
+                return (transmits, settled);
+            }
+        }
+    }
+
+    /// When [`Self::handle_timeout`] must be called next, if ever.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.setup.as_ref().and_then(Setup::poll_timeout)
+    }
+
+    /// Time passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Some(setup) = &mut self.setup {
+            setup.handle_timeout(now);
+        }
+    }
+
+    /// True while an attempt waits on the peer.
+    pub fn awaits_peer(&self) -> bool {
+        self.setup.as_ref().is_some_and(Setup::awaits_peer)
     }
 }
 

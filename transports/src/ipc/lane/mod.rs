@@ -11,7 +11,8 @@
 //! - a ring of slots in shared memory ([`Ring`](crate::link::ring::Ring)), one
 //!   per direction, made by the sender during the ipc setup and fetched by the receiver
 //!   from the sender's fd-sharing socket;
-//! - on the sender (`tx.rs`), the caller's own task exports the buffer and writes a
+//! - on the sender ([`crate::transport::lane::LaneTx`], with this module's
+//!   [`DeviceRecords`]), the caller's own task exports the buffer and writes a
 //!   [`LaneRecord`](crate::ipc::LaneRecord) into the next slot; a watcher
 //!   thread sees the receiver finish it and completes the send (the receiver's outcome, or
 //!   its reason, comes back in the slot);
@@ -45,19 +46,22 @@
 //! receiver fail with `PeerLost` and get their buffer back.
 
 mod rx;
-mod tx;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_config::MemoryClass;
+
 pub use rx::{AHEAD_LEN, LaneRx, RxContext};
-pub use tx::LaneTx;
+
+use crate::ipc::LaneRecord;
+use crate::memory::{Buffer, MemoryKind, Unmapper};
+use crate::transport::lane::LaneWriter;
 
 /// Records in flight per lane.
 pub const LANE_SLOTS: u32 = 64;
 /// Bytes per slot: a record (an export and a lease, about 200 bytes) or a reason.
 pub const LANE_SLOT_LEN: u32 = 512;
-/// How long a parked lane thread sleeps before it looks at its stop flag again.
-const PARK: Duration = Duration::from_millis(20);
 
 /// The lane's settings (`transport.ipc.lane_max`, `transport.ipc.lane_spin`).
 #[derive(Debug, Clone, Copy)]
@@ -70,4 +74,41 @@ pub struct LaneSettings {
     /// Largest record the receiver copies with the gather kernel (a batch's records in one
     /// launch per stream); 0: every copy by the copy engine.
     pub gather_max: usize,
+}
+
+/// The records of ipc's lane: contiguous device buffers of at most `transport.ipc.lane_max`
+/// bytes, exported; the peer maps each from its record on (`unmapper` is told).
+pub struct DeviceRecords {
+    /// Largest buffer put on the lane.
+    pub max: usize,
+    /// Told of each buffer the peer may keep mapped.
+    pub unmapper: Arc<dyn Unmapper>,
+}
+
+impl LaneWriter for DeviceRecords {
+    fn transport(&self) -> ferry_config::TransportName {
+        crate::ipc::IpcSource::TRANSPORT
+    }
+
+    fn memory(&self) -> MemoryClass {
+        MemoryClass::Device
+    }
+
+    fn fits(&self, buffer: &Buffer) -> bool {
+        matches!(buffer.kind(), MemoryKind::Device(_)) && buffer.len() <= self.max
+    }
+
+    fn record(&self, tag: u64, buffer: &Buffer) -> Result<Vec<u8>, String> {
+        let source = crate::ipc::export_source(buffer, false).map_err(|e| e.to_string())?;
+        let record = LaneRecord {
+            tag,
+            len: buffer.len() as u64,
+            source,
+        };
+        record.encode().map_err(|e| e.to_string())
+    }
+
+    fn published(&self, buffer: &Buffer) {
+        buffer.note_mapped(Arc::clone(&self.unmapper));
+    }
 }

@@ -11,12 +11,13 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{LANE_SLOTS, LaneSettings, PARK};
+use super::{LANE_SLOTS, LaneSettings};
 use crate::cuda::{CudaError, Device, DeviceMemory, Event};
 use crate::gpus::SharedGpus;
 use crate::ipc::{ImportedPools, LaneRecord, SharedImports};
 use crate::link::ring::Ring;
 use crate::memory::{Buffer, Fill};
+use crate::transport::lane::{PARK, ShareWait, share_allows, wait_for_share};
 use crate::transport::{Deliveries, ReceiveMemory};
 
 /// Receive buffers a lane keeps allocated ahead.
@@ -24,8 +25,6 @@ const AHEAD: usize = 4;
 /// Their size: records of at most this many bytes land in them; larger ones are reserved
 /// when they arrive.
 pub const AHEAD_LEN: usize = 64 << 10;
-/// How often a lane held back by the peer's share looks again.
-const SHARE_RECHECK: Duration = Duration::from_micros(200);
 
 /// What a receiving lane thread needs from its session.
 pub struct RxContext {
@@ -454,11 +453,21 @@ fn prepare(
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| TakeError::BadRecord(format!("a lane record of {} bytes", record.len)))?;
-    if !share_allows(cx, pending, record.len) {
+    if !share_allows(&*cx.deliveries, cx.share, pending, record.len) {
         if !first {
             return Err(TakeError::NotNow);
         }
-        wait_for_share(cx, record.len, stop)?;
+        wait_for_share(
+            &*cx.deliveries,
+            cx.share,
+            record.len,
+            cx.reserve_timeout,
+            stop,
+        )
+        .map_err(|e| match e {
+            ShareWait::Stopped => TakeError::Stopped,
+            ShareWait::Full(waited) => TakeError::ShareFull(waited),
+        })?;
     }
     // Memory the peer registered is copied on another stream than the lane's: its landing
     // is allocated ready for every stream, not from the buffers ahead.
@@ -696,29 +705,4 @@ fn copy_stream(gpu: &crate::gpus::Gpu, len: u64) -> crate::cuda::Stream {
     } else {
         gpu.copy_stream.clone()
     }
-}
-
-/// Whether what the lane delivered and the application did not take, with `pending` bytes
-/// landed for records not delivered yet and `len` more, stays under the peer's share (a
-/// record larger than the whole share goes once nothing of the lane's is held, as on the
-/// socket path). The socket path holds its own deliveries to the share.
-fn share_allows(cx: &RxContext, pending: u64, len: u64) -> bool {
-    let held = cx.deliveries.held().saturating_add(pending);
-    held == 0 || held.saturating_add(len) <= cx.share
-}
-
-/// Waits until [`share_allows`] `len` more bytes, for `reserve_timeout` at most (like a
-/// reservation); then the record fails and the sender gets its buffer back.
-fn wait_for_share(cx: &RxContext, len: u64, stop: &AtomicBool) -> Result<(), TakeError> {
-    let deadline = Instant::now() + cx.reserve_timeout;
-    while !share_allows(cx, 0, len) {
-        if stop.load(Ordering::SeqCst) {
-            return Err(TakeError::Stopped);
-        }
-        if Instant::now() >= deadline {
-            return Err(TakeError::ShareFull(cx.reserve_timeout));
-        }
-        std::thread::sleep(SHARE_RECHECK);
-    }
-    Ok(())
 }
