@@ -413,14 +413,27 @@ impl Node {
             peer.to_string(),
             (deadline, buffer, make),
         );
-        let mut commit = Box::pin(commit);
+        // The turn is held until the outcome, as the credit is: a fast-path send asked for
+        // after this one starts only once this one ended at the peer (it could overtake it
+        // otherwise; the peer's fast path orders after slow transfers that completed).
+        // Also when this future is dropped: the transfer runs on, and so does the wait.
+        let io = self.io.as_ref().map(|io| io.handle().clone());
+        let held = {
+            let io = io.clone();
+            move |(outcome, permit, turn)| HeldToTheEnd {
+                outcome: Some(outcome),
+                held: Some(Box::new((permit, turn))),
+                io,
+            }
+        };
+        let mut commit = Box::pin(async move { commit.await.map(held) });
         // Most sends are handed over in their first poll, here. One that must wait first
         // (for its turn, the peer's credit, room in the channel) waits in a task of the
         // node's: once polled, a send runs to its end whether or not this future is polled
-        // again.
+        // again (the task's output, dropped with no one to take it, waits on).
         let committed = match futures::poll!(commit.as_mut()) {
             std::task::Poll::Ready(committed) => committed,
-            std::task::Poll::Pending => match &self.io {
+            std::task::Poll::Pending => match &io {
                 Some(io) => io.spawn(commit).await.unwrap_or_else(|_| {
                     Err(SendError {
                         error: Error::ShuttingDown,
@@ -430,18 +443,7 @@ impl Node {
                 None => commit.await,
             },
         };
-        // The turn is held until the outcome, as the credit is: a fast-path send asked for
-        // after this one starts only once this one ended at the peer (it could overtake it
-        // otherwise; the peer's fast path orders after slow transfers that completed).
-        // Also when this future is dropped: the transfer runs on, and so does the wait.
-        let (outcome, permit, turn) = committed?;
-        let io = self.io.as_ref().map(|io| io.handle().clone());
-        HeldToTheEnd {
-            outcome: Some(outcome),
-            held: Some(Box::new((permit, turn))),
-            io,
-        }
-        .await
+        committed?.await
     }
 
     /// `peer`'s credit: the sends, puts and fetches it may have outstanding.

@@ -66,40 +66,50 @@ impl Ranges {
     /// Gives back `len` bytes (as asked of [`Self::take`]) at `offset`, written: merged
     /// with the free ranges either side.
     pub fn give(&mut self, offset: usize, len: usize) {
+        self.give_as(offset, len, false);
+    }
+
+    fn give_as(&mut self, offset: usize, len: usize, clean: bool) {
         let Some(len) = Self::rounded(len) else {
             return;
         };
-        let (mut start, mut end) = (offset, offset.saturating_add(len));
+        let (mut start, mut end, mut clean) = (offset, offset.saturating_add(len), clean);
         if let Some((&before, &prev)) = self.free.range(..offset).next_back()
             && before + prev.len == offset
         {
             self.free.remove(&before);
             start = before;
+            clean &= prev.clean;
         }
         if let Some(next) = self.free.remove(&end) {
             end += next.len;
+            clean &= next.clean;
         }
         let merged = Free {
             len: end - start,
-            clean: false,
+            clean,
         };
         self.free.insert(start, merged);
     }
 
-    /// The free ranges written since the segment was made (or last released): what a
-    /// release may give back to the kernel.
-    pub fn written(&self) -> Vec<(usize, usize)> {
-        (self.free.iter())
+    /// Takes out the free ranges written since the segment was made (or last released):
+    /// while a release gives their pages back, nothing can be granted there. Each comes
+    /// back with [`Self::give_clean`] (or [`Self::give`]).
+    pub fn take_written(&mut self) -> Vec<(usize, usize)> {
+        let written: Vec<(usize, usize)> = (self.free.iter())
             .filter(|(_, f)| !f.clean)
             .map(|(&at, f)| (at, f.len))
-            .collect()
+            .collect();
+        for (at, _) in &written {
+            self.free.remove(at);
+        }
+        written
     }
 
-    /// The free range at `offset` reads as zeroes again (given back to the kernel).
-    pub fn mark_clean(&mut self, offset: usize) {
-        if let Some(f) = self.free.get_mut(&offset) {
-            f.clean = true;
-        }
+    /// Gives back `len` bytes at `offset` that read as zeroes (given back to the kernel):
+    /// merged with the free ranges either side, clean if they are too.
+    pub fn give_clean(&mut self, offset: usize, len: usize) {
+        self.give_as(offset, len, true);
     }
 
     /// Bytes free.
@@ -130,6 +140,9 @@ impl Ranges {
         true
     }
 }
+
+/// A segment's number, the segment, and its written free ranges (offset, length).
+type Written = (usize, Arc<Segment>, Vec<(usize, usize)>);
 
 /// How large the pool's segments are and how much of them it makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,16 +347,41 @@ impl Pool {
     /// a peer that maps one still reads zeroes there, never past a mapping. The ranges are
     /// clean again (a zeroed grant need not write them). Returns the bytes given back.
     pub fn release_free(&self) -> usize {
-        let mut state = self.state();
+        // Taken out under the lock, given back to the kernel without it (a hole in
+        // gigabytes of shared memory takes a while), then put back, clean.
+        let taken: Vec<Written> = {
+            let mut state = self.state();
+            (state.segments.iter_mut().enumerate())
+                .map(|(n, (segment, ranges))| (n, Arc::clone(segment), ranges.take_written()))
+                .filter(|(_, _, written)| !written.is_empty())
+                .collect()
+        };
         let mut released = 0;
-        for (segment, ranges) in &mut state.segments {
-            for (at, len) in ranges.written() {
-                match segment.release(at, len) {
+        let mut back = Vec::with_capacity(taken.len());
+        for (n, segment, written) in taken {
+            let done: Vec<(usize, usize, bool)> = (written.into_iter())
+                .map(|(at, len)| match segment.release(at, len) {
                     Ok(n) => {
                         released += n;
-                        ranges.mark_clean(at);
+                        (at, len, true)
                     }
-                    Err(e) => tracing::warn!("giving a shared-memory range back failed: {e}"),
+                    Err(e) => {
+                        tracing::warn!("giving a shared-memory range back failed: {e}");
+                        (at, len, false)
+                    }
+                })
+                .collect();
+            back.push((n, done));
+        }
+        let mut state = self.state();
+        for (n, done) in back {
+            if let Some((_, ranges)) = state.segments.get_mut(n) {
+                for (at, len, clean) in done {
+                    if clean {
+                        ranges.give_clean(at, len);
+                    } else {
+                        ranges.give(at, len);
+                    }
                 }
             }
         }

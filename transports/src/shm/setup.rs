@@ -22,11 +22,16 @@ use super::wire::{ShmMessage, ShmSetupStep, probe_key};
 use crate::link::ring::Ring;
 use crate::transport::FastPath;
 use crate::transport::lane::LaneTx;
-use crate::transport::setup::{Attempt, PartSetup, PeerReply, SetupOutcome, SetupTransmit};
+use crate::transport::setup::{
+    Attempt, PartSetup, PeerReply, SetupFailure, SetupOutcome, SetupTransmit,
+};
 use crate::transport::{Admission, PartEvent, PeerEnv};
 
 /// Bytes of a pool's probe.
 pub const PROBE_LEN: usize = 4096;
+/// How long the peer's probe of our pool may take: less than an attempt of the setup
+/// ([`crate::transport::setup::SetupPolicy::DEFAULT`]), so its answer counts.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
 /// The lane's settings (`transport.shm.lane_max`, `transport.shm.lane_spin`).
 #[derive(Debug, Clone, Copy)]
@@ -40,7 +45,7 @@ pub struct LaneSettings {
 
 /// What a probe of the peer's pool handed back: our lane thread's ring when the peer
 /// offered one, or why the pool cannot be mapped.
-type Probed = (Attempt, Result<Option<Ring>, String>);
+type Probed = (Attempt, Result<Option<(String, Ring)>, String>);
 
 /// The setup's side of one peer's shm part, and the lane it opens.
 pub struct ShmSetup {
@@ -62,8 +67,9 @@ pub struct ShmSetup {
     lane_offer: Option<(String, Arc<Ring>)>,
     /// Our sending end of the lane.
     lane_tx: Option<Arc<LaneTx>>,
-    /// The receiving end of the peer's lane.
-    lane_rx: Option<ShmLaneRx>,
+    /// The receiving end of the peer's lane, and the key its ring came under (a retried
+    /// request names the same ring: it is not attached twice).
+    lane_rx: Option<(String, ShmLaneRx)>,
 }
 
 /// What the setup works with: the session's services, our pool and the peer's (as its
@@ -103,6 +109,11 @@ impl ShmSetup {
 
     /// A send over shm asks: go, wait for the setup, or fall back.
     pub fn admit(&mut self, now: Instant, sides: &Sides<'_>) -> Admission {
+        if sides.ours.is_none() {
+            // Not routed here (a node without a pool serves no shm), but never left waiting.
+            let why = "this node has no shared-memory pool".to_string();
+            return Admission::FallBack(SetupFailure::Incompatible(why));
+        }
         let admitted = self.machine.admit(now);
         self.pump(now, sides);
         admitted
@@ -174,11 +185,22 @@ impl ShmSetup {
                     // One probe at a time; the peer's attempt times out and it retries.
                     return;
                 }
+                // A node whose lane is off reads none; a ring attached already (a retried
+                // request) is not attached again.
+                let attached = self.lane_rx.as_ref().map(|(key, _)| key.clone());
+                let lane = lane.filter(|key| self.lane.max > 0 && Some(key) != attached.as_ref());
                 let env = sides.env;
                 let (peer, pid, secret) = (env.peer.clone(), self.peer_pid, env.secret.clone());
                 let (probed, wake) = (Arc::clone(&self.probed), Arc::clone(&env.wake));
                 env.io.spawn(async move {
-                    let result = probe_pool(&peer, pid, &probe, lane, &secret).await;
+                    // Answered within the sender's attempt (its retry finds this one over).
+                    let probing = probe_pool(&peer, pid, &probe, lane, &secret);
+                    let result = match tokio::time::timeout(PROBE_TIMEOUT, probing).await {
+                        Ok(result) => result,
+                        Err(_) => Err(format!(
+                            "the sender's fd-sharing socket did not answer within {PROBE_TIMEOUT:?}"
+                        )),
+                    };
                     (probed.lock().unwrap_or_else(|p| p.into_inner())).push((attempt, result));
                     wake();
                 });
@@ -189,6 +211,10 @@ impl ShmSetup {
             }),
             ShmSetupStep::Ack(Some(why)) => {
                 tracing::warn!(peer = %sides.env.peer, "the peer gave up shm setup: {why}");
+                // It will not send over our reading of its lane.
+                if let Some((_, rx)) = self.lane_rx.take() {
+                    rx.stop();
+                }
             }
             // We are the sending side.
             ShmSetupStep::Reply(refused) => {
@@ -218,14 +244,14 @@ impl ShmSetup {
     fn probed(
         &mut self,
         attempt: Attempt,
-        result: Result<Option<Ring>, String>,
+        result: Result<Option<(String, Ring)>, String>,
         sides: &Sides<'_>,
     ) {
         self.probing = false;
         let refused = match (result, sides.theirs) {
             (Ok(ring), Some(theirs)) => {
-                if let Some(ring) = ring {
-                    self.attach_lane(ring, sides.env, theirs);
+                if let Some((key, ring)) = ring {
+                    self.attach_lane(key, ring, sides.env, theirs);
                 }
                 None
             }
@@ -322,7 +348,7 @@ impl ShmSetup {
     }
 
     /// The peer's lane ring came with its request: our lane thread reads it.
-    fn attach_lane(&mut self, ring: Ring, env: &PeerEnv, theirs: &Arc<PeerPool>) {
+    fn attach_lane(&mut self, key: String, ring: Ring, env: &PeerEnv, theirs: &Arc<PeerPool>) {
         let cx = RxContext {
             peer: env.peer.clone(),
             pool: Arc::clone(theirs),
@@ -335,7 +361,7 @@ impl ShmSetup {
         };
         match ShmLaneRx::start(ring, cx) {
             // A previous lane of this session (a repeated setup) stops as it drops.
-            Ok(rx) => self.lane_rx = Some(rx),
+            Ok(rx) => self.lane_rx = Some((key, rx)),
             Err(why) => tracing::warn!(peer = %env.peer, "cannot read the peer's shm lane: {why}"),
         }
     }
@@ -346,9 +372,12 @@ impl ShmSetup {
         if let Some(tx) = self.lane_tx.take() {
             tx.close();
         }
-        if let Some(rx) = self.lane_rx.take() {
+        if let Some((_, rx)) = self.lane_rx.take() {
             rx.stop();
         }
+        // A probe still running is forgotten: what it maps is not attached.
+        self.probed = Arc::default();
+        self.probing = false;
     }
 }
 
@@ -361,7 +390,7 @@ async fn probe_pool(
     probe: &str,
     lane: Option<String>,
     secret: &crate::link::Secret,
-) -> Result<Option<Ring>, String> {
+) -> Result<Option<(String, Ring)>, String> {
     let fd = crate::fdshare::fetch(peer, pid, probe, secret)
         .await
         .map_err(|e| format!("fetching its pool's probe: {e}"))?;
@@ -375,5 +404,6 @@ async fn probe_pool(
     };
     Ok(mapped
         .inspect_err(|why| tracing::warn!(peer, "cannot map the peer's shm lane: {why}"))
-        .ok())
+        .ok()
+        .map(|ring| (key, ring)))
 }

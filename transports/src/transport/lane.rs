@@ -202,7 +202,12 @@ impl LaneTx {
             }
             if self.ring.is_closed() {
                 // The receiver stopped reading after finishing its current record: what it
-                // did not finish it never touched, and goes back to the senders.
+                // finished before it closed is completed first (look again: it may have
+                // finished one since the look above); what it did not finish it never
+                // touched, and goes back to the senders.
+                if self.ring.tail(reaped).is_ok_and(|t| t > reaped) {
+                    continue;
+                }
                 return self.fail_all("the peer closed the lane", true);
             }
             // Spinning on after the last completion too: a sender that publishes while we
@@ -296,7 +301,9 @@ impl FastPath for LaneTx {
                 drop(s);
                 return Err(failed(error, Some(buffer)));
             }
-            if s.next - s.reaped >= u64::from(self.ring.slots()) {
+            // No room, or a ring the receiver closed (its watcher has not seen it yet): the
+            // send goes the other way.
+            if s.next - s.reaped >= u64::from(self.ring.slots()) || self.ring.is_closed() {
                 return Err(failed(FastPathFailure::Full, Some(buffer)));
             }
             let seq = s.next;
