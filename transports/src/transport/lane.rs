@@ -184,14 +184,20 @@ impl LaneTx {
                     s.reaped = tail;
                     finished
                 };
+                // Counted once every sender of the batch has its answer (and the next send
+                // its turn): the metrics' registry is not on the way.
+                let mut counts = Vec::with_capacity(finished.len());
                 for (outcome, w) in finished {
-                    self.count(&w, outcome.is_ok());
+                    counts.push((w.buffer.len(), w.started, outcome.is_ok()));
                     let result = match outcome {
                         Ok(()) => Ok(w.buffer),
                         Err(why) => Err((w.buffer, why)),
                     };
                     // A sender that gave up drops the buffer here: the peer is done with it.
                     let _ = w.done.send(result);
+                }
+                for (len, started, completed) in counts {
+                    self.count(len, started, completed);
                 }
                 idle_since = Instant::now();
                 continue;
@@ -226,16 +232,16 @@ impl LaneTx {
 
     /// Counts a lane send as the session counts its transfers (`ferry_transfers_total`,
     /// and for one completed its bytes and duration): a send by pull to a same-host peer.
-    fn count(&self, w: &Waiter, completed: bool) {
+    fn count(&self, len: usize, started: Instant, completed: bool) {
         let status = if completed { "completed" } else { "failed" };
         metrics::counter!("ferry_transfers_total", "status" => status).increment(1);
         if completed {
             let transport = self.writer.transport();
             metrics::counter!("ferry_transfer_bytes_total", "transport" => transport.as_str(),
                 "direction" => "pull", "peer_class" => "same_host")
-            .increment(w.buffer.len() as u64);
+            .increment(len as u64);
             metrics::histogram!("ferry_transfer_duration_seconds")
-                .record(w.started.elapsed().as_secs_f64());
+                .record(started.elapsed().as_secs_f64());
         }
     }
 
@@ -246,7 +252,7 @@ impl LaneTx {
             std::mem::take(&mut s.waiting)
         };
         for w in waiting {
-            self.count(&w, false);
+            self.count(w.buffer.len(), w.started, false);
             if give_back {
                 let _ = w
                     .done
