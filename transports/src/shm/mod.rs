@@ -14,10 +14,10 @@
 //! pool was full, memory wrapped in place) are not exported: the send takes the rule's next
 //! transport.
 //!
-//! Before the first send to a peer, a setup ([`setup`]) has the peer map the pool's probe:
+//! Before the first send to a peer, a setup (`setup.rs`) has the peer map the pool's probe:
 //! a peer that cannot (another network namespace: no reachable fd-sharing socket) refuses
 //! with the cause, and sends go by the rule's next transport for the session. The setup
-//! also opens the lane ([`lane`]): small sends go through a ring both processes map, with
+//! also opens the lane (`lane.rs`): small sends go through a ring both processes map, with
 //! no session round trip. Pool ranges no buffer holds go back to the kernel once the host
 //! domain was idle for `memory.keep_idle` (a hole punched in the segment, which keeps its
 //! size: a peer's mapping stays valid and reads zeroes there).

@@ -13,7 +13,7 @@
 //!   from the sender's fd-sharing socket;
 //! - on the sender ([`crate::transport::lane::LaneTx`], with this module's
 //!   [`DeviceRecords`]), the caller's own task exports the buffer and writes a
-//!   [`LaneRecord`](crate::ipc::LaneRecord) into the next slot; a watcher
+//!   [`LaneRecord`] into the next slot; a watcher
 //!   thread sees the receiver finish it and completes the send (the receiver's outcome, or
 //!   its reason, comes back in the slot);
 //! - on the receiver (`rx.rs`), an issuing thread polls the ring and queues each buffer's
