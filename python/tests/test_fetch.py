@@ -58,7 +58,7 @@ def test_concurrent_fetches_of_one_key_cross_the_link_once(pair):
     for buffer in got:
         assert buffer.tobytes() == data.tobytes()
         assert buffer.peer == "a" and buffer.key == "weights" and buffer.tag is None
-        assert buffer.transport == "tcp" and buffer.kind == "host" and not buffer.spilled
+        assert buffer.transport == "shm" and buffer.kind == "host" and not buffer.spilled
     assert sorted(buffer.joined for buffer in got) == [False] + [True] * 7
     assert a.publication("weights")["served"] == 1
     stats = b.fetch_stats()
