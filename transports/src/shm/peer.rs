@@ -128,13 +128,19 @@ struct ShmPart {
 }
 
 impl ShmPart {
-    fn pump(&mut self, now: Instant) {
+    /// The setup, and what it works with: the session's services, our pool and the peer's.
+    fn setup(&mut self) -> (&mut ShmSetup, Sides<'_>) {
         let sides = Sides {
             env: &self.env,
             ours: self.pool.as_ref(),
             theirs: self.peer.as_ref(),
         };
-        self.setup.pump(now, &sides);
+        (&mut self.setup, sides)
+    }
+
+    fn pump(&mut self, now: Instant) {
+        let (setup, sides) = self.setup();
+        setup.pump(now, &sides);
     }
 
     /// Where our pool buffer `view` lies, as a descriptor names it; an empty buffer names
@@ -275,22 +281,14 @@ impl PeerTransport for ShmPart {
     /// A send over shm asks the setup with the peer (started by the first): the peer must
     /// map our pool's probe first.
     fn admit(&mut self, now: Instant) -> Admission {
-        let sides = Sides {
-            env: &self.env,
-            ours: self.pool.as_ref(),
-            theirs: self.peer.as_ref(),
-        };
-        self.setup.admit(now, &sides)
+        let (setup, sides) = self.setup();
+        setup.admit(now, &sides)
     }
 
     fn handle_message(&mut self, body: &[u8], now: Instant) -> Result<(), DescriptorError> {
         let msg = ShmMessage::read(body)?;
-        let sides = Sides {
-            env: &self.env,
-            ours: self.pool.as_ref(),
-            theirs: self.peer.as_ref(),
-        };
-        self.setup.on_message(msg, now, &sides);
+        let (setup, sides) = self.setup();
+        setup.on_message(msg, now, &sides);
         Ok(())
     }
 
