@@ -332,11 +332,11 @@ impl Target {
 }
 
 /// The `--set` overrides both ends of a local bench take: those that shape transfers
-/// (`transport`, `limits`, `memory`), so both run the same settings. Names, addresses,
-/// secret and GPUs are the bench's own.
+/// (`transport`, `limits`, `memory`, and `node.recv_spin`, how a waiting receive polls),
+/// so both run the same settings. Names, addresses, secret and GPUs are the bench's own.
 fn transfer_overrides(overrides: &[String]) -> impl Iterator<Item = &String> {
     overrides.iter().filter(|o| {
-        ["transport.", "limits.", "memory."]
+        ["transport.", "limits.", "memory.", "node.recv_spin"]
             .iter()
             .any(|section| o.trim_start().starts_with(section))
     })
@@ -744,5 +744,24 @@ mod tests {
         assert_eq!(window_for(1 << 30, 8, MemoryKind::Host), 1);
         assert_eq!(window_for(8, 8, MemoryKind::Host), 8);
         assert_eq!(window_for(1 << 30, 8, MemoryKind::Device(0)), 4);
+    }
+
+    #[test]
+    fn both_ends_take_the_settings_that_shape_transfers() {
+        let overrides: Vec<String> = [
+            "transport.shm.lane_max=1MiB",
+            "node.recv_spin=50us",
+            "node.name=mine",
+            "security.secret_file=/x",
+            "limits.peer_queue=4",
+        ]
+        .map(String::from)
+        .into();
+        let taken: Vec<&String> = transfer_overrides(&overrides).collect();
+        assert_eq!(
+            taken,
+            [&overrides[0], &overrides[1], &overrides[4]],
+            "names and secrets stay the bench's own"
+        );
     }
 }

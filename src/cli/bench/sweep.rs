@@ -323,8 +323,6 @@ pub async fn measure_return(
     Ok((size * iters) as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9)
 }
 
-/// The raw socket moving the same bytes between the same processes, with the same number
-/// of messages in flight as ferry had: GB/s.
 /// GB/s of one `memcpy` of `len` bytes between two host buffers (both touched first),
 /// `iters` times after `warmup`.
 fn memcpy_baseline(len: usize, iters: u64, warmup: u64) -> f64 {
@@ -342,6 +340,8 @@ fn memcpy_baseline(len: usize, iters: u64, warmup: u64) -> f64 {
     (len as f64 * iters.max(1) as f64) / secs / 1e9
 }
 
+/// The raw socket moving the same bytes between the same processes, with the same number
+/// of messages in flight as ferry had: GB/s.
 async fn baseline(
     addr: &str,
     size: u64,
