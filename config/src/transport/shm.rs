@@ -34,7 +34,7 @@ pub struct ShmTuning {
     pub max_bytes: u64,
     /// Largest host buffer this node sends to a same-host peer on the shm lane (a ring
     /// both processes map: no session round trip) when the rules send it over shm by pull;
-    /// larger ones take the session. `"0 B"` turns the lane off. Default `"256 KiB"`.
+    /// larger ones take the session. `"0 B"` turns the lane off. Default `"1 MiB"` (256 KiB until 2026-12-02).
     #[serde(with = "size")]
     pub lane_max: u64,
     /// How long a lane thread spins for the next record before it sleeps. Default
@@ -49,7 +49,7 @@ impl Default for ShmTuning {
             enabled: true,
             segment_size: 64 << 20,
             max_bytes: 4 << 30,
-            lane_max: 256 << 10,
+            lane_max: 1 << 20,
             lane_spin: Duration::from_micros(100),
         }
     }
