@@ -185,7 +185,8 @@ class Node:
         blocks: Optional[List[Tuple[int, int]]] = None,
     ) -> None:
         """Sends rows of ``obj`` at a pitch (planes of them with ``depth``), or the
-        ``(offset, length)`` blocks of ``blocks``, packed."""
+        ``(offset, length)`` blocks of ``blocks``, packed. Of a host array only the bytes
+        the layout names are copied, never the whole array."""
     def recv(
         self, peer: Optional[str] = None, tag: Optional[int] = None, *, timeout: Optional[float] = None
     ) -> Buffer:

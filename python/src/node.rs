@@ -186,7 +186,9 @@ impl Node {
     /// come in any order). The peer receives the rows or blocks packed, in order, with the
     /// layout in ``Buffer.layout``. ``obj`` is anything ``send`` takes; a layout that does
     /// not fit it raises ``UsageError`` before anything moves. The deadline is the node's
-    /// default.
+    /// default. Of a host array only the bytes the layout names are copied (into ferry's
+    /// memory, at their offsets up to the layout's last byte): a few blocks of a large
+    /// array cost those blocks, not the array.
     #[pyo3(signature = (
         peer, tag, obj, *, rows=None, row_bytes=None, pitch=None, depth=None, plane_rows=None,
         blocks=None

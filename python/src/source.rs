@@ -225,23 +225,50 @@ fn cuda_array_interface(
     Ok((plan, Keep::Object(obj.clone().unbind())))
 }
 
-/// Host memory at `ptr..ptr+len` copied into a host buffer of ferry's pool (waiting for
-/// budget as `alloc` does).
+/// The bytes `layout` names of host memory at `ptr..ptr+len`, copied into a host buffer of
+/// ferry's pool at the same offsets (waiting for budget as `alloc` does): the buffer ends
+/// where the layout's furthest byte does, and nothing the layout leaves out is read or
+/// written (a few blocks of a large array cost those blocks, not the array).
 ///
 /// The memory must stay valid until this ends (its plan's [`Keep`]).
-async fn copy_host(node: &ferry::Node, ptr: usize, len: usize) -> Result<ferry::Buffer, Error> {
-    let mut buffer = node.alloc(MemoryKind::Host, len).await?;
+async fn copy_host(
+    node: &ferry::Node,
+    ptr: usize,
+    len: usize,
+    layout: &Layout,
+) -> Result<ferry::Buffer, Error> {
+    let extent = match layout {
+        Layout::Contiguous => len as u64,
+        layout => layout
+            .check(len as u64)
+            .and_then(|_| layout.extent())
+            .map(|end| end.unwrap_or(len as u64))
+            .map_err(|e| Error::Usage(format!("the layout does not fit the array: {e}")))?,
+    };
+    let whole = layout.is_contiguous();
+    let extent =
+        usize::try_from(extent).map_err(|_| Error::Usage("a layout past memory".into()))?;
+    let mut buffer = node.alloc(MemoryKind::Host, extent.min(len)).await?;
     let Some(target) = buffer.as_mut_slice() else {
         return Err(Error::Usage("a fresh buffer is shared".into()));
     };
-    if len > 0 {
-        // SAFETY: `ptr..ptr+len` is the memory of an exported buffer, a consumed DLPack
-        // tensor or an array whose object is held (the plan's `Keep`, which the caller
-        // drops only after this future ended): valid and not freed while we read it. A
-        // concurrent writer in Python could change bytes under the copy, as with any copy
-        // of a shared array; it cannot free them.
-        let source = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        target.copy_from_slice(source);
+    if target.is_empty() {
+        return Ok(buffer);
+    }
+    // SAFETY: `ptr..ptr+len` is the memory of an exported buffer, a consumed DLPack
+    // tensor or an array whose object is held (the plan's `Keep`, which the caller drops
+    // only after this future ended): valid and not freed while we read it. A concurrent
+    // writer in Python could change bytes under the copy, as with any copy of a shared
+    // array; it cannot free them.
+    let source = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+    if whole {
+        let n = target.len();
+        target.copy_from_slice(&source[..n]);
+    } else {
+        for (at, n) in layout.runs(len as u64) {
+            let (at, n) = (at as usize, n as usize);
+            target[at..at + n].copy_from_slice(&source[at..at + n]);
+        }
     }
     Ok(buffer)
 }
@@ -292,6 +319,7 @@ pub(crate) async fn run_send(
     layout: Layout,
     deadline: Option<Instant>,
 ) -> Sent {
+    let host_layout = layout.clone();
     let send = async |buffer: ferry::Buffer| -> Result<ferry::Buffer, SendError> {
         match (layout, deadline) {
             (Layout::Contiguous, Some(deadline)) => {
@@ -329,7 +357,7 @@ pub(crate) async fn run_send(
             }
         }
         Plan::Host { ptr, len } => {
-            let buffer = match copy_host(&node, ptr, len).await {
+            let buffer = match copy_host(&node, ptr, len, &host_layout).await {
                 Ok(buffer) => buffer,
                 Err(e) => return done(Err(e)),
             };
@@ -451,7 +479,8 @@ pub(crate) async fn run_publish(
                 keep,
             );
         }
-        (Plan::Host { ptr, len }, _) => match copy_host(&node, ptr, len).await {
+        (Plan::Host { ptr, len }, _) => match copy_host(&node, ptr, len, &Layout::Contiguous).await
+        {
             Ok(buffer) => (buffer, Held::Copied, keep),
             Err(e) => return (Err(e), keep),
         },

@@ -121,6 +121,23 @@ def test_send_layout_sends_blocks_packed_in_their_order(node, echo):
     assert np.array_equal(np.frombuffer(got, dtype=np.uint8), want)
 
 
+def test_send_layout_of_a_host_array_moves_only_the_blocks_it_names(configs):
+    # A 64 MiB array and a 16 MiB host budget: copying the array whole into ferry's pool
+    # (as before) cannot fit; the blocks near its start can.
+    array = np.zeros(64 << 20, dtype=np.uint8)
+    blocks = [(1 << 20, 4096), (0, 4096), (3 << 20, 100)]
+    for i, (at, n) in enumerate(blocks):
+        array[at : at + n] = i + 1
+    with ferry.Node(configs.toml("a")) as a:
+        extra = '[memory]\nhost = "16 MiB"'
+        with ferry.Node(configs.toml("b", peers=(("a", a.addresses[0]),), extra=extra)) as b:
+            b.send_layout("a", 5, array, blocks=blocks)
+            got = a.recv("b", 5, timeout=10.0)
+            want = np.concatenate([array[o : o + n] for o, n in blocks])
+            assert np.array_equal(np.asarray(got), want)
+            assert b.memory("host")["granted"] == 0
+
+
 def test_received_block_list_is_reported(configs):
     with ferry.Node(configs.toml("a")) as a:
         with ferry.Node(configs.toml("b", peers=(("a", a.addresses[0]),))) as b:
