@@ -305,13 +305,14 @@ impl crate::fdshare::SharedMemory for Segment {
 
 /// A copy from this size up is spread over threads: one core's `memcpy` does not reach
 /// what the host's memory can move (on the H200 machine, 64 MiB one at a time: 3.3–3.6
-/// GB/s by one thread, 6.8–9.7 by four).
-pub const SPREAD_MIN: usize = 2 << 20;
+/// GB/s by one thread, 6.8–9.7 by four; spreading from 2 MiB, a thread per MiB, gained
+/// nothing at 4 MiB, where the landing's reservation costs as much as the copy).
+pub const SPREAD_MIN: usize = 8 << 20;
 /// The most threads one copy is spread over, each given at least [`SPREAD_CHUNK`] bytes.
 pub const SPREAD_THREADS: usize = 4;
 /// The least a spread copy's thread is given (a thread costs tens of microseconds to
-/// start: a few percent of a megabyte's copy).
-pub const SPREAD_CHUNK: usize = 1 << 20;
+/// start).
+pub const SPREAD_CHUNK: usize = 4 << 20;
 
 /// Copies `src` into `dst` (of one length): one `memcpy` below [`SPREAD_MIN`], else
 /// contiguous pieces copied side by side by up to [`SPREAD_THREADS`] threads (this one
