@@ -265,12 +265,34 @@ async fn copy_host(
         let n = target.len();
         target.copy_from_slice(&source[..n]);
     } else {
-        for (at, n) in layout.runs(len as u64) {
+        for (at, n) in copied_ranges(layout, len as u64) {
             let (at, n) = (at as usize, n as usize);
             target[at..at + n].copy_from_slice(&source[at..at + n]);
         }
     }
     Ok(buffer)
+}
+
+/// The ranges of a buffer of `len` bytes that `layout` names, each byte once: a block list's
+/// blocks sorted and merged where they overlap or touch (65,536 blocks that each name the
+/// whole array copy it once, not 65,536 times); a strided layout's rows, which never
+/// overlap, as they are. The layout fits `len` (checked by the caller).
+fn copied_ranges(layout: &Layout, len: u64) -> Box<dyn Iterator<Item = (u64, u64)> + '_> {
+    let Some(blocks) = layout.block_list() else {
+        return layout.runs(len);
+    };
+    let mut sorted: Vec<(u64, u64)> = blocks.iter().map(|b| (b.offset, b.len)).collect();
+    sorted.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (at, n) in sorted {
+        match merged.last_mut() {
+            Some((start, run)) if at <= *start + *run => {
+                *run = (*run).max(at + n - *start);
+            }
+            _ => merged.push((at, n)),
+        }
+    }
+    Box::new(merged.into_iter())
 }
 
 /// GPU memory at `ptr..ptr+len` on `device` registered in place

@@ -124,7 +124,9 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("trim.sock");
     let listener = UnixListener::bind(&path).expect("bind");
-    let mut child = Command::new(std::env::current_exe().expect("current exe"))
+    // Before the importer's context: what the GPU has free once it and the pool are gone.
+    let base = free();
+    let child = Command::new(std::env::current_exe().expect("current exe"))
         .args([
             "--exact",
             "a_burst_a_peer_imported_goes_back_with_the_pool",
@@ -135,7 +137,8 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn the importer");
-    let (mut sock, _) = listener.accept().expect("the importer connects");
+    let mut child = Killed(child);
+    let mut sock = accept(&listener, &mut child.0);
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     let fd = pool.export_fd().expect("export the pool");
@@ -166,7 +169,7 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     pool.trim_to(0).expect("trim");
     let alive = free();
     sock.write_all(&[0]).expect("the end");
-    let status = child.wait().expect("wait for the importer");
+    let status = child.0.wait().expect("wait for the importer");
     assert!(status.success(), "the importer failed: {status}");
     let gone = free();
     pool.trim_to(0).expect("trim");
@@ -187,12 +190,54 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     );
     drop(pool);
     let destroyed = free();
-    println!("and {} MiB with the pool gone", destroyed / MIB);
+    println!(
+        "and {} MiB with the pool gone ({} before the importer started)",
+        destroyed / MIB,
+        base / MIB
+    );
     assert!(
-        destroyed + SLACK >= before,
+        destroyed + SLACK >= base,
         "the pool's memory stayed after it was destroyed ({} MiB free)\n{report}",
         destroyed / MIB
     );
+}
+
+/// The importer, killed if the test ends before it does.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            drop(self.0.kill());
+            drop(self.0.wait());
+        }
+    }
+}
+
+/// The importer's connection, or a panic naming why it never came (it exited, or a minute
+/// passed).
+fn accept(listener: &UnixListener, child: &mut std::process::Child) -> UnixStream {
+    listener.set_nonblocking(true).expect("nonblocking");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match listener.accept() {
+            Ok((sock, _)) => {
+                sock.set_nonblocking(false).expect("blocking");
+                return sock;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(status) = child.try_wait().expect("the importer's status") {
+                    panic!("the importer exited before connecting: {status}");
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the importer never connected"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    }
 }
 
 /// The child: imports the pool, then each round's buffers, frees them, says so.

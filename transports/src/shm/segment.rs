@@ -4,8 +4,8 @@
 //! (a shrunk shared file is a SIGBUS); a peer maps it ([`Segment::open`]) only once it has
 //! checked those seals and the size.
 //!
-//! The only `unsafe` of the transport is here: the mapping, and copies in and out of it
-//! through raw pointers, each bounded by the mapping's length.
+//! The only `unsafe` of the transport is here: the mapping, and slices of it for copies in
+//! and out, each bounded by the mapping's length and living no longer than the call.
 #![allow(unsafe_code)]
 
 use std::num::NonZeroUsize;
@@ -164,10 +164,11 @@ impl Segment {
     pub fn copy_out(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
         self.check(offset, dst.len())?;
         // SAFETY: `offset..offset + dst.len()` lies inside the mapping (checked above), which
-        // lives as long as `self`; `dst` is our own memory, not in this mapping's range of
-        // this process (a caller's buffer of another segment or the heap). The other
-        // process may write the source meanwhile only by breaking the protocol: the bytes
-        // are then wrong, never out of bounds.
+        // lives as long as `self`, and the slice ends with the call; `dst` is our own memory,
+        // not in this mapping's range of this process (a caller's buffer of another segment
+        // or the heap). The range is a buffer the peer offered and keeps unwritten until we
+        // say Done: a peer that writes it anyway makes the bytes wrong, never the access out
+        // of bounds.
         let src = unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), dst.len()) };
         copy_spread(src, dst);
         Ok(())
@@ -179,8 +180,10 @@ impl Segment {
     /// [`ShmError::OutOfRange`] when it would reach past its end (nothing is copied).
     pub fn copy_in(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
         self.check(offset, src.len())?;
-        // SAFETY: inside the mapping (checked above); `src` is memory of this process outside
-        // the destination range (the range is lent to the writer by the segment's owner).
+        // SAFETY: inside the mapping (checked above), and the slice ends with the call. The
+        // range is a buffer the segment's owner lent to this write alone (its grant): no
+        // other slice of it exists in this process meanwhile (a peer's segment is never lent
+        // to a buffer of ours), and `src` is memory of this process outside it.
         let dst =
             unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), src.len()) };
         copy_spread(src, dst);
@@ -318,9 +321,8 @@ pub const SPREAD_CHUNK: usize = 4 << 20;
 /// contiguous pieces copied side by side by up to [`SPREAD_THREADS`] threads (this one
 /// among them). A piece whose thread cannot start is copied by this one afterwards.
 pub fn copy_spread(src: &[u8], dst: &mut [u8]) {
-    debug_assert_eq!(src.len(), dst.len());
-    let len = src.len().min(dst.len());
-    let (src, dst) = (&src[..len], &mut dst[..len]);
+    assert_eq!(src.len(), dst.len(), "a copy between slices of two lengths");
+    let len = src.len();
     let threads = (len / SPREAD_CHUNK).clamp(1, SPREAD_THREADS);
     if len < SPREAD_MIN || threads == 1 {
         dst.copy_from_slice(src);
