@@ -248,7 +248,7 @@ async fn copy_host(
     let whole = layout.is_contiguous();
     let extent =
         usize::try_from(extent).map_err(|_| Error::Usage("a layout past memory".into()))?;
-    let mut buffer = node.alloc(MemoryKind::Host, extent.min(len)).await?;
+    let mut buffer = node.alloc(MemoryKind::Host, extent).await?;
     let Some(target) = buffer.as_mut_slice() else {
         return Err(Error::Usage("a fresh buffer is shared".into()));
     };
@@ -341,14 +341,13 @@ pub(crate) async fn run_send(
     layout: Layout,
     deadline: Option<Instant>,
 ) -> Sent {
-    let host_layout = layout.clone();
     let send = async |buffer: ferry::Buffer| -> Result<ferry::Buffer, SendError> {
-        match (layout, deadline) {
+        match (&layout, deadline) {
             (Layout::Contiguous, Some(deadline)) => {
                 node.send_by(&peer, tag, buffer, deadline).await
             }
             (Layout::Contiguous, None) => node.send(&peer, tag, buffer).await,
-            (layout, _) => node.send_layout(&peer, tag, buffer, layout).await,
+            (layout, _) => node.send_layout(&peer, tag, buffer, layout.clone()).await,
         }
     };
     let done = |result: Result<(), Error>| Sent {
@@ -379,7 +378,7 @@ pub(crate) async fn run_send(
             }
         }
         Plan::Host { ptr, len } => {
-            let buffer = match copy_host(&node, ptr, len, &host_layout).await {
+            let buffer = match copy_host(&node, ptr, len, &layout).await {
                 Ok(buffer) => buffer,
                 Err(e) => return done(Err(e)),
             };

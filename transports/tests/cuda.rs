@@ -7,7 +7,6 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry_transports::cuda::pattern::{checksum, device_checksum, fill_pattern, pattern};
@@ -19,9 +18,9 @@ use ferry_transports::cuda::{
 };
 use ferry_transports::link::fdpass;
 
-/// The child role of the cross-process test, and where the child connects.
-const CHILD_ROLE: &str = "FERRY_CUDA_TEST_CHILD";
-const CHILD_SOCKET: &str = "FERRY_CUDA_TEST_SOCKET";
+mod importer;
+use importer::Importer;
+
 /// Buffers whose pointer imports are timed.
 const TIMED_BUFFERS: usize = 1000;
 
@@ -559,8 +558,8 @@ fn peer_copy_gpu0_to_gpu1() {
 
 #[test]
 fn pool_export_import_between_processes() {
-    if std::env::var(CHILD_ROLE).as_deref() == Ok("importer") {
-        return importer();
+    if let Some(path) = importer::socket() {
+        return importer(&path);
     }
     let Some(gpus) = gpus() else { return };
     let dev = &gpus[0];
@@ -587,35 +586,8 @@ fn pool_export_import_between_processes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("cuda-test.sock");
     let listener = UnixListener::bind(&path).expect("bind");
-    listener.set_nonblocking(true).expect("nonblocking");
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = Command::new(exe)
-        .args([
-            "--exact",
-            "pool_export_import_between_processes",
-            "--nocapture",
-        ])
-        .env(CHILD_ROLE, "importer")
-        .env(CHILD_SOCKET, &path)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn the importer");
-
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut sock = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if let Some(status) = child.try_wait().expect("child status") {
-                    panic!("the importer exited before connecting: {status}");
-                }
-                assert!(Instant::now() < deadline, "the importer never connected");
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => panic!("accept: {e}"),
-        }
-    };
-    sock.set_nonblocking(false).expect("blocking");
+    let mut child = Importer::spawn("pool_export_import_between_processes", &path);
+    let mut sock = child.accept(&listener);
     sock.set_read_timeout(Some(Duration::from_secs(120)))
         .expect("timeout");
 
@@ -642,7 +614,7 @@ fn pool_export_import_between_processes() {
             "the copy to the importer's GPU 1 differs"
         );
     }
-    let status = child.wait().expect("wait for the importer");
+    let status = child.wait();
     assert!(status.success(), "the importer failed: {status}");
     // The importer freed its imports before replying; only now may the exporter free.
     drop(timed);
@@ -677,9 +649,8 @@ fn recv_fd(sock: &UnixStream) -> OwnedFd {
 }
 
 /// The child: imports the pool and the buffers, times the imports, checksums, replies.
-fn importer() {
-    let path = std::env::var(CHILD_SOCKET).expect("socket path");
-    let mut sock = UnixStream::connect(&path).expect("connect to the exporter");
+fn importer(path: &str) {
+    let mut sock = UnixStream::connect(path).expect("connect to the exporter");
     sock.set_read_timeout(Some(Duration::from_secs(120)))
         .expect("timeout");
     let gpus = Device::all().expect("the importer opens the GPUs");

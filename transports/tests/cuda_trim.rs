@@ -9,15 +9,14 @@
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use ferry_transports::cuda::{Device, ExportablePool, Stream};
 use ferry_transports::link::fdpass;
 
-/// The child role of the cross-process test, and where it connects.
-const CHILD_ROLE: &str = "FERRY_TRIM_TEST_CHILD";
-const CHILD_SOCKET: &str = "FERRY_TRIM_TEST_SOCKET";
+mod importer;
+use importer::Importer;
+
 /// One test at a time: each reads the whole GPU's free memory.
 static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -109,8 +108,8 @@ fn a_burst_goes_back_when_trimmed_unless_exported_and_always_with_the_pool() {
 /// which does.
 #[test]
 fn a_burst_a_peer_imported_goes_back_with_the_pool() {
-    if std::env::var(CHILD_ROLE).as_deref() == Ok("importer") {
-        return importer();
+    if let Some(path) = importer::socket() {
+        return importer(&path);
     }
     let Some(device) = gpu() else { return };
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -126,19 +125,8 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     let listener = UnixListener::bind(&path).expect("bind");
     // Before the importer's context: what the GPU has free once it and the pool are gone.
     let base = free();
-    let child = Command::new(std::env::current_exe().expect("current exe"))
-        .args([
-            "--exact",
-            "a_burst_a_peer_imported_goes_back_with_the_pool",
-            "--nocapture",
-        ])
-        .env(CHILD_ROLE, "importer")
-        .env(CHILD_SOCKET, &path)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn the importer");
-    let mut child = Killed(child);
-    let mut sock = accept(&listener, &mut child.0);
+    let mut child = Importer::spawn("a_burst_a_peer_imported_goes_back_with_the_pool", &path);
+    let mut sock = child.accept(&listener);
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     let fd = pool.export_fd().expect("export the pool");
@@ -169,7 +157,7 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     pool.trim_to(0).expect("trim");
     let alive = free();
     sock.write_all(&[0]).expect("the end");
-    let status = child.0.wait().expect("wait for the importer");
+    let status = child.wait();
     assert!(status.success(), "the importer failed: {status}");
     let gone = free();
     pool.trim_to(0).expect("trim");
@@ -202,48 +190,9 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     );
 }
 
-/// The importer, killed if the test ends before it does.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            drop(self.0.kill());
-            drop(self.0.wait());
-        }
-    }
-}
-
-/// The importer's connection, or a panic naming why it never came (it exited, or a minute
-/// passed).
-fn accept(listener: &UnixListener, child: &mut std::process::Child) -> UnixStream {
-    listener.set_nonblocking(true).expect("nonblocking");
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        match listener.accept() {
-            Ok((sock, _)) => {
-                sock.set_nonblocking(false).expect("blocking");
-                return sock;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if let Some(status) = child.try_wait().expect("the importer's status") {
-                    panic!("the importer exited before connecting: {status}");
-                }
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "the importer never connected"
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => panic!("accept: {e}"),
-        }
-    }
-}
-
 /// The child: imports the pool, then each round's buffers, frees them, says so.
-fn importer() {
-    let path = std::env::var(CHILD_SOCKET).expect("socket path");
-    let mut sock = UnixStream::connect(&path).expect("connect");
+fn importer(path: &str) {
+    let mut sock = UnixStream::connect(path).expect("connect");
     sock.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
     let device = Device::open(0).expect("GPU 0");
