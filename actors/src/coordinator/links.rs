@@ -57,11 +57,23 @@ impl Coordinator {
         {
             discovery.handle_answered(addr, answered);
         }
-        if let Some(s) = self.sessions.get(&dialed.peer)
-            && s.epoch == dialed.epoch
-            && s.state == LinkState::Dialing
+        self.end_dialing(&dialed.peer, dialed.epoch, &why);
+    }
+
+    /// The session `epoch` of `peer`, still dialing, failed for `why`: its actor fails its
+    /// ops with that reason and stops, and the session is forgotten now, not when the actor's
+    /// end arrives: a send in between would otherwise reach an actor that is gone and fail
+    /// with no reason; it dials again instead.
+    pub(super) fn end_dialing(&mut self, peer: &str, epoch: u64, why: &str) {
+        if self
+            .sessions
+            .get(peer)
+            .is_some_and(|s| s.epoch == epoch && s.state == LinkState::Dialing)
+            && let Some(s) = self.sessions.remove(peer)
         {
-            send_lost(&s.addr, &why);
+            send_lost(&s.addr, why);
+            self.publish_direct(peer, None);
+            self.count_connected();
         }
     }
 }
@@ -154,12 +166,7 @@ impl Handler<DialFailed> for Coordinator {
     fn handle(&mut self, msg: DialFailed, _: &mut Self::Context) {
         tracing::warn!(peer = %msg.peer, error = %msg.error, "dial failed");
         metrics::counter!("ferry_dial_failures_total").increment(1);
-        if let Some(s) = self.sessions.get(&msg.peer)
-            && s.epoch == msg.epoch
-            && s.state == LinkState::Dialing
-        {
-            send_lost(&s.addr, &msg.error);
-        }
+        self.end_dialing(&msg.peer, msg.epoch, &msg.error);
     }
 }
 
@@ -180,15 +187,11 @@ impl Handler<DialRefused> for Coordinator {
         self.publish_direct(&msg.peer, None);
         let wait = self.setup.config.limits.connect_timeout;
         ctx.run_later(wait, move |act, _| {
-            if let Some(s) = act.sessions.get(&msg.peer)
-                && s.epoch == msg.epoch
-                && s.state == LinkState::Dialing
-            {
-                send_lost(
-                    &s.addr,
-                    "the peer refused our link and did not connect back in time",
-                );
-            }
+            act.end_dialing(
+                &msg.peer,
+                msg.epoch,
+                "the peer refused our link and did not connect back in time",
+            );
         });
     }
 }
