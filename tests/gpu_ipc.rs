@@ -838,11 +838,11 @@ fn dropped_device_memory_serves_the_next_overwriting_grant_on_its_stream() {
     let (pool, streams) = ferry_actors::gpu::open_pool(&device).expect("pool");
     const MIB: u64 = 1 << 20;
     let domain = Allocator::new(MemoryKind::Device(0), 4 * MIB, 16, Duration::from_secs(1))
-        .with_device(DevicePool {
+        .with_device(DevicePool::new(
             pool,
-            stream: streams.alloc.clone(),
-            others: vec![streams.copy.clone(), streams.express.clone()],
-        })
+            streams.alloc.clone(),
+            vec![streams.copy.clone(), streams.express.clone()],
+        ))
         .domain();
     let lane = streams.express.clone();
     let grant = |len: u64, on: &ferry::cuda::Stream, fill: Fill| {

@@ -46,11 +46,11 @@ fn gpu_domain(
     device: &ferry::cuda::Device,
 ) -> (DomainHandle, ferry_actors::gpu::GpuStreams, actix::System) {
     let (pool, streams) = ferry_actors::gpu::open_pool(device).expect("pool");
-    let domain_pool = DevicePool {
+    let domain_pool = DevicePool::new(
         pool,
-        stream: streams.alloc.clone(),
-        others: vec![streams.copy.clone(), streams.express.clone()],
-    };
+        streams.alloc.clone(),
+        vec![streams.copy.clone(), streams.express.clone()],
+    );
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let system = actix::System::new();
@@ -259,9 +259,9 @@ async fn device_burst() {
         panic!(
             "free memory stayed {} MiB below where it was; a kept {kept:?}; free {} MiB with b \
              gone, {} MiB once a's pool trimmed again, {} MiB with a's node stopped too (before \
-             the burst {} MiB). Known cause: a trim gives back no memory whose pointer was \
-             exported, which ipc does for every buffer it offers (transports/tests/cuda_trim.rs); \
-             it goes back with the pool",
+             the burst {} MiB). A trim gives back no memory whose pointer was exported, which \
+             ipc does for every buffer it offers (transports/tests/cuda_trim.rs): it goes back \
+             once a's idle pool is replaced and b closed its import of the old one",
             before.saturating_sub(after) / MIB,
             without_b / MIB,
             retrimmed / MIB,
@@ -277,5 +277,11 @@ async fn device_burst() {
             .bytes,
         0
     );
+    // The memory came back with a's pool replaced (b closed its import of the old one):
+    // sends go on from the new pool, which b imports on the first buffer naming it, by the
+    // lane (small) and by a pull (large).
+    send(100, 4096).await;
+    send(101, LEN).await;
+    futures::future::join_all((0..4).map(|i| send(102 + i, LEN))).await;
     a.shutdown().await;
 }

@@ -39,8 +39,120 @@ pub fn socket_name(node: &str, pid: u32) -> String {
 /// How long one pool request may take, connection and authentication included.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The pools this node exports, by device UUID.
-pub type PoolDirectory = Arc<DashMap<String, ExportablePool>>;
+/// The pools this node exports (shared by its allocators, which replace a pool, and its
+/// transports, which name them to peers and hear of replacements).
+pub type PoolDirectory = Arc<Pools>;
+
+/// Retirements [`Pools`] remembers (a peer's part that fell further behind tells its peer
+/// of the last ones only; a node retires a GPU's pool at most once per `memory.keep_idle`).
+const RETIREMENTS_KEPT: usize = 16;
+
+/// The pools this node exports, by name ([`crate::cuda::pool_name`]: a GPU's UUID and the
+/// pool's generation), and the pools it retired, numbered, so that each same-host peer is
+/// told to close its import of them (memory exported from a pool goes back to the GPU only
+/// once the pool is destroyed here and its import closed there).
+pub struct Pools {
+    current: DashMap<String, ExportablePool>,
+    retired: std::sync::Mutex<Retirements>,
+    /// The number of the last retirement.
+    count: tokio::sync::watch::Sender<u64>,
+}
+
+/// The last [`RETIREMENTS_KEPT`] pools retired, numbered from 1.
+#[derive(Debug, Default)]
+struct Retirements(std::collections::VecDeque<(u64, String)>);
+
+impl Retirements {
+    /// Records `name` as retired; its number.
+    fn push(&mut self, name: &str) -> u64 {
+        let number = self.0.back().map_or(1, |(n, _)| n + 1);
+        if self.0.len() == RETIREMENTS_KEPT {
+            self.0.pop_front();
+        }
+        self.0.push_back((number, name.to_string()));
+        number
+    }
+
+    /// The pools retired after number `seen` (those still remembered), and the last number.
+    fn since(&self, seen: u64) -> (Vec<String>, u64) {
+        let names = self
+            .0
+            .iter()
+            .filter(|(n, _)| *n > seen)
+            .map(|(_, name)| name.clone())
+            .collect();
+        (names, self.0.back().map_or(seen, |(n, _)| *n))
+    }
+}
+
+impl std::fmt::Debug for Pools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pools")
+            .field("current", &self.names())
+            .field("retirements", &self.retirements())
+            .finish()
+    }
+}
+
+impl Default for Pools {
+    fn default() -> Self {
+        Self {
+            current: DashMap::new(),
+            retired: std::sync::Mutex::default(),
+            count: tokio::sync::watch::Sender::new(0),
+        }
+    }
+}
+
+impl Pools {
+    /// Exports `pool` under its name.
+    pub fn insert(&self, pool: ExportablePool) {
+        self.current.insert(pool.name().to_string(), pool);
+    }
+
+    /// The pool exported as `name`.
+    pub fn get(&self, name: &str) -> Option<ExportablePool> {
+        self.current.get(name).map(|p| p.clone())
+    }
+
+    /// The names of the pools exported now.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.current.iter().map(|e| e.key().clone()).collect();
+        names.sort();
+        names
+    }
+
+    /// `new` is exported instead of the pool named `old`, which is retired (peers are told
+    /// to close their imports of it).
+    pub fn replace(&self, old: &str, new: ExportablePool) {
+        self.current.remove(old);
+        self.insert(new);
+        let number = self
+            .retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(old);
+        self.count.send_replace(number);
+    }
+
+    /// The pools retired after retirement number `seen`, and the number of the last.
+    pub fn retired_since(&self, seen: u64) -> (Vec<String>, u64) {
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .since(seen)
+    }
+
+    /// The number of the last retirement (0: none yet).
+    pub fn retirements(&self) -> u64 {
+        *self.count.borrow()
+    }
+
+    /// Changes whenever a pool is retired.
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.count.subscribe()
+    }
+}
 
 /// The shared memory this node offers its same-host peers (rings, pool segments), by the
 /// key a transport's message names (unguessable: a prefix and 128 random bits, so a peer
@@ -141,7 +253,7 @@ pub async fn serve(
                 )))
             });
             match answered {
-                Ok(Ok(uuid)) => tracing::debug!(device = %uuid, "exported a pool to a peer"),
+                Ok(Ok(name)) => tracing::debug!(%name, "exported a pool to a peer"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "a pool request failed"),
                 Err(_) => tracing::warn!("a pool request timed out"),
             }
@@ -152,7 +264,7 @@ pub async fn serve(
 async fn answer(
     mut stream: UnixStream,
     secret: &Secret,
-    pools: &DashMap<String, ExportablePool>,
+    pools: &Pools,
     rings: &DashMap<String, Arc<dyn SharedMemory>>,
     progress: Progress,
 ) -> Result<String, AnswerError> {
@@ -175,21 +287,21 @@ async fn answer(
             "a device name of {len} bytes"
         )));
     }
-    let mut uuid = vec![0u8; usize::from(len)];
-    stream.read_exact(&mut uuid).await?;
-    let uuid = String::from_utf8_lossy(&uuid).into_owned();
-    let exported = match (pools.get(&uuid), rings.get(&uuid)) {
+    let mut name = vec![0u8; usize::from(len)];
+    stream.read_exact(&mut name).await?;
+    let name = String::from_utf8_lossy(&name).into_owned();
+    let exported = match (pools.get(&name), rings.get(&name)) {
         (Some(pool), _) => pool.export_fd().map_err(|e| e.to_string()),
         (None, Some(shared)) => shared
             .descriptor()
             .try_clone_to_owned()
             .map_err(|e| e.to_string()),
-        (None, None) => Err(format!("no pool or shared memory named {uuid} here")),
+        (None, None) => Err(format!("no pool or shared memory named {name} here")),
     };
     match exported {
         Ok(fd) => {
             send_with_fd(&stream, fd.as_fd(), b"+").await?;
-            Ok(uuid)
+            Ok(name)
         }
         Err(why) => {
             let mut reply = b"-".to_vec();
@@ -224,7 +336,7 @@ enum AnswerError {
     Refused(String),
 }
 
-/// Fetches the pool of device `uuid` (or the lane ring under that key) from the same-host
+/// Fetches the pool named `uuid` ([`crate::cuda::pool_name`]; or the lane ring under that key) from the same-host
 /// node `node` (process `pid`), authenticating with `secret`. Returns the descriptor to
 /// import ([`ExportablePool::import_fd`], or [`crate::link::ring::Ring::open`]).
 ///
@@ -283,4 +395,35 @@ pub async fn fetch(
     tokio::time::timeout(REQUEST_TIMEOUT, attempt)
         .await
         .unwrap_or(Err(FetchError::Timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RETIREMENTS_KEPT, Retirements};
+
+    #[test]
+    fn retirements_are_numbered_and_told_once_past_what_was_seen() {
+        let mut retired = Retirements::default();
+        assert_eq!(retired.since(0), (vec![], 0));
+        assert_eq!(retired.push("GPU-a#0"), 1);
+        assert_eq!(retired.push("GPU-b#0"), 2);
+        assert_eq!(
+            retired.since(0),
+            (vec!["GPU-a#0".into(), "GPU-b#0".into()], 2)
+        );
+        assert_eq!(retired.since(1), (vec!["GPU-b#0".into()], 2));
+        assert_eq!(retired.since(2), (vec![], 2));
+    }
+
+    #[test]
+    fn retirements_keep_only_the_last_ones() {
+        let mut retired = Retirements::default();
+        for g in 0..RETIREMENTS_KEPT as u64 + 3 {
+            retired.push(&format!("GPU-a#{g}"));
+        }
+        let (names, last) = retired.since(0);
+        assert_eq!(last, RETIREMENTS_KEPT as u64 + 3);
+        assert_eq!(names.len(), RETIREMENTS_KEPT);
+        assert_eq!(names.first().map(String::as_str), Some("GPU-a#3"));
+    }
 }

@@ -31,7 +31,7 @@ pub struct Gpus {
     pub gpus: Vec<(u32, Gpu)>,
     /// Every GPU the process sees (a peer's pool may live on one this node does not use).
     pub visible: Vec<Device>,
-    /// Pools served on the fd-sharing socket, by device UUID.
+    /// Pools served on the fd-sharing socket, by name (see [`crate::cuda::pool_name`]).
     pub pools: PoolDirectory,
     /// Fast-lane rings offered to peers, served on the fd-sharing socket by key.
     pub rings: crate::fdshare::RingDirectory,
@@ -69,6 +69,12 @@ impl Gpus {
             .iter()
             .map(|(_, g)| g.device.uuid().to_string())
             .collect()
+    }
+
+    /// The names of the pools this node exports now (one per GPU; see
+    /// [`crate::cuda::pool_name`]).
+    pub fn pool_names(&self) -> Vec<String> {
+        self.pools.names()
     }
 
     /// The device of this process with `uuid`, among every visible GPU.

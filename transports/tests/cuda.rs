@@ -659,7 +659,7 @@ fn importer(path: &str) {
 
     let fd = recv_fd(&sock);
     let t = Instant::now();
-    let pool = ExportablePool::import_fd(dev, fd).expect("import the pool");
+    let pool = ExportablePool::import_fd(dev, fd, "test").expect("import the pool");
     let pool_import = t.elapsed();
 
     let mut exports = vec![0u8; (1 + TIMED_BUFFERS) * 72];

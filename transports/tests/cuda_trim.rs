@@ -75,10 +75,14 @@ fn a_burst_goes_back_when_trimmed_unless_exported_and_always_with_the_pool() {
         let lowest = burst(&pool, &stream, export, &device);
         pool.trim_to(0).expect("trim");
         let trimmed = free();
+        // What the pool says it holds once trimmed, nothing allocated (printed).
+        let usage = pool.usage().expect("usage");
+        let pool_exported = pool.has_exported();
         drop(pool);
         let destroyed = free();
         let line = format!(
-            "{case}: {} MiB free before, {} at the lowest, {} trimmed, {} with the pool gone",
+            "{case}: {} MiB free before, {} at the lowest, {} trimmed ({usage:?}), {} with the \
+             pool gone",
             before / MIB,
             lowest / MIB,
             trimmed / MIB,
@@ -93,6 +97,10 @@ fn a_burst_goes_back_when_trimmed_unless_exported_and_always_with_the_pool() {
         );
         if !export {
             assert!(trimmed + SLACK >= before, "a trim kept memory\n{all}");
+        } else {
+            // The driver's counters leave the stuck memory out (0 reserved on the H200):
+            // the pool's own flag says it exported.
+            assert!(pool_exported, "the pool does not know it exported\n{all}");
         }
         assert!(
             destroyed + SLACK >= before,
@@ -103,9 +111,11 @@ fn a_burst_goes_back_when_trimmed_unless_exported_and_always_with_the_pool() {
 
 /// As a node's pool is used: another process imports the pool and each buffer of the
 /// burst, frees its imports (and says so) before the exporter frees the buffer; then the
-/// exporter trims, with the importer alive (its imported pool open) and once it exited
-/// (printed: on the H200 neither gives the exported memory back), and destroys the pool,
-/// which does.
+/// exporter trims with the importer alive (its imported pool open), which does not give
+/// the exported memory back (printed); destroys the pool, which gives it back only once the
+/// importer closed its imported pool too (on the H200: 142,041 MiB free with the pool
+/// destroyed and the import open, 142,105 = before once it closed it): why a node replaces
+/// an idle pool and tells its peers to close their imports of the old one.
 #[test]
 fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     if let Some(path) = importer::socket() {
@@ -156,32 +166,43 @@ fn a_burst_a_peer_imported_goes_back_with_the_pool() {
     stream.synchronize().expect("freed");
     pool.trim_to(0).expect("trim");
     let alive = free();
-    sock.write_all(&[0]).expect("the end");
-    let status = child.wait();
-    assert!(status.success(), "the importer failed: {status}");
-    let gone = free();
-    pool.trim_to(0).expect("trim");
-    let retrimmed = free();
     let report = format!(
         "imported by a peer: {} MiB free before, {} at the lowest, {} trimmed with the importer \
-         alive, {} once it exited, {} trimmed again",
+         alive",
         before / MIB,
         lowest / MIB,
         alive / MIB,
-        gone / MIB,
-        retrimmed / MIB
     );
-    println!("{report}");
     assert!(
         lowest + 48 * MIB <= before,
         "the burst took no memory\n{report}"
     );
+    // Destroyed while the importer still holds its imported pool (a node replaces its pool
+    // while its peers are alive), then once the importer exited.
     drop(pool);
+    let destroyed_alive = free();
+    // The importer closes its imported pool, then exits.
+    sock.write_all(&[0]).expect("the end");
+    sock.read_exact(&mut ack)
+        .expect("the importer closed its pool");
+    let closed = free();
+    sock.write_all(&[0]).expect("exit");
+    let status = child.wait();
+    assert!(status.success(), "the importer failed: {status}");
     let destroyed = free();
     println!(
-        "and {} MiB with the pool gone ({} before the importer started)",
+        "{report}; {} MiB with the pool destroyed and the importer's imported pool open, {} \
+         once it closed that, {} once it exited ({} before the importer started)",
+        destroyed_alive / MIB,
+        closed / MIB,
         destroyed / MIB,
         base / MIB
+    );
+    assert!(
+        closed + SLACK >= before,
+        "the pool's memory stayed after it was destroyed here and its import closed there \
+         ({} MiB free)\n{report}",
+        closed / MIB
     );
     assert!(
         destroyed + SLACK >= base,
@@ -198,11 +219,14 @@ fn importer(path: &str) {
     let device = Device::open(0).expect("GPU 0");
     let mut byte = [0u8; 1];
     let fd = fdpass::recv_fd(&sock, &mut byte).expect("the pool").0;
-    let pool = ExportablePool::import_fd(&device, fd).expect("import the pool");
+    let pool = ExportablePool::import_fd(&device, fd, "trim").expect("import the pool");
     sock.write_all(&[1]).expect("ready");
     loop {
         sock.read_exact(&mut byte).expect("count");
         if byte[0] == 0 {
+            drop(pool);
+            sock.write_all(&[1]).expect("closed");
+            sock.read_exact(&mut byte).expect("exit");
             break;
         }
         let mut exports = vec![0u8; usize::from(byte[0]) * 64];

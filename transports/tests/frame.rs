@@ -766,6 +766,7 @@ fn lane_records_round_trip_and_garbage_is_refused() {
         len: 8,
         source: ferry_transports::ipc::IpcSource {
             device_uuid: "GPU-1".into(),
+            pool: "GPU-1#0".into(),
             buffer: 3,
             generation: 4,
             offset: 0,

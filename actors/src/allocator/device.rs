@@ -1,25 +1,86 @@
 //! A GPU domain's memory: its pool, the allocations a grant makes, and giving the pool's
 //! unused memory back to the GPU.
 
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use ferry_transports::cuda::{ExportablePool, Stream};
+use ferry_transports::fdshare::PoolDirectory;
 
 use super::Domain;
 use super::shelf::{Kept, free_kept};
 
 /// Where a GPU domain's memory comes from: its device's exportable pool, allocated in
 /// stream order on the domain's own stream.
+///
+/// A pool whose memory was exported keeps it reserved after it is freed (no trim gives it
+/// back: [`ExportablePool::renewed`]), so when the domain gives its unused memory back with
+/// nothing allocated from a pool that exported, the pool is replaced by a new one, under a
+/// new name in the node's pool directory; peers are told to close their imports of the old
+/// one, and its memory goes back to the GPU with them.
 #[derive(Debug, Clone)]
 pub struct DevicePool {
     /// The pool (exportable: same-host peers import it once, then each buffer cheaply).
-    pub pool: ExportablePool,
+    /// Allocations hold the read side; a replacement the write side.
+    pool: Arc<RwLock<ExportablePool>>,
+    /// Where the node exports its pools, when it does.
+    directory: Option<PoolDirectory>,
     /// The stream allocations are made (and freed) on.
     pub stream: Stream,
     /// The GPU's other streams that grants may be allocated (and their memory freed) on
     /// (a lane's landing goes on its copy stream): giving the pool's unused memory back
     /// waits for the frees queued there first.
     pub others: Vec<Stream>,
+}
+
+impl DevicePool {
+    /// Memory from `pool`, allocated on `stream`; `others` as [`Self::others`].
+    pub fn new(pool: ExportablePool, stream: Stream, others: Vec<Stream>) -> Self {
+        Self {
+            pool: Arc::new(RwLock::new(pool)),
+            directory: None,
+            stream,
+            others,
+        }
+    }
+
+    /// The pool is exported in `directory` (and replaced there when it is renewed).
+    pub fn exported_in(mut self, directory: PoolDirectory) -> Self {
+        directory.insert(self.current());
+        self.directory = Some(directory);
+        self
+    }
+
+    /// The pool allocations come from now.
+    pub fn current(&self) -> ExportablePool {
+        self.pool.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the pool when nothing is allocated from it and it ever exported memory
+    /// (which a trim does not give back). Blocking (driver calls).
+    ///
+    /// # Errors
+    /// A driver error (the old pool stays).
+    fn renew_if_stuck(&self) -> Result<(), ferry_transports::cuda::CudaError> {
+        let mut pool = self.pool.write().unwrap_or_else(|p| p.into_inner());
+        // Exported memory stays reserved unseen (the pool's counters leave it out): a pool
+        // that exported, with nothing allocated now, is replaced.
+        if !pool.has_exported() || pool.usage()?.used > 0 {
+            return Ok(());
+        }
+        let renewed = pool.renewed()?;
+        tracing::debug!(
+            old = %pool.name(),
+            new = %renewed.name(),
+            "replacing an idle GPU pool that exported memory"
+        );
+        if let Some(directory) = &self.directory {
+            directory.replace(pool.name(), renewed.clone());
+        }
+        // The old pool is destroyed here (nothing holds it any more).
+        *pool = renewed;
+        Ok(())
+    }
 }
 
 impl Domain {
@@ -37,7 +98,7 @@ impl Domain {
     ) -> Result<ferry_transports::cuda::DeviceBuffer, ferry_transports::cuda::CudaError> {
         if let (Some(mut memory), Some(on), Ok(n)) = (kept, on, usize::try_from(len)) {
             // Refused (the stream cannot wait): it is freed, and allocated anew below.
-            if memory.reuse(&device.pool, n, on).is_ok() {
+            if memory.reuse(&device.current(), n, on).is_ok() {
                 return Ok(memory);
             }
         }
@@ -68,11 +129,14 @@ fn allocate(
         ))
     })?;
     let started = Instant::now();
+    // Under the read side: a replacement waits for the allocation (and then sees it).
+    let pool = device.pool.read().unwrap_or_else(|p| p.into_inner());
     if let Some(stream) = on.filter(|s| s.device().same_as(device.stream.device())) {
         // Stream-ordered: the caller's next work on `stream` follows the allocation.
-        return device.pool.alloc(n, stream);
+        return pool.alloc(n, stream);
     }
-    let memory = device.pool.alloc(n, &device.stream)?;
+    let memory = pool.alloc(n, &device.stream)?;
+    drop(pool);
     // Usable from every stream (and exportable) once the allocation is done. Polled: the
     // stream usually holds only allocations and frees whose copies have ended (a buffer
     // dropped mid-copy makes it wait for that copy), so the wait is short and a blocking
@@ -88,8 +152,9 @@ fn allocate(
 
 /// Frees memory a sweep took off the shelf, then has `pool` (a GPU domain's, when the sweep
 /// says so) give its unused memory back to the GPU (`cuMemPoolTrimTo`), once the frees
-/// queued on the domain's streams have ended (the pool releases only memory it saw freed).
-/// Blocking: never on an actor's thread.
+/// queued on the domain's streams have ended (the pool releases only memory it saw freed);
+/// a pool left holding memory with nothing allocated is replaced
+/// ([`DevicePool::renew_if_stuck`]). Blocking: never on an actor's thread.
 pub(super) fn give_back(expired: Vec<Kept>, pool: Option<&DevicePool>) {
     let mut streams = free_kept(expired);
     let Some(device) = pool else { return };
@@ -101,7 +166,8 @@ pub(super) fn give_back(expired: Vec<Kept>, pool: Option<&DevicePool>) {
     let trimmed = streams
         .iter()
         .try_for_each(Stream::synchronize)
-        .and_then(|()| device.pool.trim_to(0));
+        .and_then(|()| device.current().trim_to(0))
+        .and_then(|()| device.renew_if_stuck());
     if let Err(e) = trimmed {
         tracing::warn!(error = %e, "giving a GPU pool's unused memory back failed");
     }

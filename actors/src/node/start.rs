@@ -393,17 +393,17 @@ pub(super) fn start_gpus(
         .into_iter()
         .map(|g| {
             let kind = MemoryKind::Device(g.ordinal);
-            let pool = crate::allocator::DevicePool {
-                pool: g.pool.clone(),
-                stream: g.streams.alloc,
-                others: vec![g.streams.copy.clone(), g.streams.express.clone()],
-            };
+            let pool = crate::allocator::DevicePool::new(
+                g.pool,
+                g.streams.alloc,
+                vec![g.streams.copy.clone(), g.streams.express.clone()],
+            )
+            .exported_in(Arc::clone(&shared.gpu_pools));
             let budget = g.budget;
             let allocator = Allocator::new(kind, budget, queue, lease)
                 .with_device(pool)
                 .keeping(keeping(config))
                 .launch(mailbox);
-            shared.gpu_pools.insert(g.device.uuid().to_string(), g.pool);
             let gpu = ferry_transports::gpus::Gpu {
                 device: g.device,
                 copy_stream: g.streams.copy,

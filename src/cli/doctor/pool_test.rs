@@ -262,7 +262,8 @@ fn import(fd: std::os::fd::OwnedFd, message: &[u8]) -> Result<(), String> {
         let what = what.to_string();
         move |e: ferry_transports::cuda::CudaError| format!("{what}: {e}")
     };
-    let pool = ExportablePool::import_fd(device, fd).map_err(cuda("importing the pool"))?;
+    let pool =
+        ExportablePool::import_fd(device, fd, "doctor").map_err(cuda("importing the pool"))?;
     let buffer = pool
         .import_pointer(&export, len)
         .map_err(cuda("importing a buffer"))?;

@@ -52,6 +52,7 @@ pub use error::CudaError;
 pub use external::{ExternalMemory, IpcMapping, PlainAllocation, ReleaseSignal};
 pub use pool::{
     DeviceBuffer, ExportablePool, ImportedBuffer, ImportedPool, LegacyExport, POINTER_EXPORT_LEN,
+    PoolUsage, pool_device, pool_name,
 };
 pub use probe::{CudaDevice, CudaDriver, CudaProbe, probe};
 pub use raw::driver;

@@ -30,6 +30,33 @@ pub struct ExportablePool {
 struct PoolInner {
     device: Device,
     handle: sys::CUmemoryPool,
+    /// How peers name the pool ([`pool_name`]): its device's UUID and its generation.
+    name: String,
+    /// Set once a pointer of the pool was exported: memory that was, stays reserved after
+    /// it is freed, whatever a trim asks, and the pool's own counters do not show it.
+    exported: std::sync::atomic::AtomicBool,
+}
+
+/// How peers name a node's pool on the GPU `uuid`: the UUID and the pool's generation (a
+/// node replaces an idle pool that holds memory it cannot give back: see
+/// [`ExportablePool::renewed`]).
+pub fn pool_name(uuid: &str, generation: u64) -> String {
+    format!("{uuid}#{generation}")
+}
+
+/// The GPU UUID a [`pool_name`] names (the whole name when it has no generation).
+pub fn pool_device(name: &str) -> &str {
+    name.rsplit_once('#').map_or(name, |(uuid, _)| uuid)
+}
+
+/// What a pool holds of its GPU's memory: reserved from the GPU, and used by live
+/// allocations (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `..._USED_MEM_CURRENT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolUsage {
+    /// Reserved from the GPU.
+    pub reserved: u64,
+    /// Backing live allocations.
+    pub used: u64,
 }
 
 // SAFETY: a CUmemoryPool is a driver handle usable from any thread; the driver's pool calls
@@ -61,6 +88,24 @@ impl ExportablePool {
     /// A driver error, e.g. `CUDA_ERROR_NOT_SUPPORTED` where the device cannot export pools
     /// as POSIX file descriptors (see the probe's `pool_posix_fd`).
     pub fn new(device: &Device) -> Result<ExportablePool, CudaError> {
+        Self::create(device, 0)
+    }
+
+    /// A new pool on this pool's device, of the next generation (named apart from this one,
+    /// so that peers import it as another pool). For a pool that holds memory no trim gives
+    /// back: memory whose pointer was ever exported stays reserved in its pool after it is
+    /// freed (measured on the H200: `cuMemPoolTrimTo` keeps it, and the pool's counters do
+    /// not show it; it goes back to the GPU only once the pool is destroyed here and every
+    /// peer's import of the pool is closed; transports/tests/cuda_trim.rs).
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    pub fn renewed(&self) -> Result<ExportablePool, CudaError> {
+        let generation = pool_generation(&self.inner.name).saturating_add(1);
+        Self::create(&self.inner.device, generation)
+    }
+
+    fn create(device: &Device, generation: u64) -> Result<ExportablePool, CudaError> {
         device.bind()?;
         // SAFETY: the device's context is current (bound above).
         let handle = unsafe { raw::mem_pool_create_exportable(device.ordinal_c()) }?;
@@ -68,6 +113,8 @@ impl ExportablePool {
             inner: Arc::new(PoolInner {
                 device: device.clone(),
                 handle,
+                name: pool_name(device.uuid(), generation),
+                exported: std::sync::atomic::AtomicBool::new(false),
             }),
         };
         // SAFETY: the pool was just created and is owned by `pool`.
@@ -79,6 +126,32 @@ impl ExportablePool {
     /// The device the pool's memory resides on.
     pub fn device(&self) -> &Device {
         &self.inner.device
+    }
+
+    /// How peers name the pool ([`pool_name`]).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// True once a pointer of the pool was exported ([`DeviceBuffer::export_pointer`]):
+    /// then freed memory may stay reserved for good (see [`Self::renewed`]).
+    pub fn has_exported(&self) -> bool {
+        self.inner
+            .exported
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// What the pool holds of the GPU's memory now, as the driver counts it (which, on the
+    /// H200, leaves out freed memory whose pointer was exported: it says 0 reserved while
+    /// that memory stays out of the GPU's free memory).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn usage(&self) -> Result<PoolUsage, CudaError> {
+        self.inner.device.bind()?;
+        // SAFETY: the pool is alive for as long as `self`.
+        let (reserved, used) = unsafe { raw::mem_pool_usage(self.inner.handle) }?;
+        Ok(PoolUsage { reserved, used })
     }
 
     /// Allocates `len` bytes in stream order on `stream` (`cuMemAllocFromPoolAsync`): the
@@ -179,7 +252,7 @@ impl ExportablePool {
     ///
     /// # Errors
     /// A driver error, e.g. for a descriptor that is not a pool.
-    pub fn import_fd(device: &Device, fd: OwnedFd) -> Result<ImportedPool, CudaError> {
+    pub fn import_fd(device: &Device, fd: OwnedFd, name: &str) -> Result<ImportedPool, CudaError> {
         device.bind()?;
         // SAFETY: `fd` is open for the duration of the call (owned here, closed on drop).
         let handle = unsafe { raw::mem_pool_import_fd(fd.as_raw_fd()) }?;
@@ -188,15 +261,25 @@ impl ExportablePool {
             inner: Arc::new(PoolInner {
                 device: device.clone(),
                 handle,
+                name: name.to_string(),
+                exported: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
+}
+
+/// The generation a [`pool_name`] holds (0 for a name without one).
+fn pool_generation(name: &str) -> u64 {
+    name.rsplit_once('#')
+        .and_then(|(_, g)| g.parse().ok())
+        .unwrap_or(0)
 }
 
 impl std::fmt::Debug for ExportablePool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExportablePool")
             .field("device", &self.inner.device.ordinal())
+            .field("name", &self.inner.name)
             .finish()
     }
 }
@@ -278,6 +361,8 @@ impl DeviceBuffer {
             ));
         };
         pool.device.bind()?;
+        pool.exported
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: a live allocation of an exportable pool, kept alive by `self`.
         let export = unsafe { raw::mem_pool_export_pointer(self.ptr) }?;
         Ok(*self.export.get_or_init(|| export))
@@ -363,6 +448,15 @@ impl DeviceBuffer {
             uses: Uses::default(),
             export: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The name of the pool this buffer came from ([`pool_name`]); `None` for registered
+    /// memory.
+    pub fn pool_name(&self) -> Option<&str> {
+        match &self.origin {
+            Origin::Pool(pool) => Some(&pool.name),
+            Origin::External(_) => None,
+        }
     }
 
     /// True for registered memory ([`Self::register_external`]).
@@ -679,5 +773,21 @@ impl std::fmt::Debug for ImportedBuffer {
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pool_device, pool_generation, pool_name};
+
+    #[test]
+    fn a_pool_name_holds_its_device_and_generation() {
+        let name = pool_name("GPU-1234-abcd", 7);
+        assert_eq!(name, "GPU-1234-abcd#7");
+        assert_eq!(pool_device(&name), "GPU-1234-abcd");
+        assert_eq!(pool_generation(&name), 7);
+        // A bare UUID (no generation) is generation 0 of itself.
+        assert_eq!(pool_device("GPU-1"), "GPU-1");
+        assert_eq!(pool_generation("GPU-1"), 0);
     }
 }

@@ -329,6 +329,31 @@ pub(super) unsafe fn mem_pool_set_release_threshold(
     })
 }
 
+/// The pool's memory reserved from the GPU and the part of it allocations use now
+/// (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_MEMPOOL_ATTR_USED_MEM_CURRENT`).
+///
+/// # Safety
+/// `pool` is live.
+pub(super) unsafe fn mem_pool_usage(pool: sys::CUmemoryPool) -> Result<(u64, u64), CudaError> {
+    let read = |attr| {
+        let mut value: sys::cuuint64_t = 0;
+        // SAFETY: live pool (caller); these attributes' values are cuuint64_t, which
+        // `value` is, and it lives across the call.
+        check("cuMemPoolGetAttribute", unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                attr,
+                (&mut value as *mut sys::cuuint64_t).cast::<c_void>(),
+            )
+        })
+        .map(|()| value)
+    };
+    Ok((
+        read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+    ))
+}
+
 /// Releases the pool's reserved memory that backs no allocation until at most
 /// `keep` bytes stay reserved (or nothing more can go).
 ///

@@ -23,6 +23,7 @@ pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, Ipc
         let lease = buffer.lease();
         return Ok(IpcSource {
             device_uuid: String::new(),
+            pool: String::new(),
             buffer: lease.id.0,
             generation: lease.generation.0,
             offset: 0,
@@ -55,6 +56,7 @@ pub fn export_source(buffer: &Buffer, in_process: bool) -> Result<IpcSource, Ipc
     let lease = buffer.lease();
     Ok(IpcSource {
         device_uuid: memory.device().uuid().to_string(),
+        pool: memory.pool_name().unwrap_or_default().to_string(),
         buffer: lease.id.0,
         generation: lease.generation.0,
         offset,

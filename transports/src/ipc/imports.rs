@@ -27,8 +27,86 @@ pub fn is_mapped(source: &IpcSource, imports: &std::sync::Mutex<ImportCache>) ->
             .is_ok_and(|cache| cache.entries.contains_key(&buffer_ref(source)))
 }
 
-/// A peer's pools imported into this process, by the peer's device UUID.
+/// A peer's pools imported into this process, by the pool's name at the peer
+/// ([`crate::cuda::pool_name`]).
 pub type ImportedPools = HashMap<String, ImportedPool>;
+
+/// The peer's pools this process imported: those its ipc setup asked for, and those a
+/// buffer names later (the peer replaced an idle pool: [`ExportablePool::renewed`]), each
+/// fetched on first use, one fetch at a time. Read as a snapshot (a pull holds the pools it
+/// started with); a pool the peer retired is taken out, and closed once the last snapshot
+/// holding it is gone.
+#[derive(Default)]
+pub struct PoolImports {
+    current: std::sync::RwLock<Arc<ImportedPools>>,
+    fetching: tokio::sync::Mutex<()>,
+}
+
+/// Where to fetch a peer's pools from: its node, process and the link's secret, and our
+/// GPUs (that import them).
+#[derive(Clone)]
+pub struct PoolSource {
+    /// The peer's node name.
+    pub node: String,
+    /// Its process.
+    pub pid: u32,
+    /// The secret its fd-sharing socket checks.
+    pub secret: Secret,
+    /// Our GPUs.
+    pub gpus: crate::gpus::SharedGpus,
+}
+
+impl PoolImports {
+    /// The pools imported now.
+    pub fn snapshot(&self) -> Arc<ImportedPools> {
+        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Adds `pools` (imported by the ipc setup).
+    pub fn add(&self, pools: ImportedPools) {
+        let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = ImportedPools::clone(&current);
+        next.extend(pools);
+        *current = Arc::new(next);
+    }
+
+    /// Takes out the pool the peer retired as `name`; drop it off the shell's thread (a
+    /// driver call).
+    pub fn retire(&self, name: &str) -> Option<ImportedPool> {
+        let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        if !current.contains_key(name) {
+            return None;
+        }
+        let mut next = ImportedPools::clone(&current);
+        let pool = next.remove(name);
+        *current = Arc::new(next);
+        pool
+    }
+
+    /// The pools, with `name` among them: imported from `from` first when it is not yet.
+    ///
+    /// # Errors
+    /// Why it could not be imported.
+    pub async fn with(
+        &self,
+        name: &str,
+        from: &PoolSource,
+    ) -> Result<Arc<ImportedPools>, IpcError> {
+        let now = self.snapshot();
+        if name.is_empty() || now.contains_key(name) {
+            return Ok(now);
+        }
+        let _one = self.fetching.lock().await;
+        let now = self.snapshot();
+        if now.contains_key(name) {
+            return Ok(now);
+        }
+        let names = [name.to_string()];
+        let fetched = import_pools(&from.node, from.pid, &names, &from.secret, &from.gpus).await?;
+        self.add(fetched);
+        Ok(self.snapshot())
+    }
+}
 
 /// The peer's buffers this process imported (mapped), kept for the next pull of the same
 /// buffer: importing costs a mapping that grows with the buffer (0.2–0.8 ms for 64 MiB on
@@ -122,31 +200,34 @@ pub(crate) fn buffer_ref(source: &IpcSource) -> IpcBufferRef {
     }
 }
 
-/// Fetches and imports the pools of the peer `node` (process `pid`) for each of `uuids`,
-/// and lets every GPU of ours read them. Runs the driver calls on a blocking thread.
+/// Fetches and imports the pools of the peer `node` (process `pid`) named `names`
+/// ([`crate::cuda::pool_name`]), and lets every GPU of ours read them. Runs the driver
+/// calls on a blocking thread.
 ///
 /// # Errors
 /// Why one of them could not be imported, naming the device.
 pub async fn import_pools(
     node: &str,
     pid: u32,
-    uuids: &[String],
+    names: &[String],
     secret: &Secret,
     gpus: &Gpus,
 ) -> Result<ImportedPools, IpcError> {
     let mut out = ImportedPools::new();
-    for uuid in uuids {
+    for name in names {
+        let uuid = crate::cuda::pool_device(name);
         let Some(device) = gpus.visible_by_uuid(uuid).cloned() else {
             return Err(IpcError::Unsupported(format!(
                 "the peer's GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?)"
             )));
         };
-        let fd = fdshare::fetch(node, pid, uuid, secret)
+        let fd = fdshare::fetch(node, pid, name, secret)
             .await
             .map_err(|e| IpcError::Fetch(e.to_string()))?;
         let ours: Vec<Device> = gpus.gpus.iter().map(|(_, g)| g.device.clone()).collect();
+        let pool_name = name.clone();
         let imported = tokio::task::spawn_blocking(move || {
-            let pool = ExportablePool::import_fd(&device, fd)?;
+            let pool = ExportablePool::import_fd(&device, fd, &pool_name)?;
             for d in &ours {
                 pool.grant_access(d)?;
             }
@@ -155,7 +236,7 @@ pub async fn import_pools(
         .await
         .map_err(|e| IpcError::Gone(format!("the import task failed: {e}")))?
         .map_err(at("importing the peer's pool"))?;
-        out.insert(uuid.clone(), imported);
+        out.insert(name.clone(), imported);
     }
     Ok(out)
 }

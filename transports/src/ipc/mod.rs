@@ -23,7 +23,8 @@ pub use export::{
 };
 pub use imports::{
     EXPRESS_PULL_MAX, IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, LEGACY_CACHE_CAPACITY,
-    LEGACY_REGISTRATIONS_MAX, SharedImports, Unmapped, import_pools, is_mapped,
+    LEGACY_REGISTRATIONS_MAX, PoolImports, PoolSource, SharedImports, Unmapped, import_pools,
+    is_mapped,
 };
 pub use kind::IpcKind;
 pub use peer::IpcTransport;

@@ -18,7 +18,7 @@ use ferry_config::TransportName;
 use super::lane::{DeviceRecords, LaneRx, LaneSettings, RxContext};
 use super::{
     IMPORT_CACHE_CAPACITY, ImportCache, ImportedPools, IpcBufferRef, IpcError, IpcMessage,
-    IpcSetupMessage, IpcSetupStep, IpcSource, SharedImports,
+    IpcSetupMessage, IpcSetupStep, IpcSource, PoolImports, PoolSource, SharedImports,
 };
 use crate::link::ring::Ring;
 use crate::memory::{Buffer, Lease, MemoryKind, SharedBytes, UnmapDone, Unmapper};
@@ -88,6 +88,15 @@ enum Returned {
     Unmapped(IpcBufferRef),
 }
 
+/// Aborts the task it holds when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Where work run off the shell's thread puts its result, then wakes the shell.
 #[derive(Clone)]
 struct Returns {
@@ -126,8 +135,18 @@ struct IpcPart {
     /// The peer's pid and whether it runs on this host, from its hello.
     peer_pid: u32,
     same_host: bool,
-    /// The peer's pools, imported when it asked (we pull from them).
-    imported: Arc<ImportedPools>,
+    /// The peer's pools, imported when it asked (we pull from them), or on the first push
+    /// into one of its buffers, or when a buffer names one we have not imported.
+    pools: Arc<PoolImports>,
+    /// The peer may hold imports of our pools (it asked us to import its own, or imported
+    /// ours for our setup): it hears of the pools we retire.
+    peer_may_import: bool,
+    /// The number of our last pool retirement the peer heard of (see [`Pools`]).
+    ///
+    /// [`Pools`]: crate::fdshare::Pools
+    retired_seen: u64,
+    /// Wakes the shell when this node retires a pool (the peer is told at once).
+    _retirements: Option<AbortOnDrop>,
     /// Our buffers offered for pulling, kept until the peer says it no longer reads them
     /// (`Done` or `Cancel`); handed to quarantine if the peer is lost.
     exported: HashMap<OpId, SharedBytes>,
@@ -146,9 +165,6 @@ struct IpcPart {
     lane_tx: Option<Arc<LaneTx>>,
     /// The receiving end of the peer's lane (importing side).
     lane_rx: Option<LaneRx>,
-    /// The peer's pools we push into (sending side), by device UUID, each fetched on the
-    /// first push to it; the lock makes one fetch at a time.
-    push_pools: Arc<tokio::sync::Mutex<ImportedPools>>,
 }
 
 impl IpcPart {
@@ -157,6 +173,17 @@ impl IpcPart {
             queue: Arc::default(),
             wake: Arc::clone(&env.wake),
         };
+        // Only a node with GPUs exports (and retires) pools.
+        let retirements = (!env.gpus.is_empty()).then(|| {
+            let mut retired = env.gpus.pools.watch();
+            let wake = Arc::clone(&env.wake);
+            AbortOnDrop(env.io.spawn(async move {
+                while retired.changed().await.is_ok() {
+                    wake();
+                }
+            }))
+        });
+        let retired_seen = env.gpus.pools.retirements();
         Self {
             env,
             lane_settings,
@@ -166,7 +193,10 @@ impl IpcPart {
             events: VecDeque::new(),
             peer_pid: 0,
             same_host: false,
-            imported: Arc::default(),
+            pools: Arc::default(),
+            peer_may_import: false,
+            retired_seen,
+            _retirements: retirements,
             exported: HashMap::new(),
             imports: None,
             unmapper: None,
@@ -175,7 +205,16 @@ impl IpcPart {
             lane_offer: None,
             lane_tx: None,
             lane_rx: None,
-            push_pools: Arc::default(),
+        }
+    }
+
+    /// Where the peer's pools are fetched from.
+    fn pool_source(&self) -> PoolSource {
+        PoolSource {
+            node: self.env.peer.clone(),
+            pid: self.peer_pid,
+            secret: self.env.secret.clone(),
+            gpus: Arc::clone(&self.env.gpus),
         }
     }
 
@@ -223,12 +262,18 @@ impl IpcPart {
                 self.ask_unmap(&lease, done, now);
             }
         }
+        if self.peer_may_import {
+            let (retired, last) = self.env.gpus.pools.retired_since(self.retired_seen);
+            self.retired_seen = last;
+            self.out
+                .extend(retired.into_iter().map(IpcMessage::PoolRetired));
+        }
         let (transmits, settled) = self.setup.drive(now, self.same_host, &mut self.events);
         for t in transmits {
             let (attempt, step) = match t {
                 SetupTransmit::Request(a) => {
                     let lane = self.offer_lane();
-                    (a, IpcSetupStep::Request(self.env.gpus.uuids(), lane))
+                    (a, IpcSetupStep::Request(self.env.gpus.pool_names(), lane))
                 }
                 SetupTransmit::Ack(a) => (a, IpcSetupStep::Ack(None)),
                 SetupTransmit::Nack(a, why) => (a, IpcSetupStep::Ack(Some(why.to_string()))),
@@ -251,6 +296,8 @@ impl IpcPart {
             SetupOutcome::Bad(_) => "bad",
         };
         metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
+        // The peer imported our pools.
+        self.peer_may_import |= outcome == SetupOutcome::Ok;
         self.open_lane(outcome == SetupOutcome::Ok);
         match &outcome {
             SetupOutcome::Ok => tracing::info!(peer = %self.env.peer, "ipc set up with the peer"),
@@ -326,7 +373,8 @@ impl IpcPart {
     fn attach_lane(&mut self, ring: Ring) {
         let cx = RxContext {
             peer: self.env.peer.clone(),
-            pools: Arc::clone(&self.imported),
+            pools: Arc::clone(&self.pools),
+            from: self.pool_source(),
             imports: self.imports(),
             gpus: Arc::clone(&self.env.gpus),
             deliveries: Arc::clone(&self.env.deliveries),
@@ -369,7 +417,9 @@ impl IpcPart {
         };
         match msg.step {
             // We are the importing side.
-            IpcSetupStep::Request(uuids, lane) => {
+            IpcSetupStep::Request(names, lane) => {
+                // The peer runs ipc with us: it may import our pools too (to push).
+                self.peer_may_import = true;
                 if self.env.gpus.is_empty() {
                     return self
                         .out
@@ -391,7 +441,7 @@ impl IpcPart {
                 let lane = lane.filter(|_| self.lane_settings.max > 0);
                 let returns = self.returns.clone();
                 self.env.io.spawn(async move {
-                    let imported = super::import_pools(&peer, pid, &uuids, &secret, &gpus).await;
+                    let imported = super::import_pools(&peer, pid, &names, &secret, &gpus).await;
                     let result = match imported {
                         Ok(pools) => Ok((pools, fetch_lane(&peer, pid, lane, &secret).await)),
                         Err(why) => Err(why.to_string()),
@@ -435,7 +485,7 @@ impl IpcPart {
         self.importing = false;
         let refused = match result {
             Ok((pools, ring)) => {
-                self.imported = Arc::new(pools);
+                self.pools.add(pools);
                 if let Some(ring) = ring {
                     self.attach_lane(ring);
                 }
@@ -522,6 +572,13 @@ impl PeerTransport for IpcPart {
                     "the peer unmapped our buffer; freeing it"
                 );
                 self.unmapping.remove(&r);
+            }
+            IpcMessage::PoolRetired(name) => {
+                if let Some(pool) = self.pools.retire(&name) {
+                    tracing::debug!(peer = %self.env.peer, %name, "the peer retired a pool; closing our import");
+                    // Destroying the import is a driver call.
+                    self.env.io.spawn_blocking(move || drop(pool));
+                }
             }
         }
         self.pump(now);
@@ -626,7 +683,6 @@ impl PeerTransport for IpcPart {
             Ok(source) => source,
             Err(e) => return Box::pin(std::future::ready(Err(TransportError::from(e)))),
         };
-        let pools = Arc::clone(&self.imported);
         let imports = self.imports();
         let gpus = Arc::clone(&self.env.gpus);
         let exporter = self.env.peer.clone();
@@ -634,19 +690,38 @@ impl PeerTransport for IpcPart {
         let express = buffer.len() <= super::EXPRESS_PULL_MAX
             && layout == Layout::Contiguous
             && (in_process || super::is_mapped(&source, &imports));
-        let copy = self.env.io.spawn_blocking(move || {
-            if in_process {
-                super::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
-            } else {
-                super::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
+        let io = self.env.io.clone();
+        let pool = source.pool.clone();
+        let start = move |pools: Arc<ImportedPools>| {
+            let copy = io.spawn_blocking(move || {
+                if in_process {
+                    super::pull_in_process(&exporter, &source, &layout, &gpus, buffer, express)
+                } else {
+                    super::pull(&source, &layout, &pools, &imports, &gpus, buffer, express)
+                }
+            });
+            async move {
+                match copy.await {
+                    Ok(Ok(buffer)) => Ok(buffer),
+                    Ok(Err((_buffer, why))) => Err(TransportError::of(why)),
+                    Err(e) => Err(TransportError::because("the ipc copy task", e)),
+                }
             }
-        });
+        };
+        // The copy starts now when the buffer's pool is imported (nearly always); else
+        // once it is (the peer replaced an idle pool since its setup).
+        let pools = self.pools.snapshot();
+        if in_process || pool.is_empty() || pools.contains_key(&pool) {
+            return Box::pin(start(pools));
+        }
+        let imported = Arc::clone(&self.pools);
+        let from = self.pool_source();
         Box::pin(async move {
-            match copy.await {
-                Ok(Ok(buffer)) => Ok(buffer),
-                Ok(Err((_buffer, why))) => Err(TransportError::of(why)),
-                Err(e) => Err(TransportError::because("the ipc copy task", e)),
-            }
+            let pools = imported
+                .with(&pool, &from)
+                .await
+                .map_err(TransportError::of)?;
+            start(pools).await
         })
     }
 
@@ -663,28 +738,23 @@ impl PeerTransport for IpcPart {
             Ok(target) => target,
             Err(e) => return Box::pin(std::future::ready(Err(TransportError::from(e)))),
         };
-        let pools = Arc::clone(&self.push_pools);
-        let peer = self.env.peer.clone();
-        let pid = self.peer_pid;
-        let secret = self.env.secret.clone();
+        let pools = Arc::clone(&self.pools);
+        let from = self.pool_source();
         let gpus = Arc::clone(&self.env.gpus);
         let io = self.env.io.clone();
         Box::pin(async move {
-            let pool = {
-                let mut pools = pools.lock().await;
-                if !pools.contains_key(&target.device_uuid) {
-                    let uuids = std::slice::from_ref(&target.device_uuid);
-                    let fetched = super::import_pools(&peer, pid, uuids, &secret, &gpus)
-                        .await
-                        .map_err(TransportError::of)?;
-                    pools.extend(fetched);
-                }
-                pools.get(&target.device_uuid).cloned().ok_or_else(|| {
-                    TransportError::of(IpcError::Gone(
-                        "the receiver's pool was not imported".into(),
-                    ))
-                })?
-            };
+            let pool = pools
+                .with(&target.pool, &from)
+                .await
+                .map_err(TransportError::of)?
+                .get(&target.pool)
+                .cloned()
+                .ok_or_else(|| {
+                    TransportError::of(IpcError::Gone(format!(
+                        "the receiver's pool {} was not imported",
+                        target.pool
+                    )))
+                })?;
             io.spawn_blocking(move || super::push(&target, &pool, &gpus, &source, &layout, &stop))
                 .await
                 .map_err(|e| TransportError::because("the ipc push task", e))?

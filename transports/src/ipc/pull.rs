@@ -132,10 +132,10 @@ pub fn queue_pulls(
         if source.legacy.is_some() {
             return Err(IpcError::Unsupported("memory the peer registered".into()));
         }
-        let pool = pools.get(&source.device_uuid).ok_or_else(|| {
+        let pool = pools.get(&source.pool).ok_or_else(|| {
             IpcError::BadDescriptor(format!(
-                "the peer's pool of {} was never imported",
-                source.device_uuid
+                "the peer's pool {} was never imported",
+                source.pool
             ))
         })?;
         let (offset, end) = source_range(source, dst.len())?;
@@ -195,10 +195,10 @@ pub(crate) fn pull_pooled(
     how: How<'_>,
 ) -> Result<Option<Arc<Event>>, IpcError> {
     let len = dst.len();
-    let pool = pools.get(&source.device_uuid).ok_or_else(|| {
+    let pool = pools.get(&source.pool).ok_or_else(|| {
         IpcError::BadDescriptor(format!(
-            "the peer's pool of {} was never imported",
-            source.device_uuid
+            "the peer's pool {} was never imported",
+            source.pool
         ))
     })?;
     let export = export_bytes(source)?;

@@ -16,6 +16,9 @@ use crate::transport::{Descriptor, DescriptorError, TransportMessage};
 pub struct IpcSource {
     /// UUID of the GPU the buffer lives on (`GPU-...`).
     pub device_uuid: String,
+    /// The sender's pool the buffer came from ([`crate::cuda::pool_name`]); empty for
+    /// registered memory and for buffers nothing is exported of.
+    pub pool: String,
     /// The buffer's id at the sender.
     pub buffer: u64,
     /// The lease's generation at the sender.
@@ -110,7 +113,8 @@ pub struct IpcSetupMessage {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(derive(Debug))]
 pub enum IpcSetupStep {
-    /// The exporter asks the peer to import its pools: the UUIDs of its GPUs, and the key
+    /// The exporter asks the peer to import its pools: their names (one per GPU, see
+    /// [`crate::cuda::pool_name`]), and the key
     /// under which its fd-sharing socket hands out the shared-memory ring of the fast lane (none
     /// when it offers no lane).
     Request(Vec<String>, Option<String>),
@@ -132,6 +136,10 @@ pub enum IpcMessage {
     Unmap(IpcBufferRef),
     /// The buffer is no longer mapped here (asked for, or evicted on our own).
     Unmapped(IpcBufferRef),
+    /// The sender retired its pool of this name (it backs no buffer any more and was
+    /// replaced: see [`crate::cuda::ExportablePool::renewed`]): close its import, so that
+    /// its memory goes back to the GPU.
+    PoolRetired(String),
 }
 
 impl IpcMessage {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::{LANE_SLOTS, LaneSettings};
 use crate::cuda::{CudaError, Device, DeviceMemory, Event};
 use crate::gpus::SharedGpus;
-use crate::ipc::{ImportedPools, LaneRecord, SharedImports};
+use crate::ipc::{ImportedPools, LaneRecord, PoolImports, PoolSource, SharedImports};
 use crate::link::ring::Ring;
 use crate::memory::{Buffer, Fill};
 use crate::transport::lane::{PARK, ShareWait, share_allows, wait_for_share};
@@ -30,8 +30,10 @@ pub const AHEAD_LEN: usize = 64 << 10;
 pub struct RxContext {
     /// The sending peer.
     pub peer: String,
-    /// Its pools, imported by the ipc setup.
-    pub pools: Arc<ImportedPools>,
+    /// Its pools, imported by the ipc setup (or later, when a record names a new one).
+    pub pools: Arc<PoolImports>,
+    /// Where a pool a record names is fetched from when it was not imported yet.
+    pub from: PoolSource,
     /// Its buffers we keep mapped (shared with the actor, which unmaps on request).
     pub imports: SharedImports,
     /// Our GPUs.
@@ -505,9 +507,10 @@ fn queue(
     events: &Events,
 ) -> Vec<Result<Landing, TakeError>> {
     let mut batch = batch;
+    let pools = batch_pools(&batch, cx);
     let gathers: Vec<_> = [true, false]
         .into_iter()
-        .filter_map(|express| gather(&mut batch, cx, events, express))
+        .filter_map(|express| gather(&mut batch, cx, &pools, events, express))
         .collect();
     batch
         .into_iter()
@@ -523,7 +526,7 @@ fn queue(
                     let express = p.len <= AHEAD_LEN;
                     let queued = crate::ipc::queue_pull(
                         &p.source,
-                        &cx.pools,
+                        &pools,
                         &cx.imports,
                         &cx.gpus,
                         p.dst,
@@ -547,6 +550,26 @@ fn queue(
         .collect()
 }
 
+/// The peer's pools for `batch`: with every pool its records name, those not imported yet
+/// fetched first (the peer replaced an idle pool; rare: a lane thread may wait for it). A
+/// pool that cannot be fetched is left out, and its records fail naming it.
+fn batch_pools(batch: &[Result<Prepared, TakeError>], cx: &RxContext) -> Arc<ImportedPools> {
+    let mut pools = cx.pools.snapshot();
+    for p in batch.iter().flatten() {
+        let name = &p.source.pool;
+        if name.is_empty() || pools.contains_key(name) {
+            continue;
+        }
+        match cx.io.block_on(cx.pools.with(name, &cx.from)) {
+            Ok(now) => pools = now,
+            Err(e) => {
+                tracing::warn!(peer = %cx.peer, pool = %name, error = %e, "cannot import the peer's pool a lane record names")
+            }
+        }
+    }
+    pools
+}
+
 /// One gather of a batch: its GPU, its stream (express or not) and the event after it.
 struct Gathered {
     device: Device,
@@ -561,6 +584,7 @@ struct Gathered {
 fn gather(
     batch: &mut [Result<Prepared, TakeError>],
     cx: &RxContext,
+    pools: &ImportedPools,
     events: &Events,
     express: bool,
 ) -> Option<Gathered> {
@@ -583,7 +607,7 @@ fn gather(
     }
     let queued = crate::ipc::queue_pulls(
         &mut items,
-        &cx.pools,
+        pools,
         &cx.imports,
         &cx.gpus,
         express,
