@@ -65,7 +65,8 @@ impl DevicePool {
         let mut pool = self.pool.write().unwrap_or_else(|p| p.into_inner());
         // Exported memory stays reserved unseen (the pool's counters leave it out): a pool
         // that exported, with nothing allocated now, is replaced.
-        if !pool.has_exported() || pool.usage()?.used > 0 {
+        // No buffer of it alive (counted here, exactly), and the driver agrees.
+        if !pool.has_exported() || pool.live_buffers() > 0 || pool.usage()?.used > 0 {
             return Ok(());
         }
         let renewed = pool.renewed()?;

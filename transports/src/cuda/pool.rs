@@ -35,6 +35,10 @@ struct PoolInner {
     /// Set once a pointer of the pool was exported: memory that was, stays reserved after
     /// it is freed, whatever a trim asks, and the pool's own counters do not show it.
     exported: std::sync::atomic::AtomicBool,
+    /// Buffers of the pool alive now (each holds the pool).
+    live: std::sync::atomic::AtomicUsize,
+    /// Other devices granted access to the pool's memory (a renewed pool grants them too).
+    access: std::sync::Mutex<Vec<Device>>,
 }
 
 /// How peers name a node's pool on the GPU `uuid`: the UUID and the pool's generation (a
@@ -102,7 +106,22 @@ impl ExportablePool {
     /// As [`Self::new`].
     pub fn renewed(&self) -> Result<ExportablePool, CudaError> {
         let generation = pool_generation(&self.inner.name).saturating_add(1);
-        Self::create(&self.inner.device, generation)
+        let renewed = Self::create(&self.inner.device, generation)?;
+        let granted = self
+            .inner
+            .access
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for device in &granted {
+            renewed.grant_access(device)?;
+        }
+        Ok(renewed)
+    }
+
+    /// How many buffers of the pool are alive (allocated, not yet dropped).
+    pub fn live_buffers(&self) -> usize {
+        self.inner.live.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn create(device: &Device, generation: u64) -> Result<ExportablePool, CudaError> {
@@ -115,6 +134,8 @@ impl ExportablePool {
                 handle,
                 name: pool_name(device.uuid(), generation),
                 exported: std::sync::atomic::AtomicBool::new(false),
+                live: std::sync::atomic::AtomicUsize::new(0),
+                access: std::sync::Mutex::default(),
             }),
         };
         // SAFETY: the pool was just created and is owned by `pool`.
@@ -182,6 +203,9 @@ impl ExportablePool {
         // SAFETY: pool and stream are alive for the call; the buffer below keeps both.
         let ptr =
             unsafe { raw::mem_alloc_from_pool_async(self.inner.handle, len, stream.handle()) }?;
+        self.inner
+            .live
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         Ok(DeviceBuffer {
             origin: Origin::Pool(Arc::clone(&self.inner)),
             home: stream.shared(),
@@ -222,7 +246,12 @@ impl ExportablePool {
         }
         self.inner.device.bind()?;
         // SAFETY: the pool is alive for as long as `self`.
-        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }
+        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }?;
+        let mut access = self.inner.access.lock().unwrap_or_else(|p| p.into_inner());
+        if !access.iter().any(|d| d.same_as(device)) {
+            access.push(device.clone());
+        }
+        Ok(())
     }
 
     /// A new file descriptor for the pool (`cuMemPoolExportToShareableHandle`), to pass to a
@@ -263,6 +292,8 @@ impl ExportablePool {
                 handle,
                 name: name.to_string(),
                 exported: std::sync::atomic::AtomicBool::new(false),
+                live: std::sync::atomic::AtomicUsize::new(0),
+                access: std::sync::Mutex::default(),
             }),
         })
     }
@@ -621,6 +652,9 @@ impl Drop for DeviceBuffer {
             external.released.set();
             return;
         }
+        if let Origin::Pool(pool) = &self.origin {
+            pool.live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
         let home = Stream::from_shared(Arc::clone(&self.home));
         let done = self.uses.order_before(&home).and_then(|()| {
             home.bind()?;
@@ -706,7 +740,12 @@ impl ImportedPool {
         }
         self.inner.device.bind()?;
         // SAFETY: the pool is alive for as long as `self`.
-        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }
+        unsafe { raw::mem_pool_set_access_rw(self.inner.handle, device.ordinal_c()) }?;
+        let mut access = self.inner.access.lock().unwrap_or_else(|p| p.into_inner());
+        if !access.iter().any(|d| d.same_as(device)) {
+            access.push(device.clone());
+        }
+        Ok(())
     }
 }
 

@@ -39,8 +39,14 @@ pub type ImportedPools = HashMap<String, ImportedPool>;
 #[derive(Default)]
 pub struct PoolImports {
     current: std::sync::RwLock<Arc<ImportedPools>>,
+    /// Pools the peer retired: never imported again (a fetch under way when the peer's
+    /// notice came would otherwise bring one back for good).
+    retired: std::sync::Mutex<std::collections::VecDeque<String>>,
     fetching: tokio::sync::Mutex<()>,
 }
+
+/// Names of retired pools a [`PoolImports`] remembers (the last ones).
+const RETIRED_KEPT: usize = 64;
 
 /// Where to fetch a peer's pools from: its node, process and the link's secret, and our
 /// GPUs (that import them).
@@ -62,18 +68,39 @@ impl PoolImports {
         Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Adds `pools` (imported by the ipc setup).
-    pub fn add(&self, pools: ImportedPools) {
+    /// Adds `pools` (imported by the ipc setup, or fetched for a buffer naming one). A pool
+    /// imported already stays (the new import is handed back), as does one the peer
+    /// retired meanwhile: drop what comes back off the shell's thread (a driver call).
+    #[must_use = "dropping an imported pool is a driver call; do it off the actor thread"]
+    pub fn add(&self, pools: ImportedPools) -> Vec<ImportedPool> {
+        let retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
         let mut next = ImportedPools::clone(&current);
-        next.extend(pools);
+        let mut surplus = Vec::new();
+        for (name, pool) in pools {
+            if retired.contains(&name) || next.contains_key(&name) {
+                surplus.push(pool);
+            } else {
+                next.insert(name, pool);
+            }
+        }
         *current = Arc::new(next);
+        surplus
     }
 
-    /// Takes out the pool the peer retired as `name`; drop it off the shell's thread (a
-    /// driver call).
+    /// Takes out the pool the peer retired as `name` (and refuses it from now on); drop
+    /// it off the shell's thread (a driver call).
     pub fn retire(&self, name: &str) -> Option<ImportedPool> {
+        let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        // Bounded: the last ones (a peer retires a GPU's pool at most once per
+        // `memory.keep_idle`; what matters is a fetch under way now).
+        if !retired.iter().any(|n| n == name) {
+            if retired.len() == RETIRED_KEPT {
+                retired.pop_front();
+            }
+            retired.push_back(name.to_string());
+        }
         if !current.contains_key(name) {
             return None;
         }
@@ -101,9 +128,26 @@ impl PoolImports {
         if now.contains_key(name) {
             return Ok(now);
         }
+        if self
+            .retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|n| n == name)
+        {
+            return Err(IpcError::Gone(format!(
+                "the peer retired its pool {name} (the buffer is stale)"
+            )));
+        }
         let names = [name.to_string()];
-        let fetched = import_pools(&from.node, from.pid, &names, &from.secret, &from.gpus).await?;
-        self.add(fetched);
+        let fetched = import_pools(&from.node, from.pid, &names, &from.secret, &from.gpus)
+            .await
+            .map_err(|e| IpcError::Fetch(format!("the peer's pool {name}: {e}")))?;
+        let surplus = self.add(fetched);
+        if !surplus.is_empty() {
+            // Retired while it was fetched.
+            tokio::task::spawn_blocking(move || drop(surplus));
+        }
         Ok(self.snapshot())
     }
 }

@@ -272,6 +272,8 @@ impl IpcPart {
         for t in transmits {
             let (attempt, step) = match t {
                 SetupTransmit::Request(a) => {
+                    // The peer imports our pools for it (whatever our side decides then).
+                    self.peer_may_import = true;
                     let lane = self.offer_lane();
                     (a, IpcSetupStep::Request(self.env.gpus.pool_names(), lane))
                 }
@@ -296,8 +298,6 @@ impl IpcPart {
             SetupOutcome::Bad(_) => "bad",
         };
         metrics::counter!("ferry_ipc_setup_total", "outcome" => label).increment(1);
-        // The peer imported our pools.
-        self.peer_may_import |= outcome == SetupOutcome::Ok;
         self.open_lane(outcome == SetupOutcome::Ok);
         match &outcome {
             SetupOutcome::Ok => tracing::info!(peer = %self.env.peer, "ipc set up with the peer"),
@@ -485,7 +485,10 @@ impl IpcPart {
         self.importing = false;
         let refused = match result {
             Ok((pools, ring)) => {
-                self.pools.add(pools);
+                let surplus = self.pools.add(pools);
+                if !surplus.is_empty() {
+                    self.env.io.spawn_blocking(move || drop(surplus));
+                }
                 if let Some(ring) = ring {
                     self.attach_lane(ring);
                 }
@@ -743,6 +746,11 @@ impl PeerTransport for IpcPart {
         let gpus = Arc::clone(&self.env.gpus);
         let io = self.env.io.clone();
         Box::pin(async move {
+            if target.legacy.is_some() || target.pool.is_empty() {
+                return Err(TransportError::of(IpcError::BadDescriptor(
+                    "the receiver lent memory that is not from its pool".into(),
+                )));
+            }
             let pool = pools
                 .with(&target.pool, &from)
                 .await

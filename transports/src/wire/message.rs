@@ -23,7 +23,9 @@ pub use crate::transport::{Announce, Descriptor, TransportMessage};
 /// 14: what concerns one transport is opaque: offers and grants carry a [`Descriptor`],
 /// a hello [`Announce`]s each transport served, and a transport's control messages travel
 /// as [`Message::Transport`].
-pub const PROTOCOL_VERSION: u16 = 14;
+/// 15: ipc names GPU pools `<uuid>#<generation>` (a descriptor names its buffer's pool), and
+/// a node tells its peers of a pool it retired.
+pub const PROTOCOL_VERSION: u16 = 15;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -555,15 +555,18 @@ fn queue(
 /// pool that cannot be fetched is left out, and its records fail naming it.
 fn batch_pools(batch: &[Result<Prepared, TakeError>], cx: &RxContext) -> Arc<ImportedPools> {
     let mut pools = cx.pools.snapshot();
+    let mut failed: Vec<&str> = Vec::new();
     for p in batch.iter().flatten() {
-        let name = &p.source.pool;
-        if name.is_empty() || pools.contains_key(name) {
+        let name = p.source.pool.as_str();
+        if name.is_empty() || pools.contains_key(name) || failed.contains(&name) {
             continue;
         }
         match cx.io.block_on(cx.pools.with(name, &cx.from)) {
             Ok(now) => pools = now,
             Err(e) => {
-                tracing::warn!(peer = %cx.peer, pool = %name, error = %e, "cannot import the peer's pool a lane record names")
+                // Tried once a batch; its records fail naming the pool.
+                tracing::warn!(peer = %cx.peer, pool = %name, error = %e, "cannot import the peer's pool a lane record names");
+                failed.push(name);
             }
         }
     }
