@@ -343,8 +343,7 @@ impl Coordinator {
         let mailbox = self.setup.config.limits.mailbox;
         let actor = TransferActor::new(peer.to_string(), epoch, self.transfer_setup(ctx));
         // Bounded by the peer's credit, which every send, put or fetch answer holds.
-        let (submissions, submitted) =
-            futures::channel::mpsc::channel(self.setup.config.limits.peer_queue);
+        let (submissions, submitted) = actor.submissions(self.setup.config.limits.peer_queue);
         let start = move |c: &mut Context<TransferActor>| {
             c.set_mailbox_capacity(mailbox);
             c.add_stream(submitted);

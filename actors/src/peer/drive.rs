@@ -92,6 +92,8 @@ impl TransferActor {
         }
         if let Some(why) = self.session.lost_reason() {
             let why = why.to_string();
+            // Submissions still in the channel when the actor stops fail with it.
+            let _ = self.outbound.lost.set(why.clone());
             self.fail_fetches(&why);
             // Submissions still waiting their turn end now, with their buffers.
             let peer = self.peer.clone();

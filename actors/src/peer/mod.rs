@@ -239,8 +239,27 @@ pub struct Submission {
 }
 
 /// The sending end of a transfer actor's submissions: bounded by the peer's credit
-/// (`limits.peer_queue`), which every submission holds until it ended.
-pub type Submissions = futures::channel::mpsc::Sender<Submission>;
+/// (`limits.peer_queue`), which every submission holds until it ended; and why the
+/// actor's session was lost, once it was (a submission still in the channel when the actor
+/// stops fails with that reason).
+#[derive(Clone, Debug)]
+pub struct Submissions {
+    tx: futures::channel::mpsc::Sender<Submission>,
+    lost: Arc<std::sync::OnceLock<String>>,
+}
+
+impl TransferActor {
+    /// The channel its submissions come through, at most `bound` waiting: the sending end,
+    /// and the stream for the actor's context.
+    pub fn submissions(
+        &self,
+        bound: usize,
+    ) -> (Submissions, futures::channel::mpsc::Receiver<Submission>) {
+        let (tx, rx) = futures::channel::mpsc::channel(bound);
+        let lost = Arc::clone(&self.outbound.lost);
+        (Submissions { tx, lost }, rx)
+    }
+}
 
 /// Hands `submit` to the actor behind `submissions` (waiting for room, which the peer's
 /// credit bounds); resolves once it is in the channel, with the future of its outcome.
@@ -250,15 +269,19 @@ pub async fn hand_over(
     peer: &str,
 ) -> futures::future::BoxFuture<'static, Result<Buffer, SendError>> {
     let peer = peer.to_string();
+    let why = Arc::clone(&submissions.lost);
     let lost = move |buffer| SendError {
         error: Error::PeerLost {
             peer: peer.clone(),
-            detail: "its transfer actor stopped".into(),
+            detail: why
+                .get()
+                .cloned()
+                .unwrap_or_else(|| "its transfer actor stopped".into()),
         },
         buffer,
     };
     let (reply, outcome) = oneshot::channel();
-    let mut tx = submissions.clone();
+    let mut tx = submissions.tx.clone();
     // Room first, then the hand-over, which gives the submission back if the actor went.
     if futures::future::poll_fn(|cx| tx.poll_ready(cx))
         .await
@@ -498,6 +521,9 @@ struct OutboundState {
     /// The fast paths parts opened to the peer (one per transport at most), as published
     /// in the node's table.
     fast_paths: Vec<Arc<crate::direct::FastLane>>,
+    /// Why the session was lost, once it was, for the submissions' senders (see
+    /// [`Submissions`]).
+    lost: Arc<std::sync::OnceLock<String>>,
 }
 
 impl TransferActor {
