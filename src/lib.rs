@@ -35,7 +35,7 @@ pub use ferry_actors::core::budget::BudgetStats;
 pub use ferry_actors::core::route::Explanation;
 pub use ferry_actors::fetch::{Fetch, FetchStats, Fetched};
 pub use ferry_actors::inbox::Received;
-pub use ferry_actors::node::Node;
+pub use ferry_actors::node::{Access, Node, OneSided, Places};
 pub use ferry_actors::publish::PublicationStats;
 pub use ferry_actors::{Error, ErrorKind, NoMemoryCause, RefusalReason, SendError};
 pub use ferry_config::{Config, ConfigError, Direction, LoadOptions, MemoryClass, TransportName};
@@ -52,14 +52,17 @@ pub mod testing;
 /// The small protocol of `ferry serve --role echo`, which demos and tests use to exercise a
 /// node in another process.
 ///
-/// An echo node sends every buffer back to its sender under the same tag, except two
+/// An echo node sends every buffer back to its sender under the same tag, except its
 /// control tags: [`echo::TAG_EXPOSE`] (payload: the length as 8 little-endian bytes) makes
 /// it expose a zeroed region of that length and answer with the region's key
 /// ([`echo::encode_key`]); [`echo::TAG_WITHDRAW`] (payload: a key) makes it withdraw that
 /// region and send its contents back under the same tag; [`echo::TAG_PUBLISH`] makes it
 /// publish the buffer it received and answer with the key (UTF-8 bytes), and
 /// [`echo::TAG_UNPUBLISH`] (payload: such a key) makes it unpublish that buffer and send it
-/// back under the same tag ([`echo::handle_publishing`]).
+/// back under the same tag; [`echo::TAG_REGISTER`] (or [`echo::TAG_REGISTER_READ_ONLY`])
+/// makes it register the buffer it received as a region and answer with the key, and
+/// [`echo::TAG_UNREGISTER`] (payload: such a key) makes it unregister the region and send
+/// its buffer back ([`echo::handle_publishing`]).
 pub mod echo {
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -73,6 +76,14 @@ pub mod echo {
     pub const TAG_PUBLISH: u64 = u64::MAX - 3;
     /// Ask the echo node to unpublish a key (the payload) and send its buffer back.
     pub const TAG_UNPUBLISH: u64 = u64::MAX - 4;
+    /// Ask the echo node to register the buffer sent as a region its peers may write
+    /// ([`crate::Access::ReadWrite`]); it answers with the key ([`encode_key`]).
+    pub const TAG_REGISTER: u64 = u64::MAX - 5;
+    /// As [`TAG_REGISTER`], read-only.
+    pub const TAG_REGISTER_READ_ONLY: u64 = u64::MAX - 6;
+    /// Ask the echo node to unregister a region (the payload: its key) and send its
+    /// buffer back under the same tag.
+    pub const TAG_UNREGISTER: u64 = u64::MAX - 7;
 
     /// Handles [`TAG_PUBLISH`] and [`TAG_UNPUBLISH`] as an echo node does; gives any other
     /// buffer back.
@@ -91,6 +102,35 @@ pub mod echo {
                     .write(0, key.as_bytes())
                     .map_err(|e| Error::Usage(e.to_string()))?;
                 node.send(&got.peer, TAG_PUBLISH, reply)
+                    .await
+                    .map_err(|e| e.error)?;
+                Ok(None)
+            }
+            TAG_REGISTER | TAG_REGISTER_READ_ONLY => {
+                let access = if got.tag == TAG_REGISTER {
+                    crate::Access::ReadWrite
+                } else {
+                    crate::Access::ReadOnly
+                };
+                let key = node.register(got.buffer, access).map_err(|e| e.error)?;
+                let mut reply = node.alloc(MemoryKind::Host, 24).await?;
+                reply
+                    .write(0, &key.to_bytes())
+                    .map_err(|e| Error::Usage(e.to_string()))?;
+                node.send(&got.peer, got.tag, reply)
+                    .await
+                    .map_err(|e| e.error)?;
+                Ok(None)
+            }
+            TAG_UNREGISTER => {
+                let bytes = got
+                    .buffer
+                    .to_vec()
+                    .map_err(|e| Error::Usage(e.to_string()))?;
+                let key = decode_key(&bytes)
+                    .ok_or_else(|| Error::Usage("an unregister request is not a key".into()))?;
+                let buffer = node.unregister(key).await?;
+                node.send(&got.peer, TAG_UNREGISTER, buffer)
                     .await
                     .map_err(|e| e.error)?;
                 Ok(None)
@@ -114,23 +154,11 @@ pub mod echo {
 
     /// A region key as 24 bytes.
     pub fn encode_key(key: RegionKey) -> [u8; 24] {
-        let mut out = [0u8; 24];
-        out[..8].copy_from_slice(&key.region.to_le_bytes());
-        out[8..16].copy_from_slice(&key.generation.to_le_bytes());
-        out[16..].copy_from_slice(&key.len.to_le_bytes());
-        out
+        key.to_bytes()
     }
 
     /// A region key from 24 bytes; `None` if `bytes` is not 24 bytes long.
     pub fn decode_key(bytes: &[u8]) -> Option<RegionKey> {
-        let word = |i: usize| -> Option<u64> {
-            Some(u64::from_le_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
-        };
-        (bytes.len() == 24).then_some(())?;
-        Some(RegionKey {
-            region: word(0)?,
-            generation: word(8)?,
-            len: word(16)?,
-        })
+        RegionKey::from_bytes(bytes)
     }
 }

@@ -44,6 +44,7 @@ fn offer(transfer: u64, len: u64) -> Message {
     Message::Offer(Offer {
         eager: false,
         fetch: None,
+        into: None,
         transfer,
         tag: transfer,
         len,

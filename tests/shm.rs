@@ -329,6 +329,7 @@ fn pull_offer(transfer: u64, source: &ShmSource) -> Message {
     Message::Offer(Offer {
         eager: false,
         fetch: None,
+        into: None,
         transfer,
         tag: transfer,
         len: source.len,

@@ -542,7 +542,10 @@ impl Handler<SendTo> for Coordinator {
                 });
             }
         };
-        let op = Op::send_routed(routed, msg.tag, msg.layout, msg.fetch, msg.packed);
+        let mut op = Op::send_routed(routed, msg.tag, msg.layout, msg.fetch, msg.packed);
+        if let Some(into) = msg.into {
+            op = op.into_region(into);
+        }
         self.submit(msg.peer, op, msg.buffer, msg.deadline, ctx)
     }
 }

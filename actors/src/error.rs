@@ -124,6 +124,11 @@ pub enum RefusalReason {
     UnknownKey,
     /// The key is published for other peers only.
     NotAllowed,
+    /// The region key names no region registered there now: it was unregistered, or the
+    /// key is of an earlier registration (never served).
+    StaleKey,
+    /// The region is registered read-only: a peer's write is refused.
+    ReadOnly,
 }
 
 impl From<WireReason> for RefusalReason {
@@ -136,6 +141,8 @@ impl From<WireReason> for RefusalReason {
             WireReason::ShuttingDown => Self::ShuttingDown,
             WireReason::Protocol => Self::Protocol,
             WireReason::Stalled => Self::Stalled,
+            WireReason::StaleKey => Self::StaleKey,
+            WireReason::ReadOnly => Self::ReadOnly,
         }
     }
 }
@@ -152,6 +159,8 @@ impl std::fmt::Display for RefusalReason {
             Self::Stalled => "stalled",
             Self::UnknownKey => "unknown key",
             Self::NotAllowed => "not allowed",
+            Self::StaleKey => "stale region key",
+            Self::ReadOnly => "read-only region",
         })
     }
 }
@@ -438,6 +447,8 @@ mod tests {
             (WireReason::ShuttingDown, RefusalReason::ShuttingDown),
             (WireReason::Protocol, RefusalReason::Protocol),
             (WireReason::Stalled, RefusalReason::Stalled),
+            (WireReason::StaleKey, RefusalReason::StaleKey),
+            (WireReason::ReadOnly, RefusalReason::ReadOnly),
         ] {
             let e = Error::from_fail(
                 "b",

@@ -18,6 +18,8 @@ use tokio::sync::Notify;
 
 use crate::error::Error;
 
+pub mod region;
+
 /// What a published key has served so far (the exporter's side of single flight: a node
 /// whose callers fetch a key many times at once asks for it once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -34,10 +36,16 @@ pub struct PublicationStats {
     pub reading: u64,
 }
 
-/// One published buffer.
+/// One published buffer (or registered region).
 #[derive(Debug)]
 struct Publication {
-    buffer: Buffer,
+    /// Written only for a region a write lands in (under the write lock, on a blocking
+    /// thread, while no peer reads it); read otherwise, never blocking (`try_read`).
+    buffer: std::sync::RwLock<Buffer>,
+    /// Its length in bytes.
+    len: u64,
+    /// For a registered region: who may write it (`None`: an ordinary publication).
+    access: Option<region::Access>,
     /// The peers that may fetch it; `None`: every peer.
     readers: Option<Vec<String>>,
     served: AtomicU64,
@@ -46,6 +54,14 @@ struct Publication {
     reading: AtomicU64,
     /// Woken when a fetch being served ends (unpublish waits for the last).
     ended: Arc<Notify>,
+}
+
+impl Publication {
+    /// True when no handle on its buffer is out (nothing reads it). A buffer locked for a
+    /// write counts as read: the write ends soon.
+    fn exclusive(&self) -> bool {
+        self.buffer.try_read().is_ok_and(|b| b.is_exclusive())
+    }
 }
 
 /// Checks an application key: not empty, at most [`MAX_KEY_LEN`] bytes.
@@ -118,6 +134,26 @@ impl Publications {
         if let Err(e) = check_key(&key) {
             return Err((e, buffer));
         }
+        if key.starts_with(region::REGION_KEYS) {
+            return Err((
+                Error::Usage(format!(
+                    "keys starting with {:?} name registered regions",
+                    region::REGION_KEYS
+                )),
+                buffer,
+            ));
+        }
+        self.insert(key, buffer, readers, None)
+    }
+
+    /// Puts `buffer` in the table under `key` (checked already).
+    fn insert(
+        &self,
+        key: String,
+        buffer: Buffer,
+        readers: Option<Vec<String>>,
+        access: Option<region::Access>,
+    ) -> Result<(), (Error, Buffer)> {
         if !buffer.is_exclusive() {
             // Unpublish waits for the buffer to be the only handle again: with another
             // handle out (a shared fetch's) it never would be.
@@ -140,7 +176,9 @@ impl Publications {
             Entry::Vacant(e) => {
                 metrics::gauge!("ferry_published_bytes").increment(buffer.len() as f64);
                 e.insert(Arc::new(Publication {
-                    buffer,
+                    len: buffer.len() as u64,
+                    buffer: std::sync::RwLock::new(buffer),
+                    access,
                     readers,
                     served: AtomicU64::new(0),
                     bytes_served: AtomicU64::new(0),
@@ -186,27 +224,36 @@ impl Publications {
                 format!("key {key:?} is published for other peers, not for {peer}"),
             );
         }
-        let len = match layout.check(publication.buffer.len() as u64) {
+        let len = match layout.check(publication.len) {
             Ok(len) => len,
             Err(e) => {
                 return refuse(
                     FetchRefusal::Layout,
                     format!(
                         "the layout asked for does not fit key {key:?} ({} bytes): {e}",
-                        publication.buffer.len()
+                        publication.len
                     ),
                 );
             }
         };
+        // A region being written right now (its lock held for the copy into it) is not
+        // waited for on this thread: the peer hears it is busy and asks again.
+        let Ok(buffer) = publication.buffer.try_read() else {
+            return refuse(
+                FetchRefusal::Busy,
+                format!("region {key:?} is being written this moment"),
+            );
+        };
         publication.reading.fetch_add(1, Ordering::AcqRel);
-        let handle = publication.buffer.read_only_handle();
+        let handle = buffer.read_only_handle();
+        drop(buffer);
         Ok((handle, Serving { publication, len }))
     }
 
     /// What `key` has served, while it is published.
     pub fn stats(&self, key: &str) -> Option<PublicationStats> {
         self.by_key.get(key).map(|p| PublicationStats {
-            len: p.buffer.len() as u64,
+            len: p.len,
             served: p.served.load(Ordering::Relaxed),
             bytes_served: p.bytes_served.load(Ordering::Relaxed),
             refused: p.refused.load(Ordering::Relaxed),
@@ -230,7 +277,7 @@ impl Publications {
             .by_key
             .remove(key)
             .ok_or_else(|| Error::Usage(format!("nothing is published under key {key:?}")))?;
-        metrics::gauge!("ferry_published_bytes").decrement(publication.buffer.len() as f64);
+        metrics::gauge!("ferry_published_bytes").decrement(publication.len as f64);
         let until = tokio::time::Instant::now() + wait;
         let notify = Arc::clone(&publication.ended);
         // Only the fetches being served hold it now: its count only goes down.
@@ -238,11 +285,13 @@ impl Publications {
         loop {
             // Made before the check, so an end between the two is not missed.
             let ended = notify.notified();
-            if let Some(p) =
-                publication.take_if(|p| Arc::strong_count(p) == 1 && p.buffer.is_exclusive())
+            if let Some(p) = publication.take_if(|p| Arc::strong_count(p) == 1 && p.exclusive())
                 && let Ok(p) = Arc::try_unwrap(p)
             {
-                return Ok(p.buffer);
+                return Ok(p
+                    .buffer
+                    .into_inner()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner));
             }
             // A handle may also come back without a fetch ending (a transport dropping its
             // last view): looked at again every few milliseconds.

@@ -730,6 +730,7 @@ fn protocol_violations_are_errors() {
         Message::Offer(ferry_transports::wire::Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer: id,
             tag: 0,
             len: 1,
@@ -827,6 +828,7 @@ fn a_cancel_says_whose_transfer_it_names() {
             now,
             SendRequest {
                 fetch: None,
+                into: None,
                 tag: 1,
                 len: 10,
                 source: WireMemoryKind::Host,
@@ -905,6 +907,7 @@ impl Push {
                 self.now,
                 SendRequest {
                     fetch: None,
+                    into: None,
                     tag: 3,
                     len: 4096,
                     source: WireMemoryKind::Device(0),
@@ -1064,6 +1067,7 @@ fn push_offers_and_lending_grants_are_checked() {
         p.now,
         SendRequest {
             fetch: None,
+            into: None,
             tag: 1,
             len: 8,
             source: WireMemoryKind::Device(0),
@@ -1087,6 +1091,7 @@ fn push_offers_and_lending_grants_are_checked() {
             Instant::now(),
             SendRequest {
                 fetch: None,
+                into: None,
                 tag: 1,
                 len: 8,
                 source: WireMemoryKind::Host,
@@ -1131,6 +1136,7 @@ fn a_grant_lends_only_the_pushing_transports_buffer() {
     let now = Instant::now();
     let request = |transport| SendRequest {
         fetch: None,
+        into: None,
         tag: 1,
         len: 64,
         source: WireMemoryKind::Host,
@@ -1238,6 +1244,7 @@ fn a_second_lending_grant_and_huge_ids_break_the_protocol() {
     let offer = Message::Offer(ferry_transports::wire::Offer {
         eager: false,
         fetch: None,
+        into: None,
         transfer: ferry_actors::core::session::MAX_TRANSFER_ID,
         tag: 0,
         len: 8,
@@ -1257,6 +1264,7 @@ fn offers_whose_layout_does_not_match_are_refused() {
         Message::Offer(ferry_transports::wire::Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer: 1,
             tag: 0,
             len,
@@ -1339,6 +1347,7 @@ fn staged_offers_reserve_for_staging_and_stream() {
     p.b.set_serves(TransportName::Ipc, false);
     let request = |direction, pull| SendRequest {
         fetch: None,
+        into: None,
         tag: 1,
         len: 4096,
         source: WireMemoryKind::Device(0),
@@ -1609,6 +1618,7 @@ fn a_pull_offers_descriptor_goes_to_its_own_transport() {
         Message::Offer(ferry_transports::wire::Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer,
             tag: 0,
             len: 8,
@@ -1644,6 +1654,7 @@ fn a_pull_offers_descriptor_goes_to_its_own_transport() {
 fn host_push(tag: u64, len: u64, deadline: Instant) -> SendRequest {
     SendRequest {
         fetch: None,
+        into: None,
         tag,
         len,
         source: WireMemoryKind::Host,
@@ -1746,6 +1757,7 @@ fn an_eager_transfer_is_delivered_behind_earlier_offers() {
     let offer = |transfer: u64, eager: bool| Offer {
         eager,
         fetch: None,
+        into: None,
         transfer,
         tag: transfer * 10,
         len: 100,

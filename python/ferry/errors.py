@@ -82,7 +82,9 @@ class Refused(FerryError):
     ``"too_large"``, ``"deadline"``, ``"unsupported"``, ``"shutting_down"``,
     ``"cancelled"``, ``"protocol"`` or ``"stalled"``; for a fetch, ``"unknown_key"``
     (nothing is published under the key) or ``"not_allowed"`` (the key is published for
-    other peers only). ``"other"`` for a reason newer than this package."""
+    other peers only); for a one-sided read or write, ``"stale_key"`` (the region key names
+    no region registered there now) or ``"read_only"`` (a write into a region registered
+    read-only). ``"other"`` for a reason newer than this package."""
 
     kind = "refused"
     #: The peer's reason, a stable label (see :data:`REFUSAL_REASONS`).
@@ -191,4 +193,6 @@ REFUSAL_REASONS: Tuple[str, ...] = (
     "stalled",
     "unknown_key",
     "not_allowed",
+    "stale_key",
+    "read_only",
 )

@@ -25,7 +25,7 @@ fn classes(py: Python<'_>) -> PyResult<&Bound<'_, PyDict>> {
 }
 
 /// Every refusal reason the binding names (the others read `"other"`).
-const REFUSAL_REASONS: [RefusalReason; 9] = [
+const REFUSAL_REASONS: [RefusalReason; 11] = [
     RefusalReason::Cancelled,
     RefusalReason::DeadlineExceeded,
     RefusalReason::TooLarge,
@@ -35,6 +35,8 @@ const REFUSAL_REASONS: [RefusalReason; 9] = [
     RefusalReason::Stalled,
     RefusalReason::UnknownKey,
     RefusalReason::NotAllowed,
+    RefusalReason::StaleKey,
+    RefusalReason::ReadOnly,
 ];
 
 /// The stable label of a refusal reason (`Refused.reason`).
@@ -49,6 +51,8 @@ fn refusal_label(reason: RefusalReason) -> &'static str {
         RefusalReason::Stalled => "stalled",
         RefusalReason::UnknownKey => "unknown_key",
         RefusalReason::NotAllowed => "not_allowed",
+        RefusalReason::StaleKey => "stale_key",
+        RefusalReason::ReadOnly => "read_only",
         _ => "other",
     }
 }

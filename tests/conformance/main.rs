@@ -149,6 +149,7 @@ conformance! {
     every_layout_arrives_packed: Scope::All;
     block_lists_arrive_packed: Scope::All;
     fetches_cross_once: Scope::All;
+    regions_read_and_write_block_lists: Scope::All;
     order_per_peer_holds_under_mixed_sizes: Scope::All;
     order_holds_under_backpressure: Scope::All;
     dropped_sends_still_arrive: Scope::All;

@@ -34,6 +34,32 @@ pub struct RegionKey {
     pub len: u64,
 }
 
+impl RegionKey {
+    /// Its bytes on the wire or in a file: 24 bytes, little endian (region, generation,
+    /// length).
+    pub fn to_bytes(&self) -> [u8; 24] {
+        let mut bytes = [0; 24];
+        bytes[..8].copy_from_slice(&self.region.to_le_bytes());
+        bytes[8..16].copy_from_slice(&self.generation.to_le_bytes());
+        bytes[16..].copy_from_slice(&self.len.to_le_bytes());
+        bytes
+    }
+
+    /// A key from [`Self::to_bytes`]'s bytes; `None` unless there are exactly 24.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        let word = |i: usize| {
+            let at = bytes.get(i * 8..i * 8 + 8)?;
+            Some(u64::from_le_bytes(at.try_into().ok()?))
+        };
+        (bytes.len() == 24).then_some(())?;
+        Some(Self {
+            region: word(0)?,
+            generation: word(1)?,
+            len: word(2)?,
+        })
+    }
+}
+
 /// Why a chunk could not be placed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

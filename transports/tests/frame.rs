@@ -99,6 +99,7 @@ fn corpus() -> Vec<Item> {
         Message::Offer(Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer: 1,
             tag: 0xfeed,
             len: 1 << 30,
@@ -118,6 +119,7 @@ fn corpus() -> Vec<Item> {
         Message::Offer(Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer: 2,
             tag: 7,
             len: 4096 + 1 + 300,

@@ -35,6 +35,8 @@ pub struct SendTo {
     /// For the answer to the peer's fetch: its id (the peer hands the bytes to that fetch,
     /// not to `recv`).
     pub fetch: Option<u64>,
+    /// For a one-sided write: the peer's region and places the bytes go into.
+    pub into: Option<ferry_transports::wire::RegionWrite>,
 }
 
 /// A send or put the node hands the coordinator to route (before the peer's link is up, or

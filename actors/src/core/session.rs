@@ -115,6 +115,8 @@ struct InboundOp {
     tag: u64,
     /// The fetch it answers, if any.
     fetch: Option<u64>,
+    /// The region it writes into, for a one-sided write.
+    into: Option<ferry_transports::wire::RegionWrite>,
     transport: TransportName,
     layout: Layout,
     phase: InPhase,
@@ -228,6 +230,7 @@ impl PeerSession {
             && req.layout == Layout::Contiguous
             && !matches!(req.source, WireMemoryKind::Device(_))
             && req.pull.is_none()
+            && req.into.is_none()
             && self.eager_in_use().saturating_add(req.len) <= self.eager.credit
     }
 
@@ -314,6 +317,7 @@ impl PeerSession {
                         pull: req.pull.clone(),
                         layout: req.layout.clone(),
                         fetch: req.fetch,
+                        into: req.into.clone(),
                         eager,
                     }));
                     // A pull needs no grant: the peer reads, then says Done.

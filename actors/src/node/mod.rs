@@ -37,9 +37,22 @@ use crate::inbox::{Inbox, Received};
 
 mod memory;
 mod publish;
+mod regions;
 mod start;
 
+pub use self::regions::{OneSided, Places};
+pub use crate::publish::region::Access;
+
 use self::start::*;
+
+/// What a send moves and where it lands: under `tag` (or into a region of the peer's), the
+/// `packed` bytes `layout` names.
+struct Shape {
+    tag: u64,
+    layout: Layout,
+    packed: u64,
+    into: Option<ferry_transports::wire::RegionWrite>,
+}
 
 /// Where a send's message goes (see `Node::with_credit`).
 enum Via {
@@ -347,6 +360,32 @@ impl Node {
                 Err(e) => return Err(fail(e)),
             }
         }
+        let shape = Shape {
+            tag,
+            layout,
+            packed,
+            into: None,
+        };
+        self.send_routed(peer, &handle, buffer, shape, deadline)
+            .await
+    }
+
+    /// Sends `buffer` shaped as `shape` says by the peer's routes, to its transfer actor
+    /// when its link is up (without the coordinator's mailbox), else by the coordinator.
+    async fn send_routed(
+        &self,
+        peer: &str,
+        handle: &crate::direct::PeerHandle,
+        buffer: Buffer,
+        shape: Shape,
+        deadline: Instant,
+    ) -> Result<Buffer, SendError> {
+        let Shape {
+            tag,
+            layout,
+            packed,
+            into,
+        } = shape;
         // The peer's routes, when its link is up: the send goes to its transfer actor
         // without the coordinator's mailbox.
         let src = crate::coordinator::memory_class(buffer.kind());
@@ -358,7 +397,10 @@ impl Node {
         let to = peer.to_string();
         let make = move |buffer, may_go_direct: bool| match direct.filter(|_| may_go_direct) {
             Some((submissions, peer_class, routed)) => {
-                let op = crate::peer::Op::send_routed(routed, tag, layout, None, packed);
+                let mut op = crate::peer::Op::send_routed(routed, tag, layout, None, packed);
+                if let Some(into) = into {
+                    op = op.into_region(into);
+                }
                 let submit = crate::peer::Submit {
                     op,
                     buffer,
@@ -375,10 +417,10 @@ impl Node {
                 packed,
                 deadline,
                 fetch: None,
+                into,
             })),
         };
-        self.with_credit(peer, &handle, deadline, buffer, make)
-            .await
+        self.with_credit(peer, handle, deadline, buffer, make).await
     }
 
     /// True when sends to `peer` go to its transfer actor without the coordinator's mailbox

@@ -212,6 +212,11 @@ impl TransferActor {
         let Some((buffer, pending)) = self.inbound.complete.remove(&id) else {
             return;
         };
+        if self.inbound.written.remove(&id) {
+            // A write into a region of ours: its bytes are there, its landing goes.
+            drop((buffer, pending));
+            return;
+        }
         if let Some(spans) = &spans {
             tracing::trace!(
                 target: crate::TRACE_BLOCKS,
@@ -236,6 +241,7 @@ impl TransferActor {
         }
         self.inbound.regions.remove(&id.0);
         self.inbound.complete.remove(&id);
+        self.inbound.written.remove(&id);
         // A lent buffer the peer may be writing into is kept until it says Written.
         self.abandon_lent(id, ctx);
         if self.pulls.sources.remove(&id).is_some() {
@@ -388,6 +394,7 @@ mod tests {
         Message::Offer(Offer {
             eager: false,
             fetch: None,
+            into: None,
             transfer: 5,
             tag: 1,
             len: blocks * 16,

@@ -165,6 +165,7 @@ impl TransferActor {
                         packed,
                         deadline,
                         fetch: Some(id),
+                        into: None,
                     });
                     Box::pin(async move { send.await.map_err(drop) })
                 }

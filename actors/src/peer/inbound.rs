@@ -11,6 +11,15 @@ impl TransferActor {
         how: Landing,
         ctx: &mut Context<Self>,
     ) {
+        // A write into a region of ours that cannot land is refused before a byte moves.
+        if let Some(into) = self.session.inbound_into(id)
+            && let Err(why) = self.setup.published.check_write(into, len)
+        {
+            tracing::debug!(peer = %self.peer, id = id.0, why = %why.detail, "write refused");
+            self.session
+                .handle_reserve_failed(id, why.reason, why.detail);
+            return self.drive(ctx);
+        }
         // Streamed bytes, and reads and writes over a UCX that does not move device
         // memory, land in a host tier.
         let lender = match how {
@@ -163,8 +172,51 @@ impl TransferActor {
     }
 
     /// Every byte of inbound `id` is in `buffer` (streamed, pulled or pushed): it waits for
-    /// its turn to be delivered. A transfer abandoned meanwhile drops the buffer here.
-    pub(super) fn completed(&mut self, id: InboundId, buffer: Buffer) {
+    /// its turn to be delivered, or, a write into a region of ours, is placed there first
+    /// (off this thread; `Done` leaves once it is). A transfer abandoned meanwhile drops the
+    /// buffer here.
+    pub(super) fn completed(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
+        let Some(into) = self.session.inbound_into(id).cloned() else {
+            return self.complete(id, buffer);
+        };
+        let (published, io) = (Arc::clone(&self.setup.published), self.setup.io.clone());
+        let until = tokio::time::Instant::now() + self.setup.reserve_timeout;
+        let packed = buffer.len() as u64;
+        let place = {
+            let into = into.clone();
+            async move {
+                let region = (into.region, into.generation);
+                published
+                    .write_region(region, buffer, &into.layout, until, &io)
+                    .await
+            }
+        };
+        ctx.spawn(place.into_actor(self).map(move |placed, act, ctx| {
+            match placed {
+                Ok(landing) => {
+                    // Delivered to no one: the bytes are where the peer said.
+                    act.inbound.written.insert(id);
+                    act.complete(id, landing);
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %act.peer, id = id.0, "a write did not land: {e}");
+                    // Unregistered meanwhile, or read by peers until the deadline.
+                    let reason = match act.setup.published.check_write(&into, packed) {
+                        Err(why) => why.reason,
+                        Ok(()) if matches!(e, Error::DeadlineExceeded) => {
+                            WireReason::DeadlineExceeded
+                        }
+                        Ok(()) => WireReason::Protocol,
+                    };
+                    act.session.handle_reserve_failed(id, reason, e.to_string());
+                }
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// Inbound `id`'s bytes are in place: it waits for its turn to be delivered.
+    fn complete(&mut self, id: InboundId, buffer: Buffer) {
         if self.session.handle_inbound_complete(id) {
             if let Some(spans) = self.inbound.spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
@@ -240,7 +292,7 @@ impl TransferActor {
         }
         self.pulls.sources.remove(&id);
         match pulled {
-            Ok(buffer) => self.completed(id, buffer),
+            Ok(buffer) => self.completed(id, buffer, ctx),
             Err(why) => {
                 tracing::warn!(peer = %self.peer, id = id.0, "pull failed: {why}");
                 metrics::counter!("ferry_pull_failures_total").increment(1);

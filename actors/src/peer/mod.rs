@@ -153,6 +153,8 @@ pub enum Op {
         fetch: Option<u64>,
         /// The layout's packed length in the buffer: the bytes that move.
         packed: u64,
+        /// For a one-sided write: the peer's region and places the bytes go into.
+        into: Option<ferry_transports::wire::RegionWrite>,
     },
     /// Write a buffer into a region the peer exposed.
     Put {
@@ -182,7 +184,16 @@ impl Op {
             layout,
             fetch,
             packed,
+            into: None,
         }
+    }
+
+    /// This send, written into the peer's region `into` instead of its inbox.
+    pub fn into_region(mut self, region: ferry_transports::wire::RegionWrite) -> Self {
+        if let Op::Send { into, .. } = &mut self {
+            *into = Some(region);
+        }
+        self
     }
 }
 
@@ -491,6 +502,9 @@ struct InboundState {
     /// Where granted transfers land, by the peer's transfer id.
     regions: Arc<DashMap<u64, InboundRegion>>,
     complete: HashMap<InboundId, (Buffer, crate::order::Pending)>,
+    /// Completed writes into a region of ours (in `complete` until their turn, then
+    /// delivered to no one).
+    written: HashSet<InboundId>,
     /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
     undelivered: crate::order::Undelivered,
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
@@ -544,6 +558,7 @@ impl TransferActor {
             inbound: InboundState {
                 regions: Arc::default(),
                 complete: HashMap::new(),
+                written: HashSet::new(),
                 undelivered: crate::order::Undelivered::default(),
                 spans: HashMap::new(),
                 reserving: None,
@@ -708,7 +723,9 @@ impl Handler<DataEvent> for TransferActor {
     type Result = ();
     fn handle(&mut self, event: DataEvent, ctx: &mut Self::Context) {
         match event {
-            DataEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
+            DataEvent::InboundDone { id, buffer } => {
+                self.completed(InboundId(id), buffer, ctx);
+            }
             DataEvent::StreamEnded { op, broken, link } => {
                 if let Some(why) = broken.filter(|_| link == self.link.number) {
                     self.session

@@ -185,10 +185,12 @@ impl TransferActor {
                 ref layout,
                 fetch,
                 packed,
+                ref into,
             } => self.queue_send(
                 now,
                 &msg,
                 (tag, transport, direction, layout.clone(), fetch, packed),
+                into.clone(),
                 exported.as_ref().map(|e| PullSource {
                     transport,
                     descriptor: e.descriptor.clone(),
@@ -258,6 +260,7 @@ impl TransferActor {
             Option<u64>,
             u64,
         ),
+        into: Option<ferry_transports::wire::RegionWrite>,
         pull: Option<PullSource>,
         peer_class: &'static str,
     ) -> Result<
@@ -300,6 +303,7 @@ impl TransferActor {
                 layout: layout.clone(),
                 deadline: msg.deadline,
                 fetch,
+                into,
             },
         );
         tracing::trace!(

@@ -179,7 +179,7 @@ impl TransferActor {
                 self.session
                     .handle_link_lost(&format!("{transport}: {why}"));
             }
-            PartEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer),
+            PartEvent::InboundDone { id, buffer } => self.completed(InboundId(id), buffer, ctx),
             PartEvent::InboundFailed { id, why } => {
                 tracing::warn!(peer = %self.peer, id, "inbound transfer failed: {why}");
                 self.session

@@ -101,12 +101,12 @@ impl TransferActor {
             );
         }
         if !buffer.give_back_blocks() {
-            return self.completed(id, buffer.give_back());
+            return self.completed(id, buffer.give_back(), ctx);
         }
         let unregistered = self.setup.io.spawn_blocking(move || buffer.give_back());
         ctx.spawn(unregistered.into_actor(self).map(move |joined, act, ctx| {
             match joined {
-                Ok(buffer) => act.completed(id, buffer),
+                Ok(buffer) => act.completed(id, buffer, ctx),
                 Err(e) => act.session.handle_reserve_failed(
                     id,
                     WireReason::ShuttingDown,

@@ -5,6 +5,7 @@ mod data;
 mod failure;
 mod fetch;
 mod memory;
+mod regions;
 
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ pub use failure::{
 };
 pub use fetch::fetches_cross_once;
 pub use memory::full_tier_spills_and_promotes_back;
+pub use regions::regions_read_and_write_block_lists;
 
 /// `len` bytes derived from `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {

@@ -196,6 +196,7 @@ mod tests {
         Offer {
             eager: true,
             fetch: None,
+            into: None,
             transfer,
             tag: 1,
             len,

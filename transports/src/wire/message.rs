@@ -25,7 +25,8 @@ pub use crate::transport::{Announce, Descriptor, TransportMessage};
 /// as [`Message::Transport`].
 /// 15: ipc names GPU pools `<uuid>#<generation>` (a descriptor names its buffer's pool), and
 /// a node tells its peers of a pool it retired.
-pub const PROTOCOL_VERSION: u16 = 15;
+/// 16: an offer may write into a registered region of the receiver ([`Offer::into`]).
+pub const PROTOCOL_VERSION: u16 = 16;
 
 /// Where a buffer lives, as said on the wire.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -191,11 +192,29 @@ pub struct Offer {
     /// For the answer to a [`Message::Fetch`]: that fetch's id. The receiver hands the
     /// bytes to the fetch that asked, not to `recv` (`tag` is then 0).
     pub fetch: Option<u64>,
+    /// For a one-sided write: the receiver's registered region the bytes go into, and
+    /// where in it. The receiver places them there (not into `recv`'s inbox) before it
+    /// answers `Done`, or refuses the transfer naming why (a stale key, a region
+    /// registered read-only, a layout that does not fit).
+    pub into: Option<RegionWrite>,
     /// An eager tcp push: its `len` bytes follow this frame at once as one raw
     /// [`FrameKind::Payload`] frame, within the eager credit the receiver granted in its
     /// hello. The receiver either takes them (and answers `Done`) or reads past them and
     /// answers with a `Grant` as for any offer, after which the sender streams them again.
     pub eager: bool,
+}
+
+/// Where a one-sided write lands at the receiver: its registered region (id and the
+/// generation the key names) and the places in it, packed bytes scattered in order.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct RegionWrite {
+    /// The region's id at the receiver.
+    pub region: u64,
+    /// The generation its key names (a key of an earlier registration is refused).
+    pub generation: u64,
+    /// Where the packed bytes go in the region (checked there not to overlap).
+    pub layout: crate::wire::Layout,
 }
 
 /// The receiver has reserved memory for a transfer; the sender may stream it, or, for a
@@ -266,6 +285,11 @@ pub enum WireReason {
     Protocol,
     /// The receiver saw no progress for its stall timeout and gave the transfer up.
     Stalled,
+    /// A one-sided write named a region the receiver does not hold under that key: it
+    /// was unregistered, or the key is of an earlier registration.
+    StaleKey,
+    /// A one-sided write named a region the receiver registered read-only.
+    ReadOnly,
 }
 
 /// Either side abandons a transfer.
@@ -494,19 +518,30 @@ impl Message {
         let Self::Offer(offer) = self else {
             return self.payload_len();
         };
-        let Some(blocks) = offer.layout.block_list() else {
+        let count = |layout: &crate::wire::Layout| layout.block_list().map_or(0, <[_]>::len);
+        let into = offer.into.as_ref().map_or(0, |into| count(&into.layout));
+        let blocks = count(&offer.layout) + into;
+        if blocks == 0 {
             return self.payload_len();
+        }
+        let empty = |layout: &crate::wire::Layout| match layout {
+            crate::wire::Layout::Blocks(_) => crate::wire::Layout::Blocks(std::sync::Arc::from([])),
+            other => other.clone(),
         };
         let bare = Self::Offer(Offer {
             eager: false,
-            layout: crate::wire::Layout::Blocks(std::sync::Arc::from([])),
+            layout: empty(&offer.layout),
             pull: offer.pull.clone(),
+            into: offer.into.as_ref().map(|into| RegionWrite {
+                layout: empty(&into.layout),
+                ..*into
+            }),
             ..*offer
         });
         let each = std::mem::size_of::<<crate::wire::Block as Archive>::Archived>();
         Ok(bare
             .payload_len()?
-            .saturating_add(blocks.len().saturating_mul(each))
+            .saturating_add(blocks.saturating_mul(each))
             .saturating_add(BLOCKS_SLACK))
     }
 
@@ -589,6 +624,7 @@ mod tests {
         Message::Offer(Offer {
             eager: false,
             fetch: Some(u64::MAX),
+            into: None,
             transfer: 7,
             tag: 9,
             len: blocks * 3,

@@ -196,6 +196,7 @@ impl PeerSession {
             InboundOp {
                 tag: offer.tag,
                 fetch: offer.fetch,
+                into: offer.into,
                 transport,
                 layout: offer.layout,
                 phase: InPhase::Queued,
@@ -299,6 +300,12 @@ impl PeerSession {
             }));
             self.deliver_ready();
         }
+    }
+
+    /// Where inbound transfer `id` writes, when it is a one-sided write into one of this
+    /// node's regions (the shell places its bytes there before it completes it).
+    pub fn inbound_into(&self, id: InboundId) -> Option<&ferry_transports::wire::RegionWrite> {
+        self.inbound.get(&id).and_then(|op| op.into.as_ref())
     }
 
     /// Every byte of inbound transfer `id` has been placed. Returns false if it is not

@@ -86,6 +86,9 @@ pub struct SendRequest {
     pub deadline: Instant,
     /// For the answer to a peer's fetch: its id (the offer says it).
     pub fetch: Option<u64>,
+    /// For a one-sided write: the peer's region and places the bytes go into (the offer
+    /// says it; never eager).
+    pub into: Option<ferry_transports::wire::RegionWrite>,
 }
 
 pub use ferry_transports::transport::EagerTerms;
