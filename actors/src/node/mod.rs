@@ -52,6 +52,8 @@ struct Shape {
     layout: Layout,
     packed: u64,
     into: Option<ferry_transports::wire::RegionWrite>,
+    /// Over the link (tcp) when the rules give its memory no route (a notification).
+    over_link: bool,
 }
 
 /// Where a send's message goes (see `Node::with_credit`).
@@ -365,6 +367,7 @@ impl Node {
             layout,
             packed,
             into: None,
+            over_link: false,
         };
         self.send_routed(peer, &handle, buffer, shape, deadline)
             .await
@@ -385,12 +388,23 @@ impl Node {
             layout,
             packed,
             into,
+            over_link,
         } = shape;
         // The peer's routes, when its link is up: the send goes to its transfer actor
         // without the coordinator's mailbox.
         let src = crate::coordinator::memory_class(buffer.kind());
         let direct = handle.routes().and_then(|d| {
-            let routed = d.table.route(src, packed)?.clone();
+            let routed = match d.table.route(src, packed) {
+                Some(routed) => routed.clone(),
+                // A notification the rules give no route goes over the link itself.
+                None if over_link => crate::direct::Routed {
+                    transport: ferry_transports::registry::LINK,
+                    direction: ferry_transports::wire::WireDirection::Push,
+                    fallback: None,
+                    failed_over: Vec::new(),
+                },
+                None => return None,
+            };
             Some((d.submissions.clone(), d.peer_class, routed))
         });
         // The layout moves into whichever message is made.

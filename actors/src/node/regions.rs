@@ -54,8 +54,10 @@ impl Places {
 pub struct OneSided {
     /// When the operation must have ended; the node's default deadline when `None`.
     pub deadline: Option<Instant>,
-    /// A notification for the peer's `recv`: this tag and these bytes (host memory), sent
-    /// once the data is in place (after a write, in the peer's region; after a read, here).
+    /// A notification for the peer's `recv`: this tag and these bytes, sent once the data
+    /// is in place (after a write, in the peer's region; after a read, here) as a send of
+    /// host memory, over the route host memory takes to the peer or, where the rules give
+    /// it none, over the link itself.
     pub notify: Option<(u64, Vec<u8>)>,
 }
 
@@ -197,6 +199,7 @@ impl Node {
                 generation: into.region.generation,
                 layout: into.layout,
             }),
+            over_link: false,
         };
         let handle_of = self.peers.handle(peer);
         let sent = self
@@ -228,6 +231,7 @@ impl Node {
             layout: Layout::Contiguous,
             packed: bytes.len() as u64,
             into: None,
+            over_link: true,
         };
         self.send_routed(peer, &handle, note, shape, deadline)
             .await

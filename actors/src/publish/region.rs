@@ -11,11 +11,15 @@
 
 use std::time::Duration;
 
-use ferry_transports::memory::MemoryError;
+use ferry_transports::memory::{MemoryError, MemoryKind};
 use ferry_transports::region::RegionKey;
 use ferry_transports::wire::RegionWrite;
 
 use super::*;
+
+/// A write of at most this many bytes of host memory into a host region is copied on the
+/// calling thread (no blocking thread's hop).
+const INLINE_HOST_COPY: usize = 256 << 10;
 
 /// The prefix of the keys regions are published under; no application key starts with it.
 pub const REGION_KEYS: &str = "ferry.region/";
@@ -171,6 +175,23 @@ impl Publications {
             // Made before the check, so a read ending between the two is not missed.
             let ended = target.ended.notified();
             if target.reading.load(Ordering::Acquire) == 0 {
+                // A small host copy is made here, if the lock is free: a thread's hop would
+                // cost more than the copy.
+                if packed.len() <= INLINE_HOST_COPY
+                    && packed.kind() == MemoryKind::Host
+                    && let Ok(mut buffer) = target.buffer.try_write()
+                    && buffer.kind() == MemoryKind::Host
+                {
+                    match buffer.scatter_from(&packed, layout) {
+                        Ok(()) => return Ok(packed),
+                        Err(MemoryError::Shared) => {}
+                        Err(e) => {
+                            return Err(Error::Usage(format!(
+                                "the bytes cannot go into region {region}: {e}"
+                            )));
+                        }
+                    }
+                }
                 let (into, places) = (Arc::clone(&target), layout.clone());
                 let (back, placed) = io
                     .spawn_blocking(move || {

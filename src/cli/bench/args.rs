@@ -47,6 +47,12 @@ pub struct Args {
     /// are not used; one direction only).
     #[arg(long, default_value = "contiguous")]
     pub(super) layout: String,
+    /// What is timed: sends (`send`, the default), or one-sided operations between
+    /// registered regions, this node's and the peer's: `read` (the peer's region into
+    /// ours) or `write` (ours into the peer's); contiguous (one row a size) or `--layout
+    /// blocks:SIZE:COUNT` (scattered at both ends, next to the same bytes contiguous).
+    #[arg(long, value_enum, default_value_t = super::onesided::Op::Send)]
+    pub(super) op: super::onesided::Op,
     /// Single flight: for each size the peer publishes buffers of it (in --memory), and N
     /// fetches of one key run at once, each round one flight (the bytes cross once), next to
     /// N fetches of N keys (N flights, the baseline; skipped with --no-baseline) and one

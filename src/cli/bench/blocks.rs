@@ -48,8 +48,13 @@ impl Spec {
     /// The blocks: `count` distinct slots of `size` bytes of the pool's `count *
     /// POOL_FACTOR`, in a random order (seeded).
     pub fn layout(&self) -> Layout {
+        self.layout_seeded(SEED)
+    }
+
+    /// As [`Self::layout`], the slots drawn with `seed`.
+    pub fn layout_seeded(&self, seed: u64) -> Layout {
         let mut slots: Vec<u64> = (0..self.count * POOL_FACTOR).collect();
-        slots.shuffle(&mut rand::rngs::StdRng::seed_from_u64(SEED));
+        slots.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
         Layout::blocks(
             slots[..self.count as usize]
                 .iter()

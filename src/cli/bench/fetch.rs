@@ -498,7 +498,12 @@ async fn unpublish(node: &Node, peer: &str, keys: &[String]) -> anyhow::Result<(
 }
 
 /// Sends `payload` to the peer under `tag` and waits for its answer under the same tag.
-async fn ask(node: &Node, peer: &str, tag: u64, payload: &[u8]) -> anyhow::Result<String> {
+pub(super) async fn ask(
+    node: &Node,
+    peer: &str,
+    tag: u64,
+    payload: &[u8],
+) -> anyhow::Result<String> {
     let mut b = node.alloc(MemoryKind::Host, payload.len()).await?;
     b.write(0, payload).context("cannot fill a request")?;
     node.send(peer, tag, b)

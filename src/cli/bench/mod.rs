@@ -20,6 +20,7 @@ mod blocks;
 mod fetch;
 mod gpu_baseline;
 mod mode;
+mod onesided;
 mod pattern;
 mod peer;
 mod report;
@@ -114,7 +115,9 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
             reads.join("/")
         );
     }
-    if let Some(n) = args.fetchers {
+    if args.op != onesided::Op::Send {
+        onesided::check_args(args)?;
+    } else if let Some(n) = args.fetchers {
         fetch::check_args(args, n)?;
     } else if blocks::parse(&args.layout)?.is_some() {
         blocks::check_args(args)?;

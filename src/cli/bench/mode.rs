@@ -6,7 +6,7 @@ use ferry::Node;
 
 use super::args::sizes;
 use super::report::{self, Header, Record};
-use super::{Args, Target, blocks, fetch, sweep};
+use super::{Args, Target, blocks, fetch, onesided, sweep};
 
 /// What a bench measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,11 +18,16 @@ pub enum Mode {
     Blocks(blocks::Spec),
     /// `--fetchers N`: three rows a size.
     Fetchers(u64),
+    /// `--op read|write`: one row a size, or two of a block list.
+    OneSided(Option<blocks::Spec>),
 }
 
 impl Mode {
     /// The mode `args` ask for. Fails on a `--layout blocks:...` that does not read.
     pub fn of(args: &Args) -> anyhow::Result<Self> {
+        if args.op != onesided::Op::Send {
+            return Ok(Mode::OneSided(blocks::parse(&args.layout)?));
+        }
         Ok(match (args.fetchers, blocks::parse(&args.layout)?) {
             (Some(n), _) => Mode::Fetchers(n),
             (None, Some(spec)) => Mode::Blocks(spec),
@@ -36,14 +41,15 @@ impl Mode {
             Mode::Sweep => "sweep",
             Mode::Blocks(_) => "blocks",
             Mode::Fetchers(_) => "fetchers",
+            Mode::OneSided(_) => "one-sided",
         }
     }
 
     /// The most one transfer moves: the largest size, or a block list's bytes.
     pub fn largest(self, args: &Args) -> u64 {
         match self {
-            Mode::Blocks(spec) => spec.packed(),
-            Mode::Sweep | Mode::Fetchers(_) => args.max,
+            Mode::Blocks(spec) | Mode::OneSided(Some(spec)) => spec.packed(),
+            Mode::Sweep | Mode::Fetchers(_) | Mode::OneSided(None) => args.max,
         }
     }
 
@@ -53,6 +59,7 @@ impl Mode {
             Mode::Sweep => sweep::baseline_label(args, target),
             Mode::Blocks(_) => blocks::baseline_label(),
             Mode::Fetchers(_) => fetch::baseline_label(args),
+            Mode::OneSided(spec) => onesided::baseline_label(args, target, spec),
         }
     }
 
@@ -63,6 +70,10 @@ impl Mode {
                 sweep::latency_label(args.transport, args.direction.as_deref(), args.pingpong)
             }
             Mode::Fetchers(n) => fetch::latency_label(n),
+            Mode::OneSided(_) => format!(
+                "time from the {} call to its end (the bytes in place at its destination)",
+                args.op.name()
+            ),
         }
     }
 
@@ -71,7 +82,9 @@ impl Mode {
     pub fn print_header(self, header: &Header) {
         match self {
             Mode::Sweep => report::print_header(header),
-            Mode::Blocks(_) | Mode::Fetchers(_) => report::print_preamble(header),
+            Mode::Blocks(_) | Mode::Fetchers(_) | Mode::OneSided(_) => {
+                report::print_preamble(header)
+            }
         }
     }
 
@@ -87,6 +100,7 @@ impl Mode {
             Mode::Sweep => sweep::run(node, target, args, &list).await,
             Mode::Blocks(spec) => blocks::run(node, target, args, spec).await,
             Mode::Fetchers(n) => fetch::run(node, target, args, n, &list).await,
+            Mode::OneSided(spec) => onesided::run(node, target, args, spec, &list).await,
         }
     }
 }

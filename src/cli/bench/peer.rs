@@ -46,6 +46,14 @@ pub const TAG_PUBLICATION: u64 = u64::MAX - 16;
 /// why the request failed.
 pub const TAG_UNPUBLISH: u64 = u64::MAX - 17;
 
+/// `--op read|write`: asks the peer to register a region, payload (len, memory) as 16
+/// bytes, little endian (memory as [`TAG_SEND`]'s), filled with the pattern; it answers
+/// under the same tag with its key as text, `region generation len`.
+pub const TAG_REGION: u64 = u64::MAX - 18;
+/// `--op read|write`: asks the peer to unregister the region whose key (its 24 bytes) is
+/// the payload; it answers `ok` under the same tag.
+pub const TAG_UNREGION: u64 = u64::MAX - 19;
+
 /// Raw baseline connection modes, the first byte a client writes.
 pub const RAW_SINK: u8 = b'S';
 /// The server streams messages to the client.
@@ -244,6 +252,17 @@ impl Server {
                     }
                 });
             }
+            TAG_REGION | TAG_UNREGION => {
+                let (node, gpu, payload) = (Arc::clone(&self.node), self.gpu, buffer.to_vec()?);
+                tokio::spawn(async move {
+                    let answer = super::onesided::serve(&node, &peer, gpu, tag, &payload)
+                        .await
+                        .unwrap_or_else(|e| format!("error: {e:#}"));
+                    if let Err(e) = answer_text(&node, &peer, tag, &answer).await {
+                        log_client_failure(&peer, &e, "a region request was not answered");
+                    }
+                });
+            }
             _ => self.count(&peer, transport.as_str(), &buffer)?,
         }
         Ok(())
@@ -298,6 +317,7 @@ impl Server {
             here
         });
         super::fetch::unpublish_departed(&self.node, published, &live);
+        super::onesided::unregister_departed(&self.node, &live);
         Ok(())
     }
 }

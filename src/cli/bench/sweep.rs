@@ -214,7 +214,45 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
             args.transport
         );
     }
-    let baseline_gbps = match (&target.baseline, args.no_baseline) {
+    let baseline_gbps = baseline_gbps(
+        node,
+        target,
+        args,
+        (size, warmup, window),
+        &layout,
+        ferry_gbps,
+    )
+    .await?;
+    let pct = |q: f64| hist.value_at_quantile(q) as f64;
+    Ok(Record {
+        series: args.layout.clone(),
+        bytes: size,
+        iterations: args.iters,
+        window,
+        ferry_gbps,
+        baseline_gbps,
+        ratio: baseline_gbps.map(|b| ferry_gbps / b),
+        p50_us: pct(0.5),
+        p99_us: pct(0.99),
+        p999_us: pct(0.999),
+        wrong: if check { Some(wrong) } else { None }.unwrap_or(0),
+        checked: check,
+    })
+}
+
+/// The GB/s of `target`'s baseline for a transfer of `size` bytes shaped as `layout`
+/// (`warmup` untimed, then `args.iters` timed, `window` in flight), measured now; `None`
+/// without one (or with `--no-baseline`). `ferry_gbps`, the row's own, goes into the notes
+/// some baselines print.
+pub(super) async fn baseline_gbps(
+    node: &Node,
+    target: &Target,
+    args: &Args,
+    (size, warmup, window): (u64, u64, u64),
+    layout: &ferry::Layout,
+    ferry_gbps: f64,
+) -> anyhow::Result<Option<f64>> {
+    let gbps = match (&target.baseline, args.no_baseline) {
         (Some(Baseline::Socket(addr)), false) => {
             Some(baseline(addr, size, args.iters, warmup, window, args.bidir).await?)
         }
@@ -230,7 +268,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
                 .measure(node, size, args.iters, warmup, window)
                 .await?,
         ),
-        (Some(Baseline::Copy(gpus)), false) if layout != ferry::Layout::Contiguous => {
+        (Some(Baseline::Copy(gpus)), false) if *layout != ferry::Layout::Contiguous => {
             let (gpus, iters, warmup) = (*gpus, args.iters, warmup);
             let shape = layout.clone();
             let (raw, per_row) = tokio::task::spawn_blocking(move || {
@@ -290,21 +328,7 @@ async fn measure(node: &Node, target: &Target, args: &Args, size: u64) -> anyhow
         }
         _ => None,
     };
-    let pct = |q: f64| hist.value_at_quantile(q) as f64;
-    Ok(Record {
-        series: args.layout.clone(),
-        bytes: size,
-        iterations: args.iters,
-        window,
-        ferry_gbps,
-        baseline_gbps,
-        ratio: baseline_gbps.map(|b| ferry_gbps / b),
-        p50_us: pct(0.5),
-        p99_us: pct(0.99),
-        p999_us: pct(0.999),
-        wrong: if check { Some(wrong) } else { None }.unwrap_or(0),
-        checked: check,
-    })
+    Ok(gbps)
 }
 
 /// Bandwidth of the peer sending to us, for the pair matrix.
