@@ -122,6 +122,7 @@ impl Node {
             deadline: Some(deadline),
         };
         let mut backoff = Duration::from_micros(20);
+        let asked = Instant::now();
         let (landed, transport) = loop {
             match self.fetch(peer, &key, fetch.clone()).await {
                 Ok(fetched) => break (fetched.buffer, fetched.transport),
@@ -148,6 +149,7 @@ impl Node {
             }
         };
         debug_assert_eq!(landed.len() as u64, packed);
+        let fetched = Instant::now();
         let io = self.io_handle()?;
         let until = tokio::time::Instant::from_std(deadline);
         let region = (into.region.region, into.region.generation);
@@ -156,6 +158,13 @@ impl Node {
             .write_region(region, landed, &into.layout, until, &io)
             .await;
         drop(placed?);
+        tracing::trace!(
+            target: crate::TRACE_BLOCKS,
+            bytes = packed,
+            fetch_us = fetched.duration_since(asked).as_micros() as u64,
+            place_us = fetched.elapsed().as_micros() as u64,
+            "read"
+        );
         self.notify(peer, options.notify, deadline).await?;
         Ok(transport)
     }
@@ -202,12 +211,19 @@ impl Node {
             over_link: false,
         };
         let handle_of = self.peers.handle(peer);
+        let asked = Instant::now();
         let sent = self
             .send_routed(peer, &handle_of, handle, shape, deadline)
             .await;
         // The handle back (or gone with the error) before the read of the region ends.
         let sent = sent.map(drop).map_err(|e| e.error);
         drop(serving);
+        tracing::trace!(
+            target: crate::TRACE_BLOCKS,
+            bytes = packed,
+            write_us = asked.elapsed().as_micros() as u64,
+            "written"
+        );
         sent?;
         self.notify(peer, options.notify, deadline).await
     }

@@ -182,6 +182,7 @@ impl TransferActor {
         let (published, io) = (Arc::clone(&self.setup.published), self.setup.io.clone());
         let until = tokio::time::Instant::now() + self.setup.reserve_timeout;
         let packed = buffer.len() as u64;
+        let completed = Instant::now();
         let place = {
             let into = into.clone();
             async move {
@@ -194,6 +195,19 @@ impl TransferActor {
         ctx.spawn(place.into_actor(self).map(move |placed, act, ctx| {
             match placed {
                 Ok(landing) => {
+                    tracing::trace!(
+                        target: crate::TRACE_BLOCKS,
+                        id = id.0,
+                        bytes = packed,
+                        since_pull_us = act
+                            .inbound
+                            .spans
+                            .get(&id)
+                            .and_then(|s| s.pulling)
+                            .map(|t| t.elapsed().as_micros() as u64),
+                        place_us = completed.elapsed().as_micros() as u64,
+                        "write placed"
+                    );
                     // Delivered to no one: the bytes are where the peer said.
                     act.inbound.written.insert(id);
                     act.complete(id, landing);

@@ -171,6 +171,19 @@ impl Publications {
         let target = self
             .region(region, generation)
             .ok_or_else(|| stale(region, generation))?;
+        let asked = std::time::Instant::now();
+        let packed_len = packed.len();
+        let placed = |how: &str, copy: std::time::Instant| {
+            tracing::trace!(
+                target: crate::TRACE_BLOCKS,
+                region,
+                bytes = packed_len,
+                how,
+                wait_us = copy.duration_since(asked).as_micros() as u64,
+                copy_us = copy.elapsed().as_micros() as u64,
+                "placed in a region"
+            );
+        };
         loop {
             // Made before the check, so a read ending between the two is not missed.
             let ended = target.ended.notified();
@@ -182,8 +195,12 @@ impl Publications {
                     && let Ok(mut buffer) = target.buffer.try_write()
                     && buffer.kind() == MemoryKind::Host
                 {
+                    let copy = std::time::Instant::now();
                     match buffer.scatter_from(&packed, layout) {
-                        Ok(()) => return Ok(packed),
+                        Ok(()) => {
+                            placed("inline", copy);
+                            return Ok(packed);
+                        }
                         Err(MemoryError::Shared) => {}
                         Err(e) => {
                             return Err(Error::Usage(format!(
@@ -193,20 +210,24 @@ impl Publications {
                     }
                 }
                 let (into, places) = (Arc::clone(&target), layout.clone());
-                let (back, placed) = io
+                let (back, copied, copy) = io
                     .spawn_blocking(move || {
-                        let placed = into
+                        let copy = std::time::Instant::now();
+                        let copied = into
                             .buffer
                             .write()
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
                             .scatter_from(&packed, &places);
-                        (packed, placed)
+                        (packed, copied, copy)
                     })
                     .await
                     .map_err(|e| Error::Usage(format!("the copy into region {region}: {e}")))?;
                 packed = back;
-                match placed {
-                    Ok(()) => return Ok(packed),
+                match copied {
+                    Ok(()) => {
+                        placed("blocking", copy);
+                        return Ok(packed);
+                    }
                     // A handle came out meanwhile: waited for as a read.
                     Err(MemoryError::Shared) => {}
                     Err(e) => {

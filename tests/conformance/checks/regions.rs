@@ -31,7 +31,8 @@ async fn far_region(pair: &Pair, tag: u64, bytes: &[u8]) -> RegionKey {
 
 /// The far node's region `key`, unregistered: its bytes.
 async fn far_bytes(pair: &Pair, key: RegionKey) -> Vec<u8> {
-    let ask = filled(&pair.node, ferry::MemoryKind::Host, &key.to_bytes()).await;
+    // In the source memory: the pair's rules route nothing else.
+    let ask = filled(&pair.node, pair.combo.src_kind(), &key.to_bytes()).await;
     drop(
         pair.node
             .send(&pair.peer, TAG_UNREGISTER, ask)
@@ -260,4 +261,102 @@ pub async fn regions_read_and_write_block_lists(combo: Combo, first: bool) {
     );
     drop(back);
     baseline.assert_back(node, &combo).await;
+}
+
+/// Bytes of the far region in the failure check: its node's budget (6 MiB) keeps room for
+/// no write's landing of [`WRITE`] bytes.
+const HELD: usize = 5 << 20;
+/// Bytes of a write in the failure check.
+const WRITE: u64 = 2 << 20;
+/// How long the failure check's write may take.
+const DEADLINE: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// A write the far node has no memory to land ends at its deadline (`DeadlineExceeded`);
+/// killed with a write waiting, the far node fails it as `PeerLost` within 2 s, and a read
+/// or write asked for after the kill fails too (`PeerLost` or `PeerUnreachable`); this
+/// node's memory comes back. (A far node of this process cannot be killed: the deadline
+/// only.)
+pub async fn one_sided_deadline_then_killed_peer(combo: Combo, _first: bool) {
+    use std::time::{Duration, Instant};
+    let tweaks = Tweaks {
+        far_memory: vec![format!(
+            "{} = \"6 MiB\"",
+            crate::pair::budget_key(combo.dst)
+        )],
+        ..Tweaks::default()
+    };
+    let mut pair = Pair::start(&combo, Role::Echo, &tweaks).await;
+    pair.warm_up().await;
+    let baseline = Baseline::take(&pair.node, &combo).await;
+    let killable = pair.seen().is_none();
+    let node = std::sync::Arc::clone(&pair.node);
+    let far = far_region(&pair, TAG_REGISTER, &pattern(HELD, 401)).await;
+    let bytes = pattern(WRITE as usize, 402);
+    let mine = filled(&node, combo.src_kind(), &bytes).await;
+    let local = node.register(mine, Access::ReadOnly).expect("register");
+    let write = |deadline: Option<Instant>| {
+        let node = std::sync::Arc::clone(&node);
+        let peer = pair.peer.clone();
+        async move {
+            node.write(
+                &peer,
+                Places::blocks(local, [(0, WRITE)]),
+                Places::blocks(far, [(HELD as u64 - WRITE, WRITE)]),
+                OneSided {
+                    deadline,
+                    ..OneSided::default()
+                },
+            )
+            .await
+        }
+    };
+    let started = Instant::now();
+    let late = write(Some(started + DEADLINE)).await;
+    let took = started.elapsed();
+    assert!(
+        matches!(late, Err(Error::DeadlineExceeded)),
+        "{combo}: a write the peer has no memory for: {late:?}"
+    );
+    assert!(
+        took >= DEADLINE - Duration::from_millis(20) && took < Duration::from_secs(2),
+        "{combo}: a deadline of {DEADLINE:?} ended the write after {took:?}"
+    );
+    if killable {
+        // Polled once: handed to the peer's transfer actor, its transfer begun (it then
+        // waits at the far node for memory).
+        let mut waiting = Box::pin(write(None));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        assert!(pair.kill());
+        let killed = Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("{combo}: a write waiting on a killed peer did not end"));
+        assert!(
+            matches!(ended, Err(Error::PeerLost { .. })),
+            "{combo}: a write waiting on a killed peer: {ended:?}"
+        );
+        let after = killed.elapsed();
+        assert!(
+            after < Duration::from_secs(2),
+            "{combo}: it failed {after:?} after the kill"
+        );
+        let read = node
+            .read(
+                &pair.peer,
+                Places::blocks(far, [(0, 64)]),
+                Places::blocks(local, [(0, 64)]),
+                OneSided::default(),
+            )
+            .await;
+        assert!(
+            matches!(
+                read,
+                Err(Error::PeerLost { .. } | Error::PeerUnreachable { .. })
+            ),
+            "{combo}: a read after the kill: {read:?}"
+        );
+    }
+    let back = node.unregister(local).await.expect("unregister");
+    drop(back);
+    baseline.assert_back(&node, &combo).await;
 }
