@@ -46,6 +46,8 @@ struct Publication {
     len: u64,
     /// For a registered region: who may write it (`None`: an ordinary publication).
     access: Option<region::Access>,
+    /// Set once it is out of the table: no write lands in it after that.
+    retired: std::sync::atomic::AtomicBool,
     /// The peers that may fetch it; `None`: every peer.
     readers: Option<Vec<String>>,
     served: AtomicU64,
@@ -60,7 +62,16 @@ impl Publication {
     /// True when no handle on its buffer is out (nothing reads it). A buffer locked for a
     /// write counts as read: the write ends soon.
     fn exclusive(&self) -> bool {
-        self.buffer.try_read().is_ok_and(|b| b.is_exclusive())
+        try_read(&self.buffer).is_some_and(|b| b.is_exclusive())
+    }
+}
+
+/// The read lock of `lock` if it is free now (a poisoned lock is taken as it is).
+fn try_read(lock: &std::sync::RwLock<Buffer>) -> Option<std::sync::RwLockReadGuard<'_, Buffer>> {
+    match lock.try_read() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 
@@ -179,6 +190,7 @@ impl Publications {
                     len: buffer.len() as u64,
                     buffer: std::sync::RwLock::new(buffer),
                     access,
+                    retired: std::sync::atomic::AtomicBool::new(false),
                     readers,
                     served: AtomicU64::new(0),
                     bytes_served: AtomicU64::new(0),
@@ -238,7 +250,7 @@ impl Publications {
         };
         // A region being written right now (its lock held for the copy into it) is not
         // waited for on this thread: the peer hears it is busy and asks again.
-        let Ok(buffer) = publication.buffer.try_read() else {
+        let Some(buffer) = try_read(&publication.buffer) else {
             return refuse(
                 FetchRefusal::Busy,
                 format!("region {key:?} is being written this moment"),
@@ -277,6 +289,7 @@ impl Publications {
             .by_key
             .remove(key)
             .ok_or_else(|| Error::Usage(format!("nothing is published under key {key:?}")))?;
+        publication.retired.store(true, Ordering::Release);
         metrics::gauge!("ferry_published_bytes").decrement(publication.len as f64);
         let until = tokio::time::Instant::now() + wait;
         let notify = Arc::clone(&publication.ended);

@@ -1792,3 +1792,54 @@ fn an_eager_transfer_is_delivered_behind_earlier_offers() {
         .collect();
     assert_eq!(delivered, [10, 20]);
 }
+
+/// A write into a region is offered as any transfer (the session says where it goes), but
+/// never eagerly nor as a fetch's answer: such an offer is refused as a protocol breach,
+/// before anything is reserved.
+#[test]
+fn a_write_into_a_region_is_never_eager_nor_a_fetch_answer() {
+    use ferry_transports::wire::{Cancel, Offer, RegionWrite, WireReason};
+    let mut b = PeerSession::new(LIMITS);
+    let into = RegionWrite {
+        region: 3,
+        generation: 7,
+        layout: Layout::blocks([(64, 100)]),
+    };
+    let offer = |transfer: u64, eager: bool, fetch: Option<u64>| Offer {
+        eager,
+        fetch,
+        into: Some(into.clone()),
+        transfer,
+        tag: 0,
+        len: 100,
+        source: WireMemoryKind::Host,
+        transport: ferry_transports::wire::WireTransport::Tcp,
+        direction: WireDirection::Push,
+        pull: None,
+        layout: Layout::Contiguous,
+    };
+    b.handle_message(Message::Offer(offer(1, false, None)))
+        .expect("offer");
+    assert_eq!(b.inbound_into(InboundId(1)), Some(&into));
+    assert!(
+        !b.handle_eager_offer(offer(2, true, None))
+            .expect("eager offer")
+    );
+    b.handle_message(Message::Offer(offer(3, false, Some(9))))
+        .expect("offer");
+    let (sent, _) = drain(&mut b);
+    let refused: Vec<(u64, WireReason)> = sent
+        .iter()
+        .filter_map(|m| match m {
+            Message::Cancel(Cancel {
+                transfer, reason, ..
+            }) => Some((*transfer, *reason)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        refused,
+        [(2, WireReason::Protocol), (3, WireReason::Protocol)]
+    );
+    assert_eq!(b.inbound_into(InboundId(2)), None);
+}

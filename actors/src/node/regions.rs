@@ -98,7 +98,9 @@ impl Node {
 
     /// Reads the places `from` of `peer`'s region into the places `into` of a region of
     /// this node's. Resolves once the bytes are in place here (then the notification, if
-    /// any, goes to the peer), with the transport that carried them.
+    /// any, goes to the peer), with the transport that carried them. Concurrent reads of
+    /// the same places of the same peer's region share one transfer (single flight, as
+    /// fetches do); each places the bytes itself.
     ///
     /// # Errors
     /// [`Error::Usage`] before anything moves for places that do not fit their region or
@@ -113,6 +115,7 @@ impl Node {
         options: OneSided,
     ) -> Result<ferry_config::TransportName, Error> {
         let packed = matching(&from, &into)?;
+        self.published.check_local(&into.region)?;
         let deadline = options.deadline.unwrap_or_else(|| self.default_deadline());
         let key = key_name(from.region.region, from.region.generation);
         let fetch = crate::fetch::Fetch {
@@ -138,9 +141,9 @@ impl Node {
                     });
                 }
                 // Written this moment at the peer (or its fetches are many): asked again.
-                Err(Error::QueueFull(why)) => {
+                Err(Error::QueueFull(_)) => {
                     if Instant::now() + backoff >= deadline {
-                        return Err(Error::QueueFull(why));
+                        return Err(Error::DeadlineExceeded);
                     }
                     self.pause(backoff).await?;
                     backoff = (backoff * 2).min(Duration::from_millis(1));
@@ -155,7 +158,7 @@ impl Node {
         let region = (into.region.region, into.region.generation);
         let placed = self
             .published
-            .write_region(region, landed, &into.layout, until, &io)
+            .write_region(region, landed, &into.layout, until, (&io, None))
             .await;
         drop(placed?);
         tracing::trace!(
@@ -172,6 +175,12 @@ impl Node {
     /// Writes the places `from` of a region of this node's into the places `into` of
     /// `peer`'s region (registered there with [`Access::ReadWrite`]). Resolves once the
     /// peer has the bytes in place (then the notification, if any, goes to it).
+    ///
+    /// A write lands once no read of the destination region is served, and the source
+    /// region counts as read until the write ends: two nodes writing at once each from
+    /// the region the other writes into wait on each other until their deadlines. Send
+    /// from one region and receive into another (a KV cache's prefill and decode pools
+    /// are).
     ///
     /// # Errors
     /// [`Error::Usage`] before anything moves for places that do not fit their region or

@@ -213,7 +213,13 @@ impl TransferActor {
             return;
         };
         if self.inbound.written.remove(&id) {
-            // A write into a region of ours: its bytes are there, its landing goes.
+            // A write into a region of ours: its bytes are there, its landing goes, and
+            // what the session counts as delivered is taken at once.
+            self.inbound
+                .claims
+                .0
+                .taken
+                .fetch_add(buffer.len() as u64, std::sync::atomic::Ordering::Relaxed);
             drop((buffer, pending));
             return;
         }
@@ -242,6 +248,10 @@ impl TransferActor {
         self.inbound.regions.remove(&id.0);
         self.inbound.complete.remove(&id);
         self.inbound.written.remove(&id);
+        // A write being placed lands nowhere now.
+        if let Some(abort) = self.inbound.writes_placing.remove(&id) {
+            abort.store(true, std::sync::atomic::Ordering::Release);
+        }
         // A lent buffer the peer may be writing into is kept until it says Written.
         self.abandon_lent(id, ctx);
         if self.pulls.sources.remove(&id).is_some() {
@@ -363,7 +373,11 @@ fn oversized_offer(msg: &Message, peer_max_frame: u32) -> Option<(OpId, String)>
     let Message::Offer(offer) = msg else {
         return None;
     };
-    let blocks = offer.layout.block_list()?.len();
+    let count = |layout: &Layout| layout.block_list().map_or(0, <[_]>::len);
+    let blocks = count(&offer.layout) + offer.into.as_ref().map_or(0, |i| count(&i.layout));
+    if blocks == 0 {
+        return None;
+    }
     let max = u64::from(peer_max_frame);
     // Within a bound found without encoding the list, it fits: the list is encoded once,
     // by the writer. Only an offer near or past the cap is measured exactly.

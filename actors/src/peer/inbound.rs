@@ -16,6 +16,8 @@ impl TransferActor {
             && let Err(why) = self.setup.published.check_write(into, len)
         {
             tracing::debug!(peer = %self.peer, id = id.0, why = %why.detail, "write refused");
+            self.pulls.sources.remove(&id);
+            self.inbound.spans.remove(&id);
             self.session
                 .handle_reserve_failed(id, why.reason, why.detail);
             return self.drive(ctx);
@@ -177,22 +179,29 @@ impl TransferActor {
     /// buffer here.
     pub(super) fn completed(&mut self, id: InboundId, buffer: Buffer, ctx: &mut Context<Self>) {
         let Some(into) = self.session.inbound_into(id).cloned() else {
-            return self.complete(id, buffer);
+            self.complete(id, buffer);
+            return;
         };
         let (published, io) = (Arc::clone(&self.setup.published), self.setup.io.clone());
         let until = tokio::time::Instant::now() + self.setup.reserve_timeout;
         let packed = buffer.len() as u64;
         let completed = Instant::now();
+        let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        self.inbound.writes_placing.insert(id, Arc::clone(&abort));
         let place = {
             let into = into.clone();
             async move {
                 let region = (into.region, into.generation);
                 published
-                    .write_region(region, buffer, &into.layout, until, &io)
+                    .write_region(region, buffer, &into.layout, until, (&io, Some(abort)))
                     .await
             }
         };
         ctx.spawn(place.into_actor(self).map(move |placed, act, ctx| {
+            if act.inbound.writes_placing.remove(&id).is_none() {
+                // Abandoned meanwhile: nothing was placed, and nothing is owed.
+                return act.drive(ctx);
+            }
             match placed {
                 Ok(landing) => {
                     tracing::trace!(
@@ -209,8 +218,9 @@ impl TransferActor {
                         "write placed"
                     );
                     // Delivered to no one: the bytes are where the peer said.
-                    act.inbound.written.insert(id);
-                    act.complete(id, landing);
+                    if act.complete(id, landing) {
+                        act.inbound.written.insert(id);
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(peer = %act.peer, id = id.0, "a write did not land: {e}");
@@ -222,6 +232,7 @@ impl TransferActor {
                         }
                         Ok(()) => WireReason::Protocol,
                     };
+                    act.inbound.spans.remove(&id);
                     act.session.handle_reserve_failed(id, reason, e.to_string());
                 }
             }
@@ -229,9 +240,11 @@ impl TransferActor {
         }));
     }
 
-    /// Inbound `id`'s bytes are in place: it waits for its turn to be delivered.
-    fn complete(&mut self, id: InboundId, buffer: Buffer) {
-        if self.session.handle_inbound_complete(id) {
+    /// Inbound `id`'s bytes are in place: it waits for its turn to be delivered. False
+    /// when it is not receiving any more (abandoned meanwhile: the buffer is dropped).
+    fn complete(&mut self, id: InboundId, buffer: Buffer) -> bool {
+        let receiving = self.session.handle_inbound_complete(id);
+        if receiving {
             if let Some(spans) = self.inbound.spans.get_mut(&id) {
                 spans.phase = tracing::debug_span!(parent: &spans.span, "deliver");
             }
@@ -239,6 +252,7 @@ impl TransferActor {
                 .complete
                 .insert(id, (buffer, self.inbound.undelivered.enter()));
         }
+        receiving
     }
 }
 

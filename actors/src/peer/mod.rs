@@ -505,6 +505,9 @@ struct InboundState {
     /// Completed writes into a region of ours (in `complete` until their turn, then
     /// delivered to no one).
     written: HashSet<InboundId>,
+    /// Writes into a region of ours being placed now, each with the flag that, set when
+    /// the transfer is abandoned, keeps its bytes out of the region.
+    writes_placing: HashMap<InboundId, Arc<std::sync::atomic::AtomicBool>>,
     /// Completed inbound transfers not yet in the inbox (a lane record waits for them).
     undelivered: crate::order::Undelivered,
     /// Spans of the inbound transfers still open (reserving, receiving or waiting for
@@ -559,6 +562,7 @@ impl TransferActor {
                 regions: Arc::default(),
                 complete: HashMap::new(),
                 written: HashSet::new(),
+                writes_placing: HashMap::new(),
                 undelivered: crate::order::Undelivered::default(),
                 spans: HashMap::new(),
                 reserving: None,

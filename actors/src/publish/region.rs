@@ -9,6 +9,7 @@
 //! peer reads it (the readers' handles are out: the bytes are not written under a peer's
 //! read); a read asked for meanwhile is refused as busy and asked again by the reader.
 
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use ferry_transports::memory::{MemoryError, MemoryKind};
@@ -81,6 +82,17 @@ impl Publications {
         self.unpublish(&name, wait).await
     }
 
+    /// Checks that `key` names a region of this node's of its length.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming the key.
+    pub fn check_local(&self, key: &RegionKey) -> Result<(), Error> {
+        self.region(key.region, key.generation)
+            .filter(|r| r.len == key.len)
+            .map(drop)
+            .ok_or_else(|| stale(key.region, key.generation))
+    }
+
     /// The region `region` of `generation`, if registered.
     fn region(&self, region: u64, generation: u64) -> Option<Arc<Publication>> {
         self.by_key
@@ -132,8 +144,9 @@ impl Publications {
     pub fn read_region(&self, key: &RegionKey) -> Result<(Buffer, Serving), Error> {
         let region = self
             .region(key.region, key.generation)
+            .filter(|r| r.len == key.len)
             .ok_or_else(|| stale(key.region, key.generation))?;
-        let Ok(buffer) = region.buffer.try_read() else {
+        let Some(buffer) = super::try_read(&region.buffer) else {
             return Err(Error::QueueFull(format!(
                 "region {} is being written this moment",
                 key.region
@@ -166,7 +179,7 @@ impl Publications {
         mut packed: Buffer,
         layout: &Layout,
         until: tokio::time::Instant,
-        io: &tokio::runtime::Handle,
+        (io, abort): (&tokio::runtime::Handle, Option<Arc<AtomicBool>>),
     ) -> Result<Buffer, Error> {
         let target = self
             .region(region, generation)
@@ -190,47 +203,50 @@ impl Publications {
             if target.reading.load(Ordering::Acquire) == 0 {
                 // A small host copy is made here, if the lock is free: a thread's hop would
                 // cost more than the copy.
-                if packed.len() <= INLINE_HOST_COPY
-                    && packed.kind() == MemoryKind::Host
-                    && let Ok(mut buffer) = target.buffer.try_write()
-                    && buffer.kind() == MemoryKind::Host
-                {
-                    let copy = std::time::Instant::now();
-                    match buffer.scatter_from(&packed, layout) {
-                        Ok(()) => {
-                            placed("inline", copy);
-                            return Ok(packed);
-                        }
-                        Err(MemoryError::Shared) => {}
-                        Err(e) => {
-                            return Err(Error::Usage(format!(
-                                "the bytes cannot go into region {region}: {e}"
-                            )));
-                        }
+                let copy = std::time::Instant::now();
+                let inline = (packed.len() <= INLINE_HOST_COPY
+                    && packed.kind() == MemoryKind::Host)
+                    .then(|| try_write(&target.buffer))
+                    .flatten()
+                    .filter(|buffer| buffer.kind() == MemoryKind::Host)
+                    .map(|buffer| place(&target, buffer, &packed, layout, abort.as_deref()));
+                let placed_now = match inline {
+                    Some(done) => done,
+                    None => {
+                        let (into, places, abort) =
+                            (Arc::clone(&target), layout.clone(), abort.clone());
+                        let (back, done) = io
+                            .spawn_blocking(move || {
+                                let buffer = into
+                                    .buffer
+                                    .write()
+                                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let done = place(&into, buffer, &packed, &places, abort.as_deref());
+                                (packed, done)
+                            })
+                            .await
+                            .map_err(|_| Error::ShuttingDown)?;
+                        packed = back;
+                        done
                     }
-                }
-                let (into, places) = (Arc::clone(&target), layout.clone());
-                let (back, copied, copy) = io
-                    .spawn_blocking(move || {
-                        let copy = std::time::Instant::now();
-                        let copied = into
-                            .buffer
-                            .write()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .scatter_from(&packed, &places);
-                        (packed, copied, copy)
-                    })
-                    .await
-                    .map_err(|e| Error::Usage(format!("the copy into region {region}: {e}")))?;
-                packed = back;
-                match copied {
+                };
+                match placed_now {
                     Ok(()) => {
-                        placed("blocking", copy);
+                        placed(
+                            if inline_kind(&packed) {
+                                "inline"
+                            } else {
+                                "blocking"
+                            },
+                            copy,
+                        );
                         return Ok(packed);
                     }
                     // A handle came out meanwhile: waited for as a read.
-                    Err(MemoryError::Shared) => {}
-                    Err(e) => {
+                    Err(Unplaced::Busy) => {}
+                    Err(Unplaced::Gone) => return Err(stale(region, generation)),
+                    Err(Unplaced::Abandoned) => return Err(Error::Cancelled),
+                    Err(Unplaced::Failed(e)) => {
                         return Err(Error::Usage(format!(
                             "the bytes cannot go into region {region}: {e}"
                         )));
@@ -246,6 +262,56 @@ impl Publications {
             let tick = now + Duration::from_millis(5);
             let _ = tokio::time::timeout_at(tick.min(until), ended).await;
         }
+    }
+}
+
+/// Whether a placement of `packed` may be made on the calling thread (for the trace).
+fn inline_kind(packed: &Buffer) -> bool {
+    packed.len() <= INLINE_HOST_COPY && packed.kind() == MemoryKind::Host
+}
+
+/// Why bytes were not placed in a region this time.
+enum Unplaced {
+    /// A handle on it is out: waited for.
+    Busy,
+    /// It was unregistered meanwhile.
+    Gone,
+    /// The transfer that carried them was abandoned meanwhile.
+    Abandoned,
+    /// The copy failed.
+    Failed(MemoryError),
+}
+
+/// Places `packed` into `target`'s buffer (held by `buffer`, its write guard) where
+/// `layout` says, unless the region was unregistered or the transfer abandoned meanwhile
+/// (looked at under the lock: nothing lands after either).
+fn place(
+    target: &Publication,
+    mut buffer: std::sync::RwLockWriteGuard<'_, Buffer>,
+    packed: &Buffer,
+    layout: &Layout,
+    abort: Option<&AtomicBool>,
+) -> Result<(), Unplaced> {
+    if target.retired.load(Ordering::Acquire) {
+        return Err(Unplaced::Gone);
+    }
+    if abort.is_some_and(|a| a.load(Ordering::Acquire)) {
+        return Err(Unplaced::Abandoned);
+    }
+    match buffer.scatter_from(packed, layout) {
+        Ok(()) => Ok(()),
+        Err(MemoryError::Shared) => Err(Unplaced::Busy),
+        Err(e) => Err(Unplaced::Failed(e)),
+    }
+}
+
+/// The write lock of `lock` if it is free now (a poisoned lock is taken as it is: a panic
+/// in an earlier copy leaves the bytes as they were written).
+fn try_write(lock: &std::sync::RwLock<Buffer>) -> Option<std::sync::RwLockWriteGuard<'_, Buffer>> {
+    match lock.try_write() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 
@@ -320,7 +386,8 @@ mod tests {
             let io = io.clone();
             tokio::spawn(async move {
                 let layout = Layout::blocks([(12, 2), (2, 2)]);
-                p.write_region((1, 1), packed, &layout, until, &io).await
+                p.write_region((1, 1), packed, &layout, until, (&io, None))
+                    .await
             })
         };
         // Not while the read holds its handle.
@@ -337,7 +404,7 @@ mod tests {
         assert_eq!(&bytes[2..4], &[3, 4]);
         assert!(p.unregister(&k, Duration::from_secs(1)).await.is_err());
         let late = p
-            .write_region((1, 1), buffer(4), &Layout::Contiguous, until, &io)
+            .write_region((1, 1), buffer(4), &Layout::Contiguous, until, (&io, None))
             .await;
         assert!(late.is_err_and(|e| e.to_string().contains("not registered")));
     }

@@ -344,10 +344,18 @@ pub async fn serve(
 ) -> anyhow::Result<String> {
     if tag == TAG_UNREGION {
         let key = RegionKey::from_bytes(payload).context("an unregister request is not a key")?;
-        REGIONS
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the region table is poisoned"))?
-            .retain(|(_, k)| *k != key);
+        // A client unregisters its own regions only.
+        let owned = {
+            let mut regions = REGIONS
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the region table is poisoned"))?;
+            let before = regions.len();
+            regions.retain(|(owner, k)| !(owner == client && *k == key));
+            regions.len() < before
+        };
+        if !owned {
+            bail!("region {} is not one {client} asked for", key.region);
+        }
         drop(node.unregister(key).await?);
         return Ok("ok".into());
     }

@@ -158,6 +158,11 @@ impl PeerSession {
             ))
         } else if let Some(why) = layout_mismatch(&offer) {
             Some((WireReason::Protocol, why))
+        } else if offer.into.is_some() && (offer.eager || offer.fetch.is_some()) {
+            Some((
+                WireReason::Protocol,
+                "a write into a region is neither eager nor a fetch's answer".to_string(),
+            ))
         } else if !declares(transport, offer.direction)
             || !(carrier.fits(offer.direction, pull.is_some())
                 && (carrier != Carrier::Memory || self.serves_memory.contains(&transport)))
