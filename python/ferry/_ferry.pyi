@@ -211,6 +211,59 @@ class Node:
         self, key: str, *, timeout: Optional[float] = None
     ) -> Awaitable[Optional[Buffer]]:
         """Coroutine twin of ``unpublish``."""
+    def register(self, obj: Sendable, *, writable: bool = False) -> bytes:
+        """Registers ``obj`` as a region peers ``read`` (and, ``writable``, ``write``) until
+        ``unregister``; its 24-byte key, to give the peer. Taken as ``publish`` takes it."""
+    def unregister(self, key: bytes, *, timeout: Optional[float] = None) -> Optional[Buffer]:
+        """Ends a region once no peer reads it; returns what ``unpublish`` would."""
+    def read(
+        self,
+        peer: str,
+        remote: bytes,
+        local: bytes,
+        *,
+        remote_blocks: Optional[List[Tuple[int, int]]] = None,
+        local_blocks: Optional[List[Tuple[int, int]]] = None,
+        notify: Optional[Tuple[int, bytes]] = None,
+        timeout: Optional[float] = None,
+    ) -> str:
+        """Reads blocks of ``peer``'s region into places of ours; the transport's name."""
+    def aread(
+        self,
+        peer: str,
+        remote: bytes,
+        local: bytes,
+        *,
+        remote_blocks: Optional[List[Tuple[int, int]]] = None,
+        local_blocks: Optional[List[Tuple[int, int]]] = None,
+        notify: Optional[Tuple[int, bytes]] = None,
+        timeout: Optional[float] = None,
+    ) -> Awaitable[str]:
+        """Coroutine twin of ``read``."""
+    def write(
+        self,
+        peer: str,
+        local: bytes,
+        remote: bytes,
+        *,
+        local_blocks: Optional[List[Tuple[int, int]]] = None,
+        remote_blocks: Optional[List[Tuple[int, int]]] = None,
+        notify: Optional[Tuple[int, bytes]] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Writes blocks of our region into places of ``peer``'s (registered writable)."""
+    def awrite(
+        self,
+        peer: str,
+        local: bytes,
+        remote: bytes,
+        *,
+        local_blocks: Optional[List[Tuple[int, int]]] = None,
+        remote_blocks: Optional[List[Tuple[int, int]]] = None,
+        notify: Optional[Tuple[int, bytes]] = None,
+        timeout: Optional[float] = None,
+    ) -> Awaitable[None]:
+        """Coroutine twin of ``write``."""
     def publication(self, key: str) -> Optional[PublicationStats]:
         """What ``key`` has served while published here, or ``None``."""
     def published_keys(self) -> List[str]:

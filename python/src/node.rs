@@ -346,10 +346,185 @@ impl Node {
         obj: &Bound<'_, PyAny>,
         peers: Option<Vec<String>>,
     ) -> PyResult<()> {
-        let op = self.core.publish_op(key, obj, peers)?;
+        let op = self
+            .core
+            .publish_op(source::Listing::Key { key, peers }, obj)?;
         let (result, keep) = self.core.block(py, op, OnCancel::Finish)?;
         drop(keep);
-        result.map_err(|e| to_py(&e))
+        result.map(drop).map_err(|e| to_py(&e))
+    }
+
+    /// Registers ``obj`` as a region peers may read (and, with ``writable=True``, write)
+    /// with one-sided ``read`` and ``write``, until ``unregister``; returns its key (24
+    /// bytes: give it to the peer). What is registered is as ``publish`` takes it: a
+    /// ``ferry.Buffer`` as it is (``released`` meanwhile: ``unregister`` gives the buffer
+    /// back, with what peers wrote), a CUDA tensor in place (peers' writes land in the
+    /// tensor; it must not be freed until ``unregister`` returns), other host objects
+    /// copied once into ferry's pool (``unregister`` returns that copy, with what peers
+    /// wrote).
+    ///
+    /// Raises as ``send`` for an object it cannot take.
+    #[pyo3(signature = (obj, *, writable=false))]
+    fn register<'py>(
+        &self,
+        py: Python<'py>,
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let access = if writable {
+            ferry::Access::ReadWrite
+        } else {
+            ferry::Access::ReadOnly
+        };
+        let op = self.core.publish_op(source::Listing::Region(access), obj)?;
+        let (result, keep) = self.core.block(py, op, OnCancel::Finish)?;
+        drop(keep);
+        let key = result
+            .map_err(|e| to_py(&e))?
+            .ok_or_else(|| usage("registering gave no key".to_string()))?;
+        Ok(pyo3::types::PyBytes::new(py, &key.to_bytes()))
+    }
+
+    /// Ends region ``key`` (from ``register``): peers' keys are stale at once, then it
+    /// waits until no peer reads it and returns what ``unpublish`` returns for the object
+    /// registered. ``timeout`` as ``unpublish``'s.
+    #[pyo3(signature = (key, *, timeout=None))]
+    fn unregister(&self, py: Python<'_>, key: &[u8], timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let region = region_key(key)?;
+        let name = source::region_name(&region);
+        let (object, op) = self.core.unpublish_op(py, (name, Some(region)), timeout)?;
+        let out = self.core.block(py, op, OnCancel::Abort)?;
+        finish_unpublish(py, object, out)
+    }
+
+    /// Reads the bytes ``remote_blocks`` names (a list of ``(offset, length)``; the whole
+    /// region when ``None``) of ``peer``'s region ``remote`` (its key) into the places
+    /// ``local_blocks`` names of this node's region ``local``; the two lists may differ in
+    /// shape, their bytes must add up alike. Returns once the bytes are in place here,
+    /// with the transport that carried them (``"ipc"``, ``"tcp"``...). ``notify``, a
+    /// ``(tag, bytes)`` pair, reaches the peer's ``recv`` afterwards.
+    ///
+    /// Raises ``Refused`` with ``reason == "stale_key"`` for a key of the peer's that
+    /// names no region there now; ``UsageError`` for places that do not fit or match, a
+    /// local key not registered here; ``DeadlineExceeded`` after ``timeout`` seconds
+    /// (``None``: the node's default deadline); else as ``fetch``.
+    #[pyo3(signature = (peer, remote, local, *, remote_blocks=None, local_blocks=None, notify=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        remote: &[u8],
+        local: &[u8],
+        remote_blocks: Option<Vec<(u64, u64)>>,
+        local_blocks: Option<Vec<(u64, u64)>>,
+        notify: Option<(u64, Vec<u8>)>,
+        timeout: Option<f64>,
+    ) -> PyResult<String> {
+        let (from, into) = (places(remote, remote_blocks)?, places(local, local_blocks)?);
+        let options = one_sided(notify, timeout)?;
+        let node = self.core.node()?;
+        let op = async move { node.read(&peer, from, into, options).await };
+        let done = self.core.block(py, op, OnCancel::Abort)?;
+        done.map(|t| t.as_str().to_string()).map_err(|e| to_py(&e))
+    }
+
+    /// Coroutine twin of ``read``.
+    #[pyo3(signature = (peer, remote, local, *, remote_blocks=None, local_blocks=None, notify=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn aread<'py>(
+        &self,
+        py: Python<'py>,
+        peer: String,
+        remote: &[u8],
+        local: &[u8],
+        remote_blocks: Option<Vec<(u64, u64)>>,
+        local_blocks: Option<Vec<(u64, u64)>>,
+        notify: Option<(u64, Vec<u8>)>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (from, into) = (places(remote, remote_blocks)?, places(local, local_blocks)?);
+        let options = one_sided(notify, timeout)?;
+        let node = self.core.node()?;
+        let permit = self.core.permit()?;
+        let op = async move {
+            let done = node.read(&peer, from, into, options).await;
+            drop(permit);
+            done
+        };
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Abort,
+            |py, done| {
+                let transport = done.map_err(|e| to_py(&e))?;
+                Ok(PyString::new(py, transport.as_str()).into_any().unbind())
+            },
+            None,
+        )
+    }
+
+    /// Writes the bytes ``local_blocks`` names of this node's region ``local`` into the
+    /// places ``remote_blocks`` names of ``peer``'s region ``remote`` (registered there
+    /// with ``writable=True``); returns once the peer has them in place. ``notify`` as
+    /// ``read``'s. Raises ``Refused`` with ``reason`` ``"stale_key"`` or ``"read_only"``;
+    /// else as ``read``.
+    #[pyo3(signature = (peer, local, remote, *, local_blocks=None, remote_blocks=None, notify=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        local: &[u8],
+        remote: &[u8],
+        local_blocks: Option<Vec<(u64, u64)>>,
+        remote_blocks: Option<Vec<(u64, u64)>>,
+        notify: Option<(u64, Vec<u8>)>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (from, into) = (places(local, local_blocks)?, places(remote, remote_blocks)?);
+        let options = one_sided(notify, timeout)?;
+        let node = self.core.node()?;
+        let op = async move { node.write(&peer, from, into, options).await };
+        let done = self.core.block(py, op, OnCancel::Finish)?;
+        done.map_err(|e| to_py(&e))
+    }
+
+    /// Coroutine twin of ``write``.
+    #[pyo3(signature = (peer, local, remote, *, local_blocks=None, remote_blocks=None, notify=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn awrite<'py>(
+        &self,
+        py: Python<'py>,
+        peer: String,
+        local: &[u8],
+        remote: &[u8],
+        local_blocks: Option<Vec<(u64, u64)>>,
+        remote_blocks: Option<Vec<(u64, u64)>>,
+        notify: Option<(u64, Vec<u8>)>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (from, into) = (places(local, local_blocks)?, places(remote, remote_blocks)?);
+        let options = one_sided(notify, timeout)?;
+        let node = self.core.node()?;
+        let permit = self.core.permit()?;
+        let op = async move {
+            let done = node.write(&peer, from, into, options).await;
+            drop(permit);
+            done
+        };
+        asyncio::spawn(
+            py,
+            &self.core.handle,
+            op,
+            OnCancel::Finish,
+            |py, done| {
+                done.map_err(|e| to_py(&e))?;
+                Ok(py.None())
+            },
+            None,
+        )
     }
 
     /// Ends the publication of ``key``: no new fetch finds it (at once), then waits until
@@ -366,7 +541,7 @@ impl Node {
     /// after the node's own wait (the buffer is then freed once the last reader let go).
     #[pyo3(signature = (key, *, timeout=None))]
     fn unpublish(&self, py: Python<'_>, key: String, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let (object, op) = self.core.unpublish_op(py, key, timeout)?;
+        let (object, op) = self.core.unpublish_op(py, (key, None), timeout)?;
         let out = self.core.block(py, op, OnCancel::Abort)?;
         finish_unpublish(py, object, out)
     }
@@ -384,7 +559,7 @@ impl Node {
         // Before the key is taken out: outside an event loop, nothing happens.
         py.import("asyncio")?.call_method0("get_running_loop")?;
         let permit = self.core.permit()?;
-        let (object, op) = self.core.unpublish_op(py, key, timeout)?;
+        let (object, op) = self.core.unpublish_op(py, (key, None), timeout)?;
         let op = async move {
             let out = op.await;
             drop(permit);
@@ -783,4 +958,39 @@ fn load_config(
         }
     };
     loaded.map_err(|e| to_py(&Error::from(e)))
+}
+
+/// A region key from its 24 bytes.
+fn region_key(key: &[u8]) -> PyResult<ferry::RegionKey> {
+    ferry::RegionKey::from_bytes(key).ok_or_else(|| {
+        usage(format!(
+            "a region key is 24 bytes (from register), not {}",
+            key.len()
+        ))
+    })
+}
+
+/// Places in a region: its key, and `(offset, length)` blocks of it (all of it for `None`).
+fn places(key: &[u8], blocks: Option<Vec<(u64, u64)>>) -> PyResult<ferry::Places> {
+    let region = region_key(key)?;
+    Ok(match blocks {
+        None => ferry::Places::whole(region),
+        Some(blocks) if blocks.is_empty() => {
+            return Err(usage("a block list names at least one block".to_string()));
+        }
+        Some(blocks) => ferry::Places::blocks(region, blocks),
+    })
+}
+
+/// A one-sided operation's options from its keywords.
+fn one_sided(notify: Option<(u64, Vec<u8>)>, timeout: Option<f64>) -> PyResult<ferry::OneSided> {
+    let deadline = match timeout {
+        Some(t) => Some(
+            Instant::now()
+                + Duration::try_from_secs_f64(t.max(0.0))
+                    .map_err(|_| usage(format!("{t} is not a duration in seconds")))?,
+        ),
+        None => None,
+    };
+    Ok(ferry::OneSided { deadline, notify })
 }

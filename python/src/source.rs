@@ -474,10 +474,9 @@ pub(crate) enum Unpublished {
 pub(crate) async fn run_publish(
     node: Arc<ferry::Node>,
     published: Arc<Mutex<HashMap<String, Held>>>,
-    key: String,
-    peers: Option<Vec<String>>,
+    listing: Listing,
     (plan, keep, object): (Plan, Keep, Option<Py<Buffer>>),
-) -> (Result<(), Error>, Keep) {
+) -> (Result<Option<ferry::RegionKey>, Error>, Keep) {
     let (buffer, held, keep) = match (plan, object) {
         (
             Plan::Ferry {
@@ -524,23 +523,33 @@ pub(crate) async fn run_publish(
     };
     let refused = {
         let mut table = published.lock().unwrap_or_else(PoisonError::into_inner);
-        let outcome = match &peers {
-            None => node.publish(key.clone(), buffer),
-            Some(peers) => {
+        let outcome = match &listing {
+            Listing::Key { key, peers: None } => node
+                .publish(key.clone(), buffer)
+                .map(|()| (key.clone(), None)),
+            Listing::Key {
+                key,
+                peers: Some(peers),
+            } => {
                 let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
                 node.publish_for(key.clone(), buffer, &peers)
+                    .map(|()| (key.clone(), None))
             }
+            Listing::Region(access) => node
+                .register(buffer, *access)
+                .map(|region| (region_name(&region), Some(region))),
         };
         match outcome {
-            Ok(()) => {
-                table.insert(key, held);
-                None
+            Ok((name, region)) => {
+                table.insert(name, held);
+                Ok(region)
             }
-            Err(SendError { error, buffer }) => Some((error, buffer, held)),
+            Err(SendError { error, buffer }) => Err((error, buffer, held)),
         }
     };
-    let Some((error, buffer, held)) = refused else {
-        return (Ok(()), keep);
+    let (error, buffer, held) = match refused {
+        Ok(region) => return (Ok(region), keep),
+        Err(refused) => refused,
     };
     // Refused (a bad key, one published already): the buffer comes back.
     match (held, buffer) {
@@ -572,8 +581,12 @@ pub(crate) async fn run_unpublish(
     node: Arc<ferry::Node>,
     key: String,
     held: Held,
+    region: Option<ferry::RegionKey>,
 ) -> Result<Unpublished, Error> {
-    let buffer = node.unpublish(&key).await;
+    let buffer = match region {
+        Some(region) => node.unregister(region).await,
+        None => node.unpublish(&key).await,
+    };
     match (buffer, held) {
         (Ok(buffer), Held::Object(object)) => {
             object.get().state().lock().buffer = Some(buffer);
@@ -595,6 +608,24 @@ pub(crate) async fn run_unpublish(
             Err(e)
         }
     }
+}
+
+/// What a buffer is listed as: published under a key (for some peers), or registered as a
+/// region.
+pub(crate) enum Listing {
+    /// `Node::publish` (or `publish_for` the peers).
+    Key {
+        key: String,
+        peers: Option<Vec<String>>,
+    },
+    /// `Node::register` with this access.
+    Region(ferry::Access),
+}
+
+/// The binding's table key of a region (apart from any application key: those may not
+/// start with `ferry.region/`).
+pub(crate) fn region_name(region: &ferry::RegionKey) -> String {
+    format!("ferry.region/{}.{}", region.region, region.generation)
 }
 
 /// Lets go of a Python object from a thread that may not hold the GIL.

@@ -148,10 +148,11 @@ impl Core {
     /// the buffer and publishes it, which yields what to drop after (with the GIL).
     pub(super) fn publish_op(
         &self,
-        key: String,
+        listing: source::Listing,
         obj: &Bound<'_, PyAny>,
-        peers: Option<Vec<String>>,
-    ) -> PyResult<impl Future<Output = (Result<(), Error>, Keep)> + Send + 'static> {
+    ) -> PyResult<
+        impl Future<Output = (Result<Option<ferry::RegionKey>, Error>, Keep)> + Send + 'static,
+    > {
         let node = self.node()?;
         let object = obj.cast::<Buffer>().ok().map(|b| b.clone().unbind());
         let (plan, keep) = source::plan(obj)?;
@@ -159,8 +160,7 @@ impl Core {
         Ok(source::run_publish(
             node,
             published,
-            key,
-            peers,
+            listing,
             (plan, keep, object),
         ))
     }
@@ -173,7 +173,7 @@ impl Core {
     pub(super) fn unpublish_op(
         &self,
         py: Python<'_>,
-        key: String,
+        (key, region): (String, Option<ferry::RegionKey>),
         timeout: Option<f64>,
     ) -> PyResult<(
         Option<Py<Buffer>>,
@@ -186,12 +186,20 @@ impl Core {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&key)
-            .ok_or_else(|| usage(format!("nothing is published under key {key:?}")))?;
+            .ok_or_else(|| match region {
+                Some(r) => usage(format!(
+                    "region {} is not registered through this Node (or was unregistered)",
+                    r.region
+                )),
+                None => usage(format!("nothing is published under key {key:?}")),
+            })?;
         let object = match &held {
             Held::Object(object) => Some(object.clone_ref(py)),
             _ => None,
         };
-        let task = self.handle.spawn(source::run_unpublish(node, key, held));
+        let task = self
+            .handle
+            .spawn(source::run_unpublish(node, key, held, region));
         let wait = async move {
             // Fails only when the runtime stopped (the node was closed) before it ended.
             let joined = async { task.await.unwrap_or(Err(Error::ShuttingDown)) };
