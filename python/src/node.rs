@@ -361,9 +361,12 @@ impl Node {
     /// back, with what peers wrote), a CUDA tensor in place (peers' writes land in the
     /// tensor; it must not be freed until ``unregister`` returns), other host objects
     /// copied once into ferry's pool (``unregister`` returns that copy, with what peers
-    /// wrote).
+    /// wrote). A ``ferry.Buffer`` registered when the node is closed stays ``released``.
+    /// Interrupted (Ctrl-C), the registration may still complete with its key lost:
+    /// ``close`` ends it.
     ///
-    /// Raises as ``send`` for an object it cannot take.
+    /// Raises as ``send`` for an object it cannot take; ``ShuttingDown`` from ``read`` and
+    /// ``write`` when the node is closed meanwhile.
     #[pyo3(signature = (obj, *, writable=false))]
     fn register<'py>(
         &self,
@@ -424,7 +427,13 @@ impl Node {
         let (from, into) = (places(remote, remote_blocks)?, places(local, local_blocks)?);
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
-        let op = async move { node.read(&peer, from, into, options).await };
+        let mut closing = self.core.closing.subscribe();
+        let op = async move {
+            tokio::select! {
+                done = node.read(&peer, from, into, options) => done,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            }
+        };
         let done = self.core.block(py, op, OnCancel::Abort)?;
         done.map(|t| t.as_str().to_string()).map_err(|e| to_py(&e))
     }
@@ -447,8 +456,12 @@ impl Node {
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
         let permit = self.core.permit()?;
+        let mut closing = self.core.closing.subscribe();
         let op = async move {
-            let done = node.read(&peer, from, into, options).await;
+            let done = tokio::select! {
+                done = node.read(&peer, from, into, options) => done,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            };
             drop(permit);
             done
         };
@@ -486,7 +499,13 @@ impl Node {
         let (from, into) = (places(local, local_blocks)?, places(remote, remote_blocks)?);
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
-        let op = async move { node.write(&peer, from, into, options).await };
+        let mut closing = self.core.closing.subscribe();
+        let op = async move {
+            tokio::select! {
+                done = node.write(&peer, from, into, options) => done,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            }
+        };
         let done = self.core.block(py, op, OnCancel::Finish)?;
         done.map_err(|e| to_py(&e))
     }
@@ -509,8 +528,12 @@ impl Node {
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
         let permit = self.core.permit()?;
+        let mut closing = self.core.closing.subscribe();
         let op = async move {
-            let done = node.write(&peer, from, into, options).await;
+            let done = tokio::select! {
+                done = node.write(&peer, from, into, options) => done,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            };
             drop(permit);
             done
         };

@@ -41,9 +41,12 @@ def test_blocks_are_read_and_written_between_regions(pair):
     a, b = pair
     abuf, adata = pool(a, 1)
     bbuf, bdata = pool(b, 2)
+    # Region ids count from 1 on each node: one more on a, so that the keys differ (a
+    # binding that swapped them would fail).
+    spare = a.register(b"spare")
     akey = a.register(abuf, writable=True)
     bkey = b.register(bbuf, writable=True)
-    assert isinstance(akey, bytes) and len(akey) == 24
+    assert isinstance(akey, bytes) and len(akey) == 24 and akey != bkey
     assert abuf.released
     # b reads scattered pages of a's region into other places of its own.
     there, here = pages([7, 3, 40, 11]), pages([0, 20, 5, 63])
@@ -66,6 +69,7 @@ def test_blocks_are_read_and_written_between_regions(pair):
     for (src, n), (dst, _) in zip(there, here):
         want_b[dst : dst + n] = adata[src : src + n]
     assert np.array_equal(np.frombuffer(bbuf, dtype=np.uint8), want_b)
+    assert a.unregister(spare, timeout=10.0).tobytes() == b"spare"
 
 
 def test_stale_keys_and_read_only_regions_are_refused(pair):

@@ -151,6 +151,7 @@ conformance! {
     fetches_cross_once: Scope::All;
     regions_read_and_write_block_lists: Scope::All;
     one_sided_deadline_then_killed_peer: Scope::All;
+    writes_add_up_past_the_inbound_share: Scope::PerTransportAndDirection;
     order_per_peer_holds_under_mixed_sizes: Scope::All;
     order_holds_under_backpressure: Scope::All;
     dropped_sends_still_arrive: Scope::All;

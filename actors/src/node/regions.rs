@@ -205,6 +205,7 @@ impl Node {
                     self.pause(backoff).await?;
                     backoff = (backoff * 2).min(Duration::from_millis(1));
                 }
+                Err(Error::QueueFull(_)) => return Err(Error::DeadlineExceeded),
                 Err(e) => return Err(e),
             }
         };

@@ -188,6 +188,7 @@ impl TransferActor {
         let completed = Instant::now();
         let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
         self.inbound.writes_placing.insert(id, Arc::clone(&abort));
+        self.session.handle_placing(id);
         let place = {
             let into = into.clone();
             async move {
@@ -199,7 +200,9 @@ impl TransferActor {
         };
         ctx.spawn(place.into_actor(self).map(move |placed, act, ctx| {
             if act.inbound.writes_placing.remove(&id).is_none() {
-                // Abandoned meanwhile: nothing was placed, and nothing is owed.
+                // Abandoned meanwhile: nothing is owed to the peer (if the copy had taken
+                // the region's lock before, its places hold the bytes; if not, nothing
+                // was placed).
                 return act.drive(ctx);
             }
             match placed {

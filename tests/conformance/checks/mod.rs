@@ -26,7 +26,10 @@ pub use failure::{
 };
 pub use fetch::fetches_cross_once;
 pub use memory::full_tier_spills_and_promotes_back;
-pub use regions::{one_sided_deadline_then_killed_peer, regions_read_and_write_block_lists};
+pub use regions::{
+    one_sided_deadline_then_killed_peer, regions_read_and_write_block_lists,
+    writes_add_up_past_the_inbound_share,
+};
 
 /// `len` bytes derived from `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {

@@ -360,3 +360,45 @@ pub async fn one_sided_deadline_then_killed_peer(combo: Combo, _first: bool) {
     drop(back);
     baseline.assert_back(&node, &combo).await;
 }
+
+/// Writes into a region whose bytes add up to several times the far node's share for this
+/// node (`limits.peer_inbound_bytes`, 2 MiB here) all land: a placed write's bytes are
+/// taken at once, not held against the share (they were, and the fifth write waited for
+/// ever).
+pub async fn writes_add_up_past_the_inbound_share(combo: Combo, _first: bool) {
+    let tweaks = Tweaks {
+        limits: vec!["peer_inbound_bytes = \"2 MiB\"".to_string()],
+        ..Tweaks::default()
+    };
+    let pair = Pair::start(&combo, Role::Echo, &tweaks).await;
+    pair.warm_up().await;
+    let baseline = Baseline::take(&pair.node, &combo).await;
+    let node = &pair.node;
+    let len = 512 << 10;
+    let far = far_region(&pair, TAG_REGISTER, &pattern(len, 501)).await;
+    let bytes = pattern(len, 502);
+    let mine = filled(node, combo.src_kind(), &bytes).await;
+    let local = node.register(mine, Access::ReadOnly).expect("register");
+    for i in 0..16 {
+        let written = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            node.write(
+                &pair.peer,
+                Places::whole(local),
+                Places::whole(far),
+                OneSided::default(),
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{combo}: write {i} of 512 KiB did not end"));
+        written.unwrap_or_else(|e| panic!("{combo}: write {i}: {e}"));
+    }
+    assert_same(
+        &combo,
+        "the far region written",
+        &far_bytes(&pair, far).await,
+        &bytes,
+    );
+    drop(node.unregister(local).await.expect("unregister"));
+    baseline.assert_back(node, &combo).await;
+}

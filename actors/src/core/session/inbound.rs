@@ -307,6 +307,15 @@ impl PeerSession {
         }
     }
 
+    /// Inbound transfer `id`'s bytes all arrived and are being placed into a region of
+    /// this node's: nothing more comes over the link, so the stall clock no longer applies
+    /// (the placement ends by its own deadline).
+    pub fn handle_placing(&mut self, id: InboundId) {
+        if let Some(op) = self.inbound.get_mut(&id) {
+            op.stalls = false;
+        }
+    }
+
     /// Where inbound transfer `id` writes, when it is a one-sided write into one of this
     /// node's regions (the shell places its bytes there before it completes it).
     pub fn inbound_into(&self, id: InboundId) -> Option<&ferry_transports::wire::RegionWrite> {
