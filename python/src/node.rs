@@ -427,13 +427,9 @@ impl Node {
         let (from, into) = (places(remote, remote_blocks)?, places(local, local_blocks)?);
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
-        let mut closing = self.core.closing.subscribe();
-        let op = async move {
-            tokio::select! {
-                done = node.read(&peer, from, into, options) => done,
-                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
-            }
-        };
+        let op = self
+            .core
+            .until_closed(async move { node.read(&peer, from, into, options).await });
         let done = self.core.block(py, op, OnCancel::Abort)?;
         done.map(|t| t.as_str().to_string()).map_err(|e| to_py(&e))
     }
@@ -456,12 +452,11 @@ impl Node {
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
         let permit = self.core.permit()?;
-        let mut closing = self.core.closing.subscribe();
+        let done = self
+            .core
+            .until_closed(async move { node.read(&peer, from, into, options).await });
         let op = async move {
-            let done = tokio::select! {
-                done = node.read(&peer, from, into, options) => done,
-                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
-            };
+            let done = done.await;
             drop(permit);
             done
         };
@@ -499,13 +494,9 @@ impl Node {
         let (from, into) = (places(local, local_blocks)?, places(remote, remote_blocks)?);
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
-        let mut closing = self.core.closing.subscribe();
-        let op = async move {
-            tokio::select! {
-                done = node.write(&peer, from, into, options) => done,
-                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
-            }
-        };
+        let op = self
+            .core
+            .until_closed(async move { node.write(&peer, from, into, options).await });
         let done = self.core.block(py, op, OnCancel::Finish)?;
         done.map_err(|e| to_py(&e))
     }
@@ -528,12 +519,11 @@ impl Node {
         let options = one_sided(notify, timeout)?;
         let node = self.core.node()?;
         let permit = self.core.permit()?;
-        let mut closing = self.core.closing.subscribe();
+        let done = self
+            .core
+            .until_closed(async move { node.write(&peer, from, into, options).await });
         let op = async move {
-            let done = tokio::select! {
-                done = node.write(&peer, from, into, options) => done,
-                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
-            };
+            let done = done.await;
             drop(permit);
             done
         };

@@ -204,12 +204,14 @@ impl Publications {
                 // A small host copy is made here, if the lock is free: a thread's hop would
                 // cost more than the copy.
                 let copy = std::time::Instant::now();
-                let inline = (packed.len() <= INLINE_HOST_COPY
-                    && packed.kind() == MemoryKind::Host)
+                let small = packed.len() <= INLINE_HOST_COPY && packed.kind() == MemoryKind::Host;
+                let inline = small
                     .then(|| try_write(&target.buffer))
                     .flatten()
                     .filter(|buffer| buffer.kind() == MemoryKind::Host)
                     .map(|buffer| place(&target, buffer, &packed, layout, abort.as_deref()));
+                // Placed here (not on a blocking thread): said by the trace.
+                let here = inline.is_some();
                 let placed_now = match inline {
                     Some(done) => done,
                     None => {
@@ -232,14 +234,7 @@ impl Publications {
                 };
                 match placed_now {
                     Ok(()) => {
-                        placed(
-                            if inline_kind(&packed) {
-                                "inline"
-                            } else {
-                                "blocking"
-                            },
-                            copy,
-                        );
+                        placed(if here { "inline" } else { "blocking" }, copy);
                         return Ok(packed);
                     }
                     // A handle came out meanwhile: waited for as a read.
@@ -263,11 +258,6 @@ impl Publications {
             let _ = tokio::time::timeout_at(tick.min(until), ended).await;
         }
     }
-}
-
-/// Whether a placement of `packed` may be made on the calling thread (for the trace).
-fn inline_kind(packed: &Buffer) -> bool {
-    packed.len() <= INLINE_HOST_COPY && packed.kind() == MemoryKind::Host
 }
 
 /// Why bytes were not placed in a region this time.

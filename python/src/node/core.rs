@@ -69,6 +69,23 @@ impl Core {
         }
     }
 
+    /// `op`, ended with `ShuttingDown` when the node is closed first.
+    pub(super) fn until_closed<T, F>(
+        &self,
+        op: F,
+    ) -> impl Future<Output = Result<T, Error>> + use<T, F>
+    where
+        F: Future<Output = Result<T, Error>>,
+    {
+        let mut closing = self.closing.subscribe();
+        async move {
+            tokio::select! {
+                done = op => done,
+                _ = closing.wait_for(|closed| *closed) => Err(Error::ShuttingDown),
+            }
+        }
+    }
+
     /// A permit for one more asynchronous operation, or `QueueFull`.
     pub(super) fn permit(&self) -> PyResult<OwnedSemaphorePermit> {
         Arc::clone(&self.pending).try_acquire_owned().map_err(|_| {
